@@ -1,0 +1,75 @@
+"""The `meshd` command.
+
+Subcommands live in their own modules and are imported only when chosen, so `meshd --help`
+stays fast and a benchmark's heavy imports (torch, aioquic, transformers) load only for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# name -> (module, help). Each module exposes `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "version": ("meshd.cli.version", "print the version"),
+}
+
+# `meshd bench NAME`: name -> (module, help), same module contract as COMMANDS.
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def _load(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]:
+    mod = importlib.import_module(module)
+    return mod.add_arguments, mod.run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the full argument parser (imports each chosen subcommand lazily)."""
+    parser = argparse.ArgumentParser(prog="meshd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+    bench = sub.add_parser("bench", help="run a benchmark (side by side, ratios reported)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        p = bench_sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `meshd` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Parse once to find the subcommand, then let it add its own arguments and parse again.
+    known, _ = parser.parse_known_args(argv)
+    module = getattr(known, "_module", None)
+    if module is None:
+        parser.print_help()
+        return 2
+    add_arguments, run = _load(module)
+    # Rebuild with the chosen subcommand's arguments attached.
+    parser = build_parser()
+    target = _find_subparser(parser, argv)
+    add_arguments(target)
+    args = parser.parse_args(argv)
+    return int(run(args) or 0)
+
+
+def _find_subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    current = parser
+    for token in argv:
+        actions = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions:
+            break
+        choices = actions[0].choices
+        if token in choices:
+            current = choices[token]
+    return current
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
