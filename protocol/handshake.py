@@ -19,6 +19,7 @@ Outcomes, by the package's error contract:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import hmac
 from collections import OrderedDict
@@ -65,7 +66,7 @@ MessageBytes = Annotated[int, msgspec.Meta(ge=1, le=MAX_MESSAGE_BYTES_LIMIT)]
 class HelloPayload(msgspec.Struct, frozen=True):
     """Message 1 payload: what the initiator speaks. One-letter wire names keep it small."""
 
-    timestamp_ns: Annotated[int, msgspec.Meta(ge=0, lt=2**64)] = msgspec.field(name="t")
+    timestamp_ns: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = msgspec.field(name="t")
     versions: Annotated[list[Version], msgspec.Meta(min_length=1, max_length=MAX_VERSIONS)] = (
         msgspec.field(name="v")
     )
@@ -244,8 +245,8 @@ class Initiator:
     ) -> None:
         _check_lane_id(local_lane_id)
         _check_offer(versions, capabilities, max_message_bytes)
-        if not 0 <= now_wall_ns < 2**64:
-            raise LocalProtocolError("now_wall_ns must be a u64 of nanoseconds since the epoch")
+        if not 0 <= now_wall_ns < 2**63:
+            raise LocalProtocolError("now_wall_ns must be nanoseconds since the epoch, in 0..2^63")
         if len(static_private) != noise.DHLEN or len(remote_static) != noise.DHLEN:
             raise LocalProtocolError("X25519 keys are 32 bytes")
         self._local_lane_id = local_lane_id
@@ -293,9 +294,10 @@ class Initiator:
             raise RemoteProtocolError("response for another lane")
         _check_mac1(self._static_public, datagram)
         sender_lane_id = int.from_bytes(datagram[6:10], "big")
-        plaintext = self._noise.read_message(datagram[RESPONSE_HEADER_BYTES:-MAC_BYTES])
-        # From here the bytes are authenticated: a bad payload means a broken or hostile peer,
-        # and this attempt is over (further responses are refused as duplicates).
+        # Work on a copy and keep it only if everything checks out, so that no forged or
+        # altered response (e.g. a re-sealed copy with another lane id) ends this attempt.
+        attempt = copy.deepcopy(self._noise)
+        plaintext = attempt.read_message(datagram[RESPONSE_HEADER_BYTES:-MAC_BYTES])
         try:
             reply = _RESPONSE_DECODER.decode(plaintext)
         except msgspec.DecodeError as exc:
@@ -306,7 +308,8 @@ class Initiator:
             raise RemoteProtocolError("peer chose a version we did not offer")
         if not self._capabilities.issuperset(reply.capabilities):
             raise RemoteProtocolError("peer chose a capability we did not offer")
-        send_key, recv_key = self._noise.split()
+        self._noise = attempt
+        send_key, recv_key = attempt.split()
         return HandshakeResult(
             send_key=send_key,
             recv_key=recv_key,
@@ -315,7 +318,7 @@ class Initiator:
             version=reply.version,
             capabilities=tuple(sorted(set(reply.capabilities))),
             max_message_bytes=min(reply.max_message_bytes, self._max_message_bytes),
-            handshake_hash=self._noise.handshake_hash,
+            handshake_hash=attempt.handshake_hash,
         )
 
     def handle_refusal(self, datagram: bytes) -> VersionRefused:
