@@ -1,0 +1,263 @@
+"""`StageModel`: a contiguous layer range of a checkpoint, serving many sessions.
+
+The first stage also holds the embedding; the last stage holds the final norm, the head and the
+MTP depths (plus the embedding, which MTP and tied heads share). Hidden states crossing a stage
+boundary are the residual stream before the final norm, so splitting a model into any number of
+stages computes exactly what the unsplit model computes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.config import ModelConfig
+from meshd.model.device import pick_device
+from meshd.model.errors import InvalidInput
+from meshd.model.kvcache import KVCache, KVGroup, KVLayout
+from meshd.model.llama import (
+    AttnSpan,
+    DecoderLayer,
+    RMSNorm,
+    Rotary,
+    assign_parameters,
+    decoder_layer_shapes,
+    fuse_layer_weights,
+)
+from meshd.model.mtp import MtpModule, mtp_shapes
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """Residual stream after this stage `[T, hidden]`; logits `[T', vocab]` on the last stage."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class MtpOutput:
+    """One MTP depth's hidden state `[T, hidden]` (feeds the next depth) and fp32 logits."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+def layer_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one decoder layer's weights when loaded as `dtype` (for the planner)."""
+    elements = sum(math.prod(s) for s in decoder_layer_shapes(config).values())
+    return elements * _itemsize(dtype)
+
+
+def kv_bytes_per_token(config: ModelConfig, n_layers: int, dtype: torch.dtype) -> int:
+    """KV-cache bytes per position for `n_layers` layers (count MTP depths as layers)."""
+    return 2 * n_layers * config.num_kv_heads * config.head_dim * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class StageModel:
+    """Layers `[layer_start, layer_end)` of a model, with a positional KV cache per session."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        layer_start: int,
+        layer_end: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_budget_bytes: int | None,
+    ) -> None:
+        config = checkpoint.config
+        if not 0 <= layer_start < layer_end <= config.num_layers:
+            raise ValueError(
+                f"layer range [{layer_start}, {layer_end}) is not within the model's "
+                f"{config.num_layers} layers"
+            )
+        self.config = config
+        self.model_id = checkpoint.model_id
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == config.num_layers
+        self.device, self.dtype = device, dtype
+        self.bytes_per_layer = layer_bytes(config, dtype)
+        self._layer_windows = [config.window_for_layer(i) for i in range(layer_start, layer_end)]
+        self._windows = sorted(set(self._layer_windows), key=lambda w: -1 if w is None else w)
+        self._rotary = Rotary(config, device, dtype)
+        n_mtp = config.num_mtp_layers if self.is_last else 0
+        layout = KVLayout(
+            layer_end - layer_start, n_mtp, config.num_kv_heads, config.head_dim, dtype
+        )
+        self.kv = KVCache(layout, device, kv_budget_bytes)
+        self.kv_bytes_per_token = layout.bytes_per_token
+        self._load_weights(checkpoint, n_mtp)
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: Checkpoint,
+        layer_start: int,
+        layer_end: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        kv_budget_bytes: int | None = None,
+    ) -> StageModel:
+        """Materialise only this stage's weights on `device` (auto-picked when None)."""
+        return cls(checkpoint, layer_start, layer_end, pick_device(device), dtype, kv_budget_bytes)
+
+    def _fetch(
+        self, checkpoint: Checkpoint, prefix: str, names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        loaded = checkpoint.load(prefix + name for name in names)
+        return {
+            name[len(prefix) :]: t.to(device=self.device, dtype=self.dtype) for name, t in loaded
+        }
+
+    def _load_weights(self, checkpoint: Checkpoint, n_mtp: int) -> None:
+        config = self.config
+        layer_names = list(decoder_layer_shapes(config))
+        self.layers: list[DecoderLayer] = []
+        for i in range(self.layer_start, self.layer_end):
+            with torch.device("meta"):
+                layer = DecoderLayer(config)
+            weights = self._fetch(checkpoint, f"model.layers.{i}.", layer_names)
+            assign_parameters(layer, fuse_layer_weights(weights))
+            self.layers.append(layer)
+        needs_embed = self.is_first or (self.is_last and (config.tie_word_embeddings or n_mtp > 0))
+        self._embed = (
+            self._fetch(checkpoint, "model.", ["embed_tokens.weight"])["embed_tokens.weight"]
+            if needs_embed
+            else None
+        )
+        self.norm: RMSNorm | None = None
+        self._head: torch.Tensor | None = None
+        self.mtp: list[MtpModule] = []
+        if not self.is_last:
+            return
+        with torch.device("meta"):
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        assign_parameters(self.norm, self._fetch(checkpoint, "model.norm.", ["weight"]))
+        if config.tie_word_embeddings:
+            self._head = self._embed
+        else:
+            self._head = self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
+        for k in range(n_mtp):
+            with torch.device("meta"):
+                module = MtpModule(config)
+            weights = self._fetch(checkpoint, f"mtp.{k}.", list(mtp_shapes(config)))
+            assign_parameters(module, _fuse_mtp(weights))
+            self.mtp.append(module)
+
+    def open_session(self, session_id: str, max_positions: int) -> None:
+        """Allocate KV for a session (`KVBudgetExceeded` past the budget)."""
+        self.kv.open(session_id, max_positions)
+
+    def close_session(self, session_id: str) -> None:
+        """Free a session's KV (no-op if it is not open)."""
+        self.kv.close(session_id)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        session_id: str,
+        base_pos: int,
+        inputs: torch.Tensor,
+        *,
+        logits_last_n: int | None = None,
+    ) -> StageOutput:
+        """Run positions `base_pos .. base_pos+T-1` through this stage.
+
+        `inputs` are token ids `[T]` on the first stage and hidden states `[T, hidden]`
+        otherwise. The last stage also returns fp32 logits, for all T positions or only for the
+        last `logits_last_n` (a prefill chunk needs just one row).
+        """
+        group = self.kv.get(session_id).main
+        x = self._embed_tokens(inputs) if self.is_first else self._hidden_input(inputs)
+        length = x.shape[0]
+        group.check_window(session_id, base_pos, length, "stage")
+        rope = self._rotary.cos_sin(base_pos, length)
+        spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
+        for layer, cache, window in zip(
+            self.layers, group.layers, self._layer_windows, strict=True
+        ):
+            x = layer(x, rope, cache, spans[window])
+        group.valid_len = base_pos + length
+        if self.norm is None:
+            return StageOutput(x, None)
+        last = x if logits_last_n is None else x[-logits_last_n:]
+        return StageOutput(x, self._logits(self.norm(last)))
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self,
+        session_id: str,
+        depth: int,
+        base_pos: int,
+        prev_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+    ) -> MtpOutput:
+        """Run MTP depth `depth` (1-based) at positions `base_pos .. base_pos+T-1`.
+
+        `prev_hidden[j]` is h_prev at position base_pos+j (the main model's residual output for
+        depth 1, depth-1's `hidden` otherwise) and `next_tokens[j]` is t[base_pos+j+depth].
+        The logits at row j predict t[base_pos+j+depth+1].
+        """
+        if not 1 <= depth <= len(self.mtp):
+            raise InvalidInput(
+                f"MTP depth {depth} requested; this stage has {len(self.mtp)} MTP depths"
+                + ("" if self.is_last else " (MTP runs on the last stage only)")
+            )
+        group: KVGroup = self.kv.get(session_id).mtp[depth - 1]
+        embeds = self._embed_tokens(next_tokens)
+        hidden = self._hidden_input(prev_hidden)
+        length = embeds.shape[0]
+        if hidden.shape[0] != length:
+            raise InvalidInput(f"MTP: {hidden.shape[0]} hidden states but {length} next tokens")
+        group.check_window(session_id, base_pos, length, f"MTP depth {depth}")
+        rope = self._rotary.cos_sin(base_pos, length)
+        span = AttnSpan.build(base_pos, length, None, self.device)
+        module = self.mtp[depth - 1]
+        h = module(embeds, hidden, rope, group.layers[0], span)
+        group.valid_len = base_pos + length
+        return MtpOutput(h, self._logits(module.norm(h)))
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        assert self._head is not None
+        return F.linear(normed, self._head).float()
+
+    def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._embed is None:
+            raise InvalidInput("this stage has no embedding: it takes hidden states, not tokens")
+        if tokens.dim() != 1 or tokens.dtype not in (torch.int64, torch.int32) or not len(tokens):
+            raise InvalidInput(
+                f"expected token ids as a non-empty 1-D integer tensor, got {tokens.dtype} "
+                f"{list(tokens.shape)}"
+            )
+        tokens = tokens.to(self.device)
+        if bool(((tokens < 0) | (tokens >= self.config.vocab_size)).any()):
+            raise InvalidInput(f"token id outside the vocabulary [0, {self.config.vocab_size})")
+        return F.embedding(tokens, self._embed)
+
+    def _hidden_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size or not len(hidden):
+            raise InvalidInput(
+                f"expected hidden states [T, {self.config.hidden_size}], got {list(hidden.shape)}"
+            )
+        if not hidden.is_floating_point():
+            raise InvalidInput(f"hidden states must be floating point, got {hidden.dtype}")
+        return hidden.to(device=self.device, dtype=self.dtype)
+
+
+def _fuse_mtp(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    block = {k[len("block.") :]: t for k, t in weights.items() if k.startswith("block.")}
+    fused = {f"block.{k}": t for k, t in fuse_layer_weights(block).items()}
+    fused |= {k: t for k, t in weights.items() if not k.startswith("block.")}
+    return fused
