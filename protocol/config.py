@@ -7,6 +7,7 @@ import itertools
 import msgspec
 
 from protocol.errors import LocalProtocolError
+from protocol.stream import INITIAL_MAX_DATA_BYTES, INITIAL_MAX_STREAM_DATA_BYTES
 
 MiB = 1024 * 1024
 
@@ -103,8 +104,11 @@ class LaneConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in at_least_one:
             if getattr(self, name) < 1:
                 raise LocalProtocolError(f"LaneConfig.{name} must be at least 1")
-        if self.initial_max_stream_data_bytes < 4096 or self.initial_max_data_bytes < 4096:
-            raise LocalProtocolError("LaneConfig flow control windows must be at least 4096 bytes")
+        if (
+            self.initial_max_stream_data_bytes < INITIAL_MAX_STREAM_DATA_BYTES
+            or self.initial_max_data_bytes < INITIAL_MAX_DATA_BYTES
+        ):
+            raise LocalProtocolError("LaneConfig flow control windows below the protocol floor")
         if not 0 <= self.max_stream_id < 2**32:
             raise LocalProtocolError("LaneConfig.max_stream_id must fit in a u32")
         if not 64 <= self.replay_window_packets <= 1 << 20:

@@ -39,8 +39,8 @@ MAX_OFFSET = 2**62 - 1
 # Close error codes.
 CLOSE_NO_ERROR = 0
 CLOSE_PROTOCOL_ERROR = 1
-CLOSE_MESSAGE_TOO_LARGE = 2
-CLOSE_FLOW_CONTROL_ERROR = 3
+# MAX_STREAM_DATA for this stream id sets the credit of every stream (see docs/protocol.md).
+ALL_STREAMS = 0xFFFFFFFF
 
 _ACK_HEAD = struct.Struct(">BIH")
 _ACK_RANGE = struct.Struct(">QQ")

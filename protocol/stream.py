@@ -20,6 +20,11 @@ MESSAGE_HEADER_BYTES = MESSAGE_HEADER.size
 
 Piece = bytes | memoryview
 
+# Credit every sender may assume before the first MAX_DATA / MAX_STREAM_DATA arrives; a
+# receiver never grants less. Larger windows are announced right after the handshake.
+INITIAL_MAX_DATA_BYTES = 1024 * 1024
+INITIAL_MAX_STREAM_DATA_BYTES = 256 * 1024
+
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
@@ -141,9 +146,11 @@ class SendStream:
         self._queued_bytes -= n
         return chunk
 
-    def on_acked(self, chunk: StreamChunk) -> None:
-        """The peer acknowledged a chunk."""
-        self._acked_bytes += self._acked.add(chunk.offset, chunk.offset + chunk.length)
+    def on_acked(self, chunk: StreamChunk) -> int:
+        """The peer acknowledged a chunk; returns how many bytes that newly acknowledged."""
+        new = self._acked.add(chunk.offset, chunk.offset + chunk.length)
+        self._acked_bytes += new
+        return new
 
     def on_lost(self, chunk: StreamChunk) -> None:
         """A chunk's packet was lost: resend it unless another copy was acked meanwhile."""
