@@ -1,0 +1,541 @@
+#!/usr/bin/env python3
+"""Train meshd's built-in code model (Llama + DeepSeek-V3-style MTP heads) on CPU.
+
+The corpus is the running interpreter's standard library source. The result is an ordinary
+Hugging Face directory (config.json, model.safetensors, tokenizer files) plus `mtp.*` tensors
+that `LlamaForCausalLM.from_pretrained` ignores and meshd's runtime uses as draft heads.
+
+    python scripts/train_builtin.py --out meshd/model/builtin
+    python scripts/train_builtin.py --tiny --out /tmp/tiny   # seconds; used by the tests
+
+Everything is seeded: the corpus order, the tokenizer, the init and the batch order (drawn
+per step from `seed` and the step number, so a resumed run sees the same batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+from torch.nn import functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+EOT = "<|endoftext|>"
+END = "<|end|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (EOT, *ROLE_TOKENS, END)
+# Roles are written as their special token; each turn ends with <|end|> so a chat reply stops
+# on a single token that code never contains.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every number that shapes the run; written verbatim into training_info.json."""
+
+    seed: int = 1234
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    context_tokens: int = 256
+    mtp_depths: int = 2
+    mtp_loss_weight: float = 0.5
+    batch_sequences: int = 32
+    steps: int = 600
+    warmup_steps: int = 50
+    lr_peak: float = 2.5e-3
+    lr_final_fraction: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip_norm: float = 1.0
+    heldout_per_mille: int = 25
+    chat_fraction_of_bytes: float = 0.12
+    max_file_bytes: int = 200_000
+    max_files: int = 0  # 0 = whole corpus; the tiny test run uses a handful
+    threads: int = 2
+    bf16_autocast: bool = True
+    log_every_steps: int = 10
+    checkpoint_every_steps: int = 50
+
+
+TINY = TrainConfig(
+    vocab_size=320,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    context_tokens=32,
+    batch_sequences=4,
+    steps=3,
+    warmup_steps=1,
+    max_files=6,
+    log_every_steps=1,
+    checkpoint_every_steps=0,
+)
+
+
+# ---------------------------------------------------------------- corpus
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: list[tuple[str, str]]
+    heldout: list[tuple[str, str]]
+    sha256: str
+    stdlib: str
+
+
+def is_heldout(relpath: str, per_mille: int) -> bool:
+    """Stable split by file: the first 4 bytes of sha256(relative path) mod 1000."""
+    digest = hashlib.sha256(relpath.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 1000 < per_mille
+
+
+def load_corpus(cfg: TrainConfig) -> Corpus:
+    """Read the stdlib `*.py` files, minus tests, site-packages and generated tables."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[tuple[str, str]] = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if EXCLUDED_DIRS.intersection(rel.split("/")[:-1]):
+            continue
+        if path.stat().st_size > cfg.max_file_bytes:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        # Codec tables (encodings/cp*.py) and similar are machine output, not code to learn.
+        if "generated" in text[:400].lower():
+            continue
+        files.append((rel, text))
+    if cfg.max_files:
+        files = files[: cfg.max_files]
+    h = hashlib.sha256()
+    for rel, text in files:
+        h.update(rel.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
+    train = [f for f in files if not is_heldout(f[0], cfg.heldout_per_mille)]
+    heldout = [f for f in files if is_heldout(f[0], cfg.heldout_per_mille)]
+    return Corpus(train, heldout, h.hexdigest(), str(root))
+
+
+def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """The chat template in plain Python (identical output to CHAT_TEMPLATE)."""
+    text = "".join(f"<|{m['role']}|>\n{m['content']}{END}\n" for m in messages)
+    return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def chat_samples(source: str) -> Iterator[str]:
+    """Turn each documented function into a chat exchange (two alternating task kinds)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or len(node.body) < 2 or node.end_lineno is None:
+            continue
+        func = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+        func = _dedent(func)
+        if len(func) > 2000:
+            continue
+        body_start = node.body[1].lineno - 1
+        head = _dedent("\n".join(lines[node.lineno - 1 : body_start]))
+        body = func[len(head) :].lstrip("\n")
+        if node.lineno % 2:
+            user = f"Complete this Python function:\n```python\n{head}\n```"
+            reply = f"```python\n{body}\n```"
+        else:
+            user = f"Write a Python function `{node.name}` that does this:\n{doc}"
+            reply = f"```python\n{func}\n```"
+        system = [{"role": "system", "content": "You are a helpful Python coding assistant."}]
+        convo = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        yield render_chat((system if node.lineno % 3 == 0 else []) + convo)
+
+
+def _dedent(text: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(text).rstrip()
+
+
+def build_documents(corpus: Corpus, cfg: TrainConfig) -> list[str]:
+    """Plain files plus a seeded sample of chat exchanges, in a seeded order."""
+    rng = random.Random(cfg.seed)
+    docs = [text for _, text in corpus.train]
+    chats = [c for _, text in corpus.train for c in chat_samples(text)]
+    rng.shuffle(chats)
+    budget = cfg.chat_fraction_of_bytes * sum(map(len, docs))
+    for chat in chats:
+        if budget <= 0:
+            break
+        docs.append(chat)
+        budget -= len(chat)
+    rng.shuffle(docs)
+    return docs
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with the chat specials reserved as ids 0..4."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    return tok
+
+
+def encode_stream(tok: Tokenizer, docs: list[str]) -> torch.Tensor:
+    """One long token stream; each document is preceded by <|endoftext|>."""
+    eot = tok.token_to_id(EOT)
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs):
+        ids.append(eot)
+        ids.extend(enc.ids)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- model
+
+
+class MTPLayer(nn.Module):
+    """One DeepSeek-V3 MTP depth; attribute names are the checkpoint contract (mtp.{k}.*)."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.enorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.hnorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = LlamaDecoderLayer(config, layer_idx)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+
+    def forward(
+        self, tok_embeds: torch.Tensor, h_prev: torch.Tensor, rope: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """Return this depth's pre-norm hidden state (the next depth's h_prev)."""
+        x = self.eh_proj(torch.cat([self.enorm(tok_embeds), self.hnorm(h_prev)], dim=-1))
+        # attention_mask=None makes transformers' sdpa path causal over the depth's sequence.
+        return self.block(x, attention_mask=None, position_embeddings=rope)
+
+
+class BuiltinModel(nn.Module):
+    """LlamaForCausalLM plus `mtp` draft depths sharing its embedding and lm_head."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.lm = LlamaForCausalLM(config)
+        depths = config.num_nextn_predict_layers
+        layers = config.num_hidden_layers
+        self.mtp = nn.ModuleList(MTPLayer(config, layers + k) for k in range(depths))
+
+    def trunk(self, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Main model's last-layer residual output (before the final norm) and the RoPE."""
+        m = self.lm.model
+        h = m.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        rope = m.rotary_emb(h, position_ids=pos)
+        for layer in m.layers:
+            h = layer(h, attention_mask=None, position_embeddings=rope)
+        return h, rope
+
+    def logits(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return self.lm.lm_head(norm(h))
+
+    def forward(self, seq: torch.Tensor) -> list[torch.Tensor]:
+        """Logits for the main head and each MTP depth over T = len(seq) - 1 - D positions.
+
+        Main position i predicts seq[i+1]; depth k+1 at position i sees seq[i+k+1] and
+        predicts seq[i+k+2].
+        """
+        depths = len(self.mtp)
+        t = seq.shape[1] - 1 - depths
+        h, rope = self.trunk(seq[:, :t])
+        out = [self.logits(h, self.lm.model.norm)]
+        embed = self.lm.model.embed_tokens
+        for k, layer in enumerate(self.mtp):
+            h = layer(embed(seq[:, k + 1 : k + 1 + t]), h, rope)
+            out.append(self.logits(h, layer.norm))
+        return out
+
+
+def llama_config(cfg: TrainConfig, tok: Tokenizer) -> LlamaConfig:
+    eot = tok.token_to_id(EOT)
+    return LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.context_tokens,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=[eot, tok.token_to_id(END)],
+        pad_token_id=eot,
+        num_nextn_predict_layers=cfg.mtp_depths,
+        attn_implementation="sdpa",
+    )
+
+
+def losses(model: BuiltinModel, seq: torch.Tensor) -> list[torch.Tensor]:
+    """Mean cross-entropy of the main head, then of each MTP depth."""
+    t = seq.shape[1] - 1 - len(model.mtp)
+    return [
+        F.cross_entropy(lg.flatten(0, 1).float(), seq[:, d + 1 : d + 1 + t].flatten().long())
+        for d, lg in enumerate(model(seq))
+    ]
+
+
+# ---------------------------------------------------------------- training
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to lr_final_fraction of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr_peak * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr_final_fraction
+    return cfg.lr_peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_at(stream: torch.Tensor, step: int, cfg: TrainConfig) -> torch.Tensor:
+    """The step's batch of windows, a pure function of (seed, step)."""
+    span = cfg.context_tokens + 1 + cfg.mtp_depths
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(stream) - span, (cfg.batch_sequences,), generator=gen)
+    return torch.stack([stream[s : s + span] for s in starts.tolist()]).long()
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    # No decay on norms (1-D gains); embedding and matrices decay.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr_peak, betas=(0.9, 0.95), eps=1e-8)
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    elapsed_s: float = 0.0
+    last_losses: tuple[float, ...] = ()
+
+
+def train(
+    cfg: TrainConfig, out: Path, checkpoint: Path | None = None, quiet: bool = False
+) -> dict[str, object]:
+    """Build corpus, tokenizer and model, train, and write the HF directory to `out`."""
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    t0 = time.monotonic()
+    corpus = load_corpus(cfg)
+    docs = build_documents(corpus, cfg)
+    tok = train_tokenizer(docs, cfg.vocab_size)
+    stream = encode_stream(tok, docs)
+    prep_s = time.monotonic() - t0
+    log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    log(
+        f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out files, "
+        f"{len(docs)} docs, {len(stream)} tokens, prep {prep_s:.1f}s"
+    )
+
+    config = llama_config(cfg, tok)
+    torch.manual_seed(cfg.seed)
+    model = BuiltinModel(config)
+    opt = make_optimizer(model, cfg)
+    state = RunState()
+    if checkpoint is not None and checkpoint.exists():
+        saved = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        log(f"resumed from {checkpoint} at step {state.step}")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(
+        f"params: {n_params / 1e6:.2f} M (main {sum(p.numel() for p in model.lm.parameters()) / 1e6:.2f} M)"
+    )
+
+    model.train()
+    tokens_per_step = cfg.batch_sequences * cfg.context_tokens
+    t_run = time.monotonic()
+    start_step = state.step
+    while state.step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(state.step, cfg)
+        seq = batch_at(stream, state.step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            parts = losses(model, seq)
+        loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+        opt.step()
+        state.step += 1
+        state.last_losses = tuple(round(p.item(), 4) for p in parts)
+        run_s = time.monotonic() - t_run
+        if state.step % cfg.log_every_steps == 0 or state.step == cfg.steps:
+            done = state.step - start_step
+            tps = done * tokens_per_step / run_s
+            eta = (cfg.steps - state.step) * run_s / done
+            log(
+                f"step {state.step}/{cfg.steps} loss {' '.join(map(str, state.last_losses))} "
+                f"lr {lr_at(state.step - 1, cfg):.2e} {tps:.0f} tok/s eta {eta / 60:.1f} min"
+            )
+        if (
+            checkpoint is not None
+            and cfg.checkpoint_every_steps
+            and (state.step % cfg.checkpoint_every_steps == 0)
+        ):
+            state.elapsed_s = time.monotonic() - t_run
+            blob = {"model": model.state_dict(), "opt": opt.state_dict(), "state": state}
+            torch.save(blob, checkpoint)
+
+    train_s = time.monotonic() - t_run
+    info: dict[str, object] = {
+        "python": sys.version,
+        "stdlib": corpus.stdlib,
+        "corpus_sha256": corpus.sha256,
+        "corpus_files": {"train": len(corpus.train), "heldout": len(corpus.heldout)},
+        "heldout_files": [rel for rel, _ in corpus.heldout],
+        "train_documents": len(docs),
+        "train_stream_tokens": len(stream),
+        "tokens_seen": cfg.steps * tokens_per_step,
+        "hyperparameters": dataclasses.asdict(cfg),
+        "parameters": n_params,
+        "train_seconds_this_process": round(train_s, 1),
+        "final_train_losses": {
+            "main": state.last_losses[0],
+            **{f"mtp_depth_{d}": x for d, x in enumerate(state.last_losses[1:], start=1)},
+        },
+        "torch": torch.__version__,
+    }
+    save_directory(model, tok, config, out, info)
+    log(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
+    return info
+
+
+# ---------------------------------------------------------------- export
+
+
+def export_state_dict(model: BuiltinModel) -> dict[str, torch.Tensor]:
+    """HF names for the main model (lm_head omitted: tied) plus mtp.{k}.*, in bf16."""
+    tensors = {k: v for k, v in model.lm.state_dict().items() if k != "lm_head.weight"}
+    tensors |= {f"mtp.{k}": v for k, v in model.mtp.state_dict().items()}
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sorted(tensors.items())}
+
+
+def save_directory(
+    model: BuiltinModel, tok: Tokenizer, config: LlamaConfig, out: Path, info: dict[str, object]
+) -> None:
+    """Write the HF directory: weights, config, tokenizer, generation config, training info."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(export_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg_dict = config.to_dict()
+    cfg_dict["architectures"] = ["LlamaForCausalLM"]
+    cfg_dict["torch_dtype"] = "bfloat16"
+    cfg_dict["dtype"] = "bfloat16"
+    cfg_dict["num_nextn_predict_layers"] = len(model.mtp)
+    # Readers older than transformers 5 look for rope_theta at the top level.
+    cfg_dict["rope_theta"] = config.rope_parameters["rope_theta"]
+    for key in ("attn_implementation", "id2label", "label2id"):
+        cfg_dict.pop(key, None)
+    cfg_dict.pop("_attn_implementation_autoset", None)
+    _write_json(out / "config.json", cfg_dict)
+    tok.save(str(out / "tokenizer.json"))
+    # Written by hand so that both transformers 4.x and 5.x and meshd's runtime read it.
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": EOT,
+            "pad_token": EOT,
+            "additional_special_tokens": [*ROLE_TOKENS, END],
+            "model_max_length": config.max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    eos = [tok.token_to_id(EOT), tok.token_to_id(END)]
+    _write_json(
+        out / "generation_config.json",
+        {"eos_token_id": eos, "pad_token_id": eos[0], "bos_token_id": eos[0]},
+    )
+    _write_json(out / "training_info.json", info)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("meshd/model/builtin"))
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run for tests")
+    p.add_argument("--checkpoint", type=Path, default=None, help="save/resume file")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a TrainConfig field, e.g. --set steps=300 hidden_size=256",
+    )
+    args = p.parse_args(argv)
+    cfg = TINY if args.tiny else TrainConfig()
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            p.error(f"unknown field {key}")
+        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true")}
+        cfg = dataclasses.replace(cfg, **{key: kind[str(fields[key])](value)})
+    return cfg, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = parse_args(argv)
+    train(cfg, args.out, args.checkpoint)
+
+
+if __name__ == "__main__":
+    main()
