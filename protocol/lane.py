@@ -432,6 +432,12 @@ class Lane:
         if now >= self._last_send_s + config.ping_interval_s:
             self._transport.ping_pending = True
 
+    def request_key_update(self) -> None:
+        """Move to the next send key with the next packet (once the peer followed the last
+        update); updates also happen on their own after key_rotation_after_packets/_s."""
+        if self._transport is not None:
+            self._transport.key_update_requested = True
+
     def next_event(self) -> LaneEvent | None:
         """The oldest undelivered event, or None."""
         return self._events.popleft() if self._events else None

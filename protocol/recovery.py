@@ -158,18 +158,17 @@ class Recovery:
             TIME_THRESHOLD * max(self.latest_rtt_s, self.smoothed_rtt_s), GRANULARITY_S
         )
         number_limit = self.largest_acked - PACKET_THRESHOLD
-        time_limit = now - loss_delay
         lost: list[SentPacket] = []
         self._loss_time_s = None
         for number, packet in self.sent.items():
             if number > self.largest_acked:
                 break
-            if number <= number_limit or packet.sent_time_s <= time_limit:
+            # One expression for both tests, so rounding cannot leave a deadline at `now`.
+            when = packet.sent_time_s + loss_delay
+            if number <= number_limit or when <= now:
                 lost.append(packet)
-            else:
-                when = packet.sent_time_s + loss_delay
-                if self._loss_time_s is None or when < self._loss_time_s:
-                    self._loss_time_s = when
+            elif self._loss_time_s is None or when < self._loss_time_s:
+                self._loss_time_s = when
         if lost:
             self._declare_lost(lost, now, congestion_event=True)
         return lost

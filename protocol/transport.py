@@ -116,6 +116,7 @@ class Transport:
         )
         self._credit_streams: set[int] = set()
         self.ping_pending = False
+        self.key_update_requested = False
         self._probe_pending = False
         self.unacked_send_bytes = 0
         self.close_acked = False
@@ -464,10 +465,12 @@ class Transport:
         config = self._config
         schedule = self.keys
         if schedule.may_update() and (
-            schedule.send_packets_in_phase >= config.key_rotation_after_packets
+            self.key_update_requested
+            or schedule.send_packets_in_phase >= config.key_rotation_after_packets
             or now - schedule.send_phase_started_s >= config.key_rotation_after_s
         ):
             schedule.update_send(now)
+            self.key_update_requested = False
         datagram = _seal(schedule, self.remote_lane_id, number, plaintext)
         self.packets_sent += 1
         self.bytes_sent += len(datagram)

@@ -74,6 +74,8 @@ class Network:
         self.delivered = 0
         self.sent = 0
         self.tap: Callable[[str, str, bytes], None] | None = None
+        # Return True to drop a datagram (src, dst, data) on the way.
+        self.drop_if: Callable[[str, str, bytes], bool] | None = None
 
     def add_node(self, name: str, config: LaneConfig | None = None) -> Node:
         config = config or LaneConfig()
@@ -128,6 +130,8 @@ class Network:
             self.tap(src, dst, data)
         link, rng = self.link, self.rng
         if src in self.blackholed or len(data) > link.mtu_bytes or rng.random() < link.loss:
+            return
+        if self.drop_if is not None and self.drop_if(src, dst, data):
             return
         copies = 2 if rng.random() < link.duplicate else 1
         for _ in range(copies):
