@@ -393,7 +393,7 @@ class Lane:
         transport = self._transport
         deadline = self._last_recv_s + self._config.dead_after_s
         if not transport.ping_pending:
-            deadline = min(deadline, self._last_send_s + self._config.ping_interval_s)
+            deadline = min(deadline, self._last_active_s() + self._config.ping_interval_s)
         own = transport.deadline()
         return deadline if own is None else min(deadline, own)
 
@@ -429,8 +429,13 @@ class Lane:
             )
             return
         self._transport.on_timer(now)
-        if now >= self._last_send_s + config.ping_interval_s:
+        if now >= self._last_active_s() + config.ping_interval_s:
             self._transport.ping_pending = True
+
+    def _last_active_s(self) -> float:
+        # Idle means nothing sent *and* nothing received: a peer that just heard from us, or
+        # that we just answered, knows we are alive, so only one side of a quiet lane pings.
+        return max(self._last_send_s, self._last_recv_s)
 
     def request_key_update(self) -> None:
         """Move to the next send key with the next packet (once the peer followed the last
