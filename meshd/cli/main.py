@@ -17,7 +17,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # `meshd bench NAME`: name -> (module, help), same module contract as COMMANDS.
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "decode": ("meshd.model.bench_decode", "single-node decode loop vs transformers generate()"),
+}
 
 
 def _load(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]:
