@@ -1,0 +1,463 @@
+"""The trio UDP endpoint: one socket serving many lanes.
+
+A thin driver over the sans-IO `protocol.lane.Lane` (in the manner of hypercorn's trio UDP
+server over its protocol core): it reads datagrams, routes them to lanes by receiver lane id,
+answers initiations through one `protocol.handshake.Responder`, runs the lanes' timers, and
+writes what the lanes want sent. The same socket will later carry hole-punching probes.
+
+Layers above see `PeerLane` objects: `send(stream_id, data)`, `receive()`, `terminated()`.
+When a lane dies, every task waiting on it gets `LaneClosedError` (never a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from meshd.net.emulator import LinkEmulator, LinkProfile
+from protocol import PROTOCOL_VERSION, RemoteProtocolError
+from protocol.config import LaneConfig
+from protocol.datagram import KIND_INITIATION, peek_kind, peek_receiver_lane_id
+from protocol.events import LaneEstablished, LaneTerminated, MessageReceived, TerminationReason
+from protocol.handshake import InitiationRefused, Responder
+from protocol.lane import Lane
+
+log = logging.getLogger(__name__)
+
+Address = tuple[str, int]
+
+# Datagrams read per wake-up before the endpoint flushes replies (batches ACKs under load).
+_RECV_BATCH = 64
+_RECV_BUFFER_BYTES = 65536
+
+
+class LaneClosedError(Exception):
+    """The lane is gone: closed by either side, its peer died, or it never opened."""
+
+    def __init__(self, reason: TerminationReason, detail: str = "") -> None:
+        super().__init__(f"lane {reason.name.lower()}" + (f": {detail}" if detail else ""))
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class EndpointStats:
+    """Counters an operator can read (and metrics export)."""
+
+    datagrams_received: int = 0
+    datagrams_sent: int = 0
+    datagrams_dropped: int = 0
+    handshakes_refused: int = 0
+    lanes_opened: int = 0
+    lanes_dead: int = 0
+
+
+class PeerLane:
+    """One lane as the layers above see it."""
+
+    def __init__(self, endpoint: Endpoint, lane: Lane, *, incoming: bool) -> None:
+        self._endpoint = endpoint
+        self.lane = lane
+        self.incoming = incoming
+        self._inbox: deque[tuple[int, bytes]] = deque()
+        self._readable = trio.Event()
+        self._established = trio.Event()
+        self._terminated: LaneTerminated | None = None
+        self._terminated_event = trio.Event()
+        self._drained = trio.Event()
+
+    # -- what the layers above call ------------------------------------------------------
+    @property
+    def remote_static(self) -> bytes:
+        """The peer's static (X25519) public key, proven by the handshake."""
+        key = self.lane.remote_static
+        assert key is not None, "an initiator's lane knows its peer's key from the start"
+        return key
+
+    @property
+    def addr(self) -> Hashable:
+        """Where the peer's datagrams come from now."""
+        return self.lane.addr
+
+    @property
+    def is_open(self) -> bool:
+        """True while the lane can carry messages."""
+        return self._terminated is None
+
+    @property
+    def termination(self) -> LaneTerminated | None:
+        """Why the lane ended, once it has."""
+        return self._terminated
+
+    async def send(self, stream_id: int, data: bytes) -> None:
+        """Queue a message; waits while too much is unacknowledged (backpressure)."""
+        self._raise_if_terminated()
+        self.lane.send_message(stream_id, data)
+        # Send at once from this task: waking the timer task would cost a task switch per
+        # message, which is most of a small message's round trip.
+        self._endpoint._flush(self, trio.current_time())
+        limit = self._endpoint.send_buffer_limit_bytes
+        while self.lane.pending_send_bytes > limit:
+            self._drained = trio.Event()
+            await self._drained.wait()
+            self._raise_if_terminated()
+
+    async def receive(self) -> tuple[int, bytes]:
+        """The next message as (stream_id, data); raises LaneClosedError once the lane ends."""
+        while not self._inbox:
+            self._raise_if_terminated()
+            self._readable = trio.Event()
+            await self._readable.wait()
+        return self._inbox.popleft()
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, bytes]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[int, bytes]]:
+        while True:
+            try:
+                yield await self.receive()
+            except LaneClosedError:
+                return
+
+    async def terminated(self) -> LaneTerminated:
+        """Wait until the lane ends and say why."""
+        await self._terminated_event.wait()
+        assert self._terminated is not None
+        return self._terminated
+
+    def close(self, reason: str = "") -> None:
+        """Close gracefully; the peer sees CLOSED_BY_PEER."""
+        if self._terminated is None:
+            self.lane.close(reason)
+            self._endpoint._after_activity(self)
+
+    # -- driven by the endpoint ----------------------------------------------------------
+    def _raise_if_terminated(self) -> None:
+        if self._terminated is not None:
+            raise LaneClosedError(self._terminated.reason, self._terminated.detail)
+
+    def _drain_events(self) -> None:
+        while (event := self.lane.next_event()) is not None:
+            if isinstance(event, MessageReceived):
+                self._inbox.append((event.stream_id, event.data))
+                self._readable.set()
+            elif isinstance(event, LaneEstablished):
+                self._established.set()
+            elif isinstance(event, LaneTerminated):
+                self._terminated = event
+                # Wake everyone: receivers, senders under backpressure, connect().
+                self._readable.set()
+                self._drained.set()
+                self._established.set()
+                self._terminated_event.set()
+        if self.lane.pending_send_bytes <= self._endpoint.send_buffer_limit_bytes:
+            self._drained.set()
+
+
+class Endpoint:
+    """A UDP socket serving many lanes. Create with `open_endpoint`."""
+
+    def __init__(
+        self,
+        *,
+        static_private: bytes,
+        psk: bytes,
+        admit: Callable[[bytes], bool],
+        lane_config: LaneConfig,
+        versions: Sequence[int],
+        capabilities: Sequence[str],
+        egress: LinkProfile | None,
+        send_buffer_limit_bytes: int,
+    ) -> None:
+        self.static_private = static_private
+        self.psk = psk
+        self.lane_config = lane_config
+        self.versions = tuple(versions)
+        self.capabilities = tuple(capabilities)
+        self.send_buffer_limit_bytes = send_buffer_limit_bytes
+        self.stats = EndpointStats()
+        self._responder = Responder(
+            static_private=static_private,
+            psk=psk,
+            admit=admit,
+            versions=self.versions,
+            capabilities=self.capabilities,
+            max_message_bytes=lane_config.max_message_bytes,
+        )
+        self._egress = LinkEmulator(egress) if egress is not None and not egress.is_ideal else None
+        self._sock: socket.socket | None = None
+        self._lanes: dict[int, PeerLane] = {}
+        self._incoming_send, self._incoming_recv = trio.open_memory_channel[PeerLane](64)
+        self._wake = trio.Event()
+        self._sleeping_until = float("inf")  # the timer task's current deadline
+        self._dirty: set[PeerLane] = set()
+
+    @property
+    def local_address(self) -> Address:
+        """The (host, port) the socket is bound to."""
+        assert self._sock is not None
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    @property
+    def lanes(self) -> list[PeerLane]:
+        """Lanes currently registered (open or draining)."""
+        return list(self._lanes.values())
+
+    # -- public API ----------------------------------------------------------------------
+    async def connect(self, addr: Address, remote_static: bytes) -> PeerLane:
+        """Open a lane to `addr`, expecting the peer to hold `remote_static`.
+
+        Raises LaneClosedError if the handshake times out or the peer refuses.
+        """
+        lane = Lane.connect(
+            config=self.lane_config,
+            static_private=self.static_private,
+            remote_static=remote_static,
+            psk=self.psk,
+            local_lane_id=self._new_lane_id(),
+            addr=addr,
+            versions=self.versions,
+            capabilities=self.capabilities,
+            now=trio.current_time(),
+            now_wall_ns=time.time_ns(),
+        )
+        peer = self._register(lane, incoming=False)
+        self._after_activity(peer)
+        await peer._established.wait()
+        peer._raise_if_terminated()
+        return peer
+
+    async def accept(self) -> PeerLane:
+        """The next lane a peer opened to us (after its handshake was admitted)."""
+        return await self._incoming_recv.receive()
+
+    # -- driver internals ----------------------------------------------------------------
+    def _new_lane_id(self) -> int:
+        while True:
+            lane_id = secrets.randbits(32)
+            if lane_id and lane_id not in self._lanes:
+                return lane_id
+
+    def _register(self, lane: Lane, *, incoming: bool) -> PeerLane:
+        peer = PeerLane(self, lane, incoming=incoming)
+        self._lanes[lane.local_lane_id] = peer
+        self.stats.lanes_opened += 1
+        return peer
+
+    def _after_activity(self, peer: PeerLane) -> None:
+        self._dirty.add(peer)
+        self._wake.set()
+
+    def _timer_moved(self, peer: PeerLane) -> None:
+        """Wake the timer task only if this lane now needs it earlier than it sleeps."""
+        timer = peer.lane.get_timer()
+        if timer is not None and timer < self._sleeping_until:
+            self._wake.set()
+
+    def _handle_datagram(self, data: bytes, addr: Address, now: float) -> None:
+        self.stats.datagrams_received += 1
+        try:
+            kind = peek_kind(data)
+            if kind == KIND_INITIATION:
+                self._handle_initiation(data, addr, now)
+                return
+            peer = self._lanes.get(peek_receiver_lane_id(data))
+            if peer is None:
+                self.stats.datagrams_dropped += 1
+                return
+            peer.lane.receive_datagram(data, addr, now)
+            self._dirty.add(peer)
+        except RemoteProtocolError as exc:
+            self.stats.datagrams_dropped += 1
+            log.debug("dropped datagram from %s: %s", addr, exc)
+
+    def _handle_initiation(self, data: bytes, addr: Address, now: float) -> None:
+        lane_id = self._new_lane_id()
+        try:
+            response, result = self._responder.handle_initiation(
+                data, local_lane_id=lane_id, now_wall_ns=time.time_ns()
+            )
+        except InitiationRefused as refused:
+            self.stats.handshakes_refused += 1
+            self._send_now([(refused.datagram, addr)], now)
+            return
+        lane = Lane.accept(
+            config=self.lane_config, result=result, local_lane_id=lane_id, addr=addr, now=now
+        )
+        peer = self._register(lane, incoming=True)
+        self._send_now([(response, addr)], now)
+        self._dirty.add(peer)
+
+    def _flush(self, peer: PeerLane, now: float) -> None:
+        """Send what one lane has queued and deliver its events."""
+        self._send_now(peer.lane.datagrams_to_send(now), now)
+        peer._drain_events()
+        self._timer_moved(peer)
+
+    def _service(self, now: float) -> None:
+        """Run due timers, deliver events and send what every touched lane has queued."""
+        for peer in list(self._lanes.values()):
+            timer = peer.lane.get_timer()
+            if timer is not None and timer <= now:
+                peer.lane.handle_timer(now)
+                self._dirty.add(peer)
+        dirty, self._dirty = self._dirty, set()
+        for peer in dirty:
+            was_established = peer._established.is_set()
+            self._send_now(peer.lane.datagrams_to_send(now), now)
+            peer._drain_events()
+            newly_open = not was_established and peer._established.is_set() and peer.is_open
+            if newly_open and peer.incoming:
+                try:
+                    self._incoming_send.send_nowait(peer)
+                except trio.WouldBlock:
+                    peer.close("accept backlog full")
+            self._timer_moved(peer)
+            if peer.termination is not None and peer.lane.is_terminated:
+                if peer.termination.reason == TerminationReason.PEER_DEAD:
+                    self.stats.lanes_dead += 1
+                self._lanes.pop(peer.lane.local_lane_id, None)
+        if self._egress is not None:
+            self._write(self._egress.due(now))
+            deadline = self._egress.next_deadline()
+            if deadline is not None and deadline < self._sleeping_until:
+                self._wake.set()
+
+    def _send_now(self, datagrams: list[tuple[bytes, Hashable]], now: float) -> None:
+        if not datagrams:
+            return
+        if self._egress is not None:
+            for data, addr in datagrams:
+                self._egress.submit(data, addr, now)
+            self._write(self._egress.due(now))
+        else:
+            self._write(datagrams)
+
+    def _write(self, datagrams: list[tuple[bytes, Hashable]]) -> None:
+        assert self._sock is not None
+        for data, addr in datagrams:
+            try:
+                self._sock.sendto(data, addr)  # type: ignore[call-overload]
+                self.stats.datagrams_sent += 1
+            except BlockingIOError:
+                # The kernel buffer is full: treat as loss; the lane's recovery resends.
+                self.stats.datagrams_dropped += 1
+            except OSError as exc:
+                # EMSGSIZE for an oversized PMTU probe, or an unreachable peer: both are loss.
+                if exc.errno not in (errno.EMSGSIZE, errno.ECONNREFUSED, errno.ENETUNREACH):
+                    log.debug("sendto %s failed: %s", addr, exc)
+                self.stats.datagrams_dropped += 1
+
+    async def _receive_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            now = trio.current_time()
+            for _ in range(_RECV_BATCH):
+                try:
+                    data, addr = sock.recvfrom(_RECV_BUFFER_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except ConnectionRefusedError:
+                    # ICMP port unreachable from an earlier send; the lane's timers handle it.
+                    continue
+                self._handle_datagram(data, addr, now)
+            self._service(now)
+
+    async def _timer_loop(self) -> None:
+        while True:
+            deadline = self._next_deadline()
+            self._wake = trio.Event()
+            if self._dirty:
+                self._service(trio.current_time())
+                continue
+            self._sleeping_until = deadline if deadline is not None else float("inf")
+            with trio.move_on_at(self._sleeping_until):
+                await self._wake.wait()
+            self._sleeping_until = float("-inf")  # awake: every change must be seen next loop
+            self._service(trio.current_time())
+
+    def _next_deadline(self) -> float | None:
+        timers = [t for p in self._lanes.values() if (t := p.lane.get_timer()) is not None]
+        if self._egress is not None and (d := self._egress.next_deadline()) is not None:
+            timers.append(d)
+        return min(timers) if timers else None
+
+    async def aclose(self) -> None:
+        """Close every lane gracefully and flush what can be sent now."""
+        for peer in list(self._lanes.values()):
+            peer.close("endpoint shutting down")
+        if self._sock is not None:
+            self._service(trio.current_time())
+
+
+def _make_socket(bind: Address) -> socket.socket:
+    family = socket.AF_INET6 if ":" in bind[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
+    if family == socket.AF_INET and hasattr(socket, "IP_MTU_DISCOVER"):
+        # Set DF so oversized PMTU probes are dropped, never fragmented.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(
+                socket.IPPROTO_IP, socket.IP_MTU_DISCOVER, getattr(socket, "IP_PMTUDISC_DO", 2)
+            )
+    sock.bind(bind)
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def open_endpoint(
+    *,
+    static_private: bytes,
+    psk: bytes,
+    bind: Address = ("127.0.0.1", 0),
+    admit: Callable[[bytes], bool] | None = None,
+    lane_config: LaneConfig | None = None,
+    versions: Sequence[int] = (PROTOCOL_VERSION,),
+    capabilities: Sequence[str] = (),
+    egress: LinkProfile | None = None,
+    send_buffer_limit_bytes: int = 8 * 1024 * 1024,
+) -> AsyncIterator[Endpoint]:
+    """Bind a UDP socket and serve lanes on it until the block exits.
+
+    `admit` decides which initiator static keys may open a lane (all PSK holders by default);
+    `egress` puts a userspace link emulator on this endpoint's send path.
+    """
+    endpoint = Endpoint(
+        static_private=static_private,
+        psk=psk,
+        admit=admit if admit is not None else (lambda _key: True),
+        lane_config=lane_config if lane_config is not None else LaneConfig(),
+        versions=versions,
+        capabilities=capabilities,
+        egress=egress,
+        send_buffer_limit_bytes=send_buffer_limit_bytes,
+    )
+    endpoint._sock = _make_socket(bind)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(endpoint._receive_loop)
+            nursery.start_soon(endpoint._timer_loop)
+            try:
+                yield endpoint
+            finally:
+                with trio.CancelScope(shield=True):
+                    await endpoint.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        endpoint._sock.close()

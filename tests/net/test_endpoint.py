@@ -1,0 +1,197 @@
+"""Lanes over real loopback UDP, driven by the trio endpoint (with the link emulator)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import trio
+from nacl.bindings import crypto_scalarmult_base
+
+from meshd.net.emulator import LinkProfile
+from meshd.net.endpoint import LaneClosedError, open_endpoint
+from protocol.config import LaneConfig
+from protocol.events import TerminationReason
+
+PSK = bytes(range(32))
+FAST_FAIL = LaneConfig(handshake_timeout_s=0.6, handshake_retry_s=0.1)
+
+
+def keypair(seed: int) -> tuple[bytes, bytes]:
+    private = random.Random(seed).randbytes(32)
+    return private, crypto_scalarmult_base(private)
+
+
+async def test_messages_flow_both_ways_byte_exact() -> None:
+    (sk, spub), (ck, _) = keypair(1), keypair(2)
+    async with (
+        open_endpoint(static_private=sk, psk=PSK) as server,
+        open_endpoint(static_private=ck, psk=PSK) as client,
+    ):
+        lane = await client.connect(server.local_address, spub)
+        incoming = await server.accept()
+        assert incoming.remote_static == crypto_scalarmult_base(ck)
+        payloads = [bytes([i % 256]) * (i * 997 % 70000 + 1) for i in range(40)]
+        for i, p in enumerate(payloads):
+            await lane.send(i % 3, p)
+        got: dict[int, list[bytes]] = {0: [], 1: [], 2: []}
+        for _ in payloads:
+            stream_id, data = await incoming.receive()
+            got[stream_id].append(data)
+        for s in range(3):
+            assert got[s] == payloads[s::3]
+        await incoming.send(7, b"reply")
+        assert await lane.receive() == (7, b"reply")
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.2])
+async def test_exactly_once_in_order_through_emulated_loss(loss: float) -> None:
+    impaired = LinkProfile(
+        delay_s=0.002, jitter_s=0.001, loss=loss, duplicate=0.02, reorder=0.05, seed=11
+    )
+    (sk, spub), (ck, _) = keypair(3), keypair(4)
+    rng = random.Random(5)
+    payloads = [rng.randbytes(rng.choice([1, 100, 5000, 40000])) for _ in range(60)]
+    with trio.fail_after(30):
+        async with (
+            open_endpoint(static_private=sk, psk=PSK, egress=impaired) as server,
+            open_endpoint(
+                static_private=ck, psk=PSK, egress=LinkProfile(**{**_fields(impaired), "seed": 12})
+            ) as client,
+        ):
+            lane = await client.connect(server.local_address, spub)
+            incoming = await server.accept()
+            for p in payloads:
+                await lane.send(1, p)
+            received = [(await incoming.receive())[1] for _ in payloads]
+            assert received == payloads
+            # Nothing extra arrives later (no duplicate delivery).
+            with trio.move_on_after(0.3):
+                extra = await incoming.receive()
+                pytest.fail(f"unexpected extra message of {len(extra[1])} bytes")
+
+
+def _fields(profile: LinkProfile) -> dict[str, object]:
+    return {f: getattr(profile, f) for f in profile.__struct_fields__}
+
+
+async def test_peer_without_the_mesh_secret_never_gets_a_lane() -> None:
+    (sk, spub), (ck, _) = keypair(5), keypair(6)
+    async with (
+        open_endpoint(static_private=sk, psk=PSK, lane_config=FAST_FAIL) as server,
+        open_endpoint(static_private=ck, psk=b"\x01" * 32, lane_config=FAST_FAIL) as client,
+    ):
+        with pytest.raises(LaneClosedError) as info:
+            await client.connect(server.local_address, spub)
+        assert info.value.reason == TerminationReason.HANDSHAKE_TIMEOUT
+        with trio.move_on_after(0.8) as cs:
+            await server.accept()
+        assert cs.cancelled_caught, "the server must not hand out a lane"
+
+
+async def test_wrong_expected_key_and_unadmitted_key_never_get_a_lane() -> None:
+    (sk, _spub), (ck, cpub), (_, other_pub) = keypair(7), keypair(8), keypair(9)
+    async with (
+        open_endpoint(
+            static_private=sk, psk=PSK, lane_config=FAST_FAIL, admit=lambda k: k != cpub
+        ) as server,
+        open_endpoint(static_private=ck, psk=PSK, lane_config=FAST_FAIL) as client,
+    ):
+        with pytest.raises(LaneClosedError):
+            await client.connect(server.local_address, other_pub)  # not the server's key
+        with pytest.raises(LaneClosedError):
+            await client.connect(server.local_address, _spub)  # right key, not admitted
+        with trio.move_on_after(0.3) as cs:
+            await server.accept()
+        assert cs.cancelled_caught
+
+
+async def test_replayed_datagram_is_rejected() -> None:
+    """A relay in the middle records the client's datagrams and replays them all."""
+    (sk, spub), (ck, _) = keypair(10), keypair(11)
+    recorded: list[bytes] = []
+    relay = trio.socket.socket(type=trio.socket.SOCK_DGRAM)
+    await relay.bind(("127.0.0.1", 0))
+    async with (
+        open_endpoint(static_private=sk, psk=PSK) as server,
+        open_endpoint(static_private=ck, psk=PSK) as client,
+        trio.open_nursery() as nursery,
+    ):
+        client_addr: list[tuple[str, int]] = []
+
+        async def forward() -> None:
+            while True:
+                data, addr = await relay.recvfrom(65536)
+                if addr == server.local_address:
+                    await relay.sendto(data, client_addr[0])
+                else:
+                    client_addr[:] = [addr]
+                    recorded.append(data)
+                    await relay.sendto(data, server.local_address)
+
+        nursery.start_soon(forward)
+        lane = await client.connect(relay.getsockname(), spub)
+        incoming = await server.accept()
+        await lane.send(1, b"pay me once")
+        assert await incoming.receive() == (1, b"pay me once")
+        replayed_before = incoming.lane.stats.packets_replayed
+        for data in recorded:
+            await relay.sendto(data, server.local_address)
+        await trio.sleep(0.2)
+        with trio.move_on_after(0.2) as cs:
+            await incoming.receive()
+        assert cs.cancelled_caught, "a replayed datagram must not deliver again"
+        assert incoming.lane.stats.packets_replayed > replayed_before
+        nursery.cancel_scope.cancel()
+    relay.close()
+
+
+@pytest.mark.slow
+async def test_killed_peer_is_declared_dead_within_the_bound_and_waiters_fail() -> None:
+    proc = subprocess.Popen(  # noqa: ASYNC220 (started once, read from a thread)
+        [sys.executable, "-m", "tests.net.peer_process", PSK.hex()],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
+    try:
+        assert proc.stdout is not None
+        with trio.fail_after(30):
+            line = await trio.to_thread.run_sync(proc.stdout.readline)
+        port, pub_hex = line.split()
+        ck, _ = keypair(12)
+        config = LaneConfig(dead_after_s=0.8)
+        async with open_endpoint(static_private=ck, psk=PSK, lane_config=config) as client:
+            lane = await client.connect(("127.0.0.1", int(port)), bytes.fromhex(pub_hex))
+            await lane.send(1, b"ping")
+            assert await lane.receive() == (1, b"ping")
+            waiter_error: list[BaseException] = []
+
+            async def wait_forever() -> None:
+                try:
+                    await lane.receive()
+                except LaneClosedError as exc:
+                    waiter_error.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_forever)
+                await trio.sleep(0.1)
+                proc.send_signal(signal.SIGKILL)
+                killed_at = trio.current_time()
+                with trio.fail_after(3):
+                    ended = await lane.terminated()
+                detected_after = trio.current_time() - killed_at
+            assert ended.reason == TerminationReason.PEER_DEAD
+            # Dead after 0.8 s of silence; the last packet came at most one ping interval
+            # before the kill, and the verdict may land one timer tick late.
+            assert detected_after <= config.dead_after_s + 0.1
+            assert isinstance(waiter_error[0], LaneClosedError)
+            with pytest.raises(LaneClosedError):
+                await lane.send(1, b"too late")
+    finally:
+        proc.kill()
+        proc.wait()
