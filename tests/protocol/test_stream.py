@@ -34,12 +34,18 @@ def test_messages_arrive_whole_in_order_once_under_shuffle_and_duplicates(
     for message in messages:
         send.queue_message(message)
     chunks = drain(send, budget)
-    deliveries = chunks + rng.sample(chunks, k=len(chunks) // 2)  # duplicates
+    wire = b"".join(payload(c) for c in chunks)
+    deliveries = [(c.offset, payload(c)) for c in chunks]
+    deliveries += [(c.offset, payload(c)) for c in rng.sample(chunks, k=len(chunks) // 2)]
+    for _ in range(len(chunks)):
+        # Overlapping copies cut at other boundaries, as a resplit retransmission would be.
+        start = rng.randrange(len(wire))
+        deliveries.append((start, wire[start : start + rng.randrange(1, 2 * budget + 2)]))
     rng.shuffle(deliveries)
     recv = RecvStream(3, window=1 << 30, max_message_bytes=1000)
     got: list[bytes] = []
-    for chunk in deliveries:
-        got.extend(recv.receive(chunk.offset, payload(chunk)))
+    for offset, data in deliveries:
+        got.extend(recv.receive(offset, data))
     assert got == messages
 
 
