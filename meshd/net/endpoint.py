@@ -330,9 +330,6 @@ class Endpoint:
                 self._lanes.pop(peer.lane.local_lane_id, None)
         if self._egress is not None:
             self._write(self._egress.due(now))
-            deadline = self._egress.next_deadline()
-            if deadline is not None and deadline < self._sleeping_until:
-                self._wake.set()
 
     def _send_now(self, datagrams: list[tuple[bytes, Hashable]], now: float) -> None:
         if not datagrams:
@@ -341,6 +338,9 @@ class Endpoint:
             for data, addr in datagrams:
                 self._egress.submit(data, addr, now)
             self._write(self._egress.due(now))
+            deadline = self._egress.next_deadline()
+            if deadline is not None and deadline < self._sleeping_until:
+                self._wake.set()
         else:
             self._write(datagrams)
 
