@@ -1,0 +1,220 @@
+"""Application messages carried on lanes: the stage pipeline's verify windows and replies.
+
+Messages are `msgspec.Struct`s in one tagged union, encoded with msgpack. Decoding enforces a
+hard size limit and turns every malformed input into `RemoteProtocolError`. Tensors travel as
+raw little-endian bytes with a dtype tag and shape (`TensorBlob`); converting them to torch is
+the stage host's job, so this module stays sans-IO and torch-free.
+
+The path of a window (DESIGN.md): coordinator → stage 0 (`VerifyWindow`), stage i → stage i+1
+(`StageHidden`, carrying the window's metadata and the hidden states), last stage →
+coordinator (`VerifyReply`). Logits never cross the network.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+
+# Hard ceiling for one encoded message (the lane negotiates its own limit, at most this).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_WINDOW_TOKENS = 8192
+MAX_SESSION_ID_CHARS = 64
+
+DType = Literal["f32", "f16", "bf16"]
+DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+class TensorBlob(msgspec.Struct, frozen=True, array_like=True):
+    """A dense tensor as raw bytes: row-major, little-endian."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    data: bytes
+
+    def validate(self) -> None:
+        """Raise RemoteProtocolError unless the byte count matches dtype and shape."""
+        count = 1
+        for dim in self.shape:
+            if dim < 0:
+                raise RemoteProtocolError("negative tensor dimension")
+            count *= dim
+        if count * DTYPE_BYTES[self.dtype] != len(self.data):
+            raise RemoteProtocolError(
+                f"tensor of shape {self.shape} {self.dtype} needs "
+                f"{count * DTYPE_BYTES[self.dtype]} bytes, got {len(self.data)}"
+            )
+
+
+class Sampling(msgspec.Struct, frozen=True, array_like=True):
+    """The request's sampling configuration, as the last stage needs it to verify."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+class StageTiming(msgspec.Struct, frozen=True, array_like=True):
+    """How long one stage spent on one window (seconds)."""
+
+    stage: int
+    queue_s: float
+    compute_s: float
+
+
+class OpenSession(msgspec.Struct, frozen=True, tag="open"):
+    """Coordinator → every stage: allocate KV for a session and learn its route.
+
+    `next_hop` is the static key of the next stage (None on the last stage); `coordinator` is
+    the key the last stage replies to. `stage_index` orders timings.
+    """
+
+    session: str
+    model_id: str
+    max_positions: int
+    stage_index: int
+    coordinator: bytes
+    next_hop: bytes | None = None
+    wire_dtype: DType = "f32"
+    mtp_depth: int = 0
+
+
+class CloseSession(msgspec.Struct, frozen=True, tag="close"):
+    """Coordinator → every stage: free the session's KV."""
+
+    session: str
+
+
+class Rollback(msgspec.Struct, frozen=True, tag="rollback"):
+    """Coordinator → every stage: windows of an epoch below `epoch` are stale; drop them."""
+
+    session: str
+    epoch: int
+
+
+class VerifyWindow(msgspec.Struct, frozen=True, tag="window"):
+    """Coordinator → stage 0: run `tokens` at positions base_pos.. and verify the drafts.
+
+    The last `n_draft` tokens are drafts; the ones before are committed context (a prefill
+    chunk has n_draft = 0). With `sample` false (a prefill chunk that is not the last) the last
+    stage computes no logits and sends no reply.
+    """
+
+    session: str
+    epoch: int
+    window_id: int
+    base_pos: int
+    tokens: list[int]
+    sampling: Sampling
+    n_draft: int = 0
+    sample: bool = True
+    mtp_tokens: int = 0
+
+
+class StageHidden(msgspec.Struct, frozen=True, tag="hidden"):
+    """Stage i → stage i+1: the window's metadata and this stage's output hidden states."""
+
+    window: VerifyWindow
+    hidden: TensorBlob
+    timings: list[StageTiming]
+
+
+class VerifyReply(msgspec.Struct, frozen=True, tag="reply"):
+    """Last stage → coordinator: how much of the window's draft the model accepted.
+
+    `next_token` is the model's own token after the accepted drafts (a correction, or the bonus
+    token when every draft was accepted); `mtp_draft` holds MTP proposals for the tokens after
+    it — a separate field, so target tokens and drafts can never be confused.
+    """
+
+    session: str
+    window_id: int
+    epoch: int
+    accepted_len: int
+    next_token: int
+    mtp_draft: list[int]
+    stage_timings: list[StageTiming]
+
+
+class StageError(msgspec.Struct, frozen=True, tag="error"):
+    """Any stage → coordinator: the window or session failed there (typed code + message)."""
+
+    session: str
+    code: str
+    message: str
+    window_id: int = -1
+
+
+Message = (
+    OpenSession | CloseSession | Rollback | VerifyWindow | StageHidden | VerifyReply | StageError
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """Encode a message; LocalProtocolError if it breaks a limit (our bug, not the peer's)."""
+    try:
+        _check(message)
+    except RemoteProtocolError as exc:
+        raise LocalProtocolError(str(exc)) from None
+    data = _encoder.encode(message)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise LocalProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """Decode and validate one message; anything malformed raises RemoteProtocolError."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise RemoteProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RemoteProtocolError(f"malformed message: {exc}") from None
+    _check(message)
+    return message
+
+
+def _check_session(session: str) -> None:
+    if not 0 < len(session) <= MAX_SESSION_ID_CHARS:
+        raise RemoteProtocolError("session id must be 1..64 characters")
+
+
+def _check_window(w: VerifyWindow) -> None:
+    _check_session(w.session)
+    if not 0 < len(w.tokens) <= MAX_WINDOW_TOKENS:
+        raise RemoteProtocolError(f"a window holds 1..{MAX_WINDOW_TOKENS} tokens")
+    if not 0 <= w.n_draft < len(w.tokens):
+        raise RemoteProtocolError("n_draft must leave at least one context token")
+    if w.base_pos < 0 or w.epoch < 0 or w.window_id < 0 or w.mtp_tokens < 0:
+        raise RemoteProtocolError("negative position, epoch, window id or mtp count")
+    if any(t < 0 for t in w.tokens):
+        raise RemoteProtocolError("negative token id")
+    s = w.sampling
+    if not (s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
+        raise RemoteProtocolError("sampling parameters out of range")
+
+
+def _check(message: Message) -> None:
+    if isinstance(message, VerifyWindow):
+        _check_window(message)
+    elif isinstance(message, StageHidden):
+        _check_window(message.window)
+        message.hidden.validate()
+        if not message.hidden.shape or message.hidden.shape[0] != len(message.window.tokens):
+            raise RemoteProtocolError("hidden states must have one row per window token")
+    elif isinstance(message, OpenSession):
+        _check_session(message.session)
+        if message.max_positions <= 0 or message.stage_index < 0 or message.mtp_depth < 0:
+            raise RemoteProtocolError("open: max_positions, stage_index, mtp_depth out of range")
+    elif isinstance(message, VerifyReply):
+        _check_session(message.session)
+        if message.accepted_len < 0 or message.next_token < 0:
+            raise RemoteProtocolError("reply: negative accepted_len or token")
+    else:
+        _check_session(message.session)

@@ -1,0 +1,104 @@
+import contextlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol import LocalProtocolError, RemoteProtocolError
+from protocol.messages import (
+    CloseSession,
+    OpenSession,
+    Rollback,
+    Sampling,
+    StageError,
+    StageHidden,
+    StageTiming,
+    TensorBlob,
+    VerifyReply,
+    VerifyWindow,
+    decode,
+    encode,
+)
+
+WINDOW = VerifyWindow(
+    session="s1",
+    epoch=2,
+    window_id=7,
+    base_pos=100,
+    tokens=[5, 6, 7],
+    sampling=Sampling(temperature=0.7, top_p=0.9, top_k=40, seed=1),
+    n_draft=2,
+)
+EXAMPLES = [
+    WINDOW,
+    OpenSession(
+        session="s1", model_id="m", max_positions=512, stage_index=1, coordinator=b"k" * 32
+    ),
+    CloseSession(session="s1"),
+    Rollback(session="s1", epoch=3),
+    StageHidden(
+        window=WINDOW,
+        hidden=TensorBlob("f16", (3, 4), bytes(24)),
+        timings=[StageTiming(0, 0.001, 0.002)],
+    ),
+    VerifyReply(
+        session="s1",
+        window_id=7,
+        epoch=2,
+        accepted_len=1,
+        next_token=9,
+        mtp_draft=[1, 2],
+        stage_timings=[StageTiming(1, 0.0, 0.003)],
+    ),
+    StageError(session="s1", code="kv_budget", message="no room"),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: object) -> None:
+    assert decode(encode(message)) == message  # type: ignore[arg-type]
+
+
+def test_reply_keeps_target_token_and_mtp_draft_apart() -> None:
+    reply = decode(encode(EXAMPLES[5]))  # type: ignore[arg-type]
+    assert isinstance(reply, VerifyReply)
+    assert reply.next_token == 9 and reply.mtp_draft == [1, 2]
+
+
+def test_tensor_byte_count_must_match_shape() -> None:
+    bad = StageHidden(window=WINDOW, hidden=TensorBlob("f32", (3, 4), bytes(24)), timings=[])
+    with pytest.raises(LocalProtocolError):
+        encode(bad)
+
+
+def test_hidden_rows_must_match_window_tokens() -> None:
+    bad = StageHidden(window=WINDOW, hidden=TensorBlob("f32", (2, 1), bytes(8)), timings=[])
+    with pytest.raises(LocalProtocolError):
+        encode(bad)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("n_draft", 3), ("tokens", []), ("base_pos", -1), ("tokens", [1, -2]), ("session", "")],
+)
+def test_window_limits_are_enforced(field: str, value: object) -> None:
+    import msgspec
+
+    with pytest.raises(LocalProtocolError):
+        encode(msgspec.structs.replace(WINDOW, **{field: value}))
+
+
+@given(st.binary(max_size=300))
+def test_garbage_raises_only_remote_protocol_error(data: bytes) -> None:
+    with contextlib.suppress(RemoteProtocolError):
+        decode(data)
+
+
+@given(st.data())
+def test_mutated_messages_raise_only_remote_protocol_error(data: st.DataObject) -> None:
+    raw = bytearray(encode(data.draw(st.sampled_from(EXAMPLES))))  # type: ignore[arg-type]
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    with contextlib.suppress(RemoteProtocolError):
+        decode(bytes(raw))
