@@ -42,6 +42,9 @@ CLOSE_PROTOCOL_ERROR = 1
 # MAX_STREAM_DATA for this stream id sets the credit of every stream (see docs/protocol.md).
 ALL_STREAMS = 0xFFFFFFFF
 
+# Decoders read plaintexts as bytes or as memoryviews (the lane's case, to avoid copies).
+Buffer = bytes | memoryview
+
 _ACK_HEAD = struct.Struct(">BIH")
 _ACK_RANGE = struct.Struct(">QQ")
 _STREAM_HEAD = struct.Struct(">BIQI")
@@ -71,7 +74,7 @@ class StreamFrame:
 
     stream_id: int
     offset: int
-    data: bytes
+    data: Buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +162,7 @@ def encode_close(error_code: int, reason: str) -> bytes:
 # --- decoders ---------------------------------------------------------------------------
 
 
-def decode_ack(buf: bytes, pos: int) -> tuple[AckFrame, int]:
+def decode_ack(buf: Buffer, pos: int) -> tuple[AckFrame, int]:
     """Decode an ACK frame whose type byte sits at `pos`."""
     end = pos + _ACK_HEAD.size
     if end > len(buf):
@@ -181,7 +184,7 @@ def decode_ack(buf: bytes, pos: int) -> tuple[AckFrame, int]:
     return AckFrame(delay_us / 1_000_000, ranges), stop_all
 
 
-def decode_stream(buf: bytes, pos: int) -> tuple[StreamFrame, int]:
+def decode_stream(buf: Buffer, pos: int) -> tuple[StreamFrame, int]:
     """Decode a STREAM frame whose type byte sits at `pos`."""
     end = pos + _STREAM_HEAD.size
     if end > len(buf):
@@ -195,7 +198,7 @@ def decode_stream(buf: bytes, pos: int) -> tuple[StreamFrame, int]:
     return StreamFrame(stream_id, offset, buf[end:stop]), stop
 
 
-def decode_max_data(buf: bytes, pos: int) -> tuple[MaxDataFrame, int]:
+def decode_max_data(buf: Buffer, pos: int) -> tuple[MaxDataFrame, int]:
     """Decode a MAX_DATA frame whose type byte sits at `pos`."""
     end = pos + _MAX_DATA.size
     if end > len(buf):
@@ -206,7 +209,7 @@ def decode_max_data(buf: bytes, pos: int) -> tuple[MaxDataFrame, int]:
     return MaxDataFrame(value), end
 
 
-def decode_max_stream_data(buf: bytes, pos: int) -> tuple[MaxStreamDataFrame, int]:
+def decode_max_stream_data(buf: Buffer, pos: int) -> tuple[MaxStreamDataFrame, int]:
     """Decode a MAX_STREAM_DATA frame whose type byte sits at `pos`."""
     end = pos + _MAX_STREAM_DATA.size
     if end > len(buf):
@@ -217,7 +220,7 @@ def decode_max_stream_data(buf: bytes, pos: int) -> tuple[MaxStreamDataFrame, in
     return MaxStreamDataFrame(stream_id, value), end
 
 
-def decode_close(buf: bytes, pos: int) -> tuple[CloseFrame, int]:
+def decode_close(buf: Buffer, pos: int) -> tuple[CloseFrame, int]:
     """Decode a CLOSE frame whose type byte sits at `pos`."""
     end = pos + _CLOSE_HEAD.size
     if end > len(buf):
@@ -226,13 +229,13 @@ def decode_close(buf: bytes, pos: int) -> tuple[CloseFrame, int]:
     if length > MAX_CLOSE_REASON_BYTES or end + length > len(buf):
         raise RemoteProtocolError("CLOSE reason too long or truncated")
     try:
-        reason = buf[end : end + length].decode("utf-8")
+        reason = str(buf[end : end + length], "utf-8")
     except UnicodeDecodeError as exc:
         raise RemoteProtocolError("CLOSE reason is not UTF-8") from exc
     return CloseFrame(code, reason), end + length
 
 
-def decode_frames(payload: bytes) -> list[Frame]:
+def decode_frames(payload: Buffer) -> list[Frame]:
     """All frames of a decrypted payload, in order; an empty payload is an error."""
     if not payload:
         raise RemoteProtocolError("packet without frames")

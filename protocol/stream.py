@@ -162,12 +162,19 @@ class SendStream:
 
 
 class RecvStream:
-    """The receiving half of one stream: reassembly, message framing, credit to grant."""
+    """The receiving half of one stream: reassembly, message framing, credit to grant.
+
+    Contiguous bytes are kept as views into the decrypted packets until a message is whole;
+    then one join copies them out, so each message byte is copied once on the way in.
+    """
 
     __slots__ = (
-        "_buffer",
+        "_header",
         "_heap",
         "_max_message_bytes",
+        "_need",
+        "_parts",
+        "_parts_bytes",
         "_pending",
         "_window",
         "consumed",
@@ -183,11 +190,14 @@ class RecvStream:
         self._max_message_bytes = max_message_bytes
         self.consumed = 0  # contiguous bytes taken into message framing
         self.highest_offset = 0  # highest byte offset seen, for lane-wide flow control
-        self._pending: dict[int, bytes] = {}
+        self._pending: dict[int, Piece] = {}
         self._heap: list[int] = []
-        self._buffer = bytearray()
+        self._header = b""  # a message header split across packets
+        self._need = -1  # bytes of the current message, or -1 while reading its header
+        self._parts: list[Piece] = []
+        self._parts_bytes = 0
 
-    def receive(self, offset: int, data: bytes) -> list[bytes]:
+    def receive(self, offset: int, data: Piece) -> list[bytes]:
         """Take a STREAM frame's data; returns the messages it completed, in order."""
         end = offset + len(data)
         if end > self.max_stream_data:
@@ -205,7 +215,8 @@ class RecvStream:
             return []
         if offset < self.consumed:
             data = data[self.consumed - offset :]
-        messages = self._feed(data)
+        messages: list[bytes] = []
+        self._feed(data, messages)
         self._drain_pending(messages)
         return messages
 
@@ -214,40 +225,47 @@ class RecvStream:
         while heap and heap[0] <= self.consumed:
             offset = heapq.heappop(heap)
             data = pending.pop(offset)
-            end = offset + len(data)
-            if end > self.consumed:
-                messages.extend(self._feed(data[self.consumed - offset :]))
+            if offset + len(data) > self.consumed:
+                self._feed(data[self.consumed - offset :], messages)
 
-    def _feed(self, data: bytes) -> list[bytes]:
-        """Contiguous bytes in; whole messages out."""
+    def _feed(self, data: Piece, messages: list[bytes]) -> None:
+        """Contiguous bytes in; whole messages appended to `messages`."""
         self.consumed += len(data)
-        limit = self._max_message_bytes
-        messages: list[bytes] = []
-        buffer = self._buffer
-        source: bytes | bytearray
-        if buffer:
-            buffer += data
-            source = buffer
-        else:
-            source = data
-        pos, n = 0, len(source)
-        while n - pos >= MESSAGE_HEADER_BYTES:
-            (length,) = MESSAGE_HEADER.unpack_from(source, pos)
-            if length > limit:
-                raise RemoteProtocolError(
-                    f"message of {length} bytes on stream {self.stream_id} exceeds {limit}"
-                )
-            start = pos + MESSAGE_HEADER_BYTES
-            if n - start < length:
-                break
-            with memoryview(source) as view:
-                messages.append(bytes(view[start : start + length]))
-            pos = start + length
-        if source is buffer:
-            del buffer[:pos]
-        elif pos < n:
-            buffer += source[pos:]
-        return messages
+        pos, n = 0, len(data)
+        while pos < n or self._need == 0:
+            if self._need < 0:
+                if not self._header and n - pos >= MESSAGE_HEADER_BYTES:
+                    (length,) = MESSAGE_HEADER.unpack_from(data, pos)
+                    pos += MESSAGE_HEADER_BYTES
+                else:
+                    take = min(MESSAGE_HEADER_BYTES - len(self._header), n - pos)
+                    self._header += bytes(data[pos : pos + take])
+                    pos += take
+                    if len(self._header) < MESSAGE_HEADER_BYTES:
+                        return
+                    (length,) = MESSAGE_HEADER.unpack(self._header)
+                    self._header = b""
+                if length > self._max_message_bytes:
+                    raise RemoteProtocolError(
+                        f"message of {length} bytes on stream {self.stream_id} "
+                        f"exceeds {self._max_message_bytes}"
+                    )
+                self._need = length
+            need = self._need - self._parts_bytes
+            if n - pos < need:
+                if pos < n:
+                    self._parts.append(data[pos:])
+                    self._parts_bytes += n - pos
+                return
+            if self._parts:
+                self._parts.append(data[pos : pos + need])
+                messages.append(b"".join(self._parts))
+                self._parts = []
+                self._parts_bytes = 0
+            else:
+                messages.append(bytes(data[pos : pos + need]))
+            pos += need
+            self._need = -1
 
     def credit_update(self) -> int | None:
         """A new MAX_STREAM_DATA to grant once half the window was consumed, else None."""

@@ -134,7 +134,7 @@ class Transport:
 
     # --- receiving --------------------------------------------------------------------
 
-    def authenticate(self, data: bytes, now: float) -> tuple[int, bytes] | None:
+    def authenticate(self, data: bytes, now: float) -> tuple[int, memoryview] | None:
         """(packet number, plaintext) of a DATA datagram; None for a replay (counted).
 
         `newest` tells afterwards whether this packet carried the highest number yet.
@@ -156,7 +156,7 @@ class Transport:
         return number, payload
 
     def process(
-        self, number: int, payload: bytes, now: float
+        self, number: int, payload: memoryview, now: float
     ) -> tuple[list[tuple[int, bytes]], CloseFrame | None]:
         """Apply an authenticated packet's frames: (messages completed, CLOSE if any).
 
@@ -340,7 +340,21 @@ class Transport:
         ranges = self._ack_ranges.descending()
         return encode_ack(ranges, now - self._largest_received_s), ranges[0][1] - 1
 
+    def _has_work(self, now: float) -> bool:
+        """Cheap test run before each packet: is there anything at all to put in one?"""
+        if self.ping_pending or self._probe_pending or self._send_max_data:
+            return True
+        if self._send_stream_default or self._credit_streams:
+            return True
+        if self._sendable and self.cc.bytes_in_flight < self.cc.cwnd_bytes:
+            return True
+        return self._ack_pending and (
+            self._ack_now or (self._ack_at is not None and self._ack_at <= now)
+        )
+
     def _build_packet(self, now: float) -> bytes | None:
+        if not self._has_work(now):
+            return None
         budget = self.pmtu.current_bytes - PACKET_OVERHEAD_BYTES
         ack, largest_ack = b"", -1
         if self._ack_pending and self._ack_ranges:

@@ -84,3 +84,16 @@ def test_short_and_foreign_datagrams_are_refused() -> None:
     for data in (b"", b"\x04" * 10, b"\x02" + bytes(40)):
         with pytest.raises(RemoteProtocolError):
             parse_header(data)
+
+
+def test_packet_protection_is_the_noise_aead_byte_for_byte() -> None:
+    from protocol.noise import aead_decrypt, aead_encrypt
+    from protocol.packet import protect, unprotect
+
+    header, plaintext = bytes(range(14)), bytes(range(200)) * 7
+    datagram = protect(KEY_A, header, 2**40 + 3, plaintext)
+    assert datagram == header + aead_encrypt(KEY_A, 2**40 + 3, header, plaintext)
+    assert bytes(unprotect(KEY_A, datagram, 2**40 + 3)) == plaintext
+    assert aead_decrypt(KEY_A, 2**40 + 3, header, datagram[14:]) == plaintext
+    with pytest.raises(RemoteProtocolError):
+        unprotect(KEY_A, datagram, 2**40 + 4)
