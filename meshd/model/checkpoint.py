@@ -238,14 +238,17 @@ def _read_manifest(path: pathlib.Path) -> dict[str, TensorInfo]:
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CorruptCheckpoint(f"{index}: missing or malformed 'weight_map'")
-    tensors: dict[str, TensorInfo] = {}
-    for shard_name in sorted(set(weight_map.values())):
-        shard = path / shard_name
+    shard_names = sorted(set(weight_map.values()))
+    for shard_name in shard_names:
         if pathlib.PurePath(shard_name).name != shard_name:
             raise CorruptCheckpoint(f"{index}: shard name {shard_name!r} is not a plain file name")
-        if not shard.is_file():
-            raise MissingFile(f"{shard}: weights shard listed in {INDEX_FILE} not found")
-        header = read_safetensors_header(shard)
+        if not (path / shard_name).is_file():
+            raise MissingFile(
+                f"{path / shard_name}: weights shard listed in {INDEX_FILE} not found"
+            )
+    tensors: dict[str, TensorInfo] = {}
+    for shard_name in shard_names:
+        header = read_safetensors_header(path / shard_name)
         for name, file_name in weight_map.items():
             if file_name == shard_name:
                 if name not in header:

@@ -5,8 +5,9 @@ activations are `[T, hidden]` and attention runs over `[heads, T, head_dim]`. Ke
 live in an explicit positional cache owned by the caller (see `kvcache.py`): a layer writes the
 window's keys at absolute positions and attends over `[span.start, span.end)` of that cache.
 
-As in gpt-fast, q/k/v and gate/up projections are fused into one matmul each at load time; the
-checkpoint keeps the usual Hugging Face names (`decoder_layer_shapes`).
+The forward pass is plain functions over frozen weight records (no nn.Module dispatch on the
+per-token path). As in gpt-fast, q/k/v and gate/up projections are fused into one matmul each
+at load time; the checkpoint keeps the usual Hugging Face names (`decoder_layer_shapes`).
 """
 
 from __future__ import annotations
@@ -17,24 +18,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from meshd.model.config import ModelConfig, RopeConfig
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, scaled in the activation dtype (as in HF)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm: fp32 statistics, scaled in the activation dtype (as in HF)."""
+    if x.dtype == torch.float32:
+        # The fused kernel gives the same fp32 result in one op instead of six.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int, seq_len: int) -> torch.Tensor:
@@ -136,90 +131,121 @@ class LayerCache:
     v: torch.Tensor
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE over a positional KV cache."""
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's weights, q/k/v and gate/up fused; biases and q/k norms optional."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.n_heads = config.num_heads
-        self.n_kv = config.num_kv_heads
-        self.head_dim = config.head_dim
-        width = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        self.wqkv = nn.Linear(config.hidden_size, width, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(
-            self.n_heads * self.head_dim, config.hidden_size, bias=config.o_bias
+    input_norm: torch.Tensor
+    wqkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+
+    @classmethod
+    def from_checkpoint(cls, w: Mapping[str, torch.Tensor]) -> LayerWeights:
+        """Build from one layer's HF-named tensors (names relative to the layer prefix)."""
+
+        def fused(names: list[str]) -> torch.Tensor | None:
+            parts = [w.get(n) for n in names]
+            present = [t for t in parts if t is not None]
+            return torch.cat(present) if len(present) == len(parts) else None
+
+        qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+        gate_up = ["mlp.gate_proj", "mlp.up_proj"]
+        wqkv, w_gate_up = (
+            fused([f"{n}.weight" for n in qkv]),
+            fused([f"{n}.weight" for n in gate_up]),
         )
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: LayerCache,
-        span: AttnSpan,
-    ) -> torch.Tensor:
-        length = x.shape[0]
-        qkv = self.wqkv(x).view(length, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk, v = qkv[:, : self.n_heads + self.n_kv], qkv[:, self.n_heads + self.n_kv :]
-        if self.q_norm is not None and self.k_norm is not None:
-            q_part, k_part = self.q_norm(qk[:, : self.n_heads]), self.k_norm(qk[:, self.n_heads :])
-            qk = torch.cat((q_part, k_part), dim=1)
-        qk = apply_rope(qk, *rope)
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-        base_pos = span.end - length
-        cache.k[:, base_pos : span.end] = k.transpose(0, 1)
-        cache.v[:, base_pos : span.end] = v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            cache.k[None, :, span.start : span.end],
-            cache.v[None, :, span.start : span.end],
-            attn_mask=span.mask,
-            enable_gqa=self.n_kv != self.n_heads,
-        )
-        merged = out[0].transpose(0, 1).reshape(length, self.n_heads * self.head_dim)
-        projected: torch.Tensor = self.o_proj(merged)
-        return projected
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.w_gate_up = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        assert wqkv is not None and w_gate_up is not None
+        return cls(
+            input_norm=w["input_layernorm.weight"],
+            wqkv=wqkv,
+            bqkv=fused([f"{n}.bias" for n in qkv]),
+            wo=w["self_attn.o_proj.weight"],
+            bo=w.get("self_attn.o_proj.bias"),
+            q_norm=w.get("self_attn.q_norm.weight"),
+            k_norm=w.get("self_attn.k_norm.weight"),
+            post_norm=w["post_attention_layernorm.weight"],
+            w_gate_up=w_gate_up,
+            b_gate_up=fused([f"{n}.bias" for n in gate_up]),
+            w_down=w["mlp.down_proj.weight"],
+            b_down=w.get("mlp.down_proj.bias"),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
-        return out
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (for size accounting)."""
+        values = (getattr(self, f) for f in self.__slots__)
+        return [t for t in values if isinstance(t, torch.Tensor)]
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+@dataclass(frozen=True, slots=True)
+class Dims:
+    """The few numbers the forward pass needs, hoisted out of the config."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    eps: float
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: LayerCache,
-        span: AttnSpan,
-    ) -> torch.Tensor:
-        h: torch.Tensor = x + self.self_attn(self.input_layernorm(x), rope, cache, span)
-        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
-        return out
+    @classmethod
+    def of(cls, config: ModelConfig) -> Dims:
+        """Dims of `config`."""
+        return cls(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+
+
+def attention(
+    x: torch.Tensor,
+    w: LayerWeights,
+    d: Dims,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerCache,
+    span: AttnSpan,
+) -> torch.Tensor:
+    """Grouped-query self-attention with RoPE over the positional cache; `[T, hidden]`."""
+    length = x.shape[0]
+    qkv = F.linear(x, w.wqkv, w.bqkv).view(length, d.n_heads + 2 * d.n_kv, d.head_dim)
+    qk, v = qkv[:, : d.n_heads + d.n_kv], qkv[:, d.n_heads + d.n_kv :]
+    if w.q_norm is not None and w.k_norm is not None:
+        q_part = rms_norm(qk[:, : d.n_heads], w.q_norm, d.eps)
+        qk = torch.cat((q_part, rms_norm(qk[:, d.n_heads :], w.k_norm, d.eps)), dim=1)
+    qk = apply_rope(qk, *rope)
+    base_pos = span.end - length
+    cache.k[:, base_pos : span.end] = qk[:, d.n_heads :].transpose(0, 1)
+    cache.v[:, base_pos : span.end] = v.transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        qk[:, : d.n_heads].transpose(0, 1).unsqueeze(0),
+        cache.k[None, :, span.start : span.end],
+        cache.v[None, :, span.start : span.end],
+        attn_mask=span.mask,
+        enable_gqa=d.n_kv != d.n_heads,
+    )
+    return F.linear(out[0].transpose(0, 1).reshape(length, -1), w.wo, w.bo)
+
+
+def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    gate, up = F.linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w.w_down, w.b_down)
+
+
+def decoder_layer(
+    x: torch.Tensor,
+    w: LayerWeights,
+    d: Dims,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerCache,
+    span: AttnSpan,
+) -> torch.Tensor:
+    """Pre-norm residual block: attention then MLP, `[T, hidden]` in and out."""
+    h = x + attention(rms_norm(x, w.input_norm, d.eps), w, d, rope, cache, span)
+    return h + mlp(rms_norm(h, w.post_norm, d.eps), w)
 
 
 def decoder_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -248,30 +274,3 @@ def decoder_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"mlp.gate_proj.bias": (config.intermediate_size,), "mlp.down_proj.bias": (h,)}
         shapes["mlp.up_proj.bias"] = (config.intermediate_size,)
     return shapes
-
-
-def fuse_layer_weights(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map one layer's HF-named weights to this module's (fused) parameter names."""
-    fused: dict[str, torch.Tensor] = {}
-    for suffix in ("weight", "bias"):
-        qkv = [weights.get(f"self_attn.{p}_proj.{suffix}") for p in "qkv"]
-        if all(t is not None for t in qkv):
-            fused[f"self_attn.wqkv.{suffix}"] = torch.cat([t for t in qkv if t is not None])
-        gate_up = [weights.get(f"mlp.{p}_proj.{suffix}") for p in ("gate", "up")]
-        if all(t is not None for t in gate_up):
-            fused[f"mlp.w_gate_up.{suffix}"] = torch.cat([t for t in gate_up if t is not None])
-    for name, tensor in weights.items():
-        if not any(f"{p}_proj" in name for p in ("q", "k", "v", "gate", "up")):
-            fused[name] = tensor
-    return fused
-
-
-def assign_parameters(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Replace every parameter of a (meta-device) module by the given tensors, exactly once each."""
-    names = {name for name, _ in module.named_parameters()}
-    if names != set(weights):
-        missing, extra = sorted(names - set(weights)), sorted(set(weights) - names)
-        raise RuntimeError(f"parameter names differ: missing {missing}, unexpected {extra}")
-    module.load_state_dict(dict(weights), strict=True, assign=True)
-    for param in module.parameters():
-        param.requires_grad_(False)

@@ -14,37 +14,61 @@ one decoder layer with the main layers' weight names (`mtp.{k}.block.input_layer
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
-from torch import nn
+import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig
-from meshd.model.llama import AttnSpan, DecoderLayer, LayerCache, RMSNorm, decoder_layer_shapes
+from meshd.model.llama import (
+    AttnSpan,
+    Dims,
+    LayerCache,
+    LayerWeights,
+    decoder_layer,
+    decoder_layer_shapes,
+    rms_norm,
+)
 
 
-class MtpModule(nn.Module):
-    """One MTP depth: combine a token embedding with the previous depth's hidden state."""
+@dataclass(frozen=True, slots=True)
+class MtpWeights:
+    """One MTP depth: its norms, the embedding/hidden projection and its decoder block."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.enorm = RMSNorm(h, config.rms_norm_eps)
-        self.hnorm = RMSNorm(h, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(config)
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden]
+    block: LayerWeights
+    norm: torch.Tensor
 
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        prev_hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: LayerCache,
-        span: AttnSpan,
-    ) -> torch.Tensor:
-        """This depth's hidden state `h` `[T, hidden]` (before `norm`)."""
-        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
-        h: torch.Tensor = self.block(x, rope, cache, span)
-        return h
+    @classmethod
+    def from_checkpoint(cls, w: Mapping[str, torch.Tensor]) -> MtpWeights:
+        """Build from one depth's tensors, names relative to `mtp.{k}.`."""
+        block = {n.removeprefix("block."): t for n, t in w.items() if n.startswith("block.")}
+        return cls(
+            enorm=w["enorm.weight"],
+            hnorm=w["hnorm.weight"],
+            eh_proj=w["eh_proj.weight"],
+            block=LayerWeights.from_checkpoint(block),
+            norm=w["norm.weight"],
+        )
+
+
+def mtp_hidden(
+    embeds: torch.Tensor,
+    prev_hidden: torch.Tensor,
+    w: MtpWeights,
+    d: Dims,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerCache,
+    span: AttnSpan,
+) -> torch.Tensor:
+    """This depth's hidden state `h` `[T, hidden]` (before `norm`; the next depth's h_prev)."""
+    joined = torch.cat(
+        (rms_norm(embeds, w.enorm, d.eps), rms_norm(prev_hidden, w.hnorm, d.eps)), -1
+    )
+    return decoder_layer(F.linear(joined, w.eh_proj), w.block, d, rope, cache, span)
 
 
 def mtp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

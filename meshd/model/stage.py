@@ -9,7 +9,6 @@ stages computes exactly what the unsplit model computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +21,14 @@ from meshd.model.errors import InvalidInput
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     AttnSpan,
-    DecoderLayer,
-    RMSNorm,
+    Dims,
+    LayerWeights,
     Rotary,
-    assign_parameters,
+    decoder_layer,
     decoder_layer_shapes,
-    fuse_layer_weights,
+    rms_norm,
 )
-from meshd.model.mtp import MtpModule, mtp_shapes
+from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
 
 
 @dataclass(frozen=True)
@@ -123,38 +122,33 @@ class StageModel:
 
     def _load_weights(self, checkpoint: Checkpoint, n_mtp: int) -> None:
         config = self.config
+        self._dims = Dims.of(config)
         layer_names = list(decoder_layer_shapes(config))
-        self.layers: list[DecoderLayer] = []
-        for i in range(self.layer_start, self.layer_end):
-            with torch.device("meta"):
-                layer = DecoderLayer(config)
-            weights = self._fetch(checkpoint, f"model.layers.{i}.", layer_names)
-            assign_parameters(layer, fuse_layer_weights(weights))
-            self.layers.append(layer)
+        self.layers = [
+            LayerWeights.from_checkpoint(self._fetch(checkpoint, f"model.layers.{i}.", layer_names))
+            for i in range(self.layer_start, self.layer_end)
+        ]
         needs_embed = self.is_first or (self.is_last and (config.tie_word_embeddings or n_mtp > 0))
         self._embed = (
             self._fetch(checkpoint, "model.", ["embed_tokens.weight"])["embed_tokens.weight"]
             if needs_embed
             else None
         )
-        self.norm: RMSNorm | None = None
+        self._norm: torch.Tensor | None = None
         self._head: torch.Tensor | None = None
-        self.mtp: list[MtpModule] = []
+        self.mtp: list[MtpWeights] = []
         if not self.is_last:
             return
-        with torch.device("meta"):
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        assign_parameters(self.norm, self._fetch(checkpoint, "model.norm.", ["weight"]))
+        self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
         if config.tie_word_embeddings:
             self._head = self._embed
         else:
             self._head = self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
-        for k in range(n_mtp):
-            with torch.device("meta"):
-                module = MtpModule(config)
-            weights = self._fetch(checkpoint, f"mtp.{k}.", list(mtp_shapes(config)))
-            assign_parameters(module, _fuse_mtp(weights))
-            self.mtp.append(module)
+        mtp_names = list(mtp_shapes(config))
+        self.mtp = [
+            MtpWeights.from_checkpoint(self._fetch(checkpoint, f"mtp.{k}.", mtp_names))
+            for k in range(n_mtp)
+        ]
 
     def open_session(self, session_id: str, max_positions: int) -> None:
         """Allocate KV for a session (`KVBudgetExceeded` past the budget)."""
@@ -185,15 +179,14 @@ class StageModel:
         group.check_window(session_id, base_pos, length, "stage")
         rope = self._rotary.cos_sin(base_pos, length)
         spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
-        for layer, cache, window in zip(
-            self.layers, group.layers, self._layer_windows, strict=True
-        ):
-            x = layer(x, rope, cache, spans[window])
+        layers = zip(self.layers, group.layers, self._layer_windows, strict=True)
+        for weights, cache, window in layers:
+            x = decoder_layer(x, weights, self._dims, rope, cache, spans[window])
         group.valid_len = base_pos + length
-        if self.norm is None:
+        if self._norm is None:
             return StageOutput(x, None)
         last = x if logits_last_n is None else x[-logits_last_n:]
-        return StageOutput(x, self._logits(self.norm(last)))
+        return StageOutput(x, self._logits(last, self._norm))
 
     @torch.inference_mode()
     def mtp_forward(
@@ -224,14 +217,14 @@ class StageModel:
         group.check_window(session_id, base_pos, length, f"MTP depth {depth}")
         rope = self._rotary.cos_sin(base_pos, length)
         span = AttnSpan.build(base_pos, length, None, self.device)
-        module = self.mtp[depth - 1]
-        h = module(embeds, hidden, rope, group.layers[0], span)
+        weights = self.mtp[depth - 1]
+        h = mtp_hidden(embeds, hidden, weights, self._dims, rope, group.layers[0], span)
         group.valid_len = base_pos + length
-        return MtpOutput(h, self._logits(module.norm(h)))
+        return MtpOutput(h, self._logits(h, weights.norm))
 
-    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        return F.linear(normed, self._head).float()
+        return F.linear(rms_norm(hidden, norm, self._dims.eps), self._head).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._embed is None:
@@ -254,10 +247,3 @@ class StageModel:
         if not hidden.is_floating_point():
             raise InvalidInput(f"hidden states must be floating point, got {hidden.dtype}")
         return hidden.to(device=self.device, dtype=self.dtype)
-
-
-def _fuse_mtp(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    block = {k[len("block.") :]: t for k, t in weights.items() if k.startswith("block.")}
-    fused = {f"block.{k}": t for k, t in fuse_layer_weights(block).items()}
-    fused |= {k: t for k, t in weights.items() if not k.startswith("block.")}
-    return fused

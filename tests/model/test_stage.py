@@ -152,7 +152,7 @@ def test_closing_frees_kv_and_budget_is_enforced(checkpoint: Checkpoint) -> None
 def test_planner_sizes(checkpoint: Checkpoint) -> None:
     cfg = checkpoint.config
     stage = StageModel.load(checkpoint, 1, 3)
-    params = sum(p.numel() for p in stage.layers[0].parameters())
+    params = sum(t.numel() for t in stage.layers[0].tensors())
     assert stage.bytes_per_layer == layer_bytes(cfg, torch.float32) == params * 4
     assert stage.kv_bytes_per_token == 2 * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     assert StageModel.load(checkpoint, 1, 3, dtype=torch.bfloat16).bytes_per_layer == params * 2

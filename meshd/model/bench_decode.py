@@ -1,0 +1,234 @@
+"""`meshd bench decode`: meshd's decode loop vs transformers `generate()`, side by side.
+
+Single process, single node, greedy, batch 1, one checkpoint. Runs alternate (meshd,
+transformers, meshd, ...) so that noise from a shared machine hits both alike, and the median of
+each is reported with their ratio. transformers is a bench/dev extra, imported only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pathlib
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.decode import generate
+from meshd.model.stage import StageModel
+
+# Shapes for `--random-config`. "small" matches the built-in model's shape; "large" is a
+# few hundred million parameters, to show where the loop stands once matmuls dominate.
+RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
+                  tie_word_embeddings=True),
+    "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+}  # fmt: skip
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one bench run measures."""
+
+    tokens: int
+    rounds: int
+    prompt: str
+    dtype: torch.dtype
+    device: str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshd bench decode`."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model", type=pathlib.Path, help="checkpoint directory (default: built-in)"
+    )
+    source.add_argument(
+        "--random-config",
+        choices=sorted(RANDOM_CONFIGS),
+        help="write a random checkpoint of this size to a temp dir and bench it",
+    )
+    parser.add_argument("--tokens", type=int, default=None, help="new tokens per run (default 64)")
+    parser.add_argument("--rounds", type=int, default=None, help="runs of each (default 5)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and rounds (< 30 s)")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of meshd's loop")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point: resolve the checkpoint, run the interleaved comparison, report."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = BenchSettings(
+        tokens=args.tokens or (32 if args.quick else 64),
+        rounds=args.rounds or (3 if args.quick else 5),
+        prompt=args.prompt,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+    )
+    with _checkpoint_dir(args) as (directory, label):
+        report = bench(directory, settings, profile=args.profile)
+    report["model"] = label
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    return 0
+
+
+@contextlib.contextmanager
+def _checkpoint_dir(args: argparse.Namespace) -> Iterator[tuple[pathlib.Path, str]]:
+    if args.model is not None:
+        yield args.model, str(args.model)
+        return
+    builtin = builtin_model_dir()
+    name = args.random_config
+    if name is None and (builtin / "config.json").is_file():
+        yield builtin, "built-in"
+        return
+    name = name or "small"
+    with tempfile.TemporaryDirectory(prefix="meshd-bench-") as tmp:
+        write_random_checkpoint(pathlib.Path(tmp), name)
+        yield pathlib.Path(tmp), f"random-{name}"
+
+
+def write_random_checkpoint(directory: pathlib.Path, name: str, seed: int = 0) -> None:
+    """A randomly initialised Llama checkpoint of shape `RANDOM_CONFIGS[name]`."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(max_position_embeddings=4096, **RANDOM_CONFIGS[name])
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+
+
+def bench(
+    directory: pathlib.Path, settings: BenchSettings, *, profile: bool = False
+) -> dict[str, Any]:
+    """Interleaved meshd / transformers greedy runs; medians, ratio and agreement."""
+    transformers = _transformers()
+    checkpoint = Checkpoint.open(directory)
+    stage = StageModel.load(
+        checkpoint, 0, checkpoint.config.num_layers, device=settings.device, dtype=settings.dtype
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=settings.dtype, attn_implementation="sdpa"
+    ).to(settings.device)
+    hf.eval()
+    # Neither side may stop early: both decode exactly `tokens` tokens.
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    prompt = _prompt_ids(directory, settings.prompt, checkpoint.config.vocab_size)
+    input_ids = torch.tensor([prompt], device=settings.device)
+
+    def ours() -> list[int]:
+        return generate([stage], prompt, settings.tokens).tokens
+
+    def theirs() -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(input_ids, max_new_tokens=settings.tokens, do_sample=False)
+        return [int(t) for t in out[0, len(prompt) :]]
+
+    ours(), theirs()  # warm-up: allocator, kernels, lazy init
+    meshd_tok_s: list[float] = []
+    hf_tok_s: list[float] = []
+    same = True
+    for _ in range(settings.rounds):
+        for fn, rates in ((ours, meshd_tok_s), (theirs, hf_tok_s)):
+            started = time.perf_counter()
+            tokens = fn()
+            rates.append(len(tokens) / (time.perf_counter() - started))
+            if fn is ours:
+                mine = tokens
+            else:
+                same = same and tokens == mine
+    report: dict[str, Any] = {
+        "meshd_tok_s": round(statistics.median(meshd_tok_s), 2),
+        "transformers_tok_s": round(statistics.median(hf_tok_s), 2),
+        "ratio": round(statistics.median(meshd_tok_s) / statistics.median(hf_tok_s), 3),
+        "same_tokens": same,
+        "tokens": settings.tokens,
+        "rounds": settings.rounds,
+        "prompt_tokens": len(prompt),
+        "params": sum(p.numel() for p in hf.parameters()),
+        "dtype": str(settings.dtype).removeprefix("torch."),
+        "device": settings.device,
+        "threads": torch.get_num_threads(),
+        "meshd_runs_tok_s": [round(r, 2) for r in meshd_tok_s],
+        "transformers_runs_tok_s": [round(r, 2) for r in hf_tok_s],
+    }
+    if profile:
+        report["profile"] = _profile(ours)
+    return report
+
+
+def _transformers() -> Any:
+    """transformers, imported only when benchmarking (it is a bench/dev extra), kept quiet."""
+    import transformers
+
+    module: Any = transformers
+    module.logging.set_verbosity_error()
+    module.utils.logging.disable_progress_bar()
+    return module
+
+
+def _prompt_ids(directory: pathlib.Path, text: str, vocab_size: int) -> list[int]:
+    if (directory / "tokenizer.json").is_file():
+        from meshd.model.tokenizer import Tokenizer
+
+        ids = Tokenizer.open(directory).encode(text)
+        if ids:
+            return ids
+    # Random checkpoints have no tokenizer: a fixed pseudo-random prompt of 12 ids.
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab_size, (12,), generator=gen).tolist()
+
+
+def _profile(fn: Any) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+    return out.getvalue()
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    print(f"model: {report['model']} ({report['params'] / 1e6:.1f} M params)")
+    if str(report["model"]).startswith("random-"):
+        print("  (random weights written to a temp dir; speed only, the text is meaningless)")
+    print(
+        f"greedy, batch 1, {report['tokens']} new tokens after a {report['prompt_tokens']}-token "
+        f"prompt, {report['rounds']} interleaved rounds, {report['dtype']} on {report['device']} "
+        f"({report['threads']} threads)"
+    )
+    print(
+        f"  meshd         {report['meshd_tok_s']:>9.1f} tok/s  (runs: {report['meshd_runs_tok_s']})"
+    )
+    print(
+        f"  transformers  {report['transformers_tok_s']:>9.1f} tok/s  "
+        f"(runs: {report['transformers_runs_tok_s']})"
+    )
+    print(f"  ratio         {report['ratio']:>9.2f}x   same greedy tokens: {report['same_tokens']}")
+    if "profile" in report:
+        print(report["profile"])
