@@ -109,8 +109,8 @@ class LaneConfig(msgspec.Struct, frozen=True, kw_only=True):
             or self.initial_max_data_bytes < INITIAL_MAX_DATA_BYTES
         ):
             raise LocalProtocolError("LaneConfig flow control windows below the protocol floor")
-        if not 0 <= self.max_stream_id < 2**32:
-            raise LocalProtocolError("LaneConfig.max_stream_id must fit in a u32")
+        if not 0 <= self.max_stream_id < 0xFFFFFFFF:  # 0xFFFFFFFF means ALL_STREAMS
+            raise LocalProtocolError("LaneConfig.max_stream_id must be in 0..0xFFFFFFFE")
         if not 64 <= self.replay_window_packets <= 1 << 20:
             raise LocalProtocolError("LaneConfig.replay_window_packets must be in 64..2**20")
 

@@ -70,3 +70,32 @@ class LaneStats:
     key_updates: int  # how many key updates the send side went through
     pmtu_probes_sent: int
     pmtu_probes_lost: int
+
+    @classmethod
+    def before_handshake(
+        cls, max_datagram_bytes: int, initial_rtt_s: float, packets_dropped: int
+    ) -> LaneStats:
+        """The snapshot of a lane that has no keys yet: estimates at their initial values."""
+        return cls(
+            smoothed_rtt_s=initial_rtt_s,
+            rttvar_s=initial_rtt_s / 2,
+            min_rtt_s=0.0,
+            latest_rtt_s=0.0,
+            pto_s=0.0,
+            packets_sent=0,
+            packets_received=0,
+            packets_lost=0,
+            packets_replayed=0,
+            packets_dropped=packets_dropped,
+            bytes_sent=0,
+            bytes_received=0,
+            messages_sent=0,
+            messages_received=0,
+            cwnd_bytes=0,
+            bytes_in_flight=0,
+            max_datagram_bytes=max_datagram_bytes,
+            key_phase=0,
+            key_updates=0,
+            pmtu_probes_sent=0,
+            pmtu_probes_lost=0,
+        )

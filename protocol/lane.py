@@ -229,7 +229,9 @@ class Lane:
         """A snapshot of counters and estimates."""
         t = self._transport
         if t is None:
-            return _empty_stats(self._config, self._packets_dropped)
+            return LaneStats.before_handshake(
+                self._config.max_datagram_bytes, self._config.initial_rtt_s, self._packets_dropped
+            )
         rec = t.recovery
         return LaneStats(
             smoothed_rtt_s=rec.smoothed_rtt_s,
@@ -384,7 +386,9 @@ class Lane:
         if state is _State.TERMINATED:
             return None
         if state is _State.HANDSHAKE:
-            return min(self._handshake_deadline_s, self._next_retry_s or self._handshake_deadline_s)
+            if self._next_retry_s is None:
+                return self._handshake_deadline_s
+            return min(self._handshake_deadline_s, self._next_retry_s)
         if state is _State.UNCONFIRMED:
             return self._handshake_deadline_s
         if state is _State.CLOSING:
@@ -458,6 +462,7 @@ class Lane:
         if state in (_State.TERMINATED, _State.CLOSING):
             return
         if state is not _State.ESTABLISHED:
+            self._outbox.clear()  # e.g. an INITIATION not yet sent
             self._terminate(TerminationReason.CLOSED_LOCALLY, reason)
             return
         self._state = _State.CLOSING
@@ -475,29 +480,3 @@ class Lane:
         self._state = _State.TERMINATED
         self._next_retry_s = self._close_next_s = None
         self._events.append(LaneTerminated(reason, detail))
-
-
-def _empty_stats(config: LaneConfig, dropped: int) -> LaneStats:
-    return LaneStats(
-        smoothed_rtt_s=config.initial_rtt_s,
-        rttvar_s=config.initial_rtt_s / 2,
-        min_rtt_s=0.0,
-        latest_rtt_s=0.0,
-        pto_s=0.0,
-        packets_sent=0,
-        packets_received=0,
-        packets_lost=0,
-        packets_replayed=0,
-        packets_dropped=dropped,
-        bytes_sent=0,
-        bytes_received=0,
-        messages_sent=0,
-        messages_received=0,
-        cwnd_bytes=0,
-        bytes_in_flight=0,
-        max_datagram_bytes=config.max_datagram_bytes,
-        key_phase=0,
-        key_updates=0,
-        pmtu_probes_sent=0,
-        pmtu_probes_lost=0,
-    )

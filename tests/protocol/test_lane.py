@@ -9,7 +9,13 @@ import pytest
 from protocol.config import LaneConfig
 from protocol.datagram import KIND_DATA, KIND_INITIATION
 from protocol.errors import LocalProtocolError
-from protocol.lane import Lane, LaneEstablished, MessageReceived, TerminationReason
+from protocol.lane import (
+    Lane,
+    LaneEstablished,
+    LaneTerminated,
+    MessageReceived,
+    TerminationReason,
+)
 from protocol.packet import parse_header
 from tests.protocol.lane_sim import CAPABILITIES, PSK, LinkProfile, Network, pair
 
@@ -355,3 +361,28 @@ def test_events_and_datagrams_after_termination_are_inert() -> None:
     lane_b.receive_datagram(b"\x04" + bytes(40), "a", net.now)  # dropped silently
     assert lane_b.datagrams_to_send(net.now) == []
     assert not any(isinstance(e, MessageReceived) for _, e in net.nodes["b"].events)
+
+
+def test_closing_during_the_handshake_ends_at_once_and_sends_nothing() -> None:
+    net = Network()
+    net.add_node("a")
+    net.add_node("b")
+    lane = net.connect("a", "b")
+    lane.close("changed my mind")
+    assert lane.datagrams_to_send(net.now) == []
+    assert lane.next_event() == LaneTerminated(TerminationReason.CLOSED_LOCALLY, "changed my mind")
+    assert lane.stats.packets_sent == 0 and lane.get_timer() is None
+
+
+def test_one_node_holds_lanes_to_two_peers_at_once() -> None:
+    net = Network(seed=4, link=LinkProfile(loss=0.05, delay_s=0.003))
+    for name in "abc":
+        net.add_node(name)
+    to_b, to_c = net.connect("a", "b"), net.connect("a", "c")
+    net.run(until=5.0, stop=lambda: to_b.is_established and to_c.is_established)
+    to_b.send_message(0, b"for b")
+    to_c.send_message(0, b"for c")
+    net.run(until=net.now + 2.0)
+    assert [m[2] for m in net.messages("b")] == [b"for b"]
+    assert [m[2] for m in net.messages("c")] == [b"for c"]
+    assert to_b.remote_static == net.nodes["b"].static_public
