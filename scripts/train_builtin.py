@@ -65,9 +65,9 @@ class TrainConfig:
     context_tokens: int = 256
     mtp_depths: int = 2
     mtp_loss_weight: float = 0.5
-    batch_sequences: int = 32
-    steps: int = 600
-    warmup_steps: int = 50
+    batch_sequences: int = 24
+    steps: int = 420
+    warmup_steps: int = 40
     lr_peak: float = 2.5e-3
     lr_final_fraction: float = 0.1
     weight_decay: float = 0.1
@@ -131,8 +131,8 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
         if "generated" in text[:400].lower():
             continue
         files.append((rel, text))
-    if cfg.max_files:
-        files = files[: cfg.max_files]
+        if len(files) == cfg.max_files:  # tiny runs stop early; 0 never matches
+            break
     h = hashlib.sha256()
     for rel, text in files:
         h.update(rel.encode() + b"\0" + hashlib.sha256(text.encode()).digest())
@@ -362,7 +362,11 @@ class RunState:
 
 
 def train(
-    cfg: TrainConfig, out: Path, checkpoint: Path | None = None, quiet: bool = False
+    cfg: TrainConfig,
+    out: Path,
+    checkpoint: Path | None = None,
+    quiet: bool = False,
+    stop_step: int | None = None,
 ) -> dict[str, object]:
     """Build corpus, tokenizer and model, train, and write the HF directory to `out`."""
     torch.set_num_threads(cfg.threads)
@@ -399,7 +403,9 @@ def train(
     tokens_per_step = cfg.batch_sequences * cfg.context_tokens
     t_run = time.monotonic()
     start_step = state.step
-    while state.step < cfg.steps:
+    # stop_step exports an unfinished run (e.g. from a checkpoint); training_info says so.
+    last_step = cfg.steps if stop_step is None else min(stop_step, cfg.steps)
+    while state.step < last_step:
         for group in opt.param_groups:
             group["lr"] = lr_at(state.step, cfg)
         seq = batch_at(stream, state.step, cfg)
@@ -439,7 +445,8 @@ def train(
         "heldout_files": [rel for rel, _ in corpus.heldout],
         "train_documents": len(docs),
         "train_stream_tokens": len(stream),
-        "tokens_seen": cfg.steps * tokens_per_step,
+        "steps_completed": state.step,
+        "tokens_seen": state.step * tokens_per_step,
         "hyperparameters": dataclasses.asdict(cfg),
         "parameters": n_params,
         "train_seconds_this_process": round(train_s, 1),
@@ -513,6 +520,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--out", type=Path, default=Path("meshd/model/builtin"))
     p.add_argument("--tiny", action="store_true", help="a seconds-long run for tests")
     p.add_argument("--checkpoint", type=Path, default=None, help="save/resume file")
+    p.add_argument("--stop-step", type=int, default=None, help="export early at this step")
     p.add_argument(
         "--set",
         nargs="*",
@@ -534,7 +542,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_args(argv)
-    train(cfg, args.out, args.checkpoint)
+    train(cfg, args.out, args.checkpoint, stop_step=args.stop_step)
 
 
 if __name__ == "__main__":
