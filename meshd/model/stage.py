@@ -234,10 +234,13 @@ class StageModel:
                 f"expected token ids as a non-empty 1-D integer tensor, got {tokens.dtype} "
                 f"{list(tokens.shape)}"
             )
-        tokens = tokens.to(self.device)
-        if bool(((tokens < 0) | (tokens >= self.config.vocab_size)).any()):
+        # Ids from outside (the network) arrive on the CPU and are checked there; ids already on
+        # an accelerator came from our own sampler, and checking them would force a sync per step.
+        if tokens.device.type == "cpu" and bool(
+            ((tokens < 0) | (tokens >= self.config.vocab_size)).any()
+        ):
             raise InvalidInput(f"token id outside the vocabulary [0, {self.config.vocab_size})")
-        return F.embedding(tokens, self._embed)
+        return F.embedding(tokens.to(self.device), self._embed)
 
     def _hidden_input(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size or not len(hidden):
