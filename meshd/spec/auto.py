@@ -1,0 +1,217 @@
+"""`auto`: pick the strategy with the best expected time per token, per model and request.
+
+Every candidate is scored in the shadow at no network cost: whenever a window is proposed,
+each candidate drafts `window_max_tokens` tokens from the same state, and when the log grows
+those drafts are compared with what was committed. Verification is lossless and
+position-keyed, so the committed tokens are exactly what the target would have chosen, and a
+candidate's draft would have been accepted up to its first difference from them: the shadow
+score IS the acceptance that candidate would have measured (a draft shorter than the window
+counts as a reject at its end). Each candidate's per-position acceptance feeds
+`policy.choose` with the current link model; the candidate with the lowest expected seconds
+per token wins, and `disabled` wins when no candidate beats plain decoding. The reason is
+kept in `reason`.
+
+Per model: an `AcceptanceBook` shared by the sessions of one model carries the estimates
+across requests; each request starts from the book and adapts with its own EWMA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshd.spec.config import SpecConfig
+from meshd.spec.mtp import MtpHybrid, MtpProposer
+from meshd.spec.ngram import NgramCache, NgramSimple
+from meshd.spec.policy import (
+    DEFAULT_LINK,
+    AcceptanceTracker,
+    LinkModel,
+    PolicyInputs,
+    WindowPlan,
+    choose,
+)
+from meshd.spec.proposer import AccountedProposer, Proposer
+
+_MTP_STRATEGIES = ("mtp", "mtp-simple", "mtp-cache")
+# Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
+_PENDING_PER_CANDIDATE = 8
+
+
+@dataclass
+class AcceptanceBook:
+    """Per-model acceptance estimates by strategy, shared by that model's sessions."""
+
+    config: SpecConfig
+    trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)
+    has_mtp: bool = False
+
+    def tracker(self, strategy: str) -> AcceptanceTracker:
+        """The model-level tracker of `strategy` (created at the prior on first use)."""
+        found = self.trackers.get(strategy)
+        if found is None:
+            found = AcceptanceTracker(
+                max(1, self.config.window_max_tokens),
+                self.config.ewma_alpha,
+                self.config.prior_acceptance,
+            )
+            self.trackers[strategy] = found
+        return found
+
+
+@dataclass
+class _Shadow:
+    strategy: str
+    start: int  # log length when drafted: drafts[i] predicts log[start + i]
+    drafts: list[int]
+
+
+class AutoProposer(AccountedProposer):
+    """Chooses among disabled, n-gram and (when the model sends MTP drafts) MTP strategies."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        config: SpecConfig,
+        book: AcceptanceBook | None = None,
+        link: LinkModel = DEFAULT_LINK,
+    ) -> None:
+        super().__init__(config)
+        self.book = book if book is not None else AcceptanceBook(config)
+        self.link = link
+        self._width = max(1, config.window_max_tokens)
+        simple, cache, mtp = NgramSimple(config), NgramCache(config), MtpProposer(config)
+        self._parts: tuple[NgramSimple | NgramCache | MtpProposer, ...] = (simple, cache, mtp)
+        self._candidates: dict[str, Proposer] = {
+            "ngram-simple": simple,
+            "ngram-cache": cache,
+            "mtp": mtp,
+            "mtp-simple": MtpHybrid("mtp-simple", config, mtp, simple, owns_parts=False),
+            "mtp-cache": MtpHybrid("mtp-cache", config, mtp, cache, owns_parts=False),
+        }
+        self._tokens: list[int] = []
+        self._pending: list[_Shadow] = []
+        self._trackers: dict[str, AcceptanceTracker] = {}
+        self.choice = "disabled"
+        self.reason = "nothing measured yet"
+        self.plan: WindowPlan | None = None
+        self.reset(())
+
+    @property
+    def active(self) -> str:
+        """The strategy drafting now."""
+        return self.choice
+
+    def set_link(self, link: LinkModel) -> None:
+        """Update the measured route costs used to compare strategies."""
+        self.link = link
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """New request: reset every part and start each estimate from the model's book."""
+        self._clear_stats()
+        for part in self._parts:
+            part.reset(prompt)
+        self._tokens = [int(t) for t in prompt]
+        self._pending = []
+        self._trackers = {name: self.book.tracker(name).copy() for name in self._candidates}
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Feed every part and score the shadow drafts that the new tokens settle."""
+        for part in self._parts:
+            part.observe(committed)
+        self._tokens.extend(int(t) for t in committed)
+        self._score()
+
+    def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
+        """Shadow-draft with every candidate, re-decide, return the winner's drafts."""
+        if mtp_draft:
+            self.book.has_mtp = True
+        start = len(self._tokens)
+        drafts: dict[str, list[int]] = {}
+        for name in self._available():
+            drafts[name] = self._candidates[name].propose(self._width, mtp_draft)
+            self._pending = [
+                s for s in self._pending if not (s.strategy == name and s.start == start)
+            ]
+            self._pending.append(_Shadow(name, start, drafts[name]))
+        self._trim_pending()
+        self._decide()
+        if self.choice == "disabled":
+            return []
+        return drafts[self.choice][: max(0, max_tokens)]
+
+    def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
+        """The current choice's drafts after log + `assumed`."""
+        if self.choice == "disabled":
+            return []
+        return self._candidates[self.choice].propose_after(assumed, max_tokens)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Count real windows (the estimates come from shadow scoring, which covers them)."""
+        if drafted > 0:
+            self.stats.drafted += drafted
+            self.stats.accepted += accepted
+            self.stats.windows += 1
+
+    def acceptance(self) -> tuple[float, ...]:
+        """The current choice's per-position estimate ((0.0,) while disabled)."""
+        if self.choice == "disabled":
+            return (0.0,)
+        return self._trackers[self.choice].per_position()
+
+    def estimate(self, strategy: str) -> tuple[float, ...]:
+        """This request's per-position acceptance estimate for a candidate strategy."""
+        return self._trackers[strategy].per_position()
+
+    def _available(self) -> list[str]:
+        names = ["ngram-simple", "ngram-cache"]
+        if self.book.has_mtp and self.config.mtp_depth > 0:
+            names.extend(_MTP_STRATEGIES)
+        return names
+
+    def _score(self) -> None:
+        log = self._tokens
+        waiting: list[_Shadow] = []
+        for shadow in self._pending:
+            seen = len(log) - shadow.start
+            matched = 0
+            settled = False
+            for j, token in enumerate(shadow.drafts[:seen]):
+                if log[shadow.start + j] != token:
+                    settled = True
+                    break
+                matched += 1
+            if settled or matched == len(shadow.drafts):
+                self._trackers[shadow.strategy].update(self._width, matched)
+                self.book.tracker(shadow.strategy).update(self._width, matched)
+            else:
+                waiting.append(shadow)
+        self._pending = waiting
+
+    def _trim_pending(self) -> None:
+        limit = _PENDING_PER_CANDIDATE * len(self._candidates)
+        if len(self._pending) > limit:
+            self._pending = self._pending[-limit:]
+
+    def _decide(self) -> None:
+        best_name, best_plan = "disabled", None
+        fallback: WindowPlan | None = None
+        for name in self._available():
+            plan = choose(PolicyInputs(self.link, self._trackers[name].per_position()), self.config)
+            if fallback is None:
+                fallback = plan
+            if plan.width > 0 and (
+                best_plan is None or plan.expected_s_per_token < best_plan.expected_s_per_token
+            ):
+                best_name, best_plan = name, plan
+        alphas = ", ".join(
+            f"{name} α₁={self._trackers[name].per_position()[0]:.2f}" for name in self._available()
+        )
+        if best_plan is None:
+            self.choice, self.plan = "disabled", fallback
+            tail = fallback.reason if fallback is not None else ""
+            self.reason = f"disabled: no strategy pays ({alphas}); {tail}"
+        else:
+            self.choice, self.plan = best_name, best_plan
+            self.reason = f"{best_name} ({alphas}): {best_plan.reason}"

@@ -1,0 +1,214 @@
+"""Window width and pipeline depth from a cost model of the route and measured acceptance.
+
+Notation (all times in seconds, compute summed over the route's stages):
+
+    C(k)  = a + b·(k+1)                  one pass over a window of k drafts (+1 context token)
+    L     = sessions sharing the stages; a pass waits behind the others: C_L(k) = L·C(k)
+    T(k)  = R + C_L(k)                   one verify round trip (R: Σ hop RTT + protocol cost)
+    P_i   = α_1·…·α_i  (P_0 = 1)         chance that the first i drafts are all accepted
+    E(k)  = Σ_{i=0..k} P_i               tokens committed per window (= (1−α^{k+1})/(1−α))
+    p(k)  = P_{k+1}                      window fully accepted and the next window's assumed
+                                         bonus token right: only then is a pipelined window used
+
+Depth 1 spends T(k) per window. With d windows in flight the replies of a chain of fully
+accepted windows come Δ = max(T/d, C_L/S) apart (S stages; the slowest stage bounds the
+rate); a reject restarts the chain: T plus one stale pass still in progress per stage (C_L/S),
+and, when other sessions share the stages, half of each of the d−1 stale windows' compute is
+stolen from them. The expected time per window is then
+
+    τ(k, d) = p·Δ + (1−p)·(T + C_L/S + (d−1)·C(k)/2·(L−1)/L)     (d > 1),   τ(k, 1) = T(k)
+
+and the plan minimises τ/E over k in [window_min, window_max] and d in [1, max_depth],
+against the baseline τ(0, 1)/1 = T(0). It speculates only when that beats the baseline by
+`min_speedup`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshd.spec.config import SpecConfig
+
+# Acceptance is kept below 1 so E and p stay finite-sample honest.
+_ALPHA_CAP = 0.999
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Measured costs of one verify window on the current route.
+
+    `rtt_s` is the fixed cost per window (Σ hop round trips + protocol cost); one pass over
+    w positions costs `pass_fixed_s + pass_per_token_s·w` of compute summed over all stages.
+    `concurrent_sessions` counts the sessions sharing these stages, this one included.
+    """
+
+    rtt_s: float
+    pass_fixed_s: float
+    pass_per_token_s: float
+    stages: int = 1
+    concurrent_sessions: int = 1
+
+    def compute_s(self, width: int) -> float:
+        """Compute of one pass over a window of `width` drafts, summed over the stages."""
+        return self.pass_fixed_s + self.pass_per_token_s * (width + 1)
+
+
+# Used by `auto` until the coordinator has measured the route: a two-stage LAN.
+DEFAULT_LINK = LinkModel(rtt_s=0.004, pass_fixed_s=0.010, pass_per_token_s=0.001, stages=2)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInputs:
+    """A route's costs and the per-position acceptance α_j (j = 1, 2, …; the last repeats)."""
+
+    link: LinkModel
+    acceptance: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPlan:
+    """The chosen width (drafts per window, 0 = no speculation) and depth, and why."""
+
+    width: int
+    depth: int
+    expected_tokens: float
+    expected_s_per_token: float
+    baseline_s_per_token: float
+    reason: str
+
+
+def _prefix_products(acceptance: Sequence[float], count: int) -> list[float]:
+    """P_0..P_count, with α clamped to [0, cap] and its last value repeated."""
+    alphas = [min(max(float(a), 0.0), _ALPHA_CAP) for a in acceptance] or [0.0]
+    products = [1.0]
+    for i in range(count):
+        products.append(products[-1] * alphas[min(i, len(alphas) - 1)])
+    return products
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def choose(inputs: PolicyInputs, config: SpecConfig) -> WindowPlan:
+    """The (width, depth) minimising expected seconds per committed token; pure and cheap."""
+    link = inputs.link
+    load = max(1, link.concurrent_sessions)
+    stages = max(1, link.stages)
+    rtt = max(0.0, link.rtt_s)
+    k_max = config.window_max_tokens
+    products = _prefix_products(inputs.acceptance, k_max + 1)
+    baseline = rtt + load * link.compute_s(0)
+    best = (baseline, 0, 1, 1.0)
+    stolen = (load - 1) / load / 2.0
+    expected = 1.0
+    for k in range(1, k_max + 1):
+        expected += products[k]
+        if k < config.window_min_tokens:
+            continue
+        compute = link.compute_s(k)
+        loaded = load * compute
+        round_trip = rtt + loaded
+        full = products[k + 1]
+        for depth in range(1, config.max_pipeline_depth + 1):
+            if depth == 1:
+                per_window = round_trip
+            else:
+                spacing = max(round_trip / depth, loaded / stages)
+                restart = round_trip + loaded / stages + (depth - 1) * compute * stolen
+                per_window = full * spacing + (1.0 - full) * restart
+            per_token = per_window / expected
+            if per_token < best[0] * (1.0 - 1e-9):
+                best = (per_token, k, depth, expected)
+    per_token, k, depth, expected = best
+    alpha1 = products[1]
+    if k > 0 and per_token * config.min_speedup > baseline:
+        return WindowPlan(0, 1, 1.0, baseline, baseline, _no_gain(link, alpha1, best, baseline))
+    if k == 0:
+        why = (
+            "window_max_tokens is 0"
+            if k_max == 0 or config.window_min_tokens > k_max
+            else f"no width beats {_ms(baseline)}/token without speculation"
+        )
+        reason = f"no speculation: {why} (rtt {_ms(rtt)}, compute {_ms(link.compute_s(0))}, α₁={alpha1:.2f})"
+        return WindowPlan(0, 1, 1.0, baseline, baseline, reason)
+    return WindowPlan(
+        k, depth, expected, per_token, baseline, _why(link, alpha1, best, baseline, products)
+    )
+
+
+def _load_words(link: LinkModel) -> str:
+    n = link.concurrent_sessions
+    return f", {n} sessions share the stages" if n > 1 else ""
+
+
+def _why(
+    link: LinkModel,
+    alpha1: float,
+    best: tuple[float, int, int, float],
+    baseline: float,
+    products: list[float],
+) -> str:
+    per_token, k, depth, expected = best
+    rtt, compute = link.rtt_s, link.compute_s(k)
+    if rtt >= compute:
+        balance = f"rtt {_ms(rtt)} dominates compute {_ms(compute)}"
+    else:
+        balance = f"compute {_ms(compute)} dominates rtt {_ms(rtt)}"
+    chain = f", whole-window accept {products[k + 1]:.2f}" if depth > 1 else ""
+    return (
+        f"{balance}{_load_words(link)}; α₁={alpha1:.2f} → k={k} commits {expected:.2f} "
+        f"tok/window, depth {depth}{chain}; {_ms(per_token)}/token vs {_ms(baseline)} without"
+    )
+
+
+def _no_gain(
+    link: LinkModel, alpha1: float, best: tuple[float, int, int, float], baseline: float
+) -> str:
+    per_token, k, depth, _ = best
+    return (
+        f"no speculation: best k={k} depth {depth} gives {_ms(per_token)}/token vs "
+        f"{_ms(baseline)} without, below the min_speedup margin (rtt {_ms(link.rtt_s)}, "
+        f"compute {_ms(link.compute_s(k))}{_load_words(link)}, α₁={alpha1:.2f})"
+    )
+
+
+class AcceptanceTracker:
+    """EWMA of the acceptance at each draft position, from verdicts (or shadow scoring).
+
+    α_j estimates P(draft j accepted | drafts 1..j−1 accepted). A verdict that accepted `a` of
+    `n` drafts is a success at positions 1..a and, when a < n, a failure at position a+1;
+    deeper positions were not tested and keep their estimate.
+    """
+
+    def __init__(self, positions: int, ewma_alpha: float, prior: float) -> None:
+        if positions < 1:
+            raise ValueError(f"positions must be >= 1, got {positions}")
+        self.ewma_alpha = ewma_alpha
+        self._alpha = [prior] * positions
+        self.samples = 0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Fold in one window: `accepted` of `drafted` drafts were accepted."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}/{drafted}")
+        w = self.ewma_alpha
+        alphas = self._alpha
+        for j in range(min(accepted, len(alphas))):
+            alphas[j] += w * (1.0 - alphas[j])
+        if accepted < drafted and accepted < len(alphas):
+            alphas[accepted] -= w * alphas[accepted]
+        if drafted:
+            self.samples += 1
+
+    def per_position(self) -> tuple[float, ...]:
+        """(α_1, α_2, …) for `PolicyInputs.acceptance`."""
+        return tuple(self._alpha)
+
+    def copy(self) -> AcceptanceTracker:
+        """An independent tracker starting from this one's estimates."""
+        twin = AcceptanceTracker(len(self._alpha), self.ewma_alpha, 0.0)
+        twin._alpha = list(self._alpha)
+        twin.samples = self.samples
+        return twin

@@ -1,0 +1,126 @@
+"""The proposer interface, per-proposer accounting, and the `disabled` strategy.
+
+Acceptance has exactly one definition everywhere in meshd: accepted draft tokens divided by
+drafted tokens (tokens sent as drafts in verify windows). The bonus token a window always
+commits is not a draft and counts in neither figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshd.spec.config import SpecConfig
+from meshd.spec.policy import AcceptanceTracker
+
+
+@dataclass
+class ProposerStats:
+    """Drafted and accepted token counts of one request, and the windows they came in."""
+
+    drafted: int = 0
+    accepted: int = 0
+    windows: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        """accepted / drafted, or None before anything was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
+
+class Proposer(Protocol):
+    """Drafts tokens for verify windows. One instance serves one session at a time."""
+
+    name: str
+    stats: ProposerStats
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start a new request: clear per-request state and index `prompt`."""
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Tokens just committed to the session's log, in order."""
+
+    def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
+        """Up to `max_tokens` drafts after the last committed token.
+
+        `mtp_draft` is the MTP draft the last stage sent with the latest reply (tokens after
+        the last committed one); strategies that do not use MTP ignore it.
+        """
+
+    def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` drafts after the log plus `assumed` (tokens not yet verified,
+        for a pipelined window sent before the previous reply)."""
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verdict on one window of this proposer's drafts: `accepted` of `drafted`."""
+
+    def acceptance(self) -> tuple[float, ...]:
+        """Per-position acceptance estimate (α_1, α_2, …) for `policy.choose`."""
+
+    @property
+    def active(self) -> str:
+        """The strategy that drafts now (differs from `name` only for `auto`)."""
+
+
+class AccountedProposer:
+    """Shared bookkeeping: per-request stats and a per-position acceptance EWMA.
+
+    The EWMA survives `reset` (what a model's text tends to repeat is knowledge worth keeping
+    between requests of one session); the stats do not (they are per request).
+    """
+
+    name = "abstract"
+
+    def __init__(self, config: SpecConfig) -> None:
+        self.config = config
+        self.stats = ProposerStats()
+        self.tracker = AcceptanceTracker(
+            max(1, config.window_max_tokens), config.ewma_alpha, config.prior_acceptance
+        )
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verdict on one window of this proposer's drafts: `accepted` of `drafted`."""
+        if drafted <= 0:
+            return
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        self.stats.windows += 1
+        self.tracker.update(drafted, accepted)
+
+    def acceptance(self) -> tuple[float, ...]:
+        """Per-position acceptance estimate (α_1, α_2, …) for `policy.choose`."""
+        return self.tracker.per_position()
+
+    @property
+    def active(self) -> str:
+        """The strategy that drafts now."""
+        return self.name
+
+    def _clear_stats(self) -> None:
+        self.stats = ProposerStats()
+
+
+class DisabledProposer(AccountedProposer):
+    """Never drafts: every window is [last committed token] and commits exactly one token."""
+
+    name = "disabled"
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Start a new request."""
+        self._clear_stats()
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Nothing to learn."""
+
+    def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
+        """No drafts."""
+        return []
+
+    def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
+        """No drafts."""
+        return []
+
+    def acceptance(self) -> tuple[float, ...]:
+        """Nothing is ever accepted."""
+        return (0.0,)

@@ -1,0 +1,75 @@
+"""Strategy names → proposers. See `proposer.py` for the interface and the acceptance definition.
+
+| strategy       | drafts                                                             |
+|----------------|--------------------------------------------------------------------|
+| `disabled`     | none                                                               |
+| `ngram-simple` | continuation of the most recent earlier occurrence of the suffix   |
+| `ngram-cache`  | most frequent continuation chain from per-request n-gram counts    |
+| `mtp`          | the MTP draft the last stage sent with the previous reply          |
+| `mtp-simple`   | MTP draft + ngram-simple tail of up to `extension_tokens`          |
+| `mtp-cache`    | MTP draft + ngram-cache tail of up to `extension_tokens`           |
+| `auto`         | whichever of the above the cost model expects to be fastest        |
+"""
+
+from __future__ import annotations
+
+from meshd.spec.auto import AcceptanceBook, AutoProposer
+from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.spec.mtp import MtpHybrid, MtpProposer
+from meshd.spec.ngram import NgramCache, NgramSimple
+from meshd.spec.policy import DEFAULT_LINK, LinkModel
+from meshd.spec.proposer import (
+    AccountedProposer,
+    DisabledProposer,
+    Proposer,
+    ProposerStats,
+)
+
+__all__ = [
+    "AcceptanceBook",
+    "AccountedProposer",
+    "AutoProposer",
+    "DisabledProposer",
+    "MtpHybrid",
+    "MtpProposer",
+    "NgramCache",
+    "NgramSimple",
+    "Proposer",
+    "ProposerStats",
+    "UnknownStrategyError",
+    "make_proposer",
+]
+
+
+class UnknownStrategyError(ValueError):
+    """The strategy name is not one of `config.STRATEGIES`."""
+
+
+def make_proposer(
+    strategy: str,
+    config: SpecConfig,
+    *,
+    book: AcceptanceBook | None = None,
+    link: LinkModel = DEFAULT_LINK,
+) -> Proposer:
+    """A fresh proposer for `strategy` (call `reset(prompt)` before each request).
+
+    `book` (per model) and `link` (measured route costs) are used by `auto` only.
+    """
+    if strategy == "disabled":
+        return DisabledProposer(config)
+    if strategy == "ngram-simple":
+        return NgramSimple(config)
+    if strategy == "ngram-cache":
+        return NgramCache(config)
+    if strategy == "mtp":
+        return MtpProposer(config)
+    if strategy == "mtp-simple":
+        return MtpHybrid(strategy, config, MtpProposer(config), NgramSimple(config))
+    if strategy == "mtp-cache":
+        return MtpHybrid(strategy, config, MtpProposer(config), NgramCache(config))
+    if strategy == "auto":
+        return AutoProposer(config, book, link)
+    raise UnknownStrategyError(
+        f"unknown speculative strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
+    )
