@@ -131,7 +131,10 @@ def choose(inputs: PolicyInputs, config: SpecConfig) -> WindowPlan:
             if k_max == 0 or config.window_min_tokens > k_max
             else f"no width beats {_ms(baseline)}/token without speculation"
         )
-        reason = f"no speculation: {why} (rtt {_ms(rtt)}, compute {_ms(link.compute_s(0))}, α₁={alpha1:.2f})"
+        reason = (
+            f"no speculation: {why} (rtt {_ms(rtt)}, compute {_ms(load * link.compute_s(0))}"
+            f"{_load_words(link)}, α₁={alpha1:.2f})"
+        )
         return WindowPlan(0, 1, 1.0, baseline, baseline, reason)
     return WindowPlan(
         k, depth, expected, per_token, baseline, _why(link, alpha1, best, baseline, products)
@@ -140,7 +143,7 @@ def choose(inputs: PolicyInputs, config: SpecConfig) -> WindowPlan:
 
 def _load_words(link: LinkModel) -> str:
     n = link.concurrent_sessions
-    return f", {n} sessions share the stages" if n > 1 else ""
+    return f" ({n} sessions share the stages)" if n > 1 else ""
 
 
 def _why(
@@ -151,14 +154,15 @@ def _why(
     products: list[float],
 ) -> str:
     per_token, k, depth, expected = best
-    rtt, compute = link.rtt_s, link.compute_s(k)
+    rtt, compute = link.rtt_s, link.concurrent_sessions * link.compute_s(k)
+    compute_words = f"compute {_ms(compute)}{_load_words(link)}"
     if rtt >= compute:
-        balance = f"rtt {_ms(rtt)} dominates compute {_ms(compute)}"
+        balance = f"rtt {_ms(rtt)} dominates {compute_words}"
     else:
-        balance = f"compute {_ms(compute)} dominates rtt {_ms(rtt)}"
+        balance = f"{compute_words} dominates rtt {_ms(rtt)}"
     chain = f", whole-window accept {products[k + 1]:.2f}" if depth > 1 else ""
     return (
-        f"{balance}{_load_words(link)}; α₁={alpha1:.2f} → k={k} commits {expected:.2f} "
+        f"{balance}; α₁={alpha1:.2f} → k={k} commits {expected:.2f} "
         f"tok/window, depth {depth}{chain}; {_ms(per_token)}/token vs {_ms(baseline)} without"
     )
 
@@ -170,7 +174,8 @@ def _no_gain(
     return (
         f"no speculation: best k={k} depth {depth} gives {_ms(per_token)}/token vs "
         f"{_ms(baseline)} without, below the min_speedup margin (rtt {_ms(link.rtt_s)}, "
-        f"compute {_ms(link.compute_s(k))}{_load_words(link)}, α₁={alpha1:.2f})"
+        f"compute {_ms(link.concurrent_sessions * link.compute_s(k))}{_load_words(link)}, "
+        f"α₁={alpha1:.2f})"
     )
 
 
