@@ -1,0 +1,127 @@
+"""An in-process pipeline on loopback: real lanes, real stage hosts, one coordinator.
+
+Each node is a UDP endpoint with a peer table; stage nodes host a `StageModel`. The
+coordinator lives on the first stage's node (as a daemon receiving a request would when it
+hosts stage 0). Latency between nodes is emulated in userspace on every endpoint's send path
+(`rtt_s / 2` each way), since this kernel has no netem. Used by tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import pathlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import trio
+from nacl.bindings import crypto_scalarmult_base
+from nacl.utils import random as nacl_random
+
+from meshd.coord.pipeline import Coordinator
+from meshd.coord.route import Route, RouteStage
+from meshd.mesh.peers import PeerTable
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.stage import StageModel
+from meshd.net.emulator import LinkProfile
+from meshd.net.endpoint import open_endpoint
+from meshd.stage.host import StageHost
+from protocol.messages import DType, Message, StageError, VerifyReply
+
+
+@dataclass
+class LocalNode:
+    """One node of the local pipeline."""
+
+    key: bytes
+    peers: PeerTable
+    host: StageHost | None
+
+
+@dataclass
+class LocalPipeline:
+    """What `open_local_pipeline` yields."""
+
+    coordinator: Coordinator
+    route: Route
+    nodes: list[LocalNode]
+    checkpoint: Checkpoint
+
+    @property
+    def hosts(self) -> list[StageHost]:
+        """The stage hosts in pipeline order."""
+        return [n.host for n in self.nodes if n.host is not None]
+
+
+def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges of near-equal size."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    bounds = [round(i * num_layers / stages) for i in range(stages + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+@contextlib.asynccontextmanager
+async def open_local_pipeline(
+    model_dir: str | pathlib.Path,
+    stages: int,
+    *,
+    rtt_s: float = 0.0,
+    wire_dtype: DType = "f32",
+    dtype: torch.dtype = torch.float32,
+    eos_ids: frozenset[int] = frozenset(),
+    split: Sequence[tuple[int, int]] | None = None,
+    use_thread: bool = True,
+) -> AsyncIterator[LocalPipeline]:
+    """Start `stages` stage nodes on loopback and a coordinator on the first one."""
+    checkpoint = Checkpoint.open(model_dir)
+    ranges = list(split) if split is not None else even_split(checkpoint.config.num_layers, stages)
+    psk = nacl_random(32)
+    egress = LinkProfile(delay_s=rtt_s / 2) if rtt_s > 0 else None
+    keys = [nacl_random(32) for _ in ranges]
+    publics = [crypto_scalarmult_base(k) for k in keys]
+    nodes: list[LocalNode] = []
+    async with contextlib.AsyncExitStack() as stack:
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        endpoints = [
+            await stack.enter_async_context(open_endpoint(static_private=k, psk=psk, egress=egress))
+            for k in keys
+        ]
+        for index, (lo, hi) in enumerate(ranges):
+            stage = StageModel.load(checkpoint, lo, hi, device="cpu", dtype=dtype)
+            holder: dict[str, object] = {}
+
+            def dispatch(
+                message: Message, sender: bytes, holder: dict[str, object] = holder
+            ) -> None:
+                if isinstance(message, VerifyReply | StageError):
+                    coordinator = holder.get("coord")
+                    if isinstance(coordinator, Coordinator):
+                        coordinator.handle(message, sender)
+                else:
+                    host = holder["host"]
+                    assert isinstance(host, StageHost)
+                    host.handle(message, sender)
+
+            peers = PeerTable(endpoints[index], publics[index], dispatch)
+            host = StageHost(stage, peers, eos_ids=eos_ids, use_thread=use_thread)
+            holder["host"] = host
+            if index == 0:
+                coordinator = Coordinator(peers, publics[0], wire_dtype=wire_dtype)
+                holder["coord"] = coordinator
+                peers.on_lane_lost = lambda key, _lane, c=coordinator: c.peer_lost(key)
+            nodes.append(LocalNode(publics[index], peers, host))
+            await nursery.start(peers.run)
+            nursery.start_soon(host.run)
+        for node in nodes:
+            for other, endpoint in zip(nodes, endpoints, strict=True):
+                node.peers.addresses[other.key] = endpoint.local_address
+        route = Route(
+            checkpoint.model_id,
+            tuple(RouteStage(n.key, lo, hi) for n, (lo, hi) in zip(nodes, ranges, strict=True)),
+        )
+        try:
+            yield LocalPipeline(coordinator, route, nodes, checkpoint)
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,403 @@
+"""The coordinator: drives one request's verify windows through a route of stages.
+
+It owns the session's token log, the proposer, the windows in flight and the sampling
+configuration (randomness is keyed by seed and position, so the last stage samples
+statelessly). Window n+1 may leave before reply n arrives, assuming window n is accepted in
+full and guessing its bonus token; a reply that disproves the assumption bumps the epoch,
+tells every stage to drop older work (`Rollback`), and costs at most one extra round trip.
+KV is positional, so nothing on the stages needs undoing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from meshd.coord.costs import RouteCosts
+from meshd.coord.route import Route
+from meshd.spec.config import SpecConfig
+from meshd.spec.policy import PolicyInputs, WindowPlan, choose
+from meshd.spec.proposers import make_proposer
+from meshd.spec.sampling import clip_drafts
+from meshd.spec.telemetry import Recorder, SpecTelemetry
+from protocol.messages import (
+    CloseSession,
+    DType,
+    Message,
+    OpenSession,
+    Rollback,
+    Sampling,
+    StageError,
+    VerifyReply,
+    VerifyWindow,
+)
+
+log = logging.getLogger(__name__)
+
+MTP_STRATEGIES = frozenset({"mtp", "mtp-simple", "mtp-cache", "auto"})
+
+# Called with each batch of newly committed tokens; returning False stops generation early
+# (a stop sequence matched, or the client went away).
+OnTokens = Callable[[list[int]], Awaitable[bool | None]]
+
+
+class RouteFailed(Exception):
+    """A stage failed or became unreachable; `committed` holds what was generated so far."""
+
+    def __init__(self, message: str, committed: Sequence[int] = (), node_key: bytes = b"") -> None:
+        super().__init__(message)
+        self.committed = list(committed)
+        self.node_key = node_key
+
+
+class Sender(Protocol):
+    """What the coordinator needs of the node's peer table."""
+
+    async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: prompt token ids, limits, sampling and speculation settings."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    eos_ids: frozenset[int] = frozenset()
+    mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
+
+
+@dataclass
+class GenerationResult:
+    """What came out: generated token ids (no EOS), why it stopped, and telemetry."""
+
+    tokens: list[int]
+    finish_reason: str  # "stop" (EOS or asked to stop) or "length"
+    telemetry: SpecTelemetry
+
+
+@dataclass
+class _Window:
+    window_id: int
+    base_pos: int
+    tokens: list[int]
+    n_draft: int
+    sent_s: float
+
+
+@dataclass
+class _Live:
+    session: str
+    route: Route
+    replies: trio.MemorySendChannel[VerifyReply | StageError | RouteFailed]
+    inbox: trio.MemoryReceiveChannel[VerifyReply | StageError | RouteFailed]
+
+
+class Coordinator:
+    """Runs requests over routes; `handle` takes the replies the node's peer table receives."""
+
+    def __init__(
+        self,
+        sender: Sender,
+        own_key: bytes,
+        *,
+        prefill_chunk_tokens: int = 256,
+        wire_dtype: DType = "f16",
+        reply_timeout_s: float = 30.0,
+    ) -> None:
+        self.sender = sender
+        self.own_key = own_key
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.wire_dtype = wire_dtype
+        self.reply_timeout_s = reply_timeout_s
+        self._live: dict[str, _Live] = {}
+        self._costs: dict[tuple[bytes, ...], RouteCosts] = {}
+
+    @property
+    def sessions_in_flight(self) -> int:
+        """Requests being generated now."""
+        return len(self._live)
+
+    def handle(self, message: Message, sender_key: bytes) -> None:
+        """A reply or error from a stage: hand it to its session (unknown sessions: dropped)."""
+        if isinstance(message, VerifyReply | StageError):
+            live = self._live.get(message.session)
+            if live is not None:
+                live.replies.send_nowait(message)
+
+    def peer_lost(self, key: bytes) -> None:
+        """A lane died: fail at once every session whose route uses that node."""
+        for live in self._live.values():
+            if key in live.route.keys:
+                live.replies.send_nowait(RouteFailed("stage node unreachable", node_key=key))
+
+    async def generate(
+        self, route: Route, request: GenerationRequest, on_tokens: OnTokens
+    ) -> GenerationResult:
+        """Generate for `request` over `route`, reporting tokens as they commit.
+
+        Raises RouteFailed (with the tokens committed so far) if a stage fails or dies.
+        """
+        send, receive = trio.open_memory_channel[VerifyReply | StageError | RouteFailed](math.inf)
+        live = _Live(secrets.token_hex(8), route, send, receive)
+        self._live[live.session] = live
+        try:
+            return await _Run(self, live, request, on_tokens).run()
+        finally:
+            del self._live[live.session]
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                for key in route.keys:
+                    try:
+                        await self.sender.send(key, CloseSession(live.session))
+                    except Exception as exc:  # the node may be gone; its KV went with it
+                        log.debug("close on %s failed: %s", key.hex()[:16], exc)
+
+    def costs(self, route: Route) -> RouteCosts:
+        """Measured costs of a route (kept across requests)."""
+        key = route.keys
+        if key not in self._costs:
+            self._costs[key] = RouteCosts(stages=len(route.stages))
+        return self._costs[key]
+
+
+class _Run:
+    """One request's decode loop (state that lives exactly as long as the request)."""
+
+    def __init__(
+        self, coord: Coordinator, live: _Live, request: GenerationRequest, on_tokens: OnTokens
+    ) -> None:
+        self.coord = coord
+        self.live = live
+        self.req = request
+        self.on_tokens = on_tokens
+        self.spec = request.spec
+        self.use_mtp = request.mtp_depth > 0 and self.spec.strategy in MTP_STRATEGIES
+        self.mtp_tokens = min(request.mtp_depth, self.spec.mtp_depth) if self.use_mtp else 0
+        self.costs = coord.costs(live.route)
+        self.proposer = make_proposer(self.spec.strategy, self.spec, link=self.costs.link_model())
+        self.recorder = Recorder(self.spec.strategy)
+        self.epoch = 0
+        self.next_window_id = 0
+        self.generated: list[int] = []
+        self.last_token = -1
+        self.in_flight: deque[_Window] = deque()
+        self.mtp_draft: list[int] = []
+        self.finish_reason = "length"
+
+    async def run(self) -> GenerationResult:
+        prompt = list(self.req.prompt)
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        await self._open(len(prompt))
+        self.proposer.reset(prompt)
+        first = await self._prefill(prompt)
+        decode_start = time.perf_counter()
+        done = await self._commit([first], eos=first in self.req.eos_ids)
+        while not done:
+            plan = self._plan()
+            await self._fill(plan)
+            if not self.in_flight:
+                break
+            done = await self._on_reply(await self._reply())
+            self.recorder.decode_elapsed(time.perf_counter() - decode_start)
+        return GenerationResult(self.generated, self.finish_reason, self.recorder.snapshot())
+
+    # -- session set-up -----------------------------------------------------------------
+    async def _open(self, prompt_len: int) -> None:
+        route = self.live.route
+        lookahead = (self.spec.window_max_tokens + 1) * max(1, self.spec.max_pipeline_depth)
+        max_positions = prompt_len + self.req.max_tokens + lookahead + 8
+        for index, stage in enumerate(route.stages):
+            last = index == len(route.stages) - 1
+            message = OpenSession(
+                session=self.live.session,
+                model_id=route.model_id,
+                max_positions=max_positions,
+                stage_index=index,
+                coordinator=self.coord.own_key,
+                next_hop=None if last else route.stages[index + 1].node_key,
+                wire_dtype=self.coord.wire_dtype,
+                mtp_depth=self.mtp_tokens if last else 0,
+            )
+            await self._send(stage.node_key, message)
+
+    async def _prefill(self, prompt: list[int]) -> int:
+        chunk = self.coord.prefill_chunk_tokens
+        t0 = time.perf_counter()
+        last_id = -1
+        for lo in range(0, len(prompt), chunk):
+            hi = min(len(prompt), lo + chunk)
+            last_id = self._window_id()
+            window = VerifyWindow(
+                session=self.live.session,
+                epoch=self.epoch,
+                window_id=last_id,
+                base_pos=lo,
+                tokens=prompt[lo:hi],
+                sampling=self.req.sampling,
+                n_draft=0,
+                sample=hi == len(prompt),
+                mtp_tokens=self.mtp_tokens,
+            )
+            await self._send(self.live.route.keys[0], window)
+        while True:
+            reply = await self._reply()
+            if reply.window_id == last_id:
+                break
+        self.recorder.prefill(len(prompt), time.perf_counter() - t0)
+        self.mtp_draft = list(reply.mtp_draft)
+        return reply.next_token
+
+    # -- the decode loop ----------------------------------------------------------------
+    def _plan(self) -> WindowPlan:
+        if self.spec.strategy == "disabled" or self.spec.window_max_tokens == 0:
+            return WindowPlan(0, 1, 1.0, 0.0, 0.0, "speculation disabled")
+        link = self.costs.link_model(concurrent_sessions=max(1, self.coord.sessions_in_flight))
+        setter = getattr(self.proposer, "set_link", None)
+        if setter is not None:
+            setter(link)
+        plan = choose(PolicyInputs(link, self.proposer.acceptance()), self.spec)
+        reason = getattr(self.proposer, "reason", "")
+        self.recorder.policy(plan, self.proposer.active, reason)
+        if plan.width == 0 and self.spec.strategy != "auto":
+            # A fixed strategy keeps probing with its narrowest window, so its acceptance
+            # estimate can recover; `auto` is the strategy that is allowed to stop.
+            plan = WindowPlan(self.spec.window_min_tokens, 1, 1.0, 0.0, 0.0, plan.reason)
+        return plan
+
+    def _remaining(self) -> int:
+        """Tokens that may still be committed beyond what windows in flight could commit."""
+        pending = sum(w.n_draft + 1 for w in self.in_flight)
+        return self.req.max_tokens - len(self.generated) - pending
+
+    async def _fill(self, plan: WindowPlan) -> None:
+        depth = max(1, plan.depth)
+        while len(self.in_flight) < depth:
+            remaining = self._remaining()
+            if remaining <= 0:
+                return
+            if not self.in_flight:
+                base = len(self.req.prompt) + len(self.generated) - 1
+                drafts = self.proposer.propose(plan.width, self.mtp_draft) if plan.width > 0 else []
+                tokens = [self.last_token, *clip_drafts(drafts, remaining)]
+            else:
+                # Everything in flight is assumed right: the oldest window's drafts, then
+                # each later window's guessed bonus token and its drafts.
+                assumed = self.in_flight[0].tokens[1:] + [
+                    t for w in list(self.in_flight)[1:] for t in w.tokens
+                ]
+                guess = self.proposer.propose_after(assumed, plan.width + 1)
+                if not guess:
+                    return  # no guess for the bonus token: wait for the reply instead
+                prev = self.in_flight[-1]
+                base = prev.base_pos + len(prev.tokens)
+                tokens = [guess[0], *clip_drafts(guess[1:], remaining)]
+            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, 0.0)
+            await self._send_window(window)
+
+    async def _send_window(self, w: _Window) -> None:
+        w.sent_s = time.perf_counter()
+        message = VerifyWindow(
+            session=self.live.session,
+            epoch=self.epoch,
+            window_id=w.window_id,
+            base_pos=w.base_pos,
+            tokens=w.tokens,
+            sampling=self.req.sampling,
+            n_draft=w.n_draft,
+            mtp_tokens=self.mtp_tokens,
+        )
+        self.in_flight.append(w)
+        self.recorder.window_sent()
+        await self._send(self.live.route.keys[0], message)
+
+    async def _on_reply(self, reply: VerifyReply) -> bool:
+        w = self.in_flight.popleft()
+        if reply.window_id != w.window_id:
+            raise RouteFailed(
+                f"reply for window {reply.window_id}, expected {w.window_id}", self.generated
+            )
+        compute = sum(t.compute_s for t in reply.stage_timings)
+        queue = sum(t.queue_s for t in reply.stage_timings)
+        round_trip = time.perf_counter() - w.sent_s
+        self.costs.observe(len(w.tokens), round_trip, compute, queue)
+        accepted = reply.accepted_len
+        if not 0 <= accepted <= w.n_draft:
+            raise RouteFailed(f"reply accepts {accepted} of {w.n_draft} drafts", self.generated)
+        new = [*w.tokens[1 : 1 + accepted], reply.next_token]
+        self.proposer.record(w.n_draft, accepted)
+        self.recorder.verdict(
+            self.proposer.active,
+            w.n_draft,
+            accepted,
+            len(new),
+            network_s=max(0.0, round_trip - compute - queue),
+            compute_s=compute,
+        )
+        self.mtp_draft = list(reply.mtp_draft)
+        done = await self._commit(new, eos=reply.next_token in self.req.eos_ids)
+        if self.in_flight:
+            nxt = self.in_flight[0]
+            if done or accepted < w.n_draft or reply.next_token != nxt.tokens[0]:
+                await self._rollback()
+            else:
+                self.mtp_draft = []  # it was for a window that has already left
+        return done
+
+    async def _commit(self, tokens: list[int], *, eos: bool) -> bool:
+        """Add tokens to the log and report them; True when generation is over."""
+        self.last_token = tokens[-1]
+        visible = tokens[:-1] if eos else tokens
+        self.generated.extend(visible)
+        self.proposer.observe(tokens)
+        keep_going = await self.on_tokens(visible) if visible else True
+        if eos or keep_going is False:
+            self.finish_reason = "stop"
+            return True
+        return len(self.generated) >= self.req.max_tokens
+
+    async def _rollback(self) -> None:
+        stale = len(self.in_flight)
+        self.in_flight.clear()
+        self.recorder.window_stale(stale)
+        self.epoch += 1
+        for key in self.live.route.keys:
+            await self._send(key, Rollback(self.live.session, self.epoch))
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _window_id(self) -> int:
+        self.next_window_id += 1
+        return self.next_window_id
+
+    async def _reply(self) -> VerifyReply:
+        """The next reply of the current epoch (older epochs' replies are stale: skipped)."""
+        while True:
+            try:
+                with trio.fail_after(self.coord.reply_timeout_s):
+                    item = await self.live.inbox.receive()
+            except trio.TooSlowError:
+                raise RouteFailed(
+                    f"no reply within {self.coord.reply_timeout_s} s", self.generated
+                ) from None
+            if isinstance(item, RouteFailed):
+                item.committed = list(self.generated)
+                raise item
+            if isinstance(item, StageError):
+                raise RouteFailed(f"stage error {item.code}: {item.message}", self.generated)
+            if item.epoch == self.epoch:
+                return item
+
+    async def _send(self, key: bytes, message: Message) -> None:
+        try:
+            await self.coord.sender.send(key, message)
+        except Exception as exc:
+            raise RouteFailed(f"cannot reach stage: {exc}", self.generated, key) from exc
