@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshd.spec import SamplingParams, clip_drafts, sample_token, verify
+from meshd.spec import Recorder, SamplingParams, clip_drafts, sample_token, verify
 from meshd.spec.proposer import Proposer
 
 VOCAB = 32
@@ -87,6 +87,7 @@ def decode_spec(
     width: int,
     eos_ids: frozenset[int] = frozenset(),
     mtp: DraftSource | None = None,
+    recorder: Recorder | None = None,
 ) -> SpecRun:
     """A coordinator in miniature: propose, verify one window, commit, observe (depth 1).
 
@@ -106,6 +107,11 @@ def decode_spec(
         log.extend(verdict.committed)
         proposer.observe(verdict.committed)
         proposer.record(len(drafts), verdict.accepted_len)
+        if recorder is not None:
+            recorder.window_sent()
+            recorder.verdict(
+                proposer.active, len(drafts), verdict.accepted_len, len(verdict.committed)
+            )
         run.windows += 1
         run.drafted += len(drafts)
         run.accepted += verdict.accepted_len
