@@ -19,6 +19,8 @@ import msgspec
 import torch
 
 _MASK64 = (1 << 64) - 1
+# Candidates examined first when finding the top-p nucleus (then 8x more, until found).
+_NUCLEUS_FIRST_LOOK = 256
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -72,24 +74,37 @@ def keyed_uniform(seed: int, position: int) -> float:
 
 
 def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Unnormalised float64 probabilities after temperature, top-k and top-p (HF order).
+    """Float64 probabilities after temperature, top-k and top-p (the transformers order).
 
-    Ties at the top-k threshold are kept, as in transformers. top-p keeps the smallest set of
-    most likely tokens whose mass reaches `top_p` (at least one token); the sort is stable so
-    ties are broken by token id, deterministically.
+    top-k keeps every token scoring at least the k-th best (ties at the threshold are kept,
+    as in transformers). top-p keeps each token whose more probable tokens hold less than
+    `top_p` of the mass — the smallest set of most likely tokens reaching `top_p` — and, so
+    that the result never depends on a sort order, every token tied with the last one kept.
+    The result is renormalised only implicitly: callers sample by inverse CDF.
     """
     scores = logits_row.detach().to(device="cpu", dtype=torch.float64) / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, -math.inf)
+    probs = torch.softmax(scores, -1)
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False, stable=True)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        remove = cumulative <= (1.0 - params.top_p)
-        remove[-1] = False
-        scores = scores.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), -math.inf)
-    return torch.softmax(scores, -1)
+        probs = probs.masked_fill(probs < _nucleus_floor(probs, params.top_p), 0.0)
+    return probs
+
+
+def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The probability of the least likely token top-p keeps (a 0-d tensor)."""
+    vocab = probs.shape[-1]
+    # The nucleus is usually small: look at the best few hundred before sorting everything.
+    width = min(vocab, _NUCLEUS_FIRST_LOOK)
+    while True:
+        best = torch.topk(probs, width).values  # descending
+        mass = best.cumsum(-1)
+        reach = int(torch.searchsorted(mass, torch.tensor([top_p], dtype=mass.dtype)))
+        if reach < width or width == vocab:
+            return best[min(reach, width - 1)]
+        width = min(vocab, width * 8)
 
 
 def sample_token(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
@@ -104,10 +119,9 @@ def sample_token(logits_row: torch.Tensor, params: SamplingParams, position: int
     cdf = probs.cumsum(-1)
     target = keyed_uniform(params.seed, position) * float(cdf[-1])
     index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True))
-    index = min(index, cdf.shape[0] - 1)
-    # Rounding can land past the last token with mass; step back to one that can be drawn.
-    while index > 0 and float(probs[index]) == 0.0:
-        index -= 1
+    if index >= cdf.shape[0]:
+        # Rounding put the draw past the end: take the last token that has mass.
+        index = int(probs.nonzero()[-1])
     return index
 
 
