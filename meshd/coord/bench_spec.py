@@ -1,0 +1,249 @@
+"""`meshd bench spec`: speculative strategies side by side over a real stage pipeline.
+
+For each stage count and emulated RTT, one in-process pipeline on loopback (real lanes, real
+stage hosts, userspace-emulated latency) runs every strategy on every workload, interleaved,
+greedy. Reported per row: decode tokens/s, the ratio to `disabled` measured in the same run,
+accepted/drafted, tokens per verify round trip, stale windows — and whether the text equals
+`disabled`'s (speculation must never change it). The single-stage rows also time
+`transformers` `generate()` with and without `prompt_lookup_num_tokens` on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import trio
+
+from meshd.coord.local import open_local_pipeline
+from meshd.coord.pipeline import GenerationRequest
+from meshd.coord.workloads import Workload, workloads
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.tokenizer import Tokenizer
+from meshd.spec.config import STRATEGIES, SpecConfig
+
+KINDS = ("edit", "completion", "prose")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshd bench spec`."""
+    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="2 stages, RTT 20 ms, 1 prompt")
+    parser.add_argument("--stages", type=int, nargs="*", default=None)
+    parser.add_argument("--rtt-ms", type=float, nargs="*", default=None)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens generated per run")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
+    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
+    parser.add_argument("--no-transformers", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the matrix and print it."""
+    model_dir = args.model or str(builtin_model_dir())
+    stages = args.stages or ([2] if args.quick else [1, 2, 3])
+    rtts = args.rtt_ms or ([20.0] if args.quick else [0.0, 5.0, 20.0, 50.0])
+    tokens = args.tokens or (48 if args.quick else 96)
+    prompts = args.prompts or (1 if args.quick else 2)
+    strategies = [s for s in STRATEGIES if s in args.strategies]
+    if "disabled" not in strategies:
+        strategies.insert(0, "disabled")
+    loads = workloads(prompts)
+    report = trio.run(_matrix, model_dir, stages, rtts, tokens, loads, strategies)
+    if 1 in stages and not args.no_transformers:
+        report["transformers"] = _transformers_rows(model_dir, loads, tokens)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(report, strategies)
+    return 0
+
+
+async def _matrix(
+    model_dir: str,
+    stage_counts: list[int],
+    rtts_ms: list[float],
+    tokens: int,
+    loads: list[Workload],
+    strategies: list[str],
+) -> dict[str, Any]:
+    checkpoint = Checkpoint.open(model_dir)
+    tokenizer = Tokenizer.open(model_dir)
+    mtp_depth = checkpoint.config.num_mtp_layers
+    eos = frozenset(tokenizer.eos_ids)
+    rows: list[dict[str, Any]] = []
+    samples: dict[str, str] = {}
+    for stages in stage_counts:
+        for rtt_ms in rtts_ms:
+            async with open_local_pipeline(
+                model_dir, stages, rtt_s=rtt_ms / 1000, wire_dtype="f16", eos_ids=eos
+            ) as pipe:
+                # Warm-up: lanes open, threads start, caches fill.
+                await _generate(pipe, tokenizer.encode(loads[0].prompt), 8, "disabled", mtp_depth)
+                for load in loads:
+                    ids = tokenizer.encode(load.prompt)
+                    results = {}
+                    for strategy in strategies:  # interleaved: one strategy after another
+                        results[strategy] = await _generate(pipe, ids, tokens, strategy, mtp_depth)
+                    base = results["disabled"]
+                    samples.setdefault(load.kind, tokenizer.decode(base["tokens"]))
+                    for strategy, r in results.items():
+                        rows.append(
+                            {
+                                "stages": stages,
+                                "rtt_ms": rtt_ms,
+                                "workload": load.kind,
+                                "prompt": load.name,
+                                "strategy": strategy,
+                                "decode_tok_s": r["tok_s"],
+                                "ratio_vs_disabled": r["tok_s"] / base["tok_s"],
+                                "acceptance": r["acceptance"],
+                                "drafted": r["drafted"],
+                                "accepted": r["accepted"],
+                                "tokens_per_round_trip": r["tpr"],
+                                "windows_stale": r["stale"],
+                                "identical_to_disabled": r["tokens"] == base["tokens"],
+                            }
+                        )
+    return {"rows": _aggregate(rows), "runs": rows, "samples": samples, "tokens": tokens}
+
+
+async def _generate(pipe: Any, ids: list[int], n: int, strategy: str, mtp: int) -> dict[str, Any]:
+    out: list[int] = []
+
+    async def on_tokens(t: list[int]) -> None:
+        out.extend(t)
+
+    request = GenerationRequest(
+        prompt=ids,
+        max_tokens=n,
+        spec=SpecConfig(strategy=strategy),
+        mtp_depth=mtp,
+        eos_ids=frozenset(),  # fixed length, so every strategy decodes the same count
+    )
+    t0 = time.perf_counter()
+    result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
+    wall = time.perf_counter() - t0
+    tel = result.telemetry
+    decode_s = tel.decode_s or max(1e-9, wall - tel.prompt_s)
+    return {
+        "tokens": result.tokens,
+        "tok_s": max(1, len(result.tokens) - 1) / decode_s,
+        "acceptance": tel.acceptance,
+        "drafted": tel.drafted_tokens,
+        "accepted": tel.accepted_tokens,
+        "tpr": tel.tokens_per_round_trip,
+        "stale": tel.windows_stale,
+    }
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (stages, rtt, workload, strategy): medians over prompts."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["stages"], r["rtt_ms"], r["workload"], r["strategy"]), []).append(r)
+    rows = []
+    for (stages, rtt, workload, strategy), items in groups.items():
+        drafted = sum(i["drafted"] for i in items)
+        accepted = sum(i["accepted"] for i in items)
+        tprs = [i["tokens_per_round_trip"] for i in items if i["tokens_per_round_trip"]]
+        rows.append(
+            {
+                "stages": stages,
+                "rtt_ms": rtt,
+                "workload": workload,
+                "strategy": strategy,
+                "decode_tok_s": round(statistics.median(i["decode_tok_s"] for i in items), 2),
+                "ratio_vs_disabled": round(
+                    statistics.median(i["ratio_vs_disabled"] for i in items), 3
+                ),
+                "acceptance": round(accepted / drafted, 3) if drafted else None,
+                "tokens_per_round_trip": round(statistics.median(tprs), 2) if tprs else None,
+                "identical_to_disabled": all(i["identical_to_disabled"] for i in items),
+            }
+        )
+    return rows
+
+
+def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> list[dict[str, Any]]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]
+    tok = Tokenizer.open(model_dir)
+    rows = []
+    for kind in KINDS:
+        for load in [w for w in loads if w.kind == kind][:1]:
+            ids = torch.tensor([tok.encode(load.prompt)])
+            for lookup in (0, 10):
+                extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+                def timed(n: int, extra: dict[str, int] = extra, ids: Any = ids) -> float:
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        model.generate(
+                            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra
+                        )
+                    return time.perf_counter() - t0
+
+                timed(4)
+                decode_s = timed(tokens) - timed(1)
+                rows.append(
+                    {
+                        "workload": kind,
+                        "strategy": f"transformers prompt_lookup={lookup}"
+                        if lookup
+                        else "transformers generate",
+                        "decode_tok_s": round((tokens - 1) / max(decode_s, 1e-9), 2),
+                    }
+                )
+    return rows
+
+
+def _print(report: dict[str, Any], strategies: list[str]) -> None:
+    rows = report["rows"]
+    configs = sorted({(r["stages"], r["rtt_ms"]) for r in rows})
+    print(f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts")
+    print("cell: decode tok/s (ratio to disabled in the same run) acceptance, tokens/round trip")
+    for stages, rtt in configs:
+        print(f"\n{stages} stage(s), RTT {rtt:g} ms")
+        print(f"  {'strategy':14}" + "".join(f"{k:>34}" for k in KINDS))
+        for strategy in strategies:
+            cells = []
+            for kind in KINDS:
+                match = [
+                    r
+                    for r in rows
+                    if (r["stages"], r["rtt_ms"], r["workload"], r["strategy"])
+                    == (stages, rtt, kind, strategy)
+                ]
+                if not match:
+                    cells.append(f"{'-':>34}")
+                    continue
+                r = match[0]
+                acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                tpr = (
+                    "-"
+                    if r["tokens_per_round_trip"] is None
+                    else f"{r['tokens_per_round_trip']:.2f}"
+                )
+                flag = "" if r["identical_to_disabled"] else " MISMATCH"
+                cells.append(
+                    f"{r['decode_tok_s']:8.1f} ({r['ratio_vs_disabled']:4.2f}x) {acc:>4} {tpr:>5}{flag}".rjust(
+                        34
+                    )
+                )
+            print(f"  {strategy:14}" + "".join(cells))
+    for row in report.get("transformers", []):
+        print(
+            f"  single node, {row['strategy']:32} {row['workload']:>10}: {row['decode_tok_s']:.1f} tok/s"
+        )
+    print("\nsamples (disabled, greedy):")
+    for kind, text in report["samples"].items():
+        snippet = text[:240].replace("\n", "\n    ")
+        print(f"  [{kind}]\n    {snippet}")
