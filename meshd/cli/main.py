@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # `meshd bench NAME`: name -> (module, help), same module contract as COMMANDS.
 BENCHES: dict[str, tuple[str, str]] = {
+    "spec": ("meshd.coord.bench_spec", "speculative strategies over a stage pipeline"),
+    "lanes": ("meshd.net.bench_lanes", "our lane vs aioquic vs raw UDP on loopback"),
     "decode": ("meshd.model.bench_decode", "single-node decode loop vs transformers generate()"),
 }
 
