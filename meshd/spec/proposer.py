@@ -83,10 +83,10 @@ class AccountedProposer:
         """A verdict on one window of this proposer's drafts: `accepted` of `drafted`."""
         if drafted <= 0:
             return
+        self.tracker.update(drafted, accepted)  # validates first: raises on accepted > drafted
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         self.stats.windows += 1
-        self.tracker.update(drafted, accepted)
 
     def acceptance(self) -> tuple[float, ...]:
         """Per-position acceptance estimate (α_1, α_2, …) for `policy.choose`."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.spec import SpecConfig, UnknownStrategyError, make_proposer
 from meshd.spec.config import STRATEGIES
@@ -168,3 +170,25 @@ def test_factory_builds_each_strategy(strategy: str) -> None:
 def test_unknown_strategy_is_a_clear_error() -> None:
     with pytest.raises(UnknownStrategyError, match=r"'eagle'.*ngram-simple"):
         make_proposer("eagle", WIDE)
+
+
+@settings(max_examples=60)
+@given(
+    history=st.lists(st.integers(0, 5), min_size=0, max_size=60),
+    assumed=st.lists(st.integers(0, 5), max_size=4),
+    mtp_draft=st.lists(st.integers(0, 5), max_size=3),
+)
+def test_shorter_proposals_are_prefixes_of_longer_ones(
+    history: list[int], assumed: list[int], mtp_draft: list[int]
+) -> None:
+    """`auto` scores a candidate's widest draft and sends a prefix of it: this must hold."""
+    for strategy in STRATEGIES:
+        p = make_proposer(strategy, WIDE)
+        p.reset(history)
+        widest = p.propose(8, mtp_draft)
+        assert len(widest) <= 8
+        for m in range(9):
+            assert p.propose(m, mtp_draft) == widest[:m], (strategy, m)
+        after = p.propose_after(assumed, 8)
+        for m in range(9):
+            assert p.propose_after(assumed, m) == after[:m], (strategy, m)
