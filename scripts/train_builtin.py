@@ -388,11 +388,13 @@ def train(
     model = BuiltinModel(config)
     opt = make_optimizer(model, cfg)
     state = RunState()
+    resumed_from: int | None = None
     if checkpoint is not None and checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
+        resumed_from = state.step
         log(f"resumed from {checkpoint} at step {state.step}")
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -446,6 +448,7 @@ def train(
         "train_documents": len(docs),
         "train_stream_tokens": len(stream),
         "steps_completed": state.step,
+        "resumed_from_step": resumed_from,
         "tokens_seen": state.step * tokens_per_step,
         "hyperparameters": dataclasses.asdict(cfg),
         "parameters": n_params,
