@@ -17,7 +17,7 @@ import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,23 +149,20 @@ def bench(
         return [int(t) for t in out[0, len(prompt) :]]
 
     ours(), theirs()  # warm-up: allocator, kernels, lazy init
-    meshd_tok_s: list[float] = []
-    hf_tok_s: list[float] = []
-    same = True
-    for _ in range(settings.rounds):
-        for fn, rates in ((ours, meshd_tok_s), (theirs, hf_tok_s)):
-            started = time.perf_counter()
-            tokens = fn()
-            rates.append(len(tokens) / (time.perf_counter() - started))
-            if fn is ours:
-                mine = tokens
-            else:
-                same = same and tokens == mine
+    runs = _interleave(ours, theirs, settings.rounds)
     report: dict[str, Any] = {
-        "meshd_tok_s": round(statistics.median(meshd_tok_s), 2),
-        "transformers_tok_s": round(statistics.median(hf_tok_s), 2),
-        "ratio": round(statistics.median(meshd_tok_s) / statistics.median(hf_tok_s), 3),
-        "same_tokens": same,
+        "meshd_tok_s": round(statistics.median(runs.ours_tok_s), 2),
+        "transformers_tok_s": round(statistics.median(runs.theirs_tok_s), 2),
+        "ratio": round(
+            statistics.median(runs.ours_tok_s) / statistics.median(runs.theirs_tok_s), 3
+        ),
+        # CPU time per token excludes time the OS gave to other processes (a shared machine).
+        "meshd_cpu_ms_per_tok": round(statistics.median(runs.ours_cpu_ms), 3),
+        "transformers_cpu_ms_per_tok": round(statistics.median(runs.theirs_cpu_ms), 3),
+        "cpu_ratio": round(
+            statistics.median(runs.theirs_cpu_ms) / statistics.median(runs.ours_cpu_ms), 3
+        ),
+        "same_tokens": runs.same_tokens,
         "tokens": settings.tokens,
         "rounds": settings.rounds,
         "prompt_tokens": len(prompt),
@@ -173,12 +170,41 @@ def bench(
         "dtype": str(settings.dtype).removeprefix("torch."),
         "device": settings.device,
         "threads": torch.get_num_threads(),
-        "meshd_runs_tok_s": [round(r, 2) for r in meshd_tok_s],
-        "transformers_runs_tok_s": [round(r, 2) for r in hf_tok_s],
+        "meshd_runs_tok_s": [round(r, 2) for r in runs.ours_tok_s],
+        "transformers_runs_tok_s": [round(r, 2) for r in runs.theirs_tok_s],
     }
     if profile:
         report["profile"] = _profile(ours)
     return report
+
+
+@dataclass
+class _Runs:
+    ours_tok_s: list[float]
+    theirs_tok_s: list[float]
+    ours_cpu_ms: list[float]
+    theirs_cpu_ms: list[float]
+    same_tokens: bool = True
+
+
+def _interleave(
+    ours: Callable[[], list[int]], theirs: Callable[[], list[int]], rounds: int
+) -> _Runs:
+    """Run A B A B ...; wall-clock tok/s and CPU ms per token for each run."""
+    runs = _Runs([], [], [], [])
+    for _ in range(rounds):
+        outputs = []
+        for fn, rates, cpu in (
+            (ours, runs.ours_tok_s, runs.ours_cpu_ms),
+            (theirs, runs.theirs_tok_s, runs.theirs_cpu_ms),
+        ):
+            wall, cpu_started = time.perf_counter(), time.process_time()
+            tokens = fn()
+            cpu.append((time.process_time() - cpu_started) * 1e3 / len(tokens))
+            rates.append(len(tokens) / (time.perf_counter() - wall))
+            outputs.append(tokens)
+        runs.same_tokens = runs.same_tokens and outputs[0] == outputs[1]
+    return runs
 
 
 def _transformers() -> Any:
@@ -230,5 +256,9 @@ def _print_report(report: dict[str, Any]) -> None:
         f"(runs: {report['transformers_runs_tok_s']})"
     )
     print(f"  ratio         {report['ratio']:>9.2f}x   same greedy tokens: {report['same_tokens']}")
+    print(
+        f"  CPU time per token: meshd {report['meshd_cpu_ms_per_tok']:.2f} ms, transformers "
+        f"{report['transformers_cpu_ms_per_tok']:.2f} ms (ratio {report['cpu_ratio']:.2f}x)"
+    )
     if "profile" in report:
         print(report["profile"])
