@@ -1,0 +1,283 @@
+"""`NodeConfig`: every key the daemon reads, typed, with its defaults and validation.
+
+Each check raises `ConfigError` naming the key; `meshd.config.sources` adds where it was set.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import stat
+from pathlib import Path
+
+import msgspec
+
+from meshd.mesh.jointoken import (
+    Address,
+    AddressError,
+    JoinTokenError,
+    decode_join_token,
+    parse_peer_address,
+)
+from meshd.net.emulator import LinkProfile
+from meshd.spec.config import SpecConfig
+from protocol import RemoteProtocolError
+from protocol.config import LaneConfig
+from protocol.noise import x25519_public_from_ed25519_public
+
+DEFAULT_LANE_PORT = 7391
+DEFAULT_API_PORT = 7392
+ENV_PREFIX = "MESHD_"
+# Names the config file; it is not a key, so the unknown-variable check skips it.
+CONFIG_FILE_ENV = "MESHD_CONFIG"
+SECRET_KEYS: tuple[str, ...] = ("mesh_secret", "api_key", "join_token")
+MIN_SECRET_CHARS = 16
+MAX_SECRET_FILE_BYTES = 4096
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_UNIX_SOCKET_PATH_BYTES = 107
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+LOG_FORMATS: tuple[str, ...] = ("text", "json")
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_HEX_KEY = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+class ConfigError(ValueError):
+    """A key is unknown, mistyped or invalid. `key` is dotted (`lane.dead_after_s`) or "";
+    `source` says where it was set ("config file PATH", "env NAME", "flag --x") when known."""
+
+    def __init__(self, message: str, *, key: str, source: str | None = None) -> None:
+        super().__init__(message if source is None else f"{message} (set by {source})")
+        self.key = key
+        self.source = source
+
+
+class MdnsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Discovery of peers on the local network (a hint only: lanes still authenticate)."""
+
+    enabled: bool = True
+    # Addresses of the interfaces to announce and browse on; empty = every non-loopback one.
+    interfaces: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self.interfaces:
+            if not name.strip() or name != name.strip():
+                raise ConfigError(f"mdns.interfaces: bad entry {name!r}", key="mdns.interfaces")
+
+
+class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything one meshd daemon is told (see docs/configuration.md for each key)."""
+
+    state_dir: str
+    mesh_secret: str = ""
+    mesh_secret_file: str = ""
+    join_token: str = ""
+    listen_host: str = "0.0.0.0"
+    listen_port: int = DEFAULT_LANE_PORT
+    api_host: str = "127.0.0.1"
+    api_port: int = DEFAULT_API_PORT
+    api_key: str = ""
+    api_key_file: str = ""
+    control_socket: str = ""
+    model: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+    memory_budget_bytes: int = 0
+    layers: tuple[int, int] | None = None
+    join: tuple[str, ...] = ()
+    admitted_keys: tuple[str, ...] = ()
+    revoked_keys: tuple[str, ...] = ()
+    log_format: str = "text"
+    log_level: str = "info"
+    mdns: MdnsConfig = MdnsConfig()
+    lane: LaneConfig = LaneConfig()
+    spec: SpecConfig = SpecConfig()
+    emulate: LinkProfile | None = None
+
+    def __post_init__(self) -> None:
+        _check_network(self)
+        _check_secrets(self)
+        _check_compute(self)
+        for key in ("admitted_keys", "revoked_keys"):
+            for hex_key in getattr(self, key):
+                _check_public_key(key, hex_key)
+        _choice("log_format", self.log_format, LOG_FORMATS)
+        _choice("log_level", self.log_level, LOG_LEVELS)
+
+    @property
+    def api_is_loopback(self) -> bool:
+        """True when the API listens on loopback only (then no API key is required)."""
+        return _is_loopback(self.api_host)
+
+    def control_socket_path(self) -> Path:
+        """The control socket for meshctl (`<state_dir>/control.sock` unless set)."""
+        return Path(self.control_socket or os.path.join(self.state_dir, "control.sock"))
+
+    def read_mesh_secret(self) -> str:
+        """The mesh secret from `mesh_secret`, `mesh_secret_file` or `join_token`."""
+        if self.mesh_secret:
+            return self.mesh_secret
+        if self.mesh_secret_file:
+            return _read_secret_file(self.mesh_secret_file, "mesh_secret_file")
+        if self.join_token:
+            return decode_join_token(self.join_token).secret
+        raise ConfigError(
+            "no mesh secret: set mesh_secret_file (or mesh_secret, or join_token)",
+            key="mesh_secret",
+        )
+
+    def read_api_key(self) -> str | None:
+        """The API key from `api_key` or `api_key_file`, or None when the API is open."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            return _read_secret_file(self.api_key_file, "api_key_file")
+        return None
+
+    def bootstrap_peers(self) -> list[Address]:
+        """Peers to contact first: `join`, then the join token's addresses (no duplicates)."""
+        peers = [parse_peer_address(a, DEFAULT_LANE_PORT) for a in self.join]
+        if self.join_token:
+            peers += decode_join_token(self.join_token).addresses
+        return list(dict.fromkeys(peers))
+
+    def admitted_public_keys(self) -> tuple[bytes, ...]:
+        """`admitted_keys` as raw Ed25519 keys (empty = every holder of the mesh secret)."""
+        return tuple(bytes.fromhex(k) for k in self.admitted_keys)
+
+    def revoked_public_keys(self) -> tuple[bytes, ...]:
+        """`revoked_keys` as raw Ed25519 keys (never admitted)."""
+        return tuple(bytes.fromhex(k) for k in self.revoked_keys)
+
+
+def _check_network(c: NodeConfig) -> None:
+    if not c.state_dir:
+        raise ConfigError("state_dir must not be empty", key="state_dir")
+    try:
+        ipaddress.ip_address(c.listen_host)
+    except ValueError:
+        raise ConfigError(
+            f"listen_host {c.listen_host!r} is not an IP address", key="listen_host"
+        ) from None
+    if c.api_host != "localhost":
+        try:
+            ipaddress.ip_address(c.api_host)
+        except ValueError:
+            raise ConfigError(
+                f"api_host {c.api_host!r} is not an IP address or localhost", key="api_host"
+            ) from None
+    for key in ("listen_port", "api_port"):
+        if not 0 <= getattr(c, key) <= 65535:
+            raise ConfigError(f"{key} must be in 0..65535 (0 = any free port)", key=key)
+    socket_bytes = len(os.fsencode(c.control_socket_path()))
+    if socket_bytes > MAX_UNIX_SOCKET_PATH_BYTES:
+        raise ConfigError(
+            f"control_socket path is {socket_bytes} bytes; a Unix socket path may have at most "
+            f"{MAX_UNIX_SOCKET_PATH_BYTES}: set a shorter control_socket or state_dir",
+            key="control_socket",
+        )
+    for peer in c.join:
+        try:
+            parse_peer_address(peer, DEFAULT_LANE_PORT)
+        except AddressError as exc:
+            raise ConfigError(f"join: {exc}", key="join") from None
+
+
+def _check_secrets(c: NodeConfig) -> None:
+    _one_of(c, "mesh_secret", "mesh_secret_file")
+    _one_of(c, "api_key", "api_key_file")
+    for key in ("mesh_secret", "api_key"):
+        if getattr(c, key) and len(getattr(c, key)) < MIN_SECRET_CHARS:
+            raise ConfigError(
+                f"{key} is too short: use at least {MIN_SECRET_CHARS} characters "
+                f"(e.g. the output of `openssl rand -base64 32`)",
+                key=key,
+            )
+    if not c.api_is_loopback and not (c.api_key or c.api_key_file):
+        raise ConfigError(
+            f"api_host {c.api_host} is not a loopback address, so the API would be open to the "
+            f"network: set api_key (or api_key_file), or bind api_host to 127.0.0.1",
+            key="api_key",
+        )
+    if c.join_token:
+        try:
+            token = decode_join_token(c.join_token)
+        except JoinTokenError as exc:
+            raise ConfigError(f"join_token: {exc}", key="join_token") from None
+        if c.mesh_secret_file or (c.mesh_secret and c.mesh_secret != token.secret):
+            raise ConfigError(
+                "join_token carries the mesh secret: set either join_token or "
+                "mesh_secret/mesh_secret_file, not both",
+                key="join_token",
+            )
+
+
+def _check_compute(c: NodeConfig) -> None:
+    if not _DEVICE.match(c.device):
+        raise ConfigError(
+            f"device {c.device!r} is unknown: use auto, cpu, cuda, cuda:N or mps", key="device"
+        )
+    _choice("dtype", c.dtype, DTYPES)
+    if c.memory_budget_bytes < 0:
+        raise ConfigError(
+            "memory_budget_bytes must be >= 0 (0 = what the device offers)",
+            key="memory_budget_bytes",
+        )
+    if c.layers is not None and not 0 <= c.layers[0] < c.layers[1]:
+        raise ConfigError(
+            f"layers {list(c.layers)} must be [start, stop) with 0 <= start < stop", key="layers"
+        )
+
+
+def _one_of(c: NodeConfig, a: str, b: str) -> None:
+    if getattr(c, a) and getattr(c, b):
+        raise ConfigError(f"set {a} or {b}, not both", key=b)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} {value!r} is unknown: use {', '.join(choices)}", key=key)
+
+
+def _check_public_key(key: str, hex_key: str) -> None:
+    try:
+        if not _HEX_KEY.match(hex_key):
+            raise ValueError
+        x25519_public_from_ed25519_public(bytes.fromhex(hex_key))
+    except (ValueError, RemoteProtocolError):
+        raise ConfigError(
+            f"{key}: {hex_key!r} is not an Ed25519 public key (64 hex digits)", key=key
+        ) from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_secret_file(path: str, key: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+            raw = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}", key=key) from None
+    if mode & 0o007:
+        raise ConfigError(
+            f"{key}: {path} has mode {mode:04o} and is readable by anyone on this machine. "
+            f"Fix: chmod 600 '{path}'",
+            key=key,
+        )
+    if len(raw) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{key}: {path} is larger than {MAX_SECRET_FILE_BYTES} bytes", key=key)
+    secret = raw.decode("utf-8", errors="replace").strip()
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError(
+            f"{key}: the secret in {path} is shorter than {MIN_SECRET_CHARS} characters", key=key
+        )
+    return secret

@@ -1,0 +1,333 @@
+"""Where config comes from: defaults < TOML file < environment < command line.
+
+Each source becomes a "level": dotted key → (value, where it was set). Levels are merged in
+precedence order, and the merged values are converted into `NodeConfig` in one place, so
+every error can name the key and the source that set it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from meshd.config.node import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, MdnsConfig, NodeConfig
+from meshd.mesh.jointoken import JoinTokenError, parse_join_token
+from meshd.net.emulator import LinkProfile
+from meshd.spec.config import SpecConfig, SpecConfigError, resolve_spec_config
+from meshd.spec.config import flag_name as spec_flag_name
+from protocol import ProtocolError
+from protocol.config import LaneConfig
+
+TABLES: dict[str, type[msgspec.Struct]] = {
+    "mdns": MdnsConfig,
+    "lane": LaneConfig,
+    "spec": SpecConfig,
+    "emulate": LinkProfile,
+}
+
+
+def _key_types() -> dict[str, Any]:
+    types_: dict[str, Any] = {}
+    for f in msgspec.structs.fields(NodeConfig):
+        if f.name in TABLES:
+            for g in msgspec.structs.fields(TABLES[f.name]):
+                types_[f"{f.name}.{g.name}"] = g.type
+        else:
+            types_[f.name] = f.type
+    return types_
+
+
+KEY_TYPES: dict[str, Any] = _key_types()
+KEYS: tuple[str, ...] = tuple(KEY_TYPES)
+
+
+def env_name(key: str) -> str:
+    """The environment variable of a key: `lane.dead_after_s` → `MESHD_LANE__DEAD_AFTER_S`."""
+    return ENV_PREFIX + key.upper().replace(".", "__")
+
+
+def flag_name(key: str) -> str:
+    """The command-line flag of a key: `lane.dead_after_s` → `--lane-dead-after-s`."""
+    if key.startswith("spec."):
+        return spec_flag_name(key.removeprefix("spec."))
+    return "--" + key.replace(".", "-").replace("_", "-")
+
+
+def parse_text(text: str, type_: Any) -> Any:
+    """Parse an environment or flag value by the field's type; lists are comma-separated.
+
+    Raises ValueError saying what was expected.
+    """
+    origin, args = typing.get_origin(type_), typing.get_args(type_)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() in ("", "none"):
+            return None
+        (inner,) = (a for a in args if a is not type(None))
+        return parse_text(text, inner)
+    if type_ is bool:
+        word = text.strip().lower()
+        if word not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise ValueError(f"expected true or false, got {text!r}")
+        return word in ("true", "1", "yes", "on")
+    if type_ in (int, float):
+        try:
+            return type_(text.strip())
+        except ValueError:
+            raise ValueError(
+                f"expected {'an integer' if type_ is int else 'a number'}, got {text!r}"
+            ) from None
+    if type_ is str:
+        return text
+    if origin in (list, tuple):
+        items = [s.strip() for s in text.split(",")] if text.strip() else []
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return tuple(parse_text(s, args[0]) for s in items)
+        if origin is tuple:
+            if len(items) != len(args):
+                raise ValueError(f"expected {len(args)} comma-separated values, got {text!r}")
+            return tuple(parse_text(s, t) for s, t in zip(items, args, strict=True))
+        return [parse_text(s, args[0]) for s in items]
+    raise TypeError(f"no text form for {type_!r}")
+
+
+Level = dict[str, tuple[Any, str]]  # dotted key -> (value, source)
+_T = typing.TypeVar("_T")
+
+
+def _file_level(path: str | os.PathLike[str]) -> Level:
+    source = f"config file {os.fspath(path)}"
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read config file {os.fspath(path)}: {exc.strerror}", key=""
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML: {exc}", key="") from None
+    level: Level = {}
+    for key, value in data.items():
+        if key in TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} must be a table ([{key}])", key=key, source=source)
+            for sub, sub_value in value.items():
+                _known(f"{key}.{sub}", source)
+                level[f"{key}.{sub}"] = (sub_value, source)
+        else:
+            _known(key, source)
+            level[key] = (value, source)
+    return level
+
+
+def _env_level(env: Mapping[str, str]) -> Level:
+    level: Level = {}
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
+            continue
+        source = f"env {name}"
+        key = name.removeprefix(ENV_PREFIX).lower().replace("__", ".")
+        if key in TABLES:
+            raise ConfigError(
+                f"{key} is a table: set its keys as {name}__<KEY>", key=key, source=source
+            )
+        _known(key, source)
+        try:
+            level[key] = (parse_text(text, KEY_TYPES[key]), source)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}", key=key, source=source) from None
+    return level
+
+
+def _flag_level(values: Mapping[str, Any]) -> Level:
+    level: Level = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping) and key in TABLES:
+            for sub, sub_value in value.items():
+                level[f"{key}.{sub}"] = (sub_value, f"flag {flag_name(f'{key}.{sub}')}")
+        else:
+            level[key] = (value, f"flag {flag_name(key)}")
+    for key, (_, source) in level.items():
+        _known(key, source)
+    return level
+
+
+def _known(key: str, source: str) -> None:
+    if key in KEY_TYPES:
+        return
+    table, _, name = key.rpartition(".")
+    known = [k.rpartition(".")[2] for k in KEYS if k.rpartition(".")[0] == table]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    where = f" in [{table}]" if table else ""
+    raise ConfigError(
+        f"unknown key {key!r}; {hint}known keys{where}: {', '.join(known)}",
+        key=key,
+        source=source,
+    )
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A config and where each key came from (keys absent from `origins` are defaults)."""
+
+    config: NodeConfig
+    origins: dict[str, str]
+    values: dict[str, Any]
+
+    def spec_levels(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Speculative keys as (config file level, CLI level) for `resolve_spec_config`.
+
+        The environment counts as the config file level there: both are the operator's
+        standing configuration, below the command line, above the model's defaults.
+        """
+        return _spec_levels(self.values, self.origins)
+
+
+def _spec_levels(
+    values: Mapping[str, Any], origins: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    file: dict[str, Any] = {}
+    cli: dict[str, Any] = {}
+    for key, value in values.items():
+        if key.startswith("spec."):
+            dest = cli if origins[key].startswith("flag") else file
+            dest[key.removeprefix("spec.")] = value
+    return file, cli
+
+
+def load_config(
+    argv_values: Mapping[str, Any],
+    env: Mapping[str, str],
+    file: str | os.PathLike[str] | None,
+    *,
+    now_unix: float | None = None,
+) -> NodeConfig:
+    """Merge defaults < TOML `file` < `env` (MESHD_*) < `argv_values` into a NodeConfig.
+
+    `argv_values` holds only keys set on the command line, dotted (`lane.dead_after_s`) or
+    nested; `config_cli_values(args)` builds it from argparse. A join token is checked for
+    expiry against `now_unix` (default: the wall clock). Raises ConfigError naming the key
+    and its source.
+    """
+    return load_config_sources(argv_values, env, file, now_unix=now_unix).config
+
+
+def load_config_sources(
+    argv_values: Mapping[str, Any],
+    env: Mapping[str, str],
+    file: str | os.PathLike[str] | None,
+    *,
+    now_unix: float | None = None,
+) -> LoadedConfig:
+    """Like `load_config`, also telling where each key was set."""
+    merged: Level = {}
+    if file is not None:
+        merged.update(_file_level(file))
+    merged.update(_env_level(env))
+    merged.update(_flag_level(argv_values))
+    values = {k: v for k, (v, _) in merged.items()}
+    origins = {k: s for k, (_, s) in merged.items()}
+    config = _build(values, origins, env)
+    if config.join_token:
+        try:
+            parse_join_token(config.join_token, now_unix=now_unix)
+        except JoinTokenError as exc:
+            raise ConfigError(
+                str(exc), key="join_token", source=origins.get("join_token")
+            ) from None
+    return LoadedConfig(config, origins, values)
+
+
+def default_state_dir(env: Mapping[str, str]) -> str:
+    """systemd's $STATE_DIRECTORY, else $XDG_STATE_HOME/meshd, else ~/.local/state/meshd."""
+    if env.get("STATE_DIRECTORY"):
+        return env["STATE_DIRECTORY"].split(":")[0]
+    if env.get("XDG_STATE_HOME"):
+        return os.path.join(env["XDG_STATE_HOME"], "meshd")
+    home = env.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "state", "meshd")
+
+
+_PATH_KEYS = ("state_dir", "mesh_secret_file", "api_key_file", "control_socket", "model")
+
+
+def _build(values: dict[str, Any], origins: dict[str, str], env: Mapping[str, str]) -> NodeConfig:
+    top: dict[str, Any] = {k: v for k, v in values.items() if "." not in k}
+    top.setdefault("state_dir", default_state_dir(env))
+    for key in _PATH_KEYS:
+        if isinstance(top.get(key), str) and top[key].startswith("~"):
+            top[key] = os.path.expanduser(top[key])
+    if isinstance(top["state_dir"], str) and not top.get("control_socket"):
+        top["control_socket"] = os.path.join(top["state_dir"], "control.sock")
+    file_spec, cli_spec = _spec_levels(values, origins)
+    try:
+        top["spec"] = resolve_spec_config({}, file_spec, cli_spec, {})
+    except SpecConfigError as exc:
+        # resolve_spec_config names its own levels; we name the exact source instead.
+        message = re.sub(r" \(set in [^)]*\)$", "", str(exc))
+        message = message.replace("speculative config: ", "spec.")
+        key = f"spec.{exc.key}"
+        raise ConfigError(message, key=key, source=_blame(key, message, origins)) from None
+    for table in ("mdns", "lane", "emulate"):
+        sub = {k.partition(".")[2]: v for k, v in values.items() if k.startswith(table + ".")}
+        if sub or table != "emulate":
+            top[table] = _convert(sub, TABLES[table], table, origins)
+    return _convert(top, NodeConfig, "", origins)
+
+
+def _convert(data: dict[str, Any], type_: type[_T], table: str, origins: dict[str, str]) -> _T:
+    """msgspec.convert, turning every failure into a ConfigError naming the key and source."""
+    try:
+        return msgspec.convert(data, type_)
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__
+        message = str(cause) if cause is not None else str(exc)
+        key = getattr(cause, "key", None) or _key_in(message, table)
+    except ProtocolError as exc:  # LaneConfig validates with LocalProtocolError
+        message = str(exc).replace("LaneConfig.", "")
+        key = _key_in(message, table)
+    message = re.sub(r" - at `\$[^`]*`$", "", message)
+    if key and not message.startswith(key):
+        message = f"{key}: {message}"
+    raise ConfigError(message, key=key, source=_blame(key, message, origins)) from None
+
+
+def _key_in(message: str, table: str) -> str:
+    """The dotted key a validation message is about (its `$.path`, or the first key it names)."""
+    path = re.search(r"at `\$\.([\w.]+)`", message)
+    if path:
+        return f"{table}.{path.group(1)}" if table else path.group(1)
+    found = _keys_named(message, table)
+    return found[0] if found else table
+
+
+def _keys_named(message: str, table: str) -> list[str]:
+    """Keys of `table` ("" = top level) that `message` names, in the order they appear."""
+    prefix = f"{table}." if table else ""
+    hits = []
+    for key in KEYS:
+        name = key.removeprefix(prefix)
+        if key.startswith(prefix) and "." not in name:
+            match = re.search(rf"(?<![\w.]){name}\b", message)
+            if match:
+                hits.append((match.start(), key))
+    return [key for _, key in sorted(hits)]
+
+
+def _blame(key: str, message: str, origins: Mapping[str, str]) -> str | None:
+    """Where the offending value was set: the key's own source, else that of another key the
+    message names (a cross-field check such as api_host without api_key), else None."""
+    table = key.rpartition(".")[0]
+    for candidate in [key, *_keys_named(message, table)]:
+        if candidate in origins:
+            return origins[candidate]
+    return None
