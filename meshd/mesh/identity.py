@@ -99,7 +99,7 @@ class NodeIdentity:
         """Load an existing key file, refusing one that is group/world accessible or corrupt."""
         path = Path(path)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise IdentityError(f"identity key {path} does not exist", path=path) from None
         except OSError as exc:
