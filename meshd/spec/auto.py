@@ -82,6 +82,7 @@ class AutoProposer(AccountedProposer):
         self.link = link
         self._width = max(1, config.window_max_tokens)
         simple, cache, mtp = NgramSimple(config), NgramCache(config), MtpProposer(config)
+        self._mtp = mtp
         self._parts: tuple[NgramSimple | NgramCache | MtpProposer, ...] = (simple, cache, mtp)
         self._candidates: dict[str, Proposer] = {
             "ngram-simple": simple,
@@ -93,6 +94,7 @@ class AutoProposer(AccountedProposer):
         self._tokens: list[int] = []
         self._pending: list[_Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
+        self._drafts: dict[str, list[int]] = {}
         self.choice = "disabled"
         self.reason = "nothing measured yet"
         self.plan: WindowPlan | None = None
@@ -104,8 +106,10 @@ class AutoProposer(AccountedProposer):
         return self.choice
 
     def set_link(self, link: LinkModel) -> None:
-        """Update the measured route costs used to compare strategies."""
-        self.link = link
+        """Update the measured route costs used to compare strategies (re-decides on change)."""
+        if link != self.link:
+            self.link = link
+            self._decide()
 
     def reset(self, prompt: Sequence[int]) -> None:
         """New request: reset every part and start each estimate from the model's book."""
@@ -115,31 +119,34 @@ class AutoProposer(AccountedProposer):
         self._tokens = [int(t) for t in prompt]
         self._pending = []
         self._trackers = {name: self.book.tracker(name).copy() for name in self._candidates}
+        self._drafts = self._shadow(())
+        self._decide()
 
     def observe(self, committed: Sequence[int]) -> None:
-        """Feed every part and score the shadow drafts that the new tokens settle."""
+        """Feed every part, score the shadow drafts the new tokens settle, draft again, decide.
+
+        Scoring and deciding here, not only in `propose`, keeps `auto` learning while it is
+        disabled and the coordinator asks it for no drafts at all.
+        """
         for part in self._parts:
             part.observe(committed)
         self._tokens.extend(int(t) for t in committed)
         self._score()
+        self._drafts = self._shadow(())
+        self._decide()
 
     def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
-        """Shadow-draft with every candidate, re-decide, return the winner's drafts."""
-        if mtp_draft:
+        """The current choice's drafts (shadow-drafting again when a new MTP draft came)."""
+        if mtp_draft and self.config.mtp_depth > 0:
+            first_mtp = not self.book.has_mtp
             self.book.has_mtp = True
-        start = len(self._tokens)
-        drafts: dict[str, list[int]] = {}
-        for name in self._available():
-            drafts[name] = self._candidates[name].propose(self._width, mtp_draft)
-            self._pending = [
-                s for s in self._pending if not (s.strategy == name and s.start == start)
-            ]
-            self._pending.append(_Shadow(name, start, drafts[name]))
-        self._trim_pending()
-        self._decide()
+            self._drafts = self._shadow(mtp_draft)
+            if first_mtp:
+                self._decide()
         if self.choice == "disabled":
             return []
-        return drafts[self.choice][: max(0, max_tokens)]
+        # .get: another session of the model may have just made the MTP strategies available.
+        return self._drafts.get(self.choice, [])[: max(0, max_tokens)]
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
         """The current choice's drafts after log + `assumed`."""
@@ -169,6 +176,23 @@ class AutoProposer(AccountedProposer):
         if self.book.has_mtp and self.config.mtp_depth > 0:
             names.extend(_MTP_STRATEGIES)
         return names
+
+    def _shadow(self, mtp_draft: Sequence[int]) -> dict[str, list[int]]:
+        """Every available candidate drafts `window_max_tokens` from the current log; the
+        drafts wait in `_pending` until the log shows how many would have been accepted."""
+        start = len(self._tokens)
+        drafts: dict[str, list[int]] = {}
+        fresh_mtp = bool(mtp_draft) or bool(self._mtp.propose(self._width))
+        for name in self._available():
+            drafts[name] = self._candidates[name].propose(self._width, mtp_draft)
+            if name in _MTP_STRATEGIES and not fresh_mtp:
+                continue  # no MTP draft to judge: neither credit nor blame the MTP strategies
+            self._pending = [
+                s for s in self._pending if not (s.strategy == name and s.start == start)
+            ]
+            self._pending.append(_Shadow(name, start, drafts[name]))
+        self._trim_pending()
+        return drafts
 
     def _score(self) -> None:
         log = self._tokens

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import random
 
-from meshd.spec import AcceptanceBook, AutoProposer, LinkModel, SpecConfig, make_proposer
+from meshd.spec import (
+    AcceptanceBook,
+    AutoProposer,
+    LinkModel,
+    PolicyInputs,
+    SpecConfig,
+    choose,
+    make_proposer,
+)
 from meshd.spec.proposer import Proposer
 
 CONFIG = SpecConfig(strategy="auto", ngram_min=1, ngram_max=3, mtp_depth=3)
@@ -108,3 +116,25 @@ def test_auto_on_a_fast_local_link_does_not_speculate_without_evidence() -> None
     auto.reset([1, 2, 1, 2, 1])
     assert auto.propose(8) == []
     assert auto.active == "disabled"
+
+
+def test_auto_keeps_learning_when_the_coordinator_stops_asking_for_drafts() -> None:
+    """A coordinator plans from `acceptance()` and calls `propose` only when the width is > 0;
+    `auto` must still notice when speculation starts paying again."""
+    rng = random.Random(5)
+    phrase = [5, 17, 3, 99, 42, 8, 23, 61, 7, 11]
+    stream = phrase * 2 + rng.sample(range(1000, 5000), 60) + phrase * 4
+    auto = AutoProposer(CONFIG)
+    auto.reset(phrase)
+    widths = []
+    for token in stream:
+        auto.set_link(WAN)
+        plan = choose(PolicyInputs(WAN, auto.acceptance()), CONFIG)
+        if plan.width > 0:
+            assert len(auto.propose(plan.width)) <= plan.width
+        widths.append(plan.width)
+        auto.observe([token])
+    assert widths[0] > 0  # the prior says try
+    assert widths[79] == 0  # the novel stretch switched speculation off
+    assert widths[-1] > 0  # and the repeated phrase switched it back on, with no propose calls
+    assert auto.active in ("ngram-simple", "ngram-cache")
