@@ -1,0 +1,401 @@
+"""Daemon configuration: precedence, unknown keys named with their source, validation, docs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from meshd.config import (
+    KEYS,
+    ConfigError,
+    NodeConfig,
+    add_config_arguments,
+    config_cli_values,
+    env_name,
+    flag_name,
+    load_config,
+    load_config_from_args,
+    load_config_sources,
+    render,
+)
+from meshd.mesh.identity import NodeIdentity
+from meshd.mesh.jointoken import make_join_token
+from meshd.net.emulator import LinkProfile
+from meshd.spec import SpecConfig, resolve_spec_config
+from protocol.config import LaneConfig
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+SECRET = "mesh-secret-for-tests-0123456789"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """An environment with a state dir of the test's own and nothing else."""
+    return {"MESHD_STATE_DIR": str(tmp_path / "state")}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_precedence_default_file_env_flags(tmp_path: Path, env: dict[str, str]) -> None:
+    file = _write(
+        tmp_path / "meshd.toml",
+        """
+        api_port = 8000
+        listen_port = 8001
+        log_level = "debug"
+        [lane]
+        dead_after_s = 2.0
+        ping_interval_s = 0.5
+        [spec]
+        window_max_tokens = 6
+        ngram_max = 5
+        """,
+    )
+    env |= {
+        "MESHD_API_PORT": "8100",
+        "MESHD_LISTEN_PORT": "8101",
+        "MESHD_LANE__DEAD_AFTER_S": "3.0",
+        "MESHD_SPEC__WINDOW_MAX_TOKENS": "7",
+    }
+    flags = {"api_port": 8200, "lane.dead_after_s": 4.0, "spec.window_max_tokens": 3}
+    loaded = load_config_sources(flags, env, file)
+    c = loaded.config
+    assert c.api_port == 8200  # flag > env > file
+    assert c.listen_port == 8101  # env > file
+    assert c.log_level == "debug"  # file > default
+    assert c.api_host == "127.0.0.1"  # default
+    assert c.lane.dead_after_s == 4.0  # nested flag
+    assert c.lane.ping_interval_s == 0.5  # the rest of the file's [lane] table stays
+    assert c.lane.handshake_timeout_s == LaneConfig().handshake_timeout_s
+    assert (c.spec.window_max_tokens, c.spec.ngram_max) == (3, 5)
+    assert c.spec.mtp_depth == SpecConfig().mtp_depth
+    assert loaded.origins["api_port"] == "flag --api-port"
+    assert loaded.origins["listen_port"] == "env MESHD_LISTEN_PORT"
+    assert loaded.origins["log_level"] == f"config file {file}"
+    assert loaded.origins["spec.window_max_tokens"] == "flag --speculative-window-max-tokens"
+    assert "api_host" not in loaded.origins
+
+
+def test_precedence_through_the_command_line_parser(tmp_path: Path, env: dict[str, str]) -> None:
+    file = _write(tmp_path / "meshd.toml", "api_port = 8000\n[mdns]\nenabled = true\n")
+    env |= {"MESHD_CONFIG": str(file), "MESHD_API_PORT": "8100", "MESHD_LANE__DEAD_AFTER_S": "3"}
+    args = _parse(["--api-port", "8200", "--no-mdns-enabled", "--speculative-strategy", "mtp"])
+    c = load_config_from_args(args, env)
+    assert (c.api_port, c.mdns.enabled, c.lane.dead_after_s) == (8200, False, 3.0)
+    assert c.spec.strategy == "mtp"
+    # Without the flags, the environment wins over the file ($MESHD_CONFIG names the file).
+    c = load_config_from_args(_parse([]), env)
+    assert (c.api_port, c.mdns.enabled) == (8100, True)
+    # --config beats $MESHD_CONFIG.
+    other = _write(tmp_path / "other.toml", "listen_port = 9999\n")
+    c = load_config_from_args(_parse(["--config", str(other)]), env)
+    assert (c.listen_port, c.api_port) == (9999, 8100)
+
+
+def test_defaults_and_state_dir_resolution(tmp_path: Path) -> None:
+    c = load_config({}, {"HOME": "/home/ann"}, None)
+    assert c.state_dir == "/home/ann/.local/state/meshd"
+    assert c.control_socket == "/home/ann/.local/state/meshd/control.sock"
+    assert c == NodeConfig(state_dir=c.state_dir, control_socket=c.control_socket)
+    assert c.emulate is None and c.layers is None and c.mdns.enabled
+    assert (c.listen_host, c.listen_port, c.api_host) == ("0.0.0.0", 7391, "127.0.0.1")
+    xdg = load_config({}, {"HOME": "/home/ann", "XDG_STATE_HOME": "/xdg"}, None)
+    assert xdg.state_dir == "/xdg/meshd"
+    systemd = {"HOME": "/root", "XDG_STATE_HOME": "/xdg", "STATE_DIRECTORY": "/var/lib/meshd"}
+    assert load_config({}, systemd, None).state_dir == "/var/lib/meshd"
+    assert load_config({"state_dir": "~/m"}, {"HOME": "/h"}, None).state_dir.endswith("/m")
+    explicit = load_config({"control_socket": str(tmp_path / "c.sock")}, {"HOME": "/h"}, None)
+    assert explicit.control_socket_path() == tmp_path / "c.sock"
+
+
+def test_unknown_key_in_file_is_named_with_the_file(tmp_path: Path, env: dict[str, str]) -> None:
+    cases = {
+        "api_prot = 1\n": ("api_prot", "did you mean 'api_port'"),
+        "[lane]\ndead_aftr_s = 1.0\n": ("lane.dead_aftr_s", "did you mean 'dead_after_s'"),
+        "[spec]\nwindow_size = 4\n": ("spec.window_size", "known keys in [spec]"),
+        "[gossip]\nfanout = 3\n": ("gossip", "known keys"),
+    }
+    for text, (key, hint) in cases.items():
+        file = _write(tmp_path / "bad.toml", text)
+        with pytest.raises(ConfigError) as err:
+            load_config({}, env, file)
+        assert err.value.key == key
+        assert err.value.source == f"config file {file}"
+        assert repr(key) in str(err.value) and hint in str(err.value)
+        assert str(file) in str(err.value)
+
+
+def test_unknown_key_in_env_is_named_with_the_variable(env: dict[str, str]) -> None:
+    for name, key in [
+        ("MESHD_API_PROT", "api_prot"),
+        ("MESHD_LANE__DEAD_AFTR_S", "lane.dead_aftr_s"),
+        ("MESHD_LANE_DEAD_AFTER_S", "lane_dead_after_s"),  # a single underscore is not nesting
+    ]:
+        with pytest.raises(ConfigError) as err:
+            load_config({}, env | {name: "1"}, None)
+        assert (err.value.key, err.value.source) == (key, f"env {name}")
+        assert f"env {name}" in str(err.value)
+    with pytest.raises(ConfigError, match=r"lane is a table.*MESHD_LANE__<KEY>"):
+        load_config({}, env | {"MESHD_LANE": "x"}, None)
+    # Other variables, and the one naming the file, are not keys.
+    assert load_config({}, env | {"PATH": "/bin", "MESHDX": "1", "MESHD_CONFIG": ""}, None)
+
+
+def test_env_values_are_parsed_by_the_field_type(env: dict[str, str]) -> None:
+    env |= {
+        "MESHD_MDNS__ENABLED": "off",
+        "MESHD_MDNS__INTERFACES": "127.0.0.1, 10.0.0.1",
+        "MESHD_JOIN": "10.0.0.2:7391,[fd00::2]:7400,gpu-box",
+        "MESHD_LAYERS": "0,12",
+        "MESHD_MEMORY_BUDGET_BYTES": "8_000_000_000",
+        "MESHD_LANE__PMTU_PROBE_LADDER_BYTES": "4096,8192",
+        "MESHD_LANE__PMTU_PROBING": "no",
+        "MESHD_EMULATE__DELAY_S": "2e-2",
+        "MESHD_EMULATE__BANDWIDTH_BYTES_S": "",
+        "MESHD_SPEC__MIN_SPEEDUP": "1.5",
+    }
+    c = load_config({}, env, None)
+    assert c.mdns == type(c.mdns)(enabled=False, interfaces=("127.0.0.1", "10.0.0.1"))
+    assert c.bootstrap_peers() == [("10.0.0.2", 7391), ("fd00::2", 7400), ("gpu-box", 7391)]
+    assert c.layers == (0, 12)
+    assert c.memory_budget_bytes == 8_000_000_000
+    assert c.lane.pmtu_probe_ladder_bytes == (4096, 8192) and not c.lane.pmtu_probing
+    assert c.emulate == LinkProfile(delay_s=0.02, bandwidth_bytes_s=None)
+    assert c.spec.min_speedup == 1.5
+    assert load_config({}, env | {"MESHD_JOIN": ""}, None).join == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("MESHD_API_PORT", "80a", "api_port: expected an integer"),
+        ("MESHD_MDNS__ENABLED", "maybe", "expected true or false"),
+        ("MESHD_LAYERS", "4", "expected 2 comma-separated values"),
+        ("MESHD_LANE__DEAD_AFTER_S", "soon", "expected a number"),
+    ],
+)
+def test_bad_env_value_names_the_variable(
+    env: dict[str, str], name: str, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config({}, env | {name: text}, None)
+    assert err.value.source == f"env {name}"
+
+
+def test_bad_values_name_the_key_and_where_it_was_set(tmp_path: Path, env: dict[str, str]) -> None:
+    file = _write(tmp_path / "m.toml", 'api_port = "eighty"\n')
+    with pytest.raises(ConfigError, match=r"api_port: Expected `int`, got `str`") as err:
+        load_config({}, env, file)
+    assert err.value.source == f"config file {file}"
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"api_port": 70000}, "api_port", "0..65535"),
+        ({"lane.dead_after_s": -1.0}, "lane.dead_after_s", "positive finite"),
+        ({"emulate.loss": 2.0}, "emulate.loss", r"within \[0, 1\]"),
+        ({"spec.window_max_tokens": 100}, "spec.window_max_tokens", r"0\.\.64"),
+        ({"device": "gpu"}, "device", "cuda:N"),
+        ({"dtype": "int4"}, "dtype", "bfloat16"),
+        ({"log_format": "xml"}, "log_format", "json"),
+        ({"layers": (5, 5)}, "layers", "start < stop"),
+        ({"join": ("10.0.0.1:0",)}, "join", "1..65535"),
+        ({"listen_host": "example.com"}, "listen_host", "not an IP address"),
+        ({"memory_budget_bytes": -1}, "memory_budget_bytes", ">= 0"),
+        ({"revoked_keys": ("abc",)}, "revoked_keys", "64 hex digits"),
+        ({"admitted_keys": ("ff" * 32,)}, "admitted_keys", "not an Ed25519 public key"),
+    ]
+    for flags, key, message in cases:
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(flags, env, None)
+        assert err.value.key == key, flags
+        assert err.value.source == f"flag {flag_name(key)}", flags
+
+
+def test_cross_field_errors_blame_the_key_that_was_set(env: dict[str, str]) -> None:
+    # ping_interval_s must stay below dead_after_s: the operator set dead_after_s.
+    with pytest.raises(ConfigError, match="ping_interval_s must be below dead_after_s") as err:
+        load_config({}, env | {"MESHD_LANE__DEAD_AFTER_S": "0.2"}, None)
+    assert err.value.source == "env MESHD_LANE__DEAD_AFTER_S"
+    with pytest.raises(ConfigError, match=r"window_min_tokens .* must not exceed") as err:
+        load_config({"spec.window_max_tokens": 0}, env, None)
+    assert err.value.source == "flag --speculative-window-max-tokens"
+
+
+def test_api_beyond_loopback_needs_a_key(tmp_path: Path, env: dict[str, str]) -> None:
+    for host in ("0.0.0.0", "192.168.1.5", "::"):
+        with pytest.raises(ConfigError, match="set api_key") as err:
+            load_config({}, env | {"MESHD_API_HOST": host}, None)
+        assert err.value.key == "api_key"
+        assert err.value.source == "env MESHD_API_HOST"
+    key = "k" * 32
+    c = load_config({"api_key": key}, env | {"MESHD_API_HOST": "0.0.0.0"}, None)
+    assert c.read_api_key() == key and not c.api_is_loopback
+    key_file = _write(tmp_path / "api.key", key + "\n")
+    key_file.chmod(0o600)
+    c = load_config({"api_host": "0.0.0.0", "api_key_file": str(key_file)}, env, None)
+    assert c.read_api_key() == key
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        c = load_config({"api_host": host}, env, None)
+        assert c.api_is_loopback and c.read_api_key() is None
+    with pytest.raises(ConfigError, match="too short"):
+        load_config({"api_key": "hunter2"}, env, None)
+
+
+def test_mesh_secret_sources(tmp_path: Path, env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="no mesh secret"):
+        load_config({}, env, None).read_mesh_secret()
+    assert load_config({"mesh_secret": SECRET}, env, None).read_mesh_secret() == SECRET
+    secret_file = _write(tmp_path / "mesh.secret", f"  {SECRET}\n")
+    secret_file.chmod(0o640)
+    c = load_config({"mesh_secret_file": str(secret_file)}, env, None)
+    assert c.read_mesh_secret() == SECRET
+    secret_file.chmod(0o644)
+    with pytest.raises(ConfigError, match=rf"readable by anyone.*chmod 600 '{secret_file}'"):
+        c.read_mesh_secret()
+    with pytest.raises(ConfigError, match="not both"):
+        load_config({"mesh_secret": SECRET, "mesh_secret_file": str(secret_file)}, env, None)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({"mesh_secret_file": str(tmp_path / "nope")}, env, None).read_mesh_secret()
+
+
+def test_join_token_supplies_secret_and_peers(env: dict[str, str]) -> None:
+    token = make_join_token(SECRET, ["10.0.0.5:7391"], expires_unix=2_000_000)
+    flags = {"join_token": token, "join": ("10.0.0.6",)}
+    c = load_config(flags, env, None, now_unix=1_000_000)
+    assert c.read_mesh_secret() == SECRET
+    assert c.bootstrap_peers() == [("10.0.0.6", 7391), ("10.0.0.5", 7391)]
+    with pytest.raises(ConfigError, match="expired") as err:
+        load_config(flags, env, None, now_unix=3_000_000)
+    assert (err.value.key, err.value.source) == ("join_token", "flag --join-token")
+    typo = token[:-3] + ("A" if token[-3] != "A" else "B") + token[-2:]
+    with pytest.raises(ConfigError, match="damaged"):
+        load_config({"join_token": typo}, env, None, now_unix=1_000_000)
+    with pytest.raises(ConfigError, match="carries the mesh secret"):
+        load_config({"join_token": token, "mesh_secret": "x" * 20}, env, None, now_unix=0)
+
+
+def test_admission_lists_are_public_keys(env: dict[str, str]) -> None:
+    a, b = NodeIdentity(bytes(32)), NodeIdentity(bytes(range(32)))
+    c = load_config(
+        {}, env | {"MESHD_REVOKED_KEYS": f"{a.public_key.hex()},{b.public_key.hex()}"}, None
+    )
+    assert c.revoked_public_keys() == (a.public_key, b.public_key)
+    assert c.admitted_public_keys() == ()
+
+
+def test_control_socket_path_must_fit_a_unix_socket(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="at most 107") as err:
+        load_config({"state_dir": "/" + "s" * 100}, {}, None)
+    assert err.value.key == "control_socket"
+
+
+def test_every_key_has_a_flag_and_an_env_name() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    flags = parser._option_string_actions
+    for key in KEYS:
+        assert flag_name(key) in flags, key
+        assert env_name(key).startswith("MESHD_") and env_name(key).isupper()
+    assert "--config" in flags and "--no-mdns-enabled" in flags
+    args = parser.parse_args(["--lane-pmtu-probe-ladder-bytes", "4096,8192", "--layers", "2,4"])
+    assert config_cli_values(args) == {
+        "lane.pmtu_probe_ladder_bytes": (4096, 8192),
+        "layers": (2, 4),
+    }
+
+
+def test_spec_levels_leave_room_for_model_defaults(tmp_path: Path, env: dict[str, str]) -> None:
+    file = _write(tmp_path / "m.toml", "[spec]\nngram_max = 6\n")
+    env |= {"MESHD_SPEC__WINDOW_MAX_TOKENS": "5"}
+    loaded = load_config_sources({"spec.strategy": "ngram-simple"}, env, file)
+    file_level, cli_level = loaded.spec_levels()
+    assert file_level == {"ngram_max": 6, "window_max_tokens": 5}
+    assert cli_level == {"strategy": "ngram-simple"}
+    per_request = resolve_spec_config(
+        {"mtp_depth": 2, "strategy": "mtp"}, file_level, cli_level, {"window_max_tokens": 3}
+    )
+    assert (per_request.mtp_depth, per_request.strategy) == (2, "ngram-simple")
+    assert (per_request.ngram_max, per_request.window_max_tokens) == (6, 3)
+
+
+def test_render_redacts_secrets_and_round_trips(tmp_path: Path, env: dict[str, str]) -> None:
+    api_key = "api-key-for-tests-0123456789"
+    token = make_join_token(SECRET, ["10.0.0.5:7391"])
+    c = load_config({"api_key": api_key, "join_token": token, "mesh_secret": SECRET}, env, None)
+    for text in (render(c), render(c, as_json=True)):
+        assert SECRET not in text and api_key not in text and token not in text
+        assert text.count("<redacted>") == 3
+    assert json.loads(render(c, as_json=True))["lane"]["dead_after_s"] == 1.5
+    plain = load_config(
+        {"layers": (0, 3), "emulate.delay_s": 0.01, "join": ("10.0.0.1:1",)},
+        env | {"MESHD_MDNS__INTERFACES": "127.0.0.1", "MESHD_SPEC__STRATEGY": "mtp"},
+        None,
+    )
+    rendered = _write(tmp_path / "rendered.toml", render(plain))
+    assert load_config({}, {}, rendered) == plain
+    no_emulator = load_config({}, env, None)
+    assert load_config({}, {}, _write(tmp_path / "r2.toml", render(no_emulator))) == no_emulator
+
+
+# --- docs/configuration.md ------------------------------------------------------------------
+
+_ROW = re.compile(r"^\| `([a-z_.]+)` \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$")
+# Keys whose default depends on other settings or is "not set".
+_NON_LITERAL_DEFAULTS = {"state_dir", "control_socket", "layers", "emulate.bandwidth_bytes_s"}
+
+
+def _doc_rows() -> dict[str, tuple[str, str, str]]:
+    rows: dict[str, tuple[str, str, str]] = {}
+    for line in DOCS.read_text().splitlines():
+        match = _ROW.match(line)
+        if match:
+            key, _type, default, names, _what = (g.strip() for g in match.groups())
+            assert key not in rows, f"{key} documented twice"
+            rows[key] = (default, names, _what)
+    return rows
+
+
+def _default(key: str) -> Any:
+    config = NodeConfig(state_dir="/s")
+    table, _, name = key.rpartition(".")
+    holder = getattr(config, table) if table else config
+    if holder is None:
+        holder = LinkProfile()
+    return msgspec.json.decode(msgspec.json.encode(getattr(holder, name)))
+
+
+def test_docs_list_every_key_and_nothing_else() -> None:
+    rows = _doc_rows()
+    assert sorted(rows) == sorted(KEYS)
+
+
+def test_docs_defaults_and_names_match_the_code() -> None:
+    for key, (default, names, _what) in _doc_rows().items():
+        assert re.findall(r"`([^`]+)`", names)[:2] == [env_name(key), flag_name(key)], key
+        if key in _NON_LITERAL_DEFAULTS:
+            continue
+        literal = re.fullmatch(r"`(.+)`", default)
+        assert literal, f"{key}: default {default!r} is not a TOML literal"
+        assert tomllib.loads(f"v = {literal.group(1)}")["v"] == _default(key), key
+
+
+def test_docs_toml_examples_load(tmp_path: Path) -> None:
+    blocks = re.findall(r"```toml\n(.*?)```", DOCS.read_text(), flags=re.S)
+    assert len(blocks) >= 3
+    for i, block in enumerate(blocks):
+        config = load_config({}, {"HOME": str(tmp_path)}, _write(tmp_path / f"{i}.toml", block))
+        assert isinstance(config, NodeConfig)
