@@ -202,7 +202,14 @@ def parse_advertisement(
         raise MalformedAdvertisement(f"TXT port {port} differs from SRV port {srv_port}")
     if not addresses:
         raise MalformedAdvertisement("no address records")
-    return DiscoveredPeer(node_id, fingerprint, tuple(addresses), port, mesh_hash, version)
+    try:
+        parsed = {ipaddress.ip_address(a) for a in addresses}
+    except ValueError:
+        raise MalformedAdvertisement(f"bad address in {addresses!r}") from None
+    # Sorted: zeroconf lists addresses most recent first, which would make refreshes look
+    # like updates.
+    ordered = tuple(str(a) for a in sorted(parsed, key=lambda a: (a.version, int(a))))
+    return DiscoveredPeer(node_id, fingerprint, ordered, port, mesh_hash, version)
 
 
 def resolve_interfaces(interfaces: list[str]) -> list[str]:
@@ -438,7 +445,11 @@ def _start(
     registered = asyncio.run_coroutine_threadsafe(
         zc.async_register_service(info, cooperating_responders=True), zc.loop
     )
-    return browser, registered.result(timeout=config.close_timeout_s)
+    try:
+        return browser, registered.result(timeout=config.close_timeout_s)
+    except BaseException:
+        browser.cancel()
+        raise
 
 
 def _close(zc: zeroconf.Zeroconf, browser: zeroconf.ServiceBrowser | None) -> None:
