@@ -52,7 +52,6 @@ _NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,63}")
 _HEX = re.compile(r"[0-9a-f]+")
 _FINGERPRINT_HEX_CHARS = (16, 128)
 _MESH_HASH_HEX_CHARS = (16, 64)
-_MAX_VERSION = 65535
 
 T = TypeVar("T")
 
@@ -71,6 +70,14 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     event_buffer: int = 64
     # Upper bound on unregister + close at shutdown (goodbyes take ~0.25 s).
     close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for key in ("resolve_timeout_s", "browse_interval_s", "close_timeout_s"):
+            if not 0 < getattr(self, key) <= 3600:
+                raise ValueError(f"mdns {key} must be in (0, 3600] seconds")
+        for key in ("resolve_workers", "event_buffer"):
+            if not 1 <= getattr(self, key) <= 1024:
+                raise ValueError(f"mdns {key} must be in 1..1024")
 
 
 class PeerChange(enum.Enum):
@@ -170,7 +177,7 @@ def _parse_fields(properties: Mapping[bytes, bytes | None]) -> tuple[str, str, s
     fingerprint = _check_hex(fields["fp"], _FINGERPRINT_HEX_CHARS, "key fingerprint")
     mesh_hash = _check_hex(fields["mh"], _MESH_HASH_HEX_CHARS, "mesh hash")
     port = _parse_int(fields["port"], 1, 65535, "port")
-    version = _parse_int(fields["v"], 0, _MAX_VERSION, "version")
+    version = _parse_int(fields["v"], 0, 65535, "version")
     return fields["id"], fingerprint, mesh_hash, port, version
 
 

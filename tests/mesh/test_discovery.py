@@ -29,6 +29,7 @@ from meshd.mesh.discovery import (
     SERVICE_TYPE,
     DiscoveredPeer,
     Discovery,
+    DiscoveryConfig,
     MalformedAdvertisement,
     PeerChange,
     call_in_netns,
@@ -155,6 +156,13 @@ async def test_invalid_own_fields_raise_before_touching_the_network(
     with pytest.raises(ValueError, match="cannot advertise"):
         async with open_discovery(**kwargs):
             raise AssertionError("must not open")
+
+
+def test_config_rejects_out_of_range_tuning() -> None:
+    with pytest.raises(ValueError, match="resolve_workers"):
+        DiscoveryConfig(resolve_workers=0)
+    with pytest.raises(ValueError, match="resolve_timeout_s"):
+        DiscoveryConfig(resolve_timeout_s=0.0)
 
 
 _keys = st.sampled_from([b"v", b"id", b"fp", b"mh", b"port"]) | st.binary(max_size=6)
