@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from meshd.mesh.jointoken import (
+    MIN_SECRET_CHARS,
     Address,
     AddressError,
     JoinTokenError,
@@ -32,7 +33,6 @@ ENV_PREFIX = "MESHD_"
 # Names the config file; it is not a key, so the unknown-variable check skips it.
 CONFIG_FILE_ENV = "MESHD_CONFIG"
 SECRET_KEYS: tuple[str, ...] = ("mesh_secret", "api_key", "join_token")
-MIN_SECRET_CHARS = 16
 MAX_SECRET_FILE_BYTES = 4096
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH_BYTES = 107
@@ -104,6 +104,14 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                 _check_public_key(key, hex_key)
         _choice("log_format", self.log_format, LOG_FORMATS)
         _choice("log_level", self.log_level, LOG_LEVELS)
+
+    def __repr__(self) -> str:
+        # Configs end up in logs and tracebacks: never show the secrets there.
+        fields = ", ".join(
+            f"{f}={'<redacted>' if f in SECRET_KEYS and getattr(self, f) else repr(getattr(self, f))}"
+            for f in self.__struct_fields__
+        )
+        return f"NodeConfig({fields})"
 
     @property
     def api_is_loopback(self) -> bool:
@@ -205,6 +213,11 @@ def _check_secrets(c: NodeConfig) -> None:
             token = decode_join_token(c.join_token)
         except JoinTokenError as exc:
             raise ConfigError(f"join_token: {exc}", key="join_token") from None
+        if len(token.secret) < MIN_SECRET_CHARS:
+            raise ConfigError(
+                f"join_token: its mesh secret is shorter than {MIN_SECRET_CHARS} characters",
+                key="join_token",
+            )
         if c.mesh_secret_file or (c.mesh_secret and c.mesh_secret != token.secret):
             raise ConfigError(
                 "join_token carries the mesh secret: set either join_token or "

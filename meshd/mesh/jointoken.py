@@ -28,6 +28,8 @@ import msgspec
 
 PREFIX = "meshd1-"
 CHECKSUM_BYTES = 4
+# Mesh secrets shorter than this are refused everywhere (they could be guessed).
+MIN_SECRET_CHARS = 16
 MAX_SECRET_BYTES = 1024
 MAX_ADDRESSES = 16
 _CHECKSUM_KEY = b"meshd join token v1"
@@ -110,9 +112,11 @@ def make_join_token(
     secret: str, addrs: Sequence[str | Address], expires_unix: int | None = None
 ) -> str:
     """A `meshd1-...` token holding the mesh secret, bootstrap addresses and an expiry."""
-    raw_secret = secret.encode("utf-8")
-    if not raw_secret or len(raw_secret) > MAX_SECRET_BYTES:
-        raise JoinTokenError(f"the mesh secret must be 1..{MAX_SECRET_BYTES} bytes")
+    if len(secret) < MIN_SECRET_CHARS or len(secret.encode("utf-8")) > MAX_SECRET_BYTES:
+        raise JoinTokenError(
+            f"the mesh secret must have at least {MIN_SECRET_CHARS} characters "
+            f"and at most {MAX_SECRET_BYTES} bytes"
+        )
     if not 1 <= len(addrs) <= MAX_ADDRESSES:
         raise JoinTokenError(f"a join token needs 1..{MAX_ADDRESSES} bootstrap addresses")
     try:

@@ -340,6 +340,9 @@ def test_render_redacts_secrets_and_round_trips(tmp_path: Path, env: dict[str, s
         assert SECRET not in text and api_key not in text and token not in text
         assert text.count("<redacted>") == 3
     assert json.loads(render(c, as_json=True))["lane"]["dead_after_s"] == 1.5
+    # Logs and tracebacks show the repr: no secrets there either.
+    assert SECRET not in repr(c) and api_key not in repr(c) and token not in repr(c)
+    assert "api_port=7392" in repr(c) and "<redacted>" in str(c)
     plain = load_config(
         {"layers": (0, 3), "emulate.delay_s": 0.01, "join": ("10.0.0.1:1",)},
         env | {"MESHD_MDNS__INTERFACES": "127.0.0.1", "MESHD_SPEC__STRATEGY": "mtp"},

@@ -105,8 +105,10 @@ def test_bad_tokens_have_clear_errors(text: str, message: str) -> None:
 
 
 def test_making_a_token_checks_its_inputs() -> None:
-    with pytest.raises(JoinTokenError, match="secret"):
+    with pytest.raises(JoinTokenError, match="at least 16 characters"):
         make_join_token("", ADDRS)
+    with pytest.raises(JoinTokenError, match="at least 16 characters"):
+        make_join_token("hunter2", ADDRS)
     with pytest.raises(JoinTokenError, match="bootstrap addresses"):
         make_join_token(SECRET, [])
     with pytest.raises(JoinTokenError, match="no port"):
@@ -154,7 +156,7 @@ def test_peer_address_needs_a_port_without_default() -> None:
 
 @settings(max_examples=60)
 @given(
-    secret=st.text(min_size=1, max_size=200).filter(lambda s: len(s.encode()) <= 1024),
+    secret=st.text(min_size=16, max_size=200).filter(lambda s: len(s.encode()) <= 1024),
     ports=st.lists(st.integers(1, 65535), min_size=1, max_size=16),
     expires=st.none() | st.integers(0, 2**40),
 )
