@@ -57,18 +57,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _flag_type(type_: Any) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
-        return parse_text(text, type_)
+        try:
+            return parse_text(text, type_)
+        except ValueError as exc:
+            # argparse prints this message as it is: "argument --layers: expected 2 ...".
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    convert.__name__ = _metavar(type_).lower()
     return convert
 
 
 def _metavar(type_: Any) -> str:
-    origin = typing.get_origin(type_)
+    origin, args = typing.get_origin(type_), typing.get_args(type_)
+    if origin in (typing.Union, types.UnionType):
+        return _metavar(next(a for a in args if a is not type(None)))
+    if origin is tuple and Ellipsis not in args:
+        return ",".join(_metavar(a) for a in args)
     if origin in (list, tuple):
         return "A,B,..."
-    if origin in (typing.Union, types.UnionType):
-        return "VALUE"
     return {int: "INT", float: "NUMBER", str: "TEXT"}.get(type_, "VALUE")
 
 

@@ -164,6 +164,12 @@ def _known(key: str, source: str) -> None:
     if key in KEY_TYPES:
         return
     table, _, name = key.rpartition(".")
+    if table and table not in TABLES:
+        raise ConfigError(
+            f"unknown key {key!r}: there is no table [{table}]; tables: {', '.join(TABLES)}",
+            key=key,
+            source=source,
+        )
     known = [k.rpartition(".")[2] for k in KEYS if k.rpartition(".")[0] == table]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""

@@ -146,11 +146,14 @@ def test_unknown_key_in_env_is_named_with_the_variable(env: dict[str, str]) -> N
         ("MESHD_API_PROT", "api_prot"),
         ("MESHD_LANE__DEAD_AFTR_S", "lane.dead_aftr_s"),
         ("MESHD_LANE_DEAD_AFTER_S", "lane_dead_after_s"),  # a single underscore is not nesting
+        ("MESHD_GOSSIP__FANOUT", "gossip.fanout"),
     ]:
         with pytest.raises(ConfigError) as err:
             load_config({}, env | {name: "1"}, None)
         assert (err.value.key, err.value.source) == (key, f"env {name}")
         assert f"env {name}" in str(err.value)
+    with pytest.raises(ConfigError, match=r"no table \[gossip\]; tables: mdns, lane, spec"):
+        load_config({}, env | {"MESHD_GOSSIP__FANOUT": "3"}, None)
     with pytest.raises(ConfigError, match=r"lane is a table.*MESHD_LANE__<KEY>"):
         load_config({}, env | {"MESHD_LANE": "x"}, None)
     # Other variables, and the one naming the file, are not keys.
@@ -301,6 +304,14 @@ def test_control_socket_path_must_fit_a_unix_socket(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="at most 107") as err:
         load_config({"state_dir": "/" + "s" * 100}, {}, None)
     assert err.value.key == "control_socket"
+
+
+def test_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--layers", "1"])
+    assert (
+        "argument --layers: expected 2 comma-separated values, got '1'" in capsys.readouterr().err
+    )
 
 
 def test_every_key_has_a_flag_and_an_env_name() -> None:
