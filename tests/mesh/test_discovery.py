@@ -211,7 +211,8 @@ async def test_three_nodes_find_each_other_within_2s(netns: str) -> None:
             for kwargs in nodes:
                 nursery.start_soon(run, kwargs)
     slowest = max(found_after_s.values())
-    print(f"\nthree nodes found each other after {sorted(found_after_s.values())} s")
+    times = ", ".join(f"{t:.3f}" for t in sorted(found_after_s.values()))
+    print(f"\nthree nodes found each other after {times} s")
     assert slowest < DISCOVERY_BOUND_S
     by_id = {n["node_id"]: n for n in nodes}
     for seen in first_events.values():
