@@ -287,7 +287,9 @@ class _Run:
                 return
             if not self.in_flight:
                 base = len(self.req.prompt) + len(self.generated) - 1
-                drafts = self.proposer.propose(plan.width, self.mtp_draft) if plan.width > 0 else []
+                # Even at width 0 the proposer sees the MTP draft, so `auto` keeps scoring
+                # MTP strategies while it is not speculating.
+                drafts = self.proposer.propose(plan.width, self.mtp_draft)
                 tokens = [self.last_token, *clip_drafts(drafts, remaining)]
             else:
                 # Everything in flight is assumed right: the oldest window's drafts, then
