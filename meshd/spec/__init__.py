@@ -3,35 +3,81 @@
 Pure: no trio, no networking; torch only where logits are involved. See docs/speculative.md.
 """
 
-from meshd.spec.auto import AcceptanceBook, AutoProposer
-from meshd.spec.config import (
-    STRATEGIES,
-    SpecConfig,
-    SpecConfigError,
-    add_spec_arguments,
-    flag_name,
-    resolve_spec_config,
-    spec_cli_values,
-)
-from meshd.spec.policy import (
-    DEFAULT_LINK,
-    AcceptanceTracker,
-    LinkModel,
-    PolicyInputs,
-    WindowPlan,
-    choose,
-)
-from meshd.spec.proposer import Proposer, ProposerStats
-from meshd.spec.proposers import UnknownStrategyError, make_proposer
-from meshd.spec.sampling import (
-    SamplingParams,
-    Verdict,
-    clip_drafts,
-    keyed_uniform,
-    sample_token,
-    verify,
-)
-from meshd.spec.telemetry import Recorder, SpecTelemetry
+# Names load lazily (PEP 562): `meshd.config` and the CLI import `meshd.spec.config` without
+# paying for torch, which only sampling needs.
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshd.spec.auto import AcceptanceBook, AutoProposer
+    from meshd.spec.config import (
+        STRATEGIES,
+        SpecConfig,
+        SpecConfigError,
+        add_spec_arguments,
+        flag_name,
+        resolve_spec_config,
+        spec_cli_values,
+    )
+    from meshd.spec.policy import (
+        DEFAULT_LINK,
+        AcceptanceTracker,
+        LinkModel,
+        PolicyInputs,
+        WindowPlan,
+        choose,
+    )
+    from meshd.spec.proposer import Proposer, ProposerStats
+    from meshd.spec.proposers import UnknownStrategyError, make_proposer
+    from meshd.spec.sampling import (
+        SamplingParams,
+        Verdict,
+        clip_drafts,
+        keyed_uniform,
+        sample_token,
+        verify,
+    )
+    from meshd.spec.telemetry import Recorder, SpecTelemetry
+
+_WHERE = {
+    "AcceptanceBook": "meshd.spec.auto",
+    "AcceptanceTracker": "meshd.spec.policy",
+    "AutoProposer": "meshd.spec.auto",
+    "DEFAULT_LINK": "meshd.spec.policy",
+    "LinkModel": "meshd.spec.policy",
+    "PolicyInputs": "meshd.spec.policy",
+    "Proposer": "meshd.spec.proposer",
+    "ProposerStats": "meshd.spec.proposer",
+    "Recorder": "meshd.spec.telemetry",
+    "STRATEGIES": "meshd.spec.config",
+    "SamplingParams": "meshd.spec.sampling",
+    "SpecConfig": "meshd.spec.config",
+    "SpecConfigError": "meshd.spec.config",
+    "SpecTelemetry": "meshd.spec.telemetry",
+    "UnknownStrategyError": "meshd.spec.proposers",
+    "Verdict": "meshd.spec.sampling",
+    "WindowPlan": "meshd.spec.policy",
+    "add_spec_arguments": "meshd.spec.config",
+    "choose": "meshd.spec.policy",
+    "clip_drafts": "meshd.spec.sampling",
+    "flag_name": "meshd.spec.config",
+    "keyed_uniform": "meshd.spec.sampling",
+    "make_proposer": "meshd.spec.proposers",
+    "resolve_spec_config": "meshd.spec.config",
+    "sample_token": "meshd.spec.sampling",
+    "spec_cli_values": "meshd.spec.config",
+    "verify": "meshd.spec.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshd.spec' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "DEFAULT_LINK",
