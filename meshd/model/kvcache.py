@@ -30,7 +30,7 @@ class KVGroup:
     layers: list[LayerCache] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.layers = [LayerCache(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+        self.layers = [LayerCache(self.k[i : i + 1], self.v[i : i + 1]) for i in range(len(self.k))]
 
     @property
     def max_positions(self) -> int:

@@ -61,7 +61,11 @@ def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int, seq_len: int) 
 
 
 class Rotary:
-    """cos/sin tables by absolute position, grown on demand, shaped `[T, 1, head_dim]`."""
+    """cos and signed-sin tables by absolute position, grown on demand, shaped `[T, head_dim]`.
+
+    The sin table has its first half negated, so that `x * cos + roll(x, half) * sin` equals
+    transformers' `x * cos + rotate_half(x) * sin` exactly, in fewer ops.
+    """
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self._rope = config.rope
@@ -70,17 +74,19 @@ class Rotary:
         self._device = device
         self._dtype = dtype
         self._inv_freq = rope_inv_freq(self._rope, self._dim, self._max_positions, 0).to(device)
-        self._cos = torch.empty(0, 1, self._dim, device=device, dtype=dtype)
+        self._cos = torch.empty(0, self._dim, device=device, dtype=dtype)
         self._sin = self._cos
 
     def _table(self, inv_freq: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, ...]:
         positions = torch.arange(start, end, device=self._device).float()
         freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(self._dtype), emb.sin().to(self._dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : self._dim // 2].neg_()
+        return emb.cos().to(self._dtype), sin.to(self._dtype)
 
     def cos_sin(self, base_pos: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions `base_pos .. base_pos+length-1`."""
+        """cos and signed sin for positions `base_pos .. base_pos+length-1`."""
         end = base_pos + length
         if self._rope.rope_type == "dynamic" and end > self._max_positions:
             # The NTK base depends on the window's end, so no table can be shared.
@@ -93,11 +99,9 @@ class Rotary:
         return self._cos[base_pos:end], self._sin[base_pos:end]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[T, heads, head_dim]` by position (the "rotate half" convention of HF)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[..., T, head_dim]` by position (HF's "rotate half" pairing of dims)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class AttnSpan:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's slice of a session's positional cache: `[kv_heads, max_positions, head_dim]`."""
+    """One layer's view of a session's cache: `[1, kv_heads, max_positions, head_dim]` each."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -209,20 +213,21 @@ def attention(
     span: AttnSpan,
 ) -> torch.Tensor:
     """Grouped-query self-attention with RoPE over the positional cache; `[T, hidden]`."""
-    length = x.shape[0]
-    qkv = F.linear(x, w.wqkv, w.bqkv).view(length, d.n_heads + 2 * d.n_kv, d.head_dim)
-    qk, v = qkv[:, : d.n_heads + d.n_kv], qkv[:, d.n_heads + d.n_kv :]
+    length, n_qk = x.shape[0], d.n_heads + d.n_kv
+    # [1, q heads + k heads + v heads, T, head_dim], the layout attention wants.
+    qkv = F.linear(x, w.wqkv, w.bqkv).view(1, length, -1, d.head_dim).transpose(1, 2)
+    qk = qkv[:, :n_qk]
     if w.q_norm is not None and w.k_norm is not None:
         q_part = rms_norm(qk[:, : d.n_heads], w.q_norm, d.eps)
         qk = torch.cat((q_part, rms_norm(qk[:, d.n_heads :], w.k_norm, d.eps)), dim=1)
     qk = apply_rope(qk, *rope)
     base_pos = span.end - length
-    cache.k[:, base_pos : span.end] = qk[:, d.n_heads :].transpose(0, 1)
-    cache.v[:, base_pos : span.end] = v.transpose(0, 1)
+    cache.k[:, :, base_pos : span.end] = qk[:, d.n_heads :]
+    cache.v[:, :, base_pos : span.end] = qkv[:, n_qk:]
     out = F.scaled_dot_product_attention(
-        qk[:, : d.n_heads].transpose(0, 1).unsqueeze(0),
-        cache.k[None, :, span.start : span.end],
-        cache.v[None, :, span.start : span.end],
+        qk[:, : d.n_heads],
+        cache.k[:, :, span.start : span.end],
+        cache.v[:, :, span.start : span.end],
         attn_mask=span.mask,
         enable_gqa=d.n_kv != d.n_heads,
     )
