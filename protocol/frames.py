@@ -173,8 +173,11 @@ def decode_ack(buf: Buffer, pos: int) -> tuple[AckFrame, int]:
     stop_all = end + count * _ACK_RANGE.size
     if stop_all > len(buf):
         raise RemoteProtocolError("truncated ACK ranges")
-    flat = struct.unpack_from(f">{2 * count}Q", buf, end)
-    ranges = tuple(zip(flat[0::2], flat[1::2], strict=True))
+    if count == 1:  # the common case, without building a format string
+        ranges: tuple[tuple[int, int], ...] = (_ACK_RANGE.unpack_from(buf, end),)
+    else:
+        flat = struct.unpack_from(f">{2 * count}Q", buf, end)
+        ranges = tuple(zip(flat[0::2], flat[1::2], strict=True))
     floor = MAX_OFFSET + 1
     for start, stop in ranges:
         # Highest first, non-empty, disjoint and not adjacent.

@@ -52,6 +52,7 @@ from protocol.stream import (
 )
 
 CARRIED_STREAM_DEFAULT = 4
+_NO_STREAMS: tuple[int, ...] = ()
 # A runaway guard: one datagrams() call never builds more packets than this.
 MAX_PACKETS_PER_CALL = 4096
 
@@ -248,19 +249,24 @@ class Transport:
         if frame.ranges[0][1] > self._next_number:
             raise RemoteProtocolError("ACK for a packet never sent")
         acked, lost = self.recovery.on_ack(frame.ranges, frame.ack_delay_s, now)
+        seen_ack = -1
+        streams = self._send_streams
         for packet in acked:
             if packet.is_probe:
                 if self.pmtu.on_probe_acked(packet.size):
                     self.cc.set_datagram_bytes(self.pmtu.current_bytes)
                 continue
             for chunk in packet.chunks:
-                self.unacked_send_bytes -= self._send_streams[chunk.stream_id].on_acked(chunk)
-            if packet.largest_ack >= 0:
-                # The peer saw that ACK; it need not hear about those packets again.
-                self._ack_ranges.subtract(0, packet.largest_ack + 1)
+                self.unacked_send_bytes -= streams[chunk.stream_id].on_acked(chunk)
+            if packet.largest_ack > seen_ack:
+                seen_ack = packet.largest_ack
             if packet.controls & CARRIED_CLOSE:
                 self.close_acked = True
-        self._requeue(lost)
+        if seen_ack >= 0:
+            # The peer saw those ACKs; it need not hear about the packets they covered again.
+            self._ack_ranges.subtract(0, seen_ack + 1)
+        if lost:
+            self._requeue(lost)
 
     def _requeue(self, lost: list[SentPacket]) -> None:
         """Hand a lost packet's frames back to be sent again, in new packets."""
@@ -361,8 +367,10 @@ class Transport:
             ack, largest_ack = self._ack_frame(now)
             budget -= len(ack)
         parts: list[Piece] = [ack]
-        controls, credit_streams = self._control_frames(parts)
-        budget -= sum(len(p) for p in parts) - len(ack)
+        controls, credit_streams = 0, _NO_STREAMS
+        if self._send_max_data or self._send_stream_default or self._credit_streams:
+            controls, credit_streams = self._control_frames(parts)
+            budget -= sum(len(p) for p in parts) - len(ack)
         eliciting = bool(controls or credit_streams)
         if self.ping_pending or self._probe_pending:
             parts.append(PING_FRAME)
@@ -386,10 +394,19 @@ class Transport:
             self._ack_at = None
             self._ack_eliciting_unacked = 0
         if eliciting:
-            record = SentPacket(number, now, len(datagram), chunks=chunks, controls=controls)
-            record.credit_streams = credit_streams
-            record.largest_ack = largest_ack
-            self.recovery.on_packet_sent(record)
+            self.recovery.on_packet_sent(
+                SentPacket(
+                    number,
+                    now,
+                    len(datagram),
+                    True,
+                    False,
+                    chunks,
+                    controls,
+                    credit_streams,
+                    largest_ack,
+                )
+            )
         return datagram
 
     def _control_frames(self, parts: list[Piece]) -> tuple[int, tuple[int, ...]]:
@@ -421,7 +438,9 @@ class Transport:
             if budget <= STREAM_HEADER_BYTES:
                 break
             stream = sendable.pop(stream_id)
-            while budget > STREAM_HEADER_BYTES:
+            while budget > STREAM_HEADER_BYTES and (
+                stream.has_retransmit() or stream.sendable_new_bytes() > 0
+            ):
                 room = budget - STREAM_HEADER_BYTES
                 chunk = stream.take_retransmit(room)
                 if chunk is None:
