@@ -23,13 +23,11 @@ from tests.protocol.lane_sim import CAPABILITIES, PSK, LinkProfile, Network, pai
 def send_batch(lane: Lane, rng: random.Random, count: int) -> dict[int, list[bytes]]:
     """Queue `count` messages of 1 B .. 300 KiB on four streams; returns them by stream."""
     sent: dict[int, list[bytes]] = {}
-    for i in range(count):
+    for _ in range(count):
         stream_id = rng.randrange(4)
-        size = rng.choice([1, 17, 1400, 5000, 65536, 300_000])
-        data = rng.randbytes(size)
+        data = rng.randbytes(rng.choice([1, 17, 1400, 5000, 65536, 300_000]))
         lane.send_message(stream_id, data)
         sent.setdefault(stream_id, []).append(data)
-        _ = i
     return sent
 
 
