@@ -384,3 +384,29 @@ def test_one_node_holds_lanes_to_two_peers_at_once() -> None:
     assert [m[2] for m in net.messages("b")] == [b"for b"]
     assert [m[2] for m in net.messages("c")] == [b"for c"]
     assert to_b.remote_static == net.nodes["b"].static_public
+
+
+def test_a_peer_that_ignores_flow_control_is_cut_off() -> None:
+    floor = LaneConfig(initial_max_data_bytes=1 << 20, initial_max_stream_data_bytes=1 << 18)
+    net, lane_a, _ = pair(config_b=floor)
+    net.run(until=net.now + 0.1)  # big datagrams and a big window on a's side
+    # Play a peer that ignores the credit b granted: lift a's view of it.
+    transport = lane_a._transport
+    assert transport is not None
+    transport._peer_max_data = transport._peer_stream_default = 1 << 40
+    # Lose the first data packet: b cannot consume past the hole, so its credit stays put.
+    dropped: list[bytes] = []
+
+    def drop_first_big(src: str, dst: str, data: bytes) -> bool:
+        if src == "a" and len(data) > 60_000 and not dropped:
+            dropped.append(data)
+            return True
+        return False
+
+    net.drop_if = drop_first_big
+    lane_a.send_message(0, bytes(4 << 20))
+    net.run(until=net.now + 1.0)
+    (ended_b,) = net.terminations("b")
+    assert ended_b.reason is TerminationReason.PROTOCOL_ERROR
+    assert "flow control" in ended_b.detail
+    assert [e.reason for e in net.terminations("a")] == [TerminationReason.CLOSED_BY_PEER]
