@@ -134,7 +134,7 @@ class SegmentSearch:
     def _reorder(self, order: Order) -> tuple[float, Order]:
         if len(order) <= _CHEAP_EXACT_MAX:
             return exact_path(self.h, self.start, self.end, order)
-        return heuristic_path(self.h, self.start, self.end, order)
+        return heuristic_path(self.h, self.start, self.end, order, or_opt=False)
 
     # -- candidate sets ----------------------------------------------------------------------
 
