@@ -206,9 +206,9 @@ def test_infeasible_with_no_usable_node() -> None:
 
 
 def test_infeasible_when_whole_layers_do_not_pack() -> None:
-    # 3 × 8.5 GiB usable = 25.5 GiB ≥ 24 GiB, but each node holds only 8 whole layers.
+    # 3 × 8.5 GiB usable = 25.5 GiB ≥ 25 GiB, but each node holds only 8 whole layers.
     nodes = [node(k, 8.5 / 0.9, 1.0) for k in "abc"]
-    with pytest.raises(NoFeasiblePlan, match="hold 24 of 24|whole layers") as err:
+    with pytest.raises(NoFeasiblePlan, match="they hold 24 of 25 layers") as err:
         plan(ModelShape("m", 25, GiB, 0), nodes, {}, b"coord", context_tokens=0)
     assert err.value.shortfall_bytes == GiB
 
