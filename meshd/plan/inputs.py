@@ -35,7 +35,7 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # Candidates kept for the set search after pre-filtering (per criterion, see search.py).
     pool_per_criterion: int = 10
     # Below this many node sets of one size, every set is tried (exact for small meshes).
-    exhaustive_max_sets: int = 300
+    exhaustive_max_sets: int = 120
     # Rounds of swap improvement per seed in the heuristic set search.
     search_max_rounds: int = 6
     # Nodes closer than this round trip count as one site when seeding the set search.

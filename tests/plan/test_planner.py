@@ -262,10 +262,14 @@ def test_fixed_range_nodes_serve_exactly_their_range() -> None:
         {(x, y): 1 for x in ("coord", "pinned", "a", "b") for y in ("pinned", "a", "b") if x != y}
     )
     p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0)
-    for s in p.stages:
-        if s.node_key == b"pinned":
-            assert (s.layer_start, s.layer_end) == (8, 16)
+    # The pinned node is the fastest, so it serves, but only its own range.
+    assert (b"pinned", 8, 16) in [(s.node_key, s.layer_start, s.layer_end) for s in p.stages]
     assert p.route.num_layers == 24
+    # A range that does not fit its node's memory makes the node unusable.
+    small = [node("pinned", 5, 0.5, fixed_layers=(8, 16)), node("a", 40, 1.0)]
+    p = plan(SIMPLE, small, rtt, b"coord", context_tokens=0)
+    assert keys(p) == ["a"]
+    assert p.census.too_small == 1
 
 
 def test_replan_keeps_surviving_stages_and_their_layers() -> None:
