@@ -9,7 +9,9 @@ on handshake kinds and kind-specific flags on DATA.
     RESPONSE    [0x02][version u8][receiver lane id u32][sender lane id u32] noise msg 2 [mac1]
     REFUSAL     [0x03][0x00][receiver lane id u32][n u8][n x supported version u8][reason]
     DATA        [0x04][flags u8][receiver lane id u32] packet number, AEAD ciphertext ...
-    (0x05..0x0F reserved for later kinds, e.g. relayed and hole-punching probes.)
+    KEY_QUERY   [0x05][0x00][0 u32] nonce, padding, tag    (protocol/keyquery.py; no lane)
+    KEY_ANSWER  [0x06][0x00][0 u32] nonce, Ed25519 key, tag
+    (0x07..0x0F reserved for later kinds, e.g. relayed and hole-punching probes.)
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ KIND_INITIATION = 0x01
 KIND_RESPONSE = 0x02
 KIND_REFUSAL = 0x03
 KIND_DATA = 0x04
+KIND_KEY_QUERY = 0x05
+KIND_KEY_ANSWER = 0x06
 
-KNOWN_KINDS = frozenset({KIND_INITIATION, KIND_RESPONSE, KIND_REFUSAL, KIND_DATA})
+KNOWN_KINDS = frozenset(
+    {KIND_INITIATION, KIND_RESPONSE, KIND_REFUSAL, KIND_DATA, KIND_KEY_QUERY, KIND_KEY_ANSWER}
+)
 
 # Largest UDP payload we will ever accept or emit (IPv4 limit); anything larger is garbage.
 MAX_DATAGRAM_BYTES = 65507

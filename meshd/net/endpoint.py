@@ -24,9 +24,15 @@ from dataclasses import dataclass
 import trio
 
 from meshd.net.emulator import LinkEmulator, LinkProfile
-from protocol import PROTOCOL_VERSION, RemoteProtocolError
+from protocol import PROTOCOL_VERSION, RemoteProtocolError, keyquery
 from protocol.config import LaneConfig
-from protocol.datagram import KIND_INITIATION, peek_kind, peek_receiver_lane_id
+from protocol.datagram import (
+    KIND_INITIATION,
+    KIND_KEY_ANSWER,
+    KIND_KEY_QUERY,
+    peek_kind,
+    peek_receiver_lane_id,
+)
 from protocol.events import LaneEstablished, LaneTerminated, MessageReceived, TerminationReason
 from protocol.handshake import InitiationRefused, Responder
 from protocol.lane import Lane
@@ -178,8 +184,12 @@ class Endpoint:
         capabilities: Sequence[str],
         egress: LinkProfile | None,
         send_buffer_limit_bytes: int,
+        node_public_key: bytes | None = None,
     ) -> None:
         self.static_private = static_private
+        self.node_public_key = node_public_key
+        self._key_query_tag = keyquery.query_key(psk)
+        self._key_queries: dict[bytes, trio.MemorySendChannel[bytes]] = {}
         self.psk = psk
         self.lane_config = lane_config
         self.versions = tuple(versions)
@@ -238,6 +248,23 @@ class Endpoint:
         peer._raise_if_terminated()
         return peer
 
+    async def query_key(self, addr: Address, *, timeout_s: float = 0.5, attempts: int = 4) -> bytes:
+        """Ask `addr` for its node's Ed25519 public key (proven by the mesh secret).
+
+        Raises TimeoutError if no mesh member answers there.
+        """
+        for _ in range(attempts):
+            nonce = secrets.token_bytes(keyquery.NONCE_BYTES)
+            send, receive = trio.open_memory_channel[bytes](1)
+            self._key_queries[nonce] = send
+            try:
+                self._write([(keyquery.make_query(self._key_query_tag, nonce), addr)])
+                with trio.move_on_after(timeout_s):
+                    return await receive.receive()
+            finally:
+                del self._key_queries[nonce]
+        raise TimeoutError(f"no mesh member answered a key query at {addr}")
+
     async def accept(self) -> PeerLane:
         """The next lane a peer opened to us (after its handshake was admitted)."""
         return await self._incoming_recv.receive()
@@ -272,6 +299,9 @@ class Endpoint:
             if kind == KIND_INITIATION:
                 self._handle_initiation(data, addr, now)
                 return
+            if kind in (KIND_KEY_QUERY, KIND_KEY_ANSWER):
+                self._handle_key_query(kind, data, addr)
+                return
             peer = self._lanes.get(peek_receiver_lane_id(data))
             if peer is None:
                 self.stats.datagrams_dropped += 1
@@ -281,6 +311,19 @@ class Endpoint:
         except RemoteProtocolError as exc:
             self.stats.datagrams_dropped += 1
             log.debug("dropped datagram from %s: %s", addr, exc)
+
+    def _handle_key_query(self, kind: int, data: bytes, addr: Address) -> None:
+        if kind == KIND_KEY_QUERY:
+            if self.node_public_key is None:
+                return
+            answer = keyquery.answer_query(self._key_query_tag, data, self.node_public_key)
+            self._write([(answer, addr)])
+            return
+        nonce, key = keyquery.read_answer(self._key_query_tag, data)
+        waiter = self._key_queries.get(nonce)
+        if waiter is not None:
+            with contextlib.suppress(trio.WouldBlock):
+                waiter.send_nowait(key)
 
     def _handle_initiation(self, data: bytes, addr: Address, now: float) -> None:
         lane_id = self._new_lane_id()
@@ -432,11 +475,14 @@ async def open_endpoint(
     capabilities: Sequence[str] = (),
     egress: LinkProfile | None = None,
     send_buffer_limit_bytes: int = 8 * 1024 * 1024,
+    node_public_key: bytes | None = None,
 ) -> AsyncIterator[Endpoint]:
     """Bind a UDP socket and serve lanes on it until the block exits.
 
     `admit` decides which initiator static keys may open a lane (all PSK holders by default);
     `egress` puts a userspace link emulator on this endpoint's send path.
+    `node_public_key` (the node's Ed25519 key) is what this endpoint answers key queries with;
+    without it, key queries go unanswered.
     """
     endpoint = Endpoint(
         static_private=static_private,
@@ -447,6 +493,7 @@ async def open_endpoint(
         capabilities=capabilities,
         egress=egress,
         send_buffer_limit_bytes=send_buffer_limit_bytes,
+        node_public_key=node_public_key,
     )
     endpoint._sock = _make_socket(bind)
     try:

@@ -195,3 +195,16 @@ async def test_killed_peer_is_declared_dead_within_the_bound_and_waiters_fail() 
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_key_query_answers_mesh_members_only() -> None:
+    (sk, _), (ck, _) = keypair(13), keypair(14)
+    node_key = b"\x42" * 32
+    async with (
+        open_endpoint(static_private=sk, psk=PSK, node_public_key=node_key) as server,
+        open_endpoint(static_private=ck, psk=PSK) as member,
+        open_endpoint(static_private=ck, psk=b"\x09" * 32) as outsider,
+    ):
+        assert await member.query_key(server.local_address) == node_key
+        with pytest.raises(TimeoutError):
+            await outsider.query_key(server.local_address, timeout_s=0.1, attempts=2)
