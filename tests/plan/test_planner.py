@@ -348,3 +348,16 @@ def test_same_inputs_same_plan() -> None:
     first = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0)
     again = plan(SIMPLE, list(nodes), dict(rtt), b"coord", context_tokens=0)
     assert first == again
+
+
+def test_prefer_accepts_held_ranges_and_ignores_another_models_route() -> None:
+    nodes = [node(k, 10, 1.0) for k in ("s0", "s2", "spare1", "spare2")]
+    names = ("coord", "s0", "s2", "spare1", "spare2")
+    rtt = rtts({(x, y): 1 for x in names for y in names[1:] if x != y})
+    held = {b"s0": (0, 8), b"s2": (16, 24)}
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+    assert p.reload_layers == 8
+    other = Route("other-model", (RouteStage(b"s0", 0, 8), RouteStage(b"s2", 8, 24)))
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=other)
+    assert p.kept_stages == 0
+    assert p.reload_layers == 24
