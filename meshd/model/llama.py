@@ -74,10 +74,13 @@ class Rotary:
         self._device = device
         self._dtype = dtype
         self._inv_freq = rope_inv_freq(self._rope, self._dim, self._max_positions, 0).to(device)
-        self._cos = torch.empty(0, self._dim, device=device, dtype=dtype)
-        self._sin = self._cos
+        empty = torch.empty(0, self._dim, device=device, dtype=dtype)
+        # One tuple, swapped whole, so a reader on another thread never pairs mismatched tables.
+        self._tables: tuple[torch.Tensor, torch.Tensor] = (empty, empty)
 
-    def _table(self, inv_freq: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, ...]:
+    def _table(
+        self, inv_freq: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(start, end, device=self._device).float()
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -93,10 +96,11 @@ class Rotary:
             inv_freq = rope_inv_freq(self._rope, self._dim, self._max_positions, end)
             cos, sin = self._table(inv_freq.to(self._device), base_pos, end)
             return cos, sin
-        if end > self._cos.shape[0]:
-            size = max(end, 2 * self._cos.shape[0], 256)
-            self._cos, self._sin = self._table(self._inv_freq, 0, size)
-        return self._cos[base_pos:end], self._sin[base_pos:end]
+        cos, sin = self._tables
+        if end > cos.shape[0]:
+            size = max(end, 2 * cos.shape[0], 256)
+            cos, sin = self._tables = self._table(self._inv_freq, 0, size)
+        return cos[base_pos:end], sin[base_pos:end]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

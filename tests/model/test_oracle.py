@@ -48,6 +48,10 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path: pathlib.Path) -> No
     with torch.no_grad():
         theirs = model(torch.tensor([PROMPT])).logits[0]
     assert ours is not None and (ours - theirs).abs().max().item() <= 1e-4
+    ref = model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=20, min_new_tokens=20, do_sample=False
+    )[0, len(PROMPT) :].tolist()
+    assert generate([stage], PROMPT, 20).tokens == ref
 
 
 def test_dynamic_rope_beyond_trained_length_matches_transformers(tmp_path: pathlib.Path) -> None:
