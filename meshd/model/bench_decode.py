@@ -229,14 +229,20 @@ def _prompt_ids(directory: pathlib.Path, text: str, vocab_size: int) -> list[int
     return torch.randint(0, vocab_size, (12,), generator=gen).tolist()
 
 
-def _profile(fn: Any) -> str:
+def _profile(fn: Callable[[], list[int]]) -> str:
+    """torch.profiler's top ops by self CPU time over one meshd run, then cProfile's top."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops: str = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     profiler = cProfile.Profile()
     profiler.enable()
     fn()
     profiler.disable()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
-    return out.getvalue()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+    return ops + "\n" + out.getvalue()
 
 
 def _print_report(report: dict[str, Any]) -> None:
