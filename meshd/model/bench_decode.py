@@ -173,6 +173,10 @@ def bench(
         "meshd_runs_tok_s": [round(r, 2) for r in runs.ours_tok_s],
         "transformers_runs_tok_s": [round(r, 2) for r in runs.theirs_tok_s],
     }
+    floor_ms = _matmul_floor_cpu_ms(stage)
+    report["matmul_floor_cpu_ms_per_tok"] = round(floor_ms, 3)
+    # Even a loop with no overhead at all could not beat transformers by more than this.
+    report["max_cpu_ratio"] = round(report["transformers_cpu_ms_per_tok"] / floor_ms, 3)
     if profile:
         report["profile"] = _profile(ours)
     return report
@@ -205,6 +209,22 @@ def _interleave(
             outputs.append(tokens)
         runs.same_tokens = runs.same_tokens and outputs[0] == outputs[1]
     return runs
+
+
+def _matmul_floor_cpu_ms(stage: StageModel, steps: int = 20) -> float:
+    """CPU ms per token of one decode step's matmuls alone (same weights, same order)."""
+    matrices = stage.weight_matrices()
+    inputs = {
+        m.shape[1]: torch.randn(1, m.shape[1], dtype=m.dtype, device=m.device) for m in matrices
+    }
+    with torch.inference_mode():
+        for m in matrices:
+            torch.nn.functional.linear(inputs[m.shape[1]], m)
+        started = time.process_time()
+        for _ in range(steps):
+            for m in matrices:
+                torch.nn.functional.linear(inputs[m.shape[1]], m)
+    return (time.process_time() - started) * 1e3 / steps
 
 
 def _transformers() -> Any:
@@ -265,6 +285,10 @@ def _print_report(report: dict[str, Any]) -> None:
     print(
         f"  CPU time per token: meshd {report['meshd_cpu_ms_per_tok']:.2f} ms, transformers "
         f"{report['transformers_cpu_ms_per_tok']:.2f} ms (ratio {report['cpu_ratio']:.2f}x)"
+    )
+    print(
+        f"  matmuls alone: {report['matmul_floor_cpu_ms_per_tok']:.2f} ms per token, so no loop "
+        f"could beat transformers by more than {report['max_cpu_ratio']:.2f}x here"
     )
     if "profile" in report:
         print(report["profile"])

@@ -150,6 +150,11 @@ class StageModel:
             for k in range(n_mtp)
         ]
 
+    def weight_matrices(self) -> list[torch.Tensor]:
+        """The matrices one decode step multiplies by, in order (for roofline measurements)."""
+        matrices = [t for layer in self.layers for t in layer.tensors() if t.dim() == 2]
+        return matrices + ([self._head] if self._head is not None else [])
+
     def open_session(self, session_id: str, max_positions: int) -> None:
         """Allocate KV for a session (`KVBudgetExceeded` past the budget)."""
         self.kv.open(session_id, max_positions)

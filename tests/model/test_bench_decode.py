@@ -21,6 +21,7 @@ def test_bench_decode_json_on_a_random_checkpoint(capsys: pytest.CaptureFixture[
         report["meshd_tok_s"] / report["transformers_tok_s"], rel=0.01
     )
     assert report["same_tokens"] is True  # both sides decoded the same greedy text
+    assert 0 < report["matmul_floor_cpu_ms_per_tok"] < report["meshd_cpu_ms_per_tok"]
     assert len(report["meshd_runs_tok_s"]) == len(report["transformers_runs_tok_s"]) == 3
 
 
