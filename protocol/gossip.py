@@ -216,10 +216,13 @@ def encoded_size(value: MemberUpdate | SignedRecord) -> int:
 
 def sign_record(record: CapacityRecord, sign: Callable[[bytes], bytes]) -> SignedRecord:
     """Encode `record` and sign it with the owner's key (`sign(data) -> signature`)."""
-    _check_record(record, LocalProtocolError)
     body = _encoder.encode(record)
     if len(body) > MAX_RECORD_BYTES:
         raise LocalProtocolError(f"capacity record of {len(body)} bytes exceeds {MAX_RECORD_BYTES}")
+    try:
+        read_record(SignedRecord(body=body, signature=b""))  # the limits a receiver enforces
+    except RemoteProtocolError as exc:
+        raise LocalProtocolError(str(exc)) from None
     return SignedRecord(body=body, signature=sign(RECORD_SIGNING_CONTEXT + body))
 
 

@@ -7,6 +7,7 @@ buckets by send count, so choosing k of them costs O(k + limit), not a sort of t
 
 from __future__ import annotations
 
+import itertools
 import random
 
 
@@ -53,12 +54,10 @@ class BroadcastQueue:
         """
         chosen: list[bytes] = []
         for bucket in self._buckets:
-            for node_id in reversed(bucket):
+            if bucket:
+                chosen.extend(itertools.islice(reversed(bucket), max_items - len(chosen)))
                 if len(chosen) == max_items:
                     break
-                chosen.append(node_id)
-            if len(chosen) == max_items:
-                break
         for node_id in chosen:
             count = self._count[node_id] + 1
             self.discard(node_id)

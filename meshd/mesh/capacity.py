@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 
 from meshd.mesh.member import LocalCapacity
 from protocol.gossip import (
+    MAX_U63,
     RTT_PREFIX_BYTES,
     CapacityRecord,
     RttEntry,
@@ -58,7 +59,8 @@ class OwnRecord:
 
     def outrank(self, version: int) -> None:
         """Make the next version exceed `version` (a record of ours from a previous life)."""
-        self._floor = max(self._floor, version)
+        # At the wire's ceiling a lie cannot be outranked; stay just below it.
+        self._floor = max(self._floor, min(version, MAX_U63 - 1))
         self.dirty = True
 
     def is_own_echo(self, signed: SignedRecord) -> bool:
@@ -70,7 +72,7 @@ class OwnRecord:
         cap = self.capacity
         record = CapacityRecord(
             node_id=self.node_id,
-            version=max(self.version, self._floor) + 1,
+            version=min(max(self.version, self._floor) + 1, MAX_U63),
             address=self.address,
             memory_budget_bytes=cap.memory_budget_bytes,
             models=list(cap.models),

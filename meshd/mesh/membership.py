@@ -35,6 +35,7 @@ from meshd.mesh.membership_core import LIVE
 from meshd.mesh.probing import Probing
 from protocol.gossip import (
     MAX_RECORDS,
+    MAX_WANT,
     Ack,
     Gossip,
     GossipMessage,
@@ -73,6 +74,7 @@ class Membership(Probing):
 
     def on_message(self, sender: bytes, message: GossipMessage, now: float) -> None:
         """Handle one decoded message from `sender` (the lane-authenticated node id)."""
+        self._now = now
         if sender == self.node_id or self._status is Status.LEFT:
             return
         self.stats.messages_in += 1
@@ -96,33 +98,42 @@ class Membership(Probing):
         else:
             self._on_sync_reply(sender, message, now)
         self._evidence_alive(sender, now)
-        self._flush_wants()
+        self._flush_direct()
 
     def on_lane_up(self, peer: bytes, now: float) -> None:
         """A lane to `peer` opened (authenticated): it is alive right now."""
-        member = self._members.get(peer)
-        if member is not None:
-            member.lane_up = True
+        self._now = now
+        self._lanes_up.add(peer)
         if self._status is not Status.LEFT:
             self._evidence_alive(peer, now)
 
     def on_lane_dead(self, peer: bytes, now: float) -> None:
         """The lane to `peer` died, or could not be opened: probe it through others at once.
 
-        Unless one of `indirect_probes` relays gets an answer within `lane_dead_probe_s`, the
-        member is declared dead. A lane death is one path's view; the relays tell a dead node
-        from a broken path, so one flaky link does not flap a member mesh-wide.
+        An open lane that went silent is strong evidence: unless one of `indirect_probes`
+        relays gets an answer within `lane_dead_probe_s`, the member is declared dead. A lane
+        that never opened is weak evidence (the path may be filtered, the node fine): it counts
+        as a failed direct probe, so silence ends in suspicion, which the member can refute.
+        Either way the relays tell a dead node from a broken path, so one flaky link does not
+        flap a member mesh-wide.
         """
+        self._now = now
+        was_open = peer in self._lanes_up
+        self._lanes_up.discard(peer)
         self._sweeps.drop(peer)
         member = self._members.get(peer)
-        if member is None:
+        if member is None or member.status not in LIVE or self._status is Status.LEFT:
             return
-        member.lane_up = False
-        if member.status not in LIVE or self._status is Status.LEFT:
-            return
-        if any(p.target == peer and p.lane_death for p in self._probes.values()):
-            return
-        probe = self._new_probe(peer, now, now + self.config.lane_dead_probe_s, lane_death=True)
+        if not was_open and member.detour_until > now:
+            return  # a known filtered path; relays vouch for it
+        if any(p.target == peer and p.indirect_at == 0.0 for p in self._probes.values()):
+            return  # indirect probes of it are already out
+        if was_open:
+            deadline = now + self.config.lane_dead_probe_s
+        else:
+            deadline = now + self.config.probe_interval_s - self.config.probe_timeout_s
+        probe = self._new_probe(peer, now, deadline, lane_death=was_open)
+        probe.weak = not was_open
         self._send_ping_reqs(probe)
 
     def on_rtt(self, peer: bytes, rtt_s: float, now: float) -> None:
@@ -148,18 +159,22 @@ class Membership(Probing):
         self._since = now
         self._queue.push(self.node_id)
         update = [self._update_for(self.node_id)]
-        for peer in self._roster.sample(self._rng, 2 * self.config.gossip_fanout):
+        for peer in self._pick(2 * self.config.gossip_fanout):
             self._send(peer, Gossip(updates=update, records=[]))
 
     def tick(self, now: float) -> None:
         """Run every timer due at `now`."""
+        self._now = now
         if self._status is not Status.LEFT:
-            self._run_member_timers(now)
             self._run_probes(now)
             if now >= self._next_probe_at:
                 self._next_probe_at = now + self.config.probe_interval_s
                 self._start_probe(now)
+            # After the probes: a failed probe's confirmation can make a suspicion due now.
+            self._run_member_timers(now)
             self._run_sync(now)
+            self._retry_wants(now)
+            self._flush_direct()
             if self._own.dirty and now >= self._next_publish_at():
                 self._publish(now)
         self._gossip_round(now)
@@ -173,15 +188,15 @@ class Membership(Probing):
         return out
 
     def next_deadline(self) -> float | None:
-        """When `tick` should run next (None: not before the next input)."""
-        if self._outbox:
-            return -math.inf
+        """When `tick` should run next (None: not before the next input; past: now)."""
         gossip = [self._next_gossip_at] if len(self._queue) else []
         if self._status is Status.LEFT:
             return gossip[0] if gossip else None
         times = [self._next_probe_at, self._next_sync_at, *gossip, *self._sweeps.deadlines()]
         if self._timers:
             times.append(self._timers[0][0])
+        if self._wanted:
+            times.append(self._next_want_check)
         for probe in self._probes.values():
             times.append(probe.indirect_at or probe.deadline)
         if self._own.dirty:
@@ -217,7 +232,7 @@ class Membership(Probing):
                 address=m.record.address if m.record is not None else "",
                 capacity=m.record,
                 rtt_s=resolve_rtt(m.record, self._by_prefix),
-                lane_up=m.lane_up,
+                lane_up=nid in self._lanes_up,
                 since=m.since,
             )
         result[self.node_id] = MemberInfo(
@@ -245,6 +260,8 @@ class Membership(Probing):
         for probe in [p for p in self._probes.values() if p.target == peer]:
             del self._probes[probe.seq]
         member = self._members.get(peer)
+        if member is not None:
+            member.detour_until = -math.inf
         if member is None:
             self._start_sweep(peer, now)  # it knows us, we do not know it: sync
         elif (
@@ -274,7 +291,7 @@ class Membership(Probing):
             self._send_digest(peer, start)
         if now >= self._next_sync_at:
             self._next_sync_at = now + self.config.sync_interval_s(len(self._roster) + 1)
-            for peer in self._roster.sample(self._rng, 1):
+            for peer in self._pick(1):
                 self._send_digest(peer, self._sync_cursor)
 
     def _on_sync_digest(self, sender: bytes, msg: SyncDigest, now: float) -> None:
@@ -282,7 +299,8 @@ class Membership(Probing):
         theirs = {e.node_id: e for e in msg.entries}
         mine = (self._update_for(i) for i in self._sorted_ids() if in_range(i, msg.start, msg.end))
         plan = plan_reply(mine, theirs, self._record_of, self.config.max_message_bytes, MAX_RECORDS)
-        want = self._want_batch.pop(sender, [])[:256]
+        want = self._want_batch.pop(sender, [])[:MAX_WANT]
+        self._corrections.pop(sender, None)  # the reply carries our newer states anyway
         reply = SyncReply(
             start=msg.start,
             end=msg.end,

@@ -22,6 +22,9 @@ class MembershipConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     indirect_probes: int = 3
     # After a lane to a member dies, indirect probes get this long before it is declared dead.
     lane_dead_probe_s: float = 0.5
+    # A member whose lane cannot be opened but whom relays reach is left to them (no direct
+    # probes, gossip or lane attempts from this node) for this long.
+    detour_hold_s: float = 30.0
     # Piggyback dissemination: every gossip_interval_s, when something changed, to
     # gossip_fanout random members; each change goes out retransmit_mult·⌈log10(n+1)⌉ times.
     gossip_interval_s: float = 0.2
@@ -40,7 +43,7 @@ class MembershipConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # Push-pull anti-entropy with one random member, one page of the id space per exchange,
     # every max(sync_min_interval_s, sync_interval_per_member_s · n).
     sync_min_interval_s: float = 10.0
-    sync_interval_per_member_s: float = 0.03
+    sync_interval_per_member_s: float = 0.1
     sync_page_entries: int = 256
     # A join (or a sync with an unknown peer) pages through the whole view; an unanswered
     # page is resent after sync_retry_s, at most sync_retries times.

@@ -24,6 +24,8 @@ from protocol.errors import RemoteProtocolError
 from protocol.gossip import (
     MAX_RECORDS,
     MAX_U63,
+    MAX_UPDATES,
+    MAX_WANT,
     RTT_PREFIX_BYTES,
     CapacityRecord,
     Gossip,
@@ -74,7 +76,7 @@ class _Member:
     record: CapacityRecord | None = None
     suspicion: _Suspicion | None = None
     timer_at: float = math.inf
-    lane_up: bool = False
+    detour_until: float = -math.inf
     rtt_s: float | None = None
     rtt_published_s: float | None = None
     told_at: float = -math.inf
@@ -92,6 +94,7 @@ class _Probe:
     indirect_at: float  # when to send PingReqs; 0 once sent
     deadline: float
     lane_death: bool
+    weak: bool = False  # started by a lane that could not be opened
     relays: set[bytes] = field(default_factory=set)
 
 
@@ -128,6 +131,8 @@ class MembershipCore:
         self._since = now
         self._own = OwnRecord(node_id, address, capacity or LocalCapacity(), sign, record_version)
         self._members: dict[bytes, _Member] = {}
+        self._now = now  # the latest `now` the caller passed in
+        self._lanes_up: set[bytes] = set()
         self._by_prefix: dict[bytes, bytes] = {node_id[:RTT_PREFIX_BYTES]: node_id}
         self._roster = Roster()
         self._queue = BroadcastQueue()
@@ -140,8 +145,11 @@ class MembershipCore:
         self._probe_order: list[bytes] = []
         self._next_probe_at = now + self._rng.uniform(0.0, self.config.probe_interval_s)
         self._next_gossip_at = now
-        self._wanted: dict[bytes, tuple[int, float]] = {}
+        # Records asked for: node id -> (version, retry at, retries left).
+        self._wanted: dict[bytes, tuple[int, float, int]] = {}
+        self._next_want_check = math.inf
         self._want_batch: dict[bytes, list[bytes]] = {}
+        self._corrections: dict[bytes, set[bytes]] = {}
         self._sweeps = Sweeps(self.config.sync_retry_s, self.config.sync_retries)
         self._next_sync_at = now + self.config.sync_interval_s(1)
         self._sync_cursor = b""
@@ -180,6 +188,10 @@ class MembershipCore:
             self._enter(member, u.status, u.incarnation, now, suspector, member.status)
         elif (u.incarnation, u.status) == (member.incarnation, Status.SUSPECT):
             self._confirm(member, suspector)
+        elif u.status is not Status.ALIVE and u.incarnation < member.incarnation:
+            # The sender still accuses a member that has refuted since: set it right, or its
+            # suspicion timer may fire before the refutation reaches it by chance.
+            self._corrections.setdefault(sender, set()).add(member.node_id)
         if member.status in LIVE and u.record_version > member.record_version:
             self._want(member.node_id, u.record_version, sender, now)
 
@@ -193,6 +205,8 @@ class MembershipCore:
             self.stats.refutations += 1
             self._queue.push(self.node_id)
             self._send(sender, Gossip(updates=[self._update_for(self.node_id)], records=[]))
+        elif u.status is not Status.ALIVE:
+            self._corrections.setdefault(sender, set()).add(self.node_id)  # already refuted
         if u.record_version > self._own.version:
             self._own.outrank(u.record_version)
             self._publish(now)
@@ -281,10 +295,20 @@ class MembershipCore:
         if now < self._next_gossip_at or not len(self._queue):
             return
         self._next_gossip_at = now + self.config.gossip_interval_s
-        for peer in self._roster.sample(self._rng, self.config.gossip_fanout):
+        for peer in self._pick(self.config.gossip_fanout):
             updates = self._piggyback(peer)
             if updates:
                 self._send(peer, Gossip(updates=updates, records=[]))
+
+    def _direct(self, node_id: bytes) -> bool:
+        """Whether to talk to this member directly (not while others relay for us)."""
+        m = self._members.get(node_id)
+        return m is None or m.detour_until <= self._now
+
+    def _pick(self, k: int, exclude: tuple[bytes, ...] = ()) -> list[bytes]:
+        """Up to k random live members this node talks to directly."""
+        candidates = self._roster.sample(self._rng, 2 * k + 2, exclude)
+        return [c for c in candidates if self._direct(c)][:k]
 
     def _send(self, peer: bytes, message: GossipMessage) -> None:
         self._outbox.append((peer, message))
@@ -354,14 +378,43 @@ class MembershipCore:
         pending = self._wanted.get(node_id)
         if pending is not None and pending[0] >= version and pending[1] > now:
             return
-        self._wanted[node_id] = (version, now + self.config.want_timeout_s)
+        retry_at = now + self.config.want_timeout_s
+        self._wanted[node_id] = (version, retry_at, 2)
+        self._next_want_check = min(self._next_want_check, retry_at)
         self._want_batch.setdefault(sender, []).append(node_id)
 
-    def _flush_wants(self) -> None:
+    def _retry_wants(self, now: float) -> None:
+        """Ask again for records that did not come: first the owner, then a random member."""
+        if now < self._next_want_check:
+            return
+        self._next_want_check = math.inf
+        for node_id, (version, retry_at, left) in list(self._wanted.items()):
+            m = self._members.get(node_id)
+            done = m is None or m.status not in LIVE or m.record_version >= version
+            if done or (now >= retry_at and left == 0):
+                del self._wanted[node_id]
+                continue
+            if now >= retry_at:
+                ask = [node_id] if left == 2 else self._pick(1, (node_id,))
+                retry_at = now + self.config.want_timeout_s
+                self._wanted[node_id] = (version, retry_at, left - 1)
+                for peer in ask:
+                    self._want_batch.setdefault(peer, []).append(node_id)
+            self._next_want_check = min(self._next_want_check, retry_at)
+
+    def _flush_direct(self) -> None:
+        """Send the Wants and corrections gathered while handling input, one batch per peer."""
         for peer, ids in self._want_batch.items():
-            for start in range(0, len(ids), 256):
-                self._send(peer, Want(node_ids=ids[start : start + 256]))
+            for start in range(0, len(ids), MAX_WANT):
+                self._send(peer, Want(node_ids=ids[start : start + MAX_WANT]))
         self._want_batch.clear()
+        for peer, members in self._corrections.items():
+            updates = [
+                self._update_for(i) for i in members if i in self._members or i == self.node_id
+            ]
+            for start in range(0, len(updates), MAX_UPDATES):
+                self._send(peer, Gossip(updates=updates[start : start + MAX_UPDATES], records=[]))
+        self._corrections.clear()
 
     def _record_of(self, node_id: bytes) -> SignedRecord | None:
         if node_id == self.node_id:

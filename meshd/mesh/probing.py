@@ -10,7 +10,7 @@ ends in death rather than suspicion. This node also relays others' `PingReq`s.
 from __future__ import annotations
 
 from meshd.mesh.membership_core import LIVE, MembershipCore, _Probe
-from protocol.gossip import Ack, Gossip, Ping, PingReq, Status
+from protocol.gossip import RTT_PREFIX_BYTES, Ack, Gossip, Ping, PingReq, Status
 
 
 class Probing(MembershipCore):
@@ -39,16 +39,32 @@ class Probing(MembershipCore):
                     return None
             candidate = self._probe_order.pop()
             member = self._members.get(candidate)
-            if member is not None and member.status in LIVE:
+            if member is not None and member.status in LIVE and self._direct(candidate):
                 return candidate
 
     def _send_ping_reqs(self, probe: _Probe) -> None:
         probe.indirect_at = 0.0
-        relays = self._roster.sample(self._rng, self.config.indirect_probes, (probe.target,))
-        for relay in relays:
+        for relay in self._relays_for(probe.target):
             probe.relays.add(relay)
             msg = PingReq(seq=probe.seq, target=probe.target, updates=self._piggyback(relay))
             self._send(relay, msg)
+
+    def _relays_for(self, target: bytes) -> list[bytes]:
+        """k random members to probe `target` for us, preferring ones that measured it.
+
+        A member whose RTT row names the target has reached it lately: with some paths
+        filtered, those are the relays most likely to get through.
+        """
+        k = self.config.indirect_probes
+        candidates = self._pick(4 * k, (target,))
+        prefix = target[:RTT_PREFIX_BYTES]
+
+        def reaches(relay: bytes) -> bool:
+            record = self._members[relay].record
+            return record is not None and any(e.peer_prefix == prefix for e in record.rtt)
+
+        candidates.sort(key=lambda relay: not reaches(relay))
+        return candidates[:k]
 
     def _run_probes(self, now: float) -> None:
         for probe in list(self._probes.values()):
@@ -88,6 +104,8 @@ class Probing(MembershipCore):
             return
         del self._probes[seq]
         member = self._members.get(probe.target)
+        if member is not None and probe.weak and sender != probe.target:
+            member.detour_until = now + self.config.detour_hold_s  # alive, but not via us
         if member is not None and sender == probe.target:
             sample = now - probe.sent_at
             old = member.rtt_s

@@ -26,7 +26,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from meshd.mesh.membership import LocalCapacity, MemberEvent, Membership, MembershipConfig
-from protocol.gossip import Status, decode, encode
+from protocol.gossip import GossipMessage, Status, decode, encode
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,11 @@ class Sim:
                 self.start(node.index)
                 self.join(node.index, seed)
 
+    def leave(self, i: int) -> None:
+        """Node i leaves gracefully (it keeps running to spread the news)."""
+        self.nodes[i].m.leave(self.now)
+        self._flush(self.nodes[i])
+
     def kill(self, i: int) -> None:
         """Crash node i now: it stops; lanes to it die lane_dead_after_s later on the far side."""
         node = self.nodes[i]
@@ -156,6 +161,11 @@ class Sim:
     def unblock(self, i: int, j: int) -> None:
         """Restore the path between i and j."""
         self.blocked.discard(frozenset((i, j)))
+
+    def inject(self, dst: int, src: int, message: GossipMessage) -> None:
+        """Deliver `message` to node dst now as if node src had sent it (a lying peer)."""
+        self.nodes[dst].m.on_message(self.nodes[src].node_id, message, self.now)
+        self._flush(self.nodes[dst])
 
     def at(self, t: float, action: Callable[[], None]) -> None:
         """Run `action` at virtual time t."""
@@ -302,3 +312,76 @@ class Sim:
                 self._flush(src)
 
         self.at(self.now + self.connect_timeout_s, fail)
+
+
+@dataclass(frozen=True)
+class GossipLoad:
+    """Bytes and messages each node sent per second, averaged over nodes and a window."""
+
+    n: int
+    window_s: float
+    bytes_per_node_s: float
+    messages_per_node_s: float
+    records_published: int
+
+
+def measure_gossip_load(
+    n: int, *, window_s: float, churn: bool, loss: float = 0.01, seed: int = 17
+) -> GossipLoad:
+    """Join n nodes, then count what they send over window_s of virtual time.
+
+    With `churn`, every node's load figure changes every second (the worst case for capacity
+    gossip: each node re-signs its record as often as the rate limit allows).
+    """
+    sim = Sim(n, seed=seed, link=LinkModel(loss=loss))
+    sim.start_all(stagger_s=0.01)
+    if sim.wait_for(sim.converged, timeout_s=30.0) == math.inf:
+        raise AssertionError(f"{n} nodes did not converge")
+    sim.reset_counters()
+    published = sum(node.m.stats.records_published for node in sim.nodes)
+
+    def load_changes() -> None:
+        for node in sim.up_nodes():
+            node.m.set_capacity(LocalCapacity(sessions=sim.rng.randrange(8)), sim.now)
+        sim.at(sim.now + 1.0, load_changes)
+
+    if churn:
+        load_changes()
+    sim.run_for(window_s)
+    if not sim.converged():
+        raise AssertionError("membership diverged during the window")
+    return GossipLoad(
+        n=n,
+        window_s=window_s,
+        bytes_per_node_s=sum(node.bytes_sent for node in sim.nodes) / n / window_s,
+        messages_per_node_s=sum(node.messages_sent for node in sim.nodes) / n / window_s,
+        records_published=sum(node.m.stats.records_published for node in sim.nodes) - published,
+    )
+
+
+def main() -> None:
+    """`python -m tests.mesh.sim N [N ...]`: print the gossip load for each mesh size."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("sizes", type=int, nargs="+")
+    parser.add_argument("--window-s", type=float, default=0.0, help="default: max(60, 0.75 n)")
+    parser.add_argument("--loss", type=float, default=0.01)
+    args = parser.parse_args()
+    for n in args.sizes:
+        for churn in (False, True):
+            started = time.perf_counter()
+            window_s = args.window_s or max(60.0, 0.75 * n)  # ≥ 2 capacity intervals
+            load = measure_gossip_load(n, window_s=window_s, churn=churn, loss=args.loss)
+            print(
+                f"N={n:5d} {'load churn' if churn else 'quiet     '}: "
+                f"{load.bytes_per_node_s:7.0f} B/s, {load.messages_per_node_s:5.1f} msg/s per node, "
+                f"{load.records_published} records signed in {load.window_s:.0f} s "
+                f"(simulated in {time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
