@@ -102,8 +102,15 @@ class KVCache:
                 f"positions; {self.used_bytes} of {self.budget_bytes} bytes are in use"
             )
         lay = self.layout
-        main = self._group(lay.n_layers, max_positions)
-        mtp = [self._group(1, max_positions) for _ in range(lay.n_mtp)]
+        try:
+            main = self._group(lay.n_layers, max_positions)
+            mtp = [self._group(1, max_positions) for _ in range(lay.n_mtp)]
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            # With no budget set, the device itself is the budget.
+            raise KVBudgetExceeded(
+                f"session {session_id!r}: cannot allocate {nbytes} bytes of KV cache on "
+                f"{self.device} ({str(exc).splitlines()[0]})"
+            ) from None
         self._sessions[session_id] = SessionKV(main, mtp, nbytes)
         self.used_bytes += nbytes
 

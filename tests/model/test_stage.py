@@ -147,6 +147,11 @@ def test_closing_frees_kv_and_budget_is_enforced(checkpoint: Checkpoint) -> None
         stage.forward("a", 0, torch.tensor([1]))
     stage.close_session("a")  # closing twice is harmless
     assert stage.kv.used_bytes == 100 * per_token
+    # Without a budget the device is the limit: an impossible session is refused, typed.
+    unbounded = StageModel.load(checkpoint, 0, 1)
+    with pytest.raises(KVBudgetExceeded, match="cannot allocate"):
+        unbounded.open_session("huge", 10**13)
+    assert len(unbounded.kv) == 0 and unbounded.kv.used_bytes == 0
 
 
 def test_planner_sizes(checkpoint: Checkpoint) -> None:
