@@ -149,11 +149,12 @@ class MembershipCore:
         self._wanted: dict[bytes, tuple[int, float, int]] = {}
         self._next_want_check = math.inf
         self._want_batch: dict[bytes, list[bytes]] = {}
-        self._corrections: dict[bytes, set[bytes]] = {}
+        self._corrections: dict[bytes, dict[bytes, None]] = {}  # ordered: deterministic output
         self._sweeps = Sweeps(self.config.sync_retry_s, self.config.sync_retries)
         self._next_sync_at = now + self.config.sync_interval_s(1)
         self._sync_cursor = b""
         self._publish_jitter = 1.0
+        self._row_cutoff_s = math.inf  # RTT of the slowest peer in a full published row
         self._publish(now)
 
     @property
@@ -191,7 +192,7 @@ class MembershipCore:
         elif u.status is not Status.ALIVE and u.incarnation < member.incarnation:
             # The sender still accuses a member that has refuted since: set it right, or its
             # suspicion timer may fire before the refutation reaches it by chance.
-            self._corrections.setdefault(sender, set()).add(member.node_id)
+            self._corrections.setdefault(sender, {})[member.node_id] = None
         if member.status in LIVE and u.record_version > member.record_version:
             self._want(member.node_id, u.record_version, sender, now)
 
@@ -206,7 +207,7 @@ class MembershipCore:
             self._queue.push(self.node_id)
             self._send(sender, Gossip(updates=[self._update_for(self.node_id)], records=[]))
         elif u.status is not Status.ALIVE:
-            self._corrections.setdefault(sender, set()).add(self.node_id)  # already refuted
+            self._corrections.setdefault(sender, {})[self.node_id] = None  # already refuted
         if u.record_version > self._own.version:
             self._own.outrank(u.record_version)
             self._publish(now)
@@ -323,9 +324,13 @@ class MembershipCore:
         live = [m for m in self._members.values() if m.rtt_s is not None and m.status in LIVE]
         live.sort(key=lambda m: m.rtt_s or 0.0)
         row = []
+        for m in self._members.values():
+            m.rtt_published_s = None
         for m in live[: self.config.max_rtt_entries]:
             m.rtt_published_s = m.rtt_s
             row.append(rtt_entry(m.node_id, m.rtt_s or 0.0))
+        full = len(row) == self.config.max_rtt_entries
+        self._row_cutoff_s = (live[len(row) - 1].rtt_s or 0.0) if full else math.inf
         self._own.publish(now, row)
         # Jitter keeps nodes whose figures change together from re-signing in lockstep.
         self._publish_jitter = self._rng.uniform(1.0, 1.5)
@@ -333,13 +338,16 @@ class MembershipCore:
         self._queue.push(self.node_id)
 
     def _note_rtt(self, m: _Member) -> None:
+        """Mark the record for re-signing if this measurement changes the published row."""
         old, new = m.rtt_published_s, m.rtt_s
         if new is None:
             return
-        threshold = max(
-            self.config.rtt_change_fraction * (old or 0.0), self.config.rtt_change_min_s
-        )
-        if old is None or abs(new - old) > threshold:
+        if old is None:
+            changed = new < self._row_cutoff_s  # it would enter the row (lowest RTTs first)
+        else:
+            threshold = max(self.config.rtt_change_fraction * old, self.config.rtt_change_min_s)
+            changed = abs(new - old) > threshold
+        if changed:
             self._own.dirty = True
 
     def _accept_record(self, signed: SignedRecord, now: float) -> None:

@@ -326,9 +326,15 @@ class GossipLoad:
 
 
 def measure_gossip_load(
-    n: int, *, window_s: float, churn: bool, loss: float = 0.01, seed: int = 17
+    n: int,
+    *,
+    window_s: float,
+    churn: bool,
+    loss: float = 0.01,
+    seed: int = 17,
+    settle_s: float = 0.0,
 ) -> GossipLoad:
-    """Join n nodes, then count what they send over window_s of virtual time.
+    """Join n nodes, let them run settle_s, then count what they send over window_s.
 
     With `churn`, every node's load figure changes every second (the worst case for capacity
     gossip: each node re-signs its record as often as the rate limit allows).
@@ -337,6 +343,7 @@ def measure_gossip_load(
     sim.start_all(stagger_s=0.01)
     if sim.wait_for(sim.converged, timeout_s=30.0) == math.inf:
         raise AssertionError(f"{n} nodes did not converge")
+    sim.run_for(settle_s)
     sim.reset_counters()
     published = sum(node.m.stats.records_published for node in sim.nodes)
 
@@ -368,14 +375,18 @@ def main() -> None:
     parser.add_argument("sizes", type=int, nargs="+")
     parser.add_argument("--window-s", type=float, default=0.0, help="default: max(60, 0.75 n)")
     parser.add_argument("--loss", type=float, default=0.01)
+    parser.add_argument("--settle-s", type=float, default=0.0, help="run this long first")
     args = parser.parse_args()
     for n in args.sizes:
         for churn in (False, True):
             started = time.perf_counter()
             window_s = args.window_s or max(60.0, 0.75 * n)  # ≥ 2 capacity intervals
-            load = measure_gossip_load(n, window_s=window_s, churn=churn, loss=args.loss)
+            load = measure_gossip_load(
+                n, window_s=window_s, churn=churn, loss=args.loss, settle_s=args.settle_s
+            )
             print(
-                f"N={n:5d} {'load churn' if churn else 'quiet     '}: "
+                f"N={n:5d} settled {args.settle_s:.0f} s, "
+                f"{'load churn' if churn else 'quiet     '}: "
                 f"{load.bytes_per_node_s:7.0f} B/s, {load.messages_per_node_s:5.1f} msg/s per node, "
                 f"{load.records_published} records signed in {load.window_s:.0f} s "
                 f"(simulated in {time.perf_counter() - started:.0f} s)",
