@@ -343,7 +343,11 @@ class MembershipCore:
         if new is None:
             return
         if old is None:
-            changed = new < self._row_cutoff_s  # it would enter the row (lowest RTTs first)
+            # It enters the row (lowest RTTs first) only if clearly below the slowest in it:
+            # among peers at similar distances, noise alone would otherwise reshuffle the row.
+            cutoff = self._row_cutoff_s
+            margin = max(self.config.rtt_change_fraction * cutoff, self.config.rtt_change_min_s)
+            changed = cutoff == math.inf or new < cutoff - margin
         else:
             threshold = max(self.config.rtt_change_fraction * old, self.config.rtt_change_min_s)
             changed = abs(new - old) > threshold

@@ -376,9 +376,10 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=0.0, help="default: max(60, 0.75 n)")
     parser.add_argument("--loss", type=float, default=0.01)
     parser.add_argument("--settle-s", type=float, default=0.0, help="run this long first")
+    parser.add_argument("--churn-only", action="store_true", help="skip the quiet run")
     args = parser.parse_args()
     for n in args.sizes:
-        for churn in (False, True):
+        for churn in (True,) if args.churn_only else (False, True):
             started = time.perf_counter()
             window_s = args.window_s or max(60.0, 0.75 * n)  # ≥ 2 capacity intervals
             load = measure_gossip_load(
