@@ -235,12 +235,14 @@ class Sim:
         m = node.membership
         if m is None:
             return
+        # Opening a lane is an input too (on_lane_up), which may queue more messages.
+        while out := m.outgoing(self.now):
+            for peer_id, message in out:
+                data = encode(message)
+                node.bytes_sent += len(data)
+                node.messages_sent += 1
+                self._route(node, self.index_of[peer_id], data)
         node.events.extend(m.events())
-        for peer_id, message in m.outgoing(self.now):
-            data = encode(message)
-            node.bytes_sent += len(data)
-            node.messages_sent += 1
-            self._route(node, self.index_of[peer_id], data)
         deadline = m.next_deadline()
         if deadline is None:
             return
