@@ -209,8 +209,9 @@ class MembershipCore:
         elif u.status is not Status.ALIVE:
             self._corrections.setdefault(sender, {})[self.node_id] = None  # already refuted
         if u.record_version > self._own.version:
-            self._own.outrank(u.record_version)
-            self._publish(now)
+            # A record of ours from a previous life, or a lie: outrank it only once we hold
+            # it with our own signature (an unsigned number could pin us at the ceiling).
+            self._want(self.node_id, u.record_version, sender, now)
 
     def _enter(
         self,
@@ -361,8 +362,10 @@ class MembershipCore:
             self.stats.bad_records += 1
             return
         if record.node_id == self.node_id:
-            if record.version >= self._own.version and not self._own.is_own_echo(signed):
-                self._own.outrank(record.version)  # a record from a previous life
+            if record.version < self._own.version or self._own.is_own_echo(signed):
+                return
+            if self._verified(signed):
+                self._own.outrank(record.version)  # a record of ours from a previous life
                 self._publish(now)
             return
         m = self._members.get(record.node_id)
@@ -371,10 +374,7 @@ class MembershipCore:
             return
         if record.version <= m.record_version:
             return  # not newer: no need to pay for a signature check
-        try:
-            open_record(signed, self._verify)
-        except RemoteProtocolError:
-            self.stats.bad_signatures += 1
+        if not self._verified(signed):
             return
         m.signed, m.record = signed, record
         wanted = self._wanted.get(m.node_id)
@@ -385,6 +385,14 @@ class MembershipCore:
         # costs a stale figure until anti-entropy, not a wrong liveness view.
         limit = self.config.retransmit_limit(len(self._roster) + 1)
         self._queue.push(m.node_id, sent=limit // 2)
+
+    def _verified(self, signed: SignedRecord) -> bool:
+        try:
+            open_record(signed, self._verify)
+        except RemoteProtocolError:
+            self.stats.bad_signatures += 1
+            return False
+        return True
 
     def _want(self, node_id: bytes, version: int, sender: bytes, now: float) -> None:
         pending = self._wanted.get(node_id)

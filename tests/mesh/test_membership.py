@@ -295,6 +295,26 @@ def test_forged_capacity_record_is_rejected_and_counted() -> None:
     assert accepted is not None and accepted.memory_budget_bytes == 1
 
 
+def test_unsigned_claims_cannot_pin_the_own_record_version() -> None:
+    sim = converged_sim(4, seed=18)
+    me = sim.nodes[1]
+    lie = MemberUpdate(me.node_id, Status.ALIVE, 0, (1 << 63) - 1)
+    sim.inject(1, 2, Gossip(updates=[lie], records=[]))
+    sim.run_for(5.0)
+    me.m.set_capacity(LocalCapacity(memory_budget_bytes=77), sim.now)
+
+    def everyone_sees_it() -> bool:
+        for node in sim.nodes:
+            record = node.m.view()[me.node_id].capacity
+            if record is None or record.memory_budget_bytes != 77:
+                return False
+        return True
+
+    assert sim.wait_for(everyone_sees_it, timeout_s=5.0) <= 2.0
+    own = me.m.view()[me.node_id].capacity
+    assert own is not None and own.version < 1000
+
+
 # ---- bounds ------------------------------------------------------------------------------
 
 
