@@ -38,6 +38,15 @@ class LinkModel:
     loss: float = 0.0
 
 
+def signer(key: SigningKey) -> Callable[[bytes], bytes]:
+    """The signer a daemon passes to Membership (PyNaCl Ed25519, detached signature)."""
+
+    def sign(data: bytes) -> bytes:
+        return key.sign(data).signature
+
+    return sign
+
+
 def verify_ed25519(public_key: bytes, data: bytes, signature: bytes) -> bool:
     """The verifier a daemon passes to Membership (PyNaCl Ed25519)."""
     try:
@@ -112,7 +121,7 @@ class Sim:
         node.membership = Membership(
             node.node_id,
             address=f"127.0.0.1:{7000 + i}",
-            sign=lambda data, key=node.key: key.sign(data).signature,
+            sign=signer(node.key),
             verify=verify_ed25519,
             now=self.now,
             config=self.config,
@@ -322,6 +331,7 @@ class GossipLoad:
 
     n: int
     window_s: float
+    join_s: float  # from the last node's join until everyone saw everyone alive
     bytes_per_node_s: float
     messages_per_node_s: float
     records_published: int
@@ -343,7 +353,8 @@ def measure_gossip_load(
     """
     sim = Sim(n, seed=seed, link=LinkModel(loss=loss))
     sim.start_all(stagger_s=0.01)
-    if sim.wait_for(sim.converged, timeout_s=30.0) == math.inf:
+    join_s = sim.wait_for(sim.converged, timeout_s=max(30.0, 0.5 * n), step_s=0.5)
+    if join_s == math.inf:
         raise AssertionError(f"{n} nodes did not converge")
     sim.run_for(settle_s)
     sim.reset_counters()
@@ -362,6 +373,7 @@ def measure_gossip_load(
     return GossipLoad(
         n=n,
         window_s=window_s,
+        join_s=join_s,
         bytes_per_node_s=sum(node.bytes_sent for node in sim.nodes) / n / window_s,
         messages_per_node_s=sum(node.messages_sent for node in sim.nodes) / n / window_s,
         records_published=sum(node.m.stats.records_published for node in sim.nodes) - published,
@@ -391,7 +403,8 @@ def main() -> None:
                 f"N={n:5d} settled {args.settle_s:.0f} s, "
                 f"{'load churn' if churn else 'quiet     '}: "
                 f"{load.bytes_per_node_s:7.0f} B/s, {load.messages_per_node_s:5.1f} msg/s per node, "
-                f"{load.records_published} records signed in {load.window_s:.0f} s "
+                f"{load.records_published} records signed in {load.window_s:.0f} s; "
+                f"joined in {load.join_s:.1f} s "
                 f"(simulated in {time.perf_counter() - started:.0f} s)",
                 flush=True,
             )
