@@ -59,6 +59,7 @@ async def _main(messages: int, pings: int, rounds: int) -> dict[str, Any]:
 
     for _ in range(rounds):
         add("udp_rtt_us", await _udp_rtt_us(pings))
+        add("udp_task_hop_rtt_us", await _udp_task_hop_rtt_us(pings))
         mb_s, rtt = await _lane(messages, pings)
         add("lane_mb_s", mb_s)
         add("lane_rtt_us", rtt)
@@ -90,6 +91,7 @@ def _print_table(r: dict[str, Any]) -> None:
     print(f"    ratio lane / aioquic          {r['throughput_ratio_vs_aioquic']:9.2f}x")
     print(f"  round trip, 64-byte message, {r['pings']} pings:")
     print(f"    raw UDP                       {r['udp_rtt_us']:9.1f} µs")
+    print(f"    raw UDP + a task hop per side {r['udp_task_hop_rtt_us']:9.1f} µs")
     print(f"    meshd lane                    {r['lane_rtt_us']:9.1f} µs")
     print(f"    aioquic                       {r['aioquic_rtt_us']:9.1f} µs")
     print(f"    ratio lane / UDP              {r['rtt_ratio_vs_udp']:9.2f}x")
@@ -121,6 +123,40 @@ async def _udp_rtt_us(pings: int) -> float:
     server.close()
     client.close()
     return statistics.median(times) * 1e6
+
+
+async def _udp_task_hop_rtt_us(pings: int) -> float:
+    """Raw UDP, but each side's reader hands the datagram to another task (as any server
+    whose application runs apart from its socket reader does): the scheduling floor."""
+    server = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    await server.bind(("127.0.0.1", 0))
+    await client.bind(("127.0.0.1", 0))
+    to_app, app_inbox = trio.open_memory_channel[tuple[bytes, Any]](64)
+    to_client, client_inbox = trio.open_memory_channel[bytes](64)
+
+    async def server_reader() -> None:
+        while True:
+            await to_app.send(await server.recvfrom(2048))
+
+    async def server_app() -> None:
+        async for data, addr in app_inbox:
+            await server.sendto(data, addr)
+
+    async def client_reader() -> None:
+        while True:
+            await to_client.send(await client.recv(2048))
+
+    async with trio.open_nursery() as nursery:
+        for task in (server_reader, server_app, client_reader):
+            nursery.start_soon(task)
+        rtt = await _time_pings(
+            lambda d: client.sendto(d, server.getsockname()), client_inbox.receive, pings
+        )
+        nursery.cancel_scope.cancel()
+    server.close()
+    client.close()
+    return rtt
 
 
 # -- meshd lane ------------------------------------------------------------------------------
