@@ -80,6 +80,10 @@ class OpenSession(msgspec.Struct, frozen=True, tag="open"):
     next_hop: bytes | None = None
     wire_dtype: DType = "f32"
     mtp_depth: int = 0
+    # The layers the coordinator expects this stage to hold ([-1, -1): not checked). A node
+    # that holds other layers (or none yet) answers StageError(code="wrong_layers").
+    layer_start: int = -1
+    layer_end: int = -1
 
 
 class CloseSession(msgspec.Struct, frozen=True, tag="close"):
@@ -148,8 +152,37 @@ class StageError(msgspec.Struct, frozen=True, tag="error"):
     window_id: int = -1
 
 
+class NodeHello(msgspec.Struct, frozen=True, tag="hello"):
+    """First message on every new lane, both ways: the sender's Ed25519 node key.
+
+    The receiver accepts it only if the key maps to the lane's authenticated X25519 static key,
+    so a node cannot claim another's identity.
+    """
+
+    node_key: bytes
+
+
+class StageCommand(msgspec.Struct, frozen=True, tag="command"):
+    """Operator → one node (forwarded by meshctl's daemon): stop or resume hosting a stage.
+
+    `action` is "kill" (stop at once, as a crash would; with `drain`, after its sessions end)
+    or "recover" (host again, and re-plan).
+    """
+
+    action: Literal["kill", "recover"]
+    drain: bool = False
+
+
 Message = (
-    OpenSession | CloseSession | Rollback | VerifyWindow | StageHidden | VerifyReply | StageError
+    OpenSession
+    | CloseSession
+    | Rollback
+    | VerifyWindow
+    | StageHidden
+    | VerifyReply
+    | StageError
+    | NodeHello
+    | StageCommand
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -212,6 +245,13 @@ def _check(message: Message) -> None:
         _check_session(message.session)
         if message.max_positions <= 0 or message.stage_index < 0 or message.mtp_depth < 0:
             raise RemoteProtocolError("open: max_positions, stage_index, mtp_depth out of range")
+        if message.layer_start < -1 or message.layer_end < message.layer_start:
+            raise RemoteProtocolError("open: bad expected layer range")
+    elif isinstance(message, NodeHello):
+        if len(message.node_key) != 32:
+            raise RemoteProtocolError("hello: a node key is 32 bytes")
+    elif isinstance(message, StageCommand):
+        pass
     elif isinstance(message, VerifyReply):
         _check_session(message.session)
         if message.accepted_len < 0 or message.next_token < 0:

@@ -227,6 +227,8 @@ class _Run:
                 next_hop=None if last else route.stages[index + 1].node_key,
                 wire_dtype=self.coord.wire_dtype,
                 mtp_depth=self.mtp_tokens if last else 0,
+                layer_start=stage.layer_start,
+                layer_end=stage.layer_end,
             )
             await self._send(stage.node_key, message)
 

@@ -2,20 +2,23 @@
 
 The layers above address peers by their static key, never by socket address. `PeerTable`
 keeps at most one open lane per peer (the newest wins), opens one on demand from an address
-book, and runs a reader task per lane that decodes each message and hands it to `dispatch`.
-Remote garbage is counted and dropped (`RemoteProtocolError`), never raised into the reader.
+book, and runs a reader task per lane that decodes each message by its stream and hands it on:
+pipeline messages (stream 1, `protocol.messages`) to `dispatch`, and each other registered
+stream (stream 0 carries gossip, `protocol.gossip`) to its own handler. Remote garbage is
+counted and dropped (`RemoteProtocolError`), never raised into the reader.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from meshd.net.endpoint import Address, Endpoint, LaneClosedError, PeerLane
-from protocol import RemoteProtocolError
+from protocol import RemoteProtocolError, gossip
 from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -25,6 +28,8 @@ PIPELINE_STREAM = 1
 CONTROL_STREAM = 0
 
 Dispatch = Callable[[Message, bytes], None]
+# A stream other than the pipeline's: how its bytes decode, and who gets (message, sender).
+StreamHandler = tuple[Callable[[bytes], Any], Callable[[Any, bytes], None]]
 
 
 class PeerUnreachable(Exception):
@@ -49,11 +54,18 @@ class PeerTable:
         dispatch: Dispatch,
         *,
         on_lane_lost: Callable[[bytes, PeerLane], None] | None = None,
+        on_lane_up: Callable[[bytes, PeerLane], None] | None = None,
+        streams: Mapping[int, StreamHandler] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.own_key = own_key
         self.dispatch = dispatch
         self.on_lane_lost = on_lane_lost
+        self.on_lane_up = on_lane_up
+        self.streams: dict[int, StreamHandler] = {PIPELINE_STREAM: (decode, dispatch)}
+        # Without other handlers, every stream carries pipeline messages (the old contract).
+        self._default: StreamHandler | None = (decode, dispatch) if not streams else None
+        self.streams.update(streams or {})
         self.addresses: dict[bytes, Address] = {}
         self.stats = PeerStats()
         self._lanes: dict[bytes, PeerLane] = {}
@@ -100,8 +112,7 @@ class PeerTable:
         finally:
             del self._connecting[key]
             done.set()
-        self._adopt(lane)
-        return lane
+        return self._adopt(lane)
 
     async def send(self, key: bytes, message: Message, stream: int = PIPELINE_STREAM) -> None:
         """Encode and send one message to a peer (PeerUnreachable if its lane is gone).
@@ -113,30 +124,60 @@ class PeerTable:
             await trio.lowlevel.checkpoint()
             self.dispatch(message, key)
             return
+        await self.send_bytes(key, stream, encode(message))
+
+    async def send_gossip(self, key: bytes, message: gossip.GossipMessage) -> None:
+        """Send one membership message on the control stream (never to this node itself)."""
+        await self.send_bytes(key, CONTROL_STREAM, gossip.encode(message))
+
+    async def send_bytes(self, key: bytes, stream: int, data: bytes) -> None:
+        """Send encoded bytes on `stream` to a peer (PeerUnreachable if its lane is gone)."""
         lane = await self.lane_to(key)
         try:
-            await lane.send(stream, encode(message))
+            await lane.send(stream, data)
         except LaneClosedError as exc:
             raise PeerUnreachable(f"peer {key.hex()[:16]}: {exc}") from exc
 
-    def _adopt(self, lane: PeerLane) -> None:
+    def _adopt(self, lane: PeerLane) -> PeerLane:
+        """Take a new lane; returns the lane kept for its peer (it or the one already open).
+
+        Two nodes that dial each other at once open two lanes. Both sides keep the one opened
+        by the smaller key, so they agree without a message; a lane opened by the same side as
+        the open one (a reconnect) replaces it.
+        """
         key = lane.remote_static
         old = self._lanes.get(key)
-        self._lanes[key] = lane
         if old is not None and old is not lane and old.is_open:
+            preferred = min(self.own_key, key)
+            if self._initiator(old) == preferred != self._initiator(lane):
+                lane.close("a lane to this peer is already open")
+                return old
             old.close("replaced by a newer lane")
+        self._lanes[key] = lane
         assert self._nursery is not None, "PeerTable.run() must be started first"
         self._nursery.start_soon(self._read, key, lane)
+        if self.on_lane_up is not None:
+            self.on_lane_up(key, lane)
+        return lane
+
+    def _initiator(self, lane: PeerLane) -> bytes:
+        return lane.remote_static if lane.incoming else self.own_key
 
     async def _read(self, key: bytes, lane: PeerLane) -> None:
-        async for _stream, data in lane:
+        async for stream, data in lane:
+            handler = self.streams.get(stream, self._default)
+            if handler is None:
+                self.stats.malformed_messages += 1
+                log.warning("message on unknown stream %d from %s", stream, key.hex()[:16])
+                continue
+            decoder, deliver = handler
             try:
-                message = decode(data)
+                message = decoder(data)
             except RemoteProtocolError as exc:
                 self.stats.malformed_messages += 1
                 log.warning("malformed message from %s: %s", key.hex()[:16], exc)
                 continue
-            self.dispatch(message, key)
+            deliver(message, key)
         if self._lanes.get(key) is lane:
             del self._lanes[key]
             self.stats.lanes_lost += 1
