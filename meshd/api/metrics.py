@@ -1,0 +1,143 @@
+"""Prometheus metrics of one API app, in its own registry (so tests can build many apps).
+
+The API feeds request, token, latency and speculation figures itself. The daemon feeds the
+mesh's figures through the hooks: `set_lane`, `lane_died`, `forget_lane`,
+`observe_stage_compute`, and `on_scrape` for callbacks that refresh gauges from live state
+just before each scrape (cheaper than pushing on every change).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from meshd.spec.telemetry import SpecTelemetry
+
+log = logging.getLogger(__name__)
+
+# Seconds; from sub-millisecond loopback passes to a slow WAN prefill.
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+_TOKENS_PER_TRIP_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class ApiMetrics:
+    """The metrics of one app; `render()` gives the exposition text for `/metrics`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "meshd_api_requests", "HTTP requests by route and status", ["route", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "meshd_api_requests_in_flight", "HTTP requests being served", registry=r
+        )
+        self.request_duration = Histogram(
+            "meshd_api_request_duration_seconds", "Time to serve a request, by route",
+            ["route"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "meshd_api_prompt_tokens", "Prompt tokens of requests that ran", registry=r
+        )
+        self.generated_tokens = Counter(
+            "meshd_api_generated_tokens", "Tokens generated (counted as they commit)", registry=r
+        )
+        self.ttft = Histogram(
+            "meshd_api_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "meshd_api_time_per_output_token_seconds",
+            "Time between generated tokens after the first (one sample per token)",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.spec_drafted = Counter(
+            "meshd_spec_drafted_tokens", "Draft tokens proposed, by proposer", ["proposer"],
+            registry=r,
+        )  # fmt: skip
+        self.spec_accepted = Counter(
+            "meshd_spec_accepted_tokens", "Draft tokens accepted, by proposer", ["proposer"],
+            registry=r,
+        )  # fmt: skip
+        self.spec_acceptance = Histogram(
+            "meshd_spec_acceptance_ratio", "Per request: accepted / drafted tokens",
+            buckets=_RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.spec_tokens_per_trip = Histogram(
+            "meshd_spec_tokens_per_round_trip", "Per request: tokens committed per verify trip",
+            buckets=_TOKENS_PER_TRIP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lane_rtt = Gauge(
+            "meshd_lane_rtt_seconds", "Smoothed round-trip time of a lane", ["peer"], registry=r
+        )
+        self.lane_loss = Gauge(
+            "meshd_lane_loss_ratio", "Recent packet loss of a lane (0..1)", ["peer"], registry=r
+        )
+        self.lane_deaths = Counter(
+            "meshd_lane_deaths", "Lanes declared dead, by peer", ["peer"], registry=r
+        )
+        self.stage_compute = Histogram(
+            "meshd_stage_compute_seconds", "Compute time of one window on a local stage",
+            ["stage"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self._scrape_hooks: list[Callable[[], None]] = []
+
+    # -- fed by the API -----------------------------------------------------------------
+    def request_done(self, route: str, status: int, duration_s: float) -> None:
+        """One HTTP request finished."""
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.request_duration.labels(route=route).observe(duration_s)
+
+    def speculation(self, telemetry: SpecTelemetry) -> None:
+        """A generation's speculative decoding figures."""
+        for name, counts in telemetry.proposers.items():
+            self.spec_drafted.labels(proposer=name).inc(counts.drafted)
+            self.spec_accepted.labels(proposer=name).inc(counts.accepted)
+        if telemetry.acceptance is not None:
+            self.spec_acceptance.observe(telemetry.acceptance)
+        if telemetry.tokens_per_round_trip is not None:
+            self.spec_tokens_per_trip.observe(telemetry.tokens_per_round_trip)
+
+    # -- hooks for the daemon -----------------------------------------------------------
+    def set_lane(self, peer: str, *, rtt_s: float | None, loss_ratio: float | None) -> None:
+        """The current RTT and loss of the lane to `peer` (None leaves a figure unchanged)."""
+        if rtt_s is not None:
+            self.lane_rtt.labels(peer=peer).set(rtt_s)
+        if loss_ratio is not None:
+            self.lane_loss.labels(peer=peer).set(loss_ratio)
+
+    def lane_died(self, peer: str) -> None:
+        """The lane to `peer` was declared dead."""
+        self.lane_deaths.labels(peer=peer).inc()
+
+    def forget_lane(self, peer: str) -> None:
+        """Drop the gauges of a lane that is gone (its death count stays)."""
+        for gauge in (self.lane_rtt, self.lane_loss):
+            with contextlib.suppress(KeyError):
+                gauge.remove(peer)
+
+    def observe_stage_compute(self, stage: str, seconds: float) -> None:
+        """A local stage computed one window in `seconds`."""
+        self.stage_compute.labels(stage=stage).observe(seconds)
+
+    def on_scrape(self, hook: Callable[[], None]) -> None:
+        """Call `hook` before each scrape (to refresh gauges from live state)."""
+        self._scrape_hooks.append(hook)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        for hook in self._scrape_hooks:
+            try:
+                hook()
+            except Exception:  # a broken hook must not take the metrics page down
+                log.exception("metrics scrape hook failed")
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
