@@ -1,0 +1,251 @@
+"""The control API on a Unix socket (mode 0600) for meshctl: one JSON object per line.
+
+A client writes one request line (a tagged msgspec struct) and reads reply lines until one
+holds `ok`. Most operations answer with one line; `generate` (for tests and operators) first
+streams `{"tokens": [...]}` lines as tokens commit. Only the socket's owner can connect, so the
+API needs no key of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import trio
+
+from meshd.api.backend import ServiceUnavailable
+from meshd.coord.pipeline import GenerationRequest
+from meshd.node.generation import NodeBackend
+from meshd.node.node import MeshNode
+from meshd.node.status import node_status
+from meshd.plan import NoFeasiblePlan, explain
+from meshd.spec.config import SpecConfig
+from protocol.messages import Sampling
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class StatusOp(msgspec.Struct, frozen=True, tag="status"):
+    """The node's view: members, lanes, plan, stage, sessions, recent events."""
+
+
+class PlanOp(msgspec.Struct, frozen=True, tag="plan"):
+    """The current plan, explained."""
+
+
+class KillOp(msgspec.Struct, frozen=True, tag="kill"):
+    """Stop NODE's stage (node id prefix) at once, or after its sessions (`drain`)."""
+
+    node: str
+    drain: bool = False
+
+
+class RecoverOp(msgspec.Struct, frozen=True, tag="recover"):
+    """Let NODE host again (empty: every killed member) and re-plan."""
+
+    node: str = ""
+
+
+class GenerateOp(msgspec.Struct, frozen=True, tag="generate"):
+    """Generate from token ids (or text) through this node's NodeBackend."""
+
+    prompt: list[int] = []
+    text: str = ""
+    max_tokens: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+    strategy: str = "auto"
+    ignore_eos: bool = False
+
+
+Op = StatusOp | PlanOp | KillOp | RecoverOp | GenerateOp
+_decoder = msgspec.json.Decoder(Op)
+
+
+class ControlError(Exception):
+    """The daemon refused or failed an operation (`code` is machine-readable)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+async def serve_control(
+    node: MeshNode,
+    backend: NodeBackend,
+    path: str,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen on the Unix socket at `path` until cancelled."""
+    with _unlinking(path):
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window for others
+        try:
+            await sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+
+        async def handler(stream: trio.SocketStream) -> None:
+            await _serve_one(node, backend, stream)
+
+        await trio.serve_listeners(handler, [listener])
+
+
+@contextlib.contextmanager
+def _unlinking(path: str) -> Iterator[None]:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a stale socket from a previous run
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+async def _serve_one(node: MeshNode, backend: NodeBackend, stream: trio.SocketStream) -> None:
+    async with stream:
+        try:
+            line = await _read_line(stream)
+            op = _decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            await _write(stream, {"ok": False, "code": "bad_request", "error": str(exc)})
+            return
+        try:
+            result = await _handle(node, backend, op, stream)
+            await _write(stream, {"ok": True, **result})
+        except ControlError as exc:
+            await _write(stream, {"ok": False, "code": exc.code, "error": str(exc)})
+        except ServiceUnavailable as exc:
+            reply = {"ok": False, "code": "service_unavailable", "error": exc.reason}
+            await _write(stream, {**reply, "retry_after_s": exc.retry_after_s})
+        except trio.BrokenResourceError:
+            pass
+
+
+async def _read_line(stream: trio.SocketStream) -> bytes:
+    data = b""
+    while b"\n" not in data:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MAX_REQUEST_BYTES:
+            raise ValueError("request too large")
+    return data.split(b"\n", 1)[0]
+
+
+async def _write(stream: trio.SocketStream, obj: Any) -> None:
+    await stream.send_all(msgspec.json.encode(obj) + b"\n")
+
+
+async def _handle(
+    node: MeshNode, backend: NodeBackend, op: Op, stream: trio.SocketStream
+) -> dict[str, Any]:
+    if isinstance(op, StatusOp):
+        return {"status": node_status(node, backend)}
+    if isinstance(op, PlanOp):
+        if node.plan is None:
+            return {"plan": None, "error": node.plan_error}
+        names = {k: k.hex()[:16] for k in node.membership.view()}
+        return {"plan": explain(node.plan, names=names), "error": ""}
+    if isinstance(op, KillOp):
+        target = resolve_node(node, op.node)
+        await node.send_command(target, "kill", op.drain)
+        return {"node": target.hex()}
+    if isinstance(op, RecoverOp):
+        targets = [resolve_node(node, op.node)] if op.node else killed_members(node)
+        for target in targets:
+            await node.send_command(target, "recover", False)
+        return {"nodes": [t.hex() for t in targets]}
+    return await _generate(backend, op, stream)
+
+
+def resolve_node(node: MeshNode, prefix: str) -> bytes:
+    """The one member whose key (hex) starts with `prefix` (ControlError otherwise)."""
+    prefix = prefix.lower()
+    matches = [k for k in node.membership.view() if k.hex().startswith(prefix)]
+    if len(matches) != 1:
+        what = "no member" if not matches else f"{len(matches)} members"
+        raise ControlError("unknown_node", f"{what} with an id starting {prefix!r}")
+    return matches[0]
+
+
+def killed_members(node: MeshNode) -> list[bytes]:
+    """Members that offer no model now (stopped by the operator)."""
+    out = []
+    for key, info in node.membership.view().items():
+        if info.healthy and info.capacity is not None and not info.capacity.models:
+            out.append(key)
+    if node.disabled and node.node_key not in out:
+        out.append(node.node_key)
+    return out
+
+
+async def _generate(
+    backend: NodeBackend, op: GenerateOp, stream: trio.SocketStream
+) -> dict[str, Any]:
+    prompt = op.prompt or backend.tokenizer.encode(op.text)
+    if not prompt:
+        raise ControlError("bad_request", "empty prompt")
+    eos = frozenset() if op.ignore_eos else frozenset(backend.tokenizer.eos_ids)
+    request = GenerationRequest(
+        prompt=prompt,
+        max_tokens=op.max_tokens,
+        sampling=Sampling(temperature=op.temperature, seed=op.seed),
+        spec=SpecConfig(strategy=op.strategy),
+        eos_ids=eos,
+        mtp_depth=backend.mtp_depth,
+    )
+
+    async def on_tokens(tokens: list[int]) -> None:
+        await _write(stream, {"tokens": tokens})
+
+    try:
+        result = await backend.generate(request, on_tokens)
+    except NoFeasiblePlan as exc:  # defensive: the backend turns these into 503s
+        raise ServiceUnavailable(str(exc)) from exc
+    return {"tokens": result.tokens, "finish_reason": result.finish_reason}
+
+
+# ---- the client side (blocking; meshctl and tests) ----------------------------------------
+
+
+def request_lines(path: str, op: Op, *, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
+    """Send one op to the daemon at `path`; yield every reply line (the last holds `ok`)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(path)
+        sock.sendall(msgspec.json.encode(op) + b"\n")
+        buffer = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ControlError("closed", "the daemon closed the connection without an answer")
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                reply: dict[str, Any] = msgspec.json.decode(line)
+                yield reply
+                if "ok" in reply:
+                    return
+
+
+def call(path: str, op: Op, *, timeout_s: float = 30.0) -> dict[str, Any]:
+    """One op, its final reply; raises ControlError when the daemon says no."""
+    replies = list(request_lines(path, op, timeout_s=timeout_s))
+    reply = replies[-1]
+    if not reply.get("ok"):
+        raise ControlError(str(reply.get("code", "error")), str(reply.get("error", "")))
+    return reply

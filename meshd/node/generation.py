@@ -1,0 +1,82 @@
+"""`NodeBackend`: generation on the daemon, with live recovery when a stage dies.
+
+The node coordinates its own requests over the current plan's route. When the route fails
+(a stage's lane died, a stage was stopped, or a stage does not hold the layers the route
+expects yet), the request keeps what it committed, re-plans without the lost node and
+continues on the new route: it re-prefills prompt + committed tokens and generates the rest.
+Stages write KV by absolute position and the last stage samples keyed by seed and position,
+so the continuation is the same as an undisturbed run's, greedy or seeded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import trio
+
+from meshd.api.backend import ServiceUnavailable
+from meshd.coord.pipeline import GenerationRequest, GenerationResult, OnTokens, RouteFailed
+from meshd.model.tokenizer import Tokenizer
+from meshd.node.node import MeshNode
+from meshd.plan import NoFeasiblePlan
+from meshd.spec.telemetry import Recorder
+
+log = logging.getLogger(__name__)
+
+
+class NodeBackend:
+    """`meshd.api.backend.MeshBackend` on a running `MeshNode`."""
+
+    def __init__(self, node: MeshNode, *, model_name: str) -> None:
+        self.node = node
+        self.model_name = model_name
+        self.tokenizer: Tokenizer = node.tokenizer
+        self.mtp_depth = node.checkpoint.config.num_mtp_layers
+        self.max_context_tokens = node.context_tokens
+        self.recoveries = 0
+
+    async def generate(self, request: GenerationRequest, on_tokens: OnTokens) -> GenerationResult:
+        """Generate over the mesh; raises ServiceUnavailable when no plan fits or it times out.
+
+        A failure is retried on a new route until `recovery_timeout_s`; with no feasible plan
+        (too few nodes left), ServiceUnavailable is raised at once.
+        """
+        tuning = self.node.tuning
+        committed: list[int] = []
+        deadline = trio.current_time() + tuning.recovery_timeout_s
+        while True:
+            try:
+                route = self.node.route()
+            except NoFeasiblePlan as exc:
+                raise ServiceUnavailable(f"no plan fits the mesh: {exc}", 1.0) from exc
+            if len(committed) >= request.max_tokens:
+                telemetry = Recorder(request.spec.strategy).snapshot()
+                return GenerationResult(committed, "length", telemetry)
+            attempt = replace(
+                request,
+                prompt=[*request.prompt, *committed],
+                max_tokens=request.max_tokens - len(committed),
+            )
+            try:
+                result = await self.node.coordinator.generate(route, attempt, on_tokens)
+            except RouteFailed as exc:
+                committed += exc.committed
+                if exc.committed:
+                    deadline = trio.current_time() + tuning.recovery_timeout_s
+                self._on_failure(exc)
+                if trio.current_time() >= deadline:
+                    raise ServiceUnavailable(f"the mesh could not recover: {exc}", 1.0) from exc
+                await self.node.wait_plan_change(tuning.retry_interval_s)
+                continue
+            result.tokens = [*committed, *result.tokens]
+            return result
+
+    def _on_failure(self, exc: RouteFailed) -> None:
+        node_id = self.node.keys.ed_of(exc.node_key) if exc.node_key else None
+        if node_id is not None and self.node.peers.lane(exc.node_key) is None:
+            self.node.suspect(node_id)  # its lane is gone: route around it at once
+        if exc.committed or node_id is not None:
+            self.recoveries += 1
+            self.node.note("route-failed", node_id or b"", str(exc)[:120])
+        log.info("route failed after %d tokens: %s", len(exc.committed), exc)

@@ -1,0 +1,390 @@
+"""`MeshNode`: one daemon's parts composed under one trio nursery.
+
+Lanes (endpoint + peer table), membership (driven over stream 0), discovery (mDNS and
+`--join`, each peer's node key learned by an authenticated key query), leaderless planning
+(re-run, debounced, whenever the view changes), the stage this node is assigned, and a
+coordinator for the requests this node receives (`NodeBackend`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from meshd.config import NodeConfig
+from meshd.coord.pipeline import Coordinator
+from meshd.coord.route import Route
+from meshd.mesh.discovery import DiscoveredPeer, mesh_hash_for, open_discovery
+from meshd.mesh.identity import NodeIdentity, admission_policy, fingerprint_of
+from meshd.mesh.jointoken import Address
+from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
+from meshd.mesh.membership import Membership
+from meshd.mesh.peers import CONTROL_STREAM, PeerTable, PeerUnreachable
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.device import device_memory_bytes, pick_device
+from meshd.model.tokenizer import Tokenizer
+from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
+from meshd.node.gossip_driver import GossipDriver, KeyBook
+from meshd.node.planning import assignment, lane_route, model_shape, plan_view
+from meshd.node.stages import StageSlot, measure_compute_ns
+from meshd.node.tuning import DaemonTuning
+from meshd.plan import NoFeasiblePlan, Plan, PlannerConfig
+from protocol import gossip
+from protocol.gossip import ModelHolding
+from protocol.handshake import psk_from_secret
+from protocol.messages import Message, NodeHello, StageCommand, StageError, VerifyReply
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EVENT_LOG = 200
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEvent:
+    """One thing the operator may want to see (wall-clock time, so processes compare)."""
+
+    at_unix_s: float
+    kind: str
+    node_id: str
+    detail: str = ""
+
+
+class MeshNode:
+    """A meshd daemon's state and tasks; `run` serves until cancelled."""
+
+    def __init__(
+        self, config: NodeConfig, *, tuning: DaemonTuning | None = None, model_dir: str = ""
+    ) -> None:
+        self.config = config
+        self.tuning = tuning or DaemonTuning()
+        self.identity = NodeIdentity.load_or_create(config.state_dir)
+        self.psk = psk_from_secret(config.read_mesh_secret())
+        self.model_dir = model_dir
+        self.checkpoint = Checkpoint.open(model_dir)
+        self.tokenizer = Tokenizer.open(model_dir)
+        self.device = pick_device(None if config.device == "auto" else config.device)
+        self.dtype = _DTYPES.get(config.dtype, torch.float32)
+        self.shape = model_shape(self.checkpoint, self.dtype)
+        model_ctx = self.checkpoint.config.max_position_embeddings
+        self.context_tokens = self.tuning.context_tokens or model_ctx
+        self.planner_config = PlannerConfig(
+            unknown_rtt_s=self.tuning.planner_unknown_rtt_s,
+            reuse_tolerance_fraction=self.tuning.planner_reuse_tolerance_fraction,
+        )
+        self.keys = KeyBook()
+        self.events: collections.deque[NodeEvent] = collections.deque(maxlen=_EVENT_LOG)
+        self.plan: Plan | None = None
+        self.plan_error = "not planned yet"
+        self.disabled = False
+        self.compute_ns = 0
+        self.started_unix_s = time.time()
+        self._suspects: dict[bytes, float] = {}
+        self._replan = trio.Event()
+        self._plan_changed = trio.Event()
+        self._ready = trio.Event()
+        # Set in run():
+        self.endpoint: Endpoint
+        self.peers: PeerTable
+        self.membership: Membership
+        self.gossip: GossipDriver
+        self.slot: StageSlot
+        self.coordinator: Coordinator
+        self._nursery: trio.Nursery
+
+    # ---- identity helpers ---------------------------------------------------------------
+    @property
+    def node_key(self) -> bytes:
+        """This node's Ed25519 id (what membership and plans name it by)."""
+        return self.identity.public_key
+
+    def note(self, kind: str, node_id: bytes | str = b"", detail: str = "") -> None:
+        """Add to the event log `meshctl status` shows."""
+        name = node_id.hex()[:16] if isinstance(node_id, bytes) else node_id
+        self.events.append(NodeEvent(time.time(), kind, name, detail))
+        log.info("%s %s %s", kind, name, detail)
+
+    # ---- the composition ----------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open lanes, join the mesh, plan and serve until cancelled."""
+        torch.set_num_threads(self.tuning.torch_threads)
+        self.compute_ns = await trio.to_thread.run_sync(
+            measure_compute_ns, self.checkpoint, self.device, self.dtype, self.tuning.warmup_passes
+        )
+        c = self.config
+        admit = admission_policy(c.admitted_public_keys(), c.revoked_public_keys())
+        async with (
+            open_endpoint(
+                static_private=self.identity.x25519_private,
+                psk=self.psk,
+                bind=(c.listen_host, c.listen_port),
+                admit=admit,
+                lane_config=c.lane,
+                egress=c.emulate,
+                node_public_key=self.node_key,
+            ) as endpoint,
+            trio.open_nursery() as nursery,
+        ):
+            self.endpoint = endpoint
+            self._nursery = nursery
+            await self._start_parts(nursery)
+            self._ready.set()
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _start_parts(self, nursery: trio.Nursery) -> None:
+        self.peers = PeerTable(
+            self.endpoint,
+            self.identity.x25519_public,
+            self._dispatch,
+            on_lane_lost=self._on_lane_lost,
+            on_lane_up=self._on_lane_up,
+            streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
+        )
+        self.coordinator = Coordinator(self.peers, self.identity.x25519_public, wire_dtype="f32")
+        self.slot = StageSlot(
+            self.checkpoint,
+            self.peers,
+            device=self.device,
+            dtype=self.dtype,
+            eos_ids=frozenset(self.tokenizer.eos_ids),
+        )
+        now = trio.current_time()
+        self.membership = Membership(
+            self.node_key,
+            address=self.lane_address,
+            sign=self.identity.sign,
+            verify=NodeIdentity.verify,
+            now=now,
+            capacity=self.capacity(),
+            seed=int.from_bytes(self.node_key[:8], "big"),
+            # A restart outranks its previous life's words at once.
+            incarnation=int(time.time()),
+            record_version=int(time.time()),
+        )
+        self.gossip = GossipDriver(
+            self.membership,
+            self.peers,
+            self.keys,
+            self._on_member_events,
+            rtt_report_interval_s=self.tuning.rtt_report_interval_s,
+        )
+        await nursery.start(self.peers.run)
+        await nursery.start(self.slot.run)
+        await nursery.start(self.gossip.run)
+        nursery.start_soon(self._plan_loop)
+        for address in self.config.bootstrap_peers():
+            nursery.start_soon(self._bootstrap, address)
+        if self.config.mdns.enabled:
+            nursery.start_soon(self._discover)
+
+    @property
+    def lane_address(self) -> str:
+        """Where others should dial this node's lanes ("" when bound to every address)."""
+        host, port = self.endpoint.local_address
+        return "" if host in ("0.0.0.0", "::") else f"{host}:{port}"
+
+    def capacity(self) -> LocalCapacity:
+        """What this node offers now (the signed record's contents)."""
+        budget = self.config.memory_budget_bytes or device_memory_bytes(self.device)
+        models: tuple[ModelHolding, ...] = ()
+        if not self.disabled:
+            layers = self.slot.layers if hasattr(self, "slot") else None
+            lo, hi = layers if layers is not None else (0, self.shape.num_layers)
+            holding = ModelHolding(self.shape.model_id, lo, hi, layers is not None, self.compute_ns)
+            models = (holding,)
+        sessions = self.slot.sessions if hasattr(self, "slot") else 0
+        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
+
+    def publish_capacity(self) -> None:
+        """Re-sign our record if what we offer changed (membership rate-limits it)."""
+        self.membership.set_capacity(self.capacity(), trio.current_time())
+        self.gossip.poke()
+        self.request_replan()
+
+    # ---- lanes and messages ---------------------------------------------------------------
+    def _dispatch(self, message: Message, lane_key: bytes) -> None:
+        if isinstance(message, VerifyReply | StageError):
+            self.coordinator.handle(message, lane_key)
+        elif isinstance(message, NodeHello):
+            self.gossip.on_hello(message.node_key, lane_key)
+        elif isinstance(message, StageCommand):
+            self._nursery.start_soon(self.apply_command, message.action, message.drain)
+        else:
+            self.slot.handle(message, lane_key)
+
+    def _on_gossip(self, message: gossip.GossipMessage, lane_key: bytes) -> None:
+        self.gossip.on_gossip(message, lane_key)
+
+    def _on_lane_up(self, lane_key: bytes, lane: PeerLane) -> None:
+        self._nursery.start_soon(self._say_hello, lane_key, lane)
+        self.gossip.on_lane_up(lane_key)
+
+    async def _say_hello(self, lane_key: bytes, lane: PeerLane) -> None:
+        with contextlib.suppress(Exception):  # a lane that died at once is handled elsewhere
+            await self.peers.send(lane_key, NodeHello(self.node_key))
+
+    def _on_lane_lost(self, lane_key: bytes, lane: PeerLane) -> None:
+        node_id = self.keys.ed_of(lane_key)
+        self.coordinator.peer_lost(lane_key)
+        self.gossip.on_lane_dead(lane_key)
+        if node_id is not None:
+            reason = lane.termination.reason.name.lower() if lane.termination else "closed"
+            self.note("lane-lost", node_id, reason)
+            if lane.termination is not None and reason == "peer_dead":
+                self.suspect(node_id)
+
+    def suspect(self, node_id: bytes) -> None:
+        """Leave `node_id` out of this node's routes for a while (its lane died)."""
+        self._suspects[node_id] = trio.current_time() + self.tuning.suspect_hold_s
+        self.request_replan()
+
+    def _on_member_events(self, events: list[MemberEvent]) -> None:
+        for event in events:
+            if event.kind is not EventKind.CAPACITY_CHANGED:
+                self.note(f"member-{event.kind.value}", event.node_id)
+            if event.kind in (EventKind.JOINED, EventKind.ALIVE_AGAIN):
+                self._suspects.pop(event.node_id, None)
+        self.request_replan()
+
+    # ---- discovery and bootstrap ----------------------------------------------------------
+    async def _discover(self) -> None:
+        _host, port = self.endpoint.local_address
+        async with (
+            open_discovery(
+                node_id=self.identity.node_id,
+                key_fingerprint=self.identity.fingerprint(),
+                mesh_hash=mesh_hash_for(self.psk),
+                port=port,
+                interfaces=list(self.config.mdns.interfaces),
+            ) as disc,
+            trio.open_nursery() as nursery,
+        ):
+            async for peer in disc.peers():
+                if not peer.removed:
+                    nursery.start_soon(self._meet_discovered, peer)
+
+    async def _meet_discovered(self, peer: DiscoveredPeer) -> None:
+        for host in peer.addresses:
+            node_id = await self._meet((host, peer.port))
+            if node_id is not None and fingerprint_of(node_id) == peer.key_fingerprint:
+                return
+
+    async def _meet(self, address: Address) -> bytes | None:
+        """Learn the node key at `address` (proven by the mesh secret), dial it and join."""
+        try:
+            node_id = await self.endpoint.query_key(address)
+        except TimeoutError:
+            return None
+        if node_id == self.node_key:
+            return node_id
+        lane_key = self.keys.x_of(node_id)
+        self.peers.addresses[lane_key] = address
+        try:
+            await self.peers.lane_to(lane_key)
+        except PeerUnreachable as exc:
+            log.info("could not open a lane to %s: %s", address, exc)
+            return None
+        self.gossip.join(node_id)
+        return node_id
+
+    async def _bootstrap(self, address: Address) -> None:
+        delay = self.tuning.join_retry_initial_s
+        while await self._meet(address) is None:
+            await trio.sleep(delay)
+            delay = min(delay * 2, self.tuning.join_retry_max_s)
+
+    # ---- planning -------------------------------------------------------------------------
+    def request_replan(self) -> None:
+        """Re-plan soon (debounced)."""
+        self._replan.set()
+
+    async def _plan_loop(self) -> None:
+        while True:
+            await self._replan.wait()
+            await trio.sleep(self.tuning.replan_debounce_s)
+            self._replan = trio.Event()
+            await self._replan_once()
+
+    def _plan_now(self, exclude: Iterable[bytes] = ()) -> Plan:
+        return plan_view(
+            self.membership.view(),
+            self.shape,
+            self.membership.rtt_matrix(),
+            context_tokens=self.context_tokens,
+            exclude=frozenset(exclude),
+            config=self.planner_config,
+        )
+
+    async def _replan_once(self) -> None:
+        try:
+            new = self._plan_now()
+            error = ""
+        except NoFeasiblePlan as exc:
+            new, error = None, str(exc)
+        old_route = self.plan.route if self.plan is not None else None
+        self.plan, self.plan_error = new, error
+        if (new.route if new is not None else None) != old_route:
+            self.note("plan", self.node_key, _describe(new) if new is not None else error)
+        mine = assignment(new, self.node_key) if new is not None and not self.disabled else None
+        if mine != self.slot.layers:
+            if mine is None:
+                # Not in the plan (a spare, or no plan fits): stop serving only when a plan
+                # exists without us; with no plan at all, keep what we hold for a later one.
+                if new is not None or self.disabled:
+                    await self.slot.stop("not in the plan")
+                    self.note("stage-stopped", self.node_key)
+            else:
+                await self.slot.load(mine)
+                self.note("stage-loaded", self.node_key, f"layers {list(mine)}")
+            self.publish_capacity()
+        self._plan_changed.set()
+        self._plan_changed = trio.Event()
+
+    def route(self) -> Route:
+        """The route this node coordinates its requests over now (NoFeasiblePlan if none)."""
+        now = trio.current_time()
+        for node_id in [n for n, t in self._suspects.items() if t <= now]:
+            del self._suspects[node_id]
+        return lane_route(self._plan_now(exclude=self._suspects))
+
+    async def wait_plan_change(self, timeout_s: float) -> None:
+        """Return after the next re-plan, or after `timeout_s`."""
+        with trio.move_on_after(timeout_s):
+            await self._plan_changed.wait()
+
+    # ---- operator commands ----------------------------------------------------------------
+    async def apply_command(self, action: str, drain: bool) -> None:
+        """kill: stop hosting (after the sessions end with `drain`); recover: host again."""
+        if action == "kill":
+            if drain:
+                await self.slot.drain()
+            self.disabled = True
+            await self.slot.stop("killed by the operator")
+            self.note("killed", self.node_key, "drained" if drain else "at once")
+        else:
+            self.disabled = False
+            self.note("recovered", self.node_key)
+        self.publish_capacity()
+
+    async def send_command(self, node_id: bytes, action: str, drain: bool) -> None:
+        """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""
+        if node_id == self.node_key:
+            await self.apply_command(action, drain)
+            return
+        command = StageCommand("kill" if action == "kill" else "recover", drain)
+        await self.peers.send(self.keys.x_of(node_id), command)
+
+
+def _describe(p: Plan) -> str:
+    return (
+        ", ".join(f"{s.node_key.hex()[:8]}[{s.layer_start},{s.layer_end})" for s in p.stages)
+        + f" ~{p.predicted_s_per_token * 1000:.2f} ms/token"
+    )

@@ -1,0 +1,169 @@
+"""The stage this node hosts: load a layer range from the local checkpoint, serve it, stop it.
+
+Every node has a full local copy of the model, so it can host any range the plan gives it.
+Loading runs in a worker thread (the trio loop keeps serving lanes and gossip meanwhile).
+Stopping fails the sessions open here with a typed `StageError`, so their coordinators
+re-plan at once instead of waiting for a reply that will never come.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from meshd.mesh.peers import PeerTable
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.stage import StageModel
+from meshd.stage.host import StageHost
+from protocol.messages import CloseSession, Message, OpenSession, StageError
+
+log = logging.getLogger(__name__)
+
+
+def measure_compute_ns(
+    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, passes: int
+) -> int:
+    """(blocking) Nanoseconds one decoder layer takes for one decode token on this node.
+
+    Loads the first layer alone, runs a short prefill as warm-up, then times single-token
+    passes and keeps the fastest (the least disturbed by other work on the machine).
+    """
+    stage = StageModel.load(checkpoint, 0, 1, device=device, dtype=dtype)
+    stage.open_session("warmup", passes + 16)
+    best = float("inf")
+    with torch.inference_mode():
+        stage.forward("warmup", 0, torch.arange(8, dtype=torch.int64) % 7, logits_last_n=1)
+        for i in range(passes):
+            t0 = time.perf_counter_ns()
+            stage.forward("warmup", 8 + i, torch.tensor([i + 1], dtype=torch.int64))
+            best = min(best, time.perf_counter_ns() - t0)
+    stage.close_session("warmup")
+    return max(1, int(best))
+
+
+@dataclass
+class _Running:
+    layers: tuple[int, int]
+    host: StageHost
+    scope: trio.CancelScope
+    done: trio.Event
+
+
+class StageSlot:
+    """At most one hosted stage; `handle` routes the stage's messages, checking layer ranges."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        peers: PeerTable,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.peers = peers
+        self.device = device
+        self.dtype = dtype
+        self.eos_ids = eos_ids
+        self._running: _Running | None = None
+        # session -> coordinator key, for sessions this node accepted (to fail them on stop).
+        self._sessions: dict[str, bytes] = {}
+        self._nursery: trio.Nursery | None = None
+        self._drained = trio.Event()
+
+    @property
+    def layers(self) -> tuple[int, int] | None:
+        """The layer range served now (None: no stage)."""
+        return self._running.layers if self._running is not None else None
+
+    @property
+    def sessions(self) -> int:
+        """Sessions open on this node's stage."""
+        return len(self._sessions)
+
+    @property
+    def windows_computed(self) -> int:
+        """Windows the current stage computed."""
+        return self._running.host.stats.windows_computed if self._running else 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the hosts' tasks until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def load(self, layers: tuple[int, int]) -> None:
+        """Stop any current stage, then load and serve `layers`."""
+        await self.stop("re-planned")
+        lo, hi = layers
+        t0 = time.perf_counter()
+        model = await trio.to_thread.run_sync(
+            lambda: StageModel.load(self.checkpoint, lo, hi, device=self.device, dtype=self.dtype)
+        )
+        host = StageHost(model, self.peers, eos_ids=self.eos_ids, use_thread=True)
+        running = _Running(layers, host, trio.CancelScope(), trio.Event())
+        self._running = running
+        assert self._nursery is not None, "StageSlot.run() must be started first"
+        self._nursery.start_soon(self._serve, running)
+        log.info("stage loaded: layers [%d, %d) in %.2f s", lo, hi, time.perf_counter() - t0)
+
+    async def _serve(self, running: _Running) -> None:
+        try:
+            with running.scope:
+                await running.host.run()
+        finally:
+            running.done.set()
+
+    async def stop(self, reason: str) -> None:
+        """Stop serving at once: open sessions get StageError(code="stage_stopped")."""
+        running, self._running = self._running, None
+        if running is None:
+            return
+        running.scope.cancel()
+        await running.done.wait()
+        running.host.close_all()
+        failed, self._sessions = self._sessions, {}
+        for session, coordinator in failed.items():
+            error = StageError(session, "stage_stopped", f"the stage was stopped: {reason}")
+            await self._send(coordinator, error)
+
+    async def drain(self) -> None:
+        """Wait until no session is open here."""
+        while self._sessions:
+            self._drained = trio.Event()
+            await self._drained.wait()
+
+    def handle(self, message: Message, sender: bytes) -> None:
+        """A pipeline message for the stage; an open for layers we do not serve is refused."""
+        running = self._running
+        if isinstance(message, OpenSession):
+            expected = (message.layer_start, message.layer_end)
+            if running is None or (expected != (-1, -1) and expected != running.layers):
+                held = "no stage" if running is None else f"layers {list(running.layers)}"
+                error = StageError(
+                    message.session,
+                    "wrong_layers",
+                    f"this node serves {held}, the route expects {list(expected)}",
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._send, message.coordinator, error)
+                return
+            self._sessions[message.session] = message.coordinator
+        elif isinstance(message, CloseSession):
+            self._sessions.pop(message.session, None)
+            if not self._sessions:
+                self._drained.set()
+        if running is not None:
+            running.host.handle(message, sender)
+
+    async def _send(self, key: bytes, message: Message) -> None:
+        try:
+            await self.peers.send(key, message)
+        except Exception as exc:  # the coordinator may be gone too
+            log.debug("could not tell %s: %s", key.hex()[:16], exc)

@@ -1,0 +1,125 @@
+"""What `meshctl status` shows: the node's view as typed, JSON-ready values."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from meshd.mesh.identity import node_id_of
+from meshd.node.planning import holding_of
+
+if TYPE_CHECKING:
+    from meshd.node.generation import NodeBackend
+    from meshd.node.node import MeshNode
+
+
+class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One member as this node sees it, with this node's lane to it."""
+
+    key: str  # Ed25519 node key, hex (meshctl's NODE is a prefix of it)
+    name: str  # short node id (fingerprint prefix)
+    status: str
+    address: str
+    is_self: bool
+    offers_model: bool
+    loaded_layers: list[int] | None
+    memory_budget_bytes: int
+    compute_ns_per_layer_token: int
+    sessions: int
+    lane_up: bool
+    rtt_ms: float | None
+    packets_lost: int
+    packets_sent: int
+
+
+class StageStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage of the current plan."""
+
+    key: str
+    layers: list[int]
+
+
+class EventStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One recent event."""
+
+    at_unix_s: float
+    kind: str
+    node: str
+    detail: str
+
+
+class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole status reply."""
+
+    key: str
+    name: str
+    model_id: str
+    disabled: bool
+    stage_layers: list[int] | None
+    sessions_hosted: int
+    sessions_coordinated: int
+    recoveries: int
+    uptime_s: float
+    members: list[MemberStatus]
+    plan: list[StageStatus]
+    plan_error: str
+    predicted_ms_per_token: float | None
+    events: list[EventStatus]
+
+
+def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
+    """The status reply for `node` (builtins, ready for JSON)."""
+    members = []
+    for key, info in sorted(node.membership.view().items()):
+        holding = holding_of(info, node.shape.model_id)
+        lane = node.peers.lane(node.keys.x_of(key)) if key != node.node_key else None
+        stats = lane.lane.stats if lane is not None else None
+        cap = info.capacity
+        members.append(
+            MemberStatus(
+                key=key.hex(),
+                name=node_id_of(key),
+                status=info.status.name.lower(),
+                address=info.address,
+                is_self=key == node.node_key,
+                offers_model=holding is not None,
+                loaded_layers=[holding.layer_start, holding.layer_end]
+                if holding is not None and holding.loaded
+                else None,
+                memory_budget_bytes=cap.memory_budget_bytes if cap else 0,
+                compute_ns_per_layer_token=holding.compute_ns_per_layer_token if holding else 0,
+                sessions=cap.sessions if cap else 0,
+                lane_up=lane is not None,
+                rtt_ms=stats.smoothed_rtt_s * 1000 if stats is not None else None,
+                packets_lost=stats.packets_lost if stats else 0,
+                packets_sent=stats.packets_sent if stats else 0,
+            )
+        )
+    plan = node.plan
+    layers = node.slot.layers
+    status = NodeStatus(
+        key=node.node_key.hex(),
+        name=node.identity.node_id,
+        model_id=node.shape.model_id,
+        disabled=node.disabled,
+        stage_layers=list(layers) if layers is not None else None,
+        sessions_hosted=node.slot.sessions,
+        sessions_coordinated=node.coordinator.sessions_in_flight,
+        recoveries=backend.recoveries,
+        uptime_s=time.time() - node.started_unix_s,
+        members=members,
+        plan=[
+            StageStatus(key=s.node_key.hex(), layers=[s.layer_start, s.layer_end])
+            for s in (plan.stages if plan is not None else ())
+        ],
+        plan_error=node.plan_error,
+        predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,
+        events=[
+            EventStatus(at_unix_s=e.at_unix_s, kind=e.kind, node=e.node_id, detail=e.detail)
+            for e in node.events
+        ],
+    )
+    out: dict[str, Any] = msgspec.to_builtins(status)
+    return out
