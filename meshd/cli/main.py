@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 # name -> (module, help). Each module exposes `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("meshd.cli.demo", "run the local mesh demo on the built-in model"),
+    "serve": ("meshd.cli.serve", "run the daemon"),
     "version": ("meshd.cli.version", "print the version"),
 }
 
