@@ -1,9 +1,10 @@
 """Committed tokens → text deltas, cut at the first stop sequence.
 
 Stop sequences are matched on the detokenized text, so one may span several tokens (or start
-in the middle of one). Text that could still become the start of a stop sequence is held back
-until it either completes one (then it is dropped, with everything after it) or cannot (then it
-is released). Nothing of a stop sequence ever reaches the client.
+in the middle of one); the first one to complete ends the text. Text that could still become
+the start of a stop sequence is held back until it either completes one (then it is dropped,
+with everything after it) or cannot (then it is released). Nothing of a stop sequence ever
+reaches the client.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ class StopScanner:
         if self.stopped:
             return ""
         buffer = self._held + text
-        cut = min((i for s in self.stops if (i := buffer.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        # The stop that completes first wins (generation would have ended there), and of
+        # those ending at the same place, the longest: independent of how text is chunked.
+        hits = [(i + len(s), i) for s in self.stops if (i := buffer.find(s)) >= 0]
+        if hits:
             self.stopped = True
             self._held = ""
-            return buffer[:cut]
+            return buffer[: min(hits)[1]]
         hold = self._longest_partial(buffer)
         self._held = buffer[len(buffer) - hold :]
         return buffer[: len(buffer) - hold]
