@@ -1,6 +1,7 @@
 """The control API on a Unix socket (mode 0600) for meshctl: one JSON object per line.
 
-A client writes one request line (a tagged msgspec struct) and reads reply lines until one
+The request types and the blocking client live in `control_client.py` (meshctl imports only
+that, so it starts fast). A client writes one request line (a tagged msgspec struct) and reads reply lines until one
 holds `ok`. Most operations answer with one line; `generate` (for tests and operators) first
 streams `{"tokens": [...]}` lines as tokens commit. Only the socket's owner can connect, so the
 API needs no key of its own.
@@ -20,6 +21,15 @@ import trio
 
 from meshd.api.backend import ServiceUnavailable
 from meshd.coord.pipeline import GenerationRequest
+from meshd.node.control_client import (
+    ControlError,
+    GenerateOp,
+    KillOp,
+    Op,
+    PlanOp,
+    RecoverOp,
+    StatusOp,
+)
 from meshd.node.generation import NodeBackend
 from meshd.node.node import MeshNode
 from meshd.node.status import node_status
@@ -32,49 +42,7 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 1 << 20
 
 
-class StatusOp(msgspec.Struct, frozen=True, tag="status"):
-    """The node's view: members, lanes, plan, stage, sessions, recent events."""
-
-
-class PlanOp(msgspec.Struct, frozen=True, tag="plan"):
-    """The current plan, explained."""
-
-
-class KillOp(msgspec.Struct, frozen=True, tag="kill"):
-    """Stop NODE's stage (node id prefix) at once, or after its sessions (`drain`)."""
-
-    node: str
-    drain: bool = False
-
-
-class RecoverOp(msgspec.Struct, frozen=True, tag="recover"):
-    """Let NODE host again (empty: every killed member) and re-plan."""
-
-    node: str = ""
-
-
-class GenerateOp(msgspec.Struct, frozen=True, tag="generate"):
-    """Generate from token ids (or text) through this node's NodeBackend."""
-
-    prompt: list[int] = []
-    text: str = ""
-    max_tokens: int = 32
-    temperature: float = 0.0
-    seed: int = 0
-    strategy: str = "auto"
-    ignore_eos: bool = False
-
-
-Op = StatusOp | PlanOp | KillOp | RecoverOp | GenerateOp
 _decoder = msgspec.json.Decoder(Op)
-
-
-class ControlError(Exception):
-    """The daemon refused or failed an operation (`code` is machine-readable)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 async def serve_control(
@@ -217,35 +185,3 @@ async def _generate(
     except NoFeasiblePlan as exc:  # defensive: the backend turns these into 503s
         raise ServiceUnavailable(str(exc)) from exc
     return {"tokens": result.tokens, "finish_reason": result.finish_reason}
-
-
-# ---- the client side (blocking; meshctl and tests) ----------------------------------------
-
-
-def request_lines(path: str, op: Op, *, timeout_s: float = 30.0) -> Iterator[dict[str, Any]]:
-    """Send one op to the daemon at `path`; yield every reply line (the last holds `ok`)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(path)
-        sock.sendall(msgspec.json.encode(op) + b"\n")
-        buffer = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ControlError("closed", "the daemon closed the connection without an answer")
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                reply: dict[str, Any] = msgspec.json.decode(line)
-                yield reply
-                if "ok" in reply:
-                    return
-
-
-def call(path: str, op: Op, *, timeout_s: float = 30.0) -> dict[str, Any]:
-    """One op, its final reply; raises ControlError when the daemon says no."""
-    replies = list(request_lines(path, op, timeout_s=timeout_s))
-    reply = replies[-1]
-    if not reply.get("ok"):
-        raise ControlError(str(reply.get("code", "error")), str(reply.get("error", "")))
-    return reply

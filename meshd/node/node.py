@@ -26,7 +26,7 @@ from meshd.mesh.identity import NodeIdentity, admission_policy, fingerprint_of
 from meshd.mesh.jointoken import Address
 from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.mesh.peers import CONTROL_STREAM, PeerTable, PeerUnreachable
+from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerTable, PeerUnreachable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.tokenizer import Tokenizer
@@ -148,7 +148,9 @@ class MeshNode:
             on_lane_up=self._on_lane_up,
             streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
         )
-        self.coordinator = Coordinator(self.peers, self.identity.x25519_public, wire_dtype="f32")
+        self.coordinator = Coordinator(
+            _RouteSender(self), self.identity.x25519_public, wire_dtype="f32"
+        )
         self.slot = StageSlot(
             self.checkpoint,
             self.peers,
@@ -233,13 +235,13 @@ class MeshNode:
 
     def _on_lane_lost(self, lane_key: bytes, lane: PeerLane) -> None:
         node_id = self.keys.ed_of(lane_key)
-        self.coordinator.peer_lost(lane_key)
-        self.gossip.on_lane_dead(lane_key)
         if node_id is not None:
             reason = lane.termination.reason.name.lower() if lane.termination else "closed"
             self.note("lane-lost", node_id, reason)
-            if lane.termination is not None and reason == "peer_dead":
-                self.suspect(node_id)
+            if reason == "peer_dead":
+                self.suspect(node_id)  # before the coordinator hears: its retry routes around
+        self.coordinator.peer_lost(lane_key)
+        self.gossip.on_lane_dead(lane_key)
 
     def suspect(self, node_id: bytes) -> None:
         """Leave `node_id` out of this node's routes for a while (its lane died)."""
@@ -381,6 +383,23 @@ class MeshNode:
             return
         command = StageCommand("kill" if action == "kill" else "recover", drain)
         await self.peers.send(self.keys.x_of(node_id), command)
+
+
+class _RouteSender:
+    """The coordinator's sender: never dials a node whose lane just died.
+
+    Without this, closing a failed session would redial the dead node and wait out a
+    handshake before the request could re-plan or answer 503.
+    """
+
+    def __init__(self, node: MeshNode) -> None:
+        self.node = node
+
+    async def send(self, key: bytes, message: Message, stream: int = PIPELINE_STREAM) -> None:
+        node_id = self.node.keys.ed_of(key)
+        if node_id in self.node._suspects and self.node.peers.lane(key) is None:
+            raise PeerUnreachable(f"peer {key.hex()[:16]} lost its lane recently")
+        await self.node.peers.send(key, message, stream)
 
 
 def _describe(p: Plan) -> str:

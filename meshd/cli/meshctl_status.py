@@ -1,0 +1,82 @@
+"""`meshctl status [--json]`: members, lanes, the plan and its stages, sessions, events."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from meshd.cli.meshctl_common import add_socket_argument, run_op
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshctl status`."""
+    add_socket_argument(parser)
+    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    parser.add_argument("--events", type=int, default=10, help="recent events to show")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the daemon's status."""
+    from meshd.node.control_client import StatusOp
+
+    def show(reply: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(reply["status"], indent=2))
+        else:
+            render(reply["status"], args.events)
+
+    return run_op(args, StatusOp(), show)
+
+
+def render(status: dict[str, Any], events: int) -> None:
+    """A readable status with rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    layers = status["stage_layers"]
+    console.print(
+        f"node [bold]{status['name']}[/] ({status['key'][:16]})  model {status['model_id'][:16]}"
+        f"  stage {_layers(layers)}  {'[red]KILLED[/]' if status['disabled'] else ''}"
+    )
+    console.print(
+        f"sessions hosted {status['sessions_hosted']}, coordinated "
+        f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
+        f"{status['uptime_s']:.0f} s"
+    )
+    members = Table(title="members")
+    for column in ("node", "key", "health", "address", "offers", "stage", "lane", "rtt ms", "loss"):
+        members.add_column(column)
+    for m in status["members"]:
+        loss = f"{m['packets_lost']}/{m['packets_sent']}" if m["lane_up"] else "-"
+        members.add_row(
+            m["name"] + (" (self)" if m["is_self"] else ""),
+            m["key"][:16],
+            m["status"],
+            m["address"] or "-",
+            "yes" if m["offers_model"] else "[red]no[/]",
+            _layers(m["loaded_layers"]),
+            "up" if m["lane_up"] else "-",
+            f"{m['rtt_ms']:.2f}" if m["rtt_ms"] is not None else "-",
+            loss,
+        )
+    console.print(members)
+    if status["plan"]:
+        plan = Table(title=f"plan (~{status['predicted_ms_per_token']:.2f} ms/token)")
+        plan.add_column("stage")
+        plan.add_column("node key")
+        plan.add_column("layers")
+        for i, stage in enumerate(status["plan"]):
+            plan.add_row(str(i), stage["key"][:16], _layers(stage["layers"]))
+        console.print(plan)
+    else:
+        console.print(f"[red]no plan:[/] {status['plan_error']}")
+    for event in status["events"][-events:]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(event["at_unix_s"]))
+        console.print(f"{stamp} {event['kind']:<16} {event['node']} {event['detail']}")
+
+
+def _layers(layers: list[int] | None) -> str:
+    return "-" if layers is None else f"[{layers[0]}, {layers[1]})"
