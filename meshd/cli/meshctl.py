@@ -11,7 +11,12 @@ import sys
 from collections.abc import Sequence
 
 # name -> (module, help). Each module exposes `add_arguments(parser)` and `run(args) -> int`.
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "status": ("meshd.cli.meshctl_status", "members, lanes, plan, stages and sessions"),
+    "plan": ("meshd.cli.meshctl_plan", "explain the current plan"),
+    "kill": ("meshd.cli.meshctl_kill", "stop a node's stage (as a crash would, or --drain)"),
+    "recover": ("meshd.cli.meshctl_recover", "let a killed node host again"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
