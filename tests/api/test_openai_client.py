@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import openai
 import pytest
+import trio
 from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 
+from meshd.api.backend import open_local_backend
+from meshd.api.openai import create_app
+from meshd.api.server import serve_api
 from meshd.coord.pipeline import GenerationRequest
 from protocol.messages import Sampling
 from tests.api.conftest import MODEL, Served
@@ -179,3 +183,22 @@ def test_oversized_body_is_413(served: Served) -> None:
         client(served.url).chat.completions.create(model=MODEL, messages=huge, max_tokens=2)
     assert err.value.status_code == 413
     assert err.value.code == "request_too_large"
+
+
+async def test_async_client_runs_inside_trio() -> None:
+    """`openai.AsyncOpenAI` (httpx on trio) against a server in the same trio run."""
+    async with open_local_backend(stages=1) as backend, trio.open_nursery() as nursery:
+        address = await nursery.start(serve_api, create_app(backend))
+        c = openai.AsyncOpenAI(base_url=address.base_url, api_key="unused", max_retries=0)
+        with trio.fail_after(30):
+            whole = await c.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0
+            )
+            stream = await c.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+            )
+            pieces = [chunk.choices[0].text async for chunk in stream]
+        assert "".join(pieces) == whole.choices[0].text
+        assert whole.usage is not None and whole.usage.completion_tokens >= 1
+        await c.close()
+        nursery.cancel_scope.cancel()
