@@ -2,59 +2,37 @@
 and Prometheus `/metrics`, as a Starlette app for hypercorn's trio worker.
 
 Request bodies are decoded with msgspec into the structs of `schemas.py` and checked by
-`prepare.py`; every failure answers in OpenAI's error shape (`errors.py`). A generation runs
-while a watcher waits for the client's `http.disconnect`: a client that goes away cancels its
-generation, and the coordinator then frees the session's KV on every stage. A streamed
-response sends its headers only with its first event, so a backend that refuses the request
-(429, 503) still answers with a proper status rather than an error inside a 200 stream.
+`prepare.py`; every failure answers in OpenAI's error shape (`errors.py`). Generations run in
+`responses.py` (streamed or whole, cancelled when the client goes away); authentication and
+request metrics are ASGI middleware (`middleware.py`).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
-import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
-from meshd.api.prepare import Prepared, check_model, prepare_chat, prepare_completion
-from meshd.api.runner import Outcome, run_generation
-from meshd.api.schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatDelta,
-    Completion,
-    CompletionRequest,
-    MeshdInfo,
-    ModelCard,
-    ModelList,
-    TextChoice,
-)
+from meshd.api.middleware import AuthMiddleware, MetricsMiddleware
+from meshd.api.prepare import check_model, prepare_chat, prepare_completion
+from meshd.api.responses import JSON, GenerationResponse
+from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from meshd.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")
-JSON = "application/json"
-CLIENT_GONE = "meshd.client_gone"  # scope key: the client disconnected before the end
 T = TypeVar("T")
 
 
@@ -107,8 +85,8 @@ def create_app(
     app = Starlette(
         routes=routes,
         middleware=[
-            Middleware(_MetricsMiddleware, metrics=state.metrics),
-            Middleware(_AuthMiddleware, api_key=api_key),
+            Middleware(MetricsMiddleware, metrics=state.metrics),
+            Middleware(AuthMiddleware, api_key=api_key),
         ],
         exception_handlers={
             ApiError: _api_error_handler,
@@ -150,14 +128,14 @@ async def _chat(state: _State, request: Request) -> Response:
     arrived_s = time.perf_counter()
     body = _decode(await _read_body(request, state.config), ChatCompletionRequest)
     prepared = prepare_chat(body, state.backend, state.spec)
-    return _GenerationResponse(state, prepared, arrived_s)
+    return GenerationResponse(state.backend, state.metrics, prepared, arrived_s)
 
 
 async def _completions(state: _State, request: Request) -> Response:
     arrived_s = time.perf_counter()
     body = _decode(await _read_body(request, state.config), CompletionRequest)
     prepared = prepare_completion(body, state.backend, state.spec)
-    return _GenerationResponse(state, prepared, arrived_s)
+    return GenerationResponse(state.backend, state.metrics, prepared, arrived_s)
 
 
 async def _metrics(state: _State, request: Request) -> Response:
@@ -206,213 +184,6 @@ def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) 
 
 
 # -- the generation response ------------------------------------------------------------
-class _GenerationResponse(Response):
-    """Runs the generation while the response is sent (streamed as SSE, or as one JSON)."""
-
-    def __init__(self, state: _State, prepared: Prepared, arrived_s: float) -> None:
-        super().__init__(status_code=200)
-        self.state = state
-        self.prepared = prepared
-        self.arrived_s = arrived_s
-        prefix = "chatcmpl-" if prepared.kind == "chat" else "cmpl-"
-        self.id = prefix + secrets.token_hex(12)
-        self.created = int(time.time())
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        respond = self._stream if self.prepared.stream else self._whole
-        error: Exception | None = None
-        finished = False
-
-        async def send_noting_end(message: Message) -> None:
-            nonlocal finished
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                finished = True  # a disconnect from now on is the normal end of the exchange
-            await send(message)
-
-        async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not finished:
-                scope[CLIENT_GONE] = True  # for the metrics middleware
-                cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
-            try:
-                await respond(send_noting_end)
-            except Exception as exc:  # re-raised below, outside the nursery's exception group
-                error = exc
-            nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-
-    async def _run(self, emit: Callable[[str], Awaitable[None]]) -> Outcome:
-        return await run_generation(
-            self.state.backend, self.prepared, self.state.metrics, emit, arrived_s=self.arrived_s
-        )
-
-    async def _whole(self, send: Send) -> None:
-        pieces: list[str] = []
-
-        async def collect(text: str) -> None:
-            pieces.append(text)
-
-        try:
-            outcome = await self._run(collect)
-        except ApiError as exc:
-            await _send_error(send, exc)
-            return
-        text = "".join(pieces)
-        info = MeshdInfo(outcome.telemetry)
-        body: ChatCompletion | Completion
-        if self.prepared.kind == "chat":
-            choice = ChatChoice(AssistantMessage(text), outcome.finish_reason)
-            body = ChatCompletion(
-                id=self.id, created=self.created, model=self.prepared.model, choices=[choice],
-                usage=outcome.usage, meshd=info,
-            )  # fmt: skip
-        else:
-            body = Completion(
-                id=self.id, created=self.created, model=self.prepared.model,
-                choices=[TextChoice(text, outcome.finish_reason)], usage=outcome.usage, meshd=info,
-            )  # fmt: skip
-        await _send_whole(send, 200, msgspec.json.encode(body), {})
-
-    async def _stream(self, send: Send) -> None:
-        sse = _EventSender(send)
-        usage_field: msgspec.UnsetType | None = (
-            None if self.prepared.include_usage else msgspec.UNSET
-        )
-        chat = self.prepared.kind == "chat"
-
-        async def emit(text: str) -> None:
-            if chat and not sse.started:
-                await sse.event(
-                    self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
-                )
-            chunk = (
-                self._chat_chunk(ChatDelta(content=text), usage=usage_field)
-                if chat
-                else self._text_chunk(text, usage=usage_field)
-            )
-            await sse.event(chunk)
-
-        try:
-            outcome = await self._run(emit)
-        except ApiError as exc:
-            if not sse.started:
-                await _send_error(send, exc)
-                return
-            await sse.raw(exc.encode())  # OpenAI clients raise on an `error` event
-            await sse.done()
-            return
-        except Exception as exc:
-            if not sse.started:
-                raise
-            log.exception("generation failed mid-stream")
-            error = ApiError(
-                500, f"internal error: {exc}", type=SERVER_ERROR, code="internal_error"
-            )
-            await sse.raw(error.encode())
-            await sse.done()
-            return
-        info = MeshdInfo(outcome.telemetry)
-        if chat:
-            if not sse.started:
-                await sse.event(
-                    self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
-                )
-            final: ChatCompletionChunk | Completion = self._chat_chunk(
-                ChatDelta(), outcome.finish_reason, usage=usage_field, meshd=info
-            )
-        else:
-            final = self._text_chunk("", outcome.finish_reason, usage=usage_field, meshd=info)
-        await sse.event(final)
-        if self.prepared.include_usage:
-            if chat:
-                await sse.event(self._chat_usage(outcome))
-            else:
-                await sse.event(self._text_usage(outcome))
-        await sse.done()
-
-    def _chat_chunk(
-        self,
-        delta: ChatDelta,
-        finish: Any = None,
-        *,
-        usage: Any = msgspec.UNSET,
-        meshd: Any = msgspec.UNSET,
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.prepared.model,
-            choices=[ChatChunkChoice(delta, finish)], usage=usage, meshd=meshd,
-        )  # fmt: skip
-
-    def _text_chunk(
-        self,
-        text: str,
-        finish: Any = None,
-        *,
-        usage: Any = msgspec.UNSET,
-        meshd: Any = msgspec.UNSET,
-    ) -> Completion:
-        return Completion(
-            id=self.id, created=self.created, model=self.prepared.model,
-            choices=[TextChoice(text, finish)], usage=usage, meshd=meshd,
-        )  # fmt: skip
-
-    def _chat_usage(self, outcome: Outcome) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.prepared.model, choices=[],
-            usage=outcome.usage,
-        )  # fmt: skip
-
-    def _text_usage(self, outcome: Outcome) -> Completion:
-        return Completion(
-            id=self.id, created=self.created, model=self.prepared.model, choices=[],
-            usage=outcome.usage,
-        )  # fmt: skip
-
-
-class _EventSender:
-    """Server-sent events: headers with the first event, `data: [DONE]` at the end."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = False
-
-    async def event(self, value: Any) -> None:
-        await self.raw(msgspec.json.encode(value))
-
-    async def raw(self, data: bytes) -> None:
-        if not self.started:
-            self.started = True
-            headers = [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
-            ]
-            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self._send(
-            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
-        )
-
-    async def done(self) -> None:
-        await self.raw(b"[DONE]")
-        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _send_whole(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
-    raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_error(send: Send, error: ApiError) -> None:
-    await _send_whole(send, error.status, error.encode(), error.headers)
-
-
 # -- errors -----------------------------------------------------------------------------
 def _error_response(error: ApiError) -> Response:
     return Response(error.encode(), error.status, error.headers, media_type=JSON)
@@ -438,63 +209,3 @@ async def _internal_error_handler(request: Request, exc: Exception) -> Response:
 
 
 # -- middleware -------------------------------------------------------------------------
-class _AuthMiddleware:
-    """`Authorization: Bearer <key>` on every route when a key is set (constant-time check)."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        error = ApiError(
-            401,
-            "Incorrect or missing API key: send Authorization: Bearer <api_key>",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-        await _send_error(send, error)
-
-    def _authorized(self, scope: Scope) -> bool:
-        assert self.key is not None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
-        return False
-
-
-class _MetricsMiddleware:
-    """Counts requests by route and status, and times them."""
-
-    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        route = (
-            path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
-        )
-        status = 500  # if the app fails before starting a response
-        t0 = time.perf_counter()
-
-        async def send_and_note(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            if scope.get(CLIENT_GONE):
-                status = 499  # the client went away (nginx's code for it)
-            self.metrics.in_flight.dec()
-            self.metrics.request_done(route, status, time.perf_counter() - t0)

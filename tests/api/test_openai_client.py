@@ -6,6 +6,8 @@ thread; see conftest.py), exactly as a user's script would.
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 import trio
@@ -28,7 +30,9 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
 
 
-def reference(served: Served, prompt: list[int], max_tokens: int) -> list[int]:
+def reference(
+    served: Served, prompt: list[int], max_tokens: int, *, ignore_eos: bool = False
+) -> list[int]:
     """Greedy tokens straight from the coordinator, bypassing HTTP."""
     backend = served.backend
 
@@ -37,7 +41,7 @@ def reference(served: Served, prompt: list[int], max_tokens: int) -> list[int]:
             prompt=prompt,
             max_tokens=max_tokens,
             sampling=Sampling(temperature=0.0),
-            eos_ids=frozenset(backend.tokenizer.eos_ids),
+            eos_ids=frozenset() if ignore_eos else frozenset(backend.tokenizer.eos_ids),
             mtp_depth=backend.mtp_depth,
         )
 
@@ -118,24 +122,33 @@ def test_streamed_completion_without_usage(served: Served) -> None:
 
 
 def test_stop_sequences_cut_the_text_and_the_generation(served: Served) -> None:
-    c = client(served.url)
-    full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
-    text = full.choices[0].text
-    # A stop that spans tokens ("function" ":" "\n" ...), found after some text.
-    stop = text[text.index(":") - 3 : text.index(":") + 3]
-    assert len(stop) == 6
-    expected = text[: text.index(stop)]
-    cut = c.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=["never-seen", stop]
+    tokenizer = served.backend.tokenizer
+    tokens = reference(served, tokenizer.encode(PROMPT), 40, ignore_eos=True)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    # A stop made of the end of one token and the start of the next, early in the text.
+    ends = [len(tokenizer.decode(tokens[:i], skip_special_tokens=True)) for i in range(41)]
+    boundary = next(b for b in ends[4:20] if 2 <= b <= len(text) - 2 and b + 2 <= ends[-5])
+    assert text.startswith(
+        tokenizer.decode(tokens[: ends.index(boundary)], skip_special_tokens=True)
     )
+    stop = text[boundary - 2 : boundary + 2]
+    expected = text[: text.index(stop)]
+    c = client(served.url)
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 40,
+        "temperature": 0,
+        "extra_body": {"meshd": {"ignore_eos": True}},
+    }
+    full = c.completions.create(**common)
+    assert full.choices[0].text == text
+    cut = c.completions.create(**common, stop=["never-seen", stop])
     assert cut.choices[0].text == expected
     assert cut.choices[0].finish_reason == "stop"
     assert cut.usage is not None and full.usage is not None
-    assert cut.usage.completion_tokens < full.usage.completion_tokens
-    streamed = c.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop, stream=True
-    )
-    chunks = list(streamed)
+    assert cut.usage.completion_tokens < full.usage.completion_tokens == 40
+    chunks = list(c.completions.create(**common, stop=stop, stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 

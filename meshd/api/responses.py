@@ -1,0 +1,253 @@
+"""The response that runs a generation: one JSON object, or server-sent events.
+
+A generation runs while a watcher waits for the client's `http.disconnect`: a client that goes
+away before the end cancels its generation, and the coordinator then frees the session's KV on
+every stage. A streamed response sends its headers only with its first event, so a backend
+that refuses the request (429, 503) still answers with a proper status rather than an error
+inside a 200 stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import trio
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from meshd.api.backend import MeshBackend
+from meshd.api.errors import SERVER_ERROR, ApiError
+from meshd.api.metrics import ApiMetrics
+from meshd.api.prepare import Prepared
+from meshd.api.runner import Outcome, run_generation
+from meshd.api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    MeshdInfo,
+    TextChoice,
+)
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+CLIENT_GONE = "meshd.client_gone"  # scope key: the client disconnected before the end
+
+
+class GenerationResponse(Response):
+    """Runs the generation while the response is sent (streamed as SSE, or as one JSON)."""
+
+    def __init__(
+        self, backend: MeshBackend, metrics: ApiMetrics, prepared: Prepared, arrived_s: float
+    ) -> None:
+        super().__init__(status_code=200)
+        self.backend = backend
+        self.metrics = metrics
+        self.prepared = prepared
+        self.arrived_s = arrived_s
+        prefix = "chatcmpl-" if prepared.kind == "chat" else "cmpl-"
+        self.id = prefix + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        respond = self._stream if self.prepared.stream else self._whole
+        error: Exception | None = None
+        finished = False
+
+        async def send_noting_end(message: Message) -> None:
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True  # a disconnect from now on is the normal end of the exchange
+            await send(message)
+
+        async def cancel_on_disconnect(cancel_scope: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:
+                scope[CLIENT_GONE] = True  # for the metrics middleware
+                cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
+            try:
+                await respond(send_noting_end)
+            except Exception as exc:  # re-raised below, outside the nursery's exception group
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    async def _run(self, emit: Callable[[str], Awaitable[None]]) -> Outcome:
+        return await run_generation(
+            self.backend, self.prepared, self.metrics, emit, arrived_s=self.arrived_s
+        )
+
+    async def _whole(self, send: Send) -> None:
+        pieces: list[str] = []
+
+        async def collect(text: str) -> None:
+            pieces.append(text)
+
+        try:
+            outcome = await self._run(collect)
+        except ApiError as exc:
+            await send_error(send, exc)
+            return
+        text = "".join(pieces)
+        info = MeshdInfo(outcome.telemetry)
+        body: ChatCompletion | Completion
+        if self.prepared.kind == "chat":
+            choice = ChatChoice(AssistantMessage(text), outcome.finish_reason)
+            body = ChatCompletion(
+                id=self.id, created=self.created, model=self.prepared.model, choices=[choice],
+                usage=outcome.usage, meshd=info,
+            )  # fmt: skip
+        else:
+            body = Completion(
+                id=self.id, created=self.created, model=self.prepared.model,
+                choices=[TextChoice(text, outcome.finish_reason)], usage=outcome.usage, meshd=info,
+            )  # fmt: skip
+        await send_whole(send, 200, msgspec.json.encode(body), {})
+
+    async def _stream(self, send: Send) -> None:
+        sse = _EventSender(send)
+        usage_field: msgspec.UnsetType | None = (
+            None if self.prepared.include_usage else msgspec.UNSET
+        )
+        chat = self.prepared.kind == "chat"
+
+        async def emit(text: str) -> None:
+            if chat and not sse.started:
+                await sse.event(
+                    self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
+                )
+            chunk = (
+                self._chat_chunk(ChatDelta(content=text), usage=usage_field)
+                if chat
+                else self._text_chunk(text, usage=usage_field)
+            )
+            await sse.event(chunk)
+
+        try:
+            outcome = await self._run(emit)
+        except ApiError as exc:
+            if not sse.started:
+                await send_error(send, exc)
+                return
+            await sse.raw(exc.encode())  # OpenAI clients raise on an `error` event
+            await sse.done()
+            return
+        except Exception:
+            if not sse.started:
+                raise
+            log.exception("generation failed mid-stream")
+            error = ApiError(500, "internal server error", type=SERVER_ERROR, code="internal_error")
+            await sse.raw(error.encode())
+            await sse.done()
+            return
+        info = MeshdInfo(outcome.telemetry)
+        if chat:
+            if not sse.started:
+                await sse.event(
+                    self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
+                )
+            final: ChatCompletionChunk | Completion = self._chat_chunk(
+                ChatDelta(), outcome.finish_reason, usage=usage_field, meshd=info
+            )
+        else:
+            final = self._text_chunk("", outcome.finish_reason, usage=usage_field, meshd=info)
+        await sse.event(final)
+        if self.prepared.include_usage:
+            if chat:
+                await sse.event(self._chat_usage(outcome))
+            else:
+                await sse.event(self._text_usage(outcome))
+        await sse.done()
+
+    def _chat_chunk(
+        self,
+        delta: ChatDelta,
+        finish: Any = None,
+        *,
+        usage: Any = msgspec.UNSET,
+        meshd: Any = msgspec.UNSET,
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.prepared.model,
+            choices=[ChatChunkChoice(delta, finish)], usage=usage, meshd=meshd,
+        )  # fmt: skip
+
+    def _text_chunk(
+        self,
+        text: str,
+        finish: Any = None,
+        *,
+        usage: Any = msgspec.UNSET,
+        meshd: Any = msgspec.UNSET,
+    ) -> Completion:
+        return Completion(
+            id=self.id, created=self.created, model=self.prepared.model,
+            choices=[TextChoice(text, finish)], usage=usage, meshd=meshd,
+        )  # fmt: skip
+
+    def _chat_usage(self, outcome: Outcome) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.prepared.model, choices=[],
+            usage=outcome.usage,
+        )  # fmt: skip
+
+    def _text_usage(self, outcome: Outcome) -> Completion:
+        return Completion(
+            id=self.id, created=self.created, model=self.prepared.model, choices=[],
+            usage=outcome.usage,
+        )  # fmt: skip
+
+
+class _EventSender:
+    """Server-sent events: headers with the first event, `data: [DONE]` at the end."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+
+    async def event(self, value: Any) -> None:
+        await self.raw(msgspec.json.encode(value))
+
+    async def raw(self, data: bytes) -> None:
+        if not self.started:
+            self.started = True
+            headers = [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
+            ]
+            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self._send(
+            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
+        )
+
+    async def done(self) -> None:
+        await self.raw(b"[DONE]")
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def send_whole(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
+    """A complete JSON response."""
+    raw = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    """An error response in OpenAI's shape."""
+    await send_whole(send, error.status, error.encode(), error.headers)
