@@ -45,6 +45,8 @@ def model_name(model: str) -> str:
 async def serve(config: NodeConfig) -> None:
     """Run one daemon until cancelled."""
     # Imported here so `meshd --help` and config errors stay fast (torch is heavy).
+    from meshd.api.openai import create_app
+    from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
@@ -59,8 +61,14 @@ async def serve(config: NodeConfig) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
-        notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving")
-        print(f"meshd: node {node.identity.node_id} listening on {node.lane_address}", flush=True)
+        app = create_app(backend, api_key=config.read_api_key(), spec=config.spec)
+        api = await nursery.start(serve_api, app, config.api_host, config.api_port)
+        notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")
+        print(
+            f"meshd: node {node.identity.node_id} api {api.base_url} "
+            f"listening on {node.lane_address}",
+            flush=True,
+        )
         interval = notifier.watchdog_interval_s()
         if interval is not None:
             while True:

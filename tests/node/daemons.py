@@ -41,6 +41,7 @@ class Daemon:
         self.log_path = tmp / f"n{index}.log"
         self.address = ""
         self._key = ""
+        self.api_url = ""
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
         env["MESHD_MESH_SECRET"] = secret
         args = [
@@ -48,6 +49,7 @@ class Daemon:
             "--state-dir", str(self.state),
             "--listen-host", self.host, "--listen-port", "0",  # a later --listen-port wins
             "--mdns-interfaces", self.host,
+            "--api-host", self.host, "--api-port", "0",
             "--memory-budget-bytes", str(budget),
             "--device", "cpu", "--dtype", "float32",
             "--lane-dead-after-s", "1.2",
@@ -68,6 +70,7 @@ class Daemon:
                 line = self.proc.stdout.readline().decode()
                 if "listening on" in line:
                     self.address = line.rsplit(" ", 1)[1].strip()
+                    self.api_url = line.split(" api ", 1)[1].split(" ", 1)[0]
                     return time.monotonic()
                 if not line:
                     break

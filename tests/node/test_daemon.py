@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -196,6 +197,15 @@ def test_generation_equals_single_node_greedy(mesh: Mesh, tokenizer: Tokenizer) 
     assert final["tokens"] == reference(prompt, 40)
     streamed = [t for line in lines[:-1] for t in line["tokens"]]
     assert streamed == final["tokens"]
+
+    # The same node serves the OpenAI endpoint over NodeBackend.
+    api = mesh.daemons[2].api_url
+    models = httpx.get(f"{api}/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["meshd-builtin"]
+    body = {"model": "meshd-builtin", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    reply = httpx.post(f"{api}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_back(
