@@ -1,0 +1,111 @@
+"""The daemon's small parts: refusing to start without a secret, systemd notify, lanes
+carrying gossip and pipeline messages side by side."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import subprocess
+import sys
+
+import trio
+
+from meshd.mesh.identity import NodeIdentity
+from meshd.mesh.peers import PeerTable
+from meshd.net.endpoint import open_endpoint
+from meshd.node.notify import Notifier
+from protocol import gossip
+from protocol.messages import Message, NodeHello
+from tests.node.daemons import REPO
+
+
+def test_serve_refuses_to_start_without_a_mesh_secret(tmp_path: pathlib.Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "meshd.cli.main", "serve", "--state-dir", str(tmp_path / "s")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "no mesh secret" in result.stderr and "mesh_secret_file" in result.stderr
+
+
+def test_notify_sends_ready_status_and_watchdog_to_the_socket(tmp_path: pathlib.Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(path)
+        server.settimeout(5)
+        notifier = Notifier({"NOTIFY_SOCKET": path})
+        notifier.send(READY="1", STATUS="serving")
+        notifier.send(WATCHDOG="1")
+        assert server.recv(4096) == b"READY=1\nSTATUS=serving"
+        assert server.recv(4096) == b"WATCHDOG=1"
+    assert notifier.watchdog_interval_s({"WATCHDOG_USEC": "2000000"}) == 1.0
+    silent = Notifier({})
+    silent.send(READY="1")
+    assert not silent.enabled and silent.sent == 0
+
+
+async def test_one_lane_carries_gossip_and_pipeline_messages_by_stream() -> None:
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    psk = b"k" * 32
+    got_gossip: list[tuple[gossip.GossipMessage, bytes]] = []
+    got_pipeline: list[tuple[Message, bytes]] = []
+    done = trio.Event()
+
+    def on_gossip(message: gossip.GossipMessage, sender: bytes) -> None:
+        got_gossip.append((message, sender))
+        if got_pipeline:
+            done.set()
+
+    def on_pipeline(message: Message, sender: bytes) -> None:
+        got_pipeline.append((message, sender))
+        if got_gossip:
+            done.set()
+
+    async with (
+        open_endpoint(static_private=a.x25519_private, psk=psk) as ea,
+        open_endpoint(static_private=b.x25519_private, psk=psk) as eb,
+        trio.open_nursery() as nursery,
+    ):
+        pa = PeerTable(ea, a.x25519_public, lambda m, k: None)
+        pb = PeerTable(eb, b.x25519_public, on_pipeline, streams={0: (gossip.decode, on_gossip)})
+        await nursery.start(pa.run)
+        await nursery.start(pb.run)
+        pa.addresses[b.x25519_public] = eb.local_address
+        await pa.send_gossip(b.x25519_public, gossip.Want(node_ids=[a.public_key]))
+        await pa.send(b.x25519_public, NodeHello(a.public_key))
+        with trio.fail_after(5):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    assert got_gossip == [(gossip.Want(node_ids=[a.public_key]), a.x25519_public)]
+    assert got_pipeline == [(NodeHello(a.public_key), a.x25519_public)]
+
+
+async def test_two_nodes_dialing_each_other_at_once_keep_the_same_lane() -> None:
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    psk = b"k" * 32
+    async with (
+        open_endpoint(static_private=a.x25519_private, psk=psk) as ea,
+        open_endpoint(static_private=b.x25519_private, psk=psk) as eb,
+        trio.open_nursery() as nursery,
+    ):
+        pa = PeerTable(ea, a.x25519_public, lambda m, k: None)
+        pb = PeerTable(eb, b.x25519_public, lambda m, k: None)
+        await nursery.start(pa.run)
+        await nursery.start(pb.run)
+        pa.addresses[b.x25519_public] = eb.local_address
+        pb.addresses[a.x25519_public] = ea.local_address
+        async with trio.open_nursery() as both:
+            both.start_soon(pa.lane_to, b.x25519_public)
+            both.start_soon(pb.lane_to, a.x25519_public)
+        await trio.sleep(0.3)  # let each side see the other's lane and settle
+        lane_a, lane_b = pa.lane(b.x25519_public), pb.lane(a.x25519_public)
+        assert lane_a is not None and lane_b is not None
+        # The same lane from both ends: one side's local id is the other's remote id.
+        assert lane_a.lane.local_lane_id == lane_b.lane.remote_lane_id
+        nursery.cancel_scope.cancel()
