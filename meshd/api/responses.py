@@ -9,7 +9,9 @@ inside a 200 stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -120,40 +122,68 @@ class GenerationResponse(Response):
 
     async def _stream(self, send: Send) -> None:
         sse = _EventSender(send)
-        usage_field: msgspec.UnsetType | None = (
-            None if self.prepared.include_usage else msgspec.UNSET
-        )
-        chat = self.prepared.kind == "chat"
+        # Text goes through a channel to a writer task, so the decode loop never waits on
+        # the socket; a writer that falls behind sends what piled up as one event.
+        texts_in, texts_out = trio.open_memory_channel[str](math.inf)
+        outcome: Outcome | None = None
+        failure: Exception | None = None
 
         async def emit(text: str) -> None:
-            if chat and not sse.started:
-                await sse.event(
-                    self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
-                )
-            chunk = (
-                self._chat_chunk(ChatDelta(content=text), usage=usage_field)
-                if chat
-                else self._text_chunk(text, usage=usage_field)
-            )
-            await sse.event(chunk)
+            texts_in.send_nowait(text)
 
-        try:
-            outcome = await self._run(emit)
-        except ApiError as exc:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write_deltas, sse, texts_out)
+            try:
+                outcome = await self._run(emit)
+            except Exception as exc:  # handled below, once the writer has sent all text
+                failure = exc
+            finally:
+                texts_in.close()
+        if isinstance(failure, ApiError):
             if not sse.started:
-                await send_error(send, exc)
+                await send_error(send, failure)
                 return
-            await sse.raw(exc.encode())  # OpenAI clients raise on an `error` event
+            await sse.raw(failure.encode())  # OpenAI clients raise on an `error` event
             await sse.done()
             return
-        except Exception:
+        if failure is not None:
             if not sse.started:
-                raise
-            log.exception("generation failed mid-stream")
+                raise failure
+            log.error("generation failed mid-stream", exc_info=failure)
             error = ApiError(500, "internal server error", type=SERVER_ERROR, code="internal_error")
             await sse.raw(error.encode())
             await sse.done()
             return
+        assert outcome is not None
+        await self._finish_stream(sse, outcome)
+
+    async def _write_deltas(self, sse: _EventSender, texts: trio.MemoryReceiveChannel[str]) -> None:
+        chat = self.prepared.kind == "chat"
+        usage = self._usage_field()
+        async for text in texts:
+            pieces = [text]
+            with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+                while True:
+                    pieces.append(texts.receive_nowait())
+            delta = "".join(pieces)
+            if chat and not sse.started:
+                await sse.event(
+                    self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage)
+                )
+            chunk = (
+                self._chat_chunk(ChatDelta(content=delta), usage=usage)
+                if chat
+                else self._text_chunk(delta, usage=usage)
+            )
+            await sse.event(chunk)
+
+    def _usage_field(self) -> msgspec.UnsetType | None:
+        """Chunks carry `"usage": null` when a usage chunk will follow, else no usage key."""
+        return None if self.prepared.include_usage else msgspec.UNSET
+
+    async def _finish_stream(self, sse: _EventSender, outcome: Outcome) -> None:
+        chat = self.prepared.kind == "chat"
+        usage_field = self._usage_field()
         info = MeshdInfo(outcome.telemetry)
         if chat:
             if not sse.started:
