@@ -1,0 +1,66 @@
+"""The metrics hooks the daemon feeds, and one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from meshd.api.metrics import ApiMetrics
+
+
+def samples(metrics: ApiMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+def test_each_app_has_its_own_registry() -> None:
+    a, b = ApiMetrics(), ApiMetrics()  # the global registry would refuse the second
+    a.request_done("/v1/models", 200, 0.01)
+    assert (
+        samples(a)[("meshd_api_requests_total", (("route", "/v1/models"), ("status", "200")))] == 1
+    )
+    assert (
+        "meshd_api_requests_total",
+        (("route", "/v1/models"), ("status", "200")),
+    ) not in samples(b)
+
+
+def test_lane_and_stage_hooks() -> None:
+    m = ApiMetrics()
+    m.set_lane("ab12", rtt_s=0.004, loss_ratio=0.01)
+    m.set_lane("ab12", rtt_s=0.005, loss_ratio=None)  # None keeps the loss figure
+    m.lane_died("ab12")
+    m.lane_died("ab12")
+    m.observe_stage_compute("0", 0.003)
+    got = samples(m)
+    peer = (("peer", "ab12"),)
+    assert got[("meshd_lane_rtt_seconds", peer)] == 0.005
+    assert got[("meshd_lane_loss_ratio", peer)] == 0.01
+    assert got[("meshd_lane_deaths_total", peer)] == 2
+    assert got[("meshd_stage_compute_seconds_count", (("stage", "0"),))] == 1
+    m.forget_lane("ab12")
+    m.forget_lane("never-seen")
+    got = samples(m)
+    assert ("meshd_lane_rtt_seconds", peer) not in got
+    assert got[("meshd_lane_deaths_total", peer)] == 2  # deaths stay counted
+
+
+def test_scrape_hooks_refresh_gauges_and_a_broken_one_is_contained() -> None:
+    m = ApiMetrics()
+    rtt = [0.010]
+
+    def refresh() -> None:
+        m.set_lane("cd34", rtt_s=rtt[0], loss_ratio=0.0)
+
+    def broken() -> None:
+        raise RuntimeError("lane table gone")
+
+    m.on_scrape(broken)
+    m.on_scrape(refresh)
+    assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.010
+    rtt[0] = 0.020
+    assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.020
