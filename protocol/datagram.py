@@ -11,7 +11,10 @@ on handshake kinds and kind-specific flags on DATA.
     DATA        [0x04][flags u8][receiver lane id u32] packet number, AEAD ciphertext ...
     KEY_QUERY   [0x05][0x00][0 u32] nonce, padding, tag    (protocol/keyquery.py; no lane)
     KEY_ANSWER  [0x06][0x00][0 u32] nonce, Ed25519 key, tag
-    (0x07..0x0F reserved for later kinds, e.g. relayed and hole-punching probes.)
+    PROBE       [0x07][0x00][0 u32] nonce, tag               (protocol/punch.py; no lane)
+    RELAY       [0x08][0x00][relay session id u32] inner datagram, to the relay
+    RELAYED     [0x09][0x00][relay session id u32] inner datagram, from the relay
+    (0x0A..0x0F reserved for later kinds.)
 """
 
 from __future__ import annotations
@@ -24,9 +27,22 @@ KIND_REFUSAL = 0x03
 KIND_DATA = 0x04
 KIND_KEY_QUERY = 0x05
 KIND_KEY_ANSWER = 0x06
+KIND_PROBE = 0x07
+KIND_RELAY = 0x08
+KIND_RELAYED = 0x09
 
 KNOWN_KINDS = frozenset(
-    {KIND_INITIATION, KIND_RESPONSE, KIND_REFUSAL, KIND_DATA, KIND_KEY_QUERY, KIND_KEY_ANSWER}
+    {
+        KIND_INITIATION,
+        KIND_RESPONSE,
+        KIND_REFUSAL,
+        KIND_DATA,
+        KIND_KEY_QUERY,
+        KIND_KEY_ANSWER,
+        KIND_PROBE,
+        KIND_RELAY,
+        KIND_RELAYED,
+    }
 )
 
 # Largest UDP payload we will ever accept or emit (IPv4 limit); anything larger is garbage.

@@ -3,7 +3,10 @@
 A thin driver over the sans-IO `protocol.lane.Lane` (in the manner of hypercorn's trio UDP
 server over its protocol core): it reads datagrams, routes them to lanes by receiver lane id,
 answers initiations through one `protocol.handshake.Responder`, runs the lanes' timers, and
-writes what the lanes want sent. The same socket will later carry hole-punching probes.
+writes what the lanes want sent. The same socket carries NAT traversal (meshd/net/punch.py):
+PROBE and RELAY datagrams go to handlers registered in `datagram_handlers`; RELAYED datagrams
+from a registered `RelayPath` are unwrapped and routed like any other, with the path as their
+address; and whatever a lane sends to a `RelayPath` leaves wrapped for the relay.
 
 Layers above see `PeerLane` objects: `send(stream_id, data)`, `receive()`, `terminated()`.
 When a lane dies, every task waiting on it gets `LaneClosedError` (never a hang).
@@ -24,12 +27,18 @@ from dataclasses import dataclass
 import trio
 
 from meshd.net.emulator import LinkEmulator, LinkProfile
-from protocol import PROTOCOL_VERSION, RemoteProtocolError, keyquery
+from protocol import PROTOCOL_VERSION, RemoteProtocolError, keyquery, punch
 from protocol.config import LaneConfig
 from protocol.datagram import (
+    KIND_DATA,
     KIND_INITIATION,
     KIND_KEY_ANSWER,
     KIND_KEY_QUERY,
+    KIND_PROBE,
+    KIND_REFUSAL,
+    KIND_RELAY,
+    KIND_RELAYED,
+    KIND_RESPONSE,
     peek_kind,
     peek_receiver_lane_id,
 )
@@ -40,6 +49,11 @@ from protocol.lane import Lane
 log = logging.getLogger(__name__)
 
 Address = tuple[str, int]
+# What a lane may be addressed by: a socket address, or a path through a relay.
+LaneAddress = Address | punch.RelayPath
+DatagramHandler = Callable[[bytes, Address, float], None]
+# Inner kinds a relay may carry: lane traffic only (no nested relaying, probes or key queries).
+_RELAYABLE_KINDS = frozenset({KIND_INITIATION, KIND_RESPONSE, KIND_REFUSAL, KIND_DATA})
 
 # Datagrams read per wake-up before the endpoint flushes replies (batches ACKs under load).
 _RECV_BATCH = 64
@@ -211,6 +225,9 @@ class Endpoint:
         self._wake = trio.Event()
         self._sleeping_until = float("inf")  # the timer task's current deadline
         self._dirty: set[PeerLane] = set()
+        # NAT traversal hooks: handlers for PROBE/RELAY, and relay paths we accept RELAYED from.
+        self.datagram_handlers: dict[int, DatagramHandler] = {}
+        self.relay_paths: set[punch.RelayPath] = set()
 
     @property
     def local_address(self) -> Address:
@@ -225,7 +242,7 @@ class Endpoint:
         return list(self._lanes.values())
 
     # -- public API ----------------------------------------------------------------------
-    async def connect(self, addr: Address, remote_static: bytes) -> PeerLane:
+    async def connect(self, addr: LaneAddress, remote_static: bytes) -> PeerLane:
         """Open a lane to `addr`, expecting the peer to hold `remote_static`.
 
         Raises LaneClosedError if the handshake times out or the peer refuses.
@@ -265,6 +282,22 @@ class Endpoint:
                 del self._key_queries[nonce]
         raise TimeoutError(f"no mesh member answered a key query at {addr}")
 
+    def send_datagram(self, data: bytes, addr: Address, *, ttl: int | None = None) -> None:
+        """Send one datagram outside any lane (NAT probes, relayed datagrams).
+
+        `ttl` sets the IP TTL of this datagram only (a punch's low-TTL opening probes).
+        """
+        if ttl is None:
+            self._write([(data, addr)])
+            return
+        assert self._sock is not None
+        default = self._sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+        self._sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        try:
+            self._write([(data, addr)])
+        finally:
+            self._sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, default)
+
     async def accept(self) -> PeerLane:
         """The next lane a peer opened to us (after its handshake was admitted)."""
         return await self._incoming_recv.receive()
@@ -292,14 +325,21 @@ class Endpoint:
         if timer is not None and timer < self._sleeping_until:
             self._wake.set()
 
-    def _handle_datagram(self, data: bytes, addr: Address, now: float) -> None:
+    def _handle_datagram(self, data: bytes, addr: LaneAddress, now: float) -> None:
         self.stats.datagrams_received += 1
         try:
             kind = peek_kind(data)
+            if isinstance(addr, punch.RelayPath) and kind not in _RELAYABLE_KINDS:
+                raise RemoteProtocolError(f"kind 0x{kind:02x} cannot arrive through a relay")
+            if kind in (KIND_PROBE, KIND_RELAY, KIND_RELAYED):
+                assert not isinstance(addr, punch.RelayPath)
+                self._handle_nat_kind(kind, data, addr, now)
+                return
             if kind == KIND_INITIATION:
                 self._handle_initiation(data, addr, now)
                 return
             if kind in (KIND_KEY_QUERY, KIND_KEY_ANSWER):
+                assert not isinstance(addr, punch.RelayPath)
                 self._handle_key_query(kind, data, addr)
                 return
             peer = self._lanes.get(peek_receiver_lane_id(data))
@@ -311,6 +351,21 @@ class Endpoint:
         except RemoteProtocolError as exc:
             self.stats.datagrams_dropped += 1
             log.debug("dropped datagram from %s: %s", addr, exc)
+
+    def _handle_nat_kind(self, kind: int, data: bytes, addr: Address, now: float) -> None:
+        if kind == KIND_RELAYED:
+            session_id, inner = punch.unwrap(data)
+            path = punch.RelayPath(addr, session_id)
+            if path not in self.relay_paths:
+                raise RemoteProtocolError("relayed datagram from a relay session we never joined")
+            self.stats.datagrams_received -= 1  # the inner datagram counts itself
+            self._handle_datagram(inner, path, now)
+            return
+        handler = self.datagram_handlers.get(kind)
+        if handler is None:
+            self.stats.datagrams_dropped += 1
+            return
+        handler(data, addr, now)
 
     def _handle_key_query(self, kind: int, data: bytes, addr: Address) -> None:
         if kind == KIND_KEY_QUERY:
@@ -325,7 +380,7 @@ class Endpoint:
             with contextlib.suppress(trio.WouldBlock):
                 waiter.send_nowait(key)
 
-    def _handle_initiation(self, data: bytes, addr: Address, now: float) -> None:
+    def _handle_initiation(self, data: bytes, addr: LaneAddress, now: float) -> None:
         lane_id = self._new_lane_id()
         try:
             response, result = self._responder.handle_initiation(
@@ -390,6 +445,8 @@ class Endpoint:
     def _write(self, datagrams: list[tuple[bytes, Hashable]]) -> None:
         assert self._sock is not None
         for data, addr in datagrams:
+            if isinstance(addr, punch.RelayPath):
+                data, addr = addr.wrap(data)
             try:
                 self._sock.sendto(data, addr)  # type: ignore[call-overload]
                 self.stats.datagrams_sent += 1
