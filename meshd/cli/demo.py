@@ -1,26 +1,32 @@
-"""`meshd demo`: the built-in model split across three stages on loopback, one chat streamed.
+"""`meshd demo`: real `meshd serve` daemons on loopback serve one streamed chat, lose a stage
+mid-generation and finish anyway.
 
-Until the daemon and its OpenAI endpoint exist, the demo runs the three stage nodes in this
-process, each with its own UDP endpoint and encrypted lanes (the same code the daemons will
-run), with latency between them emulated in userspace. It streams a chat completion with
-speculative decoding, then prints tokens/s and the speculative statistics.
+Four daemons start on their own 127.0.0.x addresses (own state dirs, one fresh random mesh
+secret, mDNS on loopback only). Their memory budgets are set so that three nodes are needed to
+hold the model: they plan a 3-stage split and the fourth stays a spare. The demo streams a chat
+completion through the official `openai` client on one node's endpoint, runs `meshctl status`,
+then streams the same request again and SIGKILLs a stage on the way: the coordinator detects
+the dead lane, the spare loads the missing layers, and the text completes identical to the
+first run. Everything stops (SIGTERM, then SIGKILL) and the temp dir goes, on errors and
+Ctrl-C too. `--in-process` runs the older single-process pipeline instead (no daemons).
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-import trio
-
-from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
-from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
-from meshd.model.tokenizer import Tokenizer
-from meshd.spec.config import STRATEGIES, SpecConfig
-from protocol.messages import Sampling
+from meshd.cli.demo_daemons import DemoDaemon, DemoError, settled_plan, stage_budget, wait_until
+from meshd.spec.config import STRATEGIES
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -28,74 +34,294 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd demo`."""
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--rtt-ms", type=float, default=5.0, help="emulated RTT between nodes")
+    parser.add_argument("--stages", type=int, default=3, help="pipeline stages (plus one spare)")
     parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--first-host",
+        type=int,
+        default=21,
+        help="daemons bind 127.0.0.N, 127.0.0.N+1, ... (loopback aliases, Linux)",
+    )
+    parser.add_argument("--no-kill", action="store_true", help="skip the stage-kill phase")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the daemons' temp dir")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no daemons: run the stage nodes in this process with emulated latency",
+    )
+    parser.add_argument("--rtt-ms", type=float, default=5.0, help="--in-process: emulated RTT")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo once."""
-    return trio.run(_demo, args)
+    """Run the demo once; 0 when every phase worked."""
+    if args.in_process:
+        from meshd.cli.demo_local import run as run_in_process
+
+        return run_in_process(args)
+    demo = Demo(args)
+    try:
+        demo.main()
+        return 0
+    except KeyboardInterrupt:
+        demo.say("interrupted: stopping the daemons")
+        return 130
+    except DemoError as exc:
+        demo.say(f"demo failed: {exc}")
+        demo.show_logs()
+        return 1
+    finally:
+        demo.stop()
 
 
-async def _demo(args: argparse.Namespace) -> int:
-    model_dir = args.model or str(builtin_model_dir())
-    tokenizer = Tokenizer.open(model_dir)
-    checkpoint = Checkpoint.open(model_dir)
-    say = print
-    say(f"meshd demo — model {checkpoint.model_id[:16]} ({checkpoint.config.num_layers} layers)")
-    say(f"starting {args.stages} stage nodes on loopback, emulated RTT {args.rtt_ms:g} ms …")
-    t_start = time.perf_counter()
-    async with open_local_pipeline(
-        model_dir,
-        args.stages,
-        rtt_s=args.rtt_ms / 1000,
-        wire_dtype="f16",
-        eos_ids=frozenset(tokenizer.eos_ids),
-    ) as pipe:
-        for i, stage in enumerate(pipe.route.stages):
-            say(
-                f"  stage {i}: node {stage.node_key.hex()[:12]} layers {stage.layer_start}-"
-                f"{stage.layer_end - 1}"
+@dataclass
+class ChatRun:
+    """One streamed chat completion as the client saw it."""
+
+    text: str = ""
+    chunks: int = 0
+    completion_tokens: int = 0
+    first_token_s: float = 0.0
+    last_token_s: float = 0.0
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+class Demo:
+    """The phases, in order; `stop()` is safe to call at any point."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.t0 = time.monotonic()
+        self.work: Path | None = None
+        self.daemons: list[DemoDaemon] = []
+        self.phase_no = 0
+
+    # ---- output --------------------------------------------------------------------------
+    def say(self, text: str = "") -> None:
+        """One line of narration."""
+        print(text, flush=True)
+
+    def phase(self, title: str) -> None:
+        """A phase marker with the elapsed time (the test looks for these)."""
+        self.phase_no += 1
+        self.say(f"\n[{time.monotonic() - self.t0:6.1f} s] phase {self.phase_no}: {title}")
+
+    def show_logs(self) -> None:
+        """The tail of each daemon's log, for a failure message."""
+        for d in self.daemons:
+            self.say(f"--- {d.name} log (last lines) ---\n{d.log_tail(1500)}")
+
+    # ---- phases ----------------------------------------------------------------------------
+    def main(self) -> None:
+        """Run every phase; raises DemoError when one fails."""
+        import openai
+
+        self.phase("set up")
+        budget = self.setup()
+        self.phase(f"start {self.args.stages + 1} `meshd serve` daemons")
+        self.start(budget)
+        self.phase(f"wait for discovery and a {self.args.stages}-stage plan")
+        coordinator, spare = self.wait_for_plan()
+        client = openai.OpenAI(base_url=coordinator.api_url, api_key="unused-on-loopback")
+        self.phase(f"stream a chat completion from {coordinator.name} with the openai client")
+        first = self.chat(client)
+        self.phase("meshctl status")
+        self.meshctl_status(coordinator)
+        if not self.args.no_kill:
+            self.phase("stream it again and SIGKILL a stage mid-generation")
+            self.kill_mid_generation(client, coordinator, spare, first)
+        self.phase("stop every daemon")
+        self.stop()
+        self.say(f"\ndemo finished in {time.monotonic() - self.t0:.1f} s")
+
+    def setup(self) -> int:
+        """Temp dir, random secret, the per-node memory budget that forces the split."""
+        from meshd.model.builtin import builtin_model_dir
+
+        self.model_dir = self.args.model or str(builtin_model_dir())
+        self.work = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
+        secret_file = self.work / "mesh.secret"
+        secret_file.touch(mode=0o600)
+        secret_file.write_text(secrets.token_urlsafe(32))
+        self.secret_file = secret_file
+        budget = stage_budget(self.model_dir, self.args.stages)
+        self.say(f"  state and logs in {self.work}; a fresh random mesh secret")
+        self.say(
+            f"  per-node memory budget {budget / 2**20:.1f} MiB: {self.args.stages} nodes "
+            f"hold the model, {self.args.stages - 1} cannot"
+        )
+        return budget
+
+    def start(self, budget: int) -> None:
+        """Spawn the daemons, then wait until every one listens."""
+        assert self.work is not None
+        for i in range(self.args.stages + 1):
+            host = f"127.0.0.{self.args.first_host + i}"
+            self.daemons.append(
+                DemoDaemon(self.work, f"n{i + 1}", host, self.secret_file, budget, self.args.model)
             )
-        say(f"ready in {time.perf_counter() - t_start:.1f} s\n")
-        messages = [{"role": "user", "content": args.prompt}]
-        ids = tokenizer.encode_chat(messages)
-        say(f"user: {args.prompt}\nassistant: ", end="")
-        stream = tokenizer.stream(skip_special_tokens=True)
+        deadline = time.monotonic() + 120
+        for d in self.daemons:
+            d.wait_listening(deadline)
+            self.say(f"  {d.name}: pid {d.proc.pid}, lanes {d.lane_address}, api {d.api_url}")
 
-        async def on_tokens(tokens: list[int]) -> None:
-            for t in tokens:
-                sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
+    def wait_for_plan(self) -> tuple[DemoDaemon, DemoDaemon]:
+        """Until every daemon sees every other and all agree on a plan they have loaded."""
+        keys = {d.key() for d in self.daemons}
 
-        request = GenerationRequest(
-            prompt=ids,
-            max_tokens=args.max_tokens,
-            sampling=Sampling(temperature=args.temperature, seed=args.seed),
-            spec=SpecConfig(strategy=args.strategy),
-            eos_ids=frozenset(tokenizer.eos_ids),
-            mtp_depth=checkpoint.config.num_mtp_layers,
+        def everyone_found() -> bool:
+            return all(d.alive_members() == keys for d in self.daemons)
+
+        found_s = wait_until(everyone_found, 60, "the daemons to find each other over mDNS")
+        self.say(
+            f"  all {len(keys)} daemons found each other (mDNS on loopback) in {found_s:.1f} s"
         )
-        result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
-        sys.stdout.write(stream.flush())
-        t = result.telemetry
-        say("\n")
-        say(f"finish: {result.finish_reason}, {len(result.tokens)} tokens")
-        if t.decode_tok_per_s:
-            say(f"decode: {t.decode_tok_per_s:.1f} tok/s; prompt {t.prompt_tokens} tokens")
-        acc = "-" if t.acceptance is None else f"{t.acceptance:.0%}"
-        tpr = "-" if t.tokens_per_round_trip is None else f"{t.tokens_per_round_trip:.2f}"
-        say(
-            f"speculation: strategy {t.strategy} (active {t.active_strategy}), drafted "
-            f"{t.drafted_tokens}, accepted {t.accepted_tokens} ({acc}), {tpr} tokens per "
-            f"verify round trip, {t.windows_stale} stale windows"
+        plan_s = wait_until(lambda: settled_plan(self.daemons) is not None, 60, "a settled plan")
+        agreed = settled_plan(self.daemons)
+        assert agreed is not None
+        if len(agreed) != self.args.stages:
+            raise DemoError(f"the mesh planned {len(agreed)} stages, not {self.args.stages}")
+        by_key = {d.key(): d for d in self.daemons}
+        for i, stage in enumerate(agreed):
+            lo, hi = stage["layers"]
+            d = by_key[stage["key"]]
+            self.say(f"  stage {i}: {d.name} ({d.host}) layers {lo}-{hi - 1}")
+        spare = next(d for d in self.daemons if d.key() not in {s["key"] for s in agreed})
+        self.say(f"  spare: {spare.name} ({spare.host}); plan settled {plan_s:.1f} s later")
+        # The first stage's node coordinates; any node could (the spare too).
+        return by_key[agreed[0]["key"]], spare
+
+    def chat(
+        self, client: Any, on_chunk: Callable[[int], None] | None = None, show: bool = True
+    ) -> ChatRun:
+        """Stream one chat completion, printing text as it arrives; returns what arrived."""
+        run = ChatRun()
+        model = client.models.list().data[0].id
+        if show:
+            self.say(f"  user: {self.args.prompt}")
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": self.args.prompt}],
+            max_tokens=self.args.max_tokens,
+            temperature=self.args.temperature,
+            seed=self.args.seed,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"meshd": {"speculative": {"strategy": self.args.strategy}}},
         )
-        if t.last_policy_reason:
-            say(f"policy: {t.last_policy_reason}")
-    say("stopped all nodes cleanly")
-    return 0
+        sys.stdout.write(f"  {model}: ")
+        start = time.monotonic()
+        for chunk in stream:
+            if chunk.usage:
+                run.completion_tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            run.telemetry = (chunk.model_extra or {}).get("meshd", run.telemetry)
+            piece = chunk.choices[0].delta.content or ""
+            if piece:
+                run.chunks += 1
+                run.last_token_s = time.monotonic() - start
+                run.first_token_s = run.first_token_s or run.last_token_s
+                run.text += piece
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if on_chunk is not None:
+                    on_chunk(run.chunks)
+        self.say("")
+        self.report(run)
+        return run
+
+    def report(self, run: ChatRun) -> None:
+        """tokens/s and the speculative statistics of one run."""
+        decode_s = max(run.last_token_s - run.first_token_s, 1e-9)
+        self.say(
+            f"  {run.completion_tokens} tokens in {run.last_token_s:.2f} s (first after "
+            f"{run.first_token_s:.2f} s): {max(run.completion_tokens - 1, 0) / decode_s:.1f} "
+            "tok/s after the first, as the client saw it"
+        )
+        spec = run.telemetry.get("speculative")
+        if not spec:
+            return
+        acceptance = "-" if spec["acceptance"] is None else f"{spec['acceptance']:.0%}"
+        per_trip = spec["tokens_per_round_trip"]
+        self.say(
+            f"  speculation: {spec['strategy']} (active {spec['active_strategy']}), drafted "
+            f"{spec['drafted_tokens']}, accepted {spec['accepted_tokens']} ({acceptance}), "
+            f"{'-' if per_trip is None else f'{per_trip:.2f}'} tokens per verify round trip, "
+            f"{spec['verify_round_trips']} round trips; server decode "
+            f"{spec['decode_tok_per_s'] or 0:.1f} tok/s"
+        )
+
+    def meshctl_status(self, coordinator: DemoDaemon) -> None:
+        """Run the real `meshctl status` against the coordinator's control socket."""
+        command = [sys.executable, "-m", "meshd.cli.meshctl", "status", "--socket"]
+        self.say(f"  $ meshctl status --socket {coordinator.socket}")
+        result = subprocess.run(
+            [*command, coordinator.socket, "--events", "6"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise DemoError(f"meshctl status failed: {result.stderr.strip()}")
+        self.say(result.stdout.rstrip())
+
+    def kill_mid_generation(
+        self, client: Any, coordinator: DemoDaemon, spare: DemoDaemon, first: ChatRun
+    ) -> None:
+        """The same request again; SIGKILL a stage (not the coordinator) once text flows."""
+        plan = settled_plan(self.daemons) or []
+        stage_keys = [s["key"] for s in plan]
+        victim = next(d for d in self.daemons if d.key() in stage_keys and d is not coordinator)
+        # Kill early enough that most of the answer is still to come.
+        kill_at = max(1, first.chunks // 4)
+        killed: list[float] = []
+
+        def on_chunk(n: int) -> None:
+            if n == kill_at and not killed:
+                victim.kill()
+                killed.append(time.monotonic())
+                sys.stdout.write(f" <SIGKILL {victim.name}> ")
+
+        self.say(f"  (will SIGKILL {victim.name}, stage {stage_keys.index(victim.key())}, "
+                 f"after {kill_at} chunks)")  # fmt: skip
+        before = coordinator.recoveries()
+        again = self.chat(client, on_chunk, show=False)
+        if not killed:
+            raise DemoError("the answer ended before the kill could land")
+        self.say(f"  finished {time.monotonic() - killed[0]:.1f} s after the SIGKILL")
+        if coordinator.recoveries() <= before:
+            raise DemoError("the coordinator reports no recovery")
+        detected = coordinator.first_event("lane-lost", victim.key(), victim.killed_at)
+        if detected is not None:
+            self.say(f"  {coordinator.name} noticed the dead lane {detected - victim.killed_at:.2f} s "
+                     "after the SIGKILL")  # fmt: skip
+        now = settled_plan([d for d in self.daemons if d is not victim]) or []
+        took = [s for s in now if s["key"] == spare.key()]
+        if took:
+            lo, hi = took[0]["layers"]
+            self.say(f"  the spare {spare.name} took over layers {lo}-{hi - 1}")
+        else:
+            self.say("  the surviving nodes re-planned without the spare")
+        same = again.text == first.text
+        self.say(f"  identical to the undisturbed run: {'yes' if same else 'NO'}")
+        if not same and self.args.temperature == 0:
+            raise DemoError("greedy text after recovery differs from the undisturbed run")
+
+    def stop(self) -> None:
+        """SIGTERM every daemon, wait, SIGKILL stragglers, remove the temp dir (idempotent)."""
+        daemons, self.daemons = self.daemons, []
+        for d in daemons:
+            d.terminate()
+        deadline = time.monotonic() + 10
+        for d in daemons:
+            how = d.wait_stopped(deadline)
+            self.say(f"  {d.name}: {how}")
+        if self.work is not None and not self.args.keep_logs:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.say(f"  removed {self.work}")
+        self.work = None

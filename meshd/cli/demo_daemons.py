@@ -1,0 +1,217 @@
+"""The demo's daemons: spawn `meshd serve` on a loopback address, read its status, stop it.
+
+Each daemon gets its own state dir under the demo's temp dir, the demo's mesh secret file,
+mDNS on its own loopback address only, and port 0 for lanes and API (the daemon prints what
+it bound). Children die with the demo process (PR_SET_PDEATHSIG on Linux), so a killed demo
+leaves no daemons behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshd.node.control_client import ControlError, StatusOp, call
+
+# Headroom over the smallest per-node budget that fits the wanted number of stages.
+BUDGET_HEADROOM = 1.10
+# Linux prctl option: signal the child when its parent thread exits.
+_PR_SET_PDEATHSIG = 1
+
+
+class DemoError(Exception):
+    """A demo phase failed (the message says which and why)."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the demo process dies."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class DemoDaemon:
+    """One `meshd serve` child process."""
+
+    def __init__(
+        self, work: Path, name: str, host: str, secret_file: Path, budget: int, model: str | None
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.state = work / name
+        self.socket = str(self.state / "control.sock")
+        self.log_path = work / f"{name}.log"
+        self.lane_address = ""
+        self.api_url = ""
+        self.killed_at = 0.0
+        self._key = ""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
+        args = [
+            sys.executable, "-m", "meshd.cli.main", "serve",
+            "--state-dir", str(self.state),
+            "--mesh-secret-file", str(secret_file),
+            "--listen-host", host, "--listen-port", "0",
+            "--mdns-interfaces", host,
+            "--api-host", host, "--api-port", "0",
+            "--memory-budget-bytes", str(budget),
+            "--device", "cpu", "--dtype", "float32",
+            *(("--model", model) if model else ()),
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=work,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                preexec_fn=_die_with_parent,
+            )
+
+    def wait_listening(self, deadline: float) -> None:
+        """Block until the daemon prints its `listening on` line (DemoError at the deadline)."""
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if not ready:
+                continue
+            line = self.proc.stdout.readline().decode()
+            if "listening on" in line:
+                self.lane_address = line.rsplit(" ", 1)[1].strip()
+                self.api_url = line.split(" api ", 1)[1].split(" ", 1)[0]
+                return
+            if not line:
+                break
+        raise DemoError(f"{self.name} did not start (exit status {self.proc.poll()})")
+
+    def status(self) -> dict[str, Any] | None:
+        """The daemon's status over its control socket, or None while it does not answer."""
+        try:
+            return dict(call(self.socket, StatusOp(), timeout_s=10)["status"])
+        except (OSError, ControlError):
+            return None
+
+    def key(self) -> str:
+        """The node key in hex (asked once, so it is known after the daemon dies)."""
+        if not self._key:
+            status = self.status()
+            if status is None:
+                raise DemoError(f"{self.name} does not answer on {self.socket}")
+            self._key = str(status["key"])
+        return self._key
+
+    def alive_members(self) -> set[str]:
+        """Keys of the members this daemon sees alive."""
+        status = self.status()
+        if status is None:
+            return set()
+        return {m["key"] for m in status["members"] if m["status"] == "alive"}
+
+    def recoveries(self) -> int:
+        """How many requests this node re-routed after losing a stage."""
+        status = self.status()
+        return int(status["recoveries"]) if status else 0
+
+    def first_event(self, kind: str, node_key: str, after_unix_s: float) -> float | None:
+        """When (unix s) this node first logged `kind` about `node_key` since a moment."""
+        status = self.status() or {"events": []}
+        for event in status["events"]:
+            mine = event["kind"] == kind and node_key.startswith(event["node"])
+            if mine and event["at_unix_s"] >= after_unix_s:
+                return float(event["at_unix_s"])
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (not reaped here: stop() does that)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.killed_at = time.time()
+
+    def terminate(self) -> None:
+        """Ask the daemon to stop (SIGTERM: it shuts down its API, lanes and stage)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+    def wait_stopped(self, deadline: float) -> str:
+        """Reap the process, SIGKILLing it past the deadline; says how it ended."""
+        try:
+            code = self.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            how = "stopped" if code == 0 else f"exited with status {code}"
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            how = "did not stop in time: SIGKILLed"
+        if self.killed_at:
+            how = "had been SIGKILLed"
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return f"{how} (pid {self.proc.pid})"
+
+    def log_tail(self, chars: int) -> str:
+        """The end of the daemon's log."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+def settled_plan(daemons: list[DemoDaemon]) -> list[dict[str, Any]] | None:
+    """The plan every daemon agrees on, once each has loaded its own stage of it."""
+    statuses = [d.status() for d in daemons]
+    if any(s is None or not s["plan"] for s in statuses):
+        return None
+    plans = [s["plan"] for s in statuses if s is not None]
+    if any(p != plans[0] for p in plans):
+        return None
+    by_key = {stage["key"]: stage["layers"] for stage in plans[0]}
+    for s in statuses:
+        if s is not None and s["stage_layers"] != by_key.get(s["key"]):
+            return None
+    return list(plans[0])
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Poll until true; returns the seconds it took (DemoError on timeout)."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def stage_budget(model_dir: str, stages: int) -> int:
+    """A per-node memory budget where `stages` nodes hold the model and one fewer cannot."""
+    import torch
+
+    from meshd.model.checkpoint import Checkpoint
+    from meshd.node.planning import model_shape
+    from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
+
+    checkpoint = Checkpoint.open(model_dir)
+    shape = model_shape(checkpoint, torch.float32)
+    context = checkpoint.config.max_position_embeddings
+
+    def planned(budget: int, n: int) -> int:
+        nodes = [NodeCapacity(bytes([i + 1]) * 32, budget, 1e-5) for i in range(n)]
+        try:
+            return len(plan(shape, nodes, {}, nodes[0].key, context_tokens=context).stages)
+        except NoFeasiblePlan:
+            return 0
+
+    lo, hi = 1, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if planned(mid, stages) else (mid + 1, hi)
+    budget = int(lo * BUDGET_HEADROOM)
+    if planned(budget, stages) != stages or (stages > 1 and planned(budget, stages - 1)):
+        raise DemoError(f"no memory budget forces exactly {stages} stages on this model")
+    return budget
