@@ -24,7 +24,6 @@ from protocol.errors import RemoteProtocolError
 from protocol.gossip import (
     MAX_RECORDS,
     MAX_U63,
-    MAX_UPDATES,
     MAX_WANT,
     RTT_PREFIX_BYTES,
     CapacityRecord,
@@ -41,6 +40,8 @@ from protocol.gossip import (
 Sign = Callable[[bytes], bytes]
 Verify = Callable[[bytes, bytes, bytes], bool]
 LIVE = (Status.ALIVE, Status.SUSPECT)
+# 256 suspicions (76 bytes each) keep a correction well under max_message_bytes.
+_CORRECTIONS_PER_MESSAGE = 256
 _EVENT_OF = {
     Status.ALIVE: EventKind.ALIVE_AGAIN,
     Status.SUSPECT: EventKind.SUSPECTED,
@@ -432,8 +433,9 @@ class MembershipCore:
             updates = [
                 self._update_for(i) for i in members if i in self._members or i == self.node_id
             ]
-            for start in range(0, len(updates), MAX_UPDATES):
-                self._send(peer, Gossip(updates=updates[start : start + MAX_UPDATES], records=[]))
+            for start in range(0, len(updates), _CORRECTIONS_PER_MESSAGE):
+                batch = updates[start : start + _CORRECTIONS_PER_MESSAGE]
+                self._send(peer, Gossip(updates=batch, records=[]))
         self._corrections.clear()
 
     def _record_of(self, node_id: bytes) -> SignedRecord | None:

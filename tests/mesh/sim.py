@@ -380,8 +380,41 @@ def measure_gossip_load(
     )
 
 
+def join_and_crash_times(n: int, seed: int, *, lanes: bool) -> tuple[float, float]:
+    """(seconds to converge after the last join, seconds until a crash is known everywhere).
+
+    1 % loss. With lanes, the crash comes after 12 s of running, when probes have opened lanes
+    between the members; without, after 5 s.
+    """
+    sim = Sim(n, seed=seed, link=LinkModel(loss=0.01), lanes=lanes)
+    sim.start_all()
+    joined = sim.wait_for(sim.converged, timeout_s=30.0)
+    sim.run_for(12.0 if lanes else 5.0)
+    sim.kill(n // 2)
+    dead = sim.wait_for(lambda: sim.all_see(n // 2, (Status.DEAD,)), 30.0, step_s=0.01)
+    return joined, dead
+
+
+def print_bounds(sizes: list[int], seeds: int) -> None:
+    """Min, median and max of join and crash-detection times over `seeds` seeds."""
+    for n in sizes:
+        for lanes in (True, False):
+            runs = sorted(join_and_crash_times(n, s, lanes=lanes) for s in range(seeds))
+            joins = sorted(r[0] for r in runs)
+            deaths = sorted(r[1] for r in runs)
+            mid = len(runs) // 2
+            print(
+                f"N={n:4d} {'lanes   ' if lanes else 'no lanes'}: join {joins[0]:.2f}/"
+                f"{joins[mid]:.2f}/{joins[-1]:.2f} s, crash known everywhere "
+                f"{deaths[0]:.2f}/{deaths[mid]:.2f}/{deaths[-1]:.2f} s (min/median/max, "
+                f"{seeds} seeds)",
+                flush=True,
+            )
+
+
 def main() -> None:
-    """`python -m tests.mesh.sim N [N ...]`: print the gossip load for each mesh size."""
+    """`python -m tests.mesh.sim N [N ...]`: print the gossip load (or, with --bounds, the
+    join and crash-detection times) for each mesh size."""
     import argparse
     import time
 
@@ -391,7 +424,13 @@ def main() -> None:
     parser.add_argument("--loss", type=float, default=0.01)
     parser.add_argument("--settle-s", type=float, default=0.0, help="run this long first")
     parser.add_argument("--churn-only", action="store_true", help="skip the quiet run")
+    parser.add_argument(
+        "--bounds", type=int, default=0, metavar="SEEDS", help="time joins and crashes instead"
+    )
     args = parser.parse_args()
+    if args.bounds:
+        print_bounds(args.sizes, args.bounds)
+        return
     for n in args.sizes:
         for churn in (True,) if args.churn_only else (False, True):
             started = time.perf_counter()

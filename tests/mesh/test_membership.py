@@ -344,6 +344,20 @@ def test_view_is_bounded() -> None:
     assert m.stats.members_refused == 15
 
 
+def test_answers_to_a_flood_of_stale_accusations_fit_the_size_limit() -> None:
+    m = _member(1)
+    ids = [_keyed(300 + i)[0] for i in range(1000)]
+    suspected = [MemberUpdate(i, Status.SUSPECT, 5, 0, _keyed(2)[0]) for i in ids]
+    m.on_message(_keyed(2)[0], Gossip(suspected, []), 0.0)
+    m.outgoing(0.0)
+    stale = [MemberUpdate(i, Status.DEAD, 4) for i in ids]  # 76-byte suspicions answer these
+    m.on_message(_keyed(3)[0], Gossip(stale, []), 0.1)
+    out = m.outgoing(0.1)
+    corrected = [u for _, msg in out if isinstance(msg, Gossip) for u in msg.updates]
+    assert len(corrected) == 1000 and all(u.incarnation == 5 for u in corrected)
+    assert all(len(encode(msg)) <= MAX_GOSSIP_BYTES for _, msg in out)
+
+
 def test_large_view_syncs_in_pages_under_the_size_limit() -> None:
     big = _member(0)
     n = 1500
