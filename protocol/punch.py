@@ -55,6 +55,8 @@ class PunchConfig(msgspec.Struct, frozen=True, kw_only=True):
     direct_handshake_timeout_s: float = 1.5
     # An introduction not answered within this fails.
     introduction_timeout_s: float = 2.0
+    # Punches this node answers at once (each sends punch_duration_s / probe_interval_s probes).
+    max_concurrent_punches: int = 8
     # Relay limits at an introducer: sessions held at once, each session's sustained rate and
     # burst, and how long an unused session lives.
     relay_max_sessions: int = 64
@@ -79,6 +81,8 @@ class PunchConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise LocalProtocolError("PunchConfig.open_phase_s must lie in [0, punch_duration_s)")
         if not 1 <= self.open_ttl <= 255:
             raise LocalProtocolError("PunchConfig.open_ttl must lie in 1..255")
+        if self.max_concurrent_punches < 1:
+            raise LocalProtocolError("PunchConfig.max_concurrent_punches must be at least 1")
         if self.relay_max_sessions < 0:
             raise LocalProtocolError("PunchConfig.relay_max_sessions must not be negative")
 

@@ -261,7 +261,12 @@ class Endpoint:
         )
         peer = self._register(lane, incoming=False)
         self._after_activity(peer)
-        await peer._established.wait()
+        try:
+            await peer._established.wait()
+        except BaseException:
+            # Cancelled mid-handshake (a caller's deadline): leave no half-open lane behind.
+            peer.close("connect abandoned")
+            raise
         peer._raise_if_terminated()
         return peer
 
