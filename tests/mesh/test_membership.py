@@ -71,6 +71,7 @@ def test_join_converges_within_two_seconds(n: int, seed: int) -> None:
     took_records = sim.wait_for(
         lambda: all(
             info.address.endswith(str(7000 + sim.index_of[nid]))
+            and node.m.address_of(nid) == info.address
             for node in sim.nodes
             for nid, info in node.m.view().items()
         ),
