@@ -10,8 +10,9 @@ exchange. Prints one JSON object per line: `{"event": "ready"}` once serving, th
 - responder: opens a lane to the introducer, then echoes every message on the test stream
   (`echo:` + data) and reports the address the requester's lane arrives from.
 - requester: opens a lane to the introducer, calls `connect_via` to the responder, reports
-  the path, then sends messages of several sizes, checks the echoes byte for byte, and
-  stays up until stdin closes.
+  the path, then sends messages of several sizes, checks the echoes byte for byte, stays
+  quiet for IDLE_S (past the NAT mapping lifetime) and exchanges once more, and stays up
+  until stdin closes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ TEST_STREAM = 5
 # The plaintext marker every test message starts with: the relay must never see it.
 MARKER = b"PLAINTEXT-MARKER-7f3a"
 MESSAGE_SIZES = (10, 1000, 5000, 200_000)
+# Silence on the test stream before a last exchange: longer than the routers' UDP mapping
+# lifetime (tests/net/netns.py), so only the lanes' keepalives can hold the mappings.
+IDLE_S = 3.5
 
 
 def private_key(role: str) -> bytes:
@@ -167,13 +171,32 @@ async def request(
     result = await nat.connect_via(public_key("introducer"), public_key("responder"))
     took_s = round(result.took_s, 3)
     say(event="connected", path=result.path.value, took_s=took_s, addr=where(result.lane.addr))
+    exact = await exchange(peers, inbox, messages())
+    await trio.sleep(IDLE_S)
+    after_idle = await exchange(peers, inbox, [MARKER + b"after idle"])
+    say(
+        event="echoed",
+        exact=exact,
+        after_idle_exact=after_idle,
+        count=len(MESSAGE_SIZES),
+        stats=vars(nat.stats),
+    )
+
+
+async def exchange(
+    peers: PeerTable,
+    inbox: trio.MemoryReceiveChannel[tuple[bytes, bytes]],
+    batch: list[bytes],
+) -> bool:
+    """Send each message to the responder; True if every echo came back byte for byte."""
+    responder = public_key("responder")
     exact = True
     with trio.fail_after(10):
-        for message in messages():
-            await peers.send_bytes(public_key("responder"), TEST_STREAM, message)
+        for message in batch:
+            await peers.send_bytes(responder, TEST_STREAM, message)
             data, key = await inbox.receive()
-            exact = exact and key == public_key("responder") and data == b"echo:" + message
-    say(event="echoed", exact=exact, count=len(MESSAGE_SIZES), stats=vars(nat.stats))
+            exact = exact and key == responder and data == b"echo:" + message
+    return exact
 
 
 def main() -> None:

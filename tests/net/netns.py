@@ -25,6 +25,8 @@ NAT_WAN = {"A": "198.18.1.2", "B": "198.18.2.2"}
 _PUB_SIDE = {"A": "198.18.1.1", "B": "198.18.2.1"}
 HOST_LAN = {"A": "10.201.1.2", "B": "10.201.2.2"}
 _ROUTER_LAN = {"A": "10.201.1.1", "B": "10.201.2.1"}
+# How long the routers keep an idle UDP mapping (see _wire_router).
+UDP_MAPPING_TIMEOUT_S = 2
 _ids = itertools.count()
 
 
@@ -127,3 +129,8 @@ def _wire_router(pub: str, side: str, router: str, host: str, *, random_fully: b
     if random_fully:
         rule.append("--random-fully")
     _run("ip", "netns", "exec", router, "iptables", *rule)
+    # Short UDP mapping lifetimes (Linux defaults: 30 s, 120 s once both ways were seen), so a
+    # test can show that keepalives hold a mapping past its lifetime within seconds.
+    for name in ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"):
+        key = f"net.netfilter.{name}={UDP_MAPPING_TIMEOUT_S}"
+        _run("ip", "netns", "exec", router, "sysctl", "-qw", key)

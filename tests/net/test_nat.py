@@ -140,6 +140,9 @@ def test_masquerade_nats_punch_a_direct_lane(masquerade: netns.NatTopology) -> N
     assert lane == {"event": "lane", "relayed": False, "addr": lane["addr"]}
     assert lane["addr"][0] == netns.NAT_WAN["A"]
     assert results["echoed"]["exact"] is True
+    # Silent past the NATs' UDP mapping lifetime: the lane's keepalives held the mappings.
+    assert nat_role.IDLE_S > netns.UDP_MAPPING_TIMEOUT_S
+    assert results["echoed"]["after_idle_exact"] is True
     # Nothing of theirs went through the introducer.
     assert report["forwarded_datagrams"] == 0
     assert report["introductions"] == 1
@@ -155,6 +158,7 @@ def test_symmetric_nats_fall_back_to_an_encrypted_relay(symmetric: netns.NatTopo
     assert lane["relayed"] is True
     assert lane["addr"] == [netns.PUBLIC_INTRODUCER, INTRODUCER_PORT]
     assert results["echoed"]["exact"] is True
+    assert results["echoed"]["after_idle_exact"] is True
     # Every test message crossed the relay, yet its plaintext never appeared there, and the
     # introducer holds lanes to A and B only: no lane state (so no keys) for the A-B lane.
     assert report["forwarded_bytes"] > sum(nat_role.MESSAGE_SIZES)
