@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 import trio
 
 from meshd.config import ConfigError, NodeConfig, add_config_arguments, load_config_from_args
+from meshd.logging_setup import setup_logging
+from meshd.node.notify import Notifier
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,15 +30,15 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"meshd serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(config.log_level, config.log_format)
     try:
         trio.run(serve, config)
     except KeyboardInterrupt:
         return 0
+    except Exception:
+        # One last structured line (JSON logs too), then a failure status for systemd.
+        log.exception("meshd serve failed")
+        return 1
     return 0
 
 
@@ -51,7 +56,6 @@ async def serve(config: NodeConfig) -> None:
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
-    from meshd.node.notify import Notifier
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
@@ -59,6 +63,9 @@ async def serve(config: NodeConfig) -> None:
     backend = NodeBackend(node, model_name=name)
     notifier = Notifier()
     async with trio.open_nursery() as nursery:
+        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier)
+        # Pings start before READY: loading a big model must not look like a hang.
+        nursery.start_soon(_watchdog, notifier)
         await nursery.start(node.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
         app = create_app(backend, api_key=config.read_api_key(), spec=config.spec)
@@ -69,8 +76,29 @@ async def serve(config: NodeConfig) -> None:
             f"listening on {node.lane_address}",
             flush=True,
         )
-        interval = notifier.watchdog_interval_s()
-        if interval is not None:
-            while True:
-                notifier.send(WATCHDOG="1")
-                await trio.sleep(interval)
+
+
+async def _stop_on_sigterm(
+    scope: trio.CancelScope,
+    notifier: Notifier,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """SIGTERM (systemctl stop, the demo) shuts down like Ctrl-C: cancel all, exit status 0."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
+        async for _ in signals:
+            log.info("SIGTERM: stopping")
+            notifier.send(STOPPING="1")
+            scope.cancel()
+            return
+
+
+async def _watchdog(notifier: Notifier) -> None:
+    """WATCHDOG=1 every WATCHDOG_USEC/2 from the trio loop (a stuck loop stops the pings)."""
+    interval = notifier.watchdog_interval_s()
+    if interval is None:
+        return
+    while True:
+        notifier.send(WATCHDOG="1")
+        await trio.sleep(interval)
