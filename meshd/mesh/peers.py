@@ -89,7 +89,7 @@ class PeerTable:
             task_status.started()
             while True:
                 lane = await self.endpoint.accept()
-                self._adopt(lane)
+                self.adopt(lane)
 
     async def lane_to(self, key: bytes) -> PeerLane:
         """An open lane to `key`, connecting if needed (PeerUnreachable on failure)."""
@@ -112,7 +112,7 @@ class PeerTable:
         finally:
             del self._connecting[key]
             done.set()
-        return self._adopt(lane)
+        return self.adopt(lane)
 
     async def send(self, key: bytes, message: Message, stream: int = PIPELINE_STREAM) -> None:
         """Encode and send one message to a peer (PeerUnreachable if its lane is gone).
@@ -138,8 +138,8 @@ class PeerTable:
         except LaneClosedError as exc:
             raise PeerUnreachable(f"peer {key.hex()[:16]}: {exc}") from exc
 
-    def _adopt(self, lane: PeerLane) -> PeerLane:
-        """Take a new lane; returns the lane kept for its peer (it or the one already open).
+    def adopt(self, lane: PeerLane) -> PeerLane:
+        """Take a new lane (accepted, dialed, or opened by NAT traversal); returns the lane kept for its peer (it or the one already open).
 
         Two nodes that dial each other at once open two lanes. Both sides keep the one opened
         by the smaller key, so they agree without a message; a lane opened by the same side as

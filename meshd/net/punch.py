@@ -114,7 +114,7 @@ class NatTraversal:
             if lane is not None:
                 self.endpoint.relay_paths.discard(relay_path)
                 self.stats.punches_direct += 1
-                return PunchResult(self._adopt(lane), Path.DIRECT, trio.current_time() - start)
+                return PunchResult(self.peers.adopt(lane), Path.DIRECT, trio.current_time() - start)
         timeout_s = self.endpoint.lane_config.handshake_timeout_s
         lane = await self._connect(relay_path, target, timeout_s)
         if lane is None:
@@ -122,7 +122,7 @@ class NatTraversal:
             raise PeerUnreachable(f"peer {target.hex()[:16]}: neither punch nor relay opened")
         self.stats.punches_relayed += 1
         self._spawn(self._forget_path_when_closed, relay_path, lane)
-        return PunchResult(self._adopt(lane), Path.RELAYED, trio.current_time() - start)
+        return PunchResult(self.peers.adopt(lane), Path.RELAYED, trio.current_time() - start)
 
     # -- requester ------------------------------------------------------------------------
     async def _request_introduction(self, introducer: bytes, target: bytes) -> punch.Introduction:
@@ -150,10 +150,6 @@ class NatTraversal:
             except LaneClosedError as exc:
                 log.debug("lane to %s via %s failed: %s", key.hex()[:16], addr, exc)
         return None
-
-    def _adopt(self, lane: PeerLane) -> PeerLane:
-        # PeerTable has no public adopt(); this is the one seam NAT traversal needs from it.
-        return self.peers._adopt(lane)
 
     # -- probing (both sides) -------------------------------------------------------------
     async def _probe(
