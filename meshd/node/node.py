@@ -26,12 +26,13 @@ from meshd.mesh.identity import NodeIdentity, admission_policy, fingerprint_of
 from meshd.mesh.jointoken import Address
 from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerTable, PeerUnreachable
+from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.node.gossip_driver import GossipDriver, KeyBook
+from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stages import StageSlot, measure_compute_ns
 from meshd.node.tuning import DaemonTuning
@@ -92,7 +93,7 @@ class MeshNode:
         self._ready = trio.Event()
         # Set in run():
         self.endpoint: Endpoint
-        self.peers: PeerTable
+        self.peers: NodePeers
         self.membership: Membership
         self.gossip: GossipDriver
         self.slot: StageSlot
@@ -140,13 +141,15 @@ class MeshNode:
             await trio.sleep_forever()
 
     async def _start_parts(self, nursery: trio.Nursery) -> None:
-        self.peers = PeerTable(
+        self.peers = NodePeers(
             self.endpoint,
             self.identity.x25519_public,
             self._dispatch,
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
             streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
+            nat=self.tuning.nat,
+            introducers=self._introducers_for,
         )
         self.coordinator = Coordinator(
             _RouteSender(self), self.identity.x25519_public, wire_dtype="f32"
@@ -255,6 +258,20 @@ class MeshNode:
             if event.kind in (EventKind.JOINED, EventKind.ALIVE_AGAIN):
                 self._suspects.pop(event.node_id, None)
         self.request_replan()
+
+    def _introducers_for(self, target: bytes) -> list[bytes]:
+        """Lane keys of members that may introduce this node to `target` (a lane key), best first."""
+        target_id = self.keys.ed_of(target)
+        if target_id is None or not hasattr(self, "membership"):
+            return []
+
+        def direct_lane(node_id: bytes) -> bool:
+            path = self.peers.path_of(self.keys.x_of(node_id))
+            return path is not None and path.kind is not LaneKind.RELAYED
+
+        view = self.membership.view()
+        picked = pick_introducers(view, target_id, own=self.node_key, direct_lane=direct_lane)
+        return [self.keys.x_of(node_id) for node_id in picked]
 
     # ---- discovery and bootstrap ----------------------------------------------------------
     async def _discover(self) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from meshd.mesh.identity import node_id_of
 from meshd.node.planning import holding_of
+from protocol.punch import RelayPath
 
 if TYPE_CHECKING:
     from meshd.node.generation import NodeBackend
@@ -29,6 +31,11 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     compute_ns_per_layer_token: int
     sessions: int
     lane_up: bool
+    # How the lane travels: "direct", "punched" (direct after an introduction) or "relayed";
+    # lane_via is the introducer's (or relay's) node key, hex, when one took part.
+    lane_path: str | None
+    lane_via: str | None
+    lane_remote: str | None  # host:port the lane's datagrams go to (the relay's, if relayed)
     rtt_ms: float | None
     packets_lost: int
     packets_sent: int
@@ -50,6 +57,18 @@ class EventStatus(msgspec.Struct, frozen=True, kw_only=True):
     detail: str
 
 
+class NatStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What this node did for NAT traversal: as requester, and as introducer and relay."""
+
+    punches_direct: int
+    punches_relayed: int
+    introductions_made: int
+    introductions_refused: int
+    relay_sessions_opened: int
+    relay_forwarded_datagrams: int
+    relay_forwarded_bytes: int
+
+
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The whole status reply."""
 
@@ -67,6 +86,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     plan_error: str
     predicted_ms_per_token: float | None
     events: list[EventStatus]
+    nat: NatStatus
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -76,6 +96,8 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         holding = holding_of(info, node.shape.model_id)
         lane = node.peers.lane(node.keys.x_of(key)) if key != node.node_key else None
         stats = lane.lane.stats if lane is not None else None
+        path = node.peers.path_of(node.keys.x_of(key)) if lane is not None else None
+        via = node.keys.ed_of(path.via) if path is not None and path.via is not None else None
         cap = info.capacity
         members.append(
             MemberStatus(
@@ -92,6 +114,9 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
                 compute_ns_per_layer_token=holding.compute_ns_per_layer_token if holding else 0,
                 sessions=cap.sessions if cap else 0,
                 lane_up=lane is not None,
+                lane_path=path.kind.value if path is not None else None,
+                lane_via=via.hex() if via is not None else None,
+                lane_remote=_remote(lane.addr) if lane is not None else None,
                 rtt_ms=stats.smoothed_rtt_s * 1000 if stats is not None else None,
                 packets_lost=stats.packets_lost if stats else 0,
                 packets_sent=stats.packets_sent if stats else 0,
@@ -120,6 +145,28 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
             EventStatus(at_unix_s=e.at_unix_s, kind=e.kind, node=e.node_id, detail=e.detail)
             for e in node.events
         ],
+        nat=_nat_status(node),
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out
+
+
+def _remote(addr: Hashable) -> str:
+    if isinstance(addr, RelayPath):
+        addr = addr.via
+    if isinstance(addr, tuple):
+        return f"{addr[0]}:{addr[1]}"
+    return str(addr)
+
+
+def _nat_status(node: MeshNode) -> NatStatus:
+    nat, relay = node.peers.nat.stats, node.peers.nat.relay.stats
+    return NatStatus(
+        punches_direct=nat.punches_direct,
+        punches_relayed=nat.punches_relayed,
+        introductions_made=nat.introductions_made,
+        introductions_refused=nat.introductions_refused,
+        relay_sessions_opened=relay.sessions_opened,
+        relay_forwarded_datagrams=relay.forwarded_datagrams,
+        relay_forwarded_bytes=relay.forwarded_bytes,
+    )

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from meshd.node.lanes import NatDialConfig
+
 
 class DaemonTuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the daemon paces re-planning, bootstrap, recovery and reporting."""
@@ -37,6 +39,8 @@ class DaemonTuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Torch intra-op threads for stage compute. One is fastest for small models on small
     # machines (an OpenMP team per op oversubscribes a 2-core box; measured in coord/local).
     torch_threads: int = 1
+    # When a direct dial fails: introductions, hole punching and relaying (with their limits).
+    nat: NatDialConfig = NatDialConfig()
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:

@@ -1,0 +1,241 @@
+"""The daemon's dial policy: direct first, then through an introducer (punch, else relay).
+
+Every send in the daemon (gossip, pipeline windows, stage hand-offs, NAT messages) asks the
+peer table for a lane. `NodePeers.lane_to` dials the member's advertised address first: on a
+LAN that is the common case and costs one handshake. When that fails (no usable address, a
+handshake timeout, unreachable), it asks a member it already holds a direct lane to for an
+introduction (`NatTraversal.connect_via`), which punches a direct lane through both NATs or
+falls back to an end-to-end encrypted relay through that member.
+
+Which path a peer took is remembered: for `direct_retry_s` after a peer needed an
+introduction, its (known failing) advertised address is not dialed again; after that the
+next dial tries it first once more. When both sides need a lane at once, the side with the
+larger key waits `yield_s` for the other's lane before asking for its own introduction, so
+one punch (not two racing ones) usually makes the lane.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+import trio
+
+from meshd.mesh.member import MemberInfo
+from meshd.mesh.peers import Dispatch, PeerTable, PeerUnreachable, StreamHandler
+from meshd.net.endpoint import Endpoint, PeerLane
+from meshd.net.punch import NatTraversal, Path
+from protocol.punch import PunchConfig, RelayPath
+
+log = logging.getLogger(__name__)
+
+
+class NatDialConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the daemon falls back to NAT traversal (and the punch/relay limits it uses)."""
+
+    # After a peer needed an introduction, skip dialing its advertised address this long.
+    direct_retry_s: float = 60.0
+    # The larger-keyed side of a pair waits this long for the other's lane before punching.
+    yield_s: float = 2.0
+    # Introducers tried per dial (each costs up to a punch plus a handshake when it fails).
+    max_introducers: int = 3
+    punch: PunchConfig = PunchConfig()
+
+    def __post_init__(self) -> None:
+        if not (self.direct_retry_s > 0 and self.yield_s >= 0 and self.max_introducers >= 1):
+            raise ValueError("direct_retry_s > 0, yield_s >= 0 and max_introducers >= 1 needed")
+
+
+class LaneKind(enum.Enum):
+    """How an open lane travels."""
+
+    DIRECT = "direct"  # dialed or accepted at the peer's own address
+    PUNCHED = "punched"  # direct, after an introducer helped punch the NATs
+    RELAYED = "relayed"  # through an introducer's relay (still end-to-end encrypted)
+
+
+@dataclass(frozen=True, slots=True)
+class LanePath:
+    """The path of the lane to one peer; `via` is the introducer's lane key, if one helped."""
+
+    kind: LaneKind
+    via: bytes | None
+    since: float
+
+
+# Lane keys of members to ask for an introduction to the target (given its lane key), best first.
+IntroducerPicker = Callable[[bytes], list[bytes]]
+
+
+class NodePeers(PeerTable):
+    """The daemon's peer table: `lane_to` dials direct, then through an introducer."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        own_key: bytes,
+        dispatch: Dispatch,
+        *,
+        on_lane_lost: Callable[[bytes, PeerLane], None] | None = None,
+        on_lane_up: Callable[[bytes, PeerLane], None] | None = None,
+        streams: Mapping[int, StreamHandler] | None = None,
+        nat: NatDialConfig | None = None,
+        introducers: IntroducerPicker = lambda _target: [],
+    ) -> None:
+        super().__init__(
+            endpoint,
+            own_key,
+            dispatch,
+            on_lane_lost=on_lane_lost,
+            on_lane_up=on_lane_up,
+            streams=streams,
+        )
+        self.nat_config = nat if nat is not None else NatDialConfig()
+        self.nat = NatTraversal(self, self.nat_config.punch)
+        self.introducers = introducers
+        self.paths: dict[bytes, LanePath] = {}
+        self._dialing: dict[bytes, trio.Event] = {}
+        self._arrivals: dict[bytes, trio.Event] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Accept and read lanes, and serve introductions and relaying, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.nat.run)
+            await nursery.start(super().run)
+            task_status.started()
+
+    async def lane_to(self, key: bytes) -> PeerLane:
+        """An open lane to `key`: the open one, a direct dial, or one made through a member."""
+        while True:
+            lane = self.lane(key)
+            if lane is not None:
+                return lane
+            pending = self._dialing.get(key)
+            if pending is None:
+                break
+            await pending.wait()
+        done = self._dialing[key] = trio.Event()
+        try:
+            return await self._dial(key)
+        finally:
+            del self._dialing[key]
+            done.set()
+
+    def path_of(self, key: bytes) -> LanePath | None:
+        """How the open lane to `key` travels (None without one).
+
+        A relayed lane is known from its address; a direct one was punched if this node
+        asked for the introduction (the answering side sees an ordinary incoming lane).
+        """
+        lane = self.lane(key)
+        if lane is None:
+            return None
+        record = self.paths.get(key)
+        if isinstance(lane.addr, RelayPath):
+            via = record.via if record is not None and record.kind is LaneKind.RELAYED else None
+            return LanePath(LaneKind.RELAYED, via or self._key_at(lane.addr.via), 0.0)
+        if record is not None and record.kind is LaneKind.PUNCHED:
+            return record
+        return LanePath(LaneKind.DIRECT, None, 0.0)
+
+    async def _dial(self, key: bytes) -> PeerLane:
+        now = trio.current_time()
+        record = self.paths.get(key)
+        recent_nat = (
+            record is not None
+            and record.kind is not LaneKind.DIRECT
+            and now - record.since < self.nat_config.direct_retry_s
+        )
+        error: PeerUnreachable | None = None
+        if not recent_nat:
+            try:
+                lane = await super().lane_to(key)
+            except PeerUnreachable as exc:
+                error = exc
+            else:
+                self.paths[key] = LanePath(LaneKind.DIRECT, None, now)
+                return lane
+        return await self._traverse(key, error)
+
+    async def _traverse(self, key: bytes, direct_error: PeerUnreachable | None) -> PeerLane:
+        if self.own_key > key:
+            lane = await self._wait_for_lane(key, self.nat_config.yield_s)
+            if lane is not None:
+                return lane
+        tried: list[str] = []
+        for introducer in self.introducers(key)[: self.nat_config.max_introducers]:
+            if self.lane(introducer) is None or introducer == key:
+                continue
+            try:
+                result = await self.nat.connect_via(introducer, key)
+            except PeerUnreachable as exc:
+                tried.append(f"{introducer.hex()[:16]}: {exc}")
+                continue
+            kind = LaneKind.PUNCHED if result.path is Path.DIRECT else LaneKind.RELAYED
+            self.paths[key] = LanePath(kind, introducer, trio.current_time())
+            log.info(
+                "lane to %s %s via %s in %.2f s",
+                key.hex()[:16],
+                kind.value,
+                introducer.hex()[:16],
+                result.took_s,
+            )
+            return result.lane
+        lane = self.lane(key)  # the peer may have reached us meanwhile
+        if lane is not None:
+            return lane
+        reasons = "; ".join(tried) or "no member to introduce us"
+        raise PeerUnreachable(f"peer {key.hex()[:16]}: direct: {direct_error}; via: {reasons}")
+
+    def adopt(self, lane: PeerLane) -> PeerLane:
+        """Take a new lane (see `PeerTable.adopt`), waking dials that wait for its peer."""
+        kept = super().adopt(lane)
+        arrived = self._arrivals.pop(lane.remote_static, None)
+        if arrived is not None:
+            arrived.set()
+        return kept
+
+    async def _wait_for_lane(self, key: bytes, timeout_s: float) -> PeerLane | None:
+        with trio.move_on_after(timeout_s):
+            while (lane := self.lane(key)) is None:
+                await self._arrivals.setdefault(key, trio.Event()).wait()
+            return lane
+        return None
+
+    def _key_at(self, addr: tuple[str, int]) -> bytes | None:
+        """The peer whose direct lane reaches `addr` (a relay's address)."""
+        for key, lane in self.connected.items():
+            if isinstance(lane.addr, tuple) and tuple(lane.addr[:2]) == tuple(addr[:2]):
+                return key
+        return None
+
+
+def pick_introducers(
+    view: Mapping[bytes, MemberInfo],
+    target: bytes,
+    *,
+    own: bytes,
+    direct_lane: Callable[[bytes], bool],
+) -> list[bytes]:
+    """Node ids to ask for an introduction to `target`, best first.
+
+    Only members this node holds a direct lane to can introduce (the introducer must see both
+    sides' observed addresses). Members that report a measured RTT to the target (so held a
+    lane to it lately) come first, nearest the target first; the others follow by id, since
+    a member's RTT report can lag its lanes.
+    """
+    listed: list[tuple[float, bytes]] = []
+    others: list[bytes] = []
+    for node_id in sorted(view):
+        info = view[node_id]
+        if node_id in (own, target) or not info.healthy or not direct_lane(node_id):
+            continue
+        rtt_s = info.rtt_s.get(target)
+        if rtt_s is not None:
+            listed.append((rtt_s, node_id))
+        else:
+            others.append(node_id)
+    return [node_id for _rtt, node_id in sorted(listed)] + others

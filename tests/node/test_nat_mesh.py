@@ -1,0 +1,271 @@
+"""Real `meshd serve` daemons behind Linux NATs: a 2-stage generation over punched and relayed lanes.
+
+The topology is tests/net/netns.py's: an introducer daemon I on the public address, daemons A
+and B each behind its own MASQUERADE router. A and B bind their private LAN addresses (so the
+address they advertise cannot be dialed from the other side), have mDNS off, and `--join` I
+only. Memory budgets force a 2-stage split over A and B (I can hold no stage), and the request
+goes to A, so A coordinates over the A-B lane. The daemons' dial policy tries the advertised
+address, fails, and asks I for an introduction: with plain MASQUERADE the punch gives a
+direct lane; with `--random-fully` (symmetric NAT) the lane runs through I's relay. Both
+generations equal single-node greedy decoding. Needs root; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.decode import generate as single_node_generate
+from meshd.model.stage import StageModel
+from meshd.model.tokenizer import Tokenizer
+from meshd.node.control_client import ControlError, GenerateOp, StatusOp, call, request_lines
+from meshd.node.planning import model_shape
+from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
+from tests.net import netns
+from tests.node.daemons import REPO, SECRET, wait_for
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+INTRODUCER_PORT = 7000
+PROMPT = "def fibonacci(n):\n"
+MAX_TOKENS = 24
+SETTLE_TIMEOUT_S = 40.0
+
+
+def two_stage_budget() -> int:
+    """A per-node memory budget where two nodes hold the built-in model and one cannot."""
+    checkpoint = Checkpoint.open(builtin_model_dir())
+    shape = model_shape(checkpoint, torch.float32)
+    context = checkpoint.config.max_position_embeddings
+
+    def stages(budget: int, n: int) -> int:
+        nodes = [NodeCapacity(bytes([i + 1]) * 32, budget, 1e-5) for i in range(n)]
+        try:
+            return len(plan(shape, nodes, {}, nodes[0].key, context_tokens=context).stages)
+        except NoFeasiblePlan:
+            return 0
+
+    lo, hi = 1, 1 << 34
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stages(mid, 2) else (mid + 1, hi)
+    budget = int(lo * 1.10)
+    assert stages(budget, 2) == 2 and stages(budget, 1) == 0
+    return budget
+
+
+class NsDaemon:
+    """One `meshd serve` process inside a namespace; its control socket is on the shared disk."""
+
+    def __init__(
+        self, topo: netns.NatTopology, namespace: str, tmp: pathlib.Path, name: str, *args: str
+    ) -> None:
+        self.name = name
+        self.state = tmp / name
+        self.socket = str(self.state / "control.sock")
+        self.log_path = tmp / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
+        env["MESHD_MESH_SECRET"] = SECRET
+        command = [
+            sys.executable, "-m", "meshd.cli.main", "serve",
+            "--state-dir", str(self.state),
+            "--no-mdns-enabled",
+            "--api-host", "127.0.0.1", "--api-port", "0",
+            "--device", "cpu", "--dtype", "float32",
+            *args,
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                topo.exec_prefix(namespace) + command,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+        self._key = ""
+
+    def wait_listening(self, timeout_s: float) -> None:
+        """Block until the daemon says it listens."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                line = self.proc.stdout.readline().decode()
+                if "listening on" in line:
+                    return
+                if not line:
+                    break
+        raise AssertionError(f"daemon {self.name} did not start:\n{self.log()}")
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status over its control socket."""
+        status: dict[str, Any] = call(self.socket, StatusOp(), timeout_s=10)["status"]
+        return status
+
+    def try_status(self) -> dict[str, Any] | None:
+        """The status, or None while the socket does not answer."""
+        try:
+            return self.status()
+        except (OSError, ControlError):
+            return None
+
+    @property
+    def key(self) -> str:
+        """The daemon's node key (hex)."""
+        if not self._key:
+            self._key = str(self.status()["key"])
+        return self._key
+
+    def member(self, key: str) -> dict[str, Any]:
+        """This daemon's row for the member `key`."""
+        return next(m for m in self.status()["members"] if m["key"] == key)
+
+    def log(self) -> str:
+        """The tail of what the daemon logged (for failure messages)."""
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def kill(self) -> None:
+        """Stop the process and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def settled_two_stage_plan(daemons: list[NsDaemon], stage_keys: set[str]) -> bool:
+    """Every daemon agrees on a 2-stage plan over `stage_keys`, each stage loaded."""
+    statuses = [d.try_status() for d in daemons]
+    if any(s is None or not s["plan"] for s in statuses):
+        return False
+    plans = [s["plan"] for s in statuses if s is not None]
+    if any(p != plans[0] for p in plans) or {s["key"] for s in plans[0]} != stage_keys:
+        return False
+    by_key = {stage["key"]: stage["layers"] for stage in plans[0]}
+    return all(s is not None and s["stage_layers"] == by_key.get(s["key"]) for s in statuses)
+
+
+@pytest.fixture(scope="module")
+def budget() -> int:
+    return two_stage_budget()
+
+
+@pytest.fixture(scope="module")
+def expected() -> tuple[list[int], list[int]]:
+    """The prompt and single-node greedy decoding of it, in this process."""
+    torch.set_num_threads(1)
+    prompt = Tokenizer.open(builtin_model_dir()).encode(PROMPT)
+    checkpoint = Checkpoint.open(builtin_model_dir())
+    stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
+    return prompt, single_node_generate([stage], prompt, MAX_TOKENS).tokens
+
+
+def run_mesh(random_fully: bool, tmp: pathlib.Path, budget: int, prompt: list[int]) -> Any:
+    """Start I, A, B behind the NATs, generate on A; statuses and the result after it."""
+    try:
+        topo = netns.build(random_fully=random_fully)
+    except netns.TopologyUnavailable as exc:
+        pytest.skip(f"NAT namespaces unavailable: {exc}")
+    daemons: list[NsDaemon] = []
+    try:
+        public = f"{netns.PUBLIC_INTRODUCER}:{INTRODUCER_PORT}"
+        # I can hold no stage (a 1-byte budget): it only introduces and relays.
+        i_args = ["--listen-host", netns.PUBLIC_INTRODUCER, "--listen-port", str(INTRODUCER_PORT)]
+        daemons.append(NsDaemon(topo, topo.pub, tmp, "I", *i_args, "--memory-budget-bytes", "1"))
+        for side, ns in (("A", topo.host_a), ("B", topo.host_b)):
+            lan = ["--listen-host", netns.HOST_LAN[side], "--listen-port", "0"]
+            joins = ["--memory-budget-bytes", str(budget), "--join", public]
+            daemons.append(NsDaemon(topo, ns, tmp, side, *lan, *joins))
+        for d in daemons:
+            d.wait_listening(60)
+        a, b = daemons[1], daemons[2]
+        keys = {d.key for d in daemons}
+
+        def all_alive() -> bool:
+            for d in daemons:
+                status = d.try_status()
+                if status is None:
+                    return False
+                if {m["key"] for m in status["members"] if m["status"] == "alive"} != keys:
+                    return False
+            return True
+
+        try:
+            wait_for(all_alive, SETTLE_TIMEOUT_S, "three alive members in every view", 0.2)
+            wait_for(
+                lambda: settled_two_stage_plan(daemons, {a.key, b.key}),
+                SETTLE_TIMEOUT_S,
+                "a settled 2-stage plan over A and B",
+                0.2,
+            )
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {d.name}\n{d.log()}" for d in daemons)
+            raise AssertionError(f"{exc}\n{logs}") from None
+        op = GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+        started = time.monotonic()
+        final = list(request_lines(a.socket, op, timeout_s=60))[-1]
+        took_s = time.monotonic() - started
+        return (
+            final,
+            took_s,
+            {d.name: d.status() for d in daemons},
+            {d.name: d.key for d in daemons},
+        )
+    finally:
+        for d in reversed(daemons):
+            d.kill()
+        topo.delete()
+
+
+def test_masquerade_nats_punch_a_direct_lane_for_the_pipeline(
+    tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
+) -> None:
+    prompt, reference = expected
+    final, took_s, status, keys = run_mesh(False, tmp_path, budget, prompt)
+    print(f"\n2-stage generation over a punched lane: {MAX_TOKENS} tokens in {took_s:.2f} s")
+    assert final["ok"], final
+    assert final["tokens"] == reference
+    a_to_b = next(m for m in status["A"]["members"] if m["key"] == keys["B"])
+    b_to_a = next(m for m in status["B"]["members"] if m["key"] == keys["A"])
+    assert a_to_b["lane_up"] and b_to_a["lane_up"]
+    # Direct: each side's datagrams go to the other's NAT, never to the introducer.
+    assert a_to_b["lane_path"] in ("direct", "punched")
+    assert b_to_a["lane_path"] in ("direct", "punched")
+    assert a_to_b["lane_remote"].split(":")[0] == netns.NAT_WAN["B"]
+    assert b_to_a["lane_remote"].split(":")[0] == netns.NAT_WAN["A"]
+    # The side that dialed knows its lane was punched, and who introduced it.
+    punched = [m for m in (a_to_b, b_to_a) if m["lane_path"] == "punched"]
+    assert punched and all(m["lane_via"] == keys["I"] for m in punched)
+    assert status["I"]["nat"]["introductions_made"] >= 1
+    assert status["I"]["nat"]["relay_forwarded_datagrams"] == 0
+
+
+def test_symmetric_nats_relay_the_pipeline_through_the_introducer(
+    tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
+) -> None:
+    prompt, reference = expected
+    final, took_s, status, keys = run_mesh(True, tmp_path, budget, prompt)
+    print(f"\n2-stage generation over a relayed lane: {MAX_TOKENS} tokens in {took_s:.2f} s")
+    assert final["ok"], final
+    assert final["tokens"] == reference
+    public = f"{netns.PUBLIC_INTRODUCER}:{INTRODUCER_PORT}"
+    for here, there in (("A", "B"), ("B", "A")):
+        row = next(m for m in status[here]["members"] if m["key"] == keys[there])
+        assert row["lane_up"], row
+        assert row["lane_path"] == "relayed", row
+        assert row["lane_via"] == keys["I"], row
+        assert row["lane_remote"] == public, row
+    nat = status["I"]["nat"]
+    assert nat["relay_sessions_opened"] >= 1
+    assert nat["relay_forwarded_bytes"] > 0
