@@ -28,6 +28,8 @@ from typing import Any
 from meshd.cli.demo_daemons import DemoDaemon, DemoError, settled_plan, stage_budget, wait_until
 from meshd.spec.config import STRATEGIES
 
+# A plan counts as settled once every node reports it, loaded, this long.
+STABLE_S = 0.5
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
@@ -124,7 +126,7 @@ class Demo:
         self.phase(f"start {self.args.stages + 1} `meshd serve` daemons")
         self.start(budget)
         self.phase(f"wait for discovery and a {self.args.stages}-stage plan")
-        coordinator, spare = self.wait_for_plan()
+        coordinator = self.wait_for_plan()
         client = openai.OpenAI(base_url=coordinator.api_url, api_key="unused-on-loopback")
         self.phase(f"stream a chat completion from {coordinator.name} with the openai client")
         first = self.chat(client)
@@ -132,7 +134,7 @@ class Demo:
         self.meshctl_status(coordinator)
         if not self.args.no_kill:
             self.phase("stream it again and SIGKILL a stage mid-generation")
-            self.kill_mid_generation(client, coordinator, spare, first)
+            self.kill_mid_generation(client, coordinator, first)
         self.phase("stop every daemon")
         self.stop()
         self.say(f"\ndemo finished in {time.monotonic() - self.t0:.1f} s")
@@ -168,7 +170,7 @@ class Demo:
             d.wait_listening(deadline)
             self.say(f"  {d.name}: pid {d.proc.pid}, lanes {d.lane_address}, api {d.api_url}")
 
-    def wait_for_plan(self) -> tuple[DemoDaemon, DemoDaemon]:
+    def wait_for_plan(self) -> DemoDaemon:
         """Until every daemon sees every other and all agree on a plan they have loaded."""
         keys = {d.key() for d in self.daemons}
 
@@ -179,9 +181,9 @@ class Demo:
         self.say(
             f"  all {len(keys)} daemons found each other (mDNS on loopback) in {found_s:.1f} s"
         )
-        plan_s = wait_until(lambda: settled_plan(self.daemons) is not None, 60, "a settled plan")
-        agreed = settled_plan(self.daemons)
-        assert agreed is not None
+        started = time.monotonic()
+        agreed = self.agreed_plan(self.daemons)
+        plan_s = time.monotonic() - started
         if len(agreed) != self.args.stages:
             raise DemoError(f"the mesh planned {len(agreed)} stages, not {self.args.stages}")
         by_key = {d.key(): d for d in self.daemons}
@@ -192,7 +194,7 @@ class Demo:
         spare = next(d for d in self.daemons if d.key() not in {s["key"] for s in agreed})
         self.say(f"  spare: {spare.name} ({spare.host}); plan settled {plan_s:.1f} s later")
         # The first stage's node coordinates; any node could (the spare too).
-        return by_key[agreed[0]["key"]], spare
+        return by_key[agreed[0]["key"]]
 
     def chat(
         self, client: Any, on_chunk: Callable[[int], None] | None = None, show: bool = True
@@ -270,13 +272,13 @@ class Demo:
             raise DemoError(f"meshctl status failed: {result.stderr.strip()}")
         self.say(result.stdout.rstrip())
 
-    def kill_mid_generation(
-        self, client: Any, coordinator: DemoDaemon, spare: DemoDaemon, first: ChatRun
-    ) -> None:
+    def kill_mid_generation(self, client: Any, coordinator: DemoDaemon, first: ChatRun) -> None:
         """The same request again; SIGKILL a stage (not the coordinator) once text flows."""
-        plan = settled_plan(self.daemons) or []
+        # The plan may still move in the first seconds (RTT rows arrive): take it afresh.
+        plan = self.agreed_plan(self.daemons)
         stage_keys = [s["key"] for s in plan]
         victim = next(d for d in self.daemons if d.key() in stage_keys and d is not coordinator)
+        spares = [d for d in self.daemons if d.key() not in stage_keys]
         # Kill early enough that most of the answer is still to come.
         kill_at = max(1, first.chunks // 4)
         killed: list[float] = []
@@ -287,8 +289,8 @@ class Demo:
                 killed.append(time.monotonic())
                 sys.stdout.write(f" <SIGKILL {victim.name}> ")
 
-        self.say(f"  (will SIGKILL {victim.name}, stage {stage_keys.index(victim.key())}, "
-                 f"after {kill_at} chunks)")  # fmt: skip
+        stage = stage_keys.index(victim.key())
+        self.say(f"  (will SIGKILL {victim.name}, stage {stage}, after {kill_at} text chunks)")
         before = coordinator.recoveries()
         again = self.chat(client, on_chunk, show=False)
         if not killed:
@@ -298,19 +300,30 @@ class Demo:
             raise DemoError("the coordinator reports no recovery")
         detected = coordinator.first_event("lane-lost", victim.key(), victim.killed_at)
         if detected is not None:
-            self.say(f"  {coordinator.name} noticed the dead lane {detected - victim.killed_at:.2f} s "
-                     "after the SIGKILL")  # fmt: skip
-        now = settled_plan([d for d in self.daemons if d is not victim]) or []
-        took = [s for s in now if s["key"] == spare.key()]
-        if took:
-            lo, hi = took[0]["layers"]
-            self.say(f"  the spare {spare.name} took over layers {lo}-{hi - 1}")
-        else:
-            self.say("  the surviving nodes re-planned without the spare")
+            delay_s = detected - victim.killed_at
+            self.say(f"  {coordinator.name} saw the lane die {delay_s:.2f} s after the SIGKILL")
+        survivors = [d for d in self.daemons if d is not victim]
+        now = {s["key"]: s["layers"] for s in self.agreed_plan(survivors)}
+        for spare in spares:
+            if spare.key() in now:
+                lo, hi = now[spare.key()]
+                self.say(f"  the spare {spare.name} took over layers {lo}-{hi - 1}")
         same = again.text == first.text
         self.say(f"  identical to the undisturbed run: {'yes' if same else 'NO'}")
         if not same and self.args.temperature == 0:
             raise DemoError("greedy text after recovery differs from the undisturbed run")
+
+    def agreed_plan(self, daemons: list[DemoDaemon]) -> list[dict[str, Any]]:
+        """The plan these daemons agree on and have loaded, unchanged for `STABLE_S`."""
+        seen: list[list[dict[str, Any]] | None] = [None]
+
+        def stable() -> bool:
+            before, seen[0] = seen[0], settled_plan(daemons)
+            return seen[0] is not None and seen[0] == before
+
+        # Polled every STABLE_S, so two equal reads in a row span that long.
+        wait_until(stable, 60, "a settled plan", poll_s=STABLE_S)
+        return seen[0] or []
 
     def stop(self) -> None:
         """SIGTERM every daemon, wait, SIGKILL stragglers, remove the temp dir (idempotent)."""

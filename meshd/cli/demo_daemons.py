@@ -178,13 +178,15 @@ def settled_plan(daemons: list[DemoDaemon]) -> list[dict[str, Any]] | None:
     return list(plans[0])
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+def wait_until(
+    predicate: Callable[[], bool], timeout_s: float, what: str, *, poll_s: float = 0.1
+) -> float:
     """Poll until true; returns the seconds it took (DemoError on timeout)."""
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout_s:
             raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(poll_s)
     return time.monotonic() - start
 
 

@@ -1,0 +1,100 @@
+"""`meshd demo` end to end: real daemons, a streamed chat, meshctl status, a stage killed
+mid-generation, and nothing left behind, neither after a full run nor after Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from tests.node.daemons import REPO
+
+# The demo promises under 3 minutes; the test allows the same.
+DEMO_TIMEOUT_S = 180
+
+
+def demo_command(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "meshd.cli.main", "demo", "--max-tokens", "80", *extra]
+
+
+def demo_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
+
+
+def daemon_pids(output: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"^  n\d: pid (\d+), lanes", output, re.MULTILINE)]
+
+
+def process_gone(pid: int) -> bool:
+    """True when no process (not even a zombie) `meshd serve` has this pid."""
+    try:
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return b"serve" not in cmdline  # the pid was reused by something else
+
+
+def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        demo_command(), cwd=REPO, env=demo_env(), capture_output=True, text=True,
+        timeout=DEMO_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-2000:]
+    for phase in (
+        "phase 1: set up",
+        "phase 2: start 4 `meshd serve` daemons",
+        "phase 3: wait for discovery and a 3-stage plan",
+        "phase 4: stream a chat completion",
+        "phase 5: meshctl status",
+        "phase 6: stream it again and SIGKILL a stage mid-generation",
+        "phase 7: stop every daemon",
+    ):
+        assert phase in out, phase
+    print(f"meshd demo took {took:.1f} s")
+    assert len(re.findall(r"^  stage \d: n\d", out, re.MULTILINE)) == 3
+    assert re.search(r"^  spare: n\d", out, re.MULTILINE)
+    assert "tok/s" in out and "speculation:" in out
+    assert "members" in out and "plan (~" in out  # meshctl status's tables
+    assert "<SIGKILL n" in out
+    assert re.search(r"the spare n\d took over layers", out)
+    assert "identical to the undisturbed run: yes" in out
+    pids = daemon_pids(out)
+    assert len(pids) == 4
+    assert all(process_gone(pid) for pid in pids)
+    assert out.count(": stopped (pid") == 3  # the survivors exit cleanly on SIGTERM
+    work = re.search(r"state and logs in (\S+);", out)
+    assert work is not None and not pathlib.Path(work.group(1)).exists()
+
+
+def test_ctrl_c_stops_the_daemons_and_removes_the_temp_dir() -> None:
+    proc = subprocess.Popen(
+        demo_command(), cwd=REPO, env=demo_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("  n4: pid"):  # every daemon has started
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted: stopping the daemons" in out
+    pids = daemon_pids(out)
+    assert len(pids) == 4 and all(process_gone(pid) for pid in pids)
+    work = re.search(r"state and logs in (\S+);", out)
+    assert work is not None and not pathlib.Path(work.group(1)).exists()
