@@ -58,11 +58,18 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StageTiming(msgspec.Struct, frozen=True, array_like=True):
-    """How long one stage spent on one window (seconds)."""
+    """How long one stage spent on one window (seconds), and the load it saw.
+
+    `compute_s` is the wall time of the pass that computed the window; `batch_sessions` sessions
+    shared that pass (their windows ran as one batch) and `queued_sessions` other sessions had
+    windows waiting behind it. The coordinator's window policy reads these as stage load.
+    """
 
     stage: int
     queue_s: float
     compute_s: float
+    batch_sessions: int = 1
+    queued_sessions: int = 0
 
 
 class OpenSession(msgspec.Struct, frozen=True, tag="open"):
@@ -144,12 +151,17 @@ class VerifyReply(msgspec.Struct, frozen=True, tag="reply"):
 
 
 class StageError(msgspec.Struct, frozen=True, tag="error"):
-    """Any stage → coordinator: the window or session failed there (typed code + message)."""
+    """Any stage → coordinator: the window or session failed there (typed code + message).
+
+    `code="overloaded"` refuses a new session (the stage's KV memory or queue is full); it may
+    succeed after `retry_after_s`.
+    """
 
     session: str
     code: str
     message: str
     window_id: int = -1
+    retry_after_s: float = 0.0
 
 
 class NodeHello(msgspec.Struct, frozen=True, tag="hello"):

@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in one readable file.
 
 Shapes carry no batch dimension: one session runs one window of T positions at a time, so
-activations are `[T, hidden]` and attention runs over `[heads, T, head_dim]`. Keys and values
+activations are `[T, hidden]` and attention runs over `[heads, T, head_dim]`. A batched pass
+stacks several sessions' windows as rows (`decoder_layer_batch`): the matmuls run once over all
+rows, attention runs per window against that session's cache. Keys and values
 live in an explicit positional cache owned by the caller (see `kvcache.py`): a layer writes the
 window's keys at absolute positions and attends over `[span.start, span.end)` of that cache.
 
@@ -13,7 +15,7 @@ at load time; the checkpoint keeps the usual Hugging Face names (`decoder_layer_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -217,9 +219,22 @@ def attention(
     span: AttnSpan,
 ) -> torch.Tensor:
     """Grouped-query self-attention with RoPE over the positional cache; `[T, hidden]`."""
-    length, n_qk = x.shape[0], d.n_heads + d.n_kv
+    qkv = F.linear(x, w.wqkv, w.bqkv)
+    return F.linear(_attend(qkv, w, d, rope, cache, span), w.wo, w.bo)
+
+
+def _attend(
+    qkv: torch.Tensor,
+    w: LayerWeights,
+    d: Dims,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerCache,
+    span: AttnSpan,
+) -> torch.Tensor:
+    """One window's attention from its fused q/k/v rows `[T, ...]`; `[T, heads * head_dim]`."""
+    length, n_qk = qkv.shape[0], d.n_heads + d.n_kv
     # [1, q heads + k heads + v heads, T, head_dim], the layout attention wants.
-    qkv = F.linear(x, w.wqkv, w.bqkv).view(1, length, -1, d.head_dim).transpose(1, 2)
+    qkv = qkv.view(1, length, -1, d.head_dim).transpose(1, 2)
     qk = qkv[:, :n_qk]
     if w.q_norm is not None and w.k_norm is not None:
         q_part = rms_norm(qk[:, : d.n_heads], w.q_norm, d.eps)
@@ -235,7 +250,31 @@ def attention(
         attn_mask=span.mask,
         enable_gqa=d.n_kv != d.n_heads,
     )
-    return F.linear(out[0].transpose(0, 1).reshape(length, -1), w.wo, w.bo)
+    return out[0].transpose(0, 1).reshape(length, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPart:
+    """One session's window inside a batched pass: its rows, positions and cache for a layer."""
+
+    length: int
+    rope: tuple[torch.Tensor, torch.Tensor]
+    cache: LayerCache
+    span: AttnSpan
+
+
+def attention_batch(
+    x: torch.Tensor, w: LayerWeights, d: Dims, parts: Sequence[BatchPart]
+) -> torch.Tensor:
+    """Attention for several sessions' windows stacked as rows of `x` (in `parts` order).
+
+    The projections run once over all rows, so each weight matrix streams from memory once per
+    pass; attention itself runs per window, against that session's own cache.
+    """
+    qkv = F.linear(x, w.wqkv, w.bqkv)
+    rows = torch.split(qkv, [p.length for p in parts])
+    outs = [_attend(r, w, d, p.rope, p.cache, p.span) for r, p in zip(rows, parts, strict=True)]
+    return F.linear(torch.cat(outs) if len(outs) > 1 else outs[0], w.wo, w.bo)
 
 
 def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
@@ -254,6 +293,14 @@ def decoder_layer(
 ) -> torch.Tensor:
     """Pre-norm residual block: attention then MLP, `[T, hidden]` in and out."""
     h = x + attention(rms_norm(x, w.input_norm, d.eps), w, d, rope, cache, span)
+    return h + mlp(rms_norm(h, w.post_norm, d.eps), w)
+
+
+def decoder_layer_batch(
+    x: torch.Tensor, w: LayerWeights, d: Dims, parts: Sequence[BatchPart]
+) -> torch.Tensor:
+    """`decoder_layer` over several sessions' windows stacked as rows of `x`."""
+    h = x + attention_batch(rms_norm(x, w.input_norm, d.eps), w, d, parts)
     return h + mlp(rms_norm(h, w.post_norm, d.eps), w)
 
 

@@ -9,7 +9,9 @@ stages computes exactly what the unsplit model computes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +23,12 @@ from meshd.model.errors import InvalidInput
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     AttnSpan,
+    BatchPart,
     Dims,
     LayerWeights,
     Rotary,
     decoder_layer,
+    decoder_layer_batch,
     decoder_layer_shapes,
     rms_norm,
 )
@@ -37,6 +41,15 @@ class StageOutput:
 
     hidden: torch.Tensor
     logits: torch.Tensor | None
+
+
+class BatchItem(NamedTuple):
+    """One session's window in a batched pass (`StageModel.forward_batch`)."""
+
+    session_id: str
+    base_pos: int
+    inputs: torch.Tensor  # token ids [T] on the first stage, hidden states [T, hidden] after
+    logits_last_n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +205,54 @@ class StageModel:
             return StageOutput(x, None)
         last = x if logits_last_n is None else x[-logits_last_n:]
         return StageOutput(x, self._logits(last, self._norm))
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, items: Sequence[BatchItem | tuple[str, int, torch.Tensor]]
+    ) -> list[StageOutput]:
+        """`forward` for several sessions' windows in one pass; outputs in `items` order.
+
+        The rows of all windows go through each weight matrix together (decode is memory-bound:
+        the weights stream once per pass, not once per session); attention runs per session
+        against its own KV. Each session may appear once. Every window is checked before any is
+        computed, so a bad one leaves every cache untouched.
+        """
+        batch = [BatchItem(*item) for item in items]
+        if len({item.session_id for item in batch}) != len(batch):
+            raise InvalidInput("a batched pass takes at most one window per session")
+        groups = [self.kv.get(item.session_id).main for item in batch]
+        xs = [self._stage_input(item.inputs) for item in batch]
+        for item, group, x in zip(batch, groups, xs, strict=True):
+            group.check_window(item.session_id, item.base_pos, x.shape[0], "stage")
+        if not batch:
+            return []
+        lengths = [x.shape[0] for x in xs]
+        ropes = [self._rotary.cos_sin(i.base_pos, n) for i, n in zip(batch, lengths, strict=True)]
+        spans = [
+            {w: AttnSpan.build(i.base_pos, n, w, self.device) for w in self._windows}
+            for i, n in zip(batch, lengths, strict=True)
+        ]
+        x = torch.cat(xs)
+        for index, (weights, window) in enumerate(
+            zip(self.layers, self._layer_windows, strict=True)
+        ):
+            parts = [
+                BatchPart(n, rope, group.layers[index], span[window])
+                for n, rope, group, span in zip(lengths, ropes, groups, spans, strict=True)
+            ]
+            x = decoder_layer_batch(x, weights, self._dims, parts)
+        for item, group, n in zip(batch, groups, lengths, strict=True):
+            group.valid_len = item.base_pos + n
+        hidden = list(torch.split(x, lengths))
+        if self._norm is None:
+            return [StageOutput(h, None) for h in hidden]
+        last = [i.logits_last_n for i in batch]
+        rows = [h if k is None else h[-k:] for h, k in zip(hidden, last, strict=True)]
+        logits = torch.split(self._logits(torch.cat(rows), self._norm), [len(r) for r in rows])
+        return [StageOutput(h, lg) for h, lg in zip(hidden, logits, strict=True)]
+
+    def _stage_input(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self._embed_tokens(inputs) if self.is_first else self._hidden_input(inputs)
 
     @torch.inference_mode()
     def mtp_forward(

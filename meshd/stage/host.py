@@ -3,8 +3,19 @@
 Messages arrive from the node's `PeerTable` through `handle()` (synchronous, cheap): session
 opens/closes and rollbacks take effect at once, and every window raises its session's epoch on
 arrival, so a window made stale by a later rollback is dropped *before* it is computed. One
-worker computes windows in arrival order in a thread (torch releases the GIL), so the trio loop
-keeps serving lanes — pings, ACKs and other sessions — while a long prefill runs.
+worker computes in a thread (torch releases the GIL), so the trio loop keeps serving lanes —
+pings, ACKs and other sessions — while a long prefill runs.
+
+Batching: the worker takes every window queued at that moment, oldest first, up to
+`max_batch_tokens` and one window per session (a session's next window waits for the next pass,
+first in line), and runs them as ONE forward pass (`StageModel.forward_batch`): on a CPU the
+weights stream from memory once per pass instead of once per session. The last stage then
+verifies and drafts per session. Every reply says how many sessions shared its pass and how
+many waited, which the coordinator's window policy reads as load.
+
+Admission: a new session is refused with `StageError(code="overloaded", retry_after_s=…)` when
+the stage holds `max_sessions`, has `max_queued_windows` waiting, or its KV memory is full. The
+windows of admitted sessions are never dropped (that would stall their generations).
 
 Stage 0 takes token ids from the coordinator; every stage passes the residual stream on to the
 next; the last stage verifies the drafts, runs the MTP depths, and replies to the coordinator
@@ -19,11 +30,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import torch
 import trio
 
-from meshd.model.errors import ModelError
-from meshd.model.stage import StageModel
+from meshd.model.errors import KVBudgetExceeded, ModelError
+from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.spec.sampling import SamplingParams, verify
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
@@ -48,6 +60,16 @@ class Sender(Protocol):
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
 
 
+class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a stage batches windows and when it refuses new sessions."""
+
+    batching: bool = True
+    max_batch_tokens: int = 1024  # rows of one pass (a prefill chunk alone may exceed it)
+    max_sessions: int = 64
+    max_queued_windows: int = 256
+    overload_retry_after_s: float = 1.0
+
+
 @dataclass
 class _Session:
     info: OpenSession
@@ -64,6 +86,9 @@ class StageHostStats:
     compute_s: float = 0.0
     sessions_open: int = 0
     stale_by_session: dict[str, int] = field(default_factory=dict)
+    passes: int = 0
+    largest_batch: int = 0
+    sessions_refused: int = 0
 
 
 @dataclass
@@ -71,6 +96,11 @@ class _Work:
     window: VerifyWindow
     hidden: StageHidden | None
     arrived_s: float
+
+
+# What computing one window gives: hidden states for the next stage, the last stage's verdict
+# (accepted drafts, next token, MTP drafts), nothing (a prefill chunk), or its own error.
+_Result = torch.Tensor | tuple[int, int, list[int]] | None | ModelError
 
 
 class StageHost:
@@ -83,17 +113,26 @@ class StageHost:
         *,
         eos_ids: frozenset[int] = frozenset(),
         use_thread: bool = True,
+        config: StageHostConfig | None = None,
     ) -> None:
         self.stage = stage
         self.sender = sender
         self.eos_ids = eos_ids
         self.use_thread = use_thread
+        self.config = config or StageHostConfig()
+        # Switchable at run time (benchmarks compare both in one process).
+        self.batching = self.config.batching
         self.stats = StageHostStats()
         self.drafter = MtpDrafter(stage) if stage.is_last and stage.mtp else None
         self._sessions: dict[str, _Session] = {}
         self._queue: deque[_Work] = deque()
         self._errors: deque[tuple[bytes, StageError]] = deque()
         self._ready = trio.Event()
+
+    @property
+    def queued_windows(self) -> int:
+        """Windows waiting for the worker."""
+        return len(self._queue)
 
     # -- arrival (synchronous) ----------------------------------------------------------
     def handle(self, message: Message, sender_key: bytes) -> None:
@@ -126,8 +165,18 @@ class StageHost:
                 f"stage holds model {self.stage.model_id}, session wants {message.model_id}",
             )
             return
+        busy = self._busy_reason()
+        if busy:
+            self._refuse(message, busy)
+            return
         try:
             self.stage.open_session(message.session, message.max_positions)
+        except KVBudgetExceeded as exc:
+            if self._fits_when_empty(message.max_positions):
+                self._refuse(message, str(exc))  # memory frees as other sessions close
+            else:
+                self._fail(message.session, message.coordinator, type(exc).__name__, str(exc))
+            return
         except ModelError as exc:
             self._fail(message.session, message.coordinator, type(exc).__name__, str(exc))
             return
@@ -135,6 +184,25 @@ class StageHost:
             self.drafter.open(message.session)
         self._sessions[message.session] = _Session(message)
         self.stats.sessions_open = len(self._sessions)
+
+    def _busy_reason(self) -> str:
+        config = self.config
+        if len(self._sessions) >= config.max_sessions:
+            return f"stage holds {len(self._sessions)} sessions (limit {config.max_sessions})"
+        if len(self._queue) >= config.max_queued_windows:
+            return f"{len(self._queue)} windows queued (limit {config.max_queued_windows})"
+        return ""
+
+    def _fits_when_empty(self, max_positions: int) -> bool:
+        budget = self.stage.kv.budget_bytes
+        return budget is None or self.stage.kv_bytes_per_token * max_positions <= budget
+
+    def _refuse(self, message: OpenSession, reason: str) -> None:
+        self.stats.sessions_refused += 1
+        retry = self.config.overload_retry_after_s
+        error = StageError(message.session, "overloaded", reason, retry_after_s=retry)
+        self._errors.append((message.coordinator, error))
+        self._ready.set()
 
     def _close(self, session_id: str) -> None:
         if self._sessions.pop(session_id, None) is not None:
@@ -155,7 +223,7 @@ class StageHost:
 
     # -- the worker ---------------------------------------------------------------------
     async def run(self) -> None:
-        """Compute queued windows in order until cancelled."""
+        """Compute queued windows, oldest first, a batch per pass, until cancelled."""
         while True:
             await self._ready.wait()
             self._ready = trio.Event()
@@ -163,41 +231,78 @@ class StageHost:
                 key, error = self._errors.popleft()
                 await self._send(key, error)
             while self._queue:
-                await self._process(self._queue.popleft())
+                batch = self._take_batch()
+                if batch:
+                    await self._process(batch)
+                while self._errors:
+                    key, error = self._errors.popleft()
+                    await self._send(key, error)
 
-    async def _process(self, work: _Work) -> None:
-        window = work.window
-        session = self._sessions.get(window.session)
-        if session is None:
-            return  # closed (or never opened here): nothing to compute
-        if window.epoch < session.epoch:
-            self.stats.windows_stale += 1
-            stale = self.stats.stale_by_session
-            stale[window.session] = stale.get(window.session, 0) + 1
-            return
-        queue_s = time.perf_counter() - work.arrived_s
-        t0 = time.perf_counter()
-        try:
-            if self.use_thread:
-                result = await trio.to_thread.run_sync(self._compute, session.info, work)
-            else:
-                result = self._compute(session.info, work)
-        except ModelError as exc:
-            self.stats.errors += 1
-            error = StageError(window.session, type(exc).__name__, str(exc), window.window_id)
-            await self._send(session.info.coordinator, error)
-            return
-        compute_s = time.perf_counter() - t0
-        self.stats.windows_computed += 1
+    def _take_batch(self) -> list[tuple[_Work, _Session]]:
+        """Pop the next pass's windows: FIFO, one per session, within the token budget.
+
+        Stale and orphaned windows are dropped here, before any compute. A window held back
+        (its session already in this pass, or no room left) keeps its place at the front.
+        """
+        batch: list[tuple[_Work, _Session]] = []
+        held: list[_Work] = []
+        tokens = 0
+        limit = self.config.max_batch_tokens if self.batching else 0
+        while self._queue:
+            work = self._queue.popleft()
+            window = work.window
+            session = self._sessions.get(window.session)
+            if session is None:
+                continue  # closed (or never opened here): nothing to compute
+            if window.epoch < session.epoch:
+                self.stats.windows_stale += 1
+                stale = self.stats.stale_by_session
+                stale[window.session] = stale.get(window.session, 0) + 1
+                continue
+            size = len(window.tokens)
+            if batch and tokens + size > limit:
+                held.append(work)
+                break
+            if any(w.window.session == window.session for w, _ in batch):
+                held.append(work)
+                continue
+            batch.append((work, session))
+            tokens += size
+        self._queue.extendleft(reversed(held))
+        return batch
+
+    async def _process(self, batch: list[tuple[_Work, _Session]]) -> None:
+        start = time.perf_counter()
+        queued = len({w.window.session for w in self._queue})
+        if self.use_thread:
+            results = await trio.to_thread.run_sync(self._compute_batch, batch)
+        else:
+            results = self._compute_batch(batch)
+        compute_s = time.perf_counter() - start
+        self.stats.passes += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         self.stats.compute_s += compute_s
-        timings = [
-            *(work.hidden.timings if work.hidden else []),
-            StageTiming(session.info.stage_index, queue_s, compute_s),
-        ]
+        for (work, session), result in zip(batch, results, strict=True):
+            timing = StageTiming(
+                session.info.stage_index, start - work.arrived_s, compute_s, len(batch), queued
+            )
+            await self._deliver(work, session.info, result, timing)
+
+    async def _deliver(
+        self, work: _Work, info: OpenSession, result: _Result, timing: StageTiming
+    ) -> None:
+        window = work.window
+        if isinstance(result, ModelError):
+            self.stats.errors += 1
+            error = StageError(window.session, type(result).__name__, str(result), window.window_id)
+            await self._send(info.coordinator, error)
+            return
+        self.stats.windows_computed += 1
+        timings = [*(work.hidden.timings if work.hidden else []), timing]
         if isinstance(result, torch.Tensor):
-            assert session.info.next_hop is not None
-            blob = to_blob(result, session.info.wire_dtype)
-            await self._send(session.info.next_hop, StageHidden(window, blob, timings))
+            assert info.next_hop is not None
+            blob = to_blob(result, info.wire_dtype)
+            await self._send(info.next_hop, StageHidden(window, blob, timings))
         elif result is not None:
             accepted, next_token, drafts = result
             reply = VerifyReply(
@@ -209,12 +314,29 @@ class StageHost:
                 mtp_draft=drafts,
                 stage_timings=timings,
             )
-            await self._send(session.info.coordinator, reply)
+            await self._send(info.coordinator, reply)
 
-    def _compute(
-        self, info: OpenSession, work: _Work
-    ) -> torch.Tensor | tuple[int, int, list[int]] | None:
-        """Run one window; hidden states for the next stage, or the verdict on the last."""
+    def _compute_batch(self, batch: list[tuple[_Work, _Session]]) -> list[_Result]:
+        """Run one pass over `batch` (in the worker thread); a result or error per window."""
+        results: list[_Result] = [None] * len(batch)
+        items: dict[int, BatchItem] = {}
+        for i, (work, _) in enumerate(batch):
+            try:
+                items[i] = self._item(work)
+            except ModelError as exc:
+                results[i] = exc
+        outputs = self._forward(list(items.values()))
+        for i, out in zip(items, outputs, strict=True):
+            if isinstance(out, ModelError):
+                results[i] = out
+                continue
+            try:
+                results[i] = self._finish(batch[i][1].info, batch[i][0].window, out)
+            except ModelError as exc:
+                results[i] = exc
+        return results
+
+    def _item(self, work: _Work) -> BatchItem:
         w = work.window
         if self.stage.is_first:
             inputs = torch.tensor(w.tokens, dtype=torch.int64)
@@ -222,7 +344,34 @@ class StageHost:
             if work.hidden is None:
                 raise ModelError("a non-first stage needs hidden states, got a bare window")
             inputs = from_blob(work.hidden.hidden)
-        out = self.stage.forward(w.session, w.base_pos, inputs, logits_last_n=w.n_draft + 1)
+        return BatchItem(w.session, w.base_pos, inputs, w.n_draft + 1)
+
+    def _forward(self, items: list[BatchItem]) -> list[StageOutput | ModelError]:
+        """One batched pass; if it is refused (one bad window), each window alone."""
+        if len(items) > 1:
+            try:
+                return list(self.stage.forward_batch(items))
+            except ModelError:
+                pass  # forward_batch checks before computing: nothing was written
+        outputs: list[StageOutput | ModelError] = []
+        for item in items:
+            try:
+                outputs.append(
+                    self.stage.forward(
+                        item.session_id,
+                        item.base_pos,
+                        item.inputs,
+                        logits_last_n=item.logits_last_n,
+                    )
+                )
+            except ModelError as exc:
+                outputs.append(exc)
+        return outputs
+
+    def _finish(
+        self, info: OpenSession, w: VerifyWindow, out: StageOutput
+    ) -> torch.Tensor | tuple[int, int, list[int]] | None:
+        """After the pass: hidden states to pass on, or the last stage's verdict and drafts."""
         if not self.stage.is_last:
             return out.hidden
         # The drafter runs for every window of a session that uses MTP (even when this window
