@@ -12,29 +12,40 @@ generations equal single-node greedy decoding. Needs root; skipped with the reas
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import select
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import torch
+import trio
+from nacl.bindings import crypto_scalarmult_base
 
+from meshd.mesh.member import MemberInfo
+from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
+from meshd.net.endpoint import open_endpoint
 from meshd.node.control_client import ControlError, GenerateOp, StatusOp, call, request_lines
+from meshd.node.lanes import LaneKind, LanePath, NatDialConfig, NodePeers, pick_introducers
 from meshd.node.planning import model_shape
 from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
+from protocol.config import LaneConfig
+from protocol.gossip import Status
+from protocol.handshake import psk_from_secret
 from tests.net import netns
 from tests.node.daemons import REPO, SECRET, wait_for
-
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 INTRODUCER_PORT = 7000
 PROMPT = "def fibonacci(n):\n"
@@ -228,6 +239,8 @@ def run_mesh(random_fully: bool, tmp: pathlib.Path, budget: int, prompt: list[in
         topo.delete()
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_masquerade_nats_punch_a_direct_lane_for_the_pipeline(
     tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
 ) -> None:
@@ -251,6 +264,8 @@ def test_masquerade_nats_punch_a_direct_lane_for_the_pipeline(
     assert status["I"]["nat"]["relay_forwarded_datagrams"] == 0
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_symmetric_nats_relay_the_pipeline_through_the_introducer(
     tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
 ) -> None:
@@ -269,3 +284,89 @@ def test_symmetric_nats_relay_the_pipeline_through_the_introducer(
     nat = status["I"]["nat"]
     assert nat["relay_sessions_opened"] >= 1
     assert nat["relay_forwarded_bytes"] > 0
+
+
+# ---- the dial policy in one process on loopback (no root needed) --------------------------
+
+PSK = psk_from_secret("dial policy test mesh")
+FAST_LANES = LaneConfig(handshake_timeout_s=1.0)
+TEST_STREAM = 5
+
+
+def _member(node_id: bytes, rtt_s: dict[bytes, float], status: Status = Status.ALIVE) -> MemberInfo:
+    return MemberInfo(node_id, status, 1, "", None, rtt_s, True, 0.0)
+
+
+def test_introducers_are_members_with_direct_lanes_listing_the_target_first() -> None:
+    own, target = b"o" * 32, b"t" * 32
+    near, far, silent, no_lane, sick = (bytes([c]) * 32 for c in b"nfslk")
+    view = {
+        own: _member(own, {target: 0.001}),
+        target: _member(target, {}),
+        far: _member(far, {target: 0.020}),
+        near: _member(near, {target: 0.002}),
+        silent: _member(silent, {}),
+        no_lane: _member(no_lane, {target: 0.001}),
+        sick: _member(sick, {target: 0.001}, Status.SUSPECT),
+    }
+    picked = pick_introducers(view, target, own=own, direct_lane=lambda key: key != no_lane)
+    assert picked == [near, far, silent]
+
+
+@asynccontextmanager
+async def _node(role: str, **nat: Any) -> AsyncIterator[NodePeers]:
+    """A NodePeers on its own loopback endpoint, with a key derived from `role`."""
+    private = hashlib.blake2s(role.encode(), key=b"meshd dial test").digest()
+    async with (
+        open_endpoint(static_private=private, psk=PSK, lane_config=FAST_LANES) as endpoint,
+        trio.open_nursery() as nursery,
+    ):
+        public = crypto_scalarmult_base(private)
+        peers = NodePeers(endpoint, public, lambda m, k: None, streams={}, nat=NatDialConfig(**nat))
+        await nursery.start(peers.run)
+        yield peers
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_direct_dial_goes_through_a_member_and_is_remembered() -> None:
+    async with _node("introducer") as intro, _node("a", yield_s=0.0) as a, _node("b") as b:
+        for side in (a, b):
+            side.addresses[intro.own_key] = intro.endpoint.local_address
+            await side.lane_to(intro.own_key)
+        # B's advertised address answers nothing: the direct dial times out.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as black_hole:
+            black_hole.bind(("127.0.0.1", 0))
+            a.addresses[b.own_key] = black_hole.getsockname()
+            a.introducers = lambda target: [intro.own_key]
+
+            start = trio.current_time()
+            lane = await a.lane_to(b.own_key)
+            first_s = trio.current_time() - start
+            path = a.path_of(b.own_key)
+            assert path is not None and path.kind is LaneKind.PUNCHED
+            assert path.via == intro.own_key
+            assert first_s >= FAST_LANES.handshake_timeout_s  # it tried direct first
+            got = trio.Event()
+            b.streams[TEST_STREAM] = (bytes, lambda data, key: got.set())
+            await a.send_bytes(b.own_key, TEST_STREAM, b"x")
+            with trio.fail_after(2):
+                await got.wait()  # the lane carries messages
+            # B only accepted a lane: to it, the punched lane is an ordinary direct one.
+            assert b.path_of(a.own_key) == LanePath(LaneKind.DIRECT, None, 0.0)
+
+            # Lost and needed again: straight to the introducer, no direct timeout this time.
+            far_end = b.lane(a.own_key)
+            lane.close("test")
+            with trio.fail_after(5):
+                if far_end is not None:
+                    await far_end.terminated()
+            start = trio.current_time()
+            await a.lane_to(b.own_key)
+            assert trio.current_time() - start < FAST_LANES.handshake_timeout_s
+            assert a.nat.stats.punches_direct == 2
+
+
+async def test_without_an_introducer_the_dial_fails_with_both_reasons() -> None:
+    async with _node("a") as a, _node("b") as b:
+        with pytest.raises(PeerUnreachable, match=r"no address known.*no member to introduce"):
+            await a.lane_to(b.own_key)
