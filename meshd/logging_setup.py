@@ -49,7 +49,21 @@ class JsonFormatter(logging.Formatter):
 
 
 class _MeshdHandler(logging.StreamHandler[TextIO]):
-    """The handler setup_logging installs (so a second call can find and replace it)."""
+    """The handler setup_logging installs (so a second call can find and replace it).
+
+    Without an explicit stream it writes to whatever `sys.stderr` is at each record, so a
+    rich progress display that redirects stderr keeps log lines above its bar.
+    """
+
+    def __init__(self, stream: TextIO | None) -> None:
+        super().__init__(stream if stream is not None else sys.stderr)
+        self._follow_stderr = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write one record (to the current sys.stderr when following it)."""
+        if self._follow_stderr:
+            self.stream = sys.stderr
+        super().emit(record)
 
 
 def setup_logging(level: str, log_format: str, stream: TextIO | None = None) -> logging.Handler:
@@ -57,7 +71,7 @@ def setup_logging(level: str, log_format: str, stream: TextIO | None = None) -> 
 
     Replaces handlers installed by an earlier call, so calling it twice does not double lines.
     """
-    handler = _MeshdHandler(stream if stream is not None else sys.stderr)
+    handler = _MeshdHandler(stream)
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     elif log_format == "text":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -66,7 +67,8 @@ async def serve(config: NodeConfig) -> None:
         await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier)
         # Pings start before READY: loading a big model must not look like a hang.
         nursery.start_soon(_watchdog, notifier)
-        await nursery.start(node.run)
+        with _startup_display(config):
+            await nursery.start(node.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
         app = create_app(backend, api_key=config.read_api_key(), spec=config.spec)
         api = await nursery.start(serve_api, app, config.api_host, config.api_port)
@@ -76,6 +78,17 @@ async def serve(config: NodeConfig) -> None:
             f"listening on {node.lane_address}",
             flush=True,
         )
+
+
+def _startup_display(config: NodeConfig) -> contextlib.AbstractContextManager[object]:
+    """A rich spinner while the model loads and compute is measured (on a terminal only)."""
+    if config.log_format != "text" or not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(
+        "loading the model and measuring stage compute …", spinner="dots"
+    )
 
 
 async def _stop_on_sigterm(
