@@ -58,6 +58,24 @@ class RouteFailed(Exception):
         self.node_key = node_key
 
 
+class StageOverloaded(RouteFailed):
+    """A stage refused the session (its KV memory or queue is full): retry after a while.
+
+    A `RouteFailed`, so callers that only know that type still fail fast; the API may answer
+    429/503 with `Retry-After: retry_after_s`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        retry_after_s: float,
+        committed: Sequence[int] = (),
+        node_key: bytes = b"",
+    ) -> None:
+        super().__init__(message, committed, node_key)
+        self.retry_after_s = retry_after_s
+
+
 class Sender(Protocol):
     """What the coordinator needs of the node's peer table."""
 
@@ -121,6 +139,7 @@ class Coordinator:
         self.reply_timeout_s = reply_timeout_s
         self._live: dict[str, _Live] = {}
         self._costs: dict[tuple[bytes, ...], RouteCosts] = {}
+        self._load: dict[tuple[bytes, ...], float] = {}
 
     @property
     def sessions_in_flight(self) -> int:
@@ -160,6 +179,17 @@ class Coordinator:
                         await self.sender.send(key, CloseSession(live.session))
                     except Exception as exc:  # the node may be gone; its KV went with it
                         log.debug("close on %s failed: %s", key.hex()[:16], exc)
+
+    def stage_load(self, route: Route) -> float:
+        """Sessions sharing the route's busiest stage, as its replies report (smoothed; ≥ 1)."""
+        return self._load.get(route.keys, 1.0)
+
+    def observe_load(self, route: Route, sessions: int) -> None:
+        """Fold one reply's stage load into `stage_load` (fast to rise, a few replies to fall)."""
+        old = self._load.get(route.keys, 1.0)
+        self._load[route.keys] = max(
+            1.0, sessions if sessions > old else 0.7 * old + 0.3 * sessions
+        )
 
     def costs(self, route: Route) -> RouteCosts:
         """Measured costs of a route (kept across requests)."""
@@ -263,7 +293,10 @@ class _Run:
     def _plan(self) -> WindowPlan:
         if self.spec.strategy == "disabled" or self.spec.window_max_tokens == 0:
             return WindowPlan(0, 1, 1.0, 0.0, 0.0, "speculation disabled")
-        link = self.costs.link_model(concurrent_sessions=max(1, self.coord.sessions_in_flight))
+        # Load is what the stages saw (every session of every coordinator sharing them), or at
+        # least this coordinator's own requests in flight.
+        load = max(self.coord.sessions_in_flight, round(self.coord.stage_load(self.live.route)))
+        link = self.costs.link_model(concurrent_sessions=max(1, load))
         setter = getattr(self.proposer, "set_link", None)
         if setter is not None:
             setter(link)
@@ -330,10 +363,17 @@ class _Run:
             raise RouteFailed(
                 f"reply for window {reply.window_id}, expected {w.window_id}", self.generated
             )
-        compute = sum(t.compute_s for t in reply.stage_timings)
-        queue = sum(t.queue_s for t in reply.stage_timings)
+        timings = reply.stage_timings
+        compute = sum(t.compute_s for t in timings)
+        queue = sum(t.queue_s for t in timings)
         round_trip = time.perf_counter() - w.sent_s
-        self.costs.observe(len(w.tokens), round_trip, compute, queue)
+        # A batched pass is shared by its sessions: the cost model takes this session's share,
+        # and the policy multiplies it back by the load (C_L = L·C). The rest of the pass was
+        # spent on others' rows, so it counts as waiting, not as network.
+        share = sum(t.compute_s / max(1, t.batch_sessions) for t in timings)
+        self.costs.observe(len(w.tokens), round_trip, share, queue + compute - share)
+        load = max((t.batch_sessions + t.queued_sessions for t in timings), default=1)
+        self.coord.observe_load(self.live.route, load)
         accepted = reply.accepted_len
         if not 0 <= accepted <= w.n_draft:
             raise RouteFailed(f"reply accepts {accepted} of {w.n_draft} drafts", self.generated)
@@ -396,7 +436,10 @@ class _Run:
                 item.committed = list(self.generated)
                 raise item
             if isinstance(item, StageError):
-                raise RouteFailed(f"stage error {item.code}: {item.message}", self.generated)
+                text = f"stage error {item.code}: {item.message}"
+                if item.code == "overloaded":
+                    raise StageOverloaded(text, item.retry_after_s, self.generated)
+                raise RouteFailed(text, self.generated)
             if item.epoch == self.epoch:
                 return item
 

@@ -273,7 +273,8 @@ class StageHost:
 
     async def _process(self, batch: list[tuple[_Work, _Session]]) -> None:
         start = time.perf_counter()
-        queued = len({w.window.session for w in self._queue})
+        in_pass = {work.window.session for work, _ in batch}
+        queued = len({w.window.session for w in self._queue} - in_pass)
         if self.use_thread:
             results = await trio.to_thread.run_sync(self._compute_batch, batch)
         else:
