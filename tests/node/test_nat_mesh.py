@@ -358,6 +358,7 @@ async def test_a_failed_direct_dial_goes_through_a_member_and_is_remembered() ->
             far_end = b.lane(a.own_key)
             lane.close("test")
             with trio.fail_after(5):
+                await lane.terminated()
                 if far_end is not None:
                     await far_end.terminated()
             start = trio.current_time()
