@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("meshd.coord.bench_spec", "speculative strategies over a stage pipeline"),
     "lanes": ("meshd.net.bench_lanes", "our lane vs aioquic vs raw UDP on loopback"),
     "decode": ("meshd.model.bench_decode", "single-node decode loop vs transformers generate()"),
+    "scale": ("meshd.plan.bench_scale", "membership, failure detection and planner at 10-1000 nodes"),
 }
 
 
