@@ -92,6 +92,8 @@ class Geography:
         """The round trip between nodes a and b (0 for a node to itself)."""
         if a == b:
             return 0.0
+        if a > b:
+            a, b = b, a  # the same float sum either way round
         sa, sb = self.site_of[a], self.site_of[b]
         return self._site_rtt_s[sa][sb] + self.access_s[a] + self.access_s[b]
 

@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the study and print a table or JSON."""
     sizes = args.sizes or [10, 100, 1000]
     max_n = args.membership_max_n or (100 if args.quick else max(sizes))
-    settle_s = args.settle_s if args.settle_s is not None else (10.0 if args.quick else 20.0)
-    window_s = args.window_s or (20.0 if args.quick else 60.0)
+    settle_s = args.settle_s if args.settle_s is not None else 10.0
+    window_s = args.window_s or (20.0 if args.quick else 30.0)
     kills = args.kills or (2 if args.quick else 3)
     coordinators = args.coordinators or (3 if args.quick else 5)
     samples = args.random_plans or (300 if args.quick else 2000)
