@@ -204,6 +204,8 @@ class Demo:
         model = client.models.list().data[0].id
         if show:
             self.say(f"  user: {self.args.prompt}")
+        # The response starts with the first token, so the clock starts before the call.
+        start = time.monotonic()
         stream = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": self.args.prompt}],
@@ -215,7 +217,6 @@ class Demo:
             extra_body={"meshd": {"speculative": {"strategy": self.args.strategy}}},
         )
         sys.stdout.write(f"  {model}: ")
-        start = time.monotonic()
         for chunk in stream:
             if chunk.usage:
                 run.completion_tokens = chunk.usage.completion_tokens
