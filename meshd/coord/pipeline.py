@@ -24,7 +24,7 @@ import trio
 from meshd.coord.costs import RouteCosts
 from meshd.coord.route import Route
 from meshd.spec.config import SpecConfig
-from meshd.spec.policy import PolicyInputs, WindowPlan, choose
+from meshd.spec.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.spec.proposers import make_proposer
 from meshd.spec.sampling import clip_drafts
 from meshd.spec.telemetry import Recorder, SpecTelemetry
@@ -191,6 +191,15 @@ class Coordinator:
             1.0, sessions if sessions > old else 0.7 * old + 0.3 * sessions
         )
 
+    def link_model(self, route: Route) -> LinkModel:
+        """The policy's view of `route` now: its measured costs and the load on its stages.
+
+        Load is what the stages report (sessions of every coordinator sharing a pass or queued
+        behind it), and at least this coordinator's own requests in flight.
+        """
+        load = max(1, self.sessions_in_flight, round(self.stage_load(route)))
+        return self.costs(route).link_model(concurrent_sessions=load)
+
     def costs(self, route: Route) -> RouteCosts:
         """Measured costs of a route (kept across requests)."""
         key = route.keys
@@ -293,10 +302,7 @@ class _Run:
     def _plan(self) -> WindowPlan:
         if self.spec.strategy == "disabled" or self.spec.window_max_tokens == 0:
             return WindowPlan(0, 1, 1.0, 0.0, 0.0, "speculation disabled")
-        # Load is what the stages saw (every session of every coordinator sharing them), or at
-        # least this coordinator's own requests in flight.
-        load = max(self.coord.sessions_in_flight, round(self.coord.stage_load(self.live.route)))
-        link = self.costs.link_model(concurrent_sessions=max(1, load))
+        link = self.coord.link_model(self.live.route)
         setter = getattr(self.proposer, "set_link", None)
         if setter is not None:
             setter(link)
