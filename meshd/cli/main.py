@@ -23,7 +23,14 @@ BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("meshd.coord.bench_spec", "speculative strategies over a stage pipeline"),
     "lanes": ("meshd.net.bench_lanes", "our lane vs aioquic vs raw UDP on loopback"),
     "decode": ("meshd.model.bench_decode", "single-node decode loop vs transformers generate()"),
-    "scale": ("meshd.plan.bench_scale", "membership, failure detection and planner at 10-1000 nodes"),
+    "concurrency": (
+        "meshd.coord.bench_concurrency",
+        "concurrent streams on a 2-stage pipeline, stage batching on vs off",
+    ),
+    "scale": (
+        "meshd.plan.bench_scale",
+        "membership, failure detection and planner at 10-1000 nodes",
+    ),
 }
 
 
