@@ -7,7 +7,8 @@ only. Memory budgets force a 2-stage split over A and B (I can hold no stage), a
 goes to A, so A coordinates over the A-B lane. The daemons' dial policy tries the advertised
 address, fails, and asks I for an introduction: with plain MASQUERADE the punch gives a
 direct lane; with `--random-fully` (symmetric NAT) the lane runs through I's relay. Both
-generations equal single-node greedy decoding. Needs root; skipped with the reason otherwise.
+generations equal single-node greedy decoding. Those two need root (skipped with the reason
+otherwise); the dial-policy tests at the end run anywhere, in one process on loopback.
 """
 
 from __future__ import annotations
@@ -168,6 +169,15 @@ def settled_two_stage_plan(daemons: list[NsDaemon], stage_keys: set[str]) -> boo
 
 
 @pytest.fixture(scope="module")
+def namespaces() -> None:
+    """Skip (before loading any model) when this machine cannot build the NAT topology."""
+    try:
+        netns.check_available()
+    except netns.TopologyUnavailable as exc:
+        pytest.skip(f"NAT namespaces unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
 def budget() -> int:
     return two_stage_budget()
 
@@ -242,7 +252,7 @@ def run_mesh(random_fully: bool, tmp: pathlib.Path, budget: int, prompt: list[in
 @pytest.mark.netns
 @pytest.mark.slow
 def test_masquerade_nats_punch_a_direct_lane_for_the_pipeline(
-    tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
+    namespaces: None, tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
 ) -> None:
     prompt, reference = expected
     final, took_s, status, keys = run_mesh(False, tmp_path, budget, prompt)
@@ -267,7 +277,7 @@ def test_masquerade_nats_punch_a_direct_lane_for_the_pipeline(
 @pytest.mark.netns
 @pytest.mark.slow
 def test_symmetric_nats_relay_the_pipeline_through_the_introducer(
-    tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
+    namespaces: None, tmp_path: pathlib.Path, budget: int, expected: tuple[list[int], list[int]]
 ) -> None:
     prompt, reference = expected
     final, took_s, status, keys = run_mesh(True, tmp_path, budget, prompt)
