@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         report["transformers"] = _transformers_rows(model_dir, loads, tokens)
     if args.json:
         print(json.dumps(report))
+    elif args.markdown:
+        print(markdown(report, strategies))
     else:
         _print(report, strategies)
     return 0
@@ -203,6 +206,45 @@ def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> li
                     }
                 )
     return rows
+
+
+def markdown(report: dict[str, Any], strategies: list[str]) -> str:
+    """The rows as Markdown tables, one per (stages, RTT), for docs/speculative.md."""
+    rows = report["rows"]
+    out: list[str] = []
+    for stages, rtt in sorted({(r["stages"], r["rtt_ms"]) for r in rows}):
+        out.append(
+            f"\n**{stages} stage(s), RTT {rtt:g} ms** — decode tok/s (× disabled), "
+            "acceptance, tokens per verify round trip\n"
+        )
+        out.append("| strategy | " + " | ".join(KINDS) + " |")
+        out.append("| --- |" + " --- |" * len(KINDS))
+        for strategy in strategies:
+            cells = []
+            for kind in KINDS:
+                match = [
+                    r
+                    for r in rows
+                    if (r["stages"], r["rtt_ms"], r["workload"], r["strategy"])
+                    == (stages, rtt, kind, strategy)
+                ]
+                if not match:
+                    cells.append("–")
+                    continue
+                r = match[0]
+                acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                tpr = r["tokens_per_round_trip"]
+                flag = "" if r["identical_to_disabled"] else " **MISMATCH**"
+                cells.append(
+                    f"{r['decode_tok_s']:.1f} ({r['ratio_vs_disabled']:.2f}×) {acc} "
+                    f"{'–' if tpr is None else f'{tpr:.2f}'}{flag}"
+                )
+            out.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    for row in report.get("transformers", []):
+        out.append(
+            f"\nsingle node, {row['strategy']}, {row['workload']}: {row['decode_tok_s']:.1f} tok/s"
+        )
+    return "\n".join(out)
 
 
 def _print(report: dict[str, Any], strategies: list[str]) -> None:
