@@ -15,7 +15,13 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from meshd.coord.local import LocalPipeline, open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest, GenerationResult, OnTokens, RouteFailed
+from meshd.coord.pipeline import (
+    GenerationRequest,
+    GenerationResult,
+    OnTokens,
+    RouteFailed,
+    StageOverloaded,
+)
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from protocol.messages import DType
@@ -111,6 +117,9 @@ class LocalPipelineBackend:
         try:
             pipe = self.pipeline
             return await pipe.coordinator.generate(pipe.route, request, on_tokens)
+        except StageOverloaded as exc:
+            # A stage refused the session (sessions, queue or KV memory full): 429, retry later.
+            raise Overloaded(str(exc), exc.retry_after_s) from exc
         except RouteFailed as exc:
             # A local pipeline has no spare node to re-plan onto: tell the client to retry.
             raise ServiceUnavailable(f"pipeline failed: {exc}", self.retry_after_s) from exc

@@ -15,8 +15,14 @@ from dataclasses import replace
 
 import trio
 
-from meshd.api.backend import ServiceUnavailable
-from meshd.coord.pipeline import GenerationRequest, GenerationResult, OnTokens, RouteFailed
+from meshd.api.backend import Overloaded, ServiceUnavailable
+from meshd.coord.pipeline import (
+    GenerationRequest,
+    GenerationResult,
+    OnTokens,
+    RouteFailed,
+    StageOverloaded,
+)
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.node import MeshNode
 from meshd.plan import NoFeasiblePlan
@@ -60,6 +66,13 @@ class NodeBackend:
             )
             try:
                 result = await self.node.coordinator.generate(route, attempt, on_tokens)
+            except StageOverloaded as exc:
+                if not committed:
+                    # Nothing generated yet: the client retries later (429 with Retry-After).
+                    raise Overloaded(str(exc), exc.retry_after_s) from exc
+                committed += exc.committed
+                await self.node.wait_plan_change(exc.retry_after_s)
+                continue
             except RouteFailed as exc:
                 committed += exc.committed
                 if exc.committed:

@@ -167,3 +167,34 @@ async def test_bench_concurrency_reports_every_cell_with_identical_text() -> Non
     assert [
         row["largest_batch"] <= (row["streams"] if row["batching"] else 1) for row in report["rows"]
     ] == [True] * 4
+
+
+async def test_a_full_stage_is_a_429_with_the_stages_retry_after_through_the_backend(
+    model_dir: pathlib.Path,
+) -> None:
+    from meshd.api.backend import LocalPipelineBackend, Overloaded
+    from meshd.model.builtin import builtin_model_dir
+    from meshd.model.tokenizer import Tokenizer
+
+    async with open_local_pipeline(model_dir, 2, wire_dtype="f32") as pipe:
+        pipe.hosts[1].config = StageHostConfig(max_sessions=1, overload_retry_after_s=2.5)
+        # The tiny test checkpoint has no tokenizer; the backend only carries one for the API.
+        tokenizer = Tokenizer.open(builtin_model_dir())
+        backend = LocalPipelineBackend(pipe, tokenizer, model_name="t")
+        first_token, release = trio.Event(), trio.Event()
+
+        async def hold(tokens: list[int]) -> None:
+            first_token.set()
+            await release.wait()
+
+        async def first_request() -> None:
+            await backend.generate(_request(0), hold)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first_request)
+                await first_token.wait()
+                with pytest.raises(Overloaded) as refused:
+                    await backend.generate(_request(1), _ignore)
+                release.set()
+        assert refused.value.retry_after_s == 2.5
