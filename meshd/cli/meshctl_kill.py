@@ -21,6 +21,12 @@ def run(args: argparse.Namespace) -> int:
     from meshd.node.control_client import KillOp
 
     def show(reply: dict[str, Any]) -> None:
-        print(f"killed {reply['node'][:16]}")
+        if reply.get("drain"):
+            print(
+                f"draining {reply['node'][:16]}: its stage stops when its open sessions end "
+                "(`meshctl status` shows it)"
+            )
+        else:
+            print(f"killed {reply['node'][:16]}")
 
     return run_op(args, KillOp(node=args.node, drain=args.drain), show)

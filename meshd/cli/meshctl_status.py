@@ -39,7 +39,7 @@ def render(status: dict[str, Any], events: int) -> None:
     layers = status["stage_layers"]
     console.print(
         f"node [bold]{status['name']}[/] ({status['key'][:16]})  model {status['model_id'][:16]}"
-        f"  stage {_layers(layers)}  {'[red]KILLED[/]' if status['disabled'] else ''}"
+        f"  stage {_layers(layers)}  {_state(status)}"
     )
     console.print(
         f"sessions hosted {status['sessions_hosted']}, coordinated "
@@ -76,6 +76,12 @@ def render(status: dict[str, Any], events: int) -> None:
     for event in status["events"][-events:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(event["at_unix_s"]))
         console.print(f"{stamp} {event['kind']:<16} {event['node']} {event['detail']}")
+
+
+def _state(status: dict[str, Any]) -> str:
+    if status.get("draining"):
+        return f"[yellow]DRAINING[/] ({status['sessions_hosted']} sessions left)"
+    return "[red]KILLED[/]" if status["disabled"] else ""
 
 
 def _layers(layers: list[int] | None) -> str:

@@ -131,7 +131,7 @@ async def _handle(
     if isinstance(op, KillOp):
         target = resolve_node(node, op.node)
         await node.send_command(target, "kill", op.drain)
-        return {"node": target.hex()}
+        return {"node": target.hex(), "drain": op.drain}
     if isinstance(op, RecoverOp):
         targets = [resolve_node(node, op.node)] if op.node else killed_members(node)
         for target in targets:

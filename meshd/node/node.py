@@ -85,6 +85,10 @@ class MeshNode:
         self.plan: Plan | None = None
         self.plan_error = "not planned yet"
         self.disabled = False
+        # `meshctl kill --drain` in progress: the stage serves its open sessions, refuses new
+        # ones and is left out of every plan; it stops when they end (or at the timeout).
+        self.draining = False
+        self._drain_scope: trio.CancelScope | None = None
         self.compute_ns = 0
         self.started_unix_s = time.time()
         self._suspects: dict[bytes, float] = {}
@@ -200,7 +204,7 @@ class MeshNode:
         """What this node offers now (the signed record's contents)."""
         budget = self.config.memory_budget_bytes or device_memory_bytes(self.device)
         models: tuple[ModelHolding, ...] = ()
-        if not self.disabled:
+        if not (self.disabled or self.draining):
             layers = self.slot.layers if hasattr(self, "slot") else None
             lo, hi = layers if layers is not None else (0, self.shape.num_layers)
             holding = ModelHolding(self.shape.model_id, lo, hi, layers is not None, self.compute_ns)
@@ -353,7 +357,9 @@ class MeshNode:
         if (new.route if new is not None else None) != old_route:
             self.note("plan", self.node_key, _describe(new) if new is not None else error)
         mine = assignment(new, self.node_key) if new is not None and not self.disabled else None
-        if mine != self.slot.layers:
+        if self.draining:
+            pass  # the drain owns the stage until its sessions end
+        elif mine != self.slot.layers:
             if mine is None:
                 # Not in the plan (a spare, or no plan fits): stop serving only when a plan
                 # exists without us; with no plan at all, keep what we hold for a later one.
@@ -383,20 +389,55 @@ class MeshNode:
     async def apply_command(self, action: str, drain: bool) -> None:
         """kill: stop hosting (after the sessions end with `drain`); recover: host again."""
         if action == "kill":
-            if drain:
-                await self.slot.drain()
+            if drain and self.slot.layers is not None and not self.disabled:
+                await self._drain_then_stop()
+                return
+            self._cancel_drain()
             self.disabled = True
             await self.slot.stop("killed by the operator")
-            self.note("killed", self.node_key, "drained" if drain else "at once")
+            self.note("killed", self.node_key, "at once")
         else:
+            self._cancel_drain()
             self.disabled = False
             self.note("recovered", self.node_key)
         self.publish_capacity()
 
+    async def _drain_then_stop(self) -> None:
+        if self.draining:
+            return  # a second --drain joins the first
+        self.draining = True
+        self.slot.refuse_new_sessions = True
+        self.note("draining", self.node_key, f"{self.slot.sessions} sessions open")
+        self.publish_capacity()  # new requests plan around us while ours finish
+        timeout_s = self.tuning.drain_timeout_s
+        with trio.CancelScope() as scope:
+            self._drain_scope = scope
+            with trio.move_on_after(timeout_s) as waited:
+                await self.slot.drain()
+            self._drain_scope = None  # decided: a recover from here on comes after the stop
+            self.disabled = True
+            await self.slot.stop("killed by the operator after draining")
+            detail = f"drain timed out after {timeout_s:g} s" if waited.cancelled_caught else ""
+            self.note("killed", self.node_key, detail or "drained")
+        self._drain_scope = None
+        self.draining = False
+        self.slot.refuse_new_sessions = False
+        self.publish_capacity()
+
+    def _cancel_drain(self) -> None:
+        """A kill at once or a recover overrides a drain in progress."""
+        if self._drain_scope is not None:
+            self._drain_scope.cancel()
+        self.draining = False
+        self.slot.refuse_new_sessions = False
+
     async def send_command(self, node_id: bytes, action: str, drain: bool) -> None:
         """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""
         if node_id == self.node_key:
-            await self.apply_command(action, drain)
+            if action == "kill" and drain:
+                self._nursery.start_soon(self.apply_command, action, drain)  # answer at once
+            else:
+                await self.apply_command(action, drain)
             return
         command = StageCommand("kill" if action == "kill" else "recover", drain)
         await self.peers.send(self.keys.x_of(node_id), command)

@@ -75,6 +75,8 @@ class StageSlot:
         self._sessions: dict[str, bytes] = {}
         self._nursery: trio.Nursery | None = None
         self._drained = trio.Event()
+        # While draining: sessions already open are served, new ones are refused.
+        self.refuse_new_sessions = False
 
     @property
     def layers(self) -> tuple[int, int] | None:
@@ -150,6 +152,13 @@ class StageSlot:
                     message.session,
                     "wrong_layers",
                     f"this node serves {held}, the route expects {list(expected)}",
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._send, message.coordinator, error)
+                return
+            if self.refuse_new_sessions and message.session not in self._sessions:
+                error = StageError(
+                    message.session, "draining", "this stage is draining: re-plan without it"
                 )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)

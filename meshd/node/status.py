@@ -76,6 +76,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     model_id: str
     disabled: bool
+    draining: bool  # `meshctl kill --drain`: serving open sessions, then the stage stops
     stage_layers: list[int] | None
     sessions_hosted: int
     sessions_coordinated: int
@@ -129,6 +130,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         name=node.identity.node_id,
         model_id=node.shape.model_id,
         disabled=node.disabled,
+        draining=node.draining,
         stage_layers=list(layers) if layers is not None else None,
         sessions_hosted=node.slot.sessions,
         sessions_coordinated=node.coordinator.sessions_in_flight,

@@ -25,6 +25,9 @@ class DaemonTuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # A node whose lane died is left out of this node's routes this long, or until
     # membership says it is alive again (membership decides the stage assignment).
     suspect_hold_s: float = 10.0
+    # `meshctl kill --drain` stops the stage after this long even if sessions are still open
+    # (a coordinator that died never closes its sessions).
+    drain_timeout_s: float = 300.0
     # Single-token passes timed at start-up to measure compute per layer and token.
     warmup_passes: int = 6
     # Lane RTTs are fed to membership this often.
