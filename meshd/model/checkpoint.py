@@ -18,7 +18,7 @@ import math
 import os
 import pathlib
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,9 @@ _WEIGHT_DTYPES = ("F32", "F16", "BF16")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _ID_SAMPLES = 16
 _ID_SAMPLE_BYTES = 16
+
+# Told after each tensor `Checkpoint.load` reads: (its name, its size in the file in bytes).
+OnTensor = Callable[[str, int], None]
 
 
 @dataclass(frozen=True)
@@ -195,8 +198,13 @@ class Checkpoint:
                 os.close(fd)
         return digest.hexdigest()[:32]
 
-    def load(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(name, tensor)` for each name (CPU, stored dtype), opening each file once."""
+    def load(
+        self, names: Iterable[str], on_tensor: OnTensor | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` for each name (CPU, stored dtype), opening each file once.
+
+        `on_tensor(name, nbytes)` is called after each read (for progress displays).
+        """
         by_file: dict[pathlib.Path, list[str]] = {}
         for name in names:
             if name not in self.tensors:
@@ -208,6 +216,8 @@ class Checkpoint:
                     for name in file_names:
                         tensor = f.get_tensor(name)
                         self.loaded_names.add(name)
+                        if on_tensor is not None:
+                            on_tensor(name, self.tensors[name].nbytes)
                         yield name, tensor
             except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
                 raise CorruptCheckpoint(f"{path}: cannot read tensors ({exc})") from None

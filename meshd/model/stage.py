@@ -9,14 +9,14 @@ stages computes exactly what the unsplit model computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from meshd.model.checkpoint import Checkpoint
+from meshd.model.checkpoint import Checkpoint, OnTensor
 from meshd.model.config import ModelConfig
 from meshd.model.device import pick_device
 from meshd.model.errors import InvalidInput
@@ -33,6 +33,9 @@ from meshd.model.llama import (
     rms_norm,
 )
 from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
+
+# Told as a stage's weights load: (bytes read so far, bytes the stage reads in all).
+LoadProgress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class StageModel:
         device: torch.device,
         dtype: torch.dtype,
         kv_budget_bytes: int | None,
+        progress: LoadProgress | None = None,
     ) -> None:
         config = checkpoint.config
         if not 0 <= layer_start < layer_end <= config.num_layers:
@@ -109,7 +113,11 @@ class StageModel:
         )
         self.kv = KVCache(layout, device, kv_budget_bytes)
         self.kv_bytes_per_token = layout.bytes_per_token
+        self._on_tensor: OnTensor | None = None
+        if progress is not None:
+            self._on_tensor = _progress_counter(self._weight_names(n_mtp), checkpoint, progress)
         self._load_weights(checkpoint, n_mtp)
+        self._on_tensor = None
 
     @classmethod
     def load(
@@ -121,17 +129,39 @@ class StageModel:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         kv_budget_bytes: int | None = None,
+        progress: LoadProgress | None = None,
     ) -> StageModel:
-        """Materialise only this stage's weights on `device` (auto-picked when None)."""
-        return cls(checkpoint, layer_start, layer_end, pick_device(device), dtype, kv_budget_bytes)
+        """Materialise only this stage's weights on `device` (auto-picked when None).
+
+        `progress(done_bytes, total_bytes)` is called after each tensor is read, from the
+        loading thread; None (the default) costs nothing.
+        """
+        device_ = pick_device(device)
+        return cls(checkpoint, layer_start, layer_end, device_, dtype, kv_budget_bytes, progress)
 
     def _fetch(
         self, checkpoint: Checkpoint, prefix: str, names: list[str]
     ) -> dict[str, torch.Tensor]:
-        loaded = checkpoint.load(prefix + name for name in names)
+        loaded = checkpoint.load((prefix + name for name in names), self._on_tensor)
         return {
             name[len(prefix) :]: t.to(device=self.device, dtype=self.dtype) for name, t in loaded
         }
+
+    def _weight_names(self, n_mtp: int) -> list[str]:
+        """Every tensor name `_load_weights` reads (to size a progress display)."""
+        config = self.config
+        layer = list(decoder_layer_shapes(config))
+        names = [
+            f"model.layers.{i}.{n}" for i in range(self.layer_start, self.layer_end) for n in layer
+        ]
+        if self.is_first or (self.is_last and (config.tie_word_embeddings or n_mtp > 0)):
+            names.append("model.embed_tokens.weight")
+        if self.is_last:
+            names.append("model.norm.weight")
+            if not config.tie_word_embeddings:
+                names.append("lm_head.weight")
+            names += [f"mtp.{k}.{n}" for k in range(n_mtp) for n in mtp_shapes(config)]
+        return names
 
     def _load_weights(self, checkpoint: Checkpoint, n_mtp: int) -> None:
         config = self.config
@@ -316,3 +346,19 @@ class StageModel:
         if not hidden.is_floating_point():
             raise InvalidInput(f"hidden states must be floating point, got {hidden.dtype}")
         return hidden.to(device=self.device, dtype=self.dtype)
+
+
+def _progress_counter(
+    names: Sequence[str], checkpoint: Checkpoint, progress: LoadProgress
+) -> OnTensor:
+    """Turn per-tensor reads into `progress(done_bytes, total_bytes)` calls."""
+    total = sum(checkpoint.tensors[name].nbytes for name in names if name in checkpoint.tensors)
+    done = 0
+    progress(0, total)
+
+    def on_tensor(_name: str, nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress(done, total)
+
+    return on_tensor
