@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -24,7 +25,7 @@ import random
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,36 +408,39 @@ def train(
     start_step = state.step
     # stop_step exports an unfinished run (e.g. from a checkpoint); training_info says so.
     last_step = cfg.steps if stop_step is None else min(stop_step, cfg.steps)
-    while state.step < last_step:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(state.step, cfg)
-        seq = batch_at(stream, state.step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-            parts = losses(model, seq)
-        loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
-        opt.step()
-        state.step += 1
-        state.last_losses = tuple(round(p.item(), 4) for p in parts)
-        run_s = time.monotonic() - t_run
-        if state.step % cfg.log_every_steps == 0 or state.step == cfg.steps:
-            done = state.step - start_step
-            tps = done * tokens_per_step / run_s
-            eta = (cfg.steps - state.step) * run_s / done
-            log(
-                f"step {state.step}/{cfg.steps} loss {' '.join(map(str, state.last_losses))} "
-                f"lr {lr_at(state.step - 1, cfg):.2e} {tps:.0f} tok/s eta {eta / 60:.1f} min"
-            )
-        if (
-            checkpoint is not None
-            and cfg.checkpoint_every_steps
-            and (state.step % cfg.checkpoint_every_steps == 0)
-        ):
-            state.elapsed_s = time.monotonic() - t_run
-            blob = {"model": model.state_dict(), "opt": opt.state_dict(), "state": state}
-            torch.save(blob, checkpoint)
+    # The bar only draws: it reads no random state, so the weights are the same with or without it.
+    with step_bar(start_step, last_step, enabled=not quiet and sys.stdout.isatty()) as bar:
+        while state.step < last_step:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(state.step, cfg)
+            seq = batch_at(stream, state.step, cfg)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+                parts = losses(model, seq)
+            loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+            opt.step()
+            state.step += 1
+            state.last_losses = tuple(round(p.item(), 4) for p in parts)
+            bar(state.step, state.last_losses)
+            run_s = time.monotonic() - t_run
+            if state.step % cfg.log_every_steps == 0 or state.step == cfg.steps:
+                done = state.step - start_step
+                tps = done * tokens_per_step / run_s
+                eta = (cfg.steps - state.step) * run_s / done
+                log(
+                    f"step {state.step}/{cfg.steps} loss {' '.join(map(str, state.last_losses))} "
+                    f"lr {lr_at(state.step - 1, cfg):.2e} {tps:.0f} tok/s eta {eta / 60:.1f} min"
+                )
+            if (
+                checkpoint is not None
+                and cfg.checkpoint_every_steps
+                and (state.step % cfg.checkpoint_every_steps == 0)
+            ):
+                state.elapsed_s = time.monotonic() - t_run
+                blob = {"model": model.state_dict(), "opt": opt.state_dict(), "state": state}
+                torch.save(blob, checkpoint)
 
     train_s = time.monotonic() - t_run
     info: dict[str, object] = {
@@ -463,6 +467,43 @@ def train(
     save_directory(model, tok, config, out, info)
     log(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
     return info
+
+
+@contextlib.contextmanager
+def step_bar(
+    start_step: int, last_step: int, *, enabled: bool
+) -> Iterator[Callable[[int, tuple[float, ...]], None]]:
+    """A rich progress bar over the training steps (on a terminal); a no-op otherwise.
+
+    The periodic `log` lines still print (above the bar), so log files look the same.
+    """
+    if not enabled:
+        yield lambda _step, _losses: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    task = progress.add_task("train", total=last_step, completed=start_step, loss="-")
+
+    def advance(step: int, losses: tuple[float, ...]) -> None:
+        progress.update(task, completed=step, loss=f"{losses[0]:.3f}" if losses else "-")
+
+    with progress:
+        yield advance
 
 
 # ---------------------------------------------------------------- export

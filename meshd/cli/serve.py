@@ -8,12 +8,18 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import trio
 
 from meshd.config import ConfigError, NodeConfig, add_config_arguments, load_config_from_args
 from meshd.logging_setup import setup_logging
 from meshd.node.notify import Notifier
+
+if TYPE_CHECKING:
+    from meshd.model.stage import LoadProgress
+    from meshd.node.stages import LoadDisplay
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ async def serve(config: NodeConfig) -> None:
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
-    node = MeshNode(config, model_dir=model_dir)
+    node = MeshNode(config, model_dir=model_dir, load_display=_load_display(config))
     backend = NodeBackend(node, model_name=name)
     notifier = Notifier()
     async with trio.open_nursery() as nursery:
@@ -89,6 +95,44 @@ def _startup_display(config: NodeConfig) -> contextlib.AbstractContextManager[ob
     return Console(stderr=True).status(
         "loading the model and measuring stage compute …", spinner="dots"
     )
+
+
+def _load_display(config: NodeConfig) -> LoadDisplay | None:
+    """A rich progress bar per stage load on a terminal; elsewhere the log line says how long."""
+    if config.log_format != "text" or not sys.stderr.isatty():
+        return None
+    return _rich_load_bar
+
+
+@contextlib.contextmanager
+def _rich_load_bar(what: str) -> Iterator[LoadProgress | None]:
+    """A transient bar over the bytes a stage load reads (updated from the loading thread)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    task = bar.add_task(what, total=None)
+
+    def update(done_bytes: int, total_bytes: int) -> None:
+        bar.update(task, completed=done_bytes, total=total_bytes)
+
+    with bar:
+        yield update
 
 
 async def _stop_on_sigterm(

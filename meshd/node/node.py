@@ -34,7 +34,7 @@ from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
-from meshd.node.stages import StageSlot, measure_compute_ns
+from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.node.tuning import DaemonTuning
 from meshd.plan import NoFeasiblePlan, Plan, PlannerConfig
 from protocol import gossip
@@ -62,9 +62,15 @@ class MeshNode:
     """A meshd daemon's state and tasks; `run` serves until cancelled."""
 
     def __init__(
-        self, config: NodeConfig, *, tuning: DaemonTuning | None = None, model_dir: str = ""
+        self,
+        config: NodeConfig,
+        *,
+        tuning: DaemonTuning | None = None,
+        model_dir: str = "",
+        load_display: LoadDisplay | None = None,
     ) -> None:
         self.config = config
+        self.load_display = load_display
         self.tuning = tuning or DaemonTuning()
         self.identity = NodeIdentity.load_or_create(config.state_dir)
         self.psk = psk_from_secret(config.read_mesh_secret())
@@ -164,6 +170,7 @@ class MeshNode:
             device=self.device,
             dtype=self.dtype,
             eos_ids=frozenset(self.tokenizer.eos_ids),
+            load_display=self.load_display,
         )
         now = trio.current_time()
         self.membership = Membership(
@@ -189,6 +196,7 @@ class MeshNode:
         await nursery.start(self.slot.run)
         await nursery.start(self.gossip.run)
         nursery.start_soon(self._plan_loop)
+        self.request_replan()  # a lone node serves alone until others join
         for address in self.config.bootstrap_peers():
             nursery.start_soon(self._bootstrap, address)
         if self.config.mdns.enabled:

@@ -8,8 +8,10 @@ re-plan at once instead of waiting for a reply that will never come.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +19,15 @@ import trio
 
 from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.stage import StageModel
+from meshd.model.stage import LoadProgress, StageModel
 from meshd.stage.host import StageHost
 from protocol.messages import CloseSession, Message, OpenSession, StageError
 
 log = logging.getLogger(__name__)
+
+# Shows one stage load (e.g. a progress bar): called with what loads, it returns a context
+# whose value receives `(done_bytes, total_bytes)` from the loading thread.
+LoadDisplay = Callable[[str], contextlib.AbstractContextManager[LoadProgress | None]]
 
 
 def measure_compute_ns(
@@ -64,8 +70,10 @@ class StageSlot:
         device: torch.device,
         dtype: torch.dtype,
         eos_ids: frozenset[int],
+        load_display: LoadDisplay | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        self.load_display = load_display
         self.peers = peers
         self.device = device
         self.dtype = dtype
@@ -105,9 +113,13 @@ class StageSlot:
         await self.stop("re-planned")
         lo, hi = layers
         t0 = time.perf_counter()
-        model = await trio.to_thread.run_sync(
-            lambda: StageModel.load(self.checkpoint, lo, hi, device=self.device, dtype=self.dtype)
-        )
+        display = self.load_display or (lambda _what: contextlib.nullcontext(None))
+        with display(f"loading layers [{lo}, {hi})") as progress:
+            model = await trio.to_thread.run_sync(
+                lambda: StageModel.load(
+                    self.checkpoint, lo, hi, device=self.device, dtype=self.dtype, progress=progress
+                )
+            )
         host = StageHost(model, self.peers, eos_ids=self.eos_ids, use_thread=True)
         running = _Running(layers, host, trio.CancelScope(), trio.Event())
         self._running = running
