@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from meshd.mesh.membership_config import MembershipConfig
 from meshd.mesh.scale import MembershipScale, run_membership
 from meshd.plan.scale import PlanScale, run_planner
 
@@ -33,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--membership-max-n", type=int, default=None, help="skip bigger sims")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--settle-s", type=float, default=None, help="simulated, after join")
-    parser.add_argument("--window-s", type=float, default=None, help="simulated, for bytes")
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=None,
+        help="simulated, for bytes (at least a record cycle)",
+    )
     parser.add_argument("--kills", type=int, default=None, help="crashes timed per size")
     parser.add_argument("--coordinators", type=int, default=None, help="plans per model")
     parser.add_argument("--random-plans", type=int, default=None, help="per plan, for quality")
@@ -56,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             _print_plans(n, [p for p in plans if p.n == n])
         if n <= max_n:
+            # A byte count means little unless every node re-signed its record in the window
+            # (once per capacity interval × 1-1.5): stretch it to a whole cycle.
+            window = max(window_s, 1.5 * MembershipConfig().capacity_interval_s(n))
             members.append(
-                run_membership(n, seed=args.seed, settle_s=settle_s, window_s=window_s, kills=kills)
+                run_membership(n, seed=args.seed, settle_s=settle_s, window_s=window, kills=kills)
             )
             if not args.json:
                 _print_membership(members[-1])
