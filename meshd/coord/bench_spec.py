@@ -208,6 +208,21 @@ def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> li
     return rows
 
 
+def _row(
+    rows: list[dict[str, Any]], stages: int, rtt: float, kind: str, strategy: str
+) -> dict[str, Any] | None:
+    """The aggregated row of one cell of the table, if it was measured."""
+    for r in rows:
+        if (r["stages"], r["rtt_ms"], r["workload"], r["strategy"]) == (
+            stages,
+            rtt,
+            kind,
+            strategy,
+        ):
+            return r
+    return None
+
+
 def markdown(report: dict[str, Any], strategies: list[str]) -> str:
     """The rows as Markdown tables, one per (stages, RTT), for docs/speculative.md."""
     rows = report["rows"]
@@ -222,16 +237,10 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
         for strategy in strategies:
             cells = []
             for kind in KINDS:
-                match = [
-                    r
-                    for r in rows
-                    if (r["stages"], r["rtt_ms"], r["workload"], r["strategy"])
-                    == (stages, rtt, kind, strategy)
-                ]
-                if not match:
+                r = _row(rows, stages, rtt, kind, strategy)
+                if r is None:
                     cells.append("–")
                     continue
-                r = match[0]
                 acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 tpr = r["tokens_per_round_trip"]
                 flag = "" if r["identical_to_disabled"] else " **MISMATCH**"
@@ -258,16 +267,10 @@ def _print(report: dict[str, Any], strategies: list[str]) -> None:
         for strategy in strategies:
             cells = []
             for kind in KINDS:
-                match = [
-                    r
-                    for r in rows
-                    if (r["stages"], r["rtt_ms"], r["workload"], r["strategy"])
-                    == (stages, rtt, kind, strategy)
-                ]
-                if not match:
+                r = _row(rows, stages, rtt, kind, strategy)
+                if r is None:
                     cells.append(f"{'-':>34}")
                     continue
-                r = match[0]
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
                 tpr = (
                     "-"
