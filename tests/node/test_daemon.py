@@ -25,45 +25,25 @@ import httpx
 import pytest
 import torch
 
+from meshd.cli.demo_daemons import stage_budget
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from meshd.node.planning import model_shape
-from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
 from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, wait_for
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "def fibonacci(n):\n"
-# Headroom over the smallest budget that fits three stages (see `three_stage_budget`).
-BUDGET_HEADROOM = 1.10
 # The first daemon's lane port, fixed so the intruder can be told to --join it from the start.
 FIRST_PORT = 17391
 
 
 def three_stage_budget() -> int:
-    """A per-node memory budget where three nodes hold the built-in model and two cannot."""
-    checkpoint = Checkpoint.open(builtin_model_dir())
-    shape = model_shape(checkpoint, torch.float32)
-    context = checkpoint.config.max_position_embeddings
-
-    def stages(budget: int, n: int) -> int:
-        nodes = [NodeCapacity(bytes([i + 1]) * 32, budget, 1e-5) for i in range(n)]
-        try:
-            return len(plan(shape, nodes, {}, nodes[0].key, context_tokens=context).stages)
-        except NoFeasiblePlan:
-            return 0
-
-    lo, hi = 1, 1 << 34
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stages(mid, 3) else (mid + 1, hi)
-    budget = int(lo * BUDGET_HEADROOM)
-    assert stages(budget, 3) == 3 and stages(budget, 2) == 0
-    return budget
+    """A per-node memory budget where 3 nodes hold the built-in model and 2 cannot."""
+    return stage_budget(str(builtin_model_dir()), 3)
 
 
 def reference(prompt: list[int], max_tokens: int) -> list[int]:

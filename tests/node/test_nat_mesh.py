@@ -30,6 +30,7 @@ import torch
 import trio
 from nacl.bindings import crypto_scalarmult_base
 
+from meshd.cli.demo_daemons import stage_budget
 from meshd.mesh.member import MemberInfo
 from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
@@ -40,8 +41,6 @@ from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint
 from meshd.node.control_client import ControlError, GenerateOp, StatusOp, call, request_lines
 from meshd.node.lanes import LaneKind, LanePath, NatDialConfig, NodePeers, pick_introducers
-from meshd.node.planning import model_shape
-from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
 from protocol.config import LaneConfig
 from protocol.gossip import Status
 from protocol.handshake import psk_from_secret
@@ -55,25 +54,8 @@ SETTLE_TIMEOUT_S = 40.0
 
 
 def two_stage_budget() -> int:
-    """A per-node memory budget where two nodes hold the built-in model and one cannot."""
-    checkpoint = Checkpoint.open(builtin_model_dir())
-    shape = model_shape(checkpoint, torch.float32)
-    context = checkpoint.config.max_position_embeddings
-
-    def stages(budget: int, n: int) -> int:
-        nodes = [NodeCapacity(bytes([i + 1]) * 32, budget, 1e-5) for i in range(n)]
-        try:
-            return len(plan(shape, nodes, {}, nodes[0].key, context_tokens=context).stages)
-        except NoFeasiblePlan:
-            return 0
-
-    lo, hi = 1, 1 << 34
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stages(mid, 2) else (mid + 1, hi)
-    budget = int(lo * 1.10)
-    assert stages(budget, 2) == 2 and stages(budget, 1) == 0
-    return budget
+    """A per-node memory budget where 2 nodes hold the built-in model and 1 cannot."""
+    return stage_budget(str(builtin_model_dir()), 2)
 
 
 class NsDaemon:
