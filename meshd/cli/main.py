@@ -27,10 +27,15 @@ BENCHES: dict[str, tuple[str, str]] = {
         "meshd.coord.bench_concurrency",
         "concurrent streams on a 2-stage pipeline, stage batching on vs off",
     ),
+    "pipeline": (
+        "meshd.coord.bench_pipeline",
+        "time per token for 1/2/3 stages at emulated RTTs, next to the cost model",
+    ),
     "scale": (
         "meshd.plan.bench_scale",
         "membership, failure detection and planner at 10-1000 nodes",
     ),
+    "load": ("meshd.api.bench_load", "OpenAI endpoint under load: latency, errors, KV leaks"),
 }
 
 

@@ -1,0 +1,509 @@
+"""`meshd bench load`: a load test through the OpenAI endpoint, as users would drive it.
+
+    meshd bench load [--requests 200] [--concurrency 8] [--stages 2] [--json] [--quick] [--local]
+
+Starts real `meshd serve` daemons on loopback (as `meshd demo` does: own addresses, a fresh
+mesh secret, memory budgets that force a `--stages` split of the built-in model), waits for
+their plan, then fires `--requests` requests at `--concurrency` with httpx on trio, spread
+round-robin over every daemon's endpoint (each one coordinates what it receives). The mix is
+seeded: chat and text completions, streamed and whole, short/medium/long prompts and
+max_tokens, greedy and sampled. A 429 is retried after its `Retry-After`, as a client would,
+and counted apart from errors. Reported: latency and time-to-first-token percentiles,
+throughput, errors by status, and a leak check: each node's open sessions, requests in flight
+and resident memory when idle before the load and after it drains. Any error or leak is a
+failure (exit status 1). `--local` runs an in-process pipeline and API instead of daemons
+(its leak check reads the stages' KV bytes directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from meshd.coord.workloads import workloads
+from meshd.model.tokenizer import Tokenizer
+
+# An idle snapshot: node name -> figure name -> value.
+Snapshot = dict[str, dict[str, int]]
+
+
+class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How the load is fired and judged."""
+
+    requests: int = 200
+    concurrency: int = 8
+    seed: int = 0
+    request_timeout_s: float = 300.0
+    max_retries_429: int = 60
+    max_retry_wait_s: float = 5.0
+    # After the load: how long open sessions and in-flight requests may take to drain.
+    drain_timeout_s: float = 30.0
+    # Resident memory may grow this much over idle before it counts as a leak (allocator
+    # caches and torch's lazily built kernels keep some; leaked KV of many sessions exceeds it).
+    rss_growth_limit_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    """Token ranges of one kind of request (prompt, then completion)."""
+
+    name: str
+    prompt_tokens: tuple[int, int]
+    max_tokens: tuple[int, int]
+    weight: int
+
+
+# Sized for a 256-token context (the built-in model): the longest fits with the chat template.
+SIZES = (
+    SizeClass("short", (6, 24), (4, 16), 5),
+    SizeClass("medium", (32, 72), (24, 48), 3),
+    SizeClass("long", (96, 128), (64, 96), 2),
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request to fire."""
+
+    index: int
+    kind: str  # "chat" or "completion"
+    stream: bool
+    size: str
+    text: str
+    prompt_tokens: int  # as the server will count them (template included for chat)
+    max_tokens: int
+    temperature: float
+    seed: int
+
+    def body(self, model: str) -> dict[str, Any]:
+        """The JSON body of the request."""
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "stream": self.stream,
+            # Fixed lengths: the load is what the mix says, whatever EOS the model picks.
+            "meshd": {"ignore_eos": True},
+        }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.kind == "chat":
+            body["messages"] = [{"role": "user", "content": self.text}]
+        else:
+            body["prompt"] = self.text
+        return body
+
+    @property
+    def path(self) -> str:
+        """The endpoint's path under `/v1`."""
+        return "/chat/completions" if self.kind == "chat" else "/completions"
+
+
+def make_jobs(tokenizer: Tokenizer, count: int, seed: int, context_tokens: int) -> list[Job]:
+    """A seeded mix of `count` requests whose prompt and completion fit `context_tokens`."""
+    rng = random.Random(seed)
+    sources = [tokenizer.encode(w.prompt, add_special_tokens=False) for w in workloads(3)]
+    jobs = []
+    for index in range(count):
+        size = rng.choices(SIZES, weights=[s.weight for s in SIZES])[0]
+        kind = rng.choice(("chat", "completion"))
+        source = rng.choice(sources)
+        want = rng.randint(*size.prompt_tokens)
+        start = rng.randrange(max(1, len(source) - want))
+        text = tokenizer.decode(source[start : start + want]).strip() or "Hello"
+        if kind == "chat":
+            counted = len(tokenizer.encode_chat([{"role": "user", "content": text}]))
+        else:
+            counted = len(tokenizer.encode(text))
+        max_tokens = min(rng.randint(*size.max_tokens), context_tokens - counted)
+        sampled = rng.random() < 0.5
+        jobs.append(
+            Job(
+                index=index,
+                kind=kind,
+                stream=rng.random() < 0.5,
+                size=size.name,
+                text=text,
+                prompt_tokens=counted,
+                max_tokens=max(1, max_tokens),
+                temperature=0.8 if sampled else 0.0,
+                seed=rng.randrange(1 << 31),
+            )
+        )
+    return jobs
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request as the client saw it (times from its first attempt, retries included)."""
+
+    index: int
+    target: int
+    status: int  # HTTP status of the last attempt; 0: no response (connection, timeout)
+    error: str  # "" when the request succeeded
+    retries_429: int
+    latency_s: float
+    ttft_s: float | None  # streamed requests only: first content chunk
+    completion_tokens: int
+
+
+async def fire(
+    client: httpx.AsyncClient, url: str, model: str, job: Job, cfg: LoadConfig
+) -> Record:
+    """Send one job, retrying 429s after their Retry-After; never raises for HTTP trouble."""
+    t0 = time.perf_counter()
+    retries = 0
+    while True:
+        try:
+            if job.stream:
+                status, wait_s, ttft, tokens, error = await _streamed(client, url, model, job, t0)
+            else:
+                status, wait_s, tokens, error = await _whole(client, url, model, job)
+                ttft = None
+        except httpx.HTTPError as exc:
+            status, wait_s, ttft, tokens, error = 0, None, None, 0, type(exc).__name__
+        if status == 429 and wait_s is not None and retries < cfg.max_retries_429:
+            retries += 1
+            await trio.sleep(min(wait_s, cfg.max_retry_wait_s))
+            continue
+        if not error and tokens != job.max_tokens:
+            error = f"{tokens} of {job.max_tokens} tokens"
+        latency = time.perf_counter() - t0
+        return Record(job.index, 0, status, error, retries, latency, ttft, tokens)
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """What the server asks a client to wait (ms precision when given, as openai-python reads)."""
+    ms = response.headers.get("retry-after-ms")
+    if ms is not None:
+        return float(ms) / 1000
+    return float(response.headers.get("retry-after", "1"))
+
+
+async def _whole(
+    client: httpx.AsyncClient, url: str, model: str, job: Job
+) -> tuple[int, float | None, int, str]:
+    response = await client.post(url + job.path, json=job.body(model))
+    if response.status_code == 429:
+        return 429, _retry_after_s(response), 0, "429"
+    if response.status_code != 200:
+        return response.status_code, None, 0, f"HTTP {response.status_code}"
+    data = response.json()
+    usage = data.get("usage") or {}
+    if usage.get("prompt_tokens") != job.prompt_tokens:
+        return (
+            200,
+            None,
+            0,
+            f"prompt counted {usage.get('prompt_tokens')}, sent {job.prompt_tokens}",
+        )
+    return 200, None, int(usage.get("completion_tokens", 0)), ""
+
+
+async def _streamed(
+    client: httpx.AsyncClient, url: str, model: str, job: Job, t0: float
+) -> tuple[int, float | None, float | None, int, str]:
+    ttft: float | None = None
+    tokens = 0
+    async with client.stream("POST", url + job.path, json=job.body(model)) as response:
+        if response.status_code != 200:
+            await response.aread()
+            wait = _retry_after_s(response) if response.status_code == 429 else None
+            return response.status_code, wait, None, 0, f"HTTP {response.status_code}"
+        done = False
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                done = True
+                continue
+            event = json.loads(payload)
+            if "error" in event:
+                return 200, None, ttft, tokens, f"stream error: {event['error'].get('code')}"
+            if ttft is None and any(_delta_text(c) for c in event.get("choices", ())):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+        if not done:
+            return 200, None, ttft, tokens, "stream ended without [DONE]"
+    return 200, None, ttft, tokens, ""
+
+
+def _delta_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    return str(delta.get("content") or "") if delta is not None else str(choice.get("text") or "")
+
+
+async def run_load(
+    urls: list[str], model: str, jobs: list[Job], cfg: LoadConfig
+) -> tuple[list[Record], float]:
+    """Fire `jobs` at `cfg.concurrency`, job i to `urls[i % len(urls)]`; records and wall time."""
+    records: list[Record] = []
+    send, receive = trio.open_memory_channel[Job](len(jobs))
+    for job in jobs:
+        send.send_nowait(job)
+    send.close()
+    limits = httpx.Limits(max_connections=cfg.concurrency * len(urls))
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
+
+        async def worker() -> None:
+            async for job in receive:
+                target = job.index % len(urls)
+                record = await fire(client, urls[target], model, job, cfg)
+                records.append(_with_target(record, target))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(cfg.concurrency):
+                nursery.start_soon(worker)
+    return sorted(records, key=lambda r: r.index), time.perf_counter() - t0
+
+
+def _with_target(record: Record, target: int) -> Record:
+    return Record(
+        record.index, target, record.status, record.error, record.retries_429,
+        record.latency_s, record.ttft_s, record.completion_tokens,
+    )  # fmt: skip
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99/max by nearest rank (None when there is nothing to rank)."""
+    ranked = sorted(values)
+
+    def rank(p: float) -> float | None:
+        if not ranked:
+            return None
+        return ranked[max(0, math.ceil(p / 100 * len(ranked)) - 1)]
+
+    return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "max": rank(100)}
+
+
+def find_leaks(before: Snapshot, after: Snapshot, cfg: LoadConfig) -> list[str]:
+    """What did not return to its idle level (empty: nothing leaked)."""
+    leaks = []
+    for node, idle in before.items():
+        now = after.get(node, {})
+        for name, value in idle.items():
+            got = now.get(name)
+            if name == "rss_bytes":
+                if got is None or got - value > cfg.rss_growth_limit_bytes:
+                    leaks.append(f"{node}: resident memory {value} -> {got} bytes")
+            elif got != value:
+                leaks.append(f"{node}: {name} {value} -> {got}")
+    return leaks
+
+
+def summarize(
+    jobs: list[Job], records: list[Record], wall_s: float, cfg: LoadConfig
+) -> dict[str, Any]:
+    """The report's figures about the requests themselves."""
+    ok = [r for r in records if not r.error]
+    failed = [r for r in records if r.error]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "requests": len(records),
+        "concurrency": cfg.concurrency,
+        "seed": cfg.seed,
+        "succeeded": len(ok),
+        "errors": len(failed),
+        "errors_by_status": dict(Counter(str(r.status) for r in failed)),
+        "error_examples": sorted({r.error for r in failed})[:5],
+        "retried_429": sum(r.retries_429 for r in records),
+        "requests_that_saw_429": sum(1 for r in records if r.retries_429),
+        "latency_s": percentiles([r.latency_s for r in ok]),
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "completion_tokens": tokens,
+        "prompt_tokens": sum(j.prompt_tokens for j in jobs),
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(records) / wall_s if wall_s > 0 else 0.0,
+        "mix": dict(
+            Counter(f"{j.kind}/{'stream' if j.stream else 'whole'}/{j.size}" for j in jobs)
+        ),
+        "per_target": dict(Counter(str(r.target) for r in records)),
+    }
+
+
+async def measure(
+    urls: list[str],
+    tokenizer: Tokenizer,
+    context_tokens: int,
+    snapshot: Callable[[], Awaitable[Snapshot]],
+    cfg: LoadConfig,
+) -> dict[str, Any]:
+    """Warm up, take the idle snapshot, fire the load, wait for the drain, compare."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        model = (await client.get(urls[0] + "/models")).json()["data"][0]["id"]
+    warm = make_jobs(tokenizer, 2 * len(urls), cfg.seed + 1, context_tokens)
+    await run_load(urls, model, warm, msgspec.structs.replace(cfg, concurrency=len(urls)))
+    before = await _settled(snapshot, None, cfg.drain_timeout_s)
+    jobs = make_jobs(tokenizer, cfg.requests, cfg.seed, context_tokens)
+    records, wall_s = await run_load(urls, model, jobs, cfg)
+    t0 = time.perf_counter()
+    after = await _settled(snapshot, before, cfg.drain_timeout_s)
+    leaks = find_leaks(before, after, cfg)
+    return summarize(jobs, records, wall_s, cfg) | {
+        "model": model,
+        "kv_idle_before": before,
+        "kv_after": after,
+        "drain_s": time.perf_counter() - t0,
+        "leaked": bool(leaks),
+        "leaks": leaks,
+    }
+
+
+async def _settled(
+    snapshot: Callable[[], Awaitable[Snapshot]], idle: Snapshot | None, timeout_s: float
+) -> Snapshot:
+    """A snapshot once its counts stop moving (and, given `idle`, match it), or at the timeout."""
+    deadline = trio.current_time() + timeout_s
+    last = await snapshot()
+    while trio.current_time() < deadline:
+        await trio.sleep(0.25)
+        now = await snapshot()
+        counts_equal = _counts(now) == _counts(last)
+        if counts_equal and (idle is None or _counts(now) == _counts(idle)):
+            return now
+        last = now
+    return last
+
+
+def _counts(snap: Snapshot) -> dict[str, dict[str, int]]:
+    return {n: {k: v for k, v in f.items() if k != "rss_bytes"} for n, f in snap.items()}
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshd bench load`."""
+    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--requests", type=int, default=None, help="default 200 (--quick: 30)")
+    parser.add_argument("--concurrency", type=int, default=None, help="default 8 (--quick: 4)")
+    parser.add_argument("--stages", type=int, default=2, help="daemons, one stage each (2-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="30 requests at concurrency 4")
+    parser.add_argument(
+        "--local", action="store_true", help="an in-process pipeline and API, no daemons"
+    )
+    parser.add_argument(
+        "--first-host", type=int, default=31, help="daemons bind 127.0.0.N, N+1, ..."
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    """The load's config from the command line (`--quick` picks the small defaults)."""
+    return LoadConfig(
+        requests=args.requests or (30 if args.quick else 200),
+        concurrency=args.concurrency or (4 if args.quick else 8),
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the load test; 0 when every request succeeded and nothing leaked."""
+    from meshd.model.builtin import builtin_model_dir
+
+    cfg = config_from_args(args)
+    model_dir = args.model or str(builtin_model_dir())
+    tokenizer = Tokenizer.open(model_dir)
+    context = _context_tokens(model_dir)
+    t0 = time.perf_counter()
+    if args.local:
+        report = trio.run(_run_local, args.model, args.stages, tokenizer, context, cfg)
+        report["target"] = {"kind": "local", "stages": args.stages}
+    else:
+        report = _run_daemons(args, model_dir, tokenizer, context, cfg)
+    report["total_s"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(report)
+    return 1 if report.get("errors", 1) or report.get("leaked", True) else 0
+
+
+def _context_tokens(model_dir: str) -> int:
+    from meshd.model.checkpoint import Checkpoint
+
+    return Checkpoint.open(model_dir).config.max_position_embeddings
+
+
+async def _run_local(
+    model: str | None, stages: int, tokenizer: Tokenizer, context: int, cfg: LoadConfig
+) -> dict[str, Any]:
+    from meshd.api.bench_load_targets import local_target
+
+    async with local_target(model, stages, cfg.concurrency) as (urls, snapshot):
+        return await measure(urls, tokenizer, context, snapshot, cfg)
+
+
+def _run_daemons(
+    args: argparse.Namespace, model_dir: str, tokenizer: Tokenizer, context: int, cfg: LoadConfig
+) -> dict[str, Any]:
+    from meshd.api.bench_load_targets import DaemonMesh
+    from meshd.cli.demo_daemons import DemoError
+
+    mesh = DaemonMesh(model_dir, args.model, args.stages, args.first_host)
+    try:
+        started = time.perf_counter()
+        mesh.start()
+        startup_s = time.perf_counter() - started
+
+        async def snapshot() -> Snapshot:
+            return await trio.to_thread.run_sync(mesh.snapshot)
+
+        report = trio.run(measure, mesh.urls, tokenizer, context, snapshot, cfg)
+        report["target"] = {"kind": "daemons", "stages": args.stages, "nodes": mesh.describe()}
+        report["startup_s"] = startup_s
+        return report
+    except DemoError as exc:
+        print(f"meshd bench load: {exc}\n{mesh.logs(1500)}")
+        return {"errors": 1, "leaked": True, "failure": str(exc)}
+    finally:
+        mesh.stop()
+
+
+def _fmt(figures: dict[str, float | None], scale: float = 1000.0) -> str:
+    return "  ".join(f"{k} {'-' if v is None else f'{v * scale:.0f}'}" for k, v in figures.items())
+
+
+def _print(r: dict[str, Any]) -> None:
+    if "failure" in r:
+        print(f"load test failed to start: {r['failure']}")
+        return
+    target = r["target"]
+    print(
+        f"{r['requests']} requests at concurrency {r['concurrency']} over {target['kind']} "
+        f"({target['stages']} stages), model {r['model']}, seed {r['seed']}"
+    )
+    for node in target.get("nodes", ()):
+        print(f"  {node['node']}: pid {node['pid']}, {node['api']}, layers {node['layers']}")
+    print(f"  mix: {', '.join(f'{k} {v}' for k, v in sorted(r['mix'].items()))}")
+    failed = f" {r['errors_by_status']} {r['error_examples']}" if r["errors"] else ""
+    print(
+        f"  succeeded {r['succeeded']}, errors {r['errors']}{failed}; 429 retries "
+        f"{r['retried_429']} (on {r['requests_that_saw_429']} requests)"
+    )
+    print(f"  latency ms: {_fmt(r['latency_s'])}")
+    print(f"  ttft ms (streamed): {_fmt(r['ttft_s'])}")
+    print(
+        f"  {r['completion_tokens']} tokens in {r['wall_s']:.1f} s: {r['tokens_per_s']:.1f} "
+        f"tok/s, {r['requests_per_s']:.2f} requests/s"
+    )
+    print(f"  idle before: {r['kv_idle_before']}")
+    print(f"  after drain ({r['drain_s']:.1f} s): {r['kv_after']}")
+    print(f"  leaked: {'YES: ' + '; '.join(r['leaks']) if r['leaked'] else 'no'}")
