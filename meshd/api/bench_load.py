@@ -20,263 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import msgspec
 import trio
 
-from meshd.coord.workloads import workloads
+from meshd.api.bench_load_requests import Job, LoadConfig, Record, make_jobs, run_load
+from meshd.api.bench_load_targets import Snapshot
 from meshd.model.tokenizer import Tokenizer
-
-# An idle snapshot: node name -> figure name -> value.
-Snapshot = dict[str, dict[str, int]]
-
-
-class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How the load is fired and judged."""
-
-    requests: int = 200
-    concurrency: int = 8
-    seed: int = 0
-    request_timeout_s: float = 300.0
-    max_retries_429: int = 60
-    max_retry_wait_s: float = 5.0
-    # After the load: how long open sessions and in-flight requests may take to drain.
-    drain_timeout_s: float = 30.0
-    # Resident memory may grow this much over idle before it counts as a leak (allocator
-    # caches and torch's lazily built kernels keep some; leaked KV of many sessions exceeds it).
-    rss_growth_limit_bytes: int = 64 << 20
-
-
-@dataclass(frozen=True)
-class SizeClass:
-    """Token ranges of one kind of request (prompt, then completion)."""
-
-    name: str
-    prompt_tokens: tuple[int, int]
-    max_tokens: tuple[int, int]
-    weight: int
-
-
-# Sized for a 256-token context (the built-in model): the longest fits with the chat template.
-SIZES = (
-    SizeClass("short", (6, 24), (4, 16), 5),
-    SizeClass("medium", (32, 72), (24, 48), 3),
-    SizeClass("long", (96, 128), (64, 96), 2),
-)
-
-
-@dataclass(frozen=True)
-class Job:
-    """One request to fire."""
-
-    index: int
-    kind: str  # "chat" or "completion"
-    stream: bool
-    size: str
-    text: str
-    prompt_tokens: int  # as the server will count them (template included for chat)
-    max_tokens: int
-    temperature: float
-    seed: int
-
-    def body(self, model: str) -> dict[str, Any]:
-        """The JSON body of the request."""
-        body: dict[str, Any] = {
-            "model": model,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "seed": self.seed,
-            "stream": self.stream,
-            # Fixed lengths: the load is what the mix says, whatever EOS the model picks.
-            "meshd": {"ignore_eos": True},
-        }
-        if self.stream:
-            body["stream_options"] = {"include_usage": True}
-        if self.kind == "chat":
-            body["messages"] = [{"role": "user", "content": self.text}]
-        else:
-            body["prompt"] = self.text
-        return body
-
-    @property
-    def path(self) -> str:
-        """The endpoint's path under `/v1`."""
-        return "/chat/completions" if self.kind == "chat" else "/completions"
-
-
-def make_jobs(tokenizer: Tokenizer, count: int, seed: int, context_tokens: int) -> list[Job]:
-    """A seeded mix of `count` requests whose prompt and completion fit `context_tokens`."""
-    rng = random.Random(seed)
-    sources = [tokenizer.encode(w.prompt, add_special_tokens=False) for w in workloads(3)]
-    jobs = []
-    for index in range(count):
-        size = rng.choices(SIZES, weights=[s.weight for s in SIZES])[0]
-        kind = rng.choice(("chat", "completion"))
-        source = rng.choice(sources)
-        want = rng.randint(*size.prompt_tokens)
-        start = rng.randrange(max(1, len(source) - want))
-        text = tokenizer.decode(source[start : start + want]).strip() or "Hello"
-        if kind == "chat":
-            counted = len(tokenizer.encode_chat([{"role": "user", "content": text}]))
-        else:
-            counted = len(tokenizer.encode(text))
-        max_tokens = min(rng.randint(*size.max_tokens), context_tokens - counted)
-        sampled = rng.random() < 0.5
-        jobs.append(
-            Job(
-                index=index,
-                kind=kind,
-                stream=rng.random() < 0.5,
-                size=size.name,
-                text=text,
-                prompt_tokens=counted,
-                max_tokens=max(1, max_tokens),
-                temperature=0.8 if sampled else 0.0,
-                seed=rng.randrange(1 << 31),
-            )
-        )
-    return jobs
-
-
-@dataclass(frozen=True)
-class Record:
-    """One request as the client saw it (times from its first attempt, retries included)."""
-
-    index: int
-    target: int
-    status: int  # HTTP status of the last attempt; 0: no response (connection, timeout)
-    error: str  # "" when the request succeeded
-    retries_429: int
-    latency_s: float
-    ttft_s: float | None  # streamed requests only: first content chunk
-    completion_tokens: int
-
-
-async def fire(
-    client: httpx.AsyncClient, url: str, model: str, job: Job, cfg: LoadConfig
-) -> Record:
-    """Send one job, retrying 429s after their Retry-After; never raises for HTTP trouble."""
-    t0 = time.perf_counter()
-    retries = 0
-    while True:
-        try:
-            if job.stream:
-                status, wait_s, ttft, tokens, error = await _streamed(client, url, model, job, t0)
-            else:
-                status, wait_s, tokens, error = await _whole(client, url, model, job)
-                ttft = None
-        except httpx.HTTPError as exc:
-            status, wait_s, ttft, tokens, error = 0, None, None, 0, type(exc).__name__
-        if status == 429 and wait_s is not None and retries < cfg.max_retries_429:
-            retries += 1
-            await trio.sleep(min(wait_s, cfg.max_retry_wait_s))
-            continue
-        if not error and tokens != job.max_tokens:
-            error = f"{tokens} of {job.max_tokens} tokens"
-        latency = time.perf_counter() - t0
-        return Record(job.index, 0, status, error, retries, latency, ttft, tokens)
-
-
-def _retry_after_s(response: httpx.Response) -> float:
-    """What the server asks a client to wait (ms precision when given, as openai-python reads)."""
-    ms = response.headers.get("retry-after-ms")
-    if ms is not None:
-        return float(ms) / 1000
-    return float(response.headers.get("retry-after", "1"))
-
-
-async def _whole(
-    client: httpx.AsyncClient, url: str, model: str, job: Job
-) -> tuple[int, float | None, int, str]:
-    response = await client.post(url + job.path, json=job.body(model))
-    if response.status_code == 429:
-        return 429, _retry_after_s(response), 0, "429"
-    if response.status_code != 200:
-        return response.status_code, None, 0, f"HTTP {response.status_code}"
-    data = response.json()
-    usage = data.get("usage") or {}
-    if usage.get("prompt_tokens") != job.prompt_tokens:
-        return (
-            200,
-            None,
-            0,
-            f"prompt counted {usage.get('prompt_tokens')}, sent {job.prompt_tokens}",
-        )
-    return 200, None, int(usage.get("completion_tokens", 0)), ""
-
-
-async def _streamed(
-    client: httpx.AsyncClient, url: str, model: str, job: Job, t0: float
-) -> tuple[int, float | None, float | None, int, str]:
-    ttft: float | None = None
-    tokens = 0
-    async with client.stream("POST", url + job.path, json=job.body(model)) as response:
-        if response.status_code != 200:
-            await response.aread()
-            wait = _retry_after_s(response) if response.status_code == 429 else None
-            return response.status_code, wait, None, 0, f"HTTP {response.status_code}"
-        done = False
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line.removeprefix("data: ")
-            if payload == "[DONE]":
-                done = True
-                continue
-            event = json.loads(payload)
-            if "error" in event:
-                return 200, None, ttft, tokens, f"stream error: {event['error'].get('code')}"
-            if ttft is None and any(_delta_text(c) for c in event.get("choices", ())):
-                ttft = time.perf_counter() - t0
-            if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
-        if not done:
-            return 200, None, ttft, tokens, "stream ended without [DONE]"
-    return 200, None, ttft, tokens, ""
-
-
-def _delta_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    return str(delta.get("content") or "") if delta is not None else str(choice.get("text") or "")
-
-
-async def run_load(
-    urls: list[str], model: str, jobs: list[Job], cfg: LoadConfig
-) -> tuple[list[Record], float]:
-    """Fire `jobs` at `cfg.concurrency`, job i to `urls[i % len(urls)]`; records and wall time."""
-    records: list[Record] = []
-    send, receive = trio.open_memory_channel[Job](len(jobs))
-    for job in jobs:
-        send.send_nowait(job)
-    send.close()
-    limits = httpx.Limits(max_connections=cfg.concurrency * len(urls))
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
-
-        async def worker() -> None:
-            async for job in receive:
-                target = job.index % len(urls)
-                record = await fire(client, urls[target], model, job, cfg)
-                records.append(_with_target(record, target))
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(cfg.concurrency):
-                nursery.start_soon(worker)
-    return sorted(records, key=lambda r: r.index), time.perf_counter() - t0
-
-
-def _with_target(record: Record, target: int) -> Record:
-    return Record(
-        record.index, target, record.status, record.error, record.retries_429,
-        record.latency_s, record.ttft_s, record.completion_tokens,
-    )  # fmt: skip
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -348,7 +103,9 @@ async def measure(
     async with httpx.AsyncClient(timeout=60) as client:
         model = (await client.get(urls[0] + "/models")).json()["data"][0]["id"]
     warm = make_jobs(tokenizer, 2 * len(urls), cfg.seed + 1, context_tokens)
-    await run_load(urls, model, warm, msgspec.structs.replace(cfg, concurrency=len(urls)))
+    warm_records, _ = await run_load(
+        urls, model, warm, msgspec.structs.replace(cfg, concurrency=len(urls))
+    )
     before = await _settled(snapshot, None, cfg.drain_timeout_s)
     jobs = make_jobs(tokenizer, cfg.requests, cfg.seed, context_tokens)
     records, wall_s = await run_load(urls, model, jobs, cfg)
@@ -362,6 +119,7 @@ async def measure(
         "drain_s": time.perf_counter() - t0,
         "leaked": bool(leaks),
         "leaks": leaks,
+        "warmup_errors": sum(1 for r in warm_records if r.error),
     }
 
 
@@ -447,8 +205,8 @@ async def _run_local(
 ) -> dict[str, Any]:
     from meshd.api.bench_load_targets import local_target
 
-    async with local_target(model, stages, cfg.concurrency) as (urls, snapshot):
-        return await measure(urls, tokenizer, context, snapshot, cfg)
+    async with local_target(model, stages, cfg.concurrency) as target:
+        return await measure(target.urls, tokenizer, context, target.snapshot, cfg)
 
 
 def _run_daemons(

@@ -14,20 +14,24 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
-from meshd.api.bench_load import Snapshot
+from meshd.api.backend import LocalPipelineBackend, open_local_backend
 from meshd.cli.demo_daemons import DemoDaemon, DemoError, settled_plan, stage_budget, wait_until
 
 # A plan counts as settled once every node reports it, loaded, unchanged this long.
 PLAN_STABLE_S = 0.5
 START_TIMEOUT_S = 120.0
 PLAN_TIMEOUT_S = 60.0
+
+# An idle snapshot: node (or stage) name -> figure name -> value.
+Snapshot = dict[str, dict[str, int]]
 
 
 class DaemonMesh:
@@ -132,17 +136,30 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class LocalTarget:
+    """An in-process pipeline behind a real HTTP API."""
+
+    urls: list[str]
+    snapshot: Callable[[], Awaitable[Snapshot]]
+    backend: LocalPipelineBackend
+
+
 @contextlib.asynccontextmanager
 async def local_target(
-    model_dir: str | None, stages: int, concurrency: int
-) -> AsyncIterator[tuple[list[str], Any]]:
-    """An in-process pipeline behind a real HTTP API: (its URL list, an async snapshot)."""
-    from meshd.api.backend import open_local_backend
+    model_dir: str | None, stages: int, max_concurrent_requests: int
+) -> AsyncIterator[LocalTarget]:
+    """Start a local pipeline of `stages` and its API on loopback.
+
+    The backend answers 429 past `max_concurrent_requests` generations in flight.
+    """
     from meshd.api.openai import create_app
     from meshd.api.server import serve_api
 
     async with (
-        open_local_backend(model_dir, stages, max_concurrent_requests=concurrency) as backend,
+        open_local_backend(
+            model_dir, stages, max_concurrent_requests=max_concurrent_requests
+        ) as backend,
         trio.open_nursery() as nursery,
     ):
         address = await nursery.start(serve_api, create_app(backend))
@@ -156,5 +173,5 @@ async def local_target(
                 }
             return snap
 
-        yield [address.base_url], snapshot
+        yield LocalTarget([address.base_url], snapshot, backend)
         nursery.cancel_scope.cancel()
