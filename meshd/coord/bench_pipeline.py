@@ -13,22 +13,26 @@ hidden states, and one link from the last stage back to the coordinator with the
 
     H(S) = S one-way lane messages for S ≥ 2,   H(1) = 0.
 
-The model's terms, in ms per token:
-- C: time per token of the 1-stage pipeline at RTT 0 (stage compute, the coordinator's loop,
-  one thread hand-off), measured in this run.
+The model's terms, in ms per token (per verify window, which is one token without speculation):
+- C: time of one window without the network: the stages' compute, as their own timings report
+  it, plus O, the coordinator's own loop (O = TPOT − compute in the 1-stage RTT-0 cell). C is
+  taken per cell from its stage timings, so the background load's effect on compute, which no
+  network model can know, is not counted as model error; the constant-C variant (C of the
+  1-stage RTT-0 cell everywhere) is reported next to it.
 - P: cost of one lane message beyond the emulated delay (encode, encrypt, loopback UDP,
-  decrypt, decode, trio wake-ups, the receiving stage's thread hand-off), fitted by least
-  squares to the RTT-0 cells with S ≥ 2: TPOT(S, 0) − C = H(S)·P.
+  decrypt, decode, trio wake-ups, the next stage's queue), fitted by least squares to the RTT-0
+  cells with S ≥ 2: TPOT(S, 0) − C = H(S)·P. `P_direct_ms` is the same cost read straight from
+  the coordinator's timestamps: (round trip − Σ stage compute − Σ stage queue)/H − RTT/2.
 - corrected model: TPOT = C + H(S)·(RTT/2 + P).
 - the issue's model: TPOT = C + (S−1)·(2·RTT + P'), with its own P' per stage boundary fitted
   the same way, TPOT(S, 0) − C = (S−1)·P'. It charges two round trips per boundary; the chain
   above pays RTT/2 per message, so at RTT > 0 it over-predicts (at S = 2: 2·RTT, really RTT).
-Every cell other than (1, 0) and the RTT-0 cells with S ≥ 2 is predicted out of sample.
+Only the RTT-0 cells are fitted; every cell at RTT > 0 is predicted out of sample.
 
 Speculation: a verify window that commits E tokens (measured tokens per round trip) pays the
-per-window costs once, and verifying k drafts costs Δc more compute than one token (measured in
-the same cell from the stages' timings):  TPOT ≈ (C + Δc + H(S)·(RTT/2 + P)) / E. Pipelined
-windows (depth 2) overlap round trips, which this depth-1 formula does not credit.
+per-window costs once: TPOT ≈ (C_w + H(S)·(RTT/2 + P)) / E, where C_w is that cell's compute
+per window (wider windows cost more) plus O. Pipelined windows (depth 2) overlap round trips,
+which this depth-1 formula does not credit, so it over-predicts where they pay off.
 """
 
 from __future__ import annotations
@@ -118,42 +122,30 @@ def hops(stages: int) -> int:
 
 @dataclass(frozen=True)
 class PipelineModel:
-    """The fitted model: C, P per lane message (corrected), P' per stage boundary (issue's)."""
+    """Fitted protocol costs: P per lane message (corrected), P' per stage boundary (issue's)."""
 
-    c_ms: float
     p_ms: float
     p_issue_ms: float
 
-    def predict(
-        self, stages: int, rtt_ms: float, extra_compute_ms: float = 0.0, tokens_per_rt: float = 1.0
-    ) -> float:
-        """Corrected model, ms per token: (C + Δc + H(S)·(RTT/2 + P)) / E."""
-        window = self.c_ms + extra_compute_ms + hops(stages) * (rtt_ms / 2 + self.p_ms)
-        return window / tokens_per_rt
+    def predict(self, c_ms: float, stages: int, rtt_ms: float, tokens_per_rt: float = 1.0) -> float:
+        """Corrected model, ms per token: (C + H(S)·(RTT/2 + P)) / E."""
+        return (c_ms + hops(stages) * (rtt_ms / 2 + self.p_ms)) / tokens_per_rt
 
     def predict_issue(
-        self, stages: int, rtt_ms: float, extra_compute_ms: float = 0.0, tokens_per_rt: float = 1.0
+        self, c_ms: float, stages: int, rtt_ms: float, tokens_per_rt: float = 1.0
     ) -> float:
-        """The issue's model, ms per token: (C + Δc + (S−1)·(2·RTT + P')) / E."""
-        window = self.c_ms + extra_compute_ms + (stages - 1) * (2 * rtt_ms + self.p_issue_ms)
-        return window / tokens_per_rt
+        """The issue's model, ms per token: (C + (S−1)·(2·RTT + P')) / E."""
+        return (c_ms + (stages - 1) * (2 * rtt_ms + self.p_issue_ms)) / tokens_per_rt
 
 
-def fit_model(plain_ms: dict[Cell, float]) -> PipelineModel:
-    """Fit C from the (1 stage, RTT 0) cell and P, P' by least squares on RTT-0 cells, S ≥ 2."""
-    c = plain_ms[Cell(1, 0.0)]
-    points = [(cell.stages, ms - c) for cell, ms in plain_ms.items() if cell.rtt_ms == 0.0]
-    points = [(s, d) for s, d in points if s > 1]
+def fit_model(excess_ms: dict[int, float]) -> PipelineModel:
+    """Least-squares P and P' from TPOT − C at RTT 0, by stage count (S ≥ 2 used)."""
+    points = [(s, d) for s, d in excess_ms.items() if s > 1]
     if not points:
-        return PipelineModel(c, 0.0, 0.0)
+        return PipelineModel(0.0, 0.0)
     p = sum(hops(s) * d for s, d in points) / sum(hops(s) ** 2 for s, _ in points)
     p_issue = sum((s - 1) * d for s, d in points) / sum((s - 1) ** 2 for s, _ in points)
-    return PipelineModel(c, p, p_issue)
-
-
-def in_sample(cell: Cell) -> bool:
-    """True for the cells the model is fitted on (its predictions there are not tests)."""
-    return cell.rtt_ms == 0.0
+    return PipelineModel(p, p_issue)
 
 
 # -- measurement ----------------------------------------------------------------------------
@@ -245,6 +237,16 @@ async def _generate(
 
 
 # -- the report -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fit:
+    """What the report predicts with: O, the constant C, and P fitted both ways."""
+
+    o_ms: float  # the coordinator's own time per window (1-stage RTT-0 cell)
+    c_constant_ms: float  # TPOT of the 1-stage RTT-0 cell
+    timed: PipelineModel  # P fitted with C per cell from stage timings (the primary model)
+    constant: PipelineModel  # P fitted with the constant C
+
+
 def _median(runs: list[RunResult], attr: str) -> float:
     return float(statistics.median(getattr(r, attr) for r in runs))
 
@@ -253,144 +255,139 @@ def _rel(measured: float, predicted: float) -> float:
     return (measured - predicted) / predicted
 
 
+def _fit(cells: list[Cell], plain: dict[Cell, list[RunResult]]) -> Fit:
+    base = plain[Cell(1, 0.0)]
+    c0 = _median(base, "ms_per_token")
+    o = c0 - _median(base, "compute_ms_per_window")
+    zero = [c for c in cells if c.rtt_ms == 0.0]
+    tpot = {c: _median(plain[c], "ms_per_token") for c in zero}
+    timed = {c.stages: tpot[c] - _median(plain[c], "compute_ms_per_window") - o for c in zero}
+    return Fit(o, c0, fit_model(timed), fit_model({c.stages: tpot[c] - c0 for c in zero}))
+
+
 def _report(
     cells: list[Cell], candidates: list[str], runs: dict[tuple[Cell, str], list[RunResult]]
 ) -> dict[str, Any]:
-    plain = {cell: _median(runs[(cell, "disabled")], "ms_per_token") for cell in cells}
-    model = fit_model(plain)
-    rows = [_plain_row(cell, runs[(cell, "disabled")], model) for cell in cells]
-    every = [
-        _spec_row(cell, s, runs[(cell, s)], runs[(cell, "disabled")], model)
-        for cell in cells
-        for s in candidates
-    ]
+    plain = {cell: runs[(cell, "disabled")] for cell in cells}
+    fit = _fit(cells, plain)
+    rows = [_row(cell, "disabled", plain[cell], plain[cell], fit) for cell in cells]
+    every = [_row(c, s, runs[(c, s)], plain[c], fit) for c in cells for s in candidates]
     best = []
     for cell in cells:
         mine = [r for r in every if (r["stages"], r["rtt_ms"]) == (cell.stages, cell.rtt_ms)]
         if mine:
             best.append(min(mine, key=lambda r: r["measured_ms_per_token"]))
+    direct = [r["P_direct_ms"] for r in rows if r["rtt_ms"] == 0 and r["P_direct_ms"] is not None]
+    tested = [r for r in rows if not r["in_sample"]]
     return {
         "rows": rows + best,
         "candidates": every,
         "model": {
-            "C_ms": round(model.c_ms, 3),
-            "P_ms": round(model.p_ms, 3),
-            "P_issue_ms": round(model.p_issue_ms, 3),
-            "corrected": "C + H(S)*(RTT/2 + P), H(S) = S one-way messages for S >= 2, 0 for S = 1",
+            "O_ms": round(fit.o_ms, 3),
+            "C_ms": round(fit.c_constant_ms, 3),
+            "P_ms": round(fit.timed.p_ms, 3),
+            "P_issue_ms": round(fit.timed.p_issue_ms, 3),
+            "P_constant_c_ms": round(fit.constant.p_ms, 3),
+            "P_direct_ms": round(statistics.median(direct), 3) if direct else None,
+            "corrected": "C + H(S)*(RTT/2 + P); H(S) = S one-way messages for S >= 2, 0 for S = 1",
             "issue": "C + (S-1)*(2*RTT + P')",
+            "P_goal_met": fit.timed.p_ms <= P_GOAL_MS,
+            "plain_cells_tested": len(tested),
+            "plain_cells_within_tolerance": sum(r["within_tolerance"] for r in tested),
         },
     }
 
 
-def _common(cell: Cell, model: PipelineModel) -> dict[str, Any]:
-    return {
+def _row(
+    cell: Cell, strategy: str, runs: list[RunResult], plain: list[RunResult], fit: Fit
+) -> dict[str, Any]:
+    """One cell and strategy: measured, the three predictions and their errors."""
+    measured = _median(runs, "ms_per_token")
+    e = _median(runs, "tokens_per_rt")
+    compute = _median(runs, "compute_ms_per_window")
+    c_w = compute + fit.o_ms
+    extra = compute - _median(plain, "compute_ms_per_window")  # Δc of wider windows
+    predicted = fit.timed.predict(c_w, cell.stages, cell.rtt_ms, e)
+    issue = fit.timed.predict_issue(c_w, cell.stages, cell.rtt_ms, e)
+    constant = fit.constant.predict(fit.c_constant_ms + extra, cell.stages, cell.rtt_ms, e)
+    direct = None
+    if cell.stages > 1:
+        network = _median(runs, "network_ms_per_window")
+        direct = network / hops(cell.stages) - cell.rtt_ms / 2
+    row: dict[str, Any] = {
         "stages": cell.stages,
         "rtt_ms": cell.rtt_ms,
         "hops": hops(cell.stages),
-        "C_ms": round(model.c_ms, 3),
-        "P_ms": round(model.p_ms, 3),
-        "P_issue_ms": round(model.p_issue_ms, 3),
-        "in_sample": in_sample(cell),
-    }
-
-
-def _direct_p(cell: Cell, runs: list[RunResult]) -> float | None:
-    """Lane cost per message from the coordinator's own timestamps (round trip − stage time)."""
-    if cell.stages == 1:
-        return None
-    network = _median(runs, "network_ms_per_window")
-    return (network - hops(cell.stages) * cell.rtt_ms / 2) / hops(cell.stages)
-
-
-def _plain_row(cell: Cell, runs: list[RunResult], model: PipelineModel) -> dict[str, Any]:
-    measured = _median(runs, "ms_per_token")
-    predicted = model.predict(cell.stages, cell.rtt_ms)
-    issue = model.predict_issue(cell.stages, cell.rtt_ms)
-    direct = _direct_p(cell, runs)
-    return {
-        **_common(cell, model),
-        "table": "plain",
-        "strategy": "disabled",
-        "measured_ms_per_token": round(measured, 3),
-        "predicted_ms_per_token": round(predicted, 3),
-        "rel_error": round(_rel(measured, predicted), 4),
-        "within_tolerance": abs(_rel(measured, predicted)) <= TOLERANCE,
-        "predicted_issue_ms_per_token": round(issue, 3),
-        "rel_error_issue": round(_rel(measured, issue), 4),
-        "compute_ms_per_token": round(_median(runs, "compute_ms_per_window"), 3),
-        "P_direct_ms": None if direct is None else round(direct, 3),
-        "tokens_per_round_trip": 1.0,
-        "runs_ms_per_token": [round(r.ms_per_token, 3) for r in runs],
-    }
-
-
-def _spec_row(
-    cell: Cell,
-    strategy: str,
-    runs: list[RunResult],
-    plain_runs: list[RunResult],
-    model: PipelineModel,
-) -> dict[str, Any]:
-    measured = _median(runs, "ms_per_token")
-    e = _median(runs, "tokens_per_rt")
-    extra = _median(runs, "compute_ms_per_window") - _median(plain_runs, "compute_ms_per_window")
-    predicted = model.predict(cell.stages, cell.rtt_ms, extra, e)
-    issue = model.predict_issue(cell.stages, cell.rtt_ms, extra, e)
-    plain = _median(plain_runs, "ms_per_token")
-    base = plain_runs[0].tokens
-    return {
-        **_common(cell, model),
-        "table": "speculative",
+        "table": "plain" if strategy == "disabled" else "speculative",
         "strategy": strategy,
-        "active_strategy": runs[-1].active_strategy,
         "measured_ms_per_token": round(measured, 3),
         "predicted_ms_per_token": round(predicted, 3),
         "rel_error": round(_rel(measured, predicted), 4),
         "within_tolerance": abs(_rel(measured, predicted)) <= TOLERANCE,
         "predicted_issue_ms_per_token": round(issue, 3),
         "rel_error_issue": round(_rel(measured, issue), 4),
+        "predicted_constant_c_ms_per_token": round(constant, 3),
+        "rel_error_constant_c": round(_rel(measured, constant), 4),
+        "C_ms": round(c_w, 3),
+        "compute_ms_per_window": round(compute, 3),
+        "O_ms": round(fit.o_ms, 3),
+        "P_ms": round(fit.timed.p_ms, 3),
+        "P_issue_ms": round(fit.timed.p_issue_ms, 3),
+        "P_direct_ms": None if direct is None else round(direct, 3),
         "tokens_per_round_trip": round(e, 3),
-        "extra_compute_ms_per_window": round(extra, 3),
-        "speedup_vs_plain": round(plain / measured, 3),
-        "windows_stale": sum(r.windows_stale for r in runs),
-        "identical_to_plain": all(r.tokens == base for r in [*runs, *plain_runs]),
+        "in_sample": strategy == "disabled" and cell.rtt_ms == 0.0,
         "runs_ms_per_token": [round(r.ms_per_token, 3) for r in runs],
     }
+    if strategy != "disabled":
+        base = plain[0].tokens
+        row["active_strategy"] = runs[-1].active_strategy
+        row["speedup_vs_plain"] = round(_median(plain, "ms_per_token") / measured, 3)
+        row["windows_stale"] = sum(r.windows_stale for r in runs)
+        row["identical_to_plain"] = all(r.tokens == base for r in [*runs, *plain])
+    return row
 
 
 def _flag(row: dict[str, Any]) -> str:
-    if row["in_sample"] and row["table"] == "plain":
+    if row["in_sample"]:
         return "fit"
     return "ok" if row["within_tolerance"] else "OUT"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The two tables as Markdown, for docs/benchmarks.md."""
     m = report["model"]
     out = [
-        f"C = {m['C_ms']:.2f} ms, P = {m['P_ms']:.3f} ms per lane message "
-        f"(issue's P' = {m['P_issue_ms']:.3f} ms per stage boundary)\n",
-        "| stages | RTT ms | measured ms/token | corrected model | error | issue's model | error |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"O = {m['O_ms']:.2f} ms, constant C = {m['C_ms']:.2f} ms, P = {m['P_ms']:.3f} ms per "
+        f"lane message (read from timestamps: {m['P_direct_ms']} ms; with constant C: "
+        f"{m['P_constant_c_ms']:.3f} ms), issue's P' = {m['P_issue_ms']:.3f} ms per boundary\n",
+        "| stages | RTT ms | measured ms/token | C ms | corrected model | error "
+        "| issue's model | error | constant-C model | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in (r for r in report["rows"] if r["table"] == "plain"):
         out.append(
             f"| {r['stages']} | {r['rtt_ms']:g} | {r['measured_ms_per_token']:.2f} | "
-            f"{r['predicted_ms_per_token']:.2f} | {100 * r['rel_error']:+.1f} % {_flag(r)} | "
-            f"{r['predicted_issue_ms_per_token']:.2f} | {100 * r['rel_error_issue']:+.1f} % |"
+            f"{r['C_ms']:.2f} | {r['predicted_ms_per_token']:.2f} | "
+            f"{_pct(r['rel_error'])} {_flag(r)} | {r['predicted_issue_ms_per_token']:.2f} | "
+            f"{_pct(r['rel_error_issue'])} | {r['predicted_constant_c_ms_per_token']:.2f} | "
+            f"{_pct(r['rel_error_constant_c'])} |"
         )
     out += [
         "\n| stages | RTT ms | best strategy | measured ms/token | × plain | tokens/round trip "
-        "| model | error | same tokens |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| corrected model | error | issue's model | error | same tokens |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in (r for r in report["rows"] if r["table"] == "speculative"):
         out.append(
             f"| {r['stages']} | {r['rtt_ms']:g} | {r['strategy']} | "
             f"{r['measured_ms_per_token']:.2f} | {r['speedup_vs_plain']:.2f} | "
             f"{r['tokens_per_round_trip']:.2f} | {r['predicted_ms_per_token']:.2f} | "
-            f"{100 * r['rel_error']:+.1f} % {_flag(r)} | "
-            f"{'yes' if r['identical_to_plain'] else '**NO**'} |"
+            f"{_pct(r['rel_error'])} {_flag(r)} | {r['predicted_issue_ms_per_token']:.2f} | "
+            f"{_pct(r['rel_error_issue'])} | {'yes' if r['identical_to_plain'] else '**NO**'} |"
         )
     return "\n".join(out)
 
@@ -402,23 +399,32 @@ def _print(report: dict[str, Any]) -> None:
         f"{c['tokens']} tokens per run, median of {c['repeats']}, load {c['load_average_before']}"
     )
     print(
-        f"C = {m['C_ms']:.2f} ms   P = {m['P_ms']:.3f} ms per lane message   "
-        f"P' = {m['P_issue_ms']:.3f} ms per boundary (issue's formula)"
+        f"O = {m['O_ms']:.2f} ms   constant C = {m['C_ms']:.2f} ms   P = {m['P_ms']:.3f} ms per "
+        f"lane message (timestamps: {m['P_direct_ms']}; constant C: {m['P_constant_c_ms']:.3f})"
+        f"   P' = {m['P_issue_ms']:.3f} ms per boundary"
     )
     print(f"corrected: {m['corrected']}\nissue's:   {m['issue']}")
     print(
-        f"\n{'S':>2} {'RTT':>5} {'strategy':>13} {'measured':>9} {'model':>8} {'error':>7} "
-        f"{'':>4} {'issue':>8} {'error':>7} {'tok/rt':>6} {'x plain':>7} {'same':>4}"
+        f"\n{'S':>2} {'RTT':>4} {'strategy':>12} {'measured':>8} {'C':>6} {'model':>7} "
+        f"{'error':>8} {'':>3} {'issue':>7} {'error':>8} {'const-C':>7} {'error':>8} "
+        f"{'P_dir':>6} {'tok/rt':>6} {'x plain':>7} {'same':>4}"
     )
     for r in report["rows"]:
         speedup = r.get("speedup_vs_plain")
-        same = r.get("identical_to_plain", True)
+        direct = r["P_direct_ms"]
         print(
-            f"{r['stages']:>2} {r['rtt_ms']:>5g} {r['strategy']:>13} "
-            f"{r['measured_ms_per_token']:>9.2f} {r['predicted_ms_per_token']:>8.2f} "
-            f"{100 * r['rel_error']:>+6.1f}% {_flag(r):>4} "
-            f"{r['predicted_issue_ms_per_token']:>8.2f} {100 * r['rel_error_issue']:>+6.1f}% "
-            f"{r['tokens_per_round_trip']:>6.2f} "
-            f"{'' if speedup is None else f'{speedup:.2f}':>7} {'yes' if same else 'NO':>4}"
+            f"{r['stages']:>2} {r['rtt_ms']:>4g} {r['strategy']:>12} "
+            f"{r['measured_ms_per_token']:>8.2f} {r['C_ms']:>6.2f} "
+            f"{r['predicted_ms_per_token']:>7.2f} {_pct(r['rel_error']):>8} {_flag(r):>3} "
+            f"{r['predicted_issue_ms_per_token']:>7.2f} {_pct(r['rel_error_issue']):>8} "
+            f"{r['predicted_constant_c_ms_per_token']:>7.2f} {_pct(r['rel_error_constant_c']):>8} "
+            f"{'' if direct is None else f'{direct:.2f}':>6} {r['tokens_per_round_trip']:>6.2f} "
+            f"{'' if speedup is None else f'{speedup:.2f}':>7} "
+            f"{'yes' if r.get('identical_to_plain', True) else 'NO':>4}"
         )
-    print(f"\n{c['wall_s']} s, load average {c['load_average_before']} → {c['load_average_after']}")
+    print(
+        f"\n{m['plain_cells_within_tolerance']} of {m['plain_cells_tested']} out-of-sample plain "
+        f"cells within {100 * TOLERANCE:.0f} %; P ≤ {P_GOAL_MS} ms: "
+        f"{'met' if m['P_goal_met'] else 'not met'}"
+    )
+    print(f"{c['wall_s']} s, load average {c['load_average_before']} → {c['load_average_after']}")

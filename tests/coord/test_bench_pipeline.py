@@ -7,22 +7,20 @@ import json
 import pytest
 
 from meshd.cli.main import main
-from meshd.coord.bench_pipeline import Cell, fit_model, hops
+from meshd.coord.bench_pipeline import fit_model, hops
 
 
 def test_fit_recovers_the_model_it_was_made_from() -> None:
     c, p = 5.0, 0.3
-    plain = {Cell(s, 0.0): c + hops(s) * p for s in (1, 2, 3)}
-    model = fit_model(plain)
-    assert model.c_ms == pytest.approx(c)
+    model = fit_model({s: hops(s) * p for s in (1, 2, 3)})
     assert model.p_ms == pytest.approx(p)
     # 2 stages: one message forward, one back, RTT/2 each; the issue's formula charges 2·RTT.
-    assert model.predict(2, 20.0) == pytest.approx(c + 2 * (10.0 + p))
-    assert model.predict(3, 20.0) == pytest.approx(c + 3 * (10.0 + p))
-    assert model.predict(1, 50.0) == pytest.approx(c)  # one stage never touches a lane
-    assert model.predict_issue(2, 20.0) == pytest.approx(c + 40.0 + model.p_issue_ms)
+    assert model.predict(c, 2, 20.0) == pytest.approx(c + 2 * (10.0 + p))
+    assert model.predict(c, 3, 20.0) == pytest.approx(c + 3 * (10.0 + p))
+    assert model.predict(c, 1, 50.0) == pytest.approx(c)  # one stage never touches a lane
+    assert model.predict_issue(c, 2, 20.0) == pytest.approx(c + 40.0 + model.p_issue_ms)
     # A window committing 2 tokens pays the per-window costs once per 2 tokens.
-    assert model.predict(2, 20.0, 1.0, 2.0) == pytest.approx((c + 1.0 + 2 * (10.0 + p)) / 2)
+    assert model.predict(c, 2, 20.0, 2.0) == pytest.approx((c + 2 * (10.0 + p)) / 2)
 
 
 def test_small_run_is_sane_and_the_delay_is_rtt_per_two_messages(
