@@ -38,7 +38,7 @@ def test_small_run_is_sane_and_the_delay_is_rtt_per_two_messages(
     for row in rows.values():
         assert row["predicted_ms_per_token"] > 0
         assert row["measured_ms_per_token"] > 0
-        assert row["C_ms"] == report["model"]["C_ms"]
+        assert row["C_ms"] > 0
     for key, row in rows.items():
         if key[0] == "speculative":
             assert row["identical_to_plain"], row
