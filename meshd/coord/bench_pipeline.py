@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(
-        "--quick", action="store_true", help="RTT 0/20 ms, 24 tokens, 1 repeat, auto (< 60 s)"
+        "--quick", action="store_true", help="RTT 0/20 ms, 16 tokens, 1 repeat, auto (< 60 s)"
     )
     parser.add_argument("--stages", type=int, nargs="*", default=None)
     parser.add_argument("--rtt-ms", type=float, nargs="*", default=None)
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     # The calibration cells (1 stage and RTT 0) are always measured.
     stages = sorted({1, *(args.stages or [1, 2, 3])})
     rtts = sorted({0.0, *(args.rtt_ms or ([0.0, 20.0] if args.quick else [0.0, 5.0, 20.0, 50.0]))})
-    tokens = args.tokens or (24 if args.quick else 64)
+    tokens = args.tokens or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
     default = ["auto"] if args.quick else [s for s in STRATEGIES if s != "disabled"]
     candidates = [s for s in (args.strategies or default) if s != "disabled"]
