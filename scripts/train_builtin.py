@@ -67,8 +67,8 @@ class TrainConfig:
     mtp_depths: int = 2
     mtp_loss_weight: float = 0.5
     batch_sequences: int = 24
-    steps: int = 420
-    warmup_steps: int = 40
+    steps: int = 1000
+    warmup_steps: int = 50
     lr_peak: float = 2.5e-3
     lr_final_fraction: float = 0.1
     weight_decay: float = 0.1
@@ -81,6 +81,19 @@ class TrainConfig:
     bf16_autocast: bool = True
     log_every_steps: int = 10
     checkpoint_every_steps: int = 50
+    # Phase 2, after `steps`: sequence-level unlikelihood (Welleck et al. 2019, "Neural Text
+    # Generation with Unlikelihood Training"). Each step greedily continues training prompts
+    # with the model itself and pushes down the probability of every token that completes an
+    # n-gram already seen in that sequence (a loop), next to a normal MLE batch. Greedy
+    # decoding of small models falls into loops; MLE alone does not teach it not to.
+    ul_steps: int = 80
+    ul_lr: float = 3e-4
+    ul_batch_sequences: int = 16
+    ul_prompt_tokens: int = 32
+    ul_new_tokens: int = 96
+    ul_ngram: int = 6
+    ul_weight: float = 1.0
+    ul_mle_batch_sequences: int = 8
 
 
 TINY = TrainConfig(
@@ -97,6 +110,12 @@ TINY = TrainConfig(
     max_files=6,
     log_every_steps=1,
     checkpoint_every_steps=0,
+    ul_steps=2,
+    ul_batch_sequences=2,
+    ul_prompt_tokens=8,
+    ul_new_tokens=8,
+    ul_ngram=2,
+    ul_mle_batch_sequences=2,
 )
 
 
@@ -328,7 +347,9 @@ def losses(model: BuiltinModel, seq: torch.Tensor) -> list[torch.Tensor]:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to lr_final_fraction of the peak."""
+    """Linear warmup, then cosine decay to lr_final_fraction of the peak; phase 2 is flat."""
+    if step >= cfg.steps:
+        return cfg.ul_lr
     if step < cfg.warmup_steps:
         return cfg.lr_peak * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -355,11 +376,77 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr_peak, betas=(0.9, 0.95), eps=1e-8)
 
 
+def ul_prompts(stream: torch.Tensor, step: int, cfg: TrainConfig) -> torch.Tensor:
+    """Phase-2 prompts: training windows drawn from (seed, step) like `batch_at`."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 500_009 + step)
+    n = cfg.ul_prompt_tokens
+    starts = torch.randint(0, len(stream) - n, (cfg.ul_batch_sequences,), generator=gen)
+    return torch.stack([stream[s : s + n] for s in starts.tolist()]).long()
+
+
+@torch.no_grad()
+def greedy_continuations(
+    model: BuiltinModel, prompts: torch.Tensor, cfg: TrainConfig
+) -> torch.Tensor:
+    """The model's own greedy continuations (end-of-text suppressed, as the loop check does)."""
+    model.eval()
+    try:
+        return model.lm.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=cfg.ul_new_tokens,
+            min_new_tokens=cfg.ul_new_tokens,
+        )
+    finally:
+        model.train()
+
+
+def repeated_ngram_mask(seqs: torch.Tensor, prompt_tokens: int, n: int) -> torch.Tensor:
+    """True at each generated token that completes an n-gram seen earlier in its sequence."""
+    mask = torch.zeros(seqs.shape, dtype=torch.bool)
+    for row, ids in enumerate(seqs.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for end in range(n - 1, len(ids)):
+            gram = tuple(ids[end - n + 1 : end + 1])
+            if gram in seen and end >= prompt_tokens:
+                mask[row, end] = True
+            seen.add(gram)
+    return mask
+
+
+def unlikelihood_loss(model: BuiltinModel, seqs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of -log(1 - p(token)) over the masked (loop-completing) generated tokens."""
+    h, _ = model.trunk(seqs[:, :-1])
+    logits = model.logits(h, model.lm.model.norm).float()
+    p = logits.softmax(-1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
+    target = mask[:, 1:]
+    per_token = -torch.log((1 - p).clamp(min=1e-5))
+    return (per_token * target).sum() / target.sum().clamp(min=1)
+
+
+def phase2_loss(
+    model: BuiltinModel, stream: torch.Tensor, step: int, cfg: TrainConfig
+) -> tuple[torch.Tensor, tuple[float, ...]]:
+    """MLE on a small batch plus unlikelihood on the model's own repeats; logged parts."""
+    seqs = greedy_continuations(model, ul_prompts(stream, step, cfg), cfg)
+    mask = repeated_ngram_mask(seqs, cfg.ul_prompt_tokens, cfg.ul_ngram)
+    mle_cfg = dataclasses.replace(cfg, batch_sequences=cfg.ul_mle_batch_sequences)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+        parts = losses(model, batch_at(stream, step, mle_cfg))
+        ul = unlikelihood_loss(model, seqs, mask)
+    loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
+    repeat_fraction = mask[:, cfg.ul_prompt_tokens :].float().mean().item()
+    logged = (*(p.item() for p in parts), ul.item(), repeat_fraction)
+    return loss + cfg.ul_weight * ul, tuple(round(x, 4) for x in logged)
+
+
 @dataclass
 class RunState:
     step: int = 0
     elapsed_s: float = 0.0
     last_losses: tuple[float, ...] = ()
+    phase1_losses: tuple[float, ...] = ()
 
 
 def train(
@@ -407,30 +494,37 @@ def train(
     t_run = time.monotonic()
     start_step = state.step
     # stop_step exports an unfinished run (e.g. from a checkpoint); training_info says so.
-    last_step = cfg.steps if stop_step is None else min(stop_step, cfg.steps)
+    total_steps = cfg.steps + cfg.ul_steps
+    last_step = total_steps if stop_step is None else min(stop_step, total_steps)
     # The bar only draws: it reads no random state, so the weights are the same with or without it.
     with step_bar(start_step, last_step, enabled=not quiet and sys.stdout.isatty()) as bar:
         while state.step < last_step:
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, cfg)
-            seq = batch_at(stream, state.step, cfg)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-                parts = losses(model, seq)
-            loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
+            if state.step < cfg.steps:
+                seq = batch_at(stream, state.step, cfg)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+                    parts = losses(model, seq)
+                loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
+                logged = tuple(round(p.item(), 4) for p in parts)
+            else:
+                loss, logged = phase2_loss(model, stream, state.step, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
             opt.step()
             state.step += 1
-            state.last_losses = tuple(round(p.item(), 4) for p in parts)
+            state.last_losses = logged
+            if state.step == cfg.steps:
+                state.phase1_losses = logged
             bar(state.step, state.last_losses)
             run_s = time.monotonic() - t_run
-            if state.step % cfg.log_every_steps == 0 or state.step == cfg.steps:
+            if state.step % cfg.log_every_steps == 0 or state.step in (cfg.steps, total_steps):
                 done = state.step - start_step
                 tps = done * tokens_per_step / run_s
-                eta = (cfg.steps - state.step) * run_s / done
+                eta = (total_steps - state.step) * run_s / done
                 log(
-                    f"step {state.step}/{cfg.steps} loss {' '.join(map(str, state.last_losses))} "
+                    f"step {state.step}/{total_steps} loss {' '.join(map(str, state.last_losses))} "
                     f"lr {lr_at(state.step - 1, cfg):.2e} {tps:.0f} tok/s eta {eta / 60:.1f} min"
                 )
             if (
@@ -458,15 +552,27 @@ def train(
         "hyperparameters": dataclasses.asdict(cfg),
         "parameters": n_params,
         "train_seconds_this_process": round(train_s, 1),
-        "final_train_losses": {
-            "main": state.last_losses[0],
-            **{f"mtp_depth_{d}": x for d, x in enumerate(state.last_losses[1:], start=1)},
-        },
+        "final_train_losses": _named_losses(
+            state.phase1_losses or state.last_losses, cfg.mtp_depths, phase2=False
+        ),
+        "final_phase2_losses": (
+            _named_losses(state.last_losses, cfg.mtp_depths, phase2=True)
+            if state.step > cfg.steps
+            else None
+        ),
         "torch": torch.__version__,
     }
     save_directory(model, tok, config, out, info)
     log(f"wrote {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
     return info
+
+
+def _named_losses(values: tuple[float, ...], depths: int, phase2: bool) -> dict[str, float]:
+    """Phase 1 logs main + MTP depths; phase 2 adds unlikelihood and the repeat fraction."""
+    names = ["main", *(f"mtp_depth_{d}" for d in range(1, depths + 1))]
+    if phase2:
+        names += ["unlikelihood", "generated_repeat_fraction"]
+    return dict(zip(names, values, strict=True))
 
 
 @contextlib.contextmanager

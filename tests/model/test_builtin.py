@@ -196,3 +196,31 @@ def test_training_is_reproducible_from_the_seed(tmp_path: Path) -> None:
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
         tmp_path / "b" / "tokenizer.json"
     ).read_bytes()
+
+
+def test_unlikelihood_marks_only_generated_tokens_that_repeat_an_ngram() -> None:
+    import torch
+
+    tb = _train_module()
+    # prompt [1 2 3], then the model "generated" 1 2 3 1 2 9: the second "1 2" after the
+    # prompt and the "2 3" repeated from the prompt complete seen bigrams; 9 is new.
+    seqs = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 9]])
+    mask = tb.repeated_ngram_mask(seqs, prompt_tokens=3, n=2)
+    assert mask[0].tolist() == [False, False, False, False, True, True, True, True, False]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_at_the_phase_boundary_equals_an_uninterrupted_one(tmp_path: Path) -> None:
+    import dataclasses
+
+    tb = _train_module()
+    cfg = dataclasses.replace(tb.TINY, checkpoint_every_steps=1)
+    tb.train(cfg, tmp_path / "whole", quiet=True)
+    ckpt = tmp_path / "run.ckpt"
+    tb.train(cfg, tmp_path / "part", checkpoint=ckpt, quiet=True, stop_step=cfg.steps)
+    tb.train(cfg, tmp_path / "resumed", checkpoint=ckpt, quiet=True)
+    whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == whole
+    info = json.loads((tmp_path / "resumed" / "training_info.json").read_text())
+    assert info["resumed_from_step"] == cfg.steps
+    assert set(info["final_phase2_losses"]) >= {"unlikelihood", "generated_repeat_fraction"}
