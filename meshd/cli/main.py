@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "membership, failure detection and planner at 10-1000 nodes",
     ),
     "load": ("meshd.api.bench_load", "OpenAI endpoint under load: latency, errors, KV leaks"),
+    "plot": ("meshd.cli.bench_plot", "draw saved --json reports (docs/bench/) as PNGs"),
 }
 
 
@@ -64,8 +65,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     # Parse once to find the subcommand, then let it add its own arguments and parse again.
-    known, _ = parser.parse_known_args(argv)
-    module = getattr(known, "_module", None)
+    # Help waits for the second parse, so `meshd bench X --help` lists X's own options.
+    first = [a for a in argv if a not in ("-h", "--help")]
+    wants_help = len(first) < len(argv)
+    module = None
+    if first:
+        try:
+            module = getattr(parser.parse_known_args(first)[0], "_module", None)
+        except SystemExit:
+            if not wants_help:
+                raise
+    if module is None and wants_help:
+        parser.parse_args(argv)  # prints the help of the deepest group named, and exits 0
     if module is None:
         parser.print_help()
         return 2
