@@ -29,7 +29,7 @@ import httpx
 import msgspec
 import trio
 
-from meshd.api.bench_load_requests import Job, LoadConfig, Record, make_jobs, run_load
+from meshd.api.bench_load_requests import SIZES, Job, LoadConfig, Record, make_jobs, run_load
 from meshd.api.bench_load_targets import Snapshot
 from meshd.model.tokenizer import Tokenizer
 
@@ -68,6 +68,11 @@ def summarize(
     ok = [r for r in records if not r.error]
     failed = [r for r in records if r.error]
     tokens = sum(r.completion_tokens for r in ok)
+    size_of = {j.index: j.size for j in jobs}
+    by_size = {
+        size: percentiles([r.latency_s for r in ok if size_of[r.index] == size])
+        for size in sorted(set(size_of.values()))
+    }
     return {
         "requests": len(records),
         "concurrency": cfg.concurrency,
@@ -80,6 +85,7 @@ def summarize(
         "requests_that_saw_429": sum(1 for r in records if r.retries_429),
         "latency_s": percentiles([r.latency_s for r in ok]),
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "latency_by_size_s": by_size,
         "completion_tokens": tokens,
         "prompt_tokens": sum(j.prompt_tokens for j in jobs),
         "wall_s": wall_s,
@@ -102,12 +108,13 @@ async def measure(
     """Warm up, take the idle snapshot, fire the load, wait for the drain, compare."""
     async with httpx.AsyncClient(timeout=60) as client:
         model = (await client.get(urls[0] + "/models")).json()["data"][0]["id"]
-    warm = make_jobs(tokenizer, 2 * len(urls), cfg.seed + 1, context_tokens)
+    # Every node coordinates one short request first (lazy set-up stays out of the idle level).
+    warm = make_jobs(tokenizer, len(urls), cfg.seed + 1, context_tokens, ("short",))
     warm_records, _ = await run_load(
         urls, model, warm, msgspec.structs.replace(cfg, concurrency=len(urls))
     )
     before = await _settled(snapshot, None, cfg.drain_timeout_s)
-    jobs = make_jobs(tokenizer, cfg.requests, cfg.seed, context_tokens)
+    jobs = make_jobs(tokenizer, cfg.requests, cfg.seed, context_tokens, cfg.sizes)
     records, wall_s = await run_load(urls, model, jobs, cfg)
     t0 = time.perf_counter()
     after = await _settled(snapshot, before, cfg.drain_timeout_s)
@@ -153,6 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--stages", type=int, default=2, help="daemons, one stage each (2-3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=[s.name for s in SIZES],
+        choices=[s.name for s in SIZES],
+        help="request size classes in the mix",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="30 requests at concurrency 4")
     parser.add_argument(
@@ -169,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         requests=args.requests or (30 if args.quick else 200),
         concurrency=args.concurrency or (4 if args.quick else 8),
         seed=args.seed,
+        sizes=tuple(args.sizes),
     )
 
 
@@ -191,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         _print(report)
-    return 1 if report.get("errors", 1) or report.get("leaked", True) else 0
+    failed = report.get("errors", 1) or report.get("warmup_errors", 0)
+    return 1 if failed or report.get("leaked", True) else 0
 
 
 def _context_tokens(model_dir: str) -> int:
@@ -257,6 +273,8 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['retried_429']} (on {r['requests_that_saw_429']} requests)"
     )
     print(f"  latency ms: {_fmt(r['latency_s'])}")
+    for size, figures in r["latency_by_size_s"].items():
+        print(f"    {size}: {_fmt(figures)}")
     print(f"  ttft ms (streamed): {_fmt(r['ttft_s'])}")
     print(
         f"  {r['completion_tokens']} tokens in {r['wall_s']:.1f} s: {r['tokens_per_s']:.1f} "

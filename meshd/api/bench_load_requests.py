@@ -37,6 +37,8 @@ class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Resident memory may grow this much over idle before it counts as a leak (allocator
     # caches and torch's lazily built kernels keep some; leaked KV of many sessions exceeds it).
     rss_growth_limit_bytes: int = 64 << 20
+    # Which size classes (`SIZES` names) the mix draws from.
+    sizes: tuple[str, ...] = ("short", "medium", "long")
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,25 @@ class Job:
         return "/chat/completions" if self.kind == "chat" else "/completions"
 
 
-def make_jobs(tokenizer: Tokenizer, count: int, seed: int, context_tokens: int) -> list[Job]:
-    """A seeded mix of `count` requests whose prompt and completion fit `context_tokens`."""
+def make_jobs(
+    tokenizer: Tokenizer,
+    count: int,
+    seed: int,
+    context_tokens: int,
+    sizes: tuple[str, ...] = ("short", "medium", "long"),
+) -> list[Job]:
+    """A seeded mix of `count` requests whose prompt and completion fit `context_tokens`.
+
+    `sizes` names the `SIZES` classes to draw from (by their weights).
+    """
     rng = random.Random(seed)
     sources = [tokenizer.encode(w.prompt, add_special_tokens=False) for w in workloads(3)]
+    classes = [s for s in SIZES if s.name in sizes]
+    if not classes:
+        raise ValueError(f"no size class among {sizes}; known: {[s.name for s in SIZES]}")
     jobs = []
     for index in range(count):
-        size = rng.choices(SIZES, weights=[s.weight for s in SIZES])[0]
+        size = rng.choices(classes, weights=[s.weight for s in classes])[0]
         kind = rng.choice(("chat", "completion"))
         source = rng.choice(sources)
         want = rng.randint(*size.prompt_tokens)
@@ -162,6 +176,9 @@ async def fire(
                 ttft = None
         except httpx.HTTPError as exc:
             status, wait_s, ttft, tokens, error = 0, None, None, 0, type(exc).__name__
+        except (ValueError, LookupError, AttributeError, TypeError) as exc:
+            # A body that is not the OpenAI shape is the server's error: recorded, not fatal.
+            status, wait_s, ttft, tokens, error = 200, None, None, 0, f"bad body: {exc!r}"[:120]
         if status == 429 and wait_s is not None and retries < cfg.max_retries_429:
             retries += 1
             await trio.sleep(min(wait_s, cfg.max_retry_wait_s))
@@ -190,14 +207,15 @@ async def _whole(
         return response.status_code, None, 0, f"HTTP {response.status_code}"
     data = response.json()
     usage = data.get("usage") or {}
-    if usage.get("prompt_tokens") != job.prompt_tokens:
-        return (
-            200,
-            None,
-            0,
-            f"prompt counted {usage.get('prompt_tokens')}, sent {job.prompt_tokens}",
-        )
-    return 200, None, int(usage.get("completion_tokens", 0)), ""
+    return 200, None, int(usage.get("completion_tokens", 0)), _prompt_check(usage, job)
+
+
+def _prompt_check(usage: dict[str, Any], job: Job) -> str:
+    """An error unless the server counted the prompt as the client did (it saw all of it)."""
+    counted = usage.get("prompt_tokens")
+    if counted == job.prompt_tokens:
+        return ""
+    return f"prompt counted {counted}, sent {job.prompt_tokens}"
 
 
 async def _streamed(
@@ -205,6 +223,7 @@ async def _streamed(
 ) -> tuple[int, float | None, float | None, int, str]:
     ttft: float | None = None
     tokens = 0
+    usage: dict[str, Any] = {}
     async with client.stream("POST", url + job.path, json=job.body(model)) as response:
         if response.status_code != 200:
             await response.aread()
@@ -224,10 +243,11 @@ async def _streamed(
             if ttft is None and any(_delta_text(c) for c in event.get("choices", ())):
                 ttft = time.perf_counter() - t0
             if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
+                usage = event["usage"]
+                tokens = int(usage["completion_tokens"])
         if not done:
             return 200, None, ttft, tokens, "stream ended without [DONE]"
-    return 200, None, ttft, tokens, ""
+    return 200, None, ttft, tokens, _prompt_check(usage, job)
 
 
 def _delta_text(choice: dict[str, Any]) -> str:
@@ -240,7 +260,7 @@ async def run_load(
 ) -> tuple[list[Record], float]:
     """Fire `jobs` at `cfg.concurrency`, job i to `urls[i % len(urls)]`; records and wall time."""
     records: list[Record] = []
-    send, receive = trio.open_memory_channel[Job](len(jobs))
+    send, receive = trio.open_memory_channel[Job](max(1, len(jobs)))
     for job in jobs:
         send.send_nowait(job)
     send.close()
