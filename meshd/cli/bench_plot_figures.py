@@ -278,28 +278,36 @@ def concurrency(reports: list[dict[str, Any]]) -> Figure:
         ),
     )
     streams = sorted({x["streams"] for x in rows})
-    for batching, style, name in ((True, "o-", "batching on"), (False, "s--", "batching off")):
+    modes = ((True, "o", "-", "C0", "batching on"), (False, "s", "--", "C1", "batching off"))
+    for batching, marker, line, colour, name in modes:
         mine = sorted((x for x in rows if x["batching"] == batching), key=lambda x: x["streams"])
         xs = [x["streams"] for x in mine]
-        left.plot(xs, [x["decode_tok_s"] for x in mine], style, label=name)
-        for x in mine:
-            if batching and x["ratio_vs_1_stream"]:
-                left.annotate(
-                    f"{x['ratio_vs_1_stream']:.2f}×",
-                    (x["streams"], x["decode_tok_s"]),
-                    textcoords="offset points",
-                    xytext=(-8, 7),
-                    fontsize=7,
-                )
-        right.plot(xs, [x["p99_token_ms"] for x in mine], style, label=f"p99, {name}")
+        left.plot(xs, [x["decode_tok_s"] for x in mine], marker + line, color=colour, label=name)
         right.plot(
-            xs, [x["p50_token_ms"] for x in mine], style[0] + ":", label=f"p50, {name}", alpha=0.6
+            xs, [x["p99_token_ms"] for x in mine], marker + line, color=colour, label=f"p99, {name}"
         )
+        right.plot(
+            xs,
+            [x["p50_token_ms"] for x in mine],
+            marker + ":",
+            color=colour,
+            alpha=0.5,
+            label=f"p50, {name}",
+        )
+    for x in rows:  # the speedup over one stream, on the batched line
+        if x["batching"] and x["ratio_vs_1_stream"]:
+            left.annotate(
+                f"{x['ratio_vs_1_stream']:.2f}×",
+                (x["streams"], x["decode_tok_s"]),
+                textcoords="offset points",
+                xytext=(-10, 7),
+                fontsize=7,
+            )
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(streams, [str(s) for s in streams])
         ax.set_xlabel("concurrent streams")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # room for the labels above the top point
         ax.legend(fontsize=8)
     left.set_ylabel("aggregate decode tokens/s")
     left.set_title("throughput (labels: × one stream, batched)", fontsize=9)
