@@ -92,7 +92,11 @@ class PeerTable:
                 self.adopt(lane)
 
     async def lane_to(self, key: bytes) -> PeerLane:
-        """An open lane to `key`, connecting if needed (PeerUnreachable on failure)."""
+        """An open lane to `key`, opening one if needed (PeerUnreachable on failure).
+
+        Callers that need the same peer at once share one attempt: the first opens the lane
+        (`_open_lane`), the others wait for it and then take the lane it left open.
+        """
         while True:
             lane = self.lane(key)
             if lane is not None:
@@ -101,17 +105,26 @@ class PeerTable:
             if pending is None:
                 break
             await pending.wait()
+        done = self._connecting[key] = trio.Event()
+        try:
+            return await self._open_lane(key)
+        finally:
+            del self._connecting[key]
+            done.set()
+
+    async def _open_lane(self, key: bytes) -> PeerLane:
+        """Open a lane to `key` (none is open, no other attempt runs): dial its address."""
+        return await self._dial_address(key)
+
+    async def _dial_address(self, key: bytes) -> PeerLane:
+        """Dial `key` at its address in the book and adopt the lane (PeerUnreachable)."""
         addr = self.addresses.get(key)
         if addr is None:
             raise PeerUnreachable(f"no address known for peer {key.hex()[:16]}")
-        done = self._connecting[key] = trio.Event()
         try:
             lane = await self.endpoint.connect(addr, key)
         except LaneClosedError as exc:
             raise PeerUnreachable(f"peer {key.hex()[:16]} at {addr}: {exc}") from exc
-        finally:
-            del self._connecting[key]
-            done.set()
         return self.adopt(lane)
 
     async def send(self, key: bytes, message: Message, stream: int = PIPELINE_STREAM) -> None:

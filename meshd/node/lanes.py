@@ -97,7 +97,6 @@ class NodePeers(PeerTable):
         self.nat = NatTraversal(self, self.nat_config.punch)
         self.introducers = introducers
         self.paths: dict[bytes, LanePath] = {}
-        self._dialing: dict[bytes, trio.Event] = {}
         self._arrivals: dict[bytes, trio.Event] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -106,23 +105,6 @@ class NodePeers(PeerTable):
             await nursery.start(self.nat.run)
             await nursery.start(super().run)
             task_status.started()
-
-    async def lane_to(self, key: bytes) -> PeerLane:
-        """An open lane to `key`: the open one, a direct dial, or one made through a member."""
-        while True:
-            lane = self.lane(key)
-            if lane is not None:
-                return lane
-            pending = self._dialing.get(key)
-            if pending is None:
-                break
-            await pending.wait()
-        done = self._dialing[key] = trio.Event()
-        try:
-            return await self._dial(key)
-        finally:
-            del self._dialing[key]
-            done.set()
 
     def path_of(self, key: bytes) -> LanePath | None:
         """How the open lane to `key` travels (None without one).
@@ -141,7 +123,8 @@ class NodePeers(PeerTable):
             return record
         return LanePath(LaneKind.DIRECT, None, 0.0)
 
-    async def _dial(self, key: bytes) -> PeerLane:
+    async def _open_lane(self, key: bytes) -> PeerLane:
+        """A direct dial, or a lane made through a member (see the module docstring)."""
         now = trio.current_time()
         record = self.paths.get(key)
         recent_nat = (
@@ -152,7 +135,7 @@ class NodePeers(PeerTable):
         error: PeerUnreachable | None = None
         if not recent_nat:
             try:
-                lane = await super().lane_to(key)
+                lane = await self._dial_address(key)
             except PeerUnreachable as exc:
                 error = exc
             else:
