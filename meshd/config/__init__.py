@@ -1,7 +1,7 @@
 """The daemon's typed configuration: sources, precedence, validation and rendering.
 
-Every key is a field of `NodeConfig` or of one of its tables (`mdns`, `lane`, `spec`,
-`emulate`). A key may be set at four levels; the later one wins:
+Every key is a field of `NodeConfig` or of one of its tables (`mdns`, `membership`, `lane`,
+`spec`, `emulate`). A key may be set at four levels; the later one wins:
 
     built-in default < TOML file (--config FILE) < environment (MESHD_<KEY>) < command line
 
@@ -26,6 +26,7 @@ from meshd.config.node import (
     SECRET_KEYS,
     ConfigError,
     MdnsConfig,
+    MembershipTimers,
     NodeConfig,
 )
 from meshd.config.sources import (
@@ -52,6 +53,7 @@ __all__ = [
     "ConfigError",
     "LoadedConfig",
     "MdnsConfig",
+    "MembershipTimers",
     "NodeConfig",
     "add_config_arguments",
     "config_cli_values",

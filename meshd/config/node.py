@@ -6,6 +6,7 @@ Each check raises `ConfigError` naming the key; `meshd.config.sources` adds wher
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import stat
@@ -21,6 +22,7 @@ from meshd.mesh.jointoken import (
     decode_join_token,
     parse_peer_address,
 )
+from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
 from meshd.spec.config import SpecConfig
 from protocol import RemoteProtocolError
@@ -66,6 +68,34 @@ class MdnsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                 raise ConfigError(f"mdns.interfaces: bad entry {name!r}", key="mdns.interfaces")
 
 
+_MEMBERSHIP = MembershipConfig()
+
+
+class MembershipTimers(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The membership timers an operator may tune; the rest keep `MembershipConfig`'s values.
+
+    Failure detection: a member is probed every `probe_interval_s`; no answer within
+    `probe_timeout_s` (direct or through others) makes it suspect, and a suspect is declared
+    dead after at least `suspicion_min_s`. Changes spread every `gossip_interval_s`.
+    """
+
+    probe_interval_s: float = _MEMBERSHIP.probe_interval_s
+    probe_timeout_s: float = _MEMBERSHIP.probe_timeout_s
+    suspicion_min_s: float = _MEMBERSHIP.suspicion_min_s
+    gossip_interval_s: float = _MEMBERSHIP.gossip_interval_s
+
+    def __post_init__(self) -> None:
+        try:
+            self.membership_config()
+        except ValueError as exc:
+            # MembershipConfig names keys "membership.x"; the table's loader adds the prefix.
+            raise ValueError(str(exc).replace("membership.", "")) from None
+
+    def membership_config(self) -> MembershipConfig:
+        """The full membership configuration with these timers."""
+        return msgspec.structs.replace(_MEMBERSHIP, **msgspec.structs.asdict(self))
+
+
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything one meshd daemon is told (see docs/configuration.md for each key)."""
 
@@ -90,7 +120,12 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     revoked_keys: tuple[str, ...] = ()
     log_format: str = "text"
     log_level: str = "info"
+    # Failure handling and operator commands (seconds).
+    recovery_timeout_s: float = 20.0
+    suspect_hold_s: float = 10.0
+    drain_timeout_s: float = 300.0
     mdns: MdnsConfig = MdnsConfig()
+    membership: MembershipTimers = MembershipTimers()
     lane: LaneConfig = LaneConfig()
     spec: SpecConfig = SpecConfig()
     emulate: LinkProfile | None = None
@@ -99,6 +134,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         _check_network(self)
         _check_secrets(self)
         _check_compute(self)
+        _check_timers(self)
         for key in ("admitted_keys", "revoked_keys"):
             for hex_key in getattr(self, key):
                 _check_public_key(key, hex_key)
@@ -241,6 +277,13 @@ def _check_compute(c: NodeConfig) -> None:
         raise ConfigError(
             f"layers {list(c.layers)} must be [start, stop) with 0 <= start < stop", key="layers"
         )
+
+
+def _check_timers(c: NodeConfig) -> None:
+    for key in ("recovery_timeout_s", "suspect_hold_s", "drain_timeout_s"):
+        value = getattr(c, key)
+        if not 0 < value < math.inf:
+            raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
 
 
 def _one_of(c: NodeConfig, a: str, b: str) -> None:

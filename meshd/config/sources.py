@@ -19,7 +19,14 @@ from typing import Any
 
 import msgspec
 
-from meshd.config.node import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, MdnsConfig, NodeConfig
+from meshd.config.node import (
+    CONFIG_FILE_ENV,
+    ENV_PREFIX,
+    ConfigError,
+    MdnsConfig,
+    MembershipTimers,
+    NodeConfig,
+)
 from meshd.mesh.jointoken import JoinTokenError, parse_join_token
 from meshd.net.emulator import LinkProfile
 from meshd.spec.config import SpecConfig, SpecConfigError, resolve_spec_config
@@ -29,6 +36,7 @@ from protocol.config import LaneConfig
 
 TABLES: dict[str, type[msgspec.Struct]] = {
     "mdns": MdnsConfig,
+    "membership": MembershipTimers,
     "lane": LaneConfig,
     "spec": SpecConfig,
     "emulate": LinkProfile,
@@ -283,7 +291,7 @@ def _build(values: dict[str, Any], origins: dict[str, str], env: Mapping[str, st
         message = message.replace("speculative config: ", "spec.")
         key = f"spec.{exc.key}"
         raise ConfigError(message, key=key, source=_blame(key, message, origins)) from None
-    for table in ("mdns", "lane", "emulate"):
+    for table in ("mdns", "membership", "lane", "emulate"):
         sub = {k.partition(".")[2]: v for k, v in values.items() if k.startswith(table + ".")}
         if sub or table != "emulate":
             top[table] = _convert(sub, TABLES[table], table, origins)

@@ -50,7 +50,7 @@ class NodeBackend:
         """
         tuning = self.node.tuning
         committed: list[int] = []
-        deadline = trio.current_time() + tuning.recovery_timeout_s
+        deadline = trio.current_time() + self.node.config.recovery_timeout_s
         while True:
             try:
                 route = self.node.route()
@@ -76,7 +76,7 @@ class NodeBackend:
             except RouteFailed as exc:
                 committed += exc.committed
                 if exc.committed:
-                    deadline = trio.current_time() + tuning.recovery_timeout_s
+                    deadline = trio.current_time() + self.node.config.recovery_timeout_s
                 self._on_failure(exc)
                 if trio.current_time() >= deadline:
                     raise ServiceUnavailable(f"the mesh could not recover: {exc}", 1.0) from exc

@@ -180,6 +180,7 @@ class MeshNode:
             verify=NodeIdentity.verify,
             now=now,
             capacity=self.capacity(),
+            config=self.config.membership.membership_config(),
             seed=int.from_bytes(self.node_key[:8], "big"),
             # A restart outranks its previous life's words at once.
             incarnation=int(time.time()),
@@ -260,7 +261,7 @@ class MeshNode:
 
     def suspect(self, node_id: bytes) -> None:
         """Leave `node_id` out of this node's routes for a while (its lane died)."""
-        self._suspects[node_id] = trio.current_time() + self.tuning.suspect_hold_s
+        self._suspects[node_id] = trio.current_time() + self.config.suspect_hold_s
         self.request_replan()
 
     def _on_member_events(self, events: list[MemberEvent]) -> None:
@@ -417,7 +418,7 @@ class MeshNode:
         self.slot.refuse_new_sessions = True
         self.note("draining", self.node_key, f"{self.slot.sessions} sessions open")
         self.publish_capacity()  # new requests plan around us while ours finish
-        timeout_s = self.tuning.drain_timeout_s
+        timeout_s = self.config.drain_timeout_s
         with trio.CancelScope() as scope:
             self._drain_scope = scope
             with trio.move_on_after(timeout_s) as waited:

@@ -27,6 +27,7 @@ from meshd.config import (
 )
 from meshd.mesh.identity import NodeIdentity
 from meshd.mesh.jointoken import make_join_token
+from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
 from meshd.spec import SpecConfig, resolve_spec_config
 from protocol.config import LaneConfig
@@ -152,7 +153,9 @@ def test_unknown_key_in_env_is_named_with_the_variable(env: dict[str, str]) -> N
             load_config({}, env | {name: "1"}, None)
         assert (err.value.key, err.value.source) == (key, f"env {name}")
         assert f"env {name}" in str(err.value)
-    with pytest.raises(ConfigError, match=r"no table \[gossip\]; tables: mdns, lane, spec"):
+    with pytest.raises(
+        ConfigError, match=r"no table \[gossip\]; tables: mdns, membership, lane, spec"
+    ):
         load_config({}, env | {"MESHD_GOSSIP__FANOUT": "3"}, None)
     with pytest.raises(ConfigError, match=r"lane is a table.*MESHD_LANE__<KEY>"):
         load_config({}, env | {"MESHD_LANE": "x"}, None)
@@ -363,6 +366,39 @@ def test_render_redacts_secrets_and_round_trips(tmp_path: Path, env: dict[str, s
     assert load_config({}, {}, rendered) == plain
     no_emulator = load_config({}, env, None)
     assert load_config({}, {}, _write(tmp_path / "r2.toml", render(no_emulator))) == no_emulator
+
+
+# --- the daemon's timers ----------------------------------------------------------------------
+
+
+def test_daemon_timers_are_keys_with_the_defaults_they_had(env: dict[str, str]) -> None:
+    config = load_config({}, env, None)
+    assert (config.recovery_timeout_s, config.suspect_hold_s, config.drain_timeout_s) == (
+        20.0,
+        10.0,
+        300.0,
+    )
+    assert config.membership.membership_config() == MembershipConfig()
+    config = load_config(
+        {"drain_timeout_s": 2.5}, env | {"MESHD_MEMBERSHIP__GOSSIP_INTERVAL_S": "0.5"}, None
+    )
+    assert config.drain_timeout_s == 2.5
+    membership = config.membership.membership_config()
+    assert membership.gossip_interval_s == 0.5
+    assert membership.probe_interval_s == MembershipConfig().probe_interval_s
+
+
+def test_daemon_timers_are_validated_naming_key_and_source(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({}, env | {"MESHD_DRAIN_TIMEOUT_S": "0"}, None)
+    assert (err.value.key, err.value.source) == ("drain_timeout_s", "env MESHD_DRAIN_TIMEOUT_S")
+    with pytest.raises(ConfigError, match="below probe_interval_s") as err:
+        load_config({"membership.probe_timeout_s": 2.0}, env, None)
+    assert err.value.key == "membership.probe_timeout_s"
+    assert err.value.source == "flag --membership-probe-timeout-s"
+    args = _parse(["--suspect-hold-s", "3", "--membership-suspicion-min-s", "2.5"])
+    config = load_config_from_args(args, env)
+    assert config.suspect_hold_s == 3.0 and config.membership.suspicion_min_s == 2.5
 
 
 # --- docs/configuration.md ------------------------------------------------------------------
