@@ -1,9 +1,10 @@
-"""The demo's daemons: spawn `meshd serve` on a loopback address, read its status, stop it.
+"""`meshd serve` child processes for the demo and the multi-process tests.
 
-Each daemon gets its own state dir under the demo's temp dir, the demo's mesh secret file,
-mDNS on its own loopback address only, and port 0 for lanes and API (the daemon prints what
-it bound). Children die with the demo process (PR_SET_PDEATHSIG on Linux), so a killed demo
-leaves no daemons behind.
+`ServeProcess` spawns one daemon (its own state dir and log under a work dir, a mesh secret
+file, CPU float32), reads the address it bound, its status and events, and stops it;
+`DemoDaemon` is one on its own loopback address with mDNS there and port 0 for lanes and API
+(the daemon prints what it bound). Children die with the parent process (PR_SET_PDEATHSIG on
+Linux), so a killed demo or test run leaves no daemons behind.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,31 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class DemoDaemon:
-    """One `meshd serve` child process."""
+def write_secret_file(path: Path, secret: str) -> Path:
+    """Write a mesh secret where only this user can read it (the daemon refuses otherwise)."""
+    path.touch(mode=0o600)
+    path.write_text(secret)
+    return path
+
+
+class ServeProcess:
+    """One `meshd serve` child process with its state dir and log under `work`.
+
+    `flags` are the serve flags beyond the state dir, the secret file and the CPU float32
+    compute every demo and test daemon uses; `prefix` runs the command inside something
+    (e.g. `ip netns exec NS`).
+    """
 
     def __init__(
-        self, work: Path, name: str, host: str, secret_file: Path, budget: int, model: str | None
+        self,
+        work: Path,
+        name: str,
+        secret_file: Path,
+        flags: Sequence[str],
+        *,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.name = name
-        self.host = host
         self.state = work / name
         self.socket = str(self.state / "control.sock")
         self.log_path = work / f"{name}.log"
@@ -55,15 +73,11 @@ class DemoDaemon:
         self._key = ""
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
         args = [
-            sys.executable, "-m", "meshd.cli.main", "serve",
+            *prefix, sys.executable, "-m", "meshd.cli.main", "serve",
             "--state-dir", str(self.state),
             "--mesh-secret-file", str(secret_file),
-            "--listen-host", host, "--listen-port", "0",
-            "--mdns-interfaces", host,
-            "--api-host", host, "--api-port", "0",
-            "--memory-budget-bytes", str(budget),
             "--device", "cpu", "--dtype", "float32",
-            *(("--model", model) if model else ()),
+            *flags,
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -76,8 +90,11 @@ class DemoDaemon:
                 preexec_fn=_die_with_parent,
             )
 
-    def wait_listening(self, deadline: float) -> None:
-        """Block until the daemon prints its `listening on` line (DemoError at the deadline)."""
+    def wait_listening(self, deadline: float) -> float:
+        """Block until the daemon prints its `listening on` line; returns when (monotonic).
+
+        Raises DemoError at the deadline or when the daemon exits first.
+        """
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
@@ -87,13 +104,22 @@ class DemoDaemon:
             if "listening on" in line:
                 self.lane_address = line.rsplit(" ", 1)[1].strip()
                 self.api_url = line.split(" api ", 1)[1].split(" ", 1)[0]
-                return
+                return time.monotonic()
             if not line:
                 break
-        raise DemoError(f"{self.name} did not start (exit status {self.proc.poll()})")
+        raise DemoError(
+            f"{self.name} did not start (exit status {self.proc.poll()}; log {self.log_path})"
+        )
 
-    def status(self) -> dict[str, Any] | None:
-        """The daemon's status over its control socket, or None while it does not answer."""
+    def status(self) -> dict[str, Any]:
+        """The daemon's status over its control socket (DemoError while it does not answer)."""
+        status = self.try_status()
+        if status is None:
+            raise DemoError(f"{self.name} does not answer on {self.socket}")
+        return status
+
+    def try_status(self) -> dict[str, Any] | None:
+        """The daemon's status, or None while it does not answer."""
         try:
             return dict(call(self.socket, StatusOp(), timeout_s=10)["status"])
         except (OSError, ControlError):
@@ -102,27 +128,28 @@ class DemoDaemon:
     def key(self) -> str:
         """The node key in hex (asked once, so it is known after the daemon dies)."""
         if not self._key:
-            status = self.status()
-            if status is None:
-                raise DemoError(f"{self.name} does not answer on {self.socket}")
-            self._key = str(status["key"])
+            self._key = str(self.status()["key"])
         return self._key
 
     def alive_members(self) -> set[str]:
         """Keys of the members this daemon sees alive."""
-        status = self.status()
+        status = self.try_status()
         if status is None:
             return set()
         return {m["key"] for m in status["members"] if m["status"] == "alive"}
 
+    def member(self, key: str) -> dict[str, Any]:
+        """This daemon's status row for the member `key`."""
+        return next(m for m in self.status()["members"] if m["key"] == key)
+
     def recoveries(self) -> int:
         """How many requests this node re-routed after losing a stage."""
-        status = self.status()
+        status = self.try_status()
         return int(status["recoveries"]) if status else 0
 
     def first_event(self, kind: str, node_key: str, after_unix_s: float) -> float | None:
         """When (unix s) this node first logged `kind` about `node_key` since a moment."""
-        status = self.status() or {"events": []}
+        status = self.try_status() or {"events": []}
         for event in status["events"]:
             mine = event["kind"] == kind and node_key.startswith(event["node"])
             if mine and event["at_unix_s"] >= after_unix_s:
@@ -130,7 +157,7 @@ class DemoDaemon:
         return None
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would (not reaped here: stop() does that)."""
+        """SIGKILL, as a crash would (not reaped here: wait_stopped() does that)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.killed_at = time.time()
@@ -163,9 +190,35 @@ class DemoDaemon:
             return "(no log)"
 
 
-def settled_plan(daemons: list[DemoDaemon]) -> list[dict[str, Any]] | None:
+class DemoDaemon(ServeProcess):
+    """A daemon on its own loopback address: lanes, API and mDNS there, any free ports."""
+
+    def __init__(
+        self,
+        work: Path,
+        name: str,
+        host: str,
+        secret_file: Path,
+        budget: int,
+        model: str | None,
+        *,
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.host = host
+        flags = [
+            "--listen-host", host, "--listen-port", "0",  # a later --listen-port in extra wins
+            "--mdns-interfaces", host,
+            "--api-host", host, "--api-port", "0",
+            "--memory-budget-bytes", str(budget),
+            *(("--model", model) if model else ()),
+            *extra,
+        ]  # fmt: skip
+        super().__init__(work, name, secret_file, flags)
+
+
+def settled_plan(daemons: Sequence[ServeProcess]) -> list[dict[str, Any]] | None:
     """The plan every daemon agrees on, once each has loaded its own stage of it."""
-    statuses = [d.status() for d in daemons]
+    statuses = [d.try_status() for d in daemons]
     if any(s is None or not s["plan"] for s in statuses):
         return None
     plans = [s["plan"] for s in statuses if s is not None]

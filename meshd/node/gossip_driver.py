@@ -179,7 +179,11 @@ class GossipDriver:
             now = trio.current_time()
             for lane_key, lane in self.peers.connected.items():
                 node_id = self.keys.ed_of(lane_key)
-                if node_id is not None:
-                    rtt = lane.lane.stats.smoothed_rtt_s
-                    self.membership.on_rtt(node_id, rtt, now)
+                # The planner wants the path's latency. The smoothed RTT also holds the time a
+                # busy node takes to answer (a stage loading, a CPU shared with compute), which
+                # comes and goes and would move stages back and forth; the lane's minimum does
+                # not. Before its first sample a lane has none (0): nothing to report yet.
+                min_rtt_s = lane.lane.stats.min_rtt_s
+                if node_id is not None and min_rtt_s > 0:
+                    self.membership.on_rtt(node_id, min_rtt_s, now)
             self._wake.set()

@@ -8,12 +8,18 @@ Re-planning after a failure passes `exclude` (dead nodes) and `prefer` (the curr
 or node → layer range each node holds now). Surviving preferred stages and nodes with a fixed
 range become *anchors* that keep their layers; the gaps between them are searched like a
 small plan of their own. That anchored plan competes with a full re-plan, and the one that
-reloads fewer layers wins while it is at most `reuse_tolerance_fraction` slower.
+reloads fewer layers wins while it is at most `reuse_tolerance_fraction` slower (always, when
+that is infinite: the daemon's sticky plans, where only lost stages move). Stages move
+only for a gain the measurements show: when the plan that keeps more in place is judged, its
+hops between pairs not measured yet cost only the protocol (a node that just joined or just
+took a stage has no round trips yet, and the pessimistic guess for them would otherwise move
+every stage to keep it at the edge, then back once they arrive).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +54,8 @@ class _Option:
     kept: int
     predicted_s: float
     reload_layers: int
+    # predicted_s with every unmeasured hop at its protocol cost alone (its best case).
+    measured_s: float
 
 
 def plan(
@@ -93,8 +101,9 @@ def plan(
         raise _infeasible(inputs, census, free, fixed)
 
     best_t = min(o.predicted_s for o in options)
+    tolerance = config.reuse_tolerance_fraction
     eligible = [
-        o for o in options if o.predicted_s <= best_t * (1.0 + config.reuse_tolerance_fraction)
+        o for o in options if math.isinf(tolerance) or o.measured_s <= best_t * (1.0 + tolerance)
     ]
     chosen = min(eligible, key=lambda o: (o.reload_layers, o.predicted_s))
     return _build(inputs, chosen, census, free, fixed, free_result, options)
@@ -171,9 +180,17 @@ def _stages_from(nodes: Sequence[Candidate], counts: Sequence[int], start: int) 
 
 def _option(inputs: _Inputs, label: str, stages: Stages, kept: int) -> _Option:
     compute = sum(c.s_per_layer * (end - start) for c, start, end in stages)
-    network = inputs.hops.cycle_s(inputs.coordinator, [c.key for c, _, _ in stages])
+    keys = [c.key for c, _, _ in stages]
+    network = inputs.hops.cycle_s(inputs.coordinator, keys)
     reload_layers = sum(_reload(inputs, c.key, s, e) for c, s, e in stages)
-    return _Option(label, stages, kept, compute + network, reload_layers)
+    guessed = sum(
+        inputs.hops.rtt(a, b)[0] / 2.0
+        for a, b in itertools.pairwise([inputs.coordinator, *keys, inputs.coordinator])
+        if not inputs.hops.rtt(a, b)[1]
+    )
+    return _Option(
+        label, stages, kept, compute + network, reload_layers, compute + network - guessed
+    )
 
 
 def _reload(inputs: _Inputs, key: bytes, start: int, end: int) -> int:
@@ -365,9 +382,12 @@ def _alternatives(
             if option is not chosen:
                 note = f"{format_delta_ms(option.predicted_s - chosen_t)} vs chosen"
                 if option.predicted_s < chosen_t:
+                    note += f", but the chosen plan loads {chosen.reload_layers} layer(s), and "
                     note += (
-                        f", but the chosen plan loads {chosen.reload_layers} layer(s), and the "
-                        f"plan loading fewer wins when at most {tolerance:.0%} slower"
+                        "loaded stages stay where they are (sticky plans)"
+                        if math.isinf(tolerance)
+                        else f"the plan loading fewer wins when at most {tolerance:.0%} slower "
+                        "(its unmeasured hops counted at protocol cost)"
                     )
             out.append(Alternative(label, option.predicted_s, note))
     used = {c.key for c, _, _ in chosen.stages}

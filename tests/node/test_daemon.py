@@ -4,9 +4,10 @@ One mesh serves the whole module, in order (each test leaves the mesh as the nex
 three daemons started with only a shared secret find each other by mDNS and plan a 3-stage
 split (memory budgets rule out fewer stages), while a daemon with another secret is never
 admitted; a generation through the daemon equals single-node greedy decoding; a fourth
-daemon joins as a spare; `meshctl kill` moves a stage onto the spare and `meshctl recover`
-brings the node back; SIGKILL of a stage mid-generation is survived on the spare with
-identical output; a second SIGKILL, with no spare left, answers ServiceUnavailable fast.
+daemon joins as a spare; `meshctl kill` moves the killed node's stage (and only it) onto the
+spare and `meshctl recover` brings the node back as the new spare; SIGKILL of a stage
+mid-generation is survived on the spare with identical output; a second SIGKILL, with no
+spare left, answers ServiceUnavailable fast.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import httpx
 import pytest
 import torch
 
-from meshd.cli.demo_daemons import stage_budget
+from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, wait_for
+from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, started, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -77,40 +78,16 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         # Another mesh's daemon dials the first one directly (mDNS would not even show it).
         join = ("--join", f"127.0.0.2:{FIRST_PORT}")
         m.intruder = Daemon(m.tmp, 9, secret=OTHER_SECRET, budget=m.budget, extra=join)
-        m.all_listening_at = max(d.wait_listening(60) for d in m.daemons.values())
-        m.intruder.wait_listening(60)
+        m.all_listening_at = started(m.daemons.values())
+        started([m.intruder])
         yield m
     finally:
-        for d in [*m.daemons.values(), *([m.intruder] if m.intruder else [])]:
-            d.kill()
+        stop_all([*m.daemons.values(), *([m.intruder] if m.intruder else [])])
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.open(builtin_model_dir())
-
-
-def alive_members(d: Daemon) -> set[str]:
-    status = d.try_status()
-    if status is None:
-        return set()
-    return {m["key"] for m in status["members"] if m["status"] == "alive"}
-
-
-def settled_plan(daemons: list[Daemon]) -> list[dict[str, Any]] | None:
-    """The plan every daemon agrees on, once each has loaded its own stage of it."""
-    statuses = [d.try_status() for d in daemons]
-    if any(s is None or not s["plan"] for s in statuses):
-        return None
-    plans = [s["plan"] for s in statuses if s is not None]
-    if any(p != plans[0] for p in plans):
-        return None
-    by_key = {stage["key"]: stage["layers"] for stage in plans[0]}
-    for s in statuses:
-        assert s is not None
-        if s["stage_layers"] != by_key.get(s["key"]):
-            return None
-    return plans[0]
 
 
 def run_generation(
@@ -135,26 +112,18 @@ def meshctl(*args: str) -> str:
     return result.stdout
 
 
-def first_event(d: Daemon, kind: str, node_key: str, after_unix_s: float) -> float | None:
-    for event in d.status()["events"]:
-        mine = event["kind"] == kind and node_key.startswith(event["node"])
-        if mine and event["at_unix_s"] >= after_unix_s:
-            return float(event["at_unix_s"])
-    return None
-
-
 # ---- the tests, in mesh order -------------------------------------------------------------
 
 
 def test_three_daemons_find_each_other_and_plan_three_stages(mesh: Mesh) -> None:
     nodes = list(mesh.daemons.values())
-    keys = {d.key for d in nodes}
-    wait_for(lambda: all(alive_members(d) == keys for d in nodes), 10, "three members each")
+    keys = {d.key() for d in nodes}
+    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 10, "three members each")
     found_s = time.monotonic() - mesh.all_listening_at
     print(f"three daemons found each other {found_s:.2f} s after the last one listened")
     assert found_s < 2.0
 
-    wait_for(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
+    wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
     agreed = settled_plan(nodes)
     assert agreed is not None and len(agreed) == 3
     assert {s["key"] for s in agreed} == keys
@@ -162,8 +131,8 @@ def test_three_daemons_find_each_other_and_plan_three_stages(mesh: Mesh) -> None
     assert bounds[0] == 0 and bounds[-1] == 6 and bounds[1:-1:2] == bounds[2:-1:2]  # contiguous
 
     assert mesh.intruder is not None
-    intruder_key = mesh.intruder.key
-    assert all(intruder_key not in alive_members(d) and intruder_key not in
+    intruder_key = mesh.intruder.key()
+    assert all(intruder_key not in d.alive_members() and intruder_key not in
                {m["key"] for m in d.status()["members"]} for d in nodes)  # fmt: skip
     assert {m["key"] for m in mesh.intruder.status()["members"]} == {intruder_key}
 
@@ -192,54 +161,60 @@ def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_bac
     mesh: Mesh,
 ) -> None:
     mesh.daemons[5] = spare = Daemon(mesh.tmp, 5, secret=SECRET, budget=mesh.budget)
-    spare.wait_listening(60)
+    started([spare])
     nodes = mesh.alive()
-    keys = {d.key for d in nodes}
-    wait_for(lambda: all(alive_members(d) == keys for d in nodes), 10, "four members each")
-    wait_for(lambda: settled_plan(nodes) is not None, 30, "a settled plan with the spare")
+    keys = {d.key() for d in nodes}
+    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 10, "four members each")
+    wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan with the spare")
     before = settled_plan(nodes)
-    assert before is not None and spare.key not in {s["key"] for s in before}
+    assert before is not None and spare.key() not in {s["key"] for s in before}
 
     coordinator = mesh.daemons[2]
-    victim = next(d for d in nodes if d.key != coordinator.key and d is not spare)
+    victim = next(d for d in nodes if d.key() != coordinator.key() and d is not spare)
     sock = ("--socket", coordinator.socket)
-    assert "killed" in meshctl("kill", victim.key[:12], *sock)
+    assert "killed" in meshctl("kill", victim.key()[:12], *sock)
 
     def spare_took_over() -> bool:
         plan_now = settled_plan(nodes)
-        return plan_now is not None and spare.key in {s["key"] for s in plan_now}
+        return plan_now is not None and spare.key() in {s["key"] for s in plan_now}
 
-    wait_for(spare_took_over, 20, "the spare to serve the killed node's place")
+    wait_until(spare_took_over, 20, "the spare to serve the killed node's place")
     moved = settled_plan(nodes)
-    assert moved is not None and len(moved) == 3 and victim.key not in {s["key"] for s in moved}
+    assert moved is not None and len(moved) == 3 and victim.key() not in {s["key"] for s in moved}
+    # Only the killed node's stage moved: the spare serves its layers, the others keep theirs.
+    swap = {victim.key(): spare.key()}
+    assert moved == [{**s, "key": swap.get(s["key"], s["key"])} for s in before]
     status = json.loads(meshctl("status", "--json", *sock))
-    row = next(m for m in status["members"] if m["key"] == victim.key)
+    row = next(m for m in status["members"] if m["key"] == victim.key())
     assert not row["offers_model"] and row["loaded_layers"] is None
     assert victim.status()["disabled"] and victim.status()["stage_layers"] is None
     text = meshctl("status", *sock)
-    assert victim.key[:16] in text and "plan" in text
-    assert spare.key[:16] in meshctl("plan", *sock)
+    assert victim.key()[:16] in text and "plan" in text
+    assert spare.key()[:16] in meshctl("plan", *sock)
 
-    assert "recovered" in meshctl("recover", victim.key[:12], *sock)
+    assert "recovered" in meshctl("recover", victim.key()[:12], *sock)
 
     def victim_offers_again() -> bool:
         s = json.loads(meshctl("status", "--json", *sock))
-        return any(m["key"] == victim.key and m["offers_model"] for m in s["members"])
+        return any(m["key"] == victim.key() and m["offers_model"] for m in s["members"])
 
-    wait_for(victim_offers_again, 20, "the recovered node to offer the model again")
+    wait_until(victim_offers_again, 20, "the recovered node to offer the model again")
     assert not victim.status()["disabled"]
-    wait_for(lambda: settled_plan(nodes) is not None, 20, "a settled plan after recover")
+    wait_until(lambda: settled_plan(nodes) is not None, 20, "a settled plan after recover")
+    assert settled_plan(nodes) == moved  # the recovered node is a spare now: nothing moves
 
 
 def _kill_mid_generation(
     mesh: Mesh, tokenizer: Tokenizer, max_tokens: int
 ) -> tuple[Daemon, float, list[tuple[float, dict[str, Any]]], int]:
     nodes = mesh.alive()
-    wait_for(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
+    wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
     agreed = settled_plan(nodes)
     assert agreed is not None
     coordinator = mesh.daemons[2]
-    victim = next(d for d in nodes if d is not coordinator and d.key in {s["key"] for s in agreed})
+    victim = next(
+        d for d in nodes if d is not coordinator and d.key() in {s["key"] for s in agreed}
+    )
     op = GenerateOp(
         prompt=tokenizer.encode(PROMPT), max_tokens=max_tokens, strategy="disabled", ignore_eos=True
     )
@@ -266,7 +241,7 @@ def test_sigkill_of_a_stage_mid_generation_recovers_on_the_spare(
     assert final["ok"], final
     assert 0 < before < max_tokens, "the kill did not land mid-generation"
     assert final["tokens"] == reference(tokenizer.encode(PROMPT), max_tokens)
-    detected = first_event(mesh.daemons[2], "lane-lost", victim.key, killed_at)
+    detected = mesh.daemons[2].first_event("lane-lost", victim.key(), killed_at)
     assert detected is not None
     print(f"stage death detected {detected - killed_at:.2f} s after SIGKILL")
     assert detected - killed_at <= 1.5
@@ -279,7 +254,7 @@ def test_sigkill_without_a_spare_answers_service_unavailable_fast(
     victim, killed_at, lines, _ = _kill_mid_generation(mesh, tokenizer, 150)
     answered_at, final = lines[-1]
     assert not final["ok"] and final["code"] == "service_unavailable", final
-    detected = first_event(mesh.daemons[2], "lane-lost", victim.key, killed_at)
+    detected = mesh.daemons[2].first_event("lane-lost", victim.key(), killed_at)
     assert detected is not None
     print(
         f"death detected {detected - killed_at:.2f} s after SIGKILL; "

@@ -5,7 +5,10 @@ serves the module, in order: a drained stage finishes the running generation und
 (same tokens as single-node greedy, no recovery) and only then stops, `meshctl status` showing
 it draining meanwhile; the next request runs on the re-planned route with the spare. Then the
 drained node is recovered (it becomes the spare) and a stage killed at once mid-generation is
-survived like a crash: the request completes on the spare with identical output.
+survived like a crash: the request completes on the spare with identical output. Last, a drain
+that outlasts `drain_timeout_s` (short on the fourth daemon, which serves a stage by then)
+stops the stage anyway, says so in the event log and `meshctl status`, and the request it cut
+completes on the spare.
 """
 
 from __future__ import annotations
@@ -19,24 +22,20 @@ from typing import Any
 
 import pytest
 
+from meshd.cli.demo_daemons import settled_plan, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import SECRET, Daemon, wait_for
-from tests.node.test_daemon import (
-    alive_members,
-    meshctl,
-    reference,
-    run_generation,
-    settled_plan,
-    three_stage_budget,
-)
+from tests.node.daemons import SECRET, Daemon, started, stop_all
+from tests.node.test_daemon import meshctl, reference, run_generation, three_stage_budget
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "def fibonacci(n):\n"
 # Long enough that meshctl (a fresh Python process) lands while the generation runs.
 MAX_TOKENS = 200
+# The fourth daemon's drain timeout: far shorter than a generation of MAX_TOKENS.
+SHORT_DRAIN_TIMEOUT_S = 1.0
 
 
 class Mesh:
@@ -53,18 +52,17 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         # Start three, let them plan, then add the spare, so the spare is the one left out.
         for i in (2, 3, 4):
             m.daemons.append(Daemon(m.tmp, i, secret=SECRET, budget=m.budget))
-        for d in m.daemons:
-            d.wait_listening(60)
-        wait_for(lambda: settled_plan(m.daemons) is not None, 40, "a three-stage plan")
-        m.daemons.append(Daemon(m.tmp, 5, secret=SECRET, budget=m.budget))
-        m.daemons[-1].wait_listening(60)
-        keys = {d.key for d in m.daemons}
-        wait_for(lambda: all(alive_members(d) == keys for d in m.daemons), 15, "four members")
-        wait_for(lambda: settled_plan(m.daemons) is not None, 30, "a plan with a spare")
+        started(m.daemons)
+        wait_until(lambda: settled_plan(m.daemons) is not None, 40, "a three-stage plan")
+        short_drain = ("--drain-timeout-s", str(SHORT_DRAIN_TIMEOUT_S))
+        m.daemons.append(Daemon(m.tmp, 5, secret=SECRET, budget=m.budget, extra=short_drain))
+        started(m.daemons[-1:])
+        keys = {d.key() for d in m.daemons}
+        wait_until(lambda: all(d.alive_members() == keys for d in m.daemons), 15, "four members")
+        wait_until(lambda: settled_plan(m.daemons) is not None, 30, "a plan with a spare")
         yield m
     finally:
-        for d in m.daemons:
-            d.kill()
+        stop_all(m.daemons)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +96,7 @@ def _stable_plan(mesh: Mesh) -> list[dict[str, Any]]:
         seen.append(settled_plan(mesh.daemons))
         return len(seen) > 4 and seen[-1] is not None and all(p == seen[-1] for p in seen[-5:])
 
-    wait_for(stable, 40, "a stable settled plan", poll_s=0.25)
+    wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
     return list(seen[-1])
 
 
@@ -106,8 +104,8 @@ def _roles(mesh: Mesh) -> tuple[Daemon, Daemon, Daemon]:
     """(coordinator, a stage node that is not the coordinator, the spare) of the settled plan."""
     in_plan = {s["key"] for s in _stable_plan(mesh)}
     coordinator = mesh.daemons[0]
-    victim = next(d for d in mesh.daemons[1:] if d.key in in_plan)
-    spare = next(d for d in mesh.daemons if d.key not in in_plan)
+    victim = next(d for d in mesh.daemons[1:] if d.key() in in_plan)
+    spare = next(d for d in mesh.daemons if d.key() not in in_plan)
     return coordinator, victim, spare
 
 
@@ -133,7 +131,7 @@ def test_drain_finishes_the_running_generation_then_stops_the_stage(
     coordinator, victim, spare = _roles(mesh)
     started_at = time.time()
     thread, lines = _start(coordinator)
-    out = meshctl("kill", victim.key[:12], "--drain", "--socket", coordinator.socket)
+    out = meshctl("kill", victim.key()[:12], "--drain", "--socket", coordinator.socket)
     assert "draining" in out
     status = json.loads(meshctl("status", "--json", "--socket", victim.socket))
     still_running = thread.is_alive()
@@ -152,7 +150,7 @@ def test_drain_finishes_the_running_generation_then_stops_the_stage(
     assert final["tokens"] == expected
     assert not _failures_from_the_kill(coordinator, started_at)
 
-    wait_for(lambda: victim.status()["stage_layers"] is None, 10, "the drained stage to stop")
+    wait_until(lambda: victim.status()["stage_layers"] is None, 10, "the drained stage to stop")
     after = victim.status()
     assert after["disabled"] and not after["draining"]
     # The stage stopped only once the session ended: at the last token, or earlier if the
@@ -170,25 +168,25 @@ def test_drain_finishes_the_running_generation_then_stops_the_stage(
     # New requests run on the re-planned route, with the spare instead of the drained node.
     def spare_serves() -> bool:
         agreed = settled_plan(mesh.daemons)
-        return agreed is not None and spare.key in {s["key"] for s in agreed}
+        return agreed is not None and spare.key() in {s["key"] for s in agreed}
 
-    wait_for(spare_serves, 20, "a plan with the spare")
+    wait_until(spare_serves, 20, "a plan with the spare")
     agreed = settled_plan(mesh.daemons)
-    assert agreed is not None and victim.key not in {s["key"] for s in agreed}
+    assert agreed is not None and victim.key() not in {s["key"] for s in agreed}
     again = list(request_lines(coordinator.socket, _op(), timeout_s=60))[-1]
     assert again["ok"] and again["tokens"] == expected
 
 
 def test_kill_during_a_generation_completes_on_the_spare(mesh: Mesh, expected: list[int]) -> None:
     drained = next(d for d in mesh.daemons if d.status()["disabled"])
-    meshctl("recover", drained.key[:12], "--socket", mesh.daemons[0].socket)
-    wait_for(lambda: not drained.status()["disabled"], 10, "the recover")
-    wait_for(lambda: settled_plan(mesh.daemons) is not None, 30, "a plan with the spare back")
+    meshctl("recover", drained.key()[:12], "--socket", mesh.daemons[0].socket)
+    wait_until(lambda: not drained.status()["disabled"], 10, "the recover")
+    wait_until(lambda: settled_plan(mesh.daemons) is not None, 30, "a plan with the spare back")
     coordinator, victim, spare = _roles(mesh)
     recoveries_before = coordinator.status()["recoveries"]
     started_at = time.time()
     thread, lines = _start(coordinator)
-    assert "killed" in meshctl("kill", victim.key[:12], "--socket", coordinator.socket)
+    assert "killed" in meshctl("kill", victim.key()[:12], "--socket", coordinator.socket)
     killed_after = _streamed(lines)
     thread.join(60)
     assert not thread.is_alive()
@@ -200,5 +198,38 @@ def test_kill_during_a_generation_completes_on_the_spare(mesh: Mesh, expected: l
     assert coordinator.status()["recoveries"] > recoveries_before
     assert _failures_from_the_kill(coordinator, started_at)  # it did hit the running request
     agreed = settled_plan(mesh.daemons)
-    assert agreed is not None and spare.key in {s["key"] for s in agreed}
-    assert victim.key not in {s["key"] for s in agreed}
+    assert agreed is not None and spare.key() in {s["key"] for s in agreed}
+    assert victim.key() not in {s["key"] for s in agreed}
+
+
+def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
+    mesh: Mesh, expected: list[int]
+) -> None:
+    coordinator, short = mesh.daemons[0], mesh.daemons[3]
+    for d in mesh.daemons:
+        if d.status()["disabled"]:  # the node killed before comes back as the spare
+            meshctl("recover", d.key()[:12], "--socket", coordinator.socket)
+    wait_until(lambda: not any(d.status()["disabled"] for d in mesh.daemons), 10, "the recover")
+    in_plan = {s["key"] for s in _stable_plan(mesh)}
+    assert short.key() in in_plan, "the short-drain daemon serves no stage"
+    assert len(in_plan) == 3, "no spare left to take over"
+    started_at = time.time()
+    thread, lines = _start(coordinator)
+    out = meshctl("kill", short.key()[:12], "--drain", "--socket", coordinator.socket)
+    assert "draining" in out
+    wait_until(lambda: short.status()["stage_layers"] is None, 15, "the drain to time out")
+    cut_short = thread.is_alive()
+    thread.join(60)
+    assert not thread.is_alive()
+
+    final = lines[-1][1]
+    assert cut_short, "the generation ended before the drain timed out"
+    # The stage stopped with the session still open: the coordinator lost it and recovered.
+    assert final["ok"], final
+    assert final["tokens"] == expected
+    assert _failures_from_the_kill(coordinator, started_at)
+    after = short.status()
+    assert after["disabled"] and not after["draining"]
+    said = f"drain timed out after {SHORT_DRAIN_TIMEOUT_S:g} s"
+    assert [e["detail"] for e in after["events"] if e["kind"] == "killed"][-1] == said
+    assert said in meshctl("status", "--events", "100", "--socket", short.socket)

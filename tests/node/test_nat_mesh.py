@@ -14,12 +14,8 @@ otherwise); the dial-policy tests at the end run anywhere, in one process on loo
 from __future__ import annotations
 
 import hashlib
-import os
 import pathlib
-import select
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,7 +26,14 @@ import torch
 import trio
 from nacl.bindings import crypto_scalarmult_base
 
-from meshd.cli.demo_daemons import stage_budget
+from meshd.cli.demo_daemons import (
+    DemoError,
+    ServeProcess,
+    settled_plan,
+    stage_budget,
+    wait_until,
+    write_secret_file,
+)
 from meshd.mesh.member import MemberInfo
 from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
@@ -39,13 +42,13 @@ from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint
-from meshd.node.control_client import ControlError, GenerateOp, StatusOp, call, request_lines
+from meshd.node.control_client import GenerateOp, request_lines
 from meshd.node.lanes import LaneKind, LanePath, NatDialConfig, NodePeers, pick_introducers
 from protocol.config import LaneConfig
 from protocol.gossip import Status
 from protocol.handshake import psk_from_secret
 from tests.net import netns
-from tests.node.daemons import REPO, SECRET, wait_for
+from tests.node.daemons import SECRET, started, stop_all
 
 INTRODUCER_PORT = 7000
 PROMPT = "def fibonacci(n):\n"
@@ -58,96 +61,19 @@ def two_stage_budget() -> int:
     return stage_budget(str(builtin_model_dir()), 2)
 
 
-class NsDaemon:
+def ns_daemon(
+    topo: netns.NatTopology, namespace: str, tmp: pathlib.Path, name: str, *args: str
+) -> ServeProcess:
     """One `meshd serve` process inside a namespace; its control socket is on the shared disk."""
-
-    def __init__(
-        self, topo: netns.NatTopology, namespace: str, tmp: pathlib.Path, name: str, *args: str
-    ) -> None:
-        self.name = name
-        self.state = tmp / name
-        self.socket = str(self.state / "control.sock")
-        self.log_path = tmp / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
-        env["MESHD_MESH_SECRET"] = SECRET
-        command = [
-            sys.executable, "-m", "meshd.cli.main", "serve",
-            "--state-dir", str(self.state),
-            "--no-mdns-enabled",
-            "--api-host", "127.0.0.1", "--api-port", "0",
-            "--device", "cpu", "--dtype", "float32",
-            *args,
-        ]  # fmt: skip
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                topo.exec_prefix(namespace) + command,
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=log,
-            )
-        self._key = ""
-
-    def wait_listening(self, timeout_s: float) -> None:
-        """Block until the daemon says it listens."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                if "listening on" in line:
-                    return
-                if not line:
-                    break
-        raise AssertionError(f"daemon {self.name} did not start:\n{self.log()}")
-
-    def status(self) -> dict[str, Any]:
-        """The daemon's status over its control socket."""
-        status: dict[str, Any] = call(self.socket, StatusOp(), timeout_s=10)["status"]
-        return status
-
-    def try_status(self) -> dict[str, Any] | None:
-        """The status, or None while the socket does not answer."""
-        try:
-            return self.status()
-        except (OSError, ControlError):
-            return None
-
-    @property
-    def key(self) -> str:
-        """The daemon's node key (hex)."""
-        if not self._key:
-            self._key = str(self.status()["key"])
-        return self._key
-
-    def member(self, key: str) -> dict[str, Any]:
-        """This daemon's row for the member `key`."""
-        return next(m for m in self.status()["members"] if m["key"] == key)
-
-    def log(self) -> str:
-        """The tail of what the daemon logged (for failure messages)."""
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def kill(self) -> None:
-        """Stop the process and reap it."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    secret_file = write_secret_file(tmp / f"{name}.secret", SECRET)
+    flags = ["--no-mdns-enabled", "--api-host", "127.0.0.1", "--api-port", "0", *args]
+    return ServeProcess(tmp, name, secret_file, flags, prefix=topo.exec_prefix(namespace))
 
 
-def settled_two_stage_plan(daemons: list[NsDaemon], stage_keys: set[str]) -> bool:
+def settled_two_stage_plan(daemons: list[ServeProcess], stage_keys: set[str]) -> bool:
     """Every daemon agrees on a 2-stage plan over `stage_keys`, each stage loaded."""
-    statuses = [d.try_status() for d in daemons]
-    if any(s is None or not s["plan"] for s in statuses):
-        return False
-    plans = [s["plan"] for s in statuses if s is not None]
-    if any(p != plans[0] for p in plans) or {s["key"] for s in plans[0]} != stage_keys:
-        return False
-    by_key = {stage["key"]: stage["layers"] for stage in plans[0]}
-    return all(s is not None and s["stage_layers"] == by_key.get(s["key"]) for s in statuses)
+    agreed = settled_plan(daemons)
+    return agreed is not None and {s["key"] for s in agreed} == stage_keys
 
 
 @pytest.fixture(scope="module")
@@ -180,54 +106,46 @@ def run_mesh(random_fully: bool, tmp: pathlib.Path, budget: int, prompt: list[in
         topo = netns.build(random_fully=random_fully)
     except netns.TopologyUnavailable as exc:
         pytest.skip(f"NAT namespaces unavailable: {exc}")
-    daemons: list[NsDaemon] = []
+    daemons: list[ServeProcess] = []
     try:
         public = f"{netns.PUBLIC_INTRODUCER}:{INTRODUCER_PORT}"
         # I can hold no stage (a 1-byte budget): it only introduces and relays.
         i_args = ["--listen-host", netns.PUBLIC_INTRODUCER, "--listen-port", str(INTRODUCER_PORT)]
-        daemons.append(NsDaemon(topo, topo.pub, tmp, "I", *i_args, "--memory-budget-bytes", "1"))
+        daemons.append(ns_daemon(topo, topo.pub, tmp, "I", *i_args, "--memory-budget-bytes", "1"))
         for side, ns in (("A", topo.host_a), ("B", topo.host_b)):
             lan = ["--listen-host", netns.HOST_LAN[side], "--listen-port", "0"]
             joins = ["--memory-budget-bytes", str(budget), "--join", public]
-            daemons.append(NsDaemon(topo, ns, tmp, side, *lan, *joins))
-        for d in daemons:
-            d.wait_listening(60)
+            daemons.append(ns_daemon(topo, ns, tmp, side, *lan, *joins))
+        started(daemons)
         a, b = daemons[1], daemons[2]
-        keys = {d.key for d in daemons}
+        keys = {d.key() for d in daemons}
 
         def all_alive() -> bool:
-            for d in daemons:
-                status = d.try_status()
-                if status is None:
-                    return False
-                if {m["key"] for m in status["members"] if m["status"] == "alive"} != keys:
-                    return False
-            return True
+            return all(d.alive_members() == keys for d in daemons)
 
         try:
-            wait_for(all_alive, SETTLE_TIMEOUT_S, "three alive members in every view", 0.2)
-            wait_for(
-                lambda: settled_two_stage_plan(daemons, {a.key, b.key}),
+            wait_until(all_alive, SETTLE_TIMEOUT_S, "three alive members in every view", poll_s=0.2)
+            wait_until(
+                lambda: settled_two_stage_plan(daemons, {a.key(), b.key()}),
                 SETTLE_TIMEOUT_S,
                 "a settled 2-stage plan over A and B",
-                0.2,
+                poll_s=0.2,
             )
-        except AssertionError as exc:
-            logs = "\n".join(f"--- {d.name}\n{d.log()}" for d in daemons)
+        except DemoError as exc:
+            logs = "\n".join(f"--- {d.name}\n{d.log_tail(3000)}" for d in daemons)
             raise AssertionError(f"{exc}\n{logs}") from None
         op = GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
-        started = time.monotonic()
+        t0 = time.monotonic()
         final = list(request_lines(a.socket, op, timeout_s=60))[-1]
-        took_s = time.monotonic() - started
+        took_s = time.monotonic() - t0
         return (
             final,
             took_s,
             {d.name: d.status() for d in daemons},
-            {d.name: d.key for d in daemons},
+            {d.name: d.key() for d in daemons},
         )
     finally:
-        for d in reversed(daemons):
-            d.kill()
+        stop_all(reversed(daemons))
         topo.delete()
 
 

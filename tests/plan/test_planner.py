@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 
 from meshd.coord.route import Route, RouteStage
@@ -316,6 +319,23 @@ def test_replan_drops_survivors_when_a_full_plan_is_much_faster() -> None:
     assert p.kept_stages == 0
 
 
+def test_sticky_plans_keep_survivors_however_much_faster_a_full_plan_looks() -> None:
+    # The daemon's setting (an infinite reuse tolerance): the same loss as above moves only
+    # the lost stage. Its layers go to the best free node; the slow survivor keeps its own.
+    nodes = [node("slow", 10, 5.0), node("fast", 40, 0.5), node("spare", 40, 5.0)]
+    names = ("coord", "slow", "fast", "spare")
+    rtt = rtts({(x, y): 1 for x in names for y in names[1:] if x != y})
+    current = Route("simple", (RouteStage(b"slow", 0, 8), RouteStage(b"dead", 8, 24)))
+    sticky = PlannerConfig(reuse_tolerance_fraction=math.inf)
+    kw: dict[str, Any] = {"exclude": {b"dead"}, "prefer": current, "config": sticky}
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, **kw)
+    assert keys(p) == ["slow", "fast"]
+    assert ranges(p) == [(0, 8), (8, 24)]
+    assert p.kept_stages == 1 and p.reload_layers == 16
+    assert plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, **kw) == p
+    assert "loaded stages stay where they are" in explain(p)
+
+
 def test_explain_mentions_the_deciding_figures() -> None:
     nodes = [node("big", 40, 2.0), node("fast", 13.4, 0.5), node("remote", 13.4, 0.4)]
     rtt = rtts({("big", "fast"): 2, ("big", "remote"): 80, ("fast", "remote"): 80})
@@ -361,3 +381,48 @@ def test_prefer_accepts_held_ranges_and_ignores_another_models_route() -> None:
     p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=other)
     assert p.kept_stages == 0
     assert p.reload_layers == 24
+
+
+def test_a_kill_moves_only_the_dead_stage_while_the_spares_round_trips_are_unmeasured() -> None:
+    # x, y, z serve three stages over measured round trips; y is killed. The spare w joined
+    # lately: its round trip to z is not measured yet. Priced at the pessimistic guess, that
+    # one hop makes any route with w next to z look slower, so a full re-plan would reorder
+    # every stage to keep them apart. Stickiness: survivors keep their layers, w takes y's.
+    nodes = [node(k, 10, 1.0) for k in ("x", "y", "z", "w")]
+    measured = {(a, b) for a in ("coord", "x", "y", "z", "w") for b in ("x", "y", "z", "w")}
+    rtt = rtts({(a, b): 1 for a, b in measured if a != b and {a, b} != {"w", "z"}})
+    held = {b"x": (0, 8), b"y": (8, 16), b"z": (16, 24)}
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held)
+    assert keys(p) == ["x", "w", "z"]
+    assert ranges(p) == [(0, 8), (8, 16), (16, 24)]
+    assert p.reload_layers == 8 and p.kept_stages == 2
+    # The same plan on every node that sees the same view (leaderless), and once the round
+    # trip is measured (as fast as the others) nothing moves either.
+    assert plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held) == p
+    rtt.update(rtts({("w", "z"): 1}))
+    settled = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held)
+    assert ranges(settled) == ranges(p) and keys(settled) == keys(p)
+
+
+def test_a_joining_spare_with_unmeasured_round_trips_does_not_move_loaded_stages() -> None:
+    # Three stages held; a spare joins whose round trips to two of them are unmeasured.
+    nodes = [node(k, 10, 1.0) for k in ("x", "y", "z", "w")]
+    names = ("coord", "x", "y", "z")
+    rtt = rtts({(a, b): 1 for a in names for b in names[1:] if a != b})
+    rtt.update(rtts({("coord", "w"): 1, ("x", "w"): 1}))
+    held = {b"x": (0, 8), b"y": (8, 16), b"z": (16, 24)}
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+    assert keys(p) == ["x", "y", "z"] and p.reload_layers == 0
+
+
+def test_measured_gains_still_move_loaded_stages() -> None:
+    # The held order crosses a measured 40 ms round trip twice; another order avoids it. The
+    # gain is measured, not guessed, so the stages move although that reloads layers.
+    nodes = [node(k, 10, 1.0) for k in ("x", "y", "z")]
+    names = ("coord", "x", "y", "z")
+    slow = [{"x", "y"}, {"y", "z"}]
+    rtt = rtts({(a, b): 40 if {a, b} in slow else 1 for a in names for b in names[1:] if a != b})
+    held = {b"x": (0, 8), b"y": (8, 16), b"z": (16, 24)}
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+    assert p.reload_layers > 0
+    assert keys(p)[1] != "y"  # y no longer sits between x and z
