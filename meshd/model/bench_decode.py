@@ -213,17 +213,17 @@ def _interleave(
 
 def _matmul_floor_cpu_ms(stage: StageModel, steps: int = 20) -> float:
     """CPU ms per token of one decode step's matmuls alone (same weights, same order)."""
-    matrices = stage.weight_matrices()
+    matrices = stage.weight_matrices()  # [in, out], as the forward pass multiplies them
     inputs = {
-        m.shape[1]: torch.randn(1, m.shape[1], dtype=m.dtype, device=m.device) for m in matrices
+        m.shape[0]: torch.randn(1, m.shape[0], dtype=m.dtype, device=m.device) for m in matrices
     }
     with torch.inference_mode():
         for m in matrices:
-            torch.nn.functional.linear(inputs[m.shape[1]], m)
+            torch.mm(inputs[m.shape[0]], m)
         started = time.process_time()
         for _ in range(steps):
             for m in matrices:
-                torch.nn.functional.linear(inputs[m.shape[1]], m)
+                torch.mm(inputs[m.shape[0]], m)
     return (time.process_time() - started) * 1e3 / steps
 
 

@@ -22,20 +22,33 @@ from meshd.model.llama import LayerCache
 
 @dataclass(eq=False)
 class KVGroup:
-    """Keys and values of `n` layers over `max_positions` positions, plus how far they are valid."""
+    """Keys and values of `n` layers over `max_positions` positions, plus how far they are valid.
 
-    k: torch.Tensor  # [n, kv_heads, max_positions, head_dim]
-    v: torch.Tensor
+    One tensor `[n, max_positions, 2 * kv_heads, head_dim]`: at each position a layer's keys
+    then its values, the order in which a q/k/v row carries them (one copy writes both).
+    """
+
+    kv: torch.Tensor
     valid_len: int = 0
     layers: list[LayerCache] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.layers = [LayerCache(self.k[i : i + 1], self.v[i : i + 1]) for i in range(len(self.k))]
+        self.layers = [LayerCache(self.kv[i : i + 1]) for i in range(len(self.kv))]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """The keys, `[n, max_positions, kv_heads, head_dim]` (a view)."""
+        return self.kv[:, :, : self.kv.shape[2] // 2]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """The values, `[n, max_positions, kv_heads, head_dim]` (a view)."""
+        return self.kv[:, :, self.kv.shape[2] // 2 :]
 
     @property
     def max_positions(self) -> int:
         """How many positions this group can hold."""
-        return int(self.k.shape[2])
+        return int(self.kv.shape[1])
 
     def check_window(self, session_id: str, base_pos: int, length: int, what: str) -> None:
         """Raise `SessionError` unless a window at `base_pos` of `length` fits with no gap."""
@@ -116,10 +129,9 @@ class KVCache:
 
     def _group(self, n: int, max_positions: int) -> KVGroup:
         lay = self.layout
-        shape = (n, lay.kv_heads, max_positions, lay.head_dim)
+        shape = (n, max_positions, 2 * lay.kv_heads, lay.head_dim)
         # Zeroed so that a bug reading unwritten positions shows up as wrong numbers, not NaNs.
-        k = torch.zeros(shape, dtype=lay.dtype, device=self.device)
-        return KVGroup(k, torch.zeros_like(k))
+        return KVGroup(torch.zeros(shape, dtype=lay.dtype, device=self.device))
 
     def close(self, session_id: str) -> bool:
         """Free a session's cache; False if it was not open (closing twice is harmless)."""

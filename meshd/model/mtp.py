@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig
 from meshd.model.llama import (
@@ -28,6 +27,7 @@ from meshd.model.llama import (
     LayerWeights,
     decoder_layer,
     decoder_layer_shapes,
+    linear_weight,
     rms_norm,
 )
 
@@ -38,19 +38,19 @@ class MtpWeights:
 
     enorm: torch.Tensor
     hnorm: torch.Tensor
-    eh_proj: torch.Tensor  # [hidden, 2 * hidden]
+    eh_proj: torch.Tensor  # [2 * hidden, hidden] (`linear_weight`)
     block: LayerWeights
     norm: torch.Tensor
 
     @classmethod
-    def from_checkpoint(cls, w: Mapping[str, torch.Tensor]) -> MtpWeights:
+    def from_checkpoint(cls, w: Mapping[str, torch.Tensor], d: Dims) -> MtpWeights:
         """Build from one depth's tensors, names relative to `mtp.{k}.`."""
         block = {n.removeprefix("block."): t for n, t in w.items() if n.startswith("block.")}
         return cls(
             enorm=w["enorm.weight"],
             hnorm=w["hnorm.weight"],
-            eh_proj=w["eh_proj.weight"],
-            block=LayerWeights.from_checkpoint(block),
+            eh_proj=linear_weight(w["eh_proj.weight"]),
+            block=LayerWeights.from_checkpoint(block, d),
             norm=w["norm.weight"],
         )
 
@@ -60,7 +60,7 @@ def mtp_hidden(
     prev_hidden: torch.Tensor,
     w: MtpWeights,
     d: Dims,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    rope: torch.Tensor,
     cache: LayerCache,
     span: AttnSpan,
 ) -> torch.Tensor:
@@ -68,7 +68,7 @@ def mtp_hidden(
     joined = torch.cat(
         (rms_norm(embeds, w.enorm, d.eps), rms_norm(prev_hidden, w.hnorm, d.eps)), -1
     )
-    return decoder_layer(F.linear(joined, w.eh_proj), w.block, d, rope, cache, span)
+    return decoder_layer(torch.mm(joined, w.eh_proj), w.block, d, rope, cache, span)
 
 
 def mtp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,7 @@ from meshd.model.llama import (
     decoder_layer,
     decoder_layer_batch,
     decoder_layer_shapes,
+    linear_weight,
     rms_norm,
 )
 from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
@@ -168,7 +169,9 @@ class StageModel:
         self._dims = Dims.of(config)
         layer_names = list(decoder_layer_shapes(config))
         self.layers = [
-            LayerWeights.from_checkpoint(self._fetch(checkpoint, f"model.layers.{i}.", layer_names))
+            LayerWeights.from_checkpoint(
+                self._fetch(checkpoint, f"model.layers.{i}.", layer_names), self._dims
+            )
             for i in range(self.layer_start, self.layer_end)
         ]
         needs_embed = self.is_first or (self.is_last and (config.tie_word_embeddings or n_mtp > 0))
@@ -178,23 +181,28 @@ class StageModel:
             else None
         )
         self._norm: torch.Tensor | None = None
-        self._head: torch.Tensor | None = None
+        self._head: torch.Tensor | None = None  # [hidden, vocab] (`linear_weight`)
         self.mtp: list[MtpWeights] = []
         if not self.is_last:
             return
         self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
         if config.tie_word_embeddings:
-            self._head = self._embed
+            assert self._embed is not None
+            # One tensor serves both: the head in its matmul layout, lookups reading its columns
+            # (a lookup touches T rows; the head streams the whole matrix every token).
+            self._head = linear_weight(self._embed)
+            self._embed = self._head.t()
         else:
-            self._head = self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
+            head = self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
+            self._head = linear_weight(head)
         mtp_names = list(mtp_shapes(config))
         self.mtp = [
-            MtpWeights.from_checkpoint(self._fetch(checkpoint, f"mtp.{k}.", mtp_names))
+            MtpWeights.from_checkpoint(self._fetch(checkpoint, f"mtp.{k}.", mtp_names), self._dims)
             for k in range(n_mtp)
         ]
 
     def weight_matrices(self) -> list[torch.Tensor]:
-        """The matrices one decode step multiplies by, in order (for roofline measurements)."""
+        """The `[in, out]` matrices one decode step multiplies by, in order (for roofline measurements)."""
         matrices = [t for layer in self.layers for t in layer.tensors() if t.dim() == 2]
         return matrices + ([self._head] if self._head is not None else [])
 
@@ -225,7 +233,7 @@ class StageModel:
         x = self._embed_tokens(inputs) if self.is_first else self._hidden_input(inputs)
         length = x.shape[0]
         group.check_window(session_id, base_pos, length, "stage")
-        rope = self._rotary.cos_sin(base_pos, length)
+        rope = self._rotary.table(base_pos, length)
         spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
         layers = zip(self.layers, group.layers, self._layer_windows, strict=True)
         for weights, cache, window in layers:
@@ -257,7 +265,7 @@ class StageModel:
         if not batch:
             return []
         lengths = [x.shape[0] for x in xs]
-        ropes = [self._rotary.cos_sin(i.base_pos, n) for i, n in zip(batch, lengths, strict=True)]
+        ropes = [self._rotary.table(i.base_pos, n) for i, n in zip(batch, lengths, strict=True)]
         spans = [
             {w: AttnSpan.build(i.base_pos, n, w, self.device) for w in self._windows}
             for i, n in zip(batch, lengths, strict=True)
@@ -311,7 +319,7 @@ class StageModel:
         if hidden.shape[0] != length:
             raise InvalidInput(f"MTP: {hidden.shape[0]} hidden states but {length} next tokens")
         group.check_window(session_id, base_pos, length, f"MTP depth {depth}")
-        rope = self._rotary.cos_sin(base_pos, length)
+        rope = self._rotary.table(base_pos, length)
         span = AttnSpan.build(base_pos, length, None, self.device)
         weights = self.mtp[depth - 1]
         h = mtp_hidden(embeds, hidden, weights, self._dims, rope, group.layers[0], span)
@@ -320,7 +328,7 @@ class StageModel:
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        return F.linear(rms_norm(hidden, norm, self._dims.eps), self._head).float()
+        return torch.mm(rms_norm(hidden, norm, self._dims.eps), self._head).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._embed is None:
