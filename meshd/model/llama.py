@@ -26,13 +26,18 @@ import torch.nn.functional as F
 from meshd.model.config import ModelConfig, RopeConfig
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Root-mean-square norm: fp32 statistics, scaled in the activation dtype (as in HF)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, d: Dims) -> torch.Tensor:
+    """Root-mean-square norm over the last dim with `d.eps`, scaled by `weight` (as in HF)."""
     if x.dtype == torch.float32:
-        # The fused kernel gives the same fp32 result in one op instead of six.
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        # HF's statistics (sum of squares, over n, plus eps) in four small ops: F.rms_norm
+        # dispatches fourteen, and each costs microseconds once the weights have flushed caches.
+        mean_square = torch.add(
+            d.eps_tensor, x.square().sum(-1, keepdim=True), alpha=1 / x.shape[-1]
+        )
+        return x * mean_square.rsqrt_() * weight
+    # Other dtypes: fp32 statistics, scaled in the activation dtype, exactly as HF does.
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + d.eps)
     return weight * h.to(x.dtype)
 
 
@@ -185,11 +190,19 @@ class Dims:
     n_kv: int
     head_dim: int
     eps: float
+    eps_tensor: torch.Tensor  # eps as a 0-d fp32 tensor on the stage's device
 
     @classmethod
-    def of(cls, config: ModelConfig) -> Dims:
-        """Dims of `config`."""
-        return cls(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+    def of(cls, config: ModelConfig, device: torch.device) -> Dims:
+        """Dims of `config` for a stage on `device`."""
+        eps = config.rms_norm_eps
+        return cls(
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            eps,
+            torch.tensor(eps, dtype=torch.float32, device=device),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,8 +294,8 @@ def _attend(
     heads = qkv.view(1, length, -1, d.head_dim)  # [1, T, q heads + k heads + v heads, head_dim]
     if w.q_norm is not None and w.k_norm is not None:
         q, k = heads[:, :, : d.n_heads], heads[:, :, d.n_heads : n_qk]
-        q.copy_(rms_norm(q, w.q_norm, d.eps))
-        k.copy_(rms_norm(k, w.k_norm, d.eps))
+        q.copy_(rms_norm(q, w.q_norm, d))
+        k.copy_(rms_norm(k, w.k_norm, d))
     rotate_(heads[:, :, :n_qk], rope)
     cache.kv[:, span.end - length : span.end] = heads[:, :, d.n_heads :]
     kv = cache.kv[:, span.start : span.end].transpose(1, 2)  # [1, 2 * kv heads, span, head_dim]
@@ -308,7 +321,7 @@ class BatchPart:
 
 def mlp_block(h: torch.Tensor, w: LayerWeights, d: Dims) -> torch.Tensor:
     """The SwiGLU half of a layer with its residual: h + down(silu(gate(n)) * up(n)), n = norm(h)."""
-    gate, up = linear(rms_norm(h, w.post_norm, d.eps), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+    gate, up = linear(rms_norm(h, w.post_norm, d), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
     # In place on the fresh gate/up product: no new tensors on the per-token path.
     return residual_linear(h, F.silu(gate, inplace=True).mul_(up), w.w_down, w.b_down)
 
@@ -322,7 +335,7 @@ def decoder_layer(
     span: AttnSpan,
 ) -> torch.Tensor:
     """Pre-norm residual block: attention then MLP, `[T, hidden]` in and out."""
-    qkv = linear(rms_norm(x, w.input_norm, d.eps), w.wqkv, w.bqkv)
+    qkv = linear(rms_norm(x, w.input_norm, d), w.wqkv, w.bqkv)
     h = residual_linear(x, _attend(qkv, w, d, rope, cache, span), w.wo, w.bo)
     return mlp_block(h, w, d)
 
@@ -335,7 +348,7 @@ def decoder_layer_batch(
     The projections run once over all rows, so each weight matrix streams from memory once per
     pass; attention itself runs per window, against that session's own cache.
     """
-    qkv = linear(rms_norm(x, w.input_norm, d.eps), w.wqkv, w.bqkv)
+    qkv = linear(rms_norm(x, w.input_norm, d), w.wqkv, w.bqkv)
     rows = torch.split(qkv, [p.length for p in parts])
     outs = [_attend(r, w, d, p.rope, p.cache, p.span) for r, p in zip(rows, parts, strict=True)]
     h = residual_linear(x, torch.cat(outs) if len(outs) > 1 else outs[0], w.wo, w.bo)

@@ -65,9 +65,7 @@ def mtp_hidden(
     span: AttnSpan,
 ) -> torch.Tensor:
     """This depth's hidden state `h` `[T, hidden]` (before `norm`; the next depth's h_prev)."""
-    joined = torch.cat(
-        (rms_norm(embeds, w.enorm, d.eps), rms_norm(prev_hidden, w.hnorm, d.eps)), -1
-    )
+    joined = torch.cat((rms_norm(embeds, w.enorm, d), rms_norm(prev_hidden, w.hnorm, d)), -1)
     return decoder_layer(torch.mm(joined, w.eh_proj), w.block, d, rope, cache, span)
 
 

@@ -166,7 +166,7 @@ class StageModel:
 
     def _load_weights(self, checkpoint: Checkpoint, n_mtp: int) -> None:
         config = self.config
-        self._dims = Dims.of(config)
+        self._dims = Dims.of(config, self.device)
         layer_names = list(decoder_layer_shapes(config))
         self.layers = [
             LayerWeights.from_checkpoint(
@@ -328,7 +328,7 @@ class StageModel:
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        return torch.mm(rms_norm(hidden, norm, self._dims.eps), self._head).float()
+        return torch.mm(rms_norm(hidden, norm, self._dims), self._head).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._embed is None:
@@ -340,9 +340,9 @@ class StageModel:
             )
         # Ids from outside (the network) arrive on the CPU and are checked there; ids already on
         # an accelerator came from our own sampler, and checking them would force a sync per step.
-        if tokens.device.type == "cpu" and bool(
-            ((tokens < 0) | (tokens >= self.config.vocab_size)).any()
-        ):
+        # (One `tolist` is cheaper than the four tensor ops of a vectorised range check.)
+        ids = tokens.tolist() if tokens.device.type == "cpu" else None
+        if ids is not None and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
             raise InvalidInput(f"token id outside the vocabulary [0, {self.config.vocab_size})")
         return F.embedding(tokens.to(self.device), self._embed)
 
