@@ -86,14 +86,14 @@ class TrainConfig:
     # with the model itself and pushes down the probability of every token that completes an
     # n-gram already seen in that sequence (a loop), next to a normal MLE batch. Greedy
     # decoding of small models falls into loops; MLE alone does not teach it not to.
-    ul_steps: int = 80
+    ul_steps: int = 160
     ul_lr: float = 3e-4
     ul_batch_sequences: int = 16
     ul_prompt_tokens: int = 32
     ul_new_tokens: int = 96
     ul_ngram: int = 6
     ul_weight: float = 1.0
-    ul_mle_batch_sequences: int = 8
+    ul_mle_batch_sequences: int = 16
 
 
 TINY = TrainConfig(
@@ -483,6 +483,8 @@ def train(
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         resumed_from = state.step
+        if state.step == cfg.steps and not state.phase1_losses:
+            state.phase1_losses = state.last_losses  # a checkpoint taken at the boundary
         log(f"resumed from {checkpoint} at step {state.step}")
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -552,8 +554,12 @@ def train(
         "hyperparameters": dataclasses.asdict(cfg),
         "parameters": n_params,
         "train_seconds_this_process": round(train_s, 1),
-        "final_train_losses": _named_losses(
-            state.phase1_losses or state.last_losses, cfg.mtp_depths, phase2=False
+        "final_train_losses": (
+            _named_losses(state.phase1_losses, cfg.mtp_depths, phase2=False)
+            if state.phase1_losses
+            else _named_losses(state.last_losses, cfg.mtp_depths, phase2=False)
+            if state.step <= cfg.steps
+            else None  # resumed inside phase 2 from a checkpoint that did not keep them
         ),
         "final_phase2_losses": (
             _named_losses(state.last_losses, cfg.mtp_depths, phase2=True)

@@ -152,8 +152,8 @@ def test_loads_offline_with_transformers_and_generates() -> None:
 
 
 def test_greedy_code_continuation_does_not_loop() -> None:
-    # 64 tokens of this prompt stay varied; over 200 tokens most greedy continuations still
-    # loop (docs/model.md reports the rate), which is the known defect of a model this small.
+    # One code prompt, 64 tokens; the 200-token loop rate over held-out prompts is checked
+    # below and reported in docs/model.md.
     result = _offline_greedy_continuation()
     assert isinstance(result["ids"], list)
     assert distinct_4gram_ratio(result["ids"]) > MIN_DISTINCT_4GRAM_RATIO, result["text"]
@@ -224,3 +224,26 @@ def test_a_run_resumed_at_the_phase_boundary_equals_an_uninterrupted_one(tmp_pat
     info = json.loads((tmp_path / "resumed" / "training_info.json").read_text())
     assert info["resumed_from_step"] == cfg.steps
     assert set(info["final_phase2_losses"]) >= {"unlikelihood", "generated_repeat_fraction"}
+
+
+@pytest.mark.slow
+def test_most_greedy_200_token_continuations_of_held_out_code_do_not_loop() -> None:
+    import dataclasses
+
+    import torch
+
+    _train_module()  # eval_builtin imports it by name
+    spec = importlib.util.spec_from_file_location("eval_builtin", SCRIPTS / "eval_builtin.py")
+    assert spec is not None and spec.loader is not None
+    ev = importlib.util.module_from_spec(spec)
+    sys.modules["eval_builtin"] = ev
+    spec.loader.exec_module(ev)
+    torch.set_num_threads(1)
+    model, tok, _ = ev.load_builtin(BUILTIN)
+    stream, note = ev.heldout_stream(BUILTIN, tok)
+    assert note == ""
+    cfg = dataclasses.replace(ev.EvalConfig(), loop_prompts=10)
+    loops = ev.loop_check(model.lm, stream, cfg)
+    # docs/model.md: 24 % of 50 continuations loop (98 % before the unlikelihood phase).
+    assert loops["fraction_below_threshold"] <= 0.5, loops["ratios"]
+    assert loops["mean"] > 0.5, loops["ratios"]
