@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import trio
 
@@ -42,6 +42,14 @@ class PeerStats:
 
     malformed_messages: int = 0
     lanes_lost: int = 0
+
+
+class PeerOptions(TypedDict, total=False):
+    """`PeerTable`'s optional keywords, for tables built on it to pass along."""
+
+    on_lane_lost: Callable[[bytes, PeerLane], None] | None
+    on_lane_up: Callable[[bytes, PeerLane], None] | None
+    streams: Mapping[int, StreamHandler] | None
 
 
 class PeerTable:

@@ -20,12 +20,13 @@ import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Unpack
 
 import msgspec
 import trio
 
 from meshd.mesh.member import MemberInfo
-from meshd.mesh.peers import Dispatch, PeerTable, PeerUnreachable, StreamHandler
+from meshd.mesh.peers import Dispatch, PeerOptions, PeerTable, PeerUnreachable
 from meshd.net.endpoint import Endpoint, PeerLane
 from meshd.net.punch import NatTraversal, Path
 from protocol.punch import PunchConfig, RelayPath
@@ -79,20 +80,11 @@ class NodePeers(PeerTable):
         own_key: bytes,
         dispatch: Dispatch,
         *,
-        on_lane_lost: Callable[[bytes, PeerLane], None] | None = None,
-        on_lane_up: Callable[[bytes, PeerLane], None] | None = None,
-        streams: Mapping[int, StreamHandler] | None = None,
         nat: NatDialConfig | None = None,
         introducers: IntroducerPicker = lambda _target: [],
+        **options: Unpack[PeerOptions],
     ) -> None:
-        super().__init__(
-            endpoint,
-            own_key,
-            dispatch,
-            on_lane_lost=on_lane_lost,
-            on_lane_up=on_lane_up,
-            streams=streams,
-        )
+        super().__init__(endpoint, own_key, dispatch, **options)
         self.nat_config = nat if nat is not None else NatDialConfig()
         self.nat = NatTraversal(self, self.nat_config.punch)
         self.introducers = introducers
