@@ -91,7 +91,7 @@ class DaemonMesh:
         ]
 
     def snapshot(self) -> Snapshot:
-        """Each node's open sessions, in-flight requests and resident memory (blocking)."""
+        """Each node's open sessions, KV bytes, in-flight requests and memory (blocking)."""
         snap: Snapshot = {}
         for d in self.daemons:
             status = d.status()
@@ -99,6 +99,7 @@ class DaemonMesh:
                 raise DemoError(f"{d.name} stopped answering on its control socket")
             snap[d.name] = {
                 "sessions_hosted": int(status["sessions_hosted"]),
+                "kv_used_bytes": int(status["kv_used_bytes"]),
                 "sessions_coordinated": int(status["sessions_coordinated"]),
                 "api_in_flight": _in_flight(d.api_url),
                 "rss_bytes": _rss_bytes(d.proc.pid),

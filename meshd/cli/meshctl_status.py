@@ -42,7 +42,8 @@ def render(status: dict[str, Any], events: int) -> None:
         f"  stage {_layers(layers)}  {_state(status)}"
     )
     console.print(
-        f"sessions hosted {status['sessions_hosted']}, coordinated "
+        f"sessions hosted {status['sessions_hosted']} "
+        f"(KV {status.get('kv_used_bytes', 0) / 2**20:.1f} MiB), coordinated "
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
         f"{status['uptime_s']:.0f} s"
     )

@@ -97,6 +97,11 @@ class StageSlot:
         return len(self._sessions)
 
     @property
+    def kv_used_bytes(self) -> int:
+        """KV cache bytes the current stage holds for open sessions (0: no stage)."""
+        return self._running.host.stage.kv.used_bytes if self._running else 0
+
+    @property
     def windows_computed(self) -> int:
         """Windows the current stage computed."""
         return self._running.host.stats.windows_computed if self._running else 0

@@ -79,6 +79,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     draining: bool  # `meshctl kill --drain`: serving open sessions, then the stage stops
     stage_layers: list[int] | None
     sessions_hosted: int
+    kv_used_bytes: int  # KV cache held by this node's stage; back to 0 when sessions close
     sessions_coordinated: int
     recoveries: int
     uptime_s: float
@@ -133,6 +134,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         draining=node.draining,
         stage_layers=list(layers) if layers is not None else None,
         sessions_hosted=node.slot.sessions,
+        kv_used_bytes=node.slot.kv_used_bytes,
         sessions_coordinated=node.coordinator.sessions_in_flight,
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,

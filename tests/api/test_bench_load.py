@@ -111,5 +111,6 @@ def test_load_through_real_daemons_has_no_errors_and_no_leak(
     assert set(report["per_target"]) == {"0", "1"}
     for figures in report["kv_after"].values():
         assert figures["sessions_hosted"] == 0 and figures["sessions_coordinated"] == 0
+        assert figures["kv_used_bytes"] == 0  # every session's KV was freed on its stage
     assert report["latency_s"]["p50"] > 0 and report["ttft_s"]["p50"] > 0
     assert report["completion_tokens"] >= 16

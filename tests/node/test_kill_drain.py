@@ -144,6 +144,7 @@ def test_drain_finishes_the_running_generation_then_stops_the_stage(
     # While the generation ran, the node said it was draining and still served its stage.
     assert status["draining"] and not status["disabled"]
     assert status["stage_layers"] is not None and status["sessions_hosted"] == 1
+    assert status["kv_used_bytes"] > 0  # the open session's KV, reported to the operator
     # The generation was not disturbed by the drain: same tokens, and the drained stage never
     # failed it. (The planner may still move other stages as RTTs arrive, which the
     # coordinator survives: that is not the drain's doing, so it is not asserted here.)
