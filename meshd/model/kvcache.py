@@ -33,7 +33,7 @@ class KVGroup:
     layers: list[LayerCache] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.layers = [LayerCache(self.kv[i : i + 1]) for i in range(len(self.kv))]
+        self.layers = [LayerCache.over(self.kv[i : i + 1]) for i in range(len(self.kv))]
 
     @property
     def k(self) -> torch.Tensor:

@@ -173,13 +173,23 @@ class AttnSpan:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One layer's view of a session's cache: `[1, max_positions, 2 * kv_heads, head_dim]`.
+    """One layer's view of a session's cache.
 
-    Keys then values by position, the same order as a q/k/v row's k and v heads, so a window's
-    keys and values are written with one copy.
+    `kv` is `[1, max_positions, 2 * kv_heads, head_dim]`: keys then values by position, the
+    order in which a q/k/v row carries its k and v heads, so one copy writes a window's keys
+    and values. `k` and `v` are the same memory seen as `[1, kv_heads, max_positions,
+    head_dim]`, the layout attention reads, built once so that a step only slices them.
     """
 
     kv: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def over(cls, kv: torch.Tensor) -> LayerCache:
+        """The cache of one layer stored in `kv` `[1, max_positions, 2 * kv_heads, head_dim]`."""
+        n_kv = kv.shape[2] // 2
+        return cls(kv, kv[:, :, :n_kv].transpose(1, 2), kv[:, :, n_kv:].transpose(1, 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,11 +308,10 @@ def _attend(
         k.copy_(rms_norm(k, w.k_norm, d))
     rotate_(heads[:, :, :n_qk], rope)
     cache.kv[:, span.end - length : span.end] = heads[:, :, d.n_heads :]
-    kv = cache.kv[:, span.start : span.end].transpose(1, 2)  # [1, 2 * kv heads, span, head_dim]
     out = F.scaled_dot_product_attention(
         heads[:, :, : d.n_heads].transpose(1, 2),
-        kv[:, : d.n_kv],
-        kv[:, d.n_kv :],
+        cache.k[:, :, span.start : span.end],
+        cache.v[:, :, span.start : span.end],
         attn_mask=span.mask,
         enable_gqa=d.n_kv != d.n_heads,
     )
