@@ -139,13 +139,20 @@ class Rotary:
         return table[base_pos:end] if table.is_complex() else table[:, base_pos:end]
 
 
-def rotate_(x: torch.Tensor, table: torch.Tensor) -> None:
-    """Rotate `x` `[..., T, heads, head_dim]` (interleaved pairs) in place by `table`."""
-    pairs = x.view(*x.shape[:-1], -1, 2)
-    if table.is_complex():
-        torch.view_as_complex(pairs).mul_(table)
+def rotation_view(qk: torch.Tensor) -> torch.Tensor:
+    """`qk` `[..., head_dim]` as `rotate_` multiplies it: a complex view in fp32, else itself."""
+    if qk.dtype == torch.float32:
+        return torch.view_as_complex(qk.view(*qk.shape[:-1], -1, 2))
+    return qk
+
+
+def rotate_(rot: torch.Tensor, table: torch.Tensor) -> None:
+    """Rotate q/k heads in place by position: `rot` from `rotation_view`, `table` from `Rotary`."""
+    if rot.is_complex():
+        rot.mul_(table)
         return
-    x.copy_(x * table[0] + pairs.flip(-1).flatten(-2) * table[1])
+    pairs = rot.view(*rot.shape[:-1], -1, 2)
+    rot.copy_(rot * table[0] + pairs.flip(-1).flatten(-2) * table[1])
 
 
 @dataclass(frozen=True)
@@ -278,9 +285,13 @@ class LayerWeights:
         return [t for t in values if isinstance(t, torch.Tensor)]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """`x @ w + b` for rows `[T, in]` and a matrix `[in, out]`."""
-    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ w + b` for rows `[T, in]` and a matrix `[in, out]` (into `out` if given)."""
+    if b is None:
+        return torch.mm(x, w, out=out)
+    return torch.addmm(b, x, w, out=out)
 
 
 def residual_linear(
@@ -291,30 +302,76 @@ def residual_linear(
     return out if b is None else out.add_(b)
 
 
+@dataclass(frozen=True, slots=True)
+class QKV:
+    """A window's fused q/k/v rows and the views of them attention works on (same memory)."""
+
+    rows: torch.Tensor  # [T, (heads + 2 * kv_heads) * head_dim]
+    qk: torch.Tensor  # [1, T, heads + kv_heads, head_dim], rotated in place
+    rot: torch.Tensor  # qk as `rotate_` multiplies it
+    q: torch.Tensor  # [1, heads, T, head_dim], as attention reads queries
+    kv: torch.Tensor  # [1, T, 2 * kv_heads, head_dim], as the cache stores keys and values
+
+    @classmethod
+    def over(cls, rows: torch.Tensor, d: Dims) -> QKV:
+        """The views of `rows`."""
+        heads = rows.view(1, rows.shape[0], -1, d.head_dim)
+        qk = heads[:, :, : d.n_heads + d.n_kv]
+        q = heads[:, :, : d.n_heads].transpose(1, 2)
+        return cls(rows, qk, rotation_view(qk), q, heads[:, :, d.n_heads :])
+
+
+@dataclass(frozen=True, slots=True)
+class StepScratch:
+    """Rows reused by every one-position window (a decode step) of one session on one stage.
+
+    A step writes its q/k/v and gate/up products into these (`out=`), and the views of them were
+    built once: at batch 1 that is about ten fewer small ops per layer, each of which costs
+    microseconds once a layer's weights have streamed through the caches.
+    """
+
+    qkv: QKV
+    gate: torch.Tensor  # [1, intermediate], the first half of `gate_up`
+    up: torch.Tensor
+    gate_up: torch.Tensor  # [1, 2 * intermediate]
+
+    @classmethod
+    def allocate(
+        cls, d: Dims, intermediate: int, dtype: torch.dtype, device: torch.device
+    ) -> StepScratch:
+        """Scratch rows for a model of these dims."""
+        width = (d.n_heads + 2 * d.n_kv) * d.head_dim
+        rows = torch.empty(1, width, dtype=dtype, device=device)
+        gate_up = torch.empty(1, 2 * intermediate, dtype=dtype, device=device)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return cls(QKV.over(rows, d), gate, up, gate_up)
+
+
 def _attend(
-    qkv: torch.Tensor,
+    qkv: QKV,
     w: LayerWeights,
     d: Dims,
     rope: torch.Tensor,
     cache: LayerCache,
     span: AttnSpan,
 ) -> torch.Tensor:
-    """One window's attention from its fused q/k/v rows `[T, ...]`; `[T, heads * head_dim]`."""
-    length, n_qk = qkv.shape[0], d.n_heads + d.n_kv
-    heads = qkv.view(1, length, -1, d.head_dim)  # [1, T, q heads + k heads + v heads, head_dim]
+    """One window's attention from its q/k/v rows; `[T, heads * head_dim]`."""
+    length = qkv.rows.shape[0]
     if w.q_norm is not None and w.k_norm is not None:
-        q, k = heads[:, :, : d.n_heads], heads[:, :, d.n_heads : n_qk]
+        q, k = qkv.qk[:, :, : d.n_heads], qkv.qk[:, :, d.n_heads :]
         q.copy_(rms_norm(q, w.q_norm, d))
         k.copy_(rms_norm(k, w.k_norm, d))
-    rotate_(heads[:, :, :n_qk], rope)
-    cache.kv[:, span.end - length : span.end] = heads[:, :, d.n_heads :]
+    rotate_(qkv.rot, rope)
+    cache.kv[:, span.end - length : span.end] = qkv.kv
     out = F.scaled_dot_product_attention(
-        heads[:, :, : d.n_heads].transpose(1, 2),
+        qkv.q,
         cache.k[:, :, span.start : span.end],
         cache.v[:, :, span.start : span.end],
         attn_mask=span.mask,
         enable_gqa=d.n_kv != d.n_heads,
     )
+    if length == 1:  # [1, heads, 1, head_dim] is already one row
+        return out.view(1, -1)
     return out.transpose(1, 2).reshape(length, -1)
 
 
@@ -328,9 +385,16 @@ class BatchPart:
     span: AttnSpan
 
 
-def mlp_block(h: torch.Tensor, w: LayerWeights, d: Dims) -> torch.Tensor:
+def mlp_block(
+    h: torch.Tensor, w: LayerWeights, d: Dims, scratch: StepScratch | None = None
+) -> torch.Tensor:
     """The SwiGLU half of a layer with its residual: h + down(silu(gate(n)) * up(n)), n = norm(h)."""
-    gate, up = linear(rms_norm(h, w.post_norm, d), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+    n = rms_norm(h, w.post_norm, d)
+    if scratch is None:
+        gate, up = linear(n, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+    else:
+        linear(n, w.w_gate_up, w.b_gate_up, out=scratch.gate_up)
+        gate, up = scratch.gate, scratch.up
     # In place on the fresh gate/up product: no new tensors on the per-token path.
     return residual_linear(h, F.silu(gate, inplace=True).mul_(up), w.w_down, w.b_down)
 
@@ -342,11 +406,20 @@ def decoder_layer(
     rope: torch.Tensor,
     cache: LayerCache,
     span: AttnSpan,
+    scratch: StepScratch | None = None,
 ) -> torch.Tensor:
-    """Pre-norm residual block: attention then MLP, `[T, hidden]` in and out."""
-    qkv = linear(rms_norm(x, w.input_norm, d), w.wqkv, w.bqkv)
+    """Pre-norm residual block: attention then MLP, `[T, hidden]` in and out.
+
+    `scratch` (one-position windows only) receives the layer's products instead of new tensors.
+    """
+    n = rms_norm(x, w.input_norm, d)
+    if scratch is None:
+        qkv = QKV.over(linear(n, w.wqkv, w.bqkv), d)
+    else:
+        qkv = scratch.qkv
+        linear(n, w.wqkv, w.bqkv, out=qkv.rows)
     h = residual_linear(x, _attend(qkv, w, d, rope, cache, span), w.wo, w.bo)
-    return mlp_block(h, w, d)
+    return mlp_block(h, w, d, scratch)
 
 
 def decoder_layer_batch(
@@ -359,7 +432,10 @@ def decoder_layer_batch(
     """
     qkv = linear(rms_norm(x, w.input_norm, d), w.wqkv, w.bqkv)
     rows = torch.split(qkv, [p.length for p in parts])
-    outs = [_attend(r, w, d, p.rope, p.cache, p.span) for r, p in zip(rows, parts, strict=True)]
+    outs = [
+        _attend(QKV.over(r, d), w, d, p.rope, p.cache, p.span)
+        for r, p in zip(rows, parts, strict=True)
+    ]
     h = residual_linear(x, torch.cat(outs) if len(outs) > 1 else outs[0], w.wo, w.bo)
     return mlp_block(h, w, d)
 

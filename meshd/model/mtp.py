@@ -25,6 +25,7 @@ from meshd.model.llama import (
     Dims,
     LayerCache,
     LayerWeights,
+    StepScratch,
     decoder_layer,
     decoder_layer_shapes,
     linear_weight,
@@ -63,10 +64,11 @@ def mtp_hidden(
     rope: torch.Tensor,
     cache: LayerCache,
     span: AttnSpan,
+    scratch: StepScratch | None = None,
 ) -> torch.Tensor:
     """This depth's hidden state `h` `[T, hidden]` (before `norm`; the next depth's h_prev)."""
     joined = torch.cat((rms_norm(embeds, w.enorm, d), rms_norm(prev_hidden, w.hnorm, d)), -1)
-    return decoder_layer(torch.mm(joined, w.eh_proj), w.block, d, rope, cache, span)
+    return decoder_layer(torch.mm(joined, w.eh_proj), w.block, d, rope, cache, span, scratch)
 
 
 def mtp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

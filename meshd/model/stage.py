@@ -27,6 +27,7 @@ from meshd.model.llama import (
     Dims,
     LayerWeights,
     Rotary,
+    StepScratch,
     decoder_layer,
     decoder_layer_batch,
     decoder_layer_shapes,
@@ -113,6 +114,7 @@ class StageModel:
             layer_end - layer_start, n_mtp, config.num_kv_heads, config.head_dim, dtype
         )
         self.kv = KVCache(layout, device, kv_budget_bytes)
+        self._scratch: dict[str, StepScratch] = {}  # per open session
         self.kv_bytes_per_token = layout.bytes_per_token
         self._on_tensor: OnTensor | None = None
         if progress is not None:
@@ -209,10 +211,15 @@ class StageModel:
     def open_session(self, session_id: str, max_positions: int) -> None:
         """Allocate KV for a session (`KVBudgetExceeded` past the budget)."""
         self.kv.open(session_id, max_positions)
+        config = self.config
+        self._scratch[session_id] = StepScratch.allocate(
+            self._dims, config.intermediate_size, self.dtype, self.device
+        )
 
     def close_session(self, session_id: str) -> None:
         """Free a session's KV (no-op if it is not open)."""
         self.kv.close(session_id)
+        self._scratch.pop(session_id, None)
 
     @torch.inference_mode()
     def forward(
@@ -236,8 +243,9 @@ class StageModel:
         rope = self._rotary.table(base_pos, length)
         spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
         layers = zip(self.layers, group.layers, self._layer_windows, strict=True)
+        scratch = self._scratch[session_id] if length == 1 else None
         for weights, cache, window in layers:
-            x = decoder_layer(x, weights, self._dims, rope, cache, spans[window])
+            x = decoder_layer(x, weights, self._dims, rope, cache, spans[window], scratch)
         group.valid_len = base_pos + length
         if self._norm is None:
             return StageOutput(x, None)
@@ -322,7 +330,8 @@ class StageModel:
         rope = self._rotary.table(base_pos, length)
         span = AttnSpan.build(base_pos, length, None, self.device)
         weights = self.mtp[depth - 1]
-        h = mtp_hidden(embeds, hidden, weights, self._dims, rope, group.layers[0], span)
+        scratch = self._scratch[session_id] if length == 1 else None
+        h = mtp_hidden(embeds, hidden, weights, self._dims, rope, group.layers[0], span, scratch)
         group.valid_len = base_pos + length
         return MtpOutput(h, self._logits(h, weights.norm))
 
