@@ -102,8 +102,8 @@ class Rotary:
 
     q/k dims are interleaved pairs (`interleave_rope_dims`). In fp32 a table is complex
     `[T, 1, head_dim/2]` holding cos + i·sin, and rotating is `view_as_complex(x) * table`.
-    Other dtypes have no complex view: their table is real `[2, T, 1, head_dim]`, each pair's
-    cos and signed sin, used as `x * cos + swap_pairs(x) * sin` (`rotate_`).
+    Otherwise (`complex_rope`) the table is real `[2, T, 1, head_dim]`, each pair's cos and
+    signed sin, used as `x * cos + swap_pairs(x) * sin` (`rotate_`).
     """
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -120,7 +120,7 @@ class Rotary:
         # The same fp32 angles, cos and sin as transformers computes, only arranged by pair.
         freqs = positions[:, None, None] * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
-        if self._dtype == torch.float32:
+        if complex_rope(self._dtype, self._device):
             return torch.complex(cos, sin)
         signed_sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
         return torch.stack((cos.repeat_interleave(2, -1), signed_sin)).to(self._dtype)
@@ -139,9 +139,14 @@ class Rotary:
         return table[base_pos:end] if table.is_complex() else table[:, base_pos:end]
 
 
+def complex_rope(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether RoPE runs as a complex multiply: fp32 (bf16 has no complex view), not on MPS."""
+    return dtype == torch.float32 and device.type != "mps"
+
+
 def rotation_view(qk: torch.Tensor) -> torch.Tensor:
     """`qk` `[..., head_dim]` as `rotate_` multiplies it: a complex view in fp32, else itself."""
-    if qk.dtype == torch.float32:
+    if complex_rope(qk.dtype, qk.device):
         return torch.view_as_complex(qk.view(*qk.shape[:-1], -1, 2))
     return qk
 

@@ -243,7 +243,7 @@ class StageModel:
         rope = self._rotary.table(base_pos, length)
         spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
         layers = zip(self.layers, group.layers, self._layer_windows, strict=True)
-        scratch = self._scratch[session_id] if length == 1 else None
+        scratch = self._scratch.get(session_id) if length == 1 else None
         for weights, cache, window in layers:
             x = decoder_layer(x, weights, self._dims, rope, cache, spans[window], scratch)
         group.valid_len = base_pos + length
@@ -330,7 +330,7 @@ class StageModel:
         rope = self._rotary.table(base_pos, length)
         span = AttnSpan.build(base_pos, length, None, self.device)
         weights = self.mtp[depth - 1]
-        scratch = self._scratch[session_id] if length == 1 else None
+        scratch = self._scratch.get(session_id) if length == 1 else None
         h = mtp_hidden(embeds, hidden, weights, self._dims, rope, group.layers[0], span, scratch)
         group.valid_len = base_pos + length
         return MtpOutput(h, self._logits(h, weights.norm))

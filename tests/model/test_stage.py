@@ -114,6 +114,26 @@ def test_sessions_are_isolated(whole: StageModel) -> None:
         whole.close_session(sid)
 
 
+def test_decode_steps_compute_what_a_batched_pass_computes(checkpoint: Checkpoint) -> None:
+    # A one-position window runs through the session's reusable scratch rows; a batched pass
+    # takes the general path. Both must give the same bits, and what a step returned must not
+    # change when later steps reuse the scratch.
+    stepped, batched = StageModel.load(checkpoint, 0, 4), StageModel.load(checkpoint, 0, 4)
+    for stage in (stepped, batched):
+        stage.open_session("s", 32)
+        stage.forward("s", 0, torch.tensor(PROMPT))
+    kept = []
+    for pos, token in enumerate([5, 9, 77, 3, 3], start=len(PROMPT)):
+        ids = torch.tensor([token])
+        step = stepped.forward("s", pos, ids)
+        (ref,) = batched.forward_batch([("s", pos, ids)])
+        assert step.logits is not None and ref.logits is not None
+        assert torch.equal(step.logits, ref.logits) and torch.equal(step.hidden, ref.hidden)
+        kept.append((step.logits.clone(), step.hidden.clone(), step))
+    for logits, hidden, step in kept:
+        assert torch.equal(step.logits, logits) and torch.equal(step.hidden, hidden)
+
+
 def test_session_errors_are_typed(whole: StageModel) -> None:
     with pytest.raises(SessionError, match="not open"):
         whole.forward("nobody", 0, torch.tensor([1]))
@@ -126,6 +146,8 @@ def test_session_errors_are_typed(whole: StageModel) -> None:
         whole.forward("e", 0, torch.tensor(list(range(9))))
     with pytest.raises(InvalidInput, match="vocabulary"):
         whole.forward("e", 0, torch.tensor([1, 256]))
+    with pytest.raises(InvalidInput, match="vocabulary"):
+        whole.forward("e", 0, torch.tensor([-1]))
     with pytest.raises(InvalidInput, match="token ids"):
         whole.forward("e", 0, torch.zeros(2, 64))
     whole.close_session("e")
