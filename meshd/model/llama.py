@@ -29,8 +29,8 @@ from meshd.model.config import ModelConfig, RopeConfig
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, d: Dims) -> torch.Tensor:
     """Root-mean-square norm over the last dim with `d.eps`, scaled by `weight` (as in HF)."""
     if x.dtype == torch.float32:
-        # HF's statistics (sum of squares, over n, plus eps) in four small ops: F.rms_norm
-        # dispatches fourteen, and each costs microseconds once the weights have flushed caches.
+        # HF's statistics (sum of squares, over n, plus eps) in six small ops in all, where
+        # F.rms_norm dispatches fourteen; each costs microseconds once weights have flushed L2.
         mean_square = torch.add(
             d.eps_tensor, x.square().sum(-1, keepdim=True), alpha=1 / x.shape[-1]
         )
