@@ -63,6 +63,7 @@ class StageTiming(msgspec.Struct, frozen=True, array_like=True):
     `compute_s` is the wall time of the pass that computed the window; `batch_sessions` sessions
     shared that pass (their windows ran as one batch) and `queued_sessions` other sessions had
     windows waiting behind it. The coordinator's window policy reads these as stage load.
+    `mtp_s` is the part of `compute_s` this window spent in the MTP draft heads (last stage).
     """
 
     stage: int
@@ -70,6 +71,7 @@ class StageTiming(msgspec.Struct, frozen=True, array_like=True):
     compute_s: float
     batch_sessions: int = 1
     queued_sessions: int = 0
+    mtp_s: float = 0.0
 
 
 class OpenSession(msgspec.Struct, frozen=True, tag="open"):

@@ -20,6 +20,9 @@ class RouteCosts:
     stages: int
     forget: float = 0.9
     rtt_s: float | None = None
+    # MTP heads' time per window (last stage), kept apart from the pass fit: plain decoding
+    # does not pay it, speculation with MTP drafts does. None until a window measured it.
+    mtp_s: float | None = None
     # Sufficient statistics of the weighted least-squares fit compute ≈ a + b·tokens.
     _sw: float = 0.0
     _sx: float = 0.0
@@ -27,15 +30,28 @@ class RouteCosts:
     _sxx: float = 0.0
     _sxy: float = 0.0
 
-    def observe(self, tokens: int, round_trip_s: float, compute_s: float, queue_s: float) -> None:
-        """Record one window: its width, wall-clock round trip and the stages' timings."""
+    def observe(
+        self,
+        tokens: int,
+        round_trip_s: float,
+        compute_s: float,
+        queue_s: float,
+        mtp_s: float = 0.0,
+    ) -> None:
+        """Record one window: its width, wall-clock round trip and the stages' timings.
+
+        `compute_s` includes `mtp_s`, the MTP heads' share, which is tracked on its own.
+        """
+        if mtp_s > 0:
+            self.mtp_s = mtp_s if self.mtp_s is None else 0.8 * self.mtp_s + 0.2 * mtp_s
+        network = max(0.0, round_trip_s - compute_s - queue_s)
+        compute_s = max(0.0, compute_s - mtp_s)
         f = self.forget
         self._sw = f * self._sw + 1.0
         self._sx = f * self._sx + tokens
         self._sy = f * self._sy + compute_s
         self._sxx = f * self._sxx + tokens * tokens
         self._sxy = f * self._sxy + tokens * compute_s
-        network = max(0.0, round_trip_s - compute_s - queue_s)
         self.rtt_s = network if self.rtt_s is None else 0.8 * self.rtt_s + 0.2 * network
 
     def compute_fit(self) -> tuple[float, float]:
@@ -60,4 +76,6 @@ class RouteCosts:
             pass_per_token_s=per_token,
             stages=self.stages,
             concurrent_sessions=concurrent_sessions,
+            mtp_s=self.mtp_s if self.mtp_s is not None else 0.0,
+            mtp_measured=self.mtp_s is not None,
         )

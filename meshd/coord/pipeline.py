@@ -23,6 +23,7 @@ import trio
 
 from meshd.coord.costs import RouteCosts
 from meshd.coord.route import Route
+from meshd.spec.auto import AutoProposer
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.spec.proposers import make_proposer
@@ -306,6 +307,23 @@ class _Run:
         setter = getattr(self.proposer, "set_link", None)
         if setter is not None:
             setter(link)
+        if (
+            isinstance(self.proposer, AutoProposer)
+            and self.mtp_tokens
+            and not self.proposer.wants_mtp
+        ):
+            # `auto` found that MTP drafts cost more than they save on this route: stop the
+            # heads for the rest of the request (the stages skip them from the next window).
+            self.mtp_tokens = 0
+            self.proposer.stop_mtp()
+        if isinstance(self.proposer, AutoProposer) and self.proposer.active == "disabled":
+            # `auto` already weighed every strategy against plain decoding and none paid.
+            reason = self.proposer.reason
+            plan = WindowPlan(0, 1, 1.0, 0.0, 0.0, reason)
+            self.recorder.policy(plan, "disabled", reason)
+            return plan
+        if self.mtp_tokens and self.proposer.active in MTP_STRATEGIES:
+            link = link.with_mtp_drafts()
         plan = choose(PolicyInputs(link, self.proposer.acceptance()), self.spec)
         reason = getattr(self.proposer, "reason", "")
         self.recorder.policy(plan, self.proposer.active, reason)
@@ -377,7 +395,8 @@ class _Run:
         # and the policy multiplies it back by the load (C_L = L·C). The rest of the pass was
         # spent on others' rows, so it counts as waiting, not as network.
         share = sum(t.compute_s / max(1, t.batch_sessions) for t in timings)
-        self.costs.observe(len(w.tokens), round_trip, share, queue + compute - share)
+        mtp = sum(t.mtp_s for t in timings)
+        self.costs.observe(len(w.tokens), round_trip, share, queue + compute - share, mtp)
         load = max((t.batch_sessions + t.queued_sessions for t in timings), default=1)
         self.coord.observe_load(self.live.route, load)
         accepted = reply.accepted_len

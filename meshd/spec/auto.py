@@ -34,6 +34,13 @@ from meshd.spec.policy import (
 from meshd.spec.proposer import AccountedProposer, Proposer
 
 _MTP_STRATEGIES = ("mtp", "mtp-simple", "mtp-cache")
+# Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
+_MTP_MIN_SAMPLES = 8
+# `auto` re-decides at most once per this many committed tokens, and on a new link only when a
+# cost moved by more than this fraction: deciding weighs every candidate's every width and
+# depth, which on one fast node costs a visible share of a token's time.
+_DECIDE_EVERY_TOKENS = 4
+_LINK_CHANGE_FRACTION = 0.1
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
 
@@ -91,6 +98,8 @@ class AutoProposer(AccountedProposer):
             "mtp-simple": MtpHybrid("mtp-simple", config, mtp, simple, owns_parts=False),
             "mtp-cache": MtpHybrid("mtp-cache", config, mtp, cache, owns_parts=False),
         }
+        self._mtp_live = True  # the stages run the MTP heads for this request
+        self._next_decision = 0  # log length at which `observe` decides again
         self._tokens: list[int] = []
         self._pending: list[_Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
@@ -107,12 +116,34 @@ class AutoProposer(AccountedProposer):
 
     def set_link(self, link: LinkModel) -> None:
         """Update the measured route costs used to compare strategies (re-decides on change)."""
-        if link != self.link:
+        if _moved(self.link, link):
             self.link = link
             self._decide()
 
+    @property
+    def wants_mtp(self) -> bool:
+        """Whether this request should keep the stages' MTP heads running.
+
+        Yes while an MTP strategy is the choice, while the route's MTP cost is unmeasured, or
+        while any MTP strategy has too few scored windows to judge; no once the measured cost of
+        the heads (`LinkModel.mtp_s`, added to every MTP window) makes another choice better.
+        """
+        if not self._mtp_live:
+            return False
+        if self.choice in _MTP_STRATEGIES or not self.link.mtp_measured:
+            return True
+        if not self.book.has_mtp:
+            return True
+        return any(self._trackers[m].samples < _MTP_MIN_SAMPLES for m in _MTP_STRATEGIES)
+
+    def stop_mtp(self) -> None:
+        """The MTP heads are off for the rest of this request: choose among the others."""
+        self._mtp_live = False
+        self._decide()
+
     def reset(self, prompt: Sequence[int]) -> None:
         """New request: reset every part and start each estimate from the model's book."""
+        self._mtp_live = True
         self._clear_stats()
         for part in self._parts:
             part.reset(prompt)
@@ -133,7 +164,8 @@ class AutoProposer(AccountedProposer):
         self._tokens.extend(int(t) for t in committed)
         self._score()
         self._drafts = self._shadow(())
-        self._decide()
+        if len(self._tokens) >= self._next_decision:
+            self._decide()
 
     def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
         """The current choice's drafts (shadow-drafting again when a new MTP draft came)."""
@@ -173,7 +205,7 @@ class AutoProposer(AccountedProposer):
 
     def _available(self) -> list[str]:
         names = ["ngram-simple", "ngram-cache"]
-        if self.book.has_mtp and self.config.mtp_depth > 0:
+        if self.book.has_mtp and self.config.mtp_depth > 0 and self._mtp_live:
             names.extend(_MTP_STRATEGIES)
         return names
 
@@ -219,10 +251,12 @@ class AutoProposer(AccountedProposer):
             self._pending = self._pending[-limit:]
 
     def _decide(self) -> None:
+        self._next_decision = len(self._tokens) + _DECIDE_EVERY_TOKENS
         best_name, best_plan = "disabled", None
         fallback: WindowPlan | None = None
         for name in self._available():
-            plan = choose(PolicyInputs(self.link, self._trackers[name].per_position()), self.config)
+            link = self.link.with_mtp_drafts() if name in _MTP_STRATEGIES else self.link
+            plan = choose(PolicyInputs(link, self._trackers[name].per_position()), self.config)
             if fallback is None:
                 fallback = plan
             if plan.width > 0 and (
@@ -239,3 +273,20 @@ class AutoProposer(AccountedProposer):
         else:
             self.choice, self.plan = best_name, best_plan
             self.reason = f"{best_name} ({alphas}): {best_plan.reason}"
+
+
+def _moved(old: LinkModel, new: LinkModel) -> bool:
+    """Whether the route's costs changed enough to re-weigh the strategies."""
+    if (old.stages, old.concurrent_sessions, old.mtp_measured) != (
+        new.stages,
+        new.concurrent_sessions,
+        new.mtp_measured,
+    ):
+        return True
+    pairs = (
+        (old.rtt_s, new.rtt_s),
+        (old.pass_fixed_s, new.pass_fixed_s),
+        (old.pass_per_token_s, new.pass_per_token_s),
+        (old.mtp_s, new.mtp_s),
+    )
+    return any(abs(b - a) > _LINK_CHANGE_FRACTION * max(abs(a), 1e-6) for a, b in pairs)

@@ -26,7 +26,7 @@ against the baseline τ(0, 1)/1 = T(0). It speculates only when that beats the b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshd.spec.config import SpecConfig
 
@@ -41,6 +41,9 @@ class LinkModel:
     `rtt_s` is the fixed cost per window (Σ hop round trips + protocol cost); one pass over
     w positions costs `pass_fixed_s + pass_per_token_s·w` of compute summed over all stages.
     `concurrent_sessions` counts the sessions sharing these stages, this one included.
+    `mtp_s` is what the last stage's MTP heads cost per window (measured when `mtp_measured`);
+    `draft_overhead_s` is the extra compute every speculative window pays and plain decoding
+    does not — `mtp_s` for a strategy that drafts with the MTP heads, 0 otherwise.
     """
 
     rtt_s: float
@@ -48,10 +51,18 @@ class LinkModel:
     pass_per_token_s: float
     stages: int = 1
     concurrent_sessions: int = 1
+    mtp_s: float = 0.0
+    mtp_measured: bool = False
+    draft_overhead_s: float = 0.0
 
     def compute_s(self, width: int) -> float:
         """Compute of one pass over a window of `width` drafts, summed over the stages."""
-        return self.pass_fixed_s + self.pass_per_token_s * (width + 1)
+        extra = self.draft_overhead_s if width > 0 else 0.0
+        return self.pass_fixed_s + self.pass_per_token_s * (width + 1) + extra
+
+    def with_mtp_drafts(self) -> LinkModel:
+        """This link as a strategy drafting with the MTP heads sees it."""
+        return replace(self, draft_overhead_s=self.mtp_s)
 
 
 # Used by `auto` until the coordinator has measured the route: a two-stage LAN.

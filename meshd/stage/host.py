@@ -124,6 +124,9 @@ class StageHost:
         self.batching = self.config.batching
         self.stats = StageHostStats()
         self.drafter = MtpDrafter(stage) if stage.is_last and stage.mtp else None
+        # Seconds the last pass spent in the MTP heads, by session (worker thread writes, the
+        # trio task reads after the pass; never both at once).
+        self._mtp_s: dict[str, float] = {}
         self._sessions: dict[str, _Session] = {}
         self._queue: deque[_Work] = deque()
         self._errors: deque[tuple[bytes, StageError]] = deque()
@@ -285,7 +288,12 @@ class StageHost:
         self.stats.compute_s += compute_s
         for (work, session), result in zip(batch, results, strict=True):
             timing = StageTiming(
-                session.info.stage_index, start - work.arrived_s, compute_s, len(batch), queued
+                session.info.stage_index,
+                start - work.arrived_s,
+                compute_s,
+                len(batch),
+                queued,
+                self._mtp_s.pop(work.window.session, 0.0),
             )
             await self._deliver(work, session.info, result, timing)
 
@@ -375,13 +383,17 @@ class StageHost:
         """After the pass: hidden states to pass on, or the last stage's verdict and drafts."""
         if not self.stage.is_last:
             return out.hidden
-        # The drafter runs for every window of a session that uses MTP (even when this window
-        # wants no draft), so each depth's positional KV keeps up with the main model's.
-        drafting = self.drafter is not None and info.mtp_depth > 0
+        # The drafter runs for every window of a session that uses MTP, so each depth's
+        # positional KV keeps up with the main model's. A window with `mtp_tokens == 0` in such a
+        # session means the coordinator has stopped MTP for good (`auto` found it does not pay):
+        # the depths then stop too, and their time is saved.
+        drafting = self.drafter is not None and info.mtp_depth > 0 and w.mtp_tokens > 0
+        started = time.perf_counter()
         if not w.sample:
             if drafting:
                 assert self.drafter is not None
                 self.drafter.after_window(w.session, w.base_pos, w.tokens, out.hidden, None, 0)
+                self._mtp_s[w.session] = time.perf_counter() - started
             return None
         assert out.logits is not None
         s = w.sampling
@@ -393,9 +405,11 @@ class StageHost:
         if drafting:
             assert self.drafter is not None
             known = w.tokens[: len(w.tokens) - w.n_draft + verdict.accepted_len]
+            mtp_started = time.perf_counter()
             drafts = self.drafter.after_window(
                 w.session, w.base_pos, known, out.hidden, verdict.next_token, w.mtp_tokens
             )
+            self._mtp_s[w.session] = time.perf_counter() - mtp_started
         return verdict.accepted_len, verdict.next_token, drafts
 
     async def _send(self, key: bytes, message: Message) -> None:

@@ -138,3 +138,60 @@ def test_auto_keeps_learning_when_the_coordinator_stops_asking_for_drafts() -> N
     assert widths[79] == 0  # the novel stretch switched speculation off
     assert widths[-1] > 0  # and the repeated phrase switched it back on, with no propose calls
     assert auto.active in ("ngram-simple", "ngram-cache")
+
+
+def _half_right_mtp(stream: list[int]):
+    """MTP drafts whose first token is right and the rest wrong (acceptance ≈ 1 of 3)."""
+
+    def mtp(i: int) -> list[int]:
+        return [stream[i], -1, -2] if i < len(stream) else []
+
+    return mtp
+
+
+def test_auto_stops_the_mtp_heads_where_their_measured_cost_outweighs_them() -> None:
+    from dataclasses import replace
+
+    rng = random.Random(5)
+    stream = rng.sample(range(10_000), 60)  # novel text: only the MTP heads can draft it
+    # One node, no network: a plain step costs 3.4 ms, the MTP heads 4 ms more per window.
+    local = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, stages=1)
+    costly = replace(local, mtp_s=0.004, mtp_measured=True)
+    auto = AutoProposer(CONFIG, link=costly)
+    auto.reset([1, 2, 3])
+    drive(auto, stream, mtp=_half_right_mtp(stream))
+    assert auto.active == "disabled"
+    assert not auto.wants_mtp  # enough scored windows, and MTP loses to plain decoding
+    auto.stop_mtp()
+    assert auto.active == "disabled" and not auto.wants_mtp
+    assert "mtp" not in auto.reason  # only the strategies still available are weighed
+
+    # The same acceptance over a 40 ms WAN: one round trip saved per token outweighs the heads.
+    wan = replace(WAN, mtp_s=0.004, mtp_measured=True)
+    auto = AutoProposer(CONFIG, link=wan)
+    auto.reset([1, 2, 3])
+    drive(auto, stream, mtp=_half_right_mtp(stream))
+    assert auto.active.startswith("mtp") and auto.wants_mtp
+
+
+def test_auto_keeps_the_mtp_heads_until_their_cost_is_measured() -> None:
+    rng = random.Random(6)
+    stream = rng.sample(range(10_000), 40)
+    local = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, stages=1)
+    auto = AutoProposer(CONFIG, link=local)  # mtp_measured False: the heads have not run yet
+    auto.reset([1, 2, 3])
+    drive(auto, stream, mtp=_half_right_mtp(stream))
+    assert auto.wants_mtp
+
+
+def test_mtp_drafts_pay_the_heads_cost_in_the_policy_but_plain_decoding_does_not() -> None:
+    from dataclasses import replace
+
+    link = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, mtp_s=0.002)
+    config = SpecConfig(strategy="mtp", window_max_tokens=2)
+    free = choose(PolicyInputs(link, (0.5,)), config)
+    paid = choose(PolicyInputs(link.with_mtp_drafts(), (0.5,)), config)
+    assert paid.baseline_s_per_token == free.baseline_s_per_token  # plain: no heads
+    assert link.with_mtp_drafts().compute_s(2) == link.compute_s(2) + 0.002
+    assert replace(link, draft_overhead_s=0.0).compute_s(0) == link.compute_s(0)
+    assert paid.width == 0 and free.width > 0  # the heads' cost turns a gain into a loss
