@@ -23,7 +23,7 @@ import trio
 
 from meshd.coord.costs import RouteCosts
 from meshd.coord.route import Route
-from meshd.spec.auto import AutoProposer
+from meshd.spec.auto import AcceptanceBook, AutoProposer
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.spec.proposers import make_proposer
@@ -141,6 +141,7 @@ class Coordinator:
         self._live: dict[str, _Live] = {}
         self._costs: dict[tuple[bytes, ...], RouteCosts] = {}
         self._load: dict[tuple[bytes, ...], float] = {}
+        self._books: dict[tuple[str, tuple[object, ...]], AcceptanceBook] = {}
 
     @property
     def sessions_in_flight(self) -> int:
@@ -201,6 +202,18 @@ class Coordinator:
         load = max(1, self.sessions_in_flight, round(self.stage_load(route)))
         return self.costs(route).link_model(concurrent_sessions=load)
 
+    def book(self, model_id: str, spec: SpecConfig) -> AcceptanceBook:
+        """`auto`'s acceptance estimates for a model, shared by its requests (and the settings
+        the estimates depend on: a request with another window or prior starts its own)."""
+        key = (
+            model_id,
+            (spec.window_max_tokens, spec.ewma_alpha, spec.prior_acceptance, spec.mtp_depth),
+        )
+        found = self._books.get(key)
+        if found is None:
+            found = self._books[key] = AcceptanceBook(spec)
+        return found
+
     def costs(self, route: Route) -> RouteCosts:
         """Measured costs of a route (kept across requests)."""
         key = route.keys
@@ -223,7 +236,12 @@ class _Run:
         self.use_mtp = request.mtp_depth > 0 and self.spec.strategy in MTP_STRATEGIES
         self.mtp_tokens = min(request.mtp_depth, self.spec.mtp_depth) if self.use_mtp else 0
         self.costs = coord.costs(live.route)
-        self.proposer = make_proposer(self.spec.strategy, self.spec, link=self.costs.link_model())
+        self.proposer = make_proposer(
+            self.spec.strategy,
+            self.spec,
+            book=coord.book(live.route.model_id, self.spec),
+            link=self.costs.link_model(),
+        )
         self.recorder = Recorder(self.spec.strategy)
         self.epoch = 0
         self.next_window_id = 0
