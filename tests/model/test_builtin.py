@@ -61,6 +61,16 @@ def _train_module() -> ModuleType:
     return module
 
 
+def _eval_module() -> ModuleType:
+    _train_module()  # eval_builtin imports it by name
+    spec = importlib.util.spec_from_file_location("eval_builtin", SCRIPTS / "eval_builtin.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["eval_builtin"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _config() -> dict[str, object]:
     return json.loads((BUILTIN / "config.json").read_text())
 
@@ -162,12 +172,7 @@ def test_greedy_code_continuation_does_not_loop() -> None:
 def test_mtp_depth_one_agrees_with_the_main_model_on_stdlib_code() -> None:
     import torch
 
-    _train_module()  # eval_builtin imports it by name
-    spec = importlib.util.spec_from_file_location("eval_builtin", SCRIPTS / "eval_builtin.py")
-    assert spec is not None and spec.loader is not None
-    ev = importlib.util.module_from_spec(spec)
-    sys.modules["eval_builtin"] = ev
-    spec.loader.exec_module(ev)
+    ev = _eval_module()
     torch.set_num_threads(1)
     model, tok, _ = ev.load_builtin(BUILTIN)
     info = json.loads((BUILTIN / "training_info.json").read_text())
@@ -232,12 +237,7 @@ def test_most_greedy_200_token_continuations_of_held_out_code_do_not_loop() -> N
 
     import torch
 
-    _train_module()  # eval_builtin imports it by name
-    spec = importlib.util.spec_from_file_location("eval_builtin", SCRIPTS / "eval_builtin.py")
-    assert spec is not None and spec.loader is not None
-    ev = importlib.util.module_from_spec(spec)
-    sys.modules["eval_builtin"] = ev
-    spec.loader.exec_module(ev)
+    ev = _eval_module()
     torch.set_num_threads(1)
     model, tok, _ = ev.load_builtin(BUILTIN)
     stream, note = ev.heldout_stream(BUILTIN, tok)
