@@ -308,12 +308,16 @@ class StageModel:
         base_pos: int,
         prev_hidden: torch.Tensor,
         next_tokens: torch.Tensor,
+        *,
+        logits_last_n: int | None = None,
     ) -> MtpOutput:
         """Run MTP depth `depth` (1-based) at positions `base_pos .. base_pos+T-1`.
 
         `prev_hidden[j]` is h_prev at position base_pos+j (the main model's residual output for
         depth 1, depth-1's `hidden` otherwise) and `next_tokens[j]` is t[base_pos+j+depth].
-        The logits at row j predict t[base_pos+j+depth+1].
+        The logits at row j predict t[base_pos+j+depth+1]; they are computed for all T rows, or
+        only for the last `logits_last_n` (a drafter needs one row, or none to keep KV only:
+        the vocabulary head over a few rows costs more than the depth's decoder layer).
         """
         if not 1 <= depth <= len(self.mtp):
             raise InvalidInput(
@@ -333,7 +337,8 @@ class StageModel:
         scratch = self._scratch.get(session_id) if length == 1 else None
         h = mtp_hidden(embeds, hidden, weights, self._dims, rope, group.layers[0], span, scratch)
         group.valid_len = base_pos + length
-        return MtpOutput(h, self._logits(h, weights.norm))
+        rows = h if logits_last_n is None else h[h.shape[0] - logits_last_n :]
+        return MtpOutput(h, self._logits(rows, weights.norm))
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None

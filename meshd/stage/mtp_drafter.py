@@ -11,8 +11,17 @@ a draft (the tip of the chain) when the depth runs. The rule that keeps every de
 - the one input row before a depth's run (depth k-1's hidden at `b-k`) comes from a small
   position-keyed ring of recent hidden rows per depth.
 
-This depends only on `b` — not on what ran before — so a rollback window (lower `b`) after a
-stale, wrongly-assumed window just works, like the main model's positional KV.
+A row whose input is unchanged need not run again, and most do not: depth k's row at `b-k+j`
+ran on `t[b+j]`, which the previous window usually knew already (depth 1's rows always), or
+drafted right. So each depth records, per position, the token its row ran on, and a window
+re-runs depth k only from the first row in `b-k .. b-1` whose recorded token differs from the
+one now known (or that depth k-1 ran again, or that is not recorded as consistent with depth
+k-1's rows). On the built-in model this halves the heads' cost per window: the depths run one
+row each instead of k+1, and the vocabulary head only for the row that drafts.
+
+Rows before `b-k` are never touched, and the records say exactly what each held row ran on,
+so a rollback window (lower `b`) after a stale, wrongly-assumed window just works, like the
+main model's positional KV.
 """
 
 from __future__ import annotations
@@ -52,6 +61,30 @@ class _Ring:
         return self.rows[slot : slot + 1]
 
 
+@dataclass
+class _Inputs:
+    """Per depth: the token each held row ran on, position-keyed, and how far they are sound.
+
+    `clean` bounds the rows known to match depth k-1's rows as they are now: a row at or after
+    it runs again whatever its token.
+    """
+
+    tokens: list[int]
+    tags: list[int]
+    clean: int = 0
+
+    def put(self, start: int, ids: Sequence[int]) -> None:
+        size = len(self.tags)
+        for j, token in enumerate(ids):
+            slot = (start + j) % size
+            self.tokens[slot] = token
+            self.tags[slot] = start + j
+
+    def same(self, position: int, token: int) -> bool:
+        slot = position % len(self.tags)
+        return self.tags[slot] == position and self.tokens[slot] == token
+
+
 class MtpDrafter:
     """Runs the MTP depths of a last stage after each window and returns greedy drafts."""
 
@@ -62,6 +95,7 @@ class MtpDrafter:
         self.depth = len(stage.mtp)
         self.ring_positions = ring_positions
         self._rings: dict[str, list[_Ring]] = {}
+        self._inputs: dict[str, list[_Inputs]] = {}
 
     def open(self, session_id: str) -> None:
         """Start tracking a session (its KV is opened by the stage)."""
@@ -73,10 +107,13 @@ class MtpDrafter:
             )
             for _ in range(self.depth)
         ]
+        size = self.ring_positions
+        self._inputs[session_id] = [_Inputs([0] * size, [-1] * size) for _ in range(self.depth)]
 
     def close(self, session_id: str) -> None:
         """Forget a session."""
         self._rings.pop(session_id, None)
+        self._inputs.pop(session_id, None)
 
     @torch.inference_mode()
     def after_window(
@@ -103,6 +140,9 @@ class MtpDrafter:
         except (SessionError, MtpStateLost):
             # Only a stale window (assumed past a reject) can leave a gap before its drafts:
             # its output is discarded by the coordinator anyway, so it simply gets no draft.
+            # It may have stopped between depths: no row it could have reached counts as sound.
+            for inputs in self._inputs[session_id]:
+                inputs.clean = min(inputs.clean, max(0, base_pos - self.depth))
             return []
 
     def _run(
@@ -115,6 +155,7 @@ class MtpDrafter:
         want: int,
     ) -> list[int]:
         rings = self._rings[session_id]
+        records = self._inputs[session_id]
         b = base_pos
         n_known = len(known_tokens)
         # t(p): the token at position p for p > b, as far as this window knows it.
@@ -128,19 +169,40 @@ class MtpDrafter:
         for k in range(1, self.depth + 1):
             ring_prev = rings[k - 1]
             # Depth k runs where depth k-1's output exists and t[i+k] is known or drafted.
-            start = max(0, b - k)
+            lo = max(0, b - k)
             end = tip - 1 if next_token is not None else tip - k
             # Keep depth k-1's rows for later windows (they need the row at their b-k).
             ring_prev.put(prev_start, prev_rows)
-            if end < start:
+            if end < lo:
+                # Depth k-1's rows from prev_start changed under rows of depth k and deeper.
+                for deeper in records[k - 1 :]:
+                    deeper.clean = min(deeper.clean, prev_start)
                 break
-            prev = self._rows(ring_prev, start, prev_start, prev_rows, end)
             chain = tokens + drafts
+            record = records[k - 1]
+            # Skip the leading rows that would run on the same input again.
+            start = lo
+            limit = min(prev_start, b, end + 1, record.clean)
+            while start < limit and record.same(start, chain[start + k - b]):
+                start += 1
+            if start > end:  # nothing of depth k changed (a prefill chunk's tail)
+                prev_rows, prev_start = prev_rows[:0], end + 1
+                continue
+            prev = self._rows(ring_prev, start, prev_start, prev_rows, end)
             ids = [chain[i + k - b] for i in range(start, end + 1)]
+            # A draft is wanted from this depth, or feeds the next depth's last row.
+            drafting = next_token is not None and (k <= want or k < self.depth)
             out = self.stage.mtp_forward(
-                session_id, k, start, prev, torch.tensor(ids, dtype=torch.int64)
+                session_id,
+                k,
+                start,
+                prev,
+                torch.tensor(ids, dtype=torch.int64),
+                logits_last_n=1 if drafting else 0,
             )
-            if next_token is not None:
+            record.put(start, ids)
+            record.clean = end + 1
+            if drafting:
                 drafts.append(int(out.logits[-1].argmax()))
             prev_rows, prev_start = out.hidden, start
         return drafts[:want]

@@ -87,6 +87,39 @@ def test_drafts_match_recomputation_through_prefill_windows_and_rollbacks(
     assert checks > 10
 
 
+@pytest.mark.parametrize("want", [DEPTH, 1])
+def test_drafts_stay_exact_when_they_come_true(stage: StageModel, want: int) -> None:
+    # Windows draft with the MTP heads' own drafts and the "truth" accepts them in part or in
+    # full, so most rows of every depth ran on a draft that came true: the drafter skips them,
+    # and what it sends must still equal a from-scratch recomputation.
+    rng = random.Random(1)
+    vocab = stage.config.vocab_size
+    truth = [rng.randrange(3, vocab) for _ in range(12)]
+    drafter = MtpDrafter(stage)
+    sid = f"true{want}"
+    stage.open_session(sid, 256)
+    drafter.open(sid)
+    out = stage.forward(sid, 0, torch.tensor(truth[:-1]))
+    drafts = drafter.after_window(sid, 0, truth[:-1], out.hidden, truth[-1], want)
+    skipped_rows_possible = 0
+    for _ in range(40):
+        committed = len(truth) - 1
+        accepted = rng.choice([len(drafts), len(drafts), rng.randint(0, len(drafts))])
+        window = [truth[-1], *drafts]
+        out = stage.forward(sid, committed, torch.tensor(window))
+        truth += drafts[:accepted]
+        # The token after the accepted drafts: the next draft when all came true (a bonus the
+        # heads foresaw), else anything but the rejected draft.
+        wrong = drafts[accepted] if accepted < len(drafts) else -1
+        truth.append(next(t for t in (rng.randrange(3, vocab) for _ in range(9)) if t != wrong))
+        skipped_rows_possible += accepted
+        drafts = drafter.after_window(
+            sid, committed, window[: 1 + accepted], out.hidden, truth[-1], want
+        )
+        assert drafts == reference_drafts(stage, truth, DEPTH)[:want]
+    assert skipped_rows_possible > 20
+
+
 def test_only_the_last_stage_drafts(tmp_path: pathlib.Path) -> None:
     model = make_checkpoint(tmp_path, "llama", seed=1, num_hidden_layers=2)
     add_mtp(tmp_path, model, 1)
