@@ -2,9 +2,11 @@
 
 For each stage count and emulated RTT, one in-process pipeline on loopback (real lanes, real
 stage hosts, userspace-emulated latency) runs every strategy on every workload, interleaved,
-greedy. Reported per row: decode tokens/s, the ratio to `disabled` measured in the same run,
-accepted/drafted, tokens per verify round trip, stale windows — and whether the text equals
-`disabled`'s (speculation must never change it). The single-stage rows also time
+greedy, in rounds that repeat until `disabled` has decoded for `--min-seconds` (a 96-token
+run on one fast node lasts ~0.3 s, too short to time alone on a shared machine). Reported per
+row, as medians over prompts and rounds: decode tokens/s, the ratio to `disabled` in the same
+round, accepted/drafted, tokens per verify round trip, stale windows — and whether the text
+equals `disabled`'s (speculation must never change it). The single-stage rows also time
 `transformers` `generate()` with and without `prompt_lookup_num_tokens` on the same checkpoint.
 """
 
@@ -14,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -41,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=None,
+        help="repeat a prompt's round of strategies until disabled has decoded this long "
+        "(default 2; 0 with --quick): short runs on a shared machine are mostly noise",
+    )
+    parser.add_argument("--max-rounds", type=int, default=5, help="most rounds per prompt")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     if "disabled" not in strategies:
         strategies.insert(0, "disabled")
     loads = workloads(prompts)
-    report = trio.run(_matrix, model_dir, stages, rtts, tokens, loads, strategies)
+    min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 2.0)
+    rounds = Rounds(min_s, max(1, args.max_rounds))
+    report = trio.run(_matrix, model_dir, stages, rtts, tokens, loads, strategies, rounds)
     if 1 in stages and not args.no_transformers:
         report["transformers"] = _transformers_rows(model_dir, loads, tokens)
     if args.json:
@@ -66,6 +79,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """How often a prompt's strategies run, interleaved: until `disabled` has decoded for
+    `min_seconds` in all, at most `max_rounds` times (once when min_seconds is 0)."""
+
+    min_seconds: float = 2.0
+    max_rounds: int = 5
+
+    def more(self, done: int, disabled_decode_s: float) -> bool:
+        """Whether to run another round after `done` rounds."""
+        return done < self.max_rounds and disabled_decode_s < self.min_seconds
+
+
 async def _matrix(
     model_dir: str,
     stage_counts: list[int],
@@ -73,6 +99,7 @@ async def _matrix(
     tokens: int,
     loads: list[Workload],
     strategies: list[str],
+    rounds: Rounds = Rounds(0.0, 1),
 ) -> dict[str, Any]:
     checkpoint = Checkpoint.open(model_dir)
     tokenizer = Tokenizer.open(model_dir)
@@ -89,30 +116,48 @@ async def _matrix(
                 await _generate(pipe, tokenizer.encode(loads[0].prompt), 8, "disabled", mtp_depth)
                 for load in loads:
                     ids = tokenizer.encode(load.prompt)
-                    results = {}
-                    for strategy in strategies:  # interleaved: one strategy after another
-                        results[strategy] = await _generate(pipe, ids, tokens, strategy, mtp_depth)
-                    base = results["disabled"]
-                    samples.setdefault(load.kind, tokenizer.decode(base["tokens"]))
-                    for strategy, r in results.items():
-                        rows.append(
-                            {
-                                "stages": stages,
-                                "rtt_ms": rtt_ms,
-                                "workload": load.kind,
-                                "prompt": load.name,
-                                "strategy": strategy,
-                                "decode_tok_s": r["tok_s"],
-                                "ratio_vs_disabled": r["tok_s"] / base["tok_s"],
-                                "acceptance": r["acceptance"],
-                                "drafted": r["drafted"],
-                                "accepted": r["accepted"],
-                                "tokens_per_round_trip": r["tpr"],
-                                "windows_stale": r["stale"],
-                                "identical_to_disabled": r["tokens"] == base["tokens"],
-                            }
-                        )
+                    done, disabled_s = 0, 0.0
+                    while done == 0 or rounds.more(done, disabled_s):
+                        # Interleaved, one strategy after another; each round starts one
+                        # strategy later, so none always runs first (after a pause, say).
+                        turn = done % len(strategies)
+                        results = {}
+                        for strategy in strategies[turn:] + strategies[:turn]:
+                            results[strategy] = await _generate(
+                                pipe, ids, tokens, strategy, mtp_depth
+                            )
+                        base = results["disabled"]
+                        disabled_s += base["decode_s"]
+                        samples.setdefault(load.kind, tokenizer.decode(base["tokens"]))
+                        rows += _runs(stages, rtt_ms, load, done, results)
+                        done += 1
     return {"rows": _aggregate(rows), "runs": rows, "samples": samples, "tokens": tokens}
+
+
+def _runs(
+    stages: int, rtt_ms: float, load: Workload, round_: int, results: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One record per strategy of a round; ratios against that round's `disabled`."""
+    base = results["disabled"]
+    return [
+        {
+            "stages": stages,
+            "rtt_ms": rtt_ms,
+            "workload": load.kind,
+            "prompt": load.name,
+            "round": round_,
+            "strategy": strategy,
+            "decode_tok_s": r["tok_s"],
+            "ratio_vs_disabled": r["tok_s"] / base["tok_s"],
+            "acceptance": r["acceptance"],
+            "drafted": r["drafted"],
+            "accepted": r["accepted"],
+            "tokens_per_round_trip": r["tpr"],
+            "windows_stale": r["stale"],
+            "identical_to_disabled": r["tokens"] == base["tokens"],
+        }
+        for strategy, r in results.items()
+    ]
 
 
 async def _generate(pipe: Any, ids: list[int], n: int, strategy: str, mtp: int) -> dict[str, Any]:
@@ -135,6 +180,7 @@ async def _generate(pipe: Any, ids: list[int], n: int, strategy: str, mtp: int) 
     decode_s = tel.decode_s or max(1e-9, wall - tel.prompt_s)
     return {
         "tokens": result.tokens,
+        "decode_s": decode_s,
         "tok_s": max(1, len(result.tokens) - 1) / decode_s,
         "acceptance": tel.acceptance,
         "drafted": tel.drafted_tokens,
@@ -145,7 +191,7 @@ async def _generate(pipe: Any, ids: list[int], n: int, strategy: str, mtp: int) 
 
 
 def _aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (stages, rtt, workload, strategy): medians over prompts."""
+    """One row per (stages, rtt, workload, strategy): medians over prompts and rounds."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["stages"], r["rtt_ms"], r["workload"], r["strategy"]), []).append(r)
@@ -259,7 +305,7 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
 def _print(report: dict[str, Any], strategies: list[str]) -> None:
     rows = report["rows"]
     configs = sorted({(r["stages"], r["rtt_ms"]) for r in rows})
-    print(f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts")
+    print(f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts and rounds")
     print("cell: decode tok/s (ratio to disabled in the same run) acceptance, tokens/round trip")
     for stages, rtt in configs:
         print(f"\n{stages} stage(s), RTT {rtt:g} ms")

@@ -28,8 +28,10 @@ from meshd.spec.policy import (
     AcceptanceTracker,
     LinkModel,
     PolicyInputs,
+    Search,
     WindowPlan,
-    choose,
+    plan_of,
+    search,
 )
 from meshd.spec.proposer import AccountedProposer, Proposer
 
@@ -38,8 +40,10 @@ _MTP_STRATEGIES = ("mtp", "mtp-simple", "mtp-cache")
 _MTP_MIN_SAMPLES = 8
 # `auto` re-decides at most once per this many committed tokens, and on a new link only when a
 # cost moved by more than this fraction: deciding weighs every candidate's every width and
-# depth, which on one fast node costs a visible share of a token's time.
+# depth, which on one fast node costs a visible share of a token's time. While decisions keep
+# the same choice, the spacing doubles up to the maximum; a changed choice resets it.
 _DECIDE_EVERY_TOKENS = 4
+_DECIDE_EVERY_MAX_TOKENS = 32
 _LINK_CHANGE_FRACTION = 0.1
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
@@ -100,6 +104,7 @@ class AutoProposer(AccountedProposer):
         }
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
+        self._decide_every = _DECIDE_EVERY_TOKENS
         self._tokens: list[int] = []
         self._pending: list[_Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
@@ -144,6 +149,7 @@ class AutoProposer(AccountedProposer):
     def reset(self, prompt: Sequence[int]) -> None:
         """New request: reset every part and start each estimate from the model's book."""
         self._mtp_live = True
+        self._decide_every = _DECIDE_EVERY_TOKENS
         self._clear_stats()
         for part in self._parts:
             part.reset(prompt)
@@ -172,7 +178,7 @@ class AutoProposer(AccountedProposer):
         if mtp_draft and self.config.mtp_depth > 0:
             first_mtp = not self.book.has_mtp
             self.book.has_mtp = True
-            self._drafts = self._shadow(mtp_draft)
+            self._drafts = self._shadow(mtp_draft, reuse=not first_mtp)
             if first_mtp:
                 self._decide()
         if self.choice == "disabled":
@@ -209,13 +215,20 @@ class AutoProposer(AccountedProposer):
             names.extend(_MTP_STRATEGIES)
         return names
 
-    def _shadow(self, mtp_draft: Sequence[int]) -> dict[str, list[int]]:
+    def _shadow(self, mtp_draft: Sequence[int], reuse: bool = False) -> dict[str, list[int]]:
         """Every available candidate drafts `window_max_tokens` from the current log; the
-        drafts wait in `_pending` until the log shows how many would have been accepted."""
+        drafts wait in `_pending` until the log shows how many would have been accepted.
+
+        `reuse`: the log has not grown since the last call, so the n-gram candidates' drafts
+        (which do not depend on the MTP draft) are kept, not looked up again.
+        """
         start = len(self._tokens)
         drafts: dict[str, list[int]] = {}
         fresh_mtp = bool(mtp_draft) or bool(self._mtp.propose(self._width))
         for name in self._available():
+            if reuse and name not in _MTP_STRATEGIES and name in self._drafts:
+                drafts[name] = self._drafts[name]
+                continue  # its shadow for this start is already pending
             drafts[name] = self._candidates[name].propose(self._width, mtp_draft)
             if name in _MTP_STRATEGIES and not fresh_mtp:
                 continue  # no MTP draft to judge: neither credit nor blame the MTP strategies
@@ -241,6 +254,11 @@ class AutoProposer(AccountedProposer):
             if settled or matched == len(shadow.drafts):
                 self._trackers[shadow.strategy].update(self._width, matched)
                 self.book.tracker(shadow.strategy).update(self._width, matched)
+                # News that may change the choice: decide at once, whatever the spacing.
+                if (shadow.strategy != self.choice and matched == self._width) or (
+                    shadow.strategy == self.choice and matched == 0
+                ):
+                    self._next_decision = len(log)
             else:
                 waiting.append(shadow)
         self._pending = waiting
@@ -251,18 +269,22 @@ class AutoProposer(AccountedProposer):
             self._pending = self._pending[-limit:]
 
     def _decide(self) -> None:
-        self._next_decision = len(self._tokens) + _DECIDE_EVERY_TOKENS
-        best_name, best_plan = "disabled", None
-        fallback: WindowPlan | None = None
+        # Weigh every candidate cheaply; only the winner's plan (and reason) is worded.
+        best_name, best_s = "disabled", 0.0
+        found: dict[str, Search] = {}
         for name in self._available():
-            link = self.link.with_mtp_drafts() if name in _MTP_STRATEGIES else self.link
-            plan = choose(PolicyInputs(link, self._trackers[name].per_position()), self.config)
-            if fallback is None:
-                fallback = plan
-            if plan.width > 0 and (
-                best_plan is None or plan.expected_s_per_token < best_plan.expected_s_per_token
-            ):
-                best_name, best_plan = name, plan
+            found[name] = search(self._inputs_for(name), self.config)
+            per_token, width = found[name].s_per_token(self.config)
+            if width > 0 and (best_name == "disabled" or per_token < best_s):
+                best_name, best_s = name, per_token
+        if best_name == self.choice:
+            self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
+        else:
+            self._decide_every = _DECIDE_EVERY_TOKENS
+        self._next_decision = len(self._tokens) + self._decide_every
+        first = next(iter(found.values()), None)
+        fallback = plan_of(first, self.config) if first is not None else None
+        best_plan = None if best_name == "disabled" else plan_of(found[best_name], self.config)
         alphas = ", ".join(
             f"{name} α₁={self._trackers[name].per_position()[0]:.2f}" for name in self._available()
         )
@@ -273,6 +295,10 @@ class AutoProposer(AccountedProposer):
         else:
             self.choice, self.plan = best_name, best_plan
             self.reason = f"{best_name} ({alphas}): {best_plan.reason}"
+
+    def _inputs_for(self, name: str) -> PolicyInputs:
+        link = self.link.with_mtp_drafts() if name in _MTP_STRATEGIES else self.link
+        return PolicyInputs(link, self._trackers[name].per_position())
 
 
 def _moved(old: LinkModel, new: LinkModel) -> bool:

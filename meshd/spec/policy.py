@@ -102,8 +102,57 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
+@dataclass(frozen=True, slots=True)
+class Search:
+    """What `choose` found before it words a plan: for weighing many candidates (`auto`)."""
+
+    inputs: PolicyInputs
+    best: tuple[float, int, int, float]  # seconds per token, width, depth, expected tokens
+    baseline: float
+    products: list[float]
+
+    def s_per_token(self, config: SpecConfig) -> tuple[float, int]:
+        """The plan's expected seconds per token and width (0: it would not speculate)."""
+        per_token, k, _, _ = self.best
+        if k > 0 and per_token * config.min_speedup > self.baseline:
+            return self.baseline, 0
+        return per_token, k
+
+
 def choose(inputs: PolicyInputs, config: SpecConfig) -> WindowPlan:
     """The (width, depth) minimising expected seconds per committed token; pure and cheap."""
+    return plan_of(search(inputs, config), config)
+
+
+def plan_of(found: Search, config: SpecConfig) -> WindowPlan:
+    """The `WindowPlan` (with its reason) of a `search`."""
+    link = found.inputs.link
+    best, baseline, products = found.best, found.baseline, found.products
+    k_max = config.window_max_tokens
+    rtt = max(0.0, link.rtt_s)
+    load = max(1, link.concurrent_sessions)
+    per_token, k, depth, expected = best
+    alpha1 = products[1]
+    if k > 0 and per_token * config.min_speedup > baseline:
+        return WindowPlan(0, 1, 1.0, baseline, baseline, _no_gain(link, alpha1, best, baseline))
+    if k == 0:
+        why = (
+            "window_max_tokens is 0"
+            if k_max == 0 or config.window_min_tokens > k_max
+            else f"no width beats {_ms(baseline)}/token without speculation"
+        )
+        reason = (
+            f"no speculation: {why} (rtt {_ms(rtt)}, compute {_ms(load * link.compute_s(0))}"
+            f"{_load_words(link)}, α₁={alpha1:.2f})"
+        )
+        return WindowPlan(0, 1, 1.0, baseline, baseline, reason)
+    return WindowPlan(
+        k, depth, expected, per_token, baseline, _why(link, alpha1, best, baseline, products)
+    )
+
+
+def search(inputs: PolicyInputs, config: SpecConfig) -> Search:
+    """Every (width, depth) of the config against the baseline; the best one."""
     link = inputs.link
     load = max(1, link.concurrent_sessions)
     stages = max(1, link.stages)
@@ -132,24 +181,7 @@ def choose(inputs: PolicyInputs, config: SpecConfig) -> WindowPlan:
             per_token = per_window / expected
             if per_token < best[0] * (1.0 - 1e-9):
                 best = (per_token, k, depth, expected)
-    per_token, k, depth, expected = best
-    alpha1 = products[1]
-    if k > 0 and per_token * config.min_speedup > baseline:
-        return WindowPlan(0, 1, 1.0, baseline, baseline, _no_gain(link, alpha1, best, baseline))
-    if k == 0:
-        why = (
-            "window_max_tokens is 0"
-            if k_max == 0 or config.window_min_tokens > k_max
-            else f"no width beats {_ms(baseline)}/token without speculation"
-        )
-        reason = (
-            f"no speculation: {why} (rtt {_ms(rtt)}, compute {_ms(load * link.compute_s(0))}"
-            f"{_load_words(link)}, α₁={alpha1:.2f})"
-        )
-        return WindowPlan(0, 1, 1.0, baseline, baseline, reason)
-    return WindowPlan(
-        k, depth, expected, per_token, baseline, _why(link, alpha1, best, baseline, products)
-    )
+    return Search(inputs, best, baseline, products)
 
 
 def _load_words(link: LinkModel) -> str:

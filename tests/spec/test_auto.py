@@ -65,6 +65,22 @@ def test_auto_recovers_after_a_novel_stretch() -> None:
     assert auto.active in ("ngram-simple", "ngram-cache")
 
 
+def test_auto_switches_on_within_a_few_tokens_of_a_repeat_after_a_long_novel_stretch() -> None:
+    # A long stable stretch spaces decisions out (they cost time on a fast node); a candidate
+    # whose shadow draft came true in full must still bring the next decision forward.
+    rng = random.Random(5)
+    phrase = rng.sample(range(6000, 7000), 12)
+    novel = rng.sample(range(1000, 5000), 300)
+    auto = AutoProposer(CONFIG, link=WAN)
+    auto.reset([1, *phrase])
+    drive(auto, novel)
+    assert auto.active == "disabled"
+    choices = drive(auto, phrase * 2)
+    switched = next(i for i, c in enumerate(choices) if c != "disabled")
+    # The first full-window match can only settle `width` tokens into the repeat.
+    assert switched <= 8 + 2, choices
+
+
 def test_auto_uses_mtp_only_once_the_model_sends_mtp_drafts() -> None:
     rng = random.Random(3)
     stream = rng.sample(range(10_000), 80)  # novel text: n-grams useless, MTP heads right
