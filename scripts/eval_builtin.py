@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import edit_data
 import train_builtin as tb
 
 DOCS_BEGIN = "<!-- eval:begin -->"
@@ -49,6 +50,8 @@ class EvalConfig:
     loop_threshold: float = 0.5
     sample_new_tokens: int = 96
     temperature: float = 0.8
+    edit_prompts: int = 20
+    edit_max_function_chars: int = 1800
 
 
 def load_builtin(directory: Path) -> tuple[tb.BuiltinModel, Tokenizer, LlamaConfig]:
@@ -157,6 +160,70 @@ def loop_check(lm: LlamaForCausalLM, stream: torch.Tensor, cfg: EvalConfig) -> d
     }
 
 
+def edit_prompt(fn: edit_data.Function) -> tuple[str, str] | None:
+    """The code-editing prompt of `meshd bench spec` for `fn`, and the body it should repeat.
+
+    The function, a comment asking for it renamed to `<name>_v2`, and the renamed header line;
+    the answer is the rest of the renamed function.
+    """
+    new = f"{fn.name}_v2"
+    edited = edit_data.rename(fn, fn.name, new)
+    if edited is None:
+        return None
+    header, _, body = edited.partition("\n")
+    comment = f"# The same function as {fn.name}, renamed to {new}."
+    return f"{fn.source}\n\n\n{comment}\n{header}\n", body + "\n"
+
+
+def held_out_functions(directory: Path, cfg: EvalConfig) -> list[edit_data.Function]:
+    """`cfg.edit_prompts` functions evenly spaced over the held-out files."""
+    info = json.loads((directory / "training_info.json").read_text())
+    corpus = tb.load_corpus(tb.TrainConfig(**info["hyperparameters"]))
+    every = [
+        fn
+        for _, text in corpus.heldout
+        for fn in edit_data.functions(text, cfg.edit_max_function_chars)
+        if edit_prompt(fn) is not None
+    ]
+    step = max(1, len(every) // cfg.edit_prompts)
+    return every[::step][: cfg.edit_prompts]
+
+
+@torch.no_grad()
+def edit_check(
+    lm: LlamaForCausalLM, tok: Tokenizer, directory: Path, cfg: EvalConfig
+) -> dict[str, object]:
+    """Greedy answers to the code-editing prompt on held-out functions: how much is copied.
+
+    Per function: the length of the answer's longest prefix equal to the expected body, as a
+    fraction of the body's characters (1.0 = the whole body came back unchanged).
+    """
+    fractions = []
+    for fn in held_out_functions(directory, cfg):
+        made = edit_prompt(fn)
+        assert made is not None
+        prompt, body = made
+        ids = torch.tensor([tok.encode(prompt).ids])
+        out = lm.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=len(tok.encode(body).ids) + 4,
+        )
+        text = tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=False)
+        same = next((i for i, (a, b) in enumerate(zip(text, body, strict=False)) if a != b), None)
+        fractions.append(
+            min(len(text), len(body)) / len(body) if same is None else same / len(body)
+        )
+    n = max(1, len(fractions))
+    return {
+        "functions": len(fractions),
+        "fractions": fractions,
+        "mean_copied_fraction": sum(fractions) / n,
+        "fraction_copied_whole": sum(f == 1.0 for f in fractions) / n,
+    }
+
+
 def generate_text(
     lm: LlamaForCausalLM, tok: Tokenizer, prompt: str, cfg: EvalConfig, sample: bool
 ) -> str:
@@ -193,6 +260,7 @@ def evaluate(directory: Path, cfg: EvalConfig) -> dict[str, object]:
         "corpus_note": note,
         "teacher_forced": teacher_forced(model, stream, tok, cfg),
         "loops": loop_check(lm, stream, cfg),
+        "edits": edit_check(lm, tok, directory, cfg),
         "samples": samples,
     }
 
@@ -201,7 +269,8 @@ def markdown(result: dict[str, object], cfg: EvalConfig) -> str:
     """The report as markdown (what --docs writes between the eval markers)."""
     tf = result["teacher_forced"]
     loops = result["loops"]
-    assert isinstance(tf, dict) and isinstance(loops, dict)
+    edits = result["edits"]
+    assert isinstance(tf, dict) and isinstance(loops, dict) and isinstance(edits, dict)
     lines = [
         f"Held-out: {int(tf['heldout_tokens'])} tokens, {int(tf['heldout_bytes'])} bytes"
         f"{result['corpus_note']}.",
@@ -227,6 +296,9 @@ def markdown(result: dict[str, object], cfg: EvalConfig) -> str:
         f" continuations | {loops['mean']:.3f} |",
         f"| ... minimum | {loops['min']:.3f} |",
         f"| ... fraction below {cfg.loop_threshold} (a loop) | {loops['fraction_below_threshold']:.2f} |",
+        f"| code edit: body characters repeated correctly, mean over {edits['functions']} held-out"
+        f" functions asked back renamed | {edits['mean_copied_fraction']:.3f} |",
+        f"| ... functions repeated whole | {edits['fraction_copied_whole']:.2f} |",
         "",
         f"Samples ({cfg.sample_new_tokens} new tokens; sampled = T={cfg.temperature}, "
         f"seed {cfg.seed}, no top-k/top-p):",
@@ -266,9 +338,12 @@ def main(argv: list[str] | None = None) -> None:
         info = json.loads(info_path.read_text())
         loops = dict(result["loops"])  # type: ignore[call-overload]
         loops.pop("ratios")
+        edits = dict(result["edits"])  # type: ignore[call-overload]
+        edits.pop("fractions")
         info["eval"] = {
             "teacher_forced": result["teacher_forced"],
             "loops": loops,
+            "edits": edits,
             "eval_config": result["eval_config"],
         }
         tb._write_json(info_path, info)

@@ -30,12 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import edit_data  # a sibling script module, not an installed package
 
 EOT = "<|endoftext|>"
 END = "<|end|>"
@@ -94,6 +97,21 @@ class TrainConfig:
     ul_ngram: int = 6
     ul_weight: float = 1.0
     ul_mle_batch_sequences: int = 16
+    # Phase 3, after phase 2: code edits and a longer context. The stdlib rarely repeats a
+    # function with a change, so phases 1-2 never taught the model to copy its prompt back
+    # edited, and code-editing prompts outgrow 256 tokens. Each step mixes plain windows of
+    # `edit_context_tokens` with edit documents (edit_data.py) starting at a document start.
+    # The phase starts from the phase-2 weights rounded to bf16 (what the shipped file
+    # holds) with a fresh optimizer, so `--init-from` a phase-2 directory gives the same bytes.
+    edit_steps: int = 250
+    edit_context_tokens: int = 1024
+    edit_plain_sequences: int = 3
+    edit_sample_sequences: int = 4
+    # fp32: on a CPU without bf16 units (AVX2 only) autocast made a step 20x slower.
+    edit_bf16_autocast: bool = False
+    edit_lr: float = 6e-4
+    edit_warmup_steps: int = 20
+    edit_max_function_chars: int = 1800
 
 
 TINY = TrainConfig(
@@ -116,6 +134,12 @@ TINY = TrainConfig(
     ul_new_tokens=8,
     ul_ngram=2,
     ul_mle_batch_sequences=2,
+    edit_steps=2,
+    edit_context_tokens=48,
+    edit_plain_sequences=1,
+    edit_sample_sequences=1,
+    edit_warmup_steps=1,
+    edit_max_function_chars=400,
 )
 
 
@@ -322,7 +346,9 @@ def llama_config(cfg: TrainConfig, tok: Tokenizer) -> LlamaConfig:
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.context_tokens,
+        max_position_embeddings=max(
+            cfg.context_tokens, cfg.edit_context_tokens if cfg.edit_steps else 0
+        ),
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -346,15 +372,38 @@ def losses(model: BuiltinModel, seq: torch.Tensor) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- training
 
 
+def phase3_start(cfg: TrainConfig) -> int:
+    """The first step of phase 3 (code edits, long context)."""
+    return cfg.steps + cfg.ul_steps
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to lr_final_fraction of the peak; phase 2 is flat."""
+    """Phases 1 and 3: linear warmup, then cosine decay to lr_final_fraction of their peak;
+    phase 2 is flat."""
+    if step >= phase3_start(cfg):
+        return _warmup_cosine(
+            step - phase3_start(cfg), cfg.edit_steps, cfg.edit_warmup_steps, cfg.edit_lr, cfg
+        )
     if step >= cfg.steps:
         return cfg.ul_lr
-    if step < cfg.warmup_steps:
-        return cfg.lr_peak * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return _warmup_cosine(step, cfg.steps, cfg.warmup_steps, cfg.lr_peak, cfg)
+
+
+def _warmup_cosine(step: int, steps: int, warmup: int, peak: float, cfg: TrainConfig) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
     floor = cfg.lr_final_fraction
-    return cfg.lr_peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def tokens_at(step: int, cfg: TrainConfig) -> int:
+    """Tokens predicted (main head) in one step of the phase that `step` belongs to."""
+    if step >= phase3_start(cfg):
+        return (cfg.edit_plain_sequences + cfg.edit_sample_sequences) * cfg.edit_context_tokens
+    if step >= cfg.steps:
+        return cfg.ul_mle_batch_sequences * cfg.context_tokens
+    return cfg.batch_sequences * cfg.context_tokens
 
 
 def batch_at(stream: torch.Tensor, step: int, cfg: TrainConfig) -> torch.Tensor:
@@ -441,12 +490,76 @@ def phase2_loss(
     return loss + cfg.ul_weight * ul, tuple(round(x, 4) for x in logged)
 
 
+@dataclass(frozen=True)
+class EditStream:
+    """Phase-3 edit documents as one token stream, and where each document starts."""
+
+    ids: torch.Tensor
+    starts: torch.Tensor
+    documents: int
+
+
+def encode_edit_stream(tok: Tokenizer, corpus: Corpus, cfg: TrainConfig) -> EditStream:
+    """The training files' edit documents (edit_data.py), each preceded by <|endoftext|>."""
+    docs = edit_data.edit_documents(
+        [text for _, text in corpus.train], cfg.seed + 3, cfg.edit_max_function_chars, render_chat
+    )
+    eot = tok.token_to_id(EOT)
+    ids: list[int] = []
+    starts: list[int] = []
+    for enc in tok.encode_batch(docs):
+        starts.append(len(ids))
+        ids.append(eot)
+        ids.extend(enc.ids)
+    # Every window of the phase must fit from its start; pad the tail with end-of-text.
+    ids.extend([eot] * (cfg.edit_context_tokens + 1 + cfg.mtp_depths))
+    return EditStream(
+        torch.tensor(ids, dtype=torch.int32), torch.tensor(starts, dtype=torch.long), len(docs)
+    )
+
+
+def phase3_batch(
+    stream: torch.Tensor, edits: EditStream, step: int, cfg: TrainConfig
+) -> torch.Tensor:
+    """Plain long windows from the code stream, then edit windows that start at a document."""
+    plain_cfg = dataclasses.replace(
+        cfg, context_tokens=cfg.edit_context_tokens, batch_sequences=cfg.edit_plain_sequences
+    )
+    plain = batch_at(stream, step, plain_cfg)
+    span = cfg.edit_context_tokens + 1 + cfg.mtp_depths
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 700_001 + step)
+    picks = torch.randint(0, len(edits.starts), (cfg.edit_sample_sequences,), generator=gen)
+    rows = [edits.ids[s : s + span] for s in edits.starts[picks].tolist()]
+    return torch.cat([plain, torch.stack(rows).long()])
+
+
+def round_to_bf16(model: nn.Module) -> None:
+    """Round every weight to bf16 and back: the model as the shipped file holds it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+def load_exported(model: BuiltinModel, directory: Path) -> None:
+    """Weights of an exported directory (export_state_dict's names) into `model`."""
+    weights = {k: v.float() for k, v in load_file(str(directory / "model.safetensors")).items()}
+    main = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    missing, unexpected = model.lm.load_state_dict(main, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(
+            f"{directory}: weights do not match (missing {missing}, extra {unexpected})"
+        )
+    model.lm.tie_weights()
+    model.mtp.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("mtp.")})
+
+
 @dataclass
 class RunState:
     step: int = 0
     elapsed_s: float = 0.0
     last_losses: tuple[float, ...] = ()
     phase1_losses: tuple[float, ...] = ()
+    phase2_losses: tuple[float, ...] = ()
 
 
 def train(
@@ -455,8 +568,13 @@ def train(
     checkpoint: Path | None = None,
     quiet: bool = False,
     stop_step: int | None = None,
+    init_from: Path | None = None,
 ) -> dict[str, object]:
-    """Build corpus, tokenizer and model, train, and write the HF directory to `out`."""
+    """Build corpus, tokenizer and model, train, and write the HF directory to `out`.
+
+    `init_from` is an exported directory of the same configuration at the end of phase 2:
+    training starts at phase 3 from its weights (the tokenizer must be the one rebuilt here).
+    """
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.monotonic()
@@ -464,11 +582,14 @@ def train(
     docs = build_documents(corpus, cfg)
     tok = train_tokenizer(docs, cfg.vocab_size)
     stream = encode_stream(tok, docs)
+    edits = encode_edit_stream(tok, corpus, cfg) if cfg.edit_steps else None
     prep_s = time.monotonic() - t0
     log = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     log(
         f"corpus: {len(corpus.train)} train / {len(corpus.heldout)} held-out files, "
-        f"{len(docs)} docs, {len(stream)} tokens, prep {prep_s:.1f}s"
+        f"{len(docs)} docs, {len(stream)} tokens, "
+        f"{edits.documents if edits else 0} edit docs ({len(edits.ids) if edits else 0} tokens), "
+        f"prep {prep_s:.1f}s"
     )
 
     config = llama_config(cfg, tok)
@@ -477,6 +598,7 @@ def train(
     opt = make_optimizer(model, cfg)
     state = RunState()
     resumed_from: int | None = None
+    initialised_from: str | None = None
     if checkpoint is not None and checkpoint.exists():
         saved = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(saved["model"])
@@ -486,31 +608,54 @@ def train(
         if state.step == cfg.steps and not state.phase1_losses:
             state.phase1_losses = state.last_losses  # a checkpoint taken at the boundary
         log(f"resumed from {checkpoint} at step {state.step}")
+    elif init_from is not None:
+        if Tokenizer.from_file(str(init_from / "tokenizer.json")).to_str() != tok.to_str():
+            raise SystemExit(f"{init_from}: its tokenizer is not the one this corpus gives")
+        load_exported(model, init_from)
+        previous = json.loads((init_from / "training_info.json").read_text())
+        state = RunState(
+            step=phase3_start(cfg),
+            phase1_losses=_loss_tuple(previous.get("final_train_losses"), cfg.mtp_depths, False),
+            phase2_losses=_loss_tuple(previous.get("final_phase2_losses"), cfg.mtp_depths, True),
+        )
+        resumed_from = state.step
+        initialised_from = str(init_from)
+        log(f"initialised from {init_from} at step {state.step} (phase 3)")
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"params: {n_params / 1e6:.2f} M (main {sum(p.numel() for p in model.lm.parameters()) / 1e6:.2f} M)"
     )
 
     model.train()
-    tokens_per_step = cfg.batch_sequences * cfg.context_tokens
     t_run = time.monotonic()
     start_step = state.step
+    tokens_seen = 0
     # stop_step exports an unfinished run (e.g. from a checkpoint); training_info says so.
-    total_steps = cfg.steps + cfg.ul_steps
+    total_steps = cfg.steps + cfg.ul_steps + cfg.edit_steps
     last_step = total_steps if stop_step is None else min(stop_step, total_steps)
     # The bar only draws: it reads no random state, so the weights are the same with or without it.
     with step_bar(start_step, last_step, enabled=not quiet and sys.stdout.isatty()) as bar:
         while state.step < last_step:
+            if state.step == phase3_start(cfg):
+                # Phase 3 starts from the phase-2 model as exported (bf16), optimizer anew.
+                round_to_bf16(model)
+                opt = make_optimizer(model, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, cfg)
-            if state.step < cfg.steps:
-                seq = batch_at(stream, state.step, cfg)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            if state.step < cfg.steps or state.step >= phase3_start(cfg):
+                if state.step < cfg.steps:
+                    seq = batch_at(stream, state.step, cfg)
+                else:
+                    assert edits is not None
+                    seq = phase3_batch(stream, edits, state.step, cfg)
+                autocast = cfg.bf16_autocast if state.step < cfg.steps else cfg.edit_bf16_autocast
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     parts = losses(model, seq)
                 loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
                 logged = tuple(round(p.item(), 4) for p in parts)
             else:
                 loss, logged = phase2_loss(model, stream, state.step, cfg)
+            tokens_seen += tokens_at(state.step, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
@@ -519,11 +664,13 @@ def train(
             state.last_losses = logged
             if state.step == cfg.steps:
                 state.phase1_losses = logged
+            if state.step == phase3_start(cfg) and cfg.ul_steps:
+                state.phase2_losses = logged
             bar(state.step, state.last_losses)
             run_s = time.monotonic() - t_run
             if state.step % cfg.log_every_steps == 0 or state.step in (cfg.steps, total_steps):
                 done = state.step - start_step
-                tps = done * tokens_per_step / run_s
+                tps = tokens_seen / run_s
                 eta = (total_steps - state.step) * run_s / done
                 log(
                     f"step {state.step}/{total_steps} loss {' '.join(map(str, state.last_losses))} "
@@ -549,8 +696,15 @@ def train(
         "train_stream_tokens": len(stream),
         "steps_completed": state.step,
         "resumed_from_step": resumed_from,
-        "tokens_per_step": tokens_per_step,
-        "tokens_seen_this_process": (state.step - start_step) * tokens_per_step,
+        "initialised_from": initialised_from,
+        "tokens_per_step": {
+            "phase1": tokens_at(0, cfg),
+            "phase2": tokens_at(cfg.steps, cfg),
+            "phase3": tokens_at(phase3_start(cfg), cfg),
+        },
+        "edit_documents": edits.documents if edits else 0,
+        "edit_stream_tokens": len(edits.ids) if edits else 0,
+        "tokens_seen_this_process": tokens_seen,
         "hyperparameters": dataclasses.asdict(cfg),
         "parameters": n_params,
         "train_seconds_this_process": round(train_s, 1),
@@ -562,8 +716,15 @@ def train(
             else None  # resumed inside phase 2 from a checkpoint that did not keep them
         ),
         "final_phase2_losses": (
-            _named_losses(state.last_losses, cfg.mtp_depths, phase2=True)
-            if state.step > cfg.steps
+            _named_losses(state.phase2_losses, cfg.mtp_depths, phase2=True)
+            if state.phase2_losses
+            else _named_losses(state.last_losses, cfg.mtp_depths, phase2=True)
+            if cfg.steps < state.step <= phase3_start(cfg)
+            else None
+        ),
+        "final_phase3_losses": (
+            _named_losses(state.last_losses, cfg.mtp_depths, phase2=False)
+            if state.step > phase3_start(cfg)
             else None
         ),
         "torch": torch.__version__,
@@ -573,12 +734,21 @@ def train(
     return info
 
 
-def _named_losses(values: tuple[float, ...], depths: int, phase2: bool) -> dict[str, float]:
-    """Phase 1 logs main + MTP depths; phase 2 adds unlikelihood and the repeat fraction."""
+def _loss_names(depths: int, phase2: bool) -> list[str]:
+    """Phases 1 and 3 log main + MTP depths; phase 2 adds unlikelihood and the repeat fraction."""
     names = ["main", *(f"mtp_depth_{d}" for d in range(1, depths + 1))]
-    if phase2:
-        names += ["unlikelihood", "generated_repeat_fraction"]
-    return dict(zip(names, values, strict=True))
+    return names + (["unlikelihood", "generated_repeat_fraction"] if phase2 else [])
+
+
+def _named_losses(values: tuple[float, ...], depths: int, phase2: bool) -> dict[str, float]:
+    return dict(zip(_loss_names(depths, phase2), values, strict=True))
+
+
+def _loss_tuple(named: object, depths: int, phase2: bool) -> tuple[float, ...]:
+    """`_named_losses` undone (a training_info.json dict back to the logged order)."""
+    if not isinstance(named, dict):
+        return ()
+    return tuple(float(named[k]) for k in _loss_names(depths, phase2))
 
 
 @contextlib.contextmanager
@@ -679,6 +849,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
     p.add_argument("--checkpoint", type=Path, default=None, help="save/resume file")
     p.add_argument("--stop-step", type=int, default=None, help="export early at this step")
     p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start phase 3 from this exported phase-2 directory (e.g. the previous built-in)",
+    )
+    p.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -699,7 +875,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_args(argv)
-    train(cfg, args.out, args.checkpoint, stop_step=args.stop_step)
+    train(cfg, args.out, args.checkpoint, stop_step=args.stop_step, init_from=args.init_from)
 
 
 if __name__ == "__main__":

@@ -247,3 +247,84 @@ def test_most_greedy_200_token_continuations_of_held_out_code_do_not_loop() -> N
     # docs/model.md: 24 % of 50 continuations loop (98 % before the unlikelihood phase).
     assert loops["fraction_below_threshold"] <= 0.5, loops["ratios"]
     assert loops["mean"] > 0.5, loops["ratios"]
+
+
+def _edit_module() -> ModuleType:
+    _train_module()  # puts scripts/ on sys.path, where edit_data lives
+    import edit_data
+
+    return edit_data
+
+
+def test_edit_samples_rename_every_use_but_attributes_and_refuse_keyword_arguments() -> None:
+    ed = _edit_module()
+    source = (
+        "def area(width, height):\n"
+        '    """width times height."""\n'
+        "    width = abs(width)  # width first\n"
+        "    return box.width * width * area_of(height)\n"
+    )
+    (fn,) = ed.functions(source, 2000)
+    assert fn.params == ("width", "height") and fn.docstring_lines == (2, 2)
+    # Names are renamed; the attribute, the docstring and the comment are not.
+    assert ed.rename(fn, "width", "w") == (
+        "def area(w, height):\n"
+        '    """width times height."""\n'
+        "    w = abs(w)  # width first\n"
+        "    return box.width * w * area_of(height)"
+    )
+    assert ed.rename(fn, "width", "height") is None  # the new name is taken
+    assert ed.drop_docstring(fn) == (
+        "def area(width, height):\n"
+        "    width = abs(width)  # width first\n"
+        "    return box.width * width * area_of(height)"
+    )
+    (kw,) = ed.functions("def f(x, y=1):\n    y += x\n    return g(x=x, y=y)\n", 2000)
+    assert ed.rename(kw, "x", "z") is None  # g's parameter x is not ours to rename
+    assert ed.rename(kw, "f", "f_v2") == "def f_v2(x, y=1):\n    y += x\n    return g(x=x, y=y)"
+
+
+def test_edit_documents_repeat_their_function_edited_in_plain_and_chat_form() -> None:
+    import ast
+
+    tb = _train_module()
+    ed = _edit_module()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = [(stdlib / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py")]
+    docs = ed.edit_documents(sources, 0, 1800, tb.render_chat)
+    assert len(docs) > 10
+    chats = [d for d in docs if d.startswith("<|user|>")]
+    plain = [d for d in docs if not d.startswith("<|user|>")]
+    assert chats and plain
+    for doc in plain:
+        original, _, rest = doc.partition("\n\n\n# ")
+        _, _, edited = rest.partition("\n")
+        ast.parse(original)
+        ast.parse(edited)
+        assert edited.rstrip() != original.rstrip()
+        # An edit keeps most of the text: the answer is mostly a copy of the prompt.
+        assert len(set(edited.split("\n")) & set(original.split("\n"))) >= 1
+    for doc in chats:
+        reply = doc.split("<|assistant|>\n```python\n", 1)[1].split("\n```<|end|>", 1)[0]
+        ast.parse(reply)
+    assert docs == ed.edit_documents(sources, 0, 1800, tb.render_chat)  # seeded
+
+
+@pytest.mark.slow
+def test_phase_3_from_an_exported_phase_2_directory_equals_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    tb = _train_module()
+    cfg = tb.TINY
+    tb.train(cfg, tmp_path / "whole", quiet=True)
+    tb.train(cfg, tmp_path / "phase2", quiet=True, stop_step=tb.phase3_start(cfg))
+    tb.train(cfg, tmp_path / "phase3", quiet=True, init_from=tmp_path / "phase2")
+    whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert (tmp_path / "phase3" / "model.safetensors").read_bytes() == whole
+    info = json.loads((tmp_path / "phase3" / "training_info.json").read_text())
+    whole_info = json.loads((tmp_path / "whole" / "training_info.json").read_text())
+    assert info["initialised_from"] == str(tmp_path / "phase2")
+    for key in ("final_train_losses", "final_phase2_losses", "final_phase3_losses"):
+        assert info[key] == whole_info[key]
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert config["max_position_embeddings"] == cfg.edit_context_tokens
