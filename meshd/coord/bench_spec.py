@@ -305,7 +305,9 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
 def _print(report: dict[str, Any], strategies: list[str]) -> None:
     rows = report["rows"]
     configs = sorted({(r["stages"], r["rtt_ms"]) for r in rows})
-    print(f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts and rounds")
+    print(
+        f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts and rounds"
+    )
     print("cell: decode tok/s (ratio to disabled in the same run) acceptance, tokens/round trip")
     for stages, rtt in configs:
         print(f"\n{stages} stage(s), RTT {rtt:g} ms")
