@@ -30,10 +30,14 @@ import train_builtin as tb
 
 DOCS_BEGIN = "<!-- eval:begin -->"
 DOCS_END = "<!-- eval:end -->"
+# Code prompts end at the end of a line, not after its newline: byte-level BPE joins a newline
+# with the next line's indentation, so a prompt ending in a bare newline token puts the answer
+# at a token boundary training never shows (the model then starts a new top-level statement,
+# or closes a chat code fence, instead of writing the body).
 CODE_PROMPTS = (
-    "def fibonacci(n):\n",
-    'import os\n\n\ndef list_python_files(root):\n    """Return the paths of all .py files under root."""\n',
-    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n',
+    "def fibonacci(n):",
+    'import os\n\n\ndef list_python_files(root):\n    """Return the paths of all .py files under root."""',
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):',
 )
 CHAT_PROMPT = "Write a Python function `is_palindrome` that does this:\nReturn True if the string reads the same backwards."
 
@@ -163,8 +167,10 @@ def loop_check(lm: LlamaForCausalLM, stream: torch.Tensor, cfg: EvalConfig) -> d
 def edit_prompt(fn: edit_data.Function) -> tuple[str, str] | None:
     """The code-editing prompt of `meshd bench spec` for `fn`, and the body it should repeat.
 
-    The function, a comment asking for it renamed to `<name>_v2`, and the renamed header line;
-    the answer is the rest of the renamed function.
+    The function, a comment asking for it renamed to `<name>_v2`, and the renamed header line
+    (without its newline: byte-level BPE joins a newline with the next line's indentation, so
+    a prompt ending in a bare newline would start the answer at a token boundary training never
+    shows); the answer is the rest of the renamed function, from that newline.
     """
     new = f"{fn.name}_v2"
     edited = edit_data.rename(fn, fn.name, new)
@@ -172,7 +178,7 @@ def edit_prompt(fn: edit_data.Function) -> tuple[str, str] | None:
         return None
     header, _, body = edited.partition("\n")
     comment = f"# The same function as {fn.name}, renamed to {new}."
-    return f"{fn.source}\n\n\n{comment}\n{header}\n", body + "\n"
+    return f"{fn.source}\n\n\n{comment}\n{header}", "\n" + body + "\n"
 
 
 def held_out_functions(directory: Path, cfg: EvalConfig) -> list[edit_data.Function]:
@@ -196,9 +202,12 @@ def edit_check(
     """Greedy answers to the code-editing prompt on held-out functions: how much is copied.
 
     Per function: the length of the answer's longest prefix equal to the expected body, as a
-    fraction of the body's characters (1.0 = the whole body came back unchanged).
+    fraction of the body's characters (1.0 = the whole body came back unchanged), and the
+    fraction of the body's lines that the answer holds (a copy with a slip still repeats most
+    lines, which is what prompt-lookup speculation feeds on).
     """
     fractions = []
+    lines = []
     for fn in held_out_functions(directory, cfg):
         made = edit_prompt(fn)
         assert made is not None
@@ -215,12 +224,16 @@ def edit_check(
         fractions.append(
             min(len(text), len(body)) / len(body) if same is None else same / len(body)
         )
+        wanted = [line for line in body.split("\n") if line.strip()]
+        got = set(text.split("\n"))
+        lines.append(sum(line in got for line in wanted) / max(1, len(wanted)))
     n = max(1, len(fractions))
     return {
         "functions": len(fractions),
         "fractions": fractions,
         "mean_copied_fraction": sum(fractions) / n,
         "fraction_copied_whole": sum(f == 1.0 for f in fractions) / n,
+        "mean_lines_repeated": sum(lines) / n,
     }
 
 
@@ -299,6 +312,7 @@ def markdown(result: dict[str, object], cfg: EvalConfig) -> str:
         f"| code edit: body characters repeated correctly, mean over {edits['functions']} held-out"
         f" functions asked back renamed | {edits['mean_copied_fraction']:.3f} |",
         f"| ... functions repeated whole | {edits['fraction_copied_whole']:.2f} |",
+        f"| ... body lines found in the answer, mean | {edits['mean_lines_repeated']:.3f} |",
         "",
         f"Samples ({cfg.sample_new_tokens} new tokens; sampled = T={cfg.temperature}, "
         f"seed {cfg.seed}, no top-k/top-p):",

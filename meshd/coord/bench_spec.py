@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
 from meshd.coord.local import open_local_pipeline
@@ -27,7 +28,13 @@ from meshd.coord.workloads import Workload, workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.tokenizer import Tokenizer
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.spec.config import (
+    STRATEGIES,
+    SpecConfig,
+    add_spec_arguments,
+    resolve_spec_config,
+    spec_cli_values,
+)
 
 KINDS = ("edit", "completion", "prose")
 
@@ -52,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 2; 0 with --quick): short runs on a shared machine are mostly noise",
     )
     parser.add_argument("--max-rounds", type=int, default=5, help="most rounds per prompt")
+    # Every strategy runs with these settings (the strategy flag itself is --strategies).
+    add_spec_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
     loads = workloads(prompts)
     min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 2.0)
     rounds = Rounds(min_s, max(1, args.max_rounds))
-    report = trio.run(_matrix, model_dir, stages, rtts, tokens, loads, strategies, rounds)
+    overrides = {k: v for k, v in spec_cli_values(args).items() if k != "strategy"}
+    spec = resolve_spec_config({}, {}, overrides, {})
+    report = trio.run(_matrix, model_dir, stages, rtts, tokens, loads, strategies, rounds, spec)
+    report["spec_overrides"] = overrides
     if 1 in stages and not args.no_transformers:
         report["transformers"] = _transformers_rows(model_dir, loads, tokens)
     if args.json:
@@ -100,7 +112,9 @@ async def _matrix(
     loads: list[Workload],
     strategies: list[str],
     rounds: Rounds = Rounds(0.0, 1),
+    spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
+    settings = spec or SpecConfig()
     checkpoint = Checkpoint.open(model_dir)
     tokenizer = Tokenizer.open(model_dir)
     mtp_depth = checkpoint.config.num_mtp_layers
@@ -113,7 +127,8 @@ async def _matrix(
                 model_dir, stages, rtt_s=rtt_ms / 1000, wire_dtype="f16", eos_ids=eos
             ) as pipe:
                 # Warm-up: lanes open, threads start, caches fill.
-                await _generate(pipe, tokenizer.encode(loads[0].prompt), 8, "disabled", mtp_depth)
+                warm = tokenizer.encode(loads[0].prompt)
+                await _generate(pipe, warm, 8, "disabled", mtp_depth, settings)
                 for load in loads:
                     ids = tokenizer.encode(load.prompt)
                     done, disabled_s = 0, 0.0
@@ -124,7 +139,7 @@ async def _matrix(
                         results = {}
                         for strategy in strategies[turn:] + strategies[:turn]:
                             results[strategy] = await _generate(
-                                pipe, ids, tokens, strategy, mtp_depth
+                                pipe, ids, tokens, strategy, mtp_depth, settings
                             )
                         base = results["disabled"]
                         disabled_s += base["decode_s"]
@@ -160,7 +175,9 @@ def _runs(
     ]
 
 
-async def _generate(pipe: Any, ids: list[int], n: int, strategy: str, mtp: int) -> dict[str, Any]:
+async def _generate(
+    pipe: Any, ids: list[int], n: int, strategy: str, mtp: int, spec: SpecConfig | None = None
+) -> dict[str, Any]:
     out: list[int] = []
 
     async def on_tokens(t: list[int]) -> None:
@@ -169,7 +186,7 @@ async def _generate(pipe: Any, ids: list[int], n: int, strategy: str, mtp: int) 
     request = GenerationRequest(
         prompt=ids,
         max_tokens=n,
-        spec=SpecConfig(strategy=strategy),
+        spec=msgspec.structs.replace(spec or SpecConfig(), strategy=strategy),
         mtp_depth=mtp,
         eos_ids=frozenset(),  # fixed length, so every strategy decodes the same count
     )

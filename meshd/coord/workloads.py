@@ -45,9 +45,11 @@ def _edit(module: str, attr: str) -> Workload | None:
         return None
     lines = src.rstrip().splitlines()
     renamed = lines[0].replace(f"def {attr}(", f"def {attr}_v2(", 1)
-    prompt = (
-        f"{src.rstrip()}\n\n\n# The same function as {attr}, renamed to {attr}_v2.\n{renamed}\n"
-    )
+    # Prompts end at the end of a line, not after its newline: byte-level BPE joins a newline
+    # with the next line's indentation, so a prompt ending in a bare newline token would start
+    # the answer at a token boundary that training never shows (the model then starts a new
+    # top-level statement instead of the body).
+    prompt = f"{src.rstrip()}\n\n\n# The same function as {attr}, renamed to {attr}_v2.\n{renamed}"
     return Workload("edit", f"{module}.{attr}", prompt)
 
 
@@ -55,7 +57,7 @@ def _completion(module: str, attr: str) -> Workload | None:
     src = _source(module, attr)
     if src is None:
         return None
-    head = "\n".join(src.splitlines()[:8]) + "\n"
+    head = "\n".join(src.splitlines()[:8])
     return Workload("completion", f"{module}.{attr}", head)
 
 

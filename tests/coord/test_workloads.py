@@ -27,4 +27,4 @@ def test_each_kind_has_its_prompts_and_an_edit_asks_for_the_renamed_function() -
     edit = loads[0]
     name = edit.name.split(".")[1]
     assert f"def {name}(" in edit.prompt
-    assert edit.prompt.endswith(f"def {name}_v2(heap, pos):\n")
+    assert edit.prompt.endswith(f"def {name}_v2(heap, pos):")
