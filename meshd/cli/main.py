@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("meshd.coord.bench_spec", "speculative strategies over a stage pipeline"),
     "lanes": ("meshd.net.bench_lanes", "our lane vs aioquic vs raw UDP on loopback"),
     "decode": ("meshd.model.bench_decode", "single-node decode loop vs transformers generate()"),
+    "mtp": ("meshd.stage.bench_mtp", "the last stage's MTP heads per window, next to a pass"),
     "concurrency": (
         "meshd.coord.bench_concurrency",
         "concurrent streams on a 2-stage pipeline, stage batching on vs off",

@@ -44,19 +44,23 @@ class _Ring:
     """Hidden rows of recent positions for one depth, tagged with their positions."""
 
     rows: torch.Tensor  # [R, hidden]
-    tags: torch.Tensor  # [R] int64, -1 where empty
+    tags: list[int]  # [R] positions, -1 where empty (a list: read and written per row)
 
     def put(self, start: int, rows: torch.Tensor) -> None:
-        size = self.rows.shape[0]
-        rows = rows[-size:]
-        start += max(0, rows.shape[0] - size)
-        slots = torch.arange(start, start + rows.shape[0]) % size
-        self.rows[slots] = rows.to(self.rows.dtype)
-        self.tags[slots] = torch.arange(start, start + rows.shape[0])
+        size = len(self.tags)
+        n = rows.shape[0]
+        if n > size:
+            rows, start, n = rows[-size:], start + n - size, size
+        first = start % size
+        head = min(n, size - first)  # rows up to the ring's end, then the rest from slot 0
+        self.rows[first : first + head] = rows[:head]
+        self.rows[: n - head] = rows[head:]
+        for j in range(n):
+            self.tags[(start + j) % size] = start + j
 
     def get(self, position: int) -> torch.Tensor:
-        slot = position % self.rows.shape[0]
-        if int(self.tags[slot]) != position:
+        slot = position % len(self.tags)
+        if self.tags[slot] != position:
             raise MtpStateLost(f"hidden row for position {position} is no longer held")
         return self.rows[slot : slot + 1]
 
@@ -88,10 +92,15 @@ class _Inputs:
 class MtpDrafter:
     """Runs the MTP depths of a last stage after each window and returns greedy drafts."""
 
-    def __init__(self, stage: StageModel, ring_positions: int = 512) -> None:
+    def __init__(
+        self, stage: StageModel, ring_positions: int = 512, *, reuse_rows: bool = True
+    ) -> None:
+        """`reuse_rows=False` re-runs every row from `b-k` with logits for all of them, as
+        meshd did before; `meshd bench mtp` times it as the baseline."""
         if not stage.is_last:
             raise ValueError("MTP drafts run on the last stage")
         self.stage = stage
+        self.reuse_rows = reuse_rows
         self.depth = len(stage.mtp)
         self.ring_positions = ring_positions
         self._rings: dict[str, list[_Ring]] = {}
@@ -103,7 +112,7 @@ class MtpDrafter:
         self._rings[session_id] = [
             _Ring(
                 torch.zeros(self.ring_positions, h, dtype=self.stage.dtype),
-                torch.full((self.ring_positions,), -1, dtype=torch.int64),
+                [-1] * self.ring_positions,
             )
             for _ in range(self.depth)
         ]
@@ -182,7 +191,7 @@ class MtpDrafter:
             record = records[k - 1]
             # Skip the leading rows that would run on the same input again.
             start = lo
-            limit = min(prev_start, b, end + 1, record.clean)
+            limit = min(prev_start, b, end + 1, record.clean) if self.reuse_rows else lo
             while start < limit and record.same(start, chain[start + k - b]):
                 start += 1
             if start > end:  # nothing of depth k changed (a prefill chunk's tail)
@@ -191,14 +200,16 @@ class MtpDrafter:
             prev = self._rows(ring_prev, start, prev_start, prev_rows, end)
             ids = [chain[i + k - b] for i in range(start, end + 1)]
             # A draft is wanted from this depth, or feeds the next depth's last row.
-            drafting = next_token is not None and (k <= want or k < self.depth)
+            drafting = next_token is not None and (
+                k <= want or k < self.depth or not self.reuse_rows
+            )
             out = self.stage.mtp_forward(
                 session_id,
                 k,
                 start,
                 prev,
                 torch.tensor(ids, dtype=torch.int64),
-                logits_last_n=1 if drafting else 0,
+                logits_last_n=(1 if drafting else 0) if self.reuse_rows else None,
             )
             record.put(start, ids)
             record.clean = end + 1

@@ -126,3 +126,16 @@ def test_only_the_last_stage_drafts(tmp_path: pathlib.Path) -> None:
     first = StageModel.load(Checkpoint.open(tmp_path), 0, 1, device="cpu")
     with pytest.raises(ValueError, match="last stage"):
         MtpDrafter(first)
+
+
+def test_the_hidden_ring_wraps_and_forgets_overwritten_positions() -> None:
+    from meshd.stage.mtp_drafter import MtpStateLost, _Ring
+
+    ring = _Ring(torch.zeros(4, 2), [-1] * 4)
+    ring.put(2, torch.tensor([[2.0, 2], [3, 3], [4, 4]]))  # slots 2, 3, then 0
+    assert [ring.get(p)[0, 0].item() for p in (2, 3, 4)] == [2.0, 3.0, 4.0]
+    ring.put(5, torch.arange(12.0).reshape(6, 2))  # more rows than slots: the last 4 stay
+    assert [ring.get(p)[0, 0].item() for p in (7, 8, 9, 10)] == [4.0, 6.0, 8.0, 10.0]
+    for gone in (2, 4, 6):
+        with pytest.raises(MtpStateLost):
+            ring.get(gone)
