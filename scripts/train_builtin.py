@@ -103,13 +103,17 @@ class TrainConfig:
     # `edit_context_tokens` with edit documents (edit_data.py) starting at a document start.
     # The phase starts from the phase-2 weights rounded to bf16 (what the shipped file
     # holds) with a fresh optimizer, so `--init-from` a phase-2 directory gives the same bytes.
-    edit_steps: int = 250
+    edit_steps: int = 400
     edit_context_tokens: int = 1024
-    edit_plain_sequences: int = 3
-    edit_sample_sequences: int = 4
+    edit_plain_sequences: int = 1
+    edit_sample_sequences: int = 5
+    # Copying is repeating: trained on edits alone the model loops on 100 % of plain greedy
+    # continuations (measured), so phase 2's unlikelihood term stays on, on this many of its
+    # own continuations per step: repeat where the prompt asks for a copy, nowhere else.
+    edit_ul_sequences: int = 12
     # fp32: on a CPU without bf16 units (AVX2 only) autocast made a step 20x slower.
     edit_bf16_autocast: bool = False
-    edit_lr: float = 6e-4
+    edit_lr: float = 1e-3
     edit_warmup_steps: int = 20
     edit_max_function_chars: int = 1800
 
@@ -140,6 +144,7 @@ TINY = TrainConfig(
     edit_sample_sequences=1,
     edit_warmup_steps=1,
     edit_max_function_chars=400,
+    edit_ul_sequences=2,
 )
 
 
@@ -475,14 +480,32 @@ def unlikelihood_loss(model: BuiltinModel, seqs: torch.Tensor, mask: torch.Tenso
 
 
 def phase2_loss(
-    model: BuiltinModel, stream: torch.Tensor, step: int, cfg: TrainConfig
+    model: BuiltinModel,
+    stream: torch.Tensor,
+    step: int,
+    cfg: TrainConfig,
+    edits: EditStream | None = None,
 ) -> tuple[torch.Tensor, tuple[float, ...]]:
-    """MLE on a small batch plus unlikelihood on the model's own repeats; logged parts."""
-    seqs = greedy_continuations(model, ul_prompts(stream, step, cfg), cfg)
+    """MLE on a small batch plus unlikelihood on the model's own repeats; logged parts.
+
+    Phase 3 passes `edits`: the MLE batch is then `phase3_batch` and the unlikelihood term
+    runs on `edit_ul_sequences` continuations, in fp32 unless `edit_bf16_autocast`.
+    """
+    ul_cfg = cfg
+    if edits is not None:
+        ul_cfg = dataclasses.replace(cfg, ul_batch_sequences=cfg.edit_ul_sequences)
+    seqs = greedy_continuations(model, ul_prompts(stream, step, ul_cfg), cfg)
     mask = repeated_ngram_mask(seqs, cfg.ul_prompt_tokens, cfg.ul_ngram)
-    mle_cfg = dataclasses.replace(cfg, batch_sequences=cfg.ul_mle_batch_sequences)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
-        parts = losses(model, batch_at(stream, step, mle_cfg))
+    if edits is None:
+        batch = batch_at(
+            stream, step, dataclasses.replace(cfg, batch_sequences=cfg.ul_mle_batch_sequences)
+        )
+        autocast = cfg.bf16_autocast
+    else:
+        batch = phase3_batch(stream, edits, step, cfg)
+        autocast = cfg.edit_bf16_autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        parts = losses(model, batch)
         ul = unlikelihood_loss(model, seqs, mask)
     loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
     repeat_fraction = mask[:, cfg.ul_prompt_tokens :].float().mean().item()
@@ -642,19 +665,17 @@ def train(
                 opt = make_optimizer(model, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, cfg)
-            if state.step < cfg.steps or state.step >= phase3_start(cfg):
-                if state.step < cfg.steps:
-                    seq = batch_at(stream, state.step, cfg)
-                else:
-                    assert edits is not None
-                    seq = phase3_batch(stream, edits, state.step, cfg)
-                autocast = cfg.bf16_autocast if state.step < cfg.steps else cfg.edit_bf16_autocast
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if state.step < cfg.steps:
+                seq = batch_at(stream, state.step, cfg)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
                     parts = losses(model, seq)
                 loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
                 logged = tuple(round(p.item(), 4) for p in parts)
-            else:
+            elif state.step < phase3_start(cfg):
                 loss, logged = phase2_loss(model, stream, state.step, cfg)
+            else:
+                assert edits is not None
+                loss, logged = phase2_loss(model, stream, state.step, cfg, edits)
             tokens_seen += tokens_at(state.step, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -723,7 +744,7 @@ def train(
             else None
         ),
         "final_phase3_losses": (
-            _named_losses(state.last_losses, cfg.mtp_depths, phase2=False)
+            _named_losses(state.last_losses, cfg.mtp_depths, phase2=True)
             if state.step > phase3_start(cfg)
             else None
         ),
