@@ -109,7 +109,8 @@ class TrainConfig:
     edit_sample_sequences: int = 5
     # Copying is repeating: trained on edits alone the model loops on 100 % of plain greedy
     # continuations (measured), so phase 2's unlikelihood term stays on, on this many of its
-    # own continuations per step: repeat where the prompt asks for a copy, nowhere else.
+    # own continuations per step, counting only n-grams the model itself generated (with the
+    # prompt's counted too, it unlearned copying: 0 of 8 held-out bodies' lines repeated).
     edit_ul_sequences: int = 12
     # fp32: on a CPU without bf16 units (AVX2 only) autocast made a step 20x slower.
     edit_bf16_autocast: bool = False
@@ -456,8 +457,14 @@ def greedy_continuations(
         model.train()
 
 
-def repeated_ngram_mask(seqs: torch.Tensor, prompt_tokens: int, n: int) -> torch.Tensor:
-    """True at each generated token that completes an n-gram seen earlier in its sequence."""
+def repeated_ngram_mask(
+    seqs: torch.Tensor, prompt_tokens: int, n: int, *, prompt_counts: bool = True
+) -> torch.Tensor:
+    """True at each generated token that completes an n-gram seen earlier in its sequence.
+
+    With `prompt_counts=False` only n-grams that ended in the generated part count as seen:
+    a model repeating itself (a loop) is marked, a model copying from its prompt is not.
+    """
     mask = torch.zeros(seqs.shape, dtype=torch.bool)
     for row, ids in enumerate(seqs.tolist()):
         seen: set[tuple[int, ...]] = set()
@@ -465,7 +472,8 @@ def repeated_ngram_mask(seqs: torch.Tensor, prompt_tokens: int, n: int) -> torch
             gram = tuple(ids[end - n + 1 : end + 1])
             if gram in seen and end >= prompt_tokens:
                 mask[row, end] = True
-            seen.add(gram)
+            if prompt_counts or end >= prompt_tokens:
+                seen.add(gram)
     return mask
 
 
@@ -495,7 +503,10 @@ def phase2_loss(
     if edits is not None:
         ul_cfg = dataclasses.replace(cfg, ul_batch_sequences=cfg.edit_ul_sequences)
     seqs = greedy_continuations(model, ul_prompts(stream, step, ul_cfg), cfg)
-    mask = repeated_ngram_mask(seqs, cfg.ul_prompt_tokens, cfg.ul_ngram)
+    # Phase 3 teaches copying from the prompt: only the model repeating itself is a loop.
+    mask = repeated_ngram_mask(
+        seqs, cfg.ul_prompt_tokens, cfg.ul_ngram, prompt_counts=edits is None
+    )
     if edits is None:
         batch = batch_at(
             stream, step, dataclasses.replace(cfg, batch_sequences=cfg.ul_mle_batch_sequences)

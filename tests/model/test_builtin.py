@@ -212,6 +212,10 @@ def test_unlikelihood_marks_only_generated_tokens_that_repeat_an_ngram() -> None
     seqs = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 9]])
     mask = tb.repeated_ngram_mask(seqs, prompt_tokens=3, n=2)
     assert mask[0].tolist() == [False, False, False, False, True, True, True, True, False]
+    # Phase 3: copying the prompt's bigrams is allowed; the model repeating its own is not.
+    # Generated bigrams: (3,1) (1,2) (2,3) (3,1) (1,2) (2,9): the second (3,1) and (1,2).
+    mine = tb.repeated_ngram_mask(seqs, prompt_tokens=3, n=2, prompt_counts=False)
+    assert mine[0].tolist() == [False, False, False, False, False, False, True, True, False]
 
 
 @pytest.mark.slow
