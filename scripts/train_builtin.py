@@ -103,14 +103,18 @@ class TrainConfig:
     # `edit_context_tokens` with edit documents (edit_data.py) starting at a document start.
     # The phase starts from the phase-2 weights rounded to bf16 (what the shipped file
     # holds) with a fresh optimizer, so `--init-from` a phase-2 directory gives the same bytes.
-    edit_steps: int = 400
+    edit_steps: int = 300
     edit_context_tokens: int = 1024
-    edit_plain_sequences: int = 1
+    edit_plain_sequences: int = 2
     edit_sample_sequences: int = 5
-    # Copying is repeating: trained on edits alone the model loops on 100 % of plain greedy
-    # continuations (measured), so phase 2's unlikelihood term stays on, on this many of its
-    # own continuations per step, counting only n-grams the model itself generated (with the
-    # prompt's counted too, it unlearned copying: 0 of 8 held-out bodies' lines repeated).
+    # Phase 4: copying is repeating. After phase 3 the model loops on 10 of 10 held-out greedy
+    # continuations (measured), so phase 2's unlikelihood comes back on this many of its own
+    # continuations per step, next to phase 3's batches, at phase 2's flat lr and weight; it
+    # counts only n-grams the model itself generated. (Run from the start of phase 3 instead,
+    # it kept copying from ever forming: 0 of 8 held-out bodies' lines repeated after 90 steps;
+    # counting the prompt's n-grams too did the same.) Like phase 3, it starts from the
+    # exported (bf16) weights with a fresh optimizer.
+    edit_ul_steps: int = 150
     edit_ul_sequences: int = 12
     # fp32: on a CPU without bf16 units (AVX2 only) autocast made a step 20x slower.
     edit_bf16_autocast: bool = False
@@ -145,6 +149,7 @@ TINY = TrainConfig(
     edit_sample_sequences=1,
     edit_warmup_steps=1,
     edit_max_function_chars=400,
+    edit_ul_steps=2,
     edit_ul_sequences=2,
 )
 
@@ -383,9 +388,16 @@ def phase3_start(cfg: TrainConfig) -> int:
     return cfg.steps + cfg.ul_steps
 
 
+def phase4_start(cfg: TrainConfig) -> int:
+    """The first step of phase 4 (unlikelihood beside the edits)."""
+    return phase3_start(cfg) + cfg.edit_steps
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Phases 1 and 3: linear warmup, then cosine decay to lr_final_fraction of their peak;
-    phase 2 is flat."""
+    phases 2 and 4 are flat."""
+    if step >= phase4_start(cfg):
+        return cfg.ul_lr
     if step >= phase3_start(cfg):
         return _warmup_cosine(
             step - phase3_start(cfg), cfg.edit_steps, cfg.edit_warmup_steps, cfg.edit_lr, cfg
@@ -496,7 +508,7 @@ def phase2_loss(
 ) -> tuple[torch.Tensor, tuple[float, ...]]:
     """MLE on a small batch plus unlikelihood on the model's own repeats; logged parts.
 
-    Phase 3 passes `edits`: the MLE batch is then `phase3_batch` and the unlikelihood term
+    Phase 4 passes `edits`: the MLE batch is then `phase3_batch` and the unlikelihood term
     runs on `edit_ul_sequences` continuations, in fp32 unless `edit_bf16_autocast`.
     """
     ul_cfg = cfg
@@ -594,6 +606,7 @@ class RunState:
     last_losses: tuple[float, ...] = ()
     phase1_losses: tuple[float, ...] = ()
     phase2_losses: tuple[float, ...] = ()
+    phase3_losses: tuple[float, ...] = ()
 
 
 def train(
@@ -606,8 +619,9 @@ def train(
 ) -> dict[str, object]:
     """Build corpus, tokenizer and model, train, and write the HF directory to `out`.
 
-    `init_from` is an exported directory of the same configuration at the end of phase 2:
-    training starts at phase 3 from its weights (the tokenizer must be the one rebuilt here).
+    `init_from` is an exported directory of the same configuration at the end of phase 2 or
+    3: training goes on from its weights at the next phase (the tokenizer must be the one
+    rebuilt here).
     """
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -647,14 +661,23 @@ def train(
             raise SystemExit(f"{init_from}: its tokenizer is not the one this corpus gives")
         load_exported(model, init_from)
         previous = json.loads((init_from / "training_info.json").read_text())
+        done = previous.get("steps_completed")
+        if done not in (phase3_start(cfg), phase4_start(cfg)):
+            raise SystemExit(
+                f"{init_from} stopped at step {done}: --init-from takes the end of phase 2 "
+                f"(step {phase3_start(cfg)}) or of phase 3 (step {phase4_start(cfg)})"
+            )
+        depths = cfg.mtp_depths
         state = RunState(
-            step=phase3_start(cfg),
-            phase1_losses=_loss_tuple(previous.get("final_train_losses"), cfg.mtp_depths, False),
-            phase2_losses=_loss_tuple(previous.get("final_phase2_losses"), cfg.mtp_depths, True),
+            step=done,
+            phase1_losses=_loss_tuple(previous.get("final_train_losses"), depths, False),
+            phase2_losses=_loss_tuple(previous.get("final_phase2_losses"), depths, True),
+            phase3_losses=_loss_tuple(previous.get("final_phase3_losses"), depths, False),
         )
         resumed_from = state.step
         initialised_from = str(init_from)
-        log(f"initialised from {init_from} at step {state.step} (phase 3)")
+        phase = 3 if done == phase3_start(cfg) else 4
+        log(f"initialised from {init_from} at step {state.step} (phase {phase})")
     n_params = sum(p.numel() for p in model.parameters())
     log(
         f"params: {n_params / 1e6:.2f} M (main {sum(p.numel() for p in model.lm.parameters()) / 1e6:.2f} M)"
@@ -665,20 +688,26 @@ def train(
     start_step = state.step
     tokens_seen = 0
     # stop_step exports an unfinished run (e.g. from a checkpoint); training_info says so.
-    total_steps = cfg.steps + cfg.ul_steps + cfg.edit_steps
+    total_steps = phase4_start(cfg) + cfg.edit_ul_steps
     last_step = total_steps if stop_step is None else min(stop_step, total_steps)
     # The bar only draws: it reads no random state, so the weights are the same with or without it.
     with step_bar(start_step, last_step, enabled=not quiet and sys.stdout.isatty()) as bar:
         while state.step < last_step:
-            if state.step == phase3_start(cfg):
-                # Phase 3 starts from the phase-2 model as exported (bf16), optimizer anew.
+            if state.step in (phase3_start(cfg), phase4_start(cfg)):
+                # Phases 3 and 4 start from the model as exported (bf16), optimizer anew.
                 round_to_bf16(model)
                 opt = make_optimizer(model, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, cfg)
-            if state.step < cfg.steps:
-                seq = batch_at(stream, state.step, cfg)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            if state.step < cfg.steps or phase3_start(cfg) <= state.step < phase4_start(cfg):
+                if state.step < cfg.steps:
+                    seq = batch_at(stream, state.step, cfg)
+                    autocast = cfg.bf16_autocast
+                else:
+                    assert edits is not None
+                    seq = phase3_batch(stream, edits, state.step, cfg)
+                    autocast = cfg.edit_bf16_autocast
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     parts = losses(model, seq)
                 loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
                 logged = tuple(round(p.item(), 4) for p in parts)
@@ -698,9 +727,12 @@ def train(
                 state.phase1_losses = logged
             if state.step == phase3_start(cfg) and cfg.ul_steps:
                 state.phase2_losses = logged
+            if state.step == phase4_start(cfg) and cfg.edit_steps:
+                state.phase3_losses = logged
             bar(state.step, state.last_losses)
             run_s = time.monotonic() - t_run
-            if state.step % cfg.log_every_steps == 0 or state.step in (cfg.steps, total_steps):
+            boundaries = (cfg.steps, phase3_start(cfg), phase4_start(cfg), total_steps)
+            if state.step % cfg.log_every_steps == 0 or state.step in boundaries:
                 done = state.step - start_step
                 tps = tokens_seen / run_s
                 eta = (total_steps - state.step) * run_s / done
@@ -733,6 +765,7 @@ def train(
             "phase1": tokens_at(0, cfg),
             "phase2": tokens_at(cfg.steps, cfg),
             "phase3": tokens_at(phase3_start(cfg), cfg),
+            "phase4": tokens_at(phase4_start(cfg), cfg),
         },
         "edit_documents": edits.documents if edits else 0,
         "edit_stream_tokens": len(edits.ids) if edits else 0,
@@ -755,8 +788,15 @@ def train(
             else None
         ),
         "final_phase3_losses": (
+            _named_losses(state.phase3_losses, cfg.mtp_depths, phase2=False)
+            if state.phase3_losses
+            else _named_losses(state.last_losses, cfg.mtp_depths, phase2=False)
+            if phase3_start(cfg) < state.step <= phase4_start(cfg)
+            else None
+        ),
+        "final_phase4_losses": (
             _named_losses(state.last_losses, cfg.mtp_depths, phase2=True)
-            if state.step > phase3_start(cfg)
+            if state.step > phase4_start(cfg)
             else None
         ),
         "torch": torch.__version__,
@@ -767,7 +807,8 @@ def train(
 
 
 def _loss_names(depths: int, phase2: bool) -> list[str]:
-    """Phases 1 and 3 log main + MTP depths; phase 2 adds unlikelihood and the repeat fraction."""
+    """Phases 1 and 3 log main + MTP depths; phases 2 and 4 add unlikelihood and the repeat
+    fraction."""
     names = ["main", *(f"mtp_depth_{d}" for d in range(1, depths + 1))]
     return names + (["unlikelihood", "generated_repeat_fraction"] if phase2 else [])
 

@@ -315,20 +315,25 @@ def test_edit_documents_repeat_their_function_edited_in_plain_and_chat_form() ->
 
 
 @pytest.mark.slow
-def test_phase_3_from_an_exported_phase_2_directory_equals_an_uninterrupted_run(
+def test_phases_3_and_4_from_an_exported_directory_equal_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
     tb = _train_module()
     cfg = tb.TINY
     tb.train(cfg, tmp_path / "whole", quiet=True)
     tb.train(cfg, tmp_path / "phase2", quiet=True, stop_step=tb.phase3_start(cfg))
-    tb.train(cfg, tmp_path / "phase3", quiet=True, init_from=tmp_path / "phase2")
+    tb.train(cfg, tmp_path / "from2", quiet=True, init_from=tmp_path / "phase2")
+    tb.train(cfg, tmp_path / "phase3", quiet=True, stop_step=tb.phase4_start(cfg))
+    tb.train(cfg, tmp_path / "from3", quiet=True, init_from=tmp_path / "phase3")
     whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
-    assert (tmp_path / "phase3" / "model.safetensors").read_bytes() == whole
-    info = json.loads((tmp_path / "phase3" / "training_info.json").read_text())
     whole_info = json.loads((tmp_path / "whole" / "training_info.json").read_text())
-    assert info["initialised_from"] == str(tmp_path / "phase2")
-    for key in ("final_train_losses", "final_phase2_losses", "final_phase3_losses"):
-        assert info[key] == whole_info[key]
+    for start in ("phase2", "phase3"):
+        done = tmp_path / f"from{start[-1]}"
+        assert (done / "model.safetensors").read_bytes() == whole
+        info = json.loads((done / "training_info.json").read_text())
+        assert info["initialised_from"] == str(tmp_path / start)
+        for key in ("final_train_losses", "final_phase2_losses", "final_phase3_losses"):
+            assert info[key] == whole_info[key], (start, key)
+        assert info["final_phase4_losses"] == whole_info["final_phase4_losses"]
     config = json.loads((tmp_path / "whole" / "config.json").read_text())
     assert config["max_position_embeddings"] == cfg.edit_context_tokens
