@@ -38,13 +38,17 @@ from meshd.spec.proposer import AccountedProposer, Proposer
 _MTP_STRATEGIES = ("mtp", "mtp-simple", "mtp-cache")
 # Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
 _MTP_MIN_SAMPLES = 8
-# `auto` re-decides at most once per this many committed tokens, and on a new link only when a
-# cost moved by more than this fraction: deciding weighs every candidate's every width and
-# depth, which on one fast node costs a visible share of a token's time. While decisions keep
-# the same choice, the spacing doubles up to the maximum; a changed choice resets it.
+# `auto` re-decides at most once per this many committed tokens: deciding weighs every
+# candidate's every width and depth, which on one fast node costs a visible share of a
+# token's time. While decisions keep the same choice, the spacing doubles up to the maximum; a
+# changed choice resets it. New route costs are used from the next decision on, and decided on
+# at once only when the route changed shape (stages, load, MTP cost first measured) or a cost
+# moved by more than this fraction since the last decision: measured pass times wander by
+# 10-20 % from window to window on a shared machine, and re-deciding on each wander (it was
+# once per 3 tokens on one node) cost more than the decisions were worth.
 _DECIDE_EVERY_TOKENS = 4
 _DECIDE_EVERY_MAX_TOKENS = 32
-_LINK_CHANGE_FRACTION = 0.1
+_LINK_CHANGE_FRACTION = 0.5
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
 
@@ -91,6 +95,7 @@ class AutoProposer(AccountedProposer):
         super().__init__(config)
         self.book = book if book is not None else AcceptanceBook(config)
         self.link = link
+        self._decided_link = link  # the costs the current choice was made with
         self._width = max(1, config.window_max_tokens)
         simple, cache, mtp = NgramSimple(config), NgramCache(config), MtpProposer(config)
         self._mtp = mtp
@@ -109,6 +114,7 @@ class AutoProposer(AccountedProposer):
         self._pending: list[_Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._drafts: dict[str, list[int]] = {}
+        self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
         self.reason = "nothing measured yet"
         self.plan: WindowPlan | None = None
@@ -120,9 +126,11 @@ class AutoProposer(AccountedProposer):
         return self.choice
 
     def set_link(self, link: LinkModel) -> None:
-        """Update the measured route costs used to compare strategies (re-decides on change)."""
-        if _moved(self.link, link):
-            self.link = link
+        """Update the measured route costs used to compare strategies (re-decides at once only
+        on a large change; otherwise at the next scheduled decision)."""
+        moved = _moved(self._decided_link, link)
+        self.link = link
+        if moved:
             self._decide()
 
     @property
@@ -255,8 +263,9 @@ class AutoProposer(AccountedProposer):
                 self._trackers[shadow.strategy].update(self._width, matched)
                 self.book.tracker(shadow.strategy).update(self._width, matched)
                 # News that may change the choice: decide at once, whatever the spacing.
+                # (An empty draft, no n-gram match, counts as a reject but is no news.)
                 if (shadow.strategy != self.choice and matched == self._width) or (
-                    shadow.strategy == self.choice and matched == 0
+                    shadow.strategy == self.choice and matched == 0 and shadow.drafts
                 ):
                     self._next_decision = len(log)
             else:
@@ -269,6 +278,8 @@ class AutoProposer(AccountedProposer):
             self._pending = self._pending[-limit:]
 
     def _decide(self) -> None:
+        self._decided_link = self.link
+        self.decisions += 1
         # Weigh every candidate cheaply; only the winner's plan (and reason) is worded.
         best_name, best_s = "disabled", 0.0
         found: dict[str, Search] = {}

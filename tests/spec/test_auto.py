@@ -211,3 +211,19 @@ def test_mtp_drafts_pay_the_heads_cost_in_the_policy_but_plain_decoding_does_not
     assert link.with_mtp_drafts().compute_s(2) == link.compute_s(2) + 0.002
     assert replace(link, draft_overhead_s=0.0).compute_s(0) == link.compute_s(0)
     assert paid.width == 0 and free.width > 0  # the heads' cost turns a gain into a loss
+
+
+def test_auto_does_not_re_decide_every_token_when_its_choice_finds_no_match() -> None:
+    """An n-gram choice with nothing to match drafts nothing; that is no reject to act on at
+    once (it was: a decision, a search over every candidate, per token on novel text)."""
+    rng = random.Random(9)
+    phrase = [5, 17, 3, 99, 42, 8, 23, 61, 7, 11]
+    auto = AutoProposer(CONFIG, link=WAN)
+    auto.reset(phrase * 3)
+    assert auto.active != "disabled"  # the repeated prompt says speculate
+    before = auto.decisions
+    for token in rng.sample(range(1000, 5000), 10):
+        auto.set_link(WAN)
+        auto.observe([token])
+    # Decisions come every 4 tokens at first (the spacing doubles while the choice holds).
+    assert auto.decisions - before <= 3
