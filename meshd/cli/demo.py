@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshd.cli.demo_daemons import DemoDaemon, DemoError, settled_plan, stage_budget, wait_until
+from meshd.cli.demo_daemons import (
+    INTERRUPTED,
+    DemoDaemon,
+    DemoError,
+    check_interrupted,
+    latch_interrupt,
+    settled_plan,
+    stage_budget,
+    wait_until,
+)
 from meshd.spec.config import STRATEGIES
 
 # A plan counts as settled once every node reports it, loaded, this long.
@@ -65,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
 
         return run_in_process(args)
     demo = Demo(args)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
+        signal.signal(signal.SIGINT, latch_interrupt)
     try:
         demo.main()
         return 0
     except KeyboardInterrupt:
+        INTERRUPTED.clear()
         demo.say("interrupted: stopping the daemons")
         return 130
     except DemoError as exc:
@@ -104,6 +117,7 @@ class Demo:
     # ---- output --------------------------------------------------------------------------
     def say(self, text: str = "") -> None:
         """One line of narration."""
+        check_interrupted()
         print(text, flush=True)
 
     def phase(self, title: str) -> None:

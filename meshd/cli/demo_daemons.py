@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -231,12 +232,31 @@ def settled_plan(daemons: Sequence[ServeProcess]) -> list[dict[str, Any]] | None
     return list(plans[0])
 
 
+# Set by the demo's SIGINT handler. Python drops a KeyboardInterrupt raised while a destructor
+# or weakref callback runs ("Exception ignored in ..."), so the demo also checks this latch
+# wherever it waits or reports: one Ctrl-C always stops it.
+INTERRUPTED = threading.Event()
+
+
+def latch_interrupt(signum: int, frame: object) -> None:
+    """SIGINT handler: remember the interrupt, then raise it as Python would."""
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def check_interrupted() -> None:
+    """Raise KeyboardInterrupt if a Ctrl-C came and was swallowed on the way."""
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+
+
 def wait_until(
     predicate: Callable[[], bool], timeout_s: float, what: str, *, poll_s: float = 0.1
 ) -> float:
     """Poll until true; returns the seconds it took (DemoError on timeout)."""
     start = time.monotonic()
     while not predicate():
+        check_interrupted()
         if time.monotonic() - start > timeout_s:
             raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(poll_s)
