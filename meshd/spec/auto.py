@@ -17,7 +17,7 @@ across requests; each request starts from the book and adapts with its own EWMA.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshd.spec.config import SpecConfig
@@ -49,6 +49,11 @@ _MTP_MIN_SAMPLES = 8
 _DECIDE_EVERY_TOKENS = 4
 _DECIDE_EVERY_MAX_TOKENS = 32
 _LINK_CHANGE_FRACTION = 0.5
+# The book's EWMA weight, as a fraction of the request's `ewma_alpha`: a request adapts within
+# a few windows, the book averages over many (one request's unlucky first windows, which once
+# set the book's MTP estimate to half its true value and so kept the heads off for every later
+# request, now move it a little).
+_BOOK_EWMA_FRACTION = 0.25
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
 
@@ -67,7 +72,7 @@ class AcceptanceBook:
         if found is None:
             found = AcceptanceTracker(
                 max(1, self.config.window_max_tokens),
-                self.config.ewma_alpha,
+                self.config.ewma_alpha * _BOOK_EWMA_FRACTION,
                 self.config.prior_acceptance,
             )
             self.trackers[strategy] = found
@@ -113,6 +118,9 @@ class AutoProposer(AccountedProposer):
         self._tokens: list[int] = []
         self._pending: list[_Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
+        self._first_samples: dict[str, int] = {}
+        self._decided_at = -1  # log length at the last decision
+        self._book_favours_mtp: bool | None = None
         self._drafts: dict[str, list[int]] = {}
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
@@ -138,8 +146,12 @@ class AutoProposer(AccountedProposer):
         """Whether this request should keep the stages' MTP heads running.
 
         Yes while an MTP strategy is the choice, while the route's MTP cost is unmeasured, or
-        while any MTP strategy has too few scored windows to judge; no once the measured cost of
-        the heads (`LinkModel.mtp_s`, added to every MTP window) makes another choice better.
+        while the book has too few scored windows of an MTP strategy to judge. Then, where the
+        book's estimates say the heads do not pay on this route, no (at once: one node need
+        not pay for them in every request). Where the book says they pay but this request's
+        choice moved away, only once this request has scored enough windows of its own: the
+        first few windows of a request are a small sample, and stopping the heads is final
+        for the request (without drafts nothing scores them again).
         """
         if not self._mtp_live:
             return False
@@ -147,7 +159,20 @@ class AutoProposer(AccountedProposer):
             return True
         if not self.book.has_mtp:
             return True
-        return any(self._trackers[m].samples < _MTP_MIN_SAMPLES for m in _MTP_STRATEGIES)
+        if any(self.book.tracker(m).samples < _MTP_MIN_SAMPLES for m in _MTP_STRATEGIES):
+            return True
+        if self._book_favours_mtp is None:
+            self._book_favours_mtp = self._best(self.book.tracker)[0] in _MTP_STRATEGIES
+        if not self._book_favours_mtp:
+            return False
+        if any(
+            self._trackers[m].samples - self._first_samples[m] < _MTP_MIN_SAMPLES
+            for m in _MTP_STRATEGIES
+        ):
+            return True
+        if self._decided_at != len(self._tokens):
+            self._decide()  # stopping is final: on today's estimates, not a spaced-out decision's
+        return self.choice in _MTP_STRATEGIES
 
     def stop_mtp(self) -> None:
         """The MTP heads are off for the rest of this request: choose among the others."""
@@ -163,7 +188,10 @@ class AutoProposer(AccountedProposer):
             part.reset(prompt)
         self._tokens = [int(t) for t in prompt]
         self._pending = []
-        self._trackers = {name: self.book.tracker(name).copy() for name in self._candidates}
+        alpha = self.config.ewma_alpha
+        self._trackers = {n: self.book.tracker(n).copy(alpha) for n in self._candidates}
+        self._first_samples = {n: t.samples for n, t in self._trackers.items()}
+        self._book_favours_mtp = None  # judged once per request, when needed
         self._drafts = self._shadow(())
         self._decide()
 
@@ -279,15 +307,9 @@ class AutoProposer(AccountedProposer):
 
     def _decide(self) -> None:
         self._decided_link = self.link
+        self._decided_at = len(self._tokens)
         self.decisions += 1
-        # Weigh every candidate cheaply; only the winner's plan (and reason) is worded.
-        best_name, best_s = "disabled", 0.0
-        found: dict[str, Search] = {}
-        for name in self._available():
-            found[name] = search(self._inputs_for(name), self.config)
-            per_token, width = found[name].s_per_token(self.config)
-            if width > 0 and (best_name == "disabled" or per_token < best_s):
-                best_name, best_s = name, per_token
+        best_name, _, found = self._best(lambda name: self._trackers[name])
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
         else:
@@ -307,9 +329,21 @@ class AutoProposer(AccountedProposer):
             self.choice, self.plan = best_name, best_plan
             self.reason = f"{best_name} ({alphas}): {best_plan.reason}"
 
-    def _inputs_for(self, name: str) -> PolicyInputs:
-        link = self.link.with_mtp_drafts() if name in _MTP_STRATEGIES else self.link
-        return PolicyInputs(link, self._trackers[name].per_position())
+    def _best(
+        self, tracker: Callable[[str], AcceptanceTracker]
+    ) -> tuple[str, float, dict[str, Search]]:
+        """The available candidate with the least expected time per token by `tracker`'s
+        estimates ("disabled" when none speculates), its time, and every candidate's search.
+        Weighs every candidate cheaply; only the winner's plan (and reason) gets worded."""
+        best_name, best_s = "disabled", 0.0
+        found: dict[str, Search] = {}
+        for name in self._available():
+            link = self.link.with_mtp_drafts() if name in _MTP_STRATEGIES else self.link
+            found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
+            per_token, width = found[name].s_per_token(self.config)
+            if width > 0 and (best_name == "disabled" or per_token < best_s):
+                best_name, best_s = name, per_token
+        return best_name, best_s, found
 
 
 def _moved(old: LinkModel, new: LinkModel) -> bool:

@@ -254,9 +254,11 @@ class AcceptanceTracker:
         """(α_1, α_2, …) for `PolicyInputs.acceptance`."""
         return tuple(self._alpha)
 
-    def copy(self) -> AcceptanceTracker:
-        """An independent tracker starting from this one's estimates."""
-        twin = AcceptanceTracker(len(self._alpha), self.ewma_alpha, 0.0)
+    def copy(self, ewma_alpha: float | None = None) -> AcceptanceTracker:
+        """An independent tracker starting from this one's estimates (and weight, unless
+        `ewma_alpha` is given)."""
+        weight = self.ewma_alpha if ewma_alpha is None else ewma_alpha
+        twin = AcceptanceTracker(len(self._alpha), weight, 0.0)
         twin._alpha = list(self._alpha)
         twin.samples = self.samples
         return twin

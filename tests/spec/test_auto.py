@@ -227,3 +227,53 @@ def test_auto_does_not_re_decide_every_token_when_its_choice_finds_no_match() ->
         auto.observe([token])
     # Decisions come every 4 tokens at first (the spacing doubles while the choice holds).
     assert auto.decisions - before <= 3
+
+
+def test_a_few_unlucky_mtp_windows_do_not_stop_the_heads_where_the_book_says_they_pay() -> None:
+    from dataclasses import replace
+
+    rng = random.Random(8)
+    # Heads so dear that they pay only while more than half of their first drafts are right.
+    wan = replace(WAN, mtp_s=0.020, mtp_measured=True)
+    book = AcceptanceBook(CONFIG)
+    first = AutoProposer(CONFIG, book=book, link=wan)
+    stream = rng.sample(range(10_000), 60)  # novel: only the MTP heads can draft it
+    first.reset([1, 2, 3])
+    drive(first, stream, mtp=_half_right_mtp(stream))
+    assert first.active.startswith("mtp")
+
+    # The next request's first MTP drafts all miss, then the heads are right again.
+    second = AutoProposer(CONFIG, book=book, link=wan)
+    stream = rng.sample(range(10_000), 60)
+    second.reset([1, 2, 3])
+    kept_on, choices = [], []
+    for i, token in enumerate(stream):
+        second.propose(8, [-5, -6, -7] if i < 5 else _half_right_mtp(stream)(i))
+        kept_on.append(second.wants_mtp)
+        choices.append(second.active)
+        second.observe([token])
+    assert not all(c.startswith("mtp") for c in choices[:8]), choices  # the misses told
+    assert all(kept_on), (kept_on, choices)  # five misses were this request's only evidence
+    assert second.active.startswith("mtp")
+    # One request's bad start moved the book's estimate, but not below what pays.
+    assert book.tracker("mtp").per_position()[0] > 0.9
+
+
+def test_the_heads_stop_at_once_in_a_new_request_where_the_book_says_they_do_not_pay() -> None:
+    from dataclasses import replace
+
+    rng = random.Random(9)
+    local = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, stages=1)
+    costly = replace(local, mtp_s=0.004, mtp_measured=True)
+    book = AcceptanceBook(CONFIG)
+    first = AutoProposer(CONFIG, book=book, link=costly)
+    stream = rng.sample(range(10_000), 60)
+    first.reset([1, 2, 3])
+    drive(first, stream, mtp=_half_right_mtp(stream))
+    assert book.tracker("mtp").samples >= 8 and not first.wants_mtp
+    # The book has judged the heads on this route: the next request does not pay for them.
+    second = AutoProposer(CONFIG, book=book, link=costly)
+    stream = rng.sample(range(10_000), 60)
+    second.reset([1, 2, 3])
+    second.propose(8, _half_right_mtp(stream)(0))
+    assert not second.wants_mtp
