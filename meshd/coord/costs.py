@@ -2,7 +2,9 @@
 
 Each reply carries every stage's compute time; the coordinator knows when it sent the window.
 So per window: compute = Σ stage compute, network = (reply time − send time) − Σ compute −
-Σ queueing. Compute is fitted as `a + b·tokens` by exponentially-forgetting least squares over
+Σ queueing. The coordinator's own time between a reply and the next window it sends (commit,
+stream, propose, plan) is measured too when nothing else was in flight: every window pays it,
+so the policy sees it as part of the fixed per-window cost. Compute is fitted as `a + b·tokens` by exponentially-forgetting least squares over
 windows of different widths (prefill chunks pin the slope, decode windows the intercept).
 """
 
@@ -23,6 +25,8 @@ class RouteCosts:
     # MTP heads' time per window (last stage), kept apart from the pass fit: plain decoding
     # does not pay it, speculation with MTP drafts does. None until a window measured it.
     mtp_s: float | None = None
+    # The coordinator's time from a reply to the next window's send, with nothing in flight.
+    local_s: float | None = None
     # Sufficient statistics of the weighted least-squares fit compute ≈ a + b·tokens.
     _sw: float = 0.0
     _sx: float = 0.0
@@ -54,6 +58,11 @@ class RouteCosts:
         self._sxy = f * self._sxy + tokens * compute_s
         self.rtt_s = network if self.rtt_s is None else 0.8 * self.rtt_s + 0.2 * network
 
+    def observe_local(self, seconds: float) -> None:
+        """Record the coordinator's turnaround between a reply and the next window."""
+        seconds = max(0.0, seconds)
+        self.local_s = seconds if self.local_s is None else 0.8 * self.local_s + 0.2 * seconds
+
     def compute_fit(self) -> tuple[float, float]:
         """(fixed seconds per pass, seconds per token), summed over the stages."""
         if self._sw == 0:
@@ -70,8 +79,9 @@ class RouteCosts:
     def link_model(self, concurrent_sessions: int = 1) -> LinkModel:
         """The policy's view of this route now."""
         fixed, per_token = self.compute_fit()
+        rtt = self.rtt_s if self.rtt_s is not None else 0.002 * self.stages
         return LinkModel(
-            rtt_s=self.rtt_s if self.rtt_s is not None else 0.002 * self.stages,
+            rtt_s=rtt + (self.local_s or 0.0),
             pass_fixed_s=fixed,
             pass_per_token_s=per_token,
             stages=self.stages,

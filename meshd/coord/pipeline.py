@@ -250,6 +250,8 @@ class _Run:
         self.in_flight: deque[_Window] = deque()
         self.mtp_draft: list[int] = []
         self.finish_reason = "length"
+        # When the last reply left nothing in flight: the coordinator's turnaround starts.
+        self.idle_since: float | None = None
 
     async def run(self) -> GenerationResult:
         prompt = list(self.req.prompt)
@@ -385,6 +387,9 @@ class _Run:
 
     async def _send_window(self, w: _Window) -> None:
         w.sent_s = time.perf_counter()
+        if self.idle_since is not None and not self.in_flight:
+            self.costs.observe_local(w.sent_s - self.idle_since)
+        self.idle_since = None
         message = VerifyWindow(
             session=self.live.session,
             epoch=self.epoch,
@@ -408,7 +413,9 @@ class _Run:
         timings = reply.stage_timings
         compute = sum(t.compute_s for t in timings)
         queue = sum(t.queue_s for t in timings)
-        round_trip = time.perf_counter() - w.sent_s
+        replied = time.perf_counter()
+        round_trip = replied - w.sent_s
+        self.idle_since = None if self.in_flight else replied
         # A batched pass is shared by its sessions: the cost model takes this session's share,
         # and the policy multiplies it back by the load (C_L = L·C). The rest of the pass was
         # spent on others' rows, so it counts as waiting, not as network.
