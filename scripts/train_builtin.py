@@ -116,6 +116,11 @@ class TrainConfig:
     # exported (bf16) weights with a fresh optimizer.
     edit_ul_steps: int = 150
     edit_ul_sequences: int = 12
+    # Phase 4's unlikelihood weight, and how many earlier occurrences of an n-gram (in the
+    # model's own continuation) make a repeat of it a loop: 1 marks every repeat, 2 lets a
+    # span come back once (a copy, a repeated line) and marks the third time (a loop).
+    edit_ul_weight: float = 1.0
+    edit_ul_min_seen: int = 1
     # fp32: on a CPU without bf16 units (AVX2 only) autocast made a step 20x slower.
     edit_bf16_autocast: bool = False
     edit_lr: float = 1e-3
@@ -470,22 +475,28 @@ def greedy_continuations(
 
 
 def repeated_ngram_mask(
-    seqs: torch.Tensor, prompt_tokens: int, n: int, *, prompt_counts: bool = True
+    seqs: torch.Tensor,
+    prompt_tokens: int,
+    n: int,
+    *,
+    prompt_counts: bool = True,
+    min_seen: int = 1,
 ) -> torch.Tensor:
     """True at each generated token that completes an n-gram seen earlier in its sequence.
 
     With `prompt_counts=False` only n-grams that ended in the generated part count as seen:
     a model repeating itself (a loop) is marked, a model copying from its prompt is not.
+    With `min_seen=k` the n-gram must have been seen k times before (k=2: the third time).
     """
     mask = torch.zeros(seqs.shape, dtype=torch.bool)
     for row, ids in enumerate(seqs.tolist()):
-        seen: set[tuple[int, ...]] = set()
+        seen: dict[tuple[int, ...], int] = {}
         for end in range(n - 1, len(ids)):
             gram = tuple(ids[end - n + 1 : end + 1])
-            if gram in seen and end >= prompt_tokens:
+            if seen.get(gram, 0) >= min_seen and end >= prompt_tokens:
                 mask[row, end] = True
             if prompt_counts or end >= prompt_tokens:
-                seen.add(gram)
+                seen[gram] = seen.get(gram, 0) + 1
     return mask
 
 
@@ -517,7 +528,11 @@ def phase2_loss(
     seqs = greedy_continuations(model, ul_prompts(stream, step, ul_cfg), cfg)
     # Phase 3 teaches copying from the prompt: only the model repeating itself is a loop.
     mask = repeated_ngram_mask(
-        seqs, cfg.ul_prompt_tokens, cfg.ul_ngram, prompt_counts=edits is None
+        seqs,
+        cfg.ul_prompt_tokens,
+        cfg.ul_ngram,
+        prompt_counts=edits is None,
+        min_seen=1 if edits is None else cfg.edit_ul_min_seen,
     )
     if edits is None:
         batch = batch_at(
@@ -533,7 +548,8 @@ def phase2_loss(
     loss = parts[0] + cfg.mtp_loss_weight / max(1, len(parts) - 1) * sum(parts[1:])
     repeat_fraction = mask[:, cfg.ul_prompt_tokens :].float().mean().item()
     logged = (*(p.item() for p in parts), ul.item(), repeat_fraction)
-    return loss + cfg.ul_weight * ul, tuple(round(x, 4) for x in logged)
+    weight = cfg.ul_weight if edits is None else cfg.edit_ul_weight
+    return loss + weight * ul, tuple(round(x, 4) for x in logged)
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,21 @@ def test_unlikelihood_marks_only_generated_tokens_that_repeat_an_ngram() -> None
     assert mine[0].tolist() == [False, False, False, False, False, False, True, True, False]
 
 
+def test_unlikelihood_can_let_a_span_come_back_once_and_mark_the_loop() -> None:
+    import torch
+
+    tb = _train_module()
+    # prompt [7 8 9], then the model writes "1 2" three times: with min_seen=2 the first
+    # repeat (a copy of a line, say) goes unmarked and the third "1 2" (a loop) is marked.
+    seqs = torch.tensor([[7, 8, 9, 1, 2, 1, 2, 1, 2]])
+    once = tb.repeated_ngram_mask(seqs, prompt_tokens=3, n=2, prompt_counts=False)
+    assert once[0].tolist() == [False] * 6 + [True, True, True]
+    twice = tb.repeated_ngram_mask(seqs, prompt_tokens=3, n=2, prompt_counts=False, min_seen=2)
+    # (1,2) at 4 and 6 are its first two; at 8 the third. (2,1) at 5 and 7: the second is
+    # not yet a loop.
+    assert twice[0].tolist() == [False] * 8 + [True]
+
+
 @pytest.mark.slow
 def test_a_run_resumed_at_the_phase_boundary_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     import dataclasses
