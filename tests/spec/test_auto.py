@@ -277,3 +277,33 @@ def test_the_heads_stop_at_once_in_a_new_request_where_the_book_says_they_do_not
     second.reset([1, 2, 3])
     second.propose(8, _half_right_mtp(stream)(0))
     assert not second.wants_mtp
+
+
+def test_an_editing_request_that_favoured_ngrams_does_not_stop_the_heads_for_novel_text() -> None:
+    """The book's n-gram estimate comes from another request's text: after a request that
+    repeats itself (n-gram drafts all right), a request of novel text must still get to use
+    the MTP heads where they pay on the route (it once stopped them at its first window)."""
+    from dataclasses import replace
+
+    rng = random.Random(10)
+    wan = replace(WAN, mtp_s=0.002, mtp_measured=True)
+    book = AcceptanceBook(CONFIG)
+    phrase = rng.sample(range(10_000), 12)
+    edit = AutoProposer(CONFIG, book=book, link=wan)
+    edit.reset(phrase)
+    repeated = phrase * 6
+    drive(edit, repeated, mtp=_half_right_mtp(repeated))
+    assert edit.active.startswith("ngram") or edit.active == "mtp-simple"
+    assert book.tracker("mtp").samples >= 8
+
+    prose = AutoProposer(CONFIG, book=book, link=wan)
+    stream = rng.sample(range(10_000), 60)  # novel: only the MTP heads can draft it
+    prose.reset([1, 2, 3])
+    kept_on, choices = [], []
+    for i, token in enumerate(stream):
+        prose.propose(8, _half_right_mtp(stream)(i))
+        kept_on.append(prose.wants_mtp)
+        choices.append(prose.active)
+        prose.observe([token])
+    assert all(kept_on), (kept_on, choices)
+    assert sum(c.startswith("mtp") for c in choices[-20:]) >= 15, choices
