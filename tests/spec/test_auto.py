@@ -307,3 +307,33 @@ def test_an_editing_request_that_favoured_ngrams_does_not_stop_the_heads_for_nov
         prose.observe([token])
     assert all(kept_on), (kept_on, choices)
     assert sum(c.startswith("mtp") for c in choices[-20:]) >= 15, choices
+
+
+def test_a_request_whose_text_starts_badly_for_the_heads_keeps_them_a_while() -> None:
+    """Where the book says the heads pay, a request that has only chosen plain decoding so
+    far keeps them past its first eight windows: its text may get better for them (prose
+    often does), and stopping them is final for the request."""
+    from dataclasses import replace
+
+    rng = random.Random(11)
+    wan = replace(WAN, mtp_s=0.002, mtp_measured=True)
+    book = AcceptanceBook(CONFIG)
+    first = AutoProposer(CONFIG, book=book, link=wan)
+    stream = rng.sample(range(10_000), 60)
+    first.reset([1, 2, 3])
+    drive(first, stream, mtp=_half_right_mtp(stream))
+    assert first.active.startswith("mtp")
+
+    second = AutoProposer(CONFIG, book=book, link=wan)
+    stream = rng.sample(range(10_000), 60)
+    second.reset([1, 2, 3])
+    kept_on, choices = [], []
+    for i, token in enumerate(stream):
+        bad = i < 14  # fourteen windows of wrong drafts, then the heads find their feet
+        second.propose(8, [-5, -6, -7] if bad else _half_right_mtp(stream)(i))
+        kept_on.append(second.wants_mtp)
+        choices.append(second.active)
+        second.observe([token])
+    assert "disabled" in choices[:14], choices
+    assert all(kept_on), (kept_on, choices)
+    assert second.active.startswith("mtp"), choices
