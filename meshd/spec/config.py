@@ -55,8 +55,9 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     ngram_max: int = 4
     # ngram-cache proposes a continuation only when it was seen at least this often.
     ngram_cache_min_hits: int = 2
-    # Tokens drafted by the model's MTP heads (the last stage runs this many depths).
-    mtp_depth: int = 1
+    # Tokens drafted by the model's MTP heads (the last stage runs this many depths, at most
+    # as many as the checkpoint has; the built-in model has 2).
+    mtp_depth: int = 2
     # n-gram tokens appended after the MTP prefix by mtp-simple / mtp-cache.
     extension_tokens: int = 4
     # Weight of the newest observation in the acceptance EWMAs.
