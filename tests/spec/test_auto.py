@@ -337,3 +337,49 @@ def test_a_request_whose_text_starts_badly_for_the_heads_keeps_them_a_while() ->
     assert "disabled" in choices[:14], choices
     assert all(kept_on), (kept_on, choices)
     assert second.active.startswith("mtp"), choices
+
+
+def _edit_then_write(rng: random.Random, wan: LinkModel) -> tuple[list[bool], list[str]]:
+    """A request on `wan` that copies its prompt for 48 tokens (prompt lookup wins), then
+    writes 48 new ones (only the half-right MTP heads can draft them), after a novel request
+    taught the book that the heads pay. Drives it as the coordinator does: once `wants_mtp`
+    says no, the heads stop for the request and send no more drafts. Heads on per token, and
+    the choices."""
+    book = AcceptanceBook(CONFIG)
+    first = AutoProposer(CONFIG, book=book, link=wan)
+    novel = rng.sample(range(10_000), 60)
+    first.reset([1, 2, 3])
+    drive(first, novel, mtp=_half_right_mtp(novel))
+    assert first.active.startswith("mtp")
+
+    body = rng.sample(range(10_000, 20_000), 48)
+    answer = body + rng.sample(range(20_000, 30_000), 48)
+    edit = AutoProposer(CONFIG, book=book, link=wan)
+    edit.reset(body)
+    heads_on, choices = [], []
+    for i, token in enumerate(answer):
+        if heads_on and heads_on[-1] and not edit.wants_mtp:
+            edit.stop_mtp()
+        heads_on.append(not heads_on or (heads_on[-1] and edit.wants_mtp))
+        edit.propose(8, _half_right_mtp(answer)(i) if heads_on[-1] else ())
+        choices.append(edit.active)
+        edit.observe([token])
+    return heads_on, choices
+
+
+def test_an_edit_answer_keeps_cheap_heads_through_a_copied_stretch_for_the_new_lines() -> None:
+    """Where the heads are a small part of a window (a 40 ms route), a request whose choice
+    is prompt lookup while it copies keeps them, and drafts its new lines with them after;
+    where they cost more than a tenth of a window, they stop once prompt lookup wins."""
+    from dataclasses import replace
+
+    cheap = replace(WAN, mtp_s=0.002, mtp_measured=True)
+    heads_on, choices = _edit_then_write(random.Random(12), cheap)
+    assert any(c.startswith("ngram") for c in choices[:48]), choices
+    assert all(heads_on), (heads_on, choices)
+    assert sum(c.startswith("mtp") for c in choices[-24:]) >= 18, choices
+
+    costly = replace(WAN, mtp_s=0.012, mtp_measured=True)
+    heads_on, choices = _edit_then_write(random.Random(12), costly)
+    assert any(c.startswith("ngram") for c in choices[:48]), choices
+    assert not heads_on[48], (heads_on, choices)
