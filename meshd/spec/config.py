@@ -58,8 +58,9 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # Tokens drafted by the model's MTP heads (the last stage runs this many depths, at most
     # as many as the checkpoint has; the built-in model has 2).
     mtp_depth: int = 2
-    # n-gram tokens appended after the MTP prefix by mtp-simple / mtp-cache.
-    extension_tokens: int = 4
+    # n-gram tokens appended after the MTP prefix by mtp-simple / mtp-cache (2 MTP + 6 = the
+    # default window of 8).
+    extension_tokens: int = 6
     # Weight of the newest observation in the acceptance EWMAs.
     ewma_alpha: float = 0.2
     # Acceptance assumed per draft position before anything was measured.

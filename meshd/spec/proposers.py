@@ -9,6 +9,8 @@
 | `mtp-simple`   | MTP draft + ngram-simple tail of up to `extension_tokens`          |
 | `mtp-cache`    | MTP draft + ngram-cache tail of up to `extension_tokens`           |
 | `auto`         | whichever of the above the cost model expects to be fastest        |
+
+(The hybrids propose the n-gram's copy instead where it starts with the MTP draft's token.)
 """
 
 from __future__ import annotations

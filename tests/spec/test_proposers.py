@@ -129,6 +129,21 @@ def test_mtp_simple_appends_an_ngram_tail_after_the_mtp_tokens() -> None:
     assert q.propose(8) == [3, 4]
 
 
+def test_mtp_simple_follows_the_copy_where_it_agrees_with_the_mtp_draft() -> None:
+    config = SpecConfig(ngram_min=1, ngram_max=3, mtp_depth=2, extension_tokens=3)
+    p = make_proposer("mtp-simple", config)
+    p.reset([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    # MTP guesses 3 9, the copy after [1, 2] is 3 4 5 6 7: same first token, so the model is
+    # copying and the window is the copy (up to MTP depth + extension tokens), not 3 9 ...
+    assert p.propose(8, mtp_draft=[3, 9]) == [3, 4, 5, 6, 7]
+    assert p.propose(3, mtp_draft=[3, 9]) == [3, 4, 5]
+    # Pipelined after an assumed 3: MTP has 9 left, the copy goes on with 4: they differ,
+    # so the MTP rest leads and the n-gram tail follows it.
+    assert p.propose_after([3], 8) == [9]
+    # A first token the copy does not start with keeps the MTP prefix.
+    assert p.propose(8, mtp_draft=[8, 4]) == [8, 4, 5, 6, 7]
+
+
 def test_mtp_cache_uses_counts_for_its_tail() -> None:
     config = SpecConfig(
         ngram_min=1, ngram_max=1, mtp_depth=1, extension_tokens=3, ngram_cache_min_hits=2
