@@ -42,8 +42,13 @@ _MTP_MIN_SAMPLES = 8
 # strategy that beats them) keeps them for this many windows of its own: generated text often
 # starts badly for the heads and gets better (measured on a prose prompt at 2 stages / 20 ms:
 # 2 of its first 11 one-token MTP drafts right, 54 % over the whole answer), and once the
-# heads stop nothing scores them again. The grace costs at most this many windows' head time.
+# heads stop nothing scores them again. The grace costs at most this many windows' head time,
+# and is given only where the heads cost at most `_MTP_GRACE_FRACTION` of a plain window: on a
+# fast route (2 stages / 0 ms: two depths ≈ 2 ms of a ≈ 4.5 ms token) 24 windows of heads
+# that nothing uses left auto at 0.82x disabled on prose, where the heads would not have paid
+# even had the text got better for them.
 _MTP_GRACE_SAMPLES = 24
+_MTP_GRACE_FRACTION = 0.2
 # Where the book says the heads pay and a request's choice is an n-gram strategy, the request
 # keeps the heads while they cost at most this fraction of a window (on a high-latency route):
 # a request's text changes under it (an edit answer copies its prompt, where prompt lookup
@@ -166,8 +171,9 @@ class AutoProposer(AccountedProposer):
         choice moved away, only once this request has scored enough windows of its own: the
         first few windows of a request are a small sample, and stopping the heads is final
         for the request (without drafts nothing scores them again); and while its choice is
-        plain decoding, only after `_MTP_GRACE_SAMPLES` windows; while it is an n-gram strategy,
-        only once the heads cost more than `_MTP_CHEAP_FRACTION` of a window.
+        plain decoding, only after `_MTP_GRACE_SAMPLES` windows (at once where the heads cost
+        more than `_MTP_GRACE_FRACTION` of a plain window); while it is an n-gram strategy, only
+        once the heads cost more than `_MTP_CHEAP_FRACTION` of a window.
         """
         if not self._mtp_live:
             return False
@@ -194,14 +200,16 @@ class AutoProposer(AccountedProposer):
         if self._decided_at != len(self._tokens):
             self._decide()  # stopping is final: on today's estimates, not a spaced-out decision's
         if self.choice == "disabled":
-            return own < _MTP_GRACE_SAMPLES
-        return self.choice in _MTP_STRATEGIES or self._heads_cheap()
-
-    def _heads_cheap(self) -> bool:
-        """Whether the MTP heads cost at most `_MTP_CHEAP_FRACTION` of the current plan's window."""
+            return own < _MTP_GRACE_SAMPLES and self._heads_cheap(_MTP_GRACE_FRACTION, 0)
+        if self.choice in _MTP_STRATEGIES:
+            return True
         width = self.plan.width if self.plan is not None else self._width
+        return self._heads_cheap(_MTP_CHEAP_FRACTION, width)
+
+    def _heads_cheap(self, fraction: float, width: int) -> bool:
+        """Whether the MTP heads cost at most `fraction` of a window of `width` drafts."""
         window_s = self.link.rtt_s + self.link.compute_s(width)
-        return self.link.mtp_s <= _MTP_CHEAP_FRACTION * window_s
+        return self.link.mtp_s <= fraction * window_s
 
     def stop_mtp(self) -> None:
         """The MTP heads are off for the rest of this request: choose among the others."""

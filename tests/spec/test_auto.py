@@ -339,6 +339,34 @@ def test_a_request_whose_text_starts_badly_for_the_heads_keeps_them_a_while() ->
     assert second.active.startswith("mtp"), choices
 
 
+def test_a_request_that_chose_plain_decoding_gets_no_grace_for_heads_dear_on_its_route() -> None:
+    """On a fast route the heads are a large share of a plain token (here ≈ 45 %): a request
+    whose own drafts have all missed stops them once it has judged them (8 windows), not after
+    the 24-window grace a slow route gives, even where the book says they pay."""
+    from dataclasses import replace
+
+    rng = random.Random(13)
+    local = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, stages=2)
+    dear = replace(local, mtp_s=0.0015, mtp_measured=True)
+    book = AcceptanceBook(CONFIG)
+    first = AutoProposer(CONFIG, book=book, link=dear)
+    stream = rng.sample(range(10_000), 60)
+    first.reset([1, 2, 3])
+    drive(first, stream, mtp=lambda i: stream[i : i + 3])  # the heads are always right
+    assert first.active.startswith("mtp") and first.wants_mtp
+
+    second = AutoProposer(CONFIG, book=book, link=dear)
+    stream = rng.sample(range(10_000), 30)
+    second.reset([1, 2, 3])
+    kept_on = []
+    for token in stream:
+        second.propose(8, [-5, -6, -7])  # this request's text is novel and the heads miss
+        kept_on.append(second.wants_mtp)
+        second.observe([token])
+    assert second.active == "disabled"
+    assert not any(kept_on[12:]), kept_on
+
+
 def _edit_then_write(rng: random.Random, wan: LinkModel) -> tuple[list[bool], list[str]]:
     """A request on `wan` that copies its prompt for 48 tokens (prompt lookup wins), then
     writes 48 new ones (only the half-right MTP heads can draft them), after a novel request
