@@ -131,6 +131,9 @@ def main() -> None:
         "old mtp-simple, ext 4": lambda: OldMtpSimple(
             SpecConfig(mtp_depth=depth, extension_tokens=4)
         ),
+        "old mtp-simple, ext 6": lambda: OldMtpSimple(
+            SpecConfig(mtp_depth=depth, extension_tokens=6)
+        ),
         "mtp-simple, ext 4": lambda: make_proposer(
             "mtp-simple", SpecConfig(mtp_depth=depth, extension_tokens=4)
         ),

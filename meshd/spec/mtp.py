@@ -108,7 +108,7 @@ class MtpHybrid(AccountedProposer):
             copy = self.tail.propose_after(
                 assumed, min(max_tokens, len(head) + self.extension_tokens)
             )
-            if copy and copy[0] == head[0]:
-                return copy
+            if len(copy) >= len(head) and copy[0] == head[0]:
+                return copy  # (a shorter copy, say a sparse ngram-cache chain, would drop drafts)
         room = min(self.extension_tokens, max_tokens - len(head))
         return head + (self.tail.propose_after([*assumed, *head], room) if room > 0 else [])
