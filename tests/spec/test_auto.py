@@ -165,6 +165,24 @@ def _half_right_mtp(stream: list[int]):
     return mtp
 
 
+def _first_request(
+    rng: random.Random, link: LinkModel, mtp_of=None
+) -> tuple[AcceptanceBook, AutoProposer]:
+    """A book taught by one request of 60 novel tokens on `link` (only the MTP heads can draft
+    them; their drafts are `mtp_of(stream)`, half right by default): the book and the request."""
+    book = AcceptanceBook(CONFIG)
+    first = AutoProposer(CONFIG, book=book, link=link)
+    stream = rng.sample(range(10_000), 60)
+    first.reset([1, 2, 3])
+    drive(first, stream, mtp=(mtp_of or _half_right_mtp)(stream))
+    return book, first
+
+
+def _always_right_mtp(stream: list[int]):
+    """MTP drafts that are always the next tokens."""
+    return lambda i: stream[i : i + 3]
+
+
 def test_auto_stops_the_mtp_heads_where_their_measured_cost_outweighs_them() -> None:
     from dataclasses import replace
 
@@ -235,11 +253,7 @@ def test_a_few_unlucky_mtp_windows_do_not_stop_the_heads_where_the_book_says_the
     rng = random.Random(8)
     # Heads so dear that they pay only while more than half of their first drafts are right.
     wan = replace(WAN, mtp_s=0.020, mtp_measured=True)
-    book = AcceptanceBook(CONFIG)
-    first = AutoProposer(CONFIG, book=book, link=wan)
-    stream = rng.sample(range(10_000), 60)  # novel: only the MTP heads can draft it
-    first.reset([1, 2, 3])
-    drive(first, stream, mtp=_half_right_mtp(stream))
+    book, first = _first_request(rng, wan)  # novel: only the MTP heads can draft it
     assert first.active.startswith("mtp")
 
     # The next request's first MTP drafts all miss, then the heads are right again.
@@ -265,11 +279,7 @@ def test_the_heads_stop_at_once_in_a_new_request_where_the_book_says_they_do_not
     rng = random.Random(9)
     local = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, stages=1)
     costly = replace(local, mtp_s=0.004, mtp_measured=True)
-    book = AcceptanceBook(CONFIG)
-    first = AutoProposer(CONFIG, book=book, link=costly)
-    stream = rng.sample(range(10_000), 60)
-    first.reset([1, 2, 3])
-    drive(first, stream, mtp=_half_right_mtp(stream))
+    book, first = _first_request(rng, costly)
     assert book.tracker("mtp").samples >= 8 and not first.wants_mtp
     # The book has judged the heads on this route: the next request does not pay for them.
     second = AutoProposer(CONFIG, book=book, link=costly)
@@ -317,11 +327,7 @@ def test_a_request_whose_text_starts_badly_for_the_heads_keeps_them_a_while() ->
 
     rng = random.Random(11)
     wan = replace(WAN, mtp_s=0.002, mtp_measured=True)
-    book = AcceptanceBook(CONFIG)
-    first = AutoProposer(CONFIG, book=book, link=wan)
-    stream = rng.sample(range(10_000), 60)
-    first.reset([1, 2, 3])
-    drive(first, stream, mtp=_half_right_mtp(stream))
+    book, first = _first_request(rng, wan)
     assert first.active.startswith("mtp")
 
     second = AutoProposer(CONFIG, book=book, link=wan)
@@ -348,11 +354,7 @@ def test_a_request_that_chose_plain_decoding_gets_no_grace_for_heads_dear_on_its
     rng = random.Random(13)
     local = LinkModel(rtt_s=0.0, pass_fixed_s=0.003, pass_per_token_s=0.0002, stages=2)
     dear = replace(local, mtp_s=0.0015, mtp_measured=True)
-    book = AcceptanceBook(CONFIG)
-    first = AutoProposer(CONFIG, book=book, link=dear)
-    stream = rng.sample(range(10_000), 60)
-    first.reset([1, 2, 3])
-    drive(first, stream, mtp=lambda i: stream[i : i + 3])  # the heads are always right
+    book, first = _first_request(rng, dear, _always_right_mtp)  # the heads are always right
     assert first.active.startswith("mtp") and first.wants_mtp
 
     second = AutoProposer(CONFIG, book=book, link=dear)
@@ -373,11 +375,7 @@ def _edit_then_write(rng: random.Random, wan: LinkModel) -> tuple[list[bool], li
     taught the book that the heads pay. Drives it as the coordinator does: once `wants_mtp`
     says no, the heads stop for the request and send no more drafts. Heads on per token, and
     the choices."""
-    book = AcceptanceBook(CONFIG)
-    first = AutoProposer(CONFIG, book=book, link=wan)
-    novel = rng.sample(range(10_000), 60)
-    first.reset([1, 2, 3])
-    drive(first, novel, mtp=_half_right_mtp(novel))
+    book, first = _first_request(rng, wan)
     assert first.active.startswith("mtp")
 
     body = rng.sample(range(10_000, 20_000), 48)
