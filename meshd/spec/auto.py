@@ -398,5 +398,6 @@ def _moved(old: LinkModel, new: LinkModel) -> bool:
         (old.pass_fixed_s, new.pass_fixed_s),
         (old.pass_per_token_s, new.pass_per_token_s),
         (old.mtp_s, new.mtp_s),
+        (old.compute_s(0), new.compute_s(0)),
     )
     return any(abs(b - a) > _LINK_CHANGE_FRACTION * max(abs(a), 1e-6) for a, b in pairs)

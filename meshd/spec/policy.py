@@ -2,7 +2,8 @@
 
 Notation (all times in seconds, compute summed over the route's stages):
 
-    C(k)  = a + b·(k+1)                  one pass over a window of k drafts (+1 context token)
+    C(k)  = a + b·(k+1)                  one pass over a window of k drafts (+1 context token);
+                                         C(0) is the measured one-token pass where known
     L     = sessions sharing the stages; a pass waits behind the others: C_L(k) = L·C(k)
     T(k)  = R + C_L(k)                   one verify round trip (R: Σ hop RTT + protocol cost)
     P_i   = α_1·…·α_i  (P_0 = 1)         chance that the first i drafts are all accepted
@@ -44,6 +45,8 @@ class LinkModel:
     `mtp_s` is what the last stage's MTP heads cost per window (measured when `mtp_measured`);
     `draft_overhead_s` is the extra compute every speculative window pays and plain decoding
     does not — `mtp_s` for a strategy that drafts with the MTP heads, 0 otherwise.
+    `plain_pass_s`, when measured, is the compute of a one-token pass (plain decoding), which
+    need not lie on the line of the wider windows: a stage may have a one-token fast path.
     """
 
     rtt_s: float
@@ -54,9 +57,12 @@ class LinkModel:
     mtp_s: float = 0.0
     mtp_measured: bool = False
     draft_overhead_s: float = 0.0
+    plain_pass_s: float | None = None
 
     def compute_s(self, width: int) -> float:
         """Compute of one pass over a window of `width` drafts, summed over the stages."""
+        if width <= 0 and self.plain_pass_s is not None:
+            return self.plain_pass_s
         extra = self.draft_overhead_s if width > 0 else 0.0
         return self.pass_fixed_s + self.pass_per_token_s * (width + 1) + extra
 
