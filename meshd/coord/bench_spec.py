@@ -56,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="repeat a prompt's round of strategies until disabled has decoded this long "
-        "(default 2; 0 with --quick): short runs on a shared machine are mostly noise",
+        "(default 4; 0 with --quick): short runs on a shared machine are mostly noise",
     )
-    parser.add_argument("--max-rounds", type=int, default=5, help="most rounds per prompt")
+    parser.add_argument("--max-rounds", type=int, default=10, help="most rounds per prompt")
     # Every strategy runs with these settings (the strategy flag itself is --strategies).
     add_spec_arguments(parser)
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if "disabled" not in strategies:
         strategies.insert(0, "disabled")
     loads = workloads(prompts)
-    min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 2.0)
+    min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 4.0)
     rounds = Rounds(min_s, max(1, args.max_rounds))
     overrides = {k: v for k, v in spec_cli_values(args).items() if k != "strategy"}
     spec = resolve_spec_config({}, {}, overrides, {})
@@ -96,8 +96,8 @@ class Rounds:
     """How often a prompt's strategies run, interleaved: until `disabled` has decoded for
     `min_seconds` in all, at most `max_rounds` times (once when min_seconds is 0)."""
 
-    min_seconds: float = 2.0
-    max_rounds: int = 5
+    min_seconds: float = 4.0
+    max_rounds: int = 10
 
     def more(self, done: int, disabled_decode_s: float) -> bool:
         """Whether to run another round after `done` rounds."""
@@ -227,12 +227,24 @@ def _aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ratio_vs_disabled": round(
                     statistics.median(i["ratio_vs_disabled"] for i in items), 3
                 ),
+                # The spread of the per-round ratios (quartiles), and how many there were: on
+                # a shared machine one pair of runs differs by ±15-25 %.
+                "ratio_quartiles": _quartiles([i["ratio_vs_disabled"] for i in items]),
+                "ratio_samples": len(items),
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "tokens_per_round_trip": round(statistics.median(tprs), 2) if tprs else None,
                 "identical_to_disabled": all(i["identical_to_disabled"] for i in items),
             }
         )
     return rows
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """[first quartile, third quartile] of `values` (both the value when there is one)."""
+    if len(values) < 2:
+        return [round(values[0], 3)] * 2 if values else []
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [round(q1, 3), round(q3, 3)]
 
 
 def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> list[dict[str, Any]]:
@@ -312,6 +324,14 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
                     f"{'–' if tpr is None else f'{tpr:.2f}'}{flag}"
                 )
             out.append(f"| {strategy} | " + " | ".join(cells) + " |")
+        spread = []
+        for kind in KINDS:
+            r = _row(rows, stages, rtt, kind, "auto")
+            if r is not None and r.get("ratio_quartiles"):
+                q1, q3 = r["ratio_quartiles"]
+                spread.append(f"{kind} {q1:.2f}–{q3:.2f}× ({r['ratio_samples']} rounds)")
+        if spread:
+            out.append("\n`auto` ÷ `disabled` per round, quartiles: " + ", ".join(spread))
     for row in report.get("transformers", []):
         out.append(
             f"\nsingle node, {row['strategy']}, {row['workload']}: {row['decode_tok_s']:.1f} tok/s"
