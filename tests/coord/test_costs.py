@@ -17,7 +17,8 @@ def _window(costs: RouteCosts, tokens: int, compute_s: float) -> None:
 
 def _cpu_like(costs: RouteCosts) -> None:
     """A stage with a one-token fast path: 4 ms for one token, 6 ms for two, +0.25 ms each
-    further token (what 2 CPU stages of the built-in model measured)."""
+    further token (within what scripts/window_costs.py measures on 2 CPU stages of the
+    built-in model)."""
     for _ in range(6):
         for tokens in (1, 2, 3, 5, 9):
             _window(costs, tokens, (4.0 if tokens == 1 else 6.0 + 0.25 * (tokens - 2)) * MS)
