@@ -1,0 +1,95 @@
+"""What `auto`'s own bookkeeping costs per request, timed method by method.
+
+    python scripts/auto_overhead.py                  # 1 stage, the bench's heapq prose prompt
+    python scripts/auto_overhead.py --stages 2 --prompt base64.b64encode
+
+Opens a local pipeline of the built-in model (RTT 0), teaches the model's `AcceptanceBook`
+with one `auto` request per bench prompt (as `meshd bench spec` does within a cell), then runs
+the chosen prompt once with `auto` and once with `disabled`, and prints the time spent in
+`AutoProposer`'s methods (shadow drafting, scoring, deciding, the n-gram indexes fed by
+`observe`) next to the two decode times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from meshd.coord.bench_spec import _generate
+from meshd.coord.local import open_local_pipeline
+from meshd.coord.workloads import workloads
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.tokenizer import Tokenizer
+from meshd.spec import auto
+from meshd.spec.config import SpecConfig
+
+METHODS = ("observe", "propose", "propose_after", "set_link", "_shadow", "_score", "_decide")
+spent: dict[str, float] = collections.defaultdict(float)
+calls: collections.Counter[str] = collections.Counter()
+
+
+def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - started
+            calls[name] += 1
+
+    return wrapper
+
+
+async def _run(stages: int, prompt: str, tokens: int) -> None:
+    model = str(builtin_model_dir())
+    tok = Tokenizer.open(model)
+    loads = workloads(2)
+    (load,) = [w for w in loads if w.name == prompt]
+    eos = frozenset(tok.eos_ids)
+    async with open_local_pipeline(model, stages, rtt_s=0.0, wire_dtype="f16", eos_ids=eos) as pipe:
+        spec = SpecConfig()
+        await _generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
+        for other in loads:
+            await _generate(pipe, tok.encode(other.prompt), tokens, "auto", 2, spec)
+        ids = tok.encode(load.prompt)
+        spent.clear()
+        calls.clear()
+        with_auto = await _generate(pipe, ids, tokens, "auto", 2, spec)
+        plain = await _generate(pipe, ids, tokens, "disabled", 2, spec)
+    print(
+        f"{stages} stage(s), {load.kind} {load.name}, {tokens} tokens: decode "
+        f"auto {with_auto['decode_s'] * 1e3:.1f} ms (tokens per round trip "
+        f"{with_auto['tpr']:.2f}, {with_auto['drafted']} drafted), disabled "
+        f"{plain['decode_s'] * 1e3:.1f} ms"
+    )
+    for name in METHODS:
+        if calls[name]:
+            print(f"  {name:14} {calls[name]:4} calls {spent[name] * 1e3:7.2f} ms")
+    outer = sum(spent[n] for n in ("observe", "propose", "propose_after", "set_link"))
+    print(
+        f"  auto's methods in all (observe includes _shadow, _score, _decide): "
+        f"{outer * 1e3:.2f} ms, {outer / tokens * 1e6:.0f} us per token, "
+        f"{outer / with_auto['decode_s']:.1%} of auto's decode time"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--prompt", default="heapq", help="a bench prompt's name")
+    parser.add_argument("--tokens", type=int, default=96)
+    args = parser.parse_args()
+    for name in METHODS:
+        setattr(auto.AutoProposer, name, _timed(name, getattr(auto.AutoProposer, name)))
+    trio.run(_run, args.stages, args.prompt, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
