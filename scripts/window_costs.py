@@ -17,12 +17,11 @@ import argparse
 import statistics
 from collections import defaultdict
 
-import msgspec
 import trio
 
 from meshd.coord import costs
+from meshd.coord.bench_spec import _generate
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
@@ -54,18 +53,10 @@ async def _measure(model_dir: str, stages: int, tokens: int) -> dict[str, list[f
     async with open_local_pipeline(
         model_dir, stages, rtt_s=0.0, wire_dtype="f16", eos_ids=eos
     ) as pipe:
-
-        async def ignore(_tokens: list[int]) -> None:
-            return None
-
         for load in workloads(2):
             ids = tok.encode(load.prompt)
             for strategy in STRATEGIES:
-                spec = msgspec.structs.replace(SpecConfig(), strategy=strategy)
-                request = GenerationRequest(
-                    prompt=ids, max_tokens=tokens, spec=spec, mtp_depth=2, eos_ids=frozenset()
-                )
-                await pipe.coordinator.generate(pipe.route, request, ignore)
+                await _generate(pipe, ids, tokens, strategy, 2, SpecConfig())
     costs.RouteCosts.observe = observe  # type: ignore[method-assign]
     return samples
 
