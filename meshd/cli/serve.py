@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -57,7 +58,7 @@ def model_name(model: str) -> str:
 async def serve(config: NodeConfig) -> None:
     """Run one daemon until cancelled."""
     # Imported here so `meshd --help` and config errors stay fast (torch is heavy).
-    from meshd.api.openai import create_app
+    from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.control import serve_control
@@ -76,8 +77,16 @@ async def serve(config: NodeConfig) -> None:
         with _startup_display(config):
             await nursery.start(node.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
-        app = create_app(backend, api_key=config.read_api_key(), spec=config.spec)
-        api = await nursery.start(serve_api, app, config.api_host, config.api_port)
+        app = create_app(
+            backend,
+            api_key=config.read_api_key(),
+            spec=config.spec,
+            config=ApiConfig(body_timeout_s=config.api_body_timeout_s),
+        )
+        api = await nursery.start(
+            functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
+            app, config.api_host, config.api_port,
+        )  # fmt: skip
         notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")
         print(
             f"meshd: node {node.identity.node_id} api {api.base_url} "
