@@ -4,9 +4,9 @@
     python scripts/slow_body.py --conns 50 --duration 12 --body-timeout 5 --header-timeout 3
 
 Serves the API of a 1-stage local pipeline (the built-in model) on 127.0.0.1, opens `--conns`
-connections that each send the headers of a POST with `Content-Length: 100000` and then one
+connections (`--stagger` s apart) that each send the headers of a POST with `Content-Length: 100000` and then one
 body byte per `1/--rate` s, plus `--idle` connections that send nothing. A connection the
-server closes is noted with the time since it opened; the rest hang up at `--duration`. Then it
+server closes is noted with the time since it connected; the rest hang up at `--duration`. Then it
 prints one JSON object: connections closed by the server (and within how long), the statuses
 `/metrics` counted, and the log's line and traceback counts (the log goes to `--log`).
 `--header-timeout` goes to `serve_api`, `--body-timeout` to the app's `ApiConfig` (when they
@@ -41,11 +41,11 @@ HEADERS = (
 async def _attacker(
     port: int, rate: float, duration: float, send_headers: bool, closed: list[float]
 ) -> None:
-    started = trio.current_time()
     try:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
     except OSError:
         return
+    started = trio.current_time()  # the timeouts run from here (headers go out at once)
     async with stream:
         with trio.move_on_at(started + duration):
             async with trio.open_nursery() as nursery:
@@ -102,6 +102,7 @@ async def main(args: argparse.Namespace, log_file: TextIO) -> dict[str, Any]:
                 attack.start_soon(
                     _attacker, address.port, args.rate, args.duration, True, closed_body
                 )
+                await trio.sleep(args.stagger)  # a burst beyond the listen backlog gets resets
             for _ in range(args.idle):
                 attack.start_soon(
                     _attacker, address.port, args.rate, args.duration, False, closed_idle
@@ -141,6 +142,7 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=1.0, help="body bytes per second")
     parser.add_argument("--duration", type=float, default=30.0, help="hang up after (s)")
     parser.add_argument("--settle", type=float, default=2.0)
+    parser.add_argument("--stagger", type=float, default=0.01, help="between connections (s)")
     parser.add_argument("--header-timeout", type=float, default=None)
     parser.add_argument("--body-timeout", type=float, default=None)
     parser.add_argument("--log", default="/tmp/slow_body.log")
