@@ -40,11 +40,11 @@ def serve(
     return result.returncode, result.stderr
 
 
-def assert_one_line(code: int, stderr: str, *expected: str) -> None:
+def assert_one_line(code: int, stderr: str, *expected: str, prefix: str = "meshd serve: ") -> None:
     assert code == 2, stderr
     lines = stderr.splitlines()
     assert len(lines) == 1, stderr
-    assert lines[0].startswith("meshd serve: ") and "Traceback" not in stderr
+    assert lines[0].startswith(prefix) and "Traceback" not in stderr
     for text in expected:
         assert text in lines[0], lines[0]
 
@@ -114,3 +114,13 @@ def test_a_port_in_use_is_one_line(tmp_path: pathlib.Path, kind: str) -> None:
         code, stderr = serve(tmp_path, flag, port)
     key = "api_port" if kind == "api" else "listen_port"
     assert_one_line(code, stderr, key, f"127.0.0.1:{port}", "in use")
+
+
+def test_config_errors_are_one_line(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "meshd.toml"
+    config.write_text("api_prot = 7392\n")
+    assert_one_line(*serve(tmp_path, "--config", str(config)), "unknown key 'api_prot'")
+    code, stderr = serve(tmp_path, "--api-body-timeout-s", "0")
+    assert_one_line(code, stderr, "api_body_timeout_s must be a positive number")
+    code, stderr = serve(tmp_path, "--api-prot", "7392")
+    assert_one_line(code, stderr, "unrecognized arguments: --api-prot", prefix="meshd: error: ")
