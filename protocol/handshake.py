@@ -10,9 +10,11 @@ BLAKE2s (mac1) come before any Diffie-Hellman, so a flood from anyone who does n
 responder's public key costs one hash per datagram.
 
 Outcomes, by the package's error contract:
-- `RemoteProtocolError`: drop the datagram silently (and count it).
-- `InitiationRefused` (a RemoteProtocolError) from `Responder.handle_initiation`: send its
-  `.datagram`, a REFUSAL, back to the sender.
+- `RemoteProtocolError`: drop the datagram silently (and count it by its `drop_reason`).
+- `HandshakeRejected` (a RemoteProtocolError) from `Responder.handle_initiation`: an
+  initiation meant for us (mac1 holds) that we refuse; count it by its `refusal`, drop it.
+- `InitiationRefused` (a HandshakeRejected): the same, and send its `.datagram`, a REFUSAL,
+  back to the sender.
 - `Initiator.handle_refusal` *returns* a `VersionRefused` (a LocalProtocolError naming the
   peer's versions) for the caller to raise or report; bad bytes raise RemoteProtocolError.
 """
@@ -31,7 +33,12 @@ import msgspec
 
 from protocol import noise
 from protocol.datagram import KIND_INITIATION, KIND_REFUSAL, KIND_RESPONSE
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.errors import (
+    HandshakeRejected,
+    LocalProtocolError,
+    RemoteProtocolError,
+    UndecryptableError,
+)
 
 HANDSHAKE_VERSION = 1
 SUPPORTED_HANDSHAKE_VERSIONS: tuple[int, ...] = (HANDSHAKE_VERSION,)
@@ -121,13 +128,13 @@ class VersionRefused(LocalProtocolError):
         )
 
 
-class InitiationRefused(RemoteProtocolError):
+class InitiationRefused(HandshakeRejected):
     """An INITIATION we cannot accept for version reasons; send `datagram` (a REFUSAL) back."""
 
     def __init__(self, reason: str, datagram: bytes) -> None:
+        super().__init__(reason, refusal="version")
         self.reason = reason
         self.datagram = datagram
-        super().__init__(reason)
 
 
 def psk_from_secret(secret: str | bytes) -> bytes:
@@ -147,7 +154,7 @@ def mac1(receiver_static_public: bytes, data: bytes) -> bytes:
 def _check_mac1(receiver_static_public: bytes, datagram: bytes) -> None:
     expected = mac1(receiver_static_public, datagram[:-MAC_BYTES])
     if not hmac.compare_digest(expected, datagram[-MAC_BYTES:]):
-        raise RemoteProtocolError("mac1 mismatch")
+        raise UndecryptableError("mac1 mismatch")
 
 
 def _prologue(initiation_header: bytes) -> bytes:
@@ -399,7 +406,7 @@ class Responder:
             reason = f"handshake version {datagram[1]} not supported"
             raise self._refusal(sender_lane_id, SUPPORTED_HANDSHAKE_VERSIONS, reason, datagram)
         if len(datagram) < MIN_INITIATION_BYTES:
-            raise RemoteProtocolError("initiation too short")
+            raise HandshakeRejected("initiation too short", refusal="malformed")
         state = noise.HandshakeState(
             initiator=False,
             static_private=self._static_private,
@@ -407,15 +414,18 @@ class Responder:
             prologue=_prologue(datagram[:INITIATION_HEADER_BYTES]),
             ephemeral_private=ephemeral_private,
         )
-        plaintext = state.read_message(datagram[INITIATION_HEADER_BYTES:-MAC_BYTES])
+        try:
+            plaintext = state.read_message(datagram[INITIATION_HEADER_BYTES:-MAC_BYTES])
+        except RemoteProtocolError as exc:
+            raise HandshakeRejected(str(exc), refusal=exc.drop_reason) from exc
         remote_static = state.remote_static
         assert remote_static is not None  # message 1 always carries it
         if not self._admit(remote_static):
-            raise RemoteProtocolError("initiator key not admitted")
+            raise HandshakeRejected("initiator key not admitted", refusal="not_admitted")
         try:
             hello = _HELLO_DECODER.decode(plaintext)
         except msgspec.DecodeError as exc:
-            raise RemoteProtocolError(f"bad initiation payload: {exc}") from exc
+            raise HandshakeRejected(f"bad initiation payload: {exc}", refusal="malformed") from exc
         self._check_fresh(remote_static, hello.timestamp_ns, now_wall_ns)
         common = set(hello.versions) & set(self._versions)
         if not common:
@@ -452,17 +462,21 @@ class Responder:
     ) -> RemoteProtocolError:
         """A refusal no larger than the initiation, so a spoofed source gains no amplification."""
         if REFUSAL_HEADER_BYTES + len(versions) > len(initiation):
-            return RemoteProtocolError(f"{reason} (initiation too small to answer)")
+            return HandshakeRejected(
+                f"{reason} (initiation too small to answer)", refusal="version"
+            )
         refusal = encode_refusal(lane_id, versions, reason, max_bytes=len(initiation))
         return InitiationRefused(reason, refusal)
 
     def _check_fresh(self, remote_static: bytes, timestamp_ns: int, now_wall_ns: int) -> None:
         """Reject replays: the timestamp must be near our clock and newer than any seen."""
         if abs(timestamp_ns - now_wall_ns) > self._max_skew_ns:
-            raise RemoteProtocolError("initiation timestamp outside the allowed clock skew")
+            raise HandshakeRejected(
+                "initiation timestamp outside the allowed clock skew", refusal="clock_skew"
+            )
         newest = self._newest.get(remote_static)
         if newest is not None and timestamp_ns <= newest:
-            raise RemoteProtocolError("replayed or stale initiation")
+            raise HandshakeRejected("replayed or stale initiation", refusal="replayed")
         self._newest[remote_static] = timestamp_ns
         self._newest.move_to_end(remote_static)
         while len(self._newest) > self._replay_table_size:

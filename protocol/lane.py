@@ -225,6 +225,11 @@ class Lane:
         return 0 if self._transport is None else self._transport.unacked_send_bytes
 
     @property
+    def packets_replayed(self) -> int:
+        """Replayed or duplicated DATA datagrams dropped so far (without a stats snapshot)."""
+        return 0 if self._transport is None else self._transport.packets_replayed
+
+    @property
     def stats(self) -> LaneStats:
         """A snapshot of counters and estimates."""
         t = self._transport

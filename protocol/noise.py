@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from nacl import bindings as sodium
 from nacl import exceptions as sodium_errors
 
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError, UndecryptableError
 
 PROTOCOL_NAME = b"Noise_IKpsk2_25519_ChaChaPoly_BLAKE2s"
 
@@ -120,7 +120,7 @@ def aead_decrypt(key: bytes, counter: int, ad: bytes, ciphertext: bytes) -> byte
             sodium.crypto_aead_chacha20poly1305_ietf_decrypt(ciphertext, ad, _nonce(counter), key)
         )
     except sodium_errors.CryptoError as exc:
-        raise RemoteProtocolError("AEAD authentication failed") from exc
+        raise UndecryptableError("AEAD authentication failed") from exc
 
 
 def x25519_keypair_from_ed25519_seed(seed32: bytes) -> tuple[bytes, bytes]:

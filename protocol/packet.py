@@ -13,7 +13,7 @@ import struct
 from typing import Any
 
 from protocol.datagram import KIND_DATA, MAX_DATAGRAM_BYTES
-from protocol.errors import RemoteProtocolError
+from protocol.errors import RemoteProtocolError, UndecryptableError
 from protocol.noise import aead_decrypt, aead_encrypt, hkdf
 
 try:
@@ -82,7 +82,7 @@ def unprotect(key: bytes, data: bytes, number: int) -> memoryview:
             key,
         )
     if ok != 0:
-        raise RemoteProtocolError("AEAD authentication failed")
+        raise UndecryptableError("AEAD authentication failed")
     return memoryview(_ffi.buffer(out, size))
 
 
@@ -198,7 +198,7 @@ class KeySchedule:
             # Older than the current phase: sent under the previous key.
             if self._prev_recv_key is None or now > self._prev_expires_s:
                 self._prev_recv_key = None
-                raise RemoteProtocolError("packet under a discarded key phase")
+                raise UndecryptableError("packet under a discarded key phase")
             return unprotect(self._prev_recv_key, data, number)
         if self._next_recv_key is None:
             self._next_recv_key = next_key(self._recv_key)

@@ -56,3 +56,40 @@ def test_text_format_and_a_second_setup_does_not_double_lines(restore_root: None
     assert out.getvalue().rstrip().endswith("WARNING meshd.api: slow client 10.0.0.2")
     with pytest.raises(ValueError, match="text or json"):
         setup_logging("info", "yaml", out)
+
+
+def _record(msg: str, at_s: float, *args: object, level: int = logging.ERROR) -> logging.LogRecord:
+    record = logging.LogRecord("meshd.api.openai", level, __file__, 1, msg, args, None)
+    record.created = at_s
+    return record
+
+
+def test_repeated_errors_are_written_once_per_interval_with_the_count_left_out(
+    restore_root: None,
+) -> None:
+    out = io.StringIO()
+    handler = setup_logging("info", "text", out, repeat_interval_s=60.0)
+    t0 = 1_000_000.0
+    # 500 alike errors within a minute (arguments differ), then one more after it.
+    for i in range(500):
+        handler.handle(_record("internal error on %s", t0 + i * 0.1, f"/v1/path{i}"))
+    handler.handle(_record("lane to %s died", t0 + 1.0, "peer-a"))  # another kind: its own
+    handler.handle(_record("internal error on %s", t0 + 61.0, "/v1/late"))
+    handler.handle(_record("internal error on %s", t0 + 62.0, "/v1/later"))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].endswith("internal error on /v1/path0")
+    assert lines[1].endswith("lane to peer-a died")
+    assert lines[2].endswith(
+        "internal error on /v1/late [499 more like this left out in the last 61 s]"
+    )
+
+
+def test_info_lines_are_never_rate_limited(restore_root: None) -> None:
+    out = io.StringIO()
+    handler = setup_logging("info", "json", out, repeat_interval_s=60.0)
+    for i in range(50):
+        handler.handle(
+            _record("client %s went away", 5.0 + i, f"127.0.0.1:{i}", level=logging.INFO)
+        )
+    assert len(out.getvalue().splitlines()) == 50

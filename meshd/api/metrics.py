@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from meshd.spec.telemetry import SpecTelemetry
 
@@ -129,6 +131,16 @@ class ApiMetrics:
         """A local stage computed one window in `seconds`."""
         self.stage_compute.labels(stage=stage).observe(seconds)
 
+    def count_by(
+        self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, int]]
+    ) -> None:
+        """Export counts another part keeps (e.g. the endpoint's drops) as one counter.
+
+        `read()` gives {label value: count} at each scrape; the counter is `name_total` with
+        one sample per value, labelled `label` (e.g. `reason`, `cause`).
+        """
+        self.registry.register(_CountsCollector(name, documentation, label, read))
+
     def on_scrape(self, hook: Callable[[], None]) -> None:
         """Call `hook` before each scrape (to refresh gauges from live state)."""
         self._scrape_hooks.append(hook)
@@ -141,3 +153,31 @@ class ApiMetrics:
             except Exception:  # a broken hook must not take the metrics page down
                 log.exception("metrics scrape hook failed")
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _CountsCollector(Collector):
+    """A counter whose values live elsewhere, read at each scrape."""
+
+    def __init__(
+        self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, int]]
+    ) -> None:
+        self._family = (name, documentation, label)
+        self._read = read
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The family without samples (so registering does not read yet)."""
+        name, documentation, label = self._family
+        yield CounterMetricFamily(name, documentation, labels=[label])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """The family with the counts as they are now."""
+        name, documentation, label = self._family
+        family = CounterMetricFamily(name, documentation, labels=[label])
+        try:
+            counts = dict(self._read())
+        except Exception:  # a broken reader must not take the metrics page down
+            log.exception("metrics counter %s could not be read", name)
+            counts = {}
+        for value, count in counts.items():
+            family.add_metric([value], count)
+        yield family

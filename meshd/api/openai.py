@@ -18,14 +18,15 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
-from meshd.api.middleware import AuthMiddleware, MetricsMiddleware
+from meshd.api.middleware import AuthMiddleware, BodyTimeoutMiddleware, MetricsMiddleware
 from meshd.api.prepare import check_model, prepare_chat, prepare_completion
 from meshd.api.responses import JSON, GenerationResponse
 from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -44,6 +45,8 @@ class ApiConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     # A refused oversized body is still read (and dropped) up to this much, so that the client
     # finishes sending and can read the 413 instead of a reset connection.
     max_drain_bytes: int = 64 * 1024 * 1024
+    # The whole body must arrive within this long after the headers (408 and close beyond).
+    body_timeout_s: float = 30.0
 
 
 class _State:
@@ -87,9 +90,11 @@ def create_app(
         middleware=[
             Middleware(MetricsMiddleware, metrics=state.metrics),
             Middleware(AuthMiddleware, api_key=api_key),
+            Middleware(BodyTimeoutMiddleware, timeout_s=state.config.body_timeout_s),
         ],
         exception_handlers={
             ApiError: _api_error_handler,
+            ClientDisconnect: _client_gone_handler,
             HTTPException: _http_error_handler,
             Exception: _internal_error_handler,
         },
@@ -200,6 +205,19 @@ async def _http_error_handler(request: Request, exc: Exception) -> Response:
         message = f"Unknown route {request.method} {request.url.path}"
         return _error_response(ApiError(404, message, code="unknown_url"))
     return _error_response(ApiError(exc.status_code, str(exc.detail), code="http_error"))
+
+
+class _NoResponse(Response):
+    """Nothing to send: the client is gone."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        return
+
+
+async def _client_gone_handler(request: Request, exc: Exception) -> Response:
+    # The client hung up while sending its body: the metrics middleware counts it as 499
+    # and logs it once; there is no one to answer.
+    return _NoResponse()
 
 
 async def _internal_error_handler(request: Request, exc: Exception) -> Response:

@@ -63,18 +63,24 @@ async def serve_api(
     port: int = 0,
     *,
     graceful_timeout_s: float = 3.0,
-    keep_alive_timeout_s: float = 5.0,
+    header_timeout_s: float = 10.0,
     task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port until cancelled; `task_status.started(BoundAddress)`.
 
     Use as `address = await nursery.start(serve_api, app, host, port)`.
+
+    `header_timeout_s`: a connection must deliver complete request headers within this long
+    after it opens (or after its previous response), or it is closed; an idle kept-alive
+    connection is closed after it too. Hypercorn's keep-alive timer is exactly that: it runs
+    from the connection's start, or from the end of a response, until a request's headers are
+    complete. The body's deadline is the app's (`ApiConfig.body_timeout_s`).
     """
     check_bind(host, requires_api_key=bool(getattr(app.state, "requires_api_key", False)))
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout_s
-    config.keep_alive_timeout = keep_alive_timeout_s
+    config.keep_alive_timeout = header_timeout_s
     config.accesslog = None
     config.errorlog = log
     shutdown = trio.Event()

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 # name -> (module, help). Each module exposes `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +42,14 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (exit status 2), like every other start-up error of meshd."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `PROG: error: MESSAGE (see PROG --help)` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _load(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[..., int]]:
     mod = importlib.import_module(module)
     return mod.add_arguments, mod.run
@@ -48,7 +57,7 @@ def _load(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Calla
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the full argument parser (imports each chosen subcommand lazily)."""
-    parser = argparse.ArgumentParser(prog="meshd", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="meshd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -47,6 +47,10 @@ def render(status: dict[str, Any], events: int) -> None:
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
         f"{status['uptime_s']:.0f} s"
     )
+    console.print(_counts("dropped datagrams", status.get("datagrams_dropped")))
+    console.print(_counts("refused handshakes", status.get("handshakes_refused")))
+    if isinstance(status.get("sessions_expired"), dict):  # sessions a lease ended, by cause
+        console.print(_counts("expired sessions", status["sessions_expired"]))
     members = Table(title="members")
     for column in ("node", "key", "health", "address", "offers", "stage", "lane", "rtt ms", "loss"):
         members.add_column(column)
@@ -77,6 +81,15 @@ def render(status: dict[str, Any], events: int) -> None:
     for event in status["events"][-events:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(event["at_unix_s"]))
         console.print(f"{stamp} {event['kind']:<16} {event['node']} {event['detail']}")
+
+
+def _counts(title: str, counts: dict[str, int] | None) -> str:
+    """`title: 3 (replayed 2, malformed 1)`: the total, then the reasons that are not 0."""
+    if counts is None:  # a daemon from before these counters
+        return f"{title}: -"
+    nonzero = ", ".join(f"{reason} {n}" for reason, n in counts.items() if n)
+    total = sum(counts.values())
+    return f"{title}: {total}" + (f" ({nonzero})" if nonzero else "")
 
 
 def _state(status: dict[str, Any]) -> str:

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import functools
 import logging
 import os
+import pathlib
 import signal
+import socket
+import stat
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -29,24 +34,125 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+# The exit status of a start-up error no restart can fix (systemd: RestartPreventExitStatus=2).
+EXIT_STARTUP_ERROR = 2
+
+
+class StartupError(Exception):
+    """A model, config or port error at start: one line on stderr, exit status 2."""
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load the config, refuse to start without a mesh secret, then serve until stopped."""
+    """Check the config, secrets, model and ports, then serve until stopped.
+
+    Every error a restart cannot fix (config, secrets, model, a port in use) is one line on
+    stderr and exit status 2, whether the checks here find it or it surfaces while the daemon
+    starts; any other failure is logged with its traceback, exit status 1.
+    """
     try:
         config = load_config_from_args(args, os.environ)
         config.read_mesh_secret()
-    except ConfigError as exc:
+        config.read_api_key()
+        check_model(config.model)
+        check_ports(config)
+    except (ConfigError, StartupError) as exc:
         print(f"meshd serve: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_STARTUP_ERROR
     setup_logging(config.log_level, config.log_format)
     try:
         trio.run(serve, config)
     except KeyboardInterrupt:
         return 0
-    except Exception:
+    except Exception as exc:
+        cause = startup_cause(exc)
+        if cause is not None:
+            print(f"meshd serve: {cause}", file=sys.stderr)
+            return EXIT_STARTUP_ERROR
         # One last structured line (JSON logs too), then a failure status for systemd.
         log.exception("meshd serve failed")
         return 1
     return 0
+
+
+def check_model(model: str) -> None:
+    """Raise StartupError unless `model` names a checkpoint the daemon can open ("" = built-in).
+
+    Every rule about the model path lives here, so another format (e.g. a GGUF file) adds its
+    branch in one place. A missing path and a path that is not a directory are told apart.
+    Opening the checkpoint reads its config and the safetensors headers only (no weights).
+    """
+    if not model:
+        return
+    path = pathlib.Path(model)
+    try:
+        is_dir = stat.S_ISDIR(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        raise StartupError(f"model: {model} not found") from None
+    except OSError as exc:
+        raise StartupError(f"model: cannot read {model}: {exc.strerror}") from None
+    if not is_dir:
+        raise StartupError(
+            f"model: {model} is not a directory: give a Hugging Face checkpoint directory "
+            f"(config.json and *.safetensors)"
+        )
+    if not (path / "config.json").is_file():
+        raise StartupError(
+            f"model: {model} has no config.json: not a Hugging Face checkpoint directory"
+        )
+    from meshd.model.checkpoint import Checkpoint
+    from meshd.model.errors import ModelError
+
+    try:
+        Checkpoint.open(path)
+    except ModelError as exc:
+        raise StartupError(f"model: {exc}") from None
+    except OSError as exc:
+        raise StartupError(f"model: cannot read {model}: {exc.strerror or exc}") from None
+
+
+def check_ports(config: NodeConfig) -> None:
+    """Raise StartupError when the lane (UDP) or API (TCP) port cannot be bound.
+
+    The daemon binds them only after loading the model; checking first makes a port in use
+    one line at once. (A port taken in between still stops the start with exit status 2.)
+    """
+    wanted = (
+        ("listen_port", config.listen_host, config.listen_port, socket.SOCK_DGRAM),
+        ("api_port", config.api_host, config.api_port, socket.SOCK_STREAM),
+    )
+    for key, host, port, kind in wanted:
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, kind) as sock:
+            if kind == socket.SOCK_STREAM:  # as the listener does: TIME_WAIT does not block
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                proto = "UDP" if kind == socket.SOCK_DGRAM else "TCP"
+                raise StartupError(
+                    f"{key}: cannot bind {proto} {host}:{port}: {exc.strerror}"
+                    + (" (another meshd running?)" if exc.errno == errno.EADDRINUSE else "")
+                ) from None
+
+
+def startup_cause(exc: BaseException) -> str | None:
+    """The one-line message of an error no restart can fix, found in `exc` (or its group)."""
+    from meshd.model.errors import ModelError
+
+    leaves = [exc]
+    while leaves:
+        leaf = leaves.pop(0)
+        if isinstance(leaf, BaseExceptionGroup):
+            leaves.extend(leaf.exceptions)
+        elif isinstance(leaf, ModelError):
+            return f"model: {leaf}"
+        elif isinstance(leaf, (ConfigError, StartupError)):
+            return str(leaf)
+        elif isinstance(leaf, OSError) and leaf.errno == errno.EADDRINUSE:
+            return f"cannot bind: {leaf}"
+    return None
 
 
 def model_name(model: str) -> str:
@@ -57,12 +163,14 @@ def model_name(model: str) -> str:
 async def serve(config: NodeConfig) -> None:
     """Run one daemon until cancelled."""
     # Imported here so `meshd --help` and config errors stay fast (torch is heavy).
-    from meshd.api.openai import create_app
+    from meshd.api.metrics import ApiMetrics
+    from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
+    from meshd.node.status import export_counters
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
@@ -76,8 +184,19 @@ async def serve(config: NodeConfig) -> None:
         with _startup_display(config):
             await nursery.start(node.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
-        app = create_app(backend, api_key=config.read_api_key(), spec=config.spec)
-        api = await nursery.start(serve_api, app, config.api_host, config.api_port)
+        metrics = ApiMetrics()
+        export_counters(metrics, node)
+        app = create_app(
+            backend,
+            api_key=config.read_api_key(),
+            spec=config.spec,
+            config=ApiConfig(body_timeout_s=config.api_body_timeout_s),
+            metrics=metrics,
+        )
+        api = await nursery.start(
+            functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
+            app, config.api_host, config.api_port,
+        )  # fmt: skip
         notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")
         print(
             f"meshd: node {node.identity.node_id} api {api.base_url} "

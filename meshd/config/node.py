@@ -109,6 +109,10 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     api_port: int = DEFAULT_API_PORT
     api_key: str = ""
     api_key_file: str = ""
+    # The HTTP edge (seconds): complete request headers, and a whole request body, must
+    # arrive within these, or the connection is closed (a body too slow gets 408 first).
+    api_header_timeout_s: float = 10.0
+    api_body_timeout_s: float = 30.0
     control_socket: str = ""
     model: str = ""
     device: str = "auto"
@@ -135,6 +139,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         _check_secrets(self)
         _check_compute(self)
         _check_timers(self)
+        _check_api_timeouts(self)
         for key in ("admitted_keys", "revoked_keys"):
             for hex_key in getattr(self, key):
                 _check_public_key(key, hex_key)
@@ -281,6 +286,13 @@ def _check_compute(c: NodeConfig) -> None:
 
 def _check_timers(c: NodeConfig) -> None:
     for key in ("recovery_timeout_s", "suspect_hold_s", "drain_timeout_s"):
+        value = getattr(c, key)
+        if not 0 < value < math.inf:
+            raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
+
+
+def _check_api_timeouts(c: NodeConfig) -> None:
+    for key in ("api_header_timeout_s", "api_body_timeout_s"):
         value = getattr(c, key)
         if not 0 < value < math.inf:
             raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)

@@ -22,7 +22,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -42,6 +42,7 @@ from protocol.datagram import (
     peek_kind,
     peek_receiver_lane_id,
 )
+from protocol.errors import HandshakeRejected
 from protocol.events import LaneEstablished, LaneTerminated, MessageReceived, TerminationReason
 from protocol.handshake import InitiationRefused, Responder
 from protocol.lane import Lane
@@ -69,9 +70,23 @@ class LaneClosedError(Exception):
         self.detail = detail
 
 
+# Why a received datagram was dropped (`EndpointStats.dropped`): fails authentication; a
+# replay or duplicate of one already taken; addressed to no lane we have; anything else.
+DROP_REASONS: tuple[str, ...] = ("undecryptable", "replayed", "unknown_lane", "malformed")
+# Why an initiation meant for us (its mac1 holds) was refused (`EndpointStats.refused`).
+REFUSAL_REASONS: tuple[str, ...] = (
+    "version", "not_admitted", "replayed", "clock_skew", "undecryptable", "malformed",
+)  # fmt: skip
+
+
 @dataclass
 class EndpointStats:
-    """Counters an operator can read (and metrics export)."""
+    """Counters an operator can read (and metrics export).
+
+    `datagrams_dropped` counts received datagrams dropped and sends the kernel refused;
+    `dropped` splits the received ones by reason (DROP_REASONS), `refused` the refused
+    handshakes (REFUSAL_REASONS; `handshakes_refused` is their sum).
+    """
 
     datagrams_received: int = 0
     datagrams_sent: int = 0
@@ -79,6 +94,18 @@ class EndpointStats:
     handshakes_refused: int = 0
     lanes_opened: int = 0
     lanes_dead: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))
+
+    def drop(self, reason: str) -> None:
+        """One received datagram dropped, for `reason`."""
+        self.datagrams_dropped += 1
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def refuse(self, reason: str) -> None:
+        """One handshake refused, for `reason`."""
+        self.handshakes_refused += 1
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
 class PeerLane:
@@ -349,12 +376,18 @@ class Endpoint:
                 return
             peer = self._lanes.get(peek_receiver_lane_id(data))
             if peer is None:
-                self.stats.datagrams_dropped += 1
+                self.stats.drop("unknown_lane")
                 return
+            replayed = peer.lane.packets_replayed
             peer.lane.receive_datagram(data, addr, now)
+            if peer.lane.packets_replayed != replayed:
+                self.stats.drop("replayed")
             self._dirty.add(peer)
+        except HandshakeRejected as exc:
+            self.stats.refuse(exc.refusal)
+            log.debug("refused a handshake from %s: %s", addr, exc)
         except RemoteProtocolError as exc:
-            self.stats.datagrams_dropped += 1
+            self.stats.drop(exc.drop_reason)
             log.debug("dropped datagram from %s: %s", addr, exc)
 
     def _handle_nat_kind(self, kind: int, data: bytes, addr: Address, now: float) -> None:
@@ -368,7 +401,7 @@ class Endpoint:
             return
         handler = self.datagram_handlers.get(kind)
         if handler is None:
-            self.stats.datagrams_dropped += 1
+            self.stats.drop("malformed")
             return
         handler(data, addr, now)
 
@@ -392,7 +425,7 @@ class Endpoint:
                 data, local_lane_id=lane_id, now_wall_ns=time.time_ns()
             )
         except InitiationRefused as refused:
-            self.stats.handshakes_refused += 1
+            self.stats.refuse(refused.refusal)
             self._send_now([(refused.datagram, addr)], now)
             return
         lane = Lane.accept(

@@ -13,6 +13,7 @@ from meshd.node.planning import holding_of
 from protocol.punch import RelayPath
 
 if TYPE_CHECKING:
+    from meshd.api.metrics import ApiMetrics
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
 
@@ -89,6 +90,12 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     predicted_ms_per_token: float | None
     events: list[EventStatus]
     nat: NatStatus
+    # What the lane port dropped, by reason, every reason listed (0 included): received
+    # datagrams (undecryptable, replayed, unknown_lane, malformed) and handshakes refused
+    # (version, not_admitted, replayed, clock_skew, undecryptable, malformed). See
+    # docs/operations.md; `export_counters` gives /metrics the same counts.
+    datagrams_dropped: dict[str, int]
+    handshakes_refused: dict[str, int]
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -150,9 +157,23 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
             for e in node.events
         ],
         nat=_nat_status(node),
+        datagrams_dropped=dict(node.endpoint.stats.dropped),
+        handshakes_refused=dict(node.endpoint.stats.refused),
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out
+
+
+def export_counters(metrics: ApiMetrics, node: MeshNode) -> None:
+    """Give /metrics the counts by reason that `node_status` reports (read at each scrape)."""
+    metrics.count_by(
+        "meshd_datagrams_dropped", "Received lane datagrams dropped, by reason", "reason",
+        lambda: node.endpoint.stats.dropped,
+    )  # fmt: skip
+    metrics.count_by(
+        "meshd_handshakes_refused", "Lane handshakes refused, by reason", "reason",
+        lambda: node.endpoint.stats.refused,
+    )  # fmt: skip
 
 
 def _remote(addr: Hashable) -> str:

@@ -3,13 +3,14 @@
 pytest-trio runs each async test in its own trio run, so a pipeline cannot outlive one test
 there. The shared server instead lives in a background thread with its own trio run: a
 2-stage loopback pipeline on the built-in model (real lanes, real stage hosts), served by
-three apps: open, keyed (API key required), and one whose backend admits a single request at
-a time (for 429). Tests talk to it over HTTP from plain (sync) test functions, and reach into
+four apps: open, keyed (API key required), one whose backend admits a single request at
+a time (for 429), and one with short header and body timeouts (EDGE_*_TIMEOUT_S). Tests talk to it over HTTP from plain (sync) test functions, and reach into
 its trio run with `Served.call` / `Served.acall`.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,10 +23,12 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.api.backend import LocalPipelineBackend, open_local_backend
-from meshd.api.openai import create_app
+from meshd.api.openai import ApiConfig, create_app
 from meshd.api.server import BoundAddress, serve_api
 
 API_KEY = "test-key-5f1c"
+EDGE_HEADER_TIMEOUT_S = 1.0
+EDGE_BODY_TIMEOUT_S = 1.5
 MODEL = "meshd-builtin"
 T = TypeVar("T")
 
@@ -39,6 +42,7 @@ class Served:
     single_url: str
     backend: LocalPipelineBackend
     token: trio.lowlevel.TrioToken
+    edge_url: str = ""  # the app with short header and body timeouts
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a sync function inside the server's trio run."""
@@ -75,6 +79,9 @@ def _serve(out: queue.Queue[Any]) -> None:
             stop = trio.Event()
             async with trio.open_nursery() as nursery:
                 addresses: list[BoundAddress] = [await nursery.start(serve_api, a) for a in apps]
+                edge = create_app(backend, config=ApiConfig(body_timeout_s=EDGE_BODY_TIMEOUT_S))
+                serve_edge = functools.partial(serve_api, header_timeout_s=EDGE_HEADER_TIMEOUT_S)
+                addresses.append(await nursery.start(serve_edge, edge))
                 out.put((addresses, backend, trio.lowlevel.current_trio_token(), stop))
                 await stop.wait()
                 nursery.cancel_scope.cancel()
@@ -96,8 +103,15 @@ def served() -> Iterator[Served]:
         raise got
     addresses, backend, token, stop = got
     try:
-        open_app, keyed_app, single_app = addresses
-        yield Served(open_app.base_url, keyed_app.base_url, single_app.base_url, backend, token)
+        open_app, keyed_app, single_app, edge_app = addresses
+        yield Served(
+            open_app.base_url,
+            keyed_app.base_url,
+            single_app.base_url,
+            backend,
+            token,
+            edge_url=edge_app.base_url,
+        )
     finally:
         token.run_sync_soon(stop.set)
         thread.join(timeout=15)

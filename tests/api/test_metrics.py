@@ -64,3 +64,22 @@ def test_scrape_hooks_refresh_gauges_and_a_broken_one_is_contained() -> None:
     assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.010
     rtt[0] = 0.020
     assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.020
+
+
+def test_counts_kept_elsewhere_are_read_at_each_scrape_by_label() -> None:
+    m = ApiMetrics()
+    dropped = {"undecryptable": 0, "replayed": 2}
+    m.count_by("meshd_datagrams_dropped", "dropped, by reason", "reason", lambda: dropped)
+    got = samples(m)
+    assert got[("meshd_datagrams_dropped_total", (("reason", "replayed"),))] == 2
+    assert got[("meshd_datagrams_dropped_total", (("reason", "undecryptable"),))] == 0
+    dropped["undecryptable"] = 7
+    assert samples(m)[("meshd_datagrams_dropped_total", (("reason", "undecryptable"),))] == 7
+
+    def gone() -> dict[str, int]:
+        raise RuntimeError("endpoint closed")
+
+    m.count_by("meshd_handshakes_refused", "refused, by reason", "reason", gone)
+    got = samples(m)  # a broken reader leaves its counter empty, the page intact
+    assert got[("meshd_datagrams_dropped_total", (("reason", "replayed"),))] == 2
+    assert not [k for k in got if k[0] == "meshd_handshakes_refused_total"]

@@ -15,7 +15,9 @@ from nacl.bindings import crypto_scalarmult_base
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import LaneClosedError, open_endpoint
 from protocol.config import LaneConfig
+from protocol.datagram import KIND_DATA
 from protocol.events import TerminationReason
+from protocol.packet import HEADER
 
 PSK = bytes(range(32))
 FAST_FAIL = LaneConfig(handshake_timeout_s=0.6, handshake_retry_s=0.1)
@@ -91,6 +93,8 @@ async def test_peer_without_the_mesh_secret_never_gets_a_lane() -> None:
         with trio.move_on_after(0.8) as cs:
             await server.accept()
         assert cs.cancelled_caught, "the server must not hand out a lane"
+        # IKpsk2 binds the secret in the RESPONSE: the initiator is the one that cannot open it.
+        assert client.stats.dropped["undecryptable"] >= 1
 
 
 async def test_wrong_expected_key_and_unadmitted_key_never_get_a_lane() -> None:
@@ -108,6 +112,11 @@ async def test_wrong_expected_key_and_unadmitted_key_never_get_a_lane() -> None:
         with trio.move_on_after(0.3) as cs:
             await server.accept()
         assert cs.cancelled_caught
+        # An initiation under another key fails its mac1 (not for us); the right key's is
+        # refused by admission, and counted as such.
+        assert server.stats.dropped["undecryptable"] >= 1
+        assert server.stats.refused["not_admitted"] >= 1
+        assert server.stats.handshakes_refused == sum(server.stats.refused.values())
 
 
 async def test_replayed_datagram_is_rejected() -> None:
@@ -146,6 +155,24 @@ async def test_replayed_datagram_is_rejected() -> None:
             await incoming.receive()
         assert cs.cancelled_caught, "a replayed datagram must not deliver again"
         assert incoming.lane.stats.packets_replayed > replayed_before
+        replays = incoming.lane.stats.packets_replayed - replayed_before
+        assert server.stats.dropped["replayed"] == replays
+        assert server.stats.refused["replayed"] >= 1  # the recorded INITIATION, again
+        # Forgeries: a DATA datagram bit-flipped under a fresh packet number, one for a lane
+        # that does not exist, and bytes of no known kind.
+        data = next(d for d in recorded if d[0] == KIND_DATA)
+        kind, flags, lane_id, _ = HEADER.unpack_from(data)
+        fresh = HEADER.pack(kind, flags, lane_id, 2**40) + data[HEADER.size :]
+        flipped = fresh[:-1] + bytes([fresh[-1] ^ 1])
+        stranger = HEADER.pack(kind, flags, lane_id ^ 0x5A5A5A5A, 7) + data[HEADER.size :]
+        for forged in (flipped, stranger, b"\xff" * 40):
+            await relay.sendto(forged, server.local_address)
+        with trio.fail_after(5):
+            while server.stats.dropped["malformed"] < 1:  # noqa: ASYNC110 (a counter: poll)
+                await trio.sleep(0.01)
+        assert server.stats.dropped["undecryptable"] == 1
+        assert server.stats.dropped["unknown_lane"] == 1
+        assert server.stats.dropped["malformed"] == 1
         nursery.cancel_scope.cancel()
     relay.close()
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import random
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
 from meshd.model.builtin import builtin_model_dir
@@ -33,6 +36,9 @@ from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
+from protocol.datagram import KIND_DATA, KIND_INITIATION
+from protocol.handshake import MIN_INITIATION_BYTES
+from protocol.packet import HEADER
 from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, started, stop_all
 
 pytestmark = pytest.mark.slow
@@ -155,6 +161,54 @@ def test_generation_equals_single_node_greedy(mesh: Mesh, tokenizer: Tokenizer) 
     reply = httpx.post(f"{api}/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_forged_datagrams_at_a_lane_port_show_in_status_and_metrics_by_reason(
+    mesh: Mesh,
+) -> None:
+    target = mesh.daemons[2]
+    before = target.status()["datagrams_dropped"]
+    assert set(before) == {"undecryptable", "replayed", "unknown_lane", "malformed"}
+    rng = random.Random(20)
+    forged = {
+        "malformed": [b"\xff" + rng.randbytes(40) for _ in range(5)],  # no known kind
+        "unknown_lane": [  # a DATA header for a lane id nobody opened
+            HEADER.pack(KIND_DATA, 0, rng.getrandbits(32), 1) + rng.randbytes(40) for _ in range(4)
+        ],
+        "undecryptable": [  # initiation-shaped, with a mac1 not keyed by the node's key
+            bytes([KIND_INITIATION, 1]) + rng.randbytes(MIN_INITIATION_BYTES - 2) for _ in range(3)
+        ],
+    }
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for datagrams in forged.values():
+            for data in datagrams:
+                sock.sendto(data, ("127.0.0.2", FIRST_PORT))
+
+    def dropped() -> dict[str, int]:
+        return dict(target.status()["datagrams_dropped"])
+
+    def all_counted() -> bool:
+        now = dropped()
+        return all(now[r] - before[r] >= len(forged[r]) for r in forged)
+
+    wait_until(all_counted, 10, "the forged datagrams counted by reason")
+    status = json.loads(meshctl("status", "--json", "--socket", target.socket))
+    assert set(status["handshakes_refused"]) >= {"version", "not_admitted", "replayed"}
+    root = target.api_url.removesuffix("/v1")
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    exported = {
+        s.labels["reason"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "meshd_datagrams_dropped_total"
+    }
+    for reason in forged:
+        assert exported[reason] - before[reason] >= len(forged[reason])
+    assert any(s.name == "meshd_handshakes_refused_total" for f in
+               text_string_to_metric_families(text) for s in f.samples)  # fmt: skip
+    table = meshctl("status", "--socket", target.socket)
+    line = next(x for x in table.splitlines() if x.startswith("dropped datagrams:"))
+    assert all(f"{reason} " in line for reason in forged)
 
 
 def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_back(
