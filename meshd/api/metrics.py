@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -89,6 +89,12 @@ class ApiMetrics:
             "meshd_stage_compute_seconds", "Compute time of one window on a local stage",
             ["stage"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self.sessions_expired = Counter(
+            "meshd_stage_sessions_expired",
+            "Sessions a local stage freed without an explicit close, by cause",
+            ["cause"], registry=r,
+        )  # fmt: skip
+        self._expired_seen: dict[str, int] = {}
         self._scrape_hooks: list[Callable[[], None]] = []
 
     # -- fed by the API -----------------------------------------------------------------
@@ -128,6 +134,13 @@ class ApiMetrics:
     def observe_stage_compute(self, stage: str, seconds: float) -> None:
         """A local stage computed one window in `seconds`."""
         self.stage_compute.labels(stage=stage).observe(seconds)
+
+    def sessions_expired_total(self, by_cause: Mapping[str, int]) -> None:
+        """The node's expired-session totals since it started; the counter follows them."""
+        for cause, total in by_cause.items():
+            seen = self._expired_seen.get(cause, 0)
+            self.sessions_expired.labels(cause=cause).inc(max(0, total - seen))
+            self._expired_seen[cause] = max(seen, total)
 
     def on_scrape(self, hook: Callable[[], None]) -> None:
         """Call `hook` before each scrape (to refresh gauges from live state)."""

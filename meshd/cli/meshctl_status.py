@@ -47,6 +47,12 @@ def render(status: dict[str, Any], events: int) -> None:
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
         f"{status['uptime_s']:.0f} s"
     )
+    expired = status.get("sessions_expired", {})
+    console.print(
+        "sessions expired "
+        + (", ".join(f"{cause} {n}" for cause, n in expired.items()) or "0")
+        + " (freed without a close)"
+    )
     members = Table(title="members")
     for column in ("node", "key", "health", "address", "offers", "stage", "lane", "rtt ms", "loss"):
         members.add_column(column)
@@ -80,6 +86,8 @@ def render(status: dict[str, Any], events: int) -> None:
 
 
 def _state(status: dict[str, Any]) -> str:
+    if status.get("stopping"):
+        return f"[yellow]STOPPING[/] ({status['sessions_coordinated']} requests in flight)"
     if status.get("draining"):
         return f"[yellow]DRAINING[/] ({status['sessions_hosted']} sessions left)"
     return "[red]KILLED[/]" if status["disabled"] else ""

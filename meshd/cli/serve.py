@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -57,27 +57,38 @@ def model_name(model: str) -> str:
 async def serve(config: NodeConfig) -> None:
     """Run one daemon until cancelled."""
     # Imported here so `meshd --help` and config errors stay fast (torch is heavy).
+    from meshd.api.metrics import ApiMetrics
     from meshd.api.openai import create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
+    from meshd.node.shutdown import stop_gracefully
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
     node = MeshNode(config, model_dir=model_dir, load_display=_load_display(config))
     backend = NodeBackend(node, model_name=name)
     notifier = Notifier()
+    started = trio.Event()
+
+    async def graceful() -> None:
+        if started.is_set():  # before that, there is nothing to hand over
+            await stop_gracefully(node, backend, config.graceful_timeout_s)
+
     async with trio.open_nursery() as nursery:
-        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier)
+        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier, graceful)
         # Pings start before READY: loading a big model must not look like a hang.
         nursery.start_soon(_watchdog, notifier)
         with _startup_display(config):
             await nursery.start(node.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
-        app = create_app(backend, api_key=config.read_api_key(), spec=config.spec)
+        metrics = ApiMetrics()
+        metrics.on_scrape(lambda: metrics.sessions_expired_total(node.slot.sessions_expired))
+        app = create_app(backend, api_key=config.read_api_key(), spec=config.spec, metrics=metrics)
         api = await nursery.start(serve_api, app, config.api_host, config.api_port)
+        started.set()
         notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")
         print(
             f"meshd: node {node.identity.node_id} api {api.base_url} "
@@ -138,17 +149,28 @@ def _rich_load_bar(what: str) -> Iterator[LoadProgress | None]:
 async def _stop_on_sigterm(
     scope: trio.CancelScope,
     notifier: Notifier,
+    graceful: Callable[[], Awaitable[None]],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """SIGTERM (systemctl stop, the demo) shuts down like Ctrl-C: cancel all, exit status 0."""
+    """SIGTERM (systemctl stop, the demo): stop gracefully (`meshd/node/shutdown.py`), then
+    cancel everything, exit status 0. A second SIGTERM (or Ctrl-C) stops at once."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         task_status.started()
-        async for _ in signals:
-            log.info("SIGTERM: stopping")
-            notifier.send(STOPPING="1")
-            scope.cancel()
-            return
+        await signals.__anext__()
+        log.info("SIGTERM: stopping")
+        notifier.send(STOPPING="1", STATUS="stopping: finishing requests in flight")
+        async with trio.open_nursery() as stopping:
+
+            async def at_once() -> None:
+                await signals.__anext__()
+                log.info("second SIGTERM: stopping at once")
+                stopping.cancel_scope.cancel()
+
+            stopping.start_soon(at_once)
+            await graceful()
+            stopping.cancel_scope.cancel()
+        scope.cancel()
 
 
 async def _watchdog(notifier: Notifier) -> None:

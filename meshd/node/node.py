@@ -104,6 +104,8 @@ class MeshNode:
         # ones and is left out of every plan; it stops when they end (or at the timeout).
         self.draining = False
         self._drain_scope: trio.CancelScope | None = None
+        # SIGTERM: no new requests or sessions; see `meshd/node/shutdown.py`.
+        self.stopping = False
         self.compute_ns = 0
         self.started_unix_s = time.time()
         self._suspects: dict[bytes, float] = {}
@@ -414,6 +416,9 @@ class MeshNode:
     # ---- operator commands ----------------------------------------------------------------
     async def apply_command(self, action: str, drain: bool) -> None:
         """kill: stop hosting (after the sessions end with `drain`); recover: host again."""
+        if self.stopping:
+            log.info("ignoring %s: this node is stopping", action)
+            return
         if action == "kill":
             if drain and self.slot.layers is not None and not self.disabled:
                 await self._drain_then_stop()
@@ -446,8 +451,30 @@ class MeshNode:
             detail = f"drain timed out after {timeout_s:g} s" if waited.cancelled_caught else ""
             self.note("killed", self.node_key, detail or "drained")
         self._drain_scope = None
+        if self.stopping:
+            return  # the stop owns the stage from here
         self.draining = False
         self.slot.refuse_new_sessions = False
+        self.publish_capacity()
+
+    def begin_stop(self) -> None:
+        """SIGTERM: admit nothing new and stop offering the model, so every plan (and every
+        new request, anywhere) moves to a spare at once, while the stage keeps serving the
+        sessions it has; `finish_stop` ends it."""
+        self._cancel_drain()
+        self.stopping = True
+        self.draining = True
+        self.slot.refuse_new_sessions = True
+        self.note("stopping", self.node_key, f"{self.slot.sessions} sessions open")
+        self.publish_capacity()
+
+    async def finish_stop(self) -> None:
+        """Stop the stage: sessions still open get `stage_stopped`, and their coordinators
+        continue on the spare (loaded since `begin_stop`)."""
+        left = self.slot.sessions
+        self.disabled = True
+        await self.slot.stop("the node is stopping")
+        self.note("stopped", self.node_key, f"{left} sessions handed over" if left else "drained")
         self.publish_capacity()
 
     def _cancel_drain(self) -> None:
