@@ -159,7 +159,8 @@ async def _stop_on_sigterm(
         task_status.started()
         await signals.__anext__()
         log.info("SIGTERM: stopping")
-        notifier.send(STOPPING="1", STATUS="stopping: finishing requests in flight")
+        notifier.send(STOPPING="1")
+        notifier.send(STATUS="stopping: finishing requests in flight")
         async with trio.open_nursery() as stopping:
 
             async def at_once() -> None:

@@ -64,3 +64,19 @@ def test_scrape_hooks_refresh_gauges_and_a_broken_one_is_contained() -> None:
     assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.010
     rtt[0] = 0.020
     assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.020
+
+
+def test_expired_sessions_follow_the_node_totals_by_cause() -> None:
+    m = ApiMetrics()
+    totals = {"coordinator_lost": 0, "lease_lapsed": 0}
+    m.on_scrape(lambda: m.sessions_expired_total(totals))
+
+    def expired(cause: str) -> float:
+        return samples(m)[("meshd_stage_sessions_expired_total", (("cause", cause),))]
+
+    assert expired("coordinator_lost") == 0 and expired("lease_lapsed") == 0
+    totals["coordinator_lost"] = 4
+    assert expired("coordinator_lost") == 4
+    totals["coordinator_lost"], totals["lease_lapsed"] = 6, 1
+    assert expired("coordinator_lost") == 6 and expired("lease_lapsed") == 1
+    assert expired("coordinator_lost") == 6  # a scrape without news adds nothing

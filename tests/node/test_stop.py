@@ -33,7 +33,7 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
 from tests.node.daemons import SECRET, Daemon, started, stop_all
-from tests.node.test_daemon import reference, three_stage_budget
+from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +180,14 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     for s in streams:
         s.thread.join(30)
         assert s.error is not None  # the coordinator's socket went with it
+    # The operator sees them: meshctl status (JSON above, and the table) and /metrics.
+    stage = stages[0]
+    expired = _expired(stage)
+    table = meshctl("status", "--socket", stage.socket)
+    assert f"coordinator_lost {expired['coordinator_lost']}" in table
+    metrics = httpx.get(stage.api_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    line = 'meshd_stage_sessions_expired_total{cause="coordinator_lost"} '
+    assert f"{line}{float(expired['coordinator_lost'])}" in metrics
     # The mesh serves at once: nothing is held for the dead coordinator.
     final = list(request_lines(stages[0].socket, _op(prompt, 20), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 20)
