@@ -11,14 +11,16 @@ a short `session_lease_s` and `graceful_timeout_s`.
    SIGTERM one stalls the stream no longer than the SIGKILL one, and no stage keeps a session.
 3. SIGTERM of a coordinator mid-stream (it is a stage too): tokens keep coming after the
    signal, a new request gets 503 with Retry-After, the stream ends with an error event and
-   `[DONE]` when the grace runs out (never a silent cut), no stage keeps a session, and the
-   daemon exits with status 0.
+   `[DONE]` when the grace runs out (never a silent cut), a request in flight that is not
+   streamed gets an OpenAI-shaped 503, no stage keeps a session, and the daemon exits with
+   status 0.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import secrets
 import signal
 import threading
 import time
@@ -32,7 +34,7 @@ from meshd.cli.demo_daemons import settled_plan, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
-from tests.node.daemons import SECRET, Daemon, started, stop_all
+from tests.node.daemons import Daemon, started, stop_all
 from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -41,9 +43,12 @@ PROMPT = "def fibonacci(n):\n"
 LEASE_S = 3.0
 GRACE_S = 2.0
 FLAGS = ("--session-lease-s", str(LEASE_S), "--graceful-timeout-s", str(GRACE_S))
-STAGE_NODES = (2, 3, 4)
-SPARE = 5
-COORDINATOR_ONLY = 6
+# Addresses 127.0.0.61-65 and a secret of its own: another mesh started by another test run
+# on this machine (mDNS on loopback) can never join this one.
+SECRET = "meshd-stop-test-" + secrets.token_hex(8)
+STAGE_NODES = (61, 62, 63)
+SPARE = 64
+COORDINATOR_ONLY = 65
 
 
 class Mesh:
@@ -240,8 +245,8 @@ def test_sigterm_of_a_middle_stage_is_no_slower_than_sigkill(mesh: Mesh, prompt:
         f"{kill_stall:.3f} s"
     )
     # A crash costs at least the dead-lane verdict (1.2 s here); a stop hands over without it.
+    # (The next token alone says little: one already computed may still arrive after a kill.)
     assert term_stall <= kill_stall
-    assert term_next <= kill_next
 
 
 # ---- 3. a coordinator stops mid-stream ---------------------------------------------------------
@@ -268,7 +273,19 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     events: list[tuple[float, str]] = []
     thread = threading.Thread(target=_sse, args=(coordinator.api_url, body, events), daemon=True)
     thread.start()
+    whole: list[httpx.Response] = []
+    whole_thread = threading.Thread(
+        target=lambda: whole.append(
+            httpx.post(f"{coordinator.api_url}/completions", json={**body, "stream": False},
+                       timeout=60)
+        ),
+        daemon=True,
+    )  # fmt: skip
+    whole_thread.start()
     wait_until(lambda: len(events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+    wait_until(
+        lambda: coordinator.status()["sessions_coordinated"] == 2, 30, "both requests running"
+    )
     signalled_at = time.monotonic()
     coordinator.proc.send_signal(signal.SIGTERM)
     refused = httpx.post(
@@ -286,6 +303,11 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     last = json.loads(payloads[-2])
     finished = last.get("choices") and last["choices"][0].get("finish_reason") == "length"
     assert finished or last["error"]["code"] == "service_unavailable", last
+    # The request that was not streamed gets an OpenAI-shaped 503 instead of its text.
+    whole_thread.join(30)
+    assert whole and whole[0].status_code == 503, whole
+    assert whole[0].json()["error"]["code"] == "service_unavailable"
+    assert int(whole[0].headers["Retry-After"]) >= 1
     # Tokens kept coming after the signal while the grace lasted.
     assert any(t > signalled_at and '"text":"' in p for t, p in events[:-2])
     wait_until(lambda: coordinator.proc.poll() is not None, GRACE_S + 20, "the daemon to exit")
