@@ -22,6 +22,8 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_WINDOW_TOKENS = 8192
 MAX_SESSION_ID_CHARS = 64
+# Sessions one keep-alive may renew (a coordinator with more sends several).
+MAX_KEEPALIVE_SESSIONS = 1024
 
 DType = Literal["f32", "f16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
@@ -99,6 +101,18 @@ class CloseSession(msgspec.Struct, frozen=True, tag="close"):
     """Coordinator → every stage: free the session's KV."""
 
     session: str
+
+
+class SessionKeepAlive(msgspec.Struct, frozen=True, tag="keepalive"):
+    """Coordinator → a stage node: renew the leases of these open sessions.
+
+    A stage frees a session whose lease lapses (`session_lease_s` without a window or a
+    keep-alive), so a coordinator that crashed never leaves KV behind; a live coordinator sends
+    this every third of the lease for the sessions it has open there. A stage answers a session
+    it does not hold with `StageError(code="session_expired")`, so the coordinator re-plans.
+    """
+
+    sessions: list[str]
 
 
 class Rollback(msgspec.Struct, frozen=True, tag="rollback"):
@@ -190,6 +204,7 @@ class StageCommand(msgspec.Struct, frozen=True, tag="command"):
 Message = (
     OpenSession
     | CloseSession
+    | SessionKeepAlive
     | Rollback
     | VerifyWindow
     | StageHidden
@@ -266,6 +281,11 @@ def _check(message: Message) -> None:
             raise RemoteProtocolError("hello: a node key is 32 bytes")
     elif isinstance(message, StageCommand):
         pass
+    elif isinstance(message, SessionKeepAlive):
+        if len(message.sessions) > MAX_KEEPALIVE_SESSIONS:
+            raise RemoteProtocolError(f"keep-alive: at most {MAX_KEEPALIVE_SESSIONS} sessions")
+        for session in message.sessions:
+            _check_session(session)
     elif isinstance(message, VerifyReply):
         _check_session(message.session)
         if message.accepted_len < 0 or message.next_token < 0:

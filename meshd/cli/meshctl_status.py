@@ -93,6 +93,8 @@ def _counts(title: str, counts: dict[str, int] | None) -> str:
 
 
 def _state(status: dict[str, Any]) -> str:
+    if status.get("stopping"):
+        return f"[yellow]STOPPING[/] ({status['sessions_coordinated']} requests in flight)"
     if status.get("draining"):
         return f"[yellow]DRAINING[/] ({status['sessions_hosted']} sessions left)"
     return "[red]KILLED[/]" if status["disabled"] else ""

@@ -13,7 +13,7 @@ import signal
 import socket
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -170,6 +170,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
+    from meshd.node.shutdown import stop_gracefully
     from meshd.node.status import export_counters
 
     model_dir = config.model or str(builtin_model_dir())
@@ -177,8 +178,14 @@ async def serve(config: NodeConfig) -> None:
     node = MeshNode(config, model_dir=model_dir, load_display=_load_display(config))
     backend = NodeBackend(node, model_name=name)
     notifier = Notifier()
+    started = trio.Event()
+
+    async def graceful() -> None:
+        if started.is_set():  # before that, there is nothing to hand over
+            await stop_gracefully(node, backend, config.graceful_timeout_s)
+
     async with trio.open_nursery() as nursery:
-        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier)
+        await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier, graceful)
         # Pings start before READY: loading a big model must not look like a hang.
         nursery.start_soon(_watchdog, notifier)
         with _startup_display(config):
@@ -197,6 +204,7 @@ async def serve(config: NodeConfig) -> None:
             functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
             app, config.api_host, config.api_port,
         )  # fmt: skip
+        started.set()
         notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")
         print(
             f"meshd: node {node.identity.node_id} api {api.base_url} "
@@ -257,17 +265,29 @@ def _rich_load_bar(what: str) -> Iterator[LoadProgress | None]:
 async def _stop_on_sigterm(
     scope: trio.CancelScope,
     notifier: Notifier,
+    graceful: Callable[[], Awaitable[None]],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """SIGTERM (systemctl stop, the demo) shuts down like Ctrl-C: cancel all, exit status 0."""
+    """SIGTERM (systemctl stop, the demo): stop gracefully (`meshd/node/shutdown.py`), then
+    cancel everything, exit status 0. A second SIGTERM (or Ctrl-C) stops at once."""
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         task_status.started()
-        async for _ in signals:
-            log.info("SIGTERM: stopping")
-            notifier.send(STOPPING="1")
-            scope.cancel()
-            return
+        await signals.__anext__()
+        log.info("SIGTERM: stopping")
+        notifier.send(STOPPING="1")
+        notifier.send(STATUS="stopping: finishing requests in flight")
+        async with trio.open_nursery() as stopping:
+
+            async def at_once() -> None:
+                await signals.__anext__()
+                log.info("second SIGTERM: stopping at once")
+                stopping.cancel_scope.cancel()
+
+            stopping.start_soon(at_once)
+            await graceful()
+            stopping.cancel_scope.cancel()
+        scope.cancel()
 
 
 async def _watchdog(notifier: Notifier) -> None:

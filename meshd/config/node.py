@@ -128,6 +128,11 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     recovery_timeout_s: float = 20.0
     suspect_hold_s: float = 10.0
     drain_timeout_s: float = 300.0
+    # A stage frees a session after this long without a window or keep-alive from its
+    # coordinator (coordinators renew their sessions every third of it).
+    session_lease_s: float = 30.0
+    # SIGTERM: how long in-flight requests may run on before they are ended with an error.
+    graceful_timeout_s: float = 30.0
     mdns: MdnsConfig = MdnsConfig()
     membership: MembershipTimers = MembershipTimers()
     lane: LaneConfig = LaneConfig()
@@ -285,7 +290,13 @@ def _check_compute(c: NodeConfig) -> None:
 
 
 def _check_timers(c: NodeConfig) -> None:
-    for key in ("recovery_timeout_s", "suspect_hold_s", "drain_timeout_s"):
+    for key in (
+        "recovery_timeout_s",
+        "suspect_hold_s",
+        "drain_timeout_s",
+        "session_lease_s",
+        "graceful_timeout_s",
+    ):
         value = getattr(c, key)
         if not 0 < value < math.inf:
             raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)

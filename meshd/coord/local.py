@@ -26,7 +26,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
-from meshd.stage.host import StageHost
+from meshd.stage.host import StageHost, StageHostConfig
 from protocol.messages import DType, Message, StageError, VerifyReply
 
 
@@ -74,13 +74,17 @@ async def open_local_pipeline(
     split: Sequence[tuple[int, int]] | None = None,
     use_thread: bool = True,
     torch_threads: int | None = 1,
+    session_lease_s: float = 30.0,
+    keep_alive: bool = True,
 ) -> AsyncIterator[LocalPipeline]:
     """Start `stages` stage nodes on loopback and a coordinator on the first one.
 
     All stages share this process, and each computes in its own worker thread, so torch's
     intra-op threads default to 1 here: several stages each spinning up an OpenMP team on a
     small machine oversubscribes it (measured: a small model's pass went from 0.6 ms to 25 ms
-    under load). `torch_threads=None` leaves torch's setting alone.
+    under load). `torch_threads=None` leaves torch's setting alone. Stages free a session
+    after `session_lease_s` without a window or keep-alive; the coordinator renews its
+    sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
     """
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
@@ -114,11 +118,16 @@ async def open_local_pipeline(
                     host.handle(message, sender)
 
             peers = PeerTable(endpoints[index], publics[index], dispatch)
-            host = StageHost(stage, peers, eos_ids=eos_ids, use_thread=use_thread)
+            config = StageHostConfig(session_lease_s=session_lease_s)
+            host = StageHost(stage, peers, eos_ids=eos_ids, use_thread=use_thread, config=config)
             holder["host"] = host
             if index == 0:
-                coordinator = Coordinator(peers, publics[0], wire_dtype=wire_dtype)
+                coordinator = Coordinator(
+                    peers, publics[0], wire_dtype=wire_dtype, session_lease_s=session_lease_s
+                )
                 holder["coord"] = coordinator
+                if keep_alive:
+                    nursery.start_soon(coordinator.keep_alive)
                 peers.on_lane_lost = lambda key, _lane, c=coordinator: c.peer_lost(key)
             nodes.append(LocalNode(publics[index], peers, host))
             await nursery.start(peers.run)

@@ -6,6 +6,11 @@ statelessly). Window n+1 may leave before reply n arrives, assuming window n is 
 full and guessing its bonus token; a reply that disproves the assumption bumps the epoch,
 tells every stage to drop older work (`Rollback`), and costs at most one extra round trip.
 KV is positional, so nothing on the stages needs undoing.
+
+Stages hold a session only while its lease lasts (`meshd/stage/leases.py`): `keep_alive` renews
+every open session's lease on each of its stages every third of `session_lease_s`, and every
+way a request ends (done, client gone, error, cancelled) closes the session on every stage of
+its route it can still reach; the stages free what it cannot reach when they lose it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ from meshd.spec.proposers import make_proposer
 from meshd.spec.sampling import clip_drafts
 from meshd.spec.telemetry import Recorder, SpecTelemetry
 from protocol.messages import (
+    MAX_KEEPALIVE_SESSIONS,
     CloseSession,
     DType,
     Message,
     OpenSession,
     Rollback,
     Sampling,
+    SessionKeepAlive,
     StageError,
     VerifyReply,
     VerifyWindow,
@@ -44,6 +51,8 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 
 MTP_STRATEGIES = frozenset({"mtp", "mtp-simple", "mtp-cache", "auto"})
+# How long closing a session may wait on one stage (a dead one must not hold up the others).
+CLOSE_TIMEOUT_S = 2.0
 
 # Called with each batch of newly committed tokens; returning False stops generation early
 # (a stop sequence matched, or the client went away).
@@ -132,9 +141,11 @@ class Coordinator:
         prefill_chunk_tokens: int = 256,
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
+        session_lease_s: float = 30.0,
     ) -> None:
         self.sender = sender
         self.own_key = own_key
+        self.session_lease_s = session_lease_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.wire_dtype = wire_dtype
         self.reply_timeout_s = reply_timeout_s
@@ -175,12 +186,53 @@ class Coordinator:
             return await _Run(self, live, request, on_tokens).run()
         finally:
             del self._live[live.session]
-            with trio.CancelScope(shield=True), trio.move_on_after(2):
-                for key in route.keys:
-                    try:
-                        await self.sender.send(key, CloseSession(live.session))
-                    except Exception as exc:  # the node may be gone; its KV went with it
-                        log.debug("close on %s failed: %s", key.hex()[:16], exc)
+            # Shielded: a cancelled request (client gone, shutdown) closes its session too.
+            with trio.CancelScope(shield=True):
+                await self.close_session(live.session, route)
+
+    async def close_session(self, session: str, route: Route) -> None:
+        """Close `session` on every stage of `route` at once, each bounded by CLOSE_TIMEOUT_S.
+
+        In parallel, so a stage that died (or whose lane is closing) cannot keep the close from
+        the stages after it; a stage it cannot reach frees the session when it loses this node
+        or when the lease lapses.
+        """
+
+        async def close_on(key: bytes) -> None:
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                try:
+                    await self.sender.send(key, CloseSession(session))
+                except Exception as exc:  # the node may be gone; its KV went with it
+                    log.debug("close on %s failed: %s", key.hex()[:16], exc)
+
+        async with trio.open_nursery() as nursery:
+            for key in dict.fromkeys(route.keys):
+                nursery.start_soon(close_on, key)
+
+    async def keep_alive(self) -> None:
+        """Renew the leases of every open session every third of the lease, until cancelled."""
+        while True:
+            await trio.sleep(self.session_lease_s / 3)
+            await self.renew_leases()
+
+    async def renew_leases(self) -> None:
+        """One `SessionKeepAlive` per stage node, naming this coordinator's sessions there."""
+        by_key: dict[bytes, list[str]] = {}
+        for live in list(self._live.values()):
+            for key in dict.fromkeys(live.route.keys):
+                by_key.setdefault(key, []).append(live.session)
+
+        async def renew(key: bytes, sessions: list[str]) -> None:
+            with trio.move_on_after(self.session_lease_s / 3):
+                try:
+                    await self.sender.send(key, SessionKeepAlive(sessions))
+                except Exception as exc:  # a lost stage fails its sessions another way
+                    log.debug("keep-alive to %s failed: %s", key.hex()[:16], exc)
+
+        async with trio.open_nursery() as nursery:
+            for key, sessions in by_key.items():
+                for lo in range(0, len(sessions), MAX_KEEPALIVE_SESSIONS):
+                    nursery.start_soon(renew, key, sessions[lo : lo + MAX_KEEPALIVE_SESSIONS])
 
     def stage_load(self, route: Route) -> float:
         """Sessions sharing the route's busiest stage, as its replies report (smoothed; ≥ 1)."""

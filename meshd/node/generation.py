@@ -30,6 +30,11 @@ from meshd.spec.telemetry import Recorder
 
 log = logging.getLogger(__name__)
 
+STOPPING = "this node is stopping: send the request to another node of the mesh"
+STOPPED_MID_REQUEST = "this node stopped before the request finished: retry it on another node"
+# What a stopping node's 503 asks clients to wait (a restart takes about this long).
+STOPPING_RETRY_AFTER_S = 5.0
+
 
 class NodeBackend:
     """`meshd.api.backend.MeshBackend` on a running `MeshNode`."""
@@ -41,13 +46,50 @@ class NodeBackend:
         self.mtp_depth = node.checkpoint.config.num_mtp_layers
         self.max_context_tokens = node.context_tokens
         self.recoveries = 0
+        # One cancel scope per generation running, so a stop can end them (`abort_all`).
+        self._running: set[trio.CancelScope] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Generations running now."""
+        return len(self._running)
+
+    async def wait_idle(self) -> None:
+        """Return once no generation runs."""
+        await self._idle.wait()
+
+    async def abort_all(self) -> None:
+        """End every running generation with ServiceUnavailable (the node is stopping) and
+        wait until they have closed their sessions."""
+        for scope in list(self._running):
+            scope.cancel()
+        await self.wait_idle()
 
     async def generate(self, request: GenerationRequest, on_tokens: OnTokens) -> GenerationResult:
         """Generate over the mesh; raises ServiceUnavailable when no plan fits or it times out.
 
         A failure is retried on a new route until `recovery_timeout_s`; with no feasible plan
-        (too few nodes left), ServiceUnavailable is raised at once.
+        (too few nodes left), ServiceUnavailable is raised at once. A stopping node admits
+        nothing (503), and a generation still running when its grace ends gets a 503 too
+        (an error event in a stream): never a silent cut.
         """
+        if self.node.stopping:
+            raise ServiceUnavailable(STOPPING, STOPPING_RETRY_AFTER_S)
+        scope = trio.CancelScope()
+        self._running.add(scope)
+        self._idle = trio.Event()
+        try:
+            with scope:
+                return await self._generate(request, on_tokens)
+            raise ServiceUnavailable(STOPPED_MID_REQUEST, STOPPING_RETRY_AFTER_S)
+        finally:
+            self._running.discard(scope)
+            if not self._running:
+                self._idle.set()
+
+    async def _generate(self, request: GenerationRequest, on_tokens: OnTokens) -> GenerationResult:
         tuning = self.node.tuning
         committed: list[int] = []
         deadline = trio.current_time() + self.node.config.recovery_timeout_s

@@ -37,10 +37,19 @@ from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.node.tuning import DaemonTuning
 from meshd.plan import NoFeasiblePlan, Plan, PlannerConfig
+from meshd.stage.host import StageHostConfig
 from protocol import gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
-from protocol.messages import Message, NodeHello, StageCommand, StageError, VerifyReply
+from protocol.messages import (
+    CloseSession,
+    Message,
+    NodeHello,
+    SessionKeepAlive,
+    StageCommand,
+    StageError,
+    VerifyReply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +104,8 @@ class MeshNode:
         # ones and is left out of every plan; it stops when they end (or at the timeout).
         self.draining = False
         self._drain_scope: trio.CancelScope | None = None
+        # SIGTERM: no new requests or sessions; see `meshd/node/shutdown.py`.
+        self.stopping = False
         self.compute_ns = 0
         self.started_unix_s = time.time()
         self._suspects: dict[bytes, float] = {}
@@ -162,7 +173,10 @@ class MeshNode:
             introducers=self._introducers_for,
         )
         self.coordinator = Coordinator(
-            _RouteSender(self), self.identity.x25519_public, wire_dtype="f32"
+            _RouteSender(self),
+            self.identity.x25519_public,
+            wire_dtype="f32",
+            session_lease_s=self.config.session_lease_s,
         )
         self.slot = StageSlot(
             self.checkpoint,
@@ -171,6 +185,7 @@ class MeshNode:
             dtype=self.dtype,
             eos_ids=frozenset(self.tokenizer.eos_ids),
             load_display=self.load_display,
+            host_config=StageHostConfig(session_lease_s=self.config.session_lease_s),
         )
         now = trio.current_time()
         self.membership = Membership(
@@ -196,6 +211,7 @@ class MeshNode:
         await nursery.start(self.peers.run)
         await nursery.start(self.slot.run)
         await nursery.start(self.gossip.run)
+        nursery.start_soon(self.coordinator.keep_alive)
         nursery.start_soon(self._plan_loop)
         self.request_replan()  # a lone node serves alone until others join
         for address in self.config.bootstrap_peers():
@@ -257,6 +273,7 @@ class MeshNode:
             if reason == "peer_dead":
                 self.suspect(node_id)  # before the coordinator hears: its retry routes around
         self.coordinator.peer_lost(lane_key)
+        self.slot.coordinator_lost(lane_key)  # its sessions here can never be closed now
         self.gossip.on_lane_dead(lane_key)
 
     def suspect(self, node_id: bytes) -> None:
@@ -270,6 +287,8 @@ class MeshNode:
                 self.note(f"member-{event.kind.value}", event.node_id)
             if event.kind in (EventKind.JOINED, EventKind.ALIVE_AGAIN):
                 self._suspects.pop(event.node_id, None)
+            if event.kind in (EventKind.DIED, EventKind.LEFT):
+                self.slot.coordinator_lost(self.keys.x_of(event.node_id))
         self.request_replan()
 
     def _introducers_for(self, target: bytes) -> list[bytes]:
@@ -397,6 +416,9 @@ class MeshNode:
     # ---- operator commands ----------------------------------------------------------------
     async def apply_command(self, action: str, drain: bool) -> None:
         """kill: stop hosting (after the sessions end with `drain`); recover: host again."""
+        if self.stopping:
+            log.info("ignoring %s: this node is stopping", action)
+            return
         if action == "kill":
             if drain and self.slot.layers is not None and not self.disabled:
                 await self._drain_then_stop()
@@ -429,8 +451,30 @@ class MeshNode:
             detail = f"drain timed out after {timeout_s:g} s" if waited.cancelled_caught else ""
             self.note("killed", self.node_key, detail or "drained")
         self._drain_scope = None
+        if self.stopping:
+            return  # the stop owns the stage from here
         self.draining = False
         self.slot.refuse_new_sessions = False
+        self.publish_capacity()
+
+    def begin_stop(self) -> None:
+        """SIGTERM: admit nothing new and stop offering the model, so every plan (and every
+        new request, anywhere) moves to a spare at once, while the stage keeps serving the
+        sessions it has; `finish_stop` ends it."""
+        self._cancel_drain()
+        self.stopping = True
+        self.draining = True
+        self.slot.refuse_new_sessions = True
+        self.note("stopping", self.node_key, f"{self.slot.sessions} sessions open")
+        self.publish_capacity()
+
+    async def finish_stop(self) -> None:
+        """Stop the stage: sessions still open get `stage_stopped`, and their coordinators
+        continue on the spare (loaded since `begin_stop`)."""
+        left = self.slot.sessions
+        self.disabled = True
+        await self.slot.stop("the node is stopping")
+        self.note("stopped", self.node_key, f"{left} sessions handed over" if left else "drained")
         self.publish_capacity()
 
     def _cancel_drain(self) -> None:
@@ -453,20 +497,26 @@ class MeshNode:
 
 
 class _RouteSender:
-    """The coordinator's sender: never dials a node whose lane just died.
+    """The coordinator's sender: never dials a node whose lane just died, nor to close.
 
     Without this, closing a failed session would redial the dead node and wait out a
-    handshake before the request could re-plan or answer 503.
+    handshake before the request could re-plan or answer 503. Closes and keep-alives only
+    travel on open lanes: a stage whose lane to this node is gone has freed our sessions
+    already (it frees a lost coordinator's sessions), so there is nothing to close or renew.
     """
 
     def __init__(self, node: MeshNode) -> None:
         self.node = node
 
     async def send(self, key: bytes, message: Message, stream: int = PIPELINE_STREAM) -> None:
-        node_id = self.node.keys.ed_of(key)
-        if node_id in self.node._suspects and self.node.peers.lane(key) is None:
-            raise PeerUnreachable(f"peer {key.hex()[:16]} lost its lane recently")
-        await self.node.peers.send(key, message, stream)
+        peers = self.node.peers
+        if key != peers.own_key and peers.lane(key) is None:
+            node_id = self.node.keys.ed_of(key)
+            if node_id in self.node._suspects:
+                raise PeerUnreachable(f"peer {key.hex()[:16]} lost its lane recently")
+            if isinstance(message, CloseSession | SessionKeepAlive):
+                raise PeerUnreachable(f"no lane to {key.hex()[:16]}: nothing to close there")
+        await peers.send(key, message, stream)
 
 
 def _describe(p: Plan) -> str:

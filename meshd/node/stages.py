@@ -3,7 +3,9 @@
 Every node has a full local copy of the model, so it can host any range the plan gives it.
 Loading runs in a worker thread (the trio loop keeps serving lanes and gossip meanwhile).
 Stopping fails the sessions open here with a typed `StageError`, so their coordinators
-re-plan at once instead of waiting for a reply that will never come.
+re-plan at once instead of waiting for a reply that will never come. Sessions whose
+coordinator is lost, or whose lease lapses, are freed by the host (`StageHost`); the slot
+keeps the counts across the stages it hosts over the node's life.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import trio
 from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import LoadProgress, StageModel
-from meshd.stage.host import StageHost
-from protocol.messages import CloseSession, Message, OpenSession, StageError
+from meshd.stage.host import EXPIRY_CAUSES, StageHost, StageHostConfig
+from protocol.messages import Message, OpenSession, StageError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class StageSlot:
         dtype: torch.dtype,
         eos_ids: frozenset[int],
         load_display: LoadDisplay | None = None,
+        host_config: StageHostConfig | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.load_display = load_display
@@ -78,11 +81,11 @@ class StageSlot:
         self.device = device
         self.dtype = dtype
         self.eos_ids = eos_ids
+        self.host_config = host_config or StageHostConfig()
         self._running: _Running | None = None
-        # session -> coordinator key, for sessions this node accepted (to fail them on stop).
-        self._sessions: dict[str, bytes] = {}
         self._nursery: trio.Nursery | None = None
-        self._drained = trio.Event()
+        # Sessions freed without a close by the stages hosted before the current one.
+        self._expired_before = dict.fromkeys(EXPIRY_CAUSES, 0)
         # While draining: sessions already open are served, new ones are refused.
         self.refuse_new_sessions = False
 
@@ -94,7 +97,18 @@ class StageSlot:
     @property
     def sessions(self) -> int:
         """Sessions open on this node's stage."""
-        return len(self._sessions)
+        return self._running.host.sessions if self._running else 0
+
+    @property
+    def sessions_expired(self) -> dict[str, int]:
+        """Sessions freed without an explicit close since the node started, by cause."""
+        current = self._running.host.stats.sessions_expired if self._running else {}
+        return {c: n + current.get(c, 0) for c, n in self._expired_before.items()}
+
+    def coordinator_lost(self, coordinator: bytes) -> None:
+        """`coordinator` (a lane key) is gone: free its sessions here."""
+        if self._running is not None:
+            self._running.host.free_coordinator(coordinator)
 
     @property
     def kv_used_bytes(self) -> int:
@@ -125,7 +139,9 @@ class StageSlot:
                     self.checkpoint, lo, hi, device=self.device, dtype=self.dtype, progress=progress
                 )
             )
-        host = StageHost(model, self.peers, eos_ids=self.eos_ids, use_thread=True)
+        host = StageHost(
+            model, self.peers, eos_ids=self.eos_ids, use_thread=True, config=self.host_config
+        )
         running = _Running(layers, host, trio.CancelScope(), trio.Event())
         self._running = running
         assert self._nursery is not None, "StageSlot.run() must be started first"
@@ -146,17 +162,18 @@ class StageSlot:
             return
         running.scope.cancel()
         await running.done.wait()
+        failed = running.host.session_coordinators()
         running.host.close_all()
-        failed, self._sessions = self._sessions, {}
+        for cause, count in running.host.stats.sessions_expired.items():
+            self._expired_before[cause] += count
         for session, coordinator in failed.items():
             error = StageError(session, "stage_stopped", f"the stage was stopped: {reason}")
             await self._send(coordinator, error)
 
     async def drain(self) -> None:
-        """Wait until no session is open here."""
-        while self._sessions:
-            self._drained = trio.Event()
-            await self._drained.wait()
+        """Wait until no session is open here (closed, or freed with its coordinator)."""
+        while self._running is not None and self._running.host.sessions:
+            await self._running.host.wait_empty()
 
     def handle(self, message: Message, sender: bytes) -> None:
         """A pipeline message for the stage; an open for layers we do not serve is refused."""
@@ -173,18 +190,13 @@ class StageSlot:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)
                 return
-            if self.refuse_new_sessions and message.session not in self._sessions:
+            if self.refuse_new_sessions and not running.host.has_session(message.session):
                 error = StageError(
                     message.session, "draining", "this stage is draining: re-plan without it"
                 )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)
                 return
-            self._sessions[message.session] = message.coordinator
-        elif isinstance(message, CloseSession):
-            self._sessions.pop(message.session, None)
-            if not self._sessions:
-                self._drained.set()
         if running is not None:
             running.host.handle(message, sender)
 

@@ -81,6 +81,10 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     stage_layers: list[int] | None
     sessions_hosted: int
     kv_used_bytes: int  # KV cache held by this node's stage; back to 0 when sessions close
+    # Sessions this node's stages freed without an explicit close, since start, by cause:
+    # "coordinator_lost" (its lane died, or membership declared it dead) and "lease_lapsed".
+    sessions_expired: dict[str, int]
+    stopping: bool  # SIGTERM: admits no request, lets those in flight finish, then exits
     sessions_coordinated: int
     recoveries: int
     uptime_s: float
@@ -142,6 +146,8 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         stage_layers=list(layers) if layers is not None else None,
         sessions_hosted=node.slot.sessions,
         kv_used_bytes=node.slot.kv_used_bytes,
+        sessions_expired=node.slot.sessions_expired,
+        stopping=node.stopping,
         sessions_coordinated=node.coordinator.sessions_in_flight,
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,
@@ -173,6 +179,11 @@ def export_counters(metrics: ApiMetrics, node: MeshNode) -> None:
     metrics.count_by(
         "meshd_handshakes_refused", "Lane handshakes refused, by reason", "reason",
         lambda: node.endpoint.stats.refused,
+    )  # fmt: skip
+    metrics.count_by(
+        "meshd_stage_sessions_expired",
+        "Sessions a local stage freed without an explicit close, by cause", "cause",
+        lambda: node.slot.sessions_expired,
     )  # fmt: skip
 
 

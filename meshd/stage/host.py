@@ -13,6 +13,12 @@ weights stream from memory once per pass instead of once per session. The last s
 verifies and drafts per session. Every reply says how many sessions shared its pass and how
 many waited, which the coordinator's window policy reads as load.
 
+Leases: a session's KV is held while its coordinator shows it is alive. It is freed when the
+coordinator closes it (`CloseSession`), when the coordinator is lost (its lane died or
+membership declared it dead: `free_coordinator`), or when its lease lapses: `session_lease_s`
+without a window, rollback or `SessionKeepAlive` for it (`meshd/stage/leases.py`). Sessions freed
+without a close are counted by cause in `stats.sessions_expired`.
+
 Admission: a new session is refused with `StageError(code="overloaded", retry_after_s=…)` when
 the stage holds `max_sessions`, has `max_queued_windows` waiting, or its KV memory is full. The
 windows of admitted sessions are never dropped (that would stall their generations).
@@ -25,6 +31,7 @@ with token ids only. Logits never leave this process.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ import trio
 from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.spec.sampling import SamplingParams, verify
+from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
 from protocol.messages import (
@@ -44,6 +52,7 @@ from protocol.messages import (
     Message,
     OpenSession,
     Rollback,
+    SessionKeepAlive,
     StageError,
     StageHidden,
     StageTiming,
@@ -68,6 +77,14 @@ class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_sessions: int = 64
     max_queued_windows: int = 256
     overload_retry_after_s: float = 1.0
+    # A session is freed after this long without a window or keep-alive from its coordinator.
+    session_lease_s: float = 30.0
+
+
+# Why a session was freed without an explicit close (`StageHostStats.sessions_expired` keys).
+COORDINATOR_LOST = "coordinator_lost"  # its lane died, or membership declared it dead
+LEASE_LAPSED = "lease_lapsed"  # no window or keep-alive for `session_lease_s`
+EXPIRY_CAUSES = (COORDINATOR_LOST, LEASE_LAPSED)
 
 
 @dataclass
@@ -89,6 +106,9 @@ class StageHostStats:
     passes: int = 0
     largest_batch: int = 0
     sessions_refused: int = 0
+    sessions_expired: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(EXPIRY_CAUSES, 0)
+    )
 
 
 @dataclass
@@ -131,11 +151,32 @@ class StageHost:
         self._queue: deque[_Work] = deque()
         self._errors: deque[tuple[bytes, StageError]] = deque()
         self._ready = trio.Event()
+        self.leases = Leases(self.config.session_lease_s)
+        self._lease_wake = trio.Event()
+        self._empty = trio.Event()
+        self._empty.set()
 
     @property
     def queued_windows(self) -> int:
         """Windows waiting for the worker."""
         return len(self._queue)
+
+    @property
+    def sessions(self) -> int:
+        """Sessions open here."""
+        return len(self._sessions)
+
+    def has_session(self, session_id: str) -> bool:
+        """True while `session_id` is open here."""
+        return session_id in self._sessions
+
+    def session_coordinators(self) -> dict[str, bytes]:
+        """Each open session's coordinator (its lane key)."""
+        return {sid: s.info.coordinator for sid, s in self._sessions.items()}
+
+    async def wait_empty(self) -> None:
+        """Return once no session is open here."""
+        await self._empty.wait()
 
     # -- arrival (synchronous) ----------------------------------------------------------
     def handle(self, message: Message, sender_key: bytes) -> None:
@@ -144,18 +185,36 @@ class StageHost:
             self._open(message, sender_key)
         elif isinstance(message, CloseSession):
             self._close(message.session)
+        elif isinstance(message, SessionKeepAlive):
+            self._keep_alive(message, sender_key)
         elif isinstance(message, Rollback):
             session = self._sessions.get(message.session)
             if session is not None:
                 session.epoch = max(session.epoch, message.epoch)
+                self.leases.touch(message.session, trio.current_time())
         elif isinstance(message, VerifyWindow | StageHidden):
             window = message if isinstance(message, VerifyWindow) else message.window
             hidden = message if isinstance(message, StageHidden) else None
             session = self._sessions.get(window.session)
             if session is not None:
                 session.epoch = max(session.epoch, window.epoch)
+                self.leases.touch(window.session, trio.current_time())
             self._queue.append(_Work(window, hidden, time.perf_counter()))
             self._ready.set()
+
+    def _keep_alive(self, message: SessionKeepAlive, sender_key: bytes) -> None:
+        now = trio.current_time()
+        for session_id in message.sessions:
+            if session_id in self._sessions:
+                self.leases.touch(session_id, now)
+            else:
+                # Freed here (lease lapsed, stage restarted): the coordinator re-plans at once
+                # instead of waiting for a reply that will never come.
+                error = StageError(
+                    session_id, "session_expired", "this stage holds no such session"
+                )
+                self._errors.append((sender_key, error))
+                self._ready.set()
 
     def _open(self, message: OpenSession, sender_key: bytes) -> None:
         if message.session in self._sessions:
@@ -187,6 +246,9 @@ class StageHost:
             self.drafter.open(message.session)
         self._sessions[message.session] = _Session(message)
         self.stats.sessions_open = len(self._sessions)
+        self.leases.touch(message.session, trio.current_time())
+        self._empty = trio.Event()
+        self._lease_wake.set()
 
     def _busy_reason(self) -> str:
         config = self.config
@@ -207,17 +269,41 @@ class StageHost:
         self._errors.append((message.coordinator, error))
         self._ready.set()
 
-    def _close(self, session_id: str) -> None:
-        if self._sessions.pop(session_id, None) is not None:
+    def _close(self, session_id: str, cause: str = "") -> bool:
+        """Free a session's KV; `cause` (an EXPIRY_CAUSES entry) counts a free without a close."""
+        self.leases.drop(session_id)
+        found = self._sessions.pop(session_id, None) is not None
+        if found:
             self.stage.close_session(session_id)
             if self.drafter is not None:
                 self.drafter.close(session_id)
+            if cause:
+                self.stats.sessions_expired[cause] += 1
         self.stats.sessions_open = len(self._sessions)
+        if not self._sessions:
+            self._empty.set()
+        return found
 
     def close_all(self) -> None:
         """Free every session (the stage is being stopped)."""
         for session_id in list(self._sessions):
             self._close(session_id)
+
+    def free_coordinator(self, coordinator: bytes) -> list[str]:
+        """Free every session of `coordinator` (its lane died, or it was declared dead)."""
+        mine = [sid for sid, s in self._sessions.items() if s.info.coordinator == coordinator]
+        for session_id in mine:
+            self._close(session_id, COORDINATOR_LOST)
+        if mine:
+            log.info("freed %d sessions of lost coordinator %s", len(mine), coordinator.hex()[:16])
+        return mine
+
+    def expire(self, now: float) -> list[str]:
+        """Free every session whose lease lapsed by `now`."""
+        lapsed = [sid for sid in self.leases.expired(now) if self._close(sid, LEASE_LAPSED)]
+        if lapsed:
+            log.info("freed %d sessions whose lease lapsed", len(lapsed))
+        return lapsed
 
     def _fail(self, session_id: str, coordinator: bytes, code: str, message: str) -> None:
         self.stats.errors += 1
@@ -226,6 +312,21 @@ class StageHost:
 
     # -- the worker ---------------------------------------------------------------------
     async def run(self) -> None:
+        """Compute queued windows and free lapsed sessions until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._expire_leases)
+            await self._work()
+
+    async def _expire_leases(self) -> None:
+        """Sleep until the earliest lease deadline (or a new session), then free what lapsed."""
+        while True:
+            deadline = self.leases.next_deadline()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._lease_wake.wait()
+            self._lease_wake = trio.Event()
+            self.expire(trio.current_time())
+
+    async def _work(self) -> None:
         """Compute queued windows, oldest first, a batch per pass, until cancelled."""
         while True:
             await self._ready.wait()
@@ -286,7 +387,11 @@ class StageHost:
         self.stats.passes += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         self.stats.compute_s += compute_s
+        now = trio.current_time()
         for (work, session), result in zip(batch, results, strict=True):
+            if work.window.session in self._sessions:
+                # A pass longer than the lease (a huge prefill) must not cost the session.
+                self.leases.touch(work.window.session, now)
             timing = StageTiming(
                 session.info.stage_index,
                 start - work.arrived_s,

@@ -83,3 +83,19 @@ def test_counts_kept_elsewhere_are_read_at_each_scrape_by_label() -> None:
     got = samples(m)  # a broken reader leaves its counter empty, the page intact
     assert got[("meshd_datagrams_dropped_total", (("reason", "replayed"),))] == 2
     assert not [k for k in got if k[0] == "meshd_handshakes_refused_total"]
+
+
+def test_expired_sessions_follow_the_node_totals_by_cause() -> None:
+    m = ApiMetrics()
+    totals = {"coordinator_lost": 0, "lease_lapsed": 0}
+    m.count_by("meshd_stage_sessions_expired", "expired, by cause", "cause", lambda: totals)
+
+    def expired(cause: str) -> float:
+        return samples(m)[("meshd_stage_sessions_expired_total", (("cause", cause),))]
+
+    assert expired("coordinator_lost") == 0 and expired("lease_lapsed") == 0
+    totals["coordinator_lost"] = 4
+    assert expired("coordinator_lost") == 4
+    totals["coordinator_lost"], totals["lease_lapsed"] = 6, 1
+    assert expired("coordinator_lost") == 6 and expired("lease_lapsed") == 1
+    assert expired("coordinator_lost") == 6  # a scrape without news adds nothing

@@ -1,15 +1,18 @@
 import contextlib
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (
+    MAX_KEEPALIVE_SESSIONS,
     CloseSession,
     OpenSession,
     Rollback,
     Sampling,
+    SessionKeepAlive,
     StageError,
     StageHidden,
     StageTiming,
@@ -51,12 +54,28 @@ EXAMPLES = [
         stage_timings=[StageTiming(1, 0.0, 0.003)],
     ),
     StageError(session="s1", code="kv_budget", message="no room"),
+    SessionKeepAlive(sessions=["s1", "s2"]),
 ]
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(message: object) -> None:
     assert decode(encode(message)) == message  # type: ignore[arg-type]
+
+
+def test_keep_alive_limits_are_enforced() -> None:
+    full = SessionKeepAlive([f"s{i}" for i in range(MAX_KEEPALIVE_SESSIONS)])
+    assert decode(encode(full)) == full
+    for bad in (
+        SessionKeepAlive([*full.sessions, "one-more"]),
+        SessionKeepAlive(["ok", ""]),
+        SessionKeepAlive(["x" * 65]),
+    ):
+        with pytest.raises(LocalProtocolError):
+            encode(bad)
+        raw = msgspec.msgpack.encode(bad)
+        with pytest.raises(RemoteProtocolError):
+            decode(raw)
 
 
 def test_reply_keeps_target_token_and_mtp_draft_apart() -> None:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from meshd.config import NodeConfig
 from tests.node.daemons import REPO, SECRET
 
 UNIT = REPO / "systemd" / "meshd.service"
@@ -76,6 +77,13 @@ def test_unit_runs_the_daemon_as_a_hardened_notify_service() -> None:
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "RestrictSUIDSGID"):
         assert s[key] == ["yes"], key
     assert s["ProtectSystem"] == ["strict"]
+
+
+def test_stop_timeout_leaves_room_for_the_graceful_stop() -> None:
+    # systemd SIGKILLs a unit that outlasts TimeoutStopSec: the grace, then ending requests
+    # and handing the stage over (a few seconds), must fit.
+    stop_s = int(unit_settings()["TimeoutStopSec"][0].removesuffix("s"))
+    assert stop_s >= NodeConfig(state_dir="/var/lib/meshd").graceful_timeout_s + 10
 
 
 def _datagrams(server: socket.socket, until: float, stop: str = "") -> list[str]:
