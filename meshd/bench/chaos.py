@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench chaos`."""
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
     parser.add_argument(
-        "--duration-s", type=float, default=None, help="storm length (default 120; --quick 60)"
+        "--duration-s", type=float, default=None, help="storm length (default 120; --quick 90)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the load and the storm")
     parser.add_argument("--concurrency", type=int, default=8, help="streamed requests at once")
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--first-host", type=int, default=41, help="daemons bind 127.0.0.N, N+1, ..."
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quick", action="store_true", help="a 60 s storm, 24-token requests")
+    parser.add_argument("--quick", action="store_true", help="a 90 s storm, 24-token requests")
     parser.add_argument("--keep-logs", action="store_true", help="keep the daemons' work dir")
 
 
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         mesh.stop(keep_logs=args.keep_logs)
     report["pids"] = [pid for slot in mesh.slots for pid in slot.pids]
-    report["work_dir"] = str(mesh.work) if args.keep_logs else None
+    report["work_dir"] = str(mesh.work)  # removed unless --keep-logs
     report["total_s"] = time.monotonic() - t0
     if args.json:
         print(json.dumps(report))
@@ -182,11 +182,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if args.graceful_timeout_s is not None:
             flags += ["--graceful-timeout-s", str(args.graceful_timeout_s)]
     leak_wait_s = lease_s + LEASE_MARGIN_S if lease_s is not None else args.leak_wait_s
-    duration_s = args.duration_s or (60.0 if args.quick else 120.0)
+    duration_s = args.duration_s or (90.0 if args.quick else 120.0)
     cfg = StormConfig(
         seed=args.seed,
         duration_s=duration_s,
         concurrency=args.concurrency,
+        # A daemon takes 20-30 s to start on a busy 2-core machine: a quick storm wastes
+        # less time around each restart so that it still holds one SIGKILL and one SIGTERM.
+        gap_s=(2.0, 6.0) if args.quick else (4.0, 12.0),
+        down_s=(1.0, 3.0) if args.quick else (1.0, 5.0),
         term_wait_s=(graceful_s or 0.0) + TERM_MARGIN_S,
     )
     return {
@@ -283,6 +287,7 @@ def build_report(
         "sigterm_escalated": sum(1 for d in log.disruptions if d.escalated_at is not None),
         "skipped_unsettled": log.skipped_unsettled,
         "restart_failures": log.restart_failures,
+        "restart_to_listening_s": percentiles(log.restart_s),
         "leaked_sessions": leaked_sessions,
         "leaked_kv_bytes": leaked_kv,
         "open_coordinated_sessions": sum(f["sessions_coordinated"] for f in snapshot.values()),

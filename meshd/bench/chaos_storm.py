@@ -58,6 +58,7 @@ class StormLog:
     open_streams: Counter[str] = field(default_factory=Counter)  # node name -> open requests
     skipped_unsettled: int = 0  # disruptions skipped: the mesh did not settle in time
     restart_failures: list[str] = field(default_factory=list)
+    restart_s: list[float] = field(default_factory=list)  # restart until listening again
     started_at: float = 0.0
     ended_at: float = 0.0
 
@@ -227,7 +228,8 @@ async def _restart(mesh: ChaosMesh, log: StormLog, slot: Slot) -> None:
     daemon = mesh.spawn(slot)  # the trio thread: see chaos_mesh
     log.disruptions.append(Disruption("restart", slot.name, slot.incarnation, at, role, 0))
     try:
-        await in_thread(lambda: daemon.wait_listening(time.monotonic() + 120))
+        ready = await in_thread(lambda: daemon.wait_listening(time.monotonic() + 120))
+        log.restart_s.append(ready - at)
     except DemoError as exc:
         log.restart_failures.append(str(exc))
 
