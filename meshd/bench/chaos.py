@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import threading
 import time
 from collections import Counter, defaultdict
 from types import FrameType
@@ -54,6 +55,7 @@ from meshd.bench.chaos_storm import (
     StormConfig,
     StormLog,
     after_storm,
+    in_thread,
     leak_check,
     model_name,
     reference,
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     mesh = ChaosMesh(
         model_dir, args.model, args.nodes, args.stages, args.first_host, settings["flags"]
     )
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         mesh.start()
         report = trio.run(_measure, mesh, jobs, cfg, args.reference_rounds, settings["leak_wait_s"])
@@ -150,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshd bench chaos failed: {type(exc).__name__}: {exc}\n{mesh.logs(1500)}")
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         mesh.stop(keep_logs=args.keep_logs)
     report["pids"] = [pid for slot in mesh.slots for pid in slot.pids]
     report["work_dir"] = str(mesh.work)  # removed unless --keep-logs
@@ -214,7 +218,7 @@ async def _measure(
     await storm(mesh, model, jobs, cfg, log)
     settle_error = ""
     try:
-        await trio.to_thread.run_sync(lambda: mesh.wait_settled(cfg.settle_timeout_s))
+        await in_thread(lambda: mesh.wait_settled(cfg.settle_timeout_s))
     except Exception as exc:  # DemoError: reported, the leak check still runs
         settle_error = str(exc)
     snapshot, waited_s = await leak_check(mesh, leak_wait_s)

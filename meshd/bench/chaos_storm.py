@@ -64,8 +64,9 @@ class StormLog:
 
 
 async def in_thread(fn: Callable[[], T]) -> T:
-    """Run a blocking call off the trio thread."""
-    return await trio.to_thread.run_sync(fn)
+    """Run a blocking call off the trio thread (abandoned on Ctrl-C: every such call is
+    bounded, and the daemons are stopped right after)."""
+    return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
 
 
 def _client(concurrency: int, nodes: int) -> httpx.AsyncClient:
