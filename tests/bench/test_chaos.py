@@ -43,9 +43,14 @@ def seen(**kw: object) -> Seen:
 
 
 def hit(
-    kind: str, at: float, *, node: str = "n1", incarnation: int = 1, **kw: object
+    kind: str,
+    at: float,
+    *,
+    node: str = "n1",
+    incarnation: int = 1,
+    escalated_at: float | None = None,
 ) -> Disruption:
-    return Disruption(kind, node, incarnation, at, "stage", 1, **kw)  # type: ignore[arg-type]
+    return Disruption(kind, node, incarnation, at, "stage", 1, escalated_at)
 
 
 def test_jobs_are_seeded_greedy_and_sampled_chat_and_text() -> None:
