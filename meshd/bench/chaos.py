@@ -281,6 +281,21 @@ def build_report(
         "hung": kinds[HUNG],
         "bad_responses": kinds[BAD_RESPONSE],
         "examples": dict(examples),
+        # Every request that must not happen, in full, to find it in the daemons' logs.
+        "must_not_happen": [
+            {
+                "outcome": kind,
+                "how": sub,
+                "node": s.node,
+                "run": s.incarnation,
+                "started_s": round(s.started - log.started_at, 3),
+                "ended_s": round(s.ended - log.started_at, 3),
+                "tokens": len(s.token_times),
+                "detail": s.detail,
+            }
+            for s, (kind, sub) in zip(log.seen, outcomes, strict=True)
+            if kind in (TRUNCATED, HUNG, BAD_RESPONSE)
+        ],
         "storm_s": log.ended_at - log.started_at,
         "recovery_s": percentiles([r for _, r in recoveries if r is not None]),
         "recovery_by_kind_s": _recovery_by_kind(recoveries),
@@ -303,6 +318,7 @@ def build_report(
             {
                 "kind": d.kind,
                 "node": d.node,
+                "run": d.incarnation,
                 "role": d.role_label,
                 "coordinating": d.coordinating,
                 "at_s": round(d.at - log.started_at, 3),

@@ -21,9 +21,11 @@ API it called):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -301,24 +303,52 @@ def coordinator_state(seen: Seen, disruptions: Sequence[Disruption]) -> str:
     return state
 
 
+# A stall: a gap between two events with text over this long and over STALL_FACTOR times
+# the stream's median gap. Only a stall that starts within STALL_HORIZON_S of a disruption
+# is its doing (recovery is bounded by the daemons' `recovery_timeout_s`, 20 s by default).
+STALL_MIN_S = 1.0
+STALL_FACTOR = 5.0
+STALL_HORIZON_S = 30.0
+
+
+def resumed_at(s: Seen, t: float) -> float:
+    """When a stream open at `t` got text again after the stall `t` caused.
+
+    Text computed before the disruption may still arrive just after it (a SIGTERMed stage
+    serves for a moment), so the stream's first stall that starts around `t` marks it; a
+    stream with no such stall was not held up, and its next text after `t` counts.
+    """
+    after = [x for x in s.token_times if x > t]
+    if not after:
+        return s.ended
+    before = [x for x in s.token_times if x <= t]
+    seq = [before[-1] if before else s.started, *after]
+    gaps = [b - a for a, b in itertools.pairwise(s.token_times)]
+    limit = max(STALL_MIN_S, STALL_FACTOR * statistics.median(gaps)) if gaps else STALL_MIN_S
+    for a, b in itertools.pairwise(seq):
+        if a > t + STALL_HORIZON_S:
+            break
+        if b - a > limit:
+            return b
+    return after[0]
+
+
 def recovery_s(
     disruption: Disruption, seen: Sequence[Seen], outcomes: Sequence[str]
 ) -> float | None:
     """Seconds from a SIGKILL/SIGTERM until the mesh serves again (None: nothing to tell).
 
     Every stream that was open at the disruption, not coordinated by the victim and that
-    completed must have received its next token: the slowest of them says when the mesh
-    recovered. With no such stream, the first token of the first request sent after it that
-    completed.
+    completed must have got text again after the stall it caused (`resumed_at`): the slowest
+    of them says when the mesh recovered. With no such stream, the first text of the first
+    request sent after it that completed.
     """
     t = disruption.at
-    waits = []
-    for s, outcome in zip(seen, outcomes, strict=True):
-        open_then = s.started < t < s.ended
-        if not open_then or outcome != COMPLETED or s.node == disruption.node:
-            continue
-        after = [x for x in s.token_times if x > t]
-        waits.append((after[0] if after else s.ended) - t)
+    waits = [
+        resumed_at(s, t) - t
+        for s, outcome in zip(seen, outcomes, strict=True)
+        if s.started < t < s.ended and outcome == COMPLETED and s.node != disruption.node
+    ]
     if waits:
         return max(waits)
     later = [

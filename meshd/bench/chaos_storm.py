@@ -69,8 +69,15 @@ async def in_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
 
 
+# The API closes a connection idle for 5 s (hypercorn's keep-alive timeout); a client that
+# reused one just then would see "disconnected without a response" from a healthy node.
+CLIENT_KEEPALIVE_S = 2.0
+
+
 def _client(concurrency: int, nodes: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=concurrency * nodes + nodes)
+    limits = httpx.Limits(
+        max_connections=concurrency * nodes + nodes, keepalive_expiry=CLIENT_KEEPALIVE_S
+    )
     return httpx.AsyncClient(limits=limits)
 
 

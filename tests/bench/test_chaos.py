@@ -105,20 +105,26 @@ def test_a_request_the_client_gave_up_on_is_hung() -> None:
     assert classify(seen(status=200, hung="stall"), ())[0] == HUNG
 
 
-def test_recovery_is_the_slowest_surviving_stream_to_get_its_next_token() -> None:
-    d = hit("sigkill", 10.0, node="n1")
+def test_recovery_is_the_slowest_surviving_stream_to_get_text_after_its_stall() -> None:
+    d = hit("sigkill", 10.01, node="n1")
+    steady = [9.6 + 0.1 * i for i in range(40)]  # never held up: its next text counts
+    # Text computed before the kill still arrives at 10.05; then a 3 s stall.
+    stalled = [9.6, 9.7, 9.8, 9.9, 10.0, 10.05, 13.05, 13.15, 13.25, 13.35]
     streams = [
-        seen(node="n2", started=5.0, ended=20.0, token_times=[9.0, 10.1, 13.0]),
-        seen(node="n3", started=5.0, ended=20.0, token_times=[9.5, 12.5]),
+        seen(node="n2", started=5.0, ended=20.0, token_times=steady),
+        seen(node="n3", started=5.0, ended=20.0, token_times=stalled),
         # Coordinated by the victim: it ends; it does not tell when the mesh recovered.
         seen(node="n1", started=5.0, ended=10.2, token_times=[9.9]),
         # Not open at the disruption.
-        seen(node="n2", started=11.0, ended=20.0, token_times=[11.5]),
+        seen(node="n2", started=11.0, ended=20.0, token_times=[11.5, 11.6]),
     ]
     outcomes = [COMPLETED, COMPLETED, CONNECTION_LOST, COMPLETED]
-    assert recovery_s(d, streams, outcomes) == pytest.approx(2.5)
-    # No surviving stream: the first token of a request sent after it that completed.
-    assert recovery_s(d, streams[2:], outcomes[2:]) == pytest.approx(1.5)
+    assert recovery_s(d, streams, outcomes) == pytest.approx(3.04)
+    assert recovery_s(d, streams[:1], outcomes[:1]) == pytest.approx(0.09)
+    # A spare's loss: nothing stalls, the mesh serves on.
+    assert recovery_s(d, streams[:1] + streams[3:], outcomes[:1] + outcomes[3:]) < 0.1
+    # No surviving stream: the first text of a request sent after it that completed.
+    assert recovery_s(d, streams[2:], outcomes[2:]) == pytest.approx(1.49)
     assert recovery_s(d, streams[2:3], outcomes[2:3]) is None
 
 
