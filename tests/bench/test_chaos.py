@@ -236,15 +236,20 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
     # The bench leaves nothing behind, whatever it found.
     assert report["pids"] and all(_process_gone(pid) for pid in report["pids"])
     assert not pathlib.Path(report["work_dir"]).exists()
-    assert report["storm_s"] <= 120 + 60  # the last restart may run past the storm
+    assert report["duration_s"] <= 120  # the last restart and requests may run a little past
     counts = {kind: sum(by_role.values()) for kind, by_role in report["disruptions"].items()}
     assert counts["sigkill"] >= 1 and counts["sigterm"] >= 1 and counts["restart"] >= 1, counts
     assert report["coordinator_disruptions"] >= 1
     assert report["completed_identical_greedy"] >= 1
     assert report["reference"]["failed_runs"] == 0
-    assert report["hung"] == 0, report["examples"]
-    assert report["truncated_silently"] == 0, report["truncated_silently_by_kind"]
-    assert report["leaked_sessions"] == 0, report["nodes_after"]
-    assert report["leaked_kv_bytes"] == 0, report["nodes_after"]
+    # Every must-be-0 at once, so that one failing does not hide the others.
+    zero = ("truncated_silently", "hung", "leaked_sessions", "leaked_kv_bytes")
+    must_be_zero = {key: report[key] for key in (*zero, "open_coordinated_sessions")}
+    assert must_be_zero == dict.fromkeys(must_be_zero, 0), (
+        report["failures"],
+        report["truncated_silently_by_kind"],
+        report["nodes_after"],
+        report["must_not_happen"][:5],
+    )
     assert report["after_storm_completed"] == report["after_storm_requests"] == 4
     assert status == 0, report["failures"]
