@@ -66,6 +66,8 @@ from meshd.bench.chaos_storm import (
 LEASE_MARGIN_S = 10.0
 # A SIGTERMed daemon gets its graceful stop plus this long before the bench SIGKILLs it.
 TERM_MARGIN_S = 15.0
+# --quick: the daemons' graceful_timeout_s (when they have it) unless given.
+QUICK_GRACEFUL_S = 10.0
 LEASE_KEY = "session_lease_s"
 GRACEFUL_KEY = "graceful_timeout_s"
 
@@ -74,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench chaos`."""
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
     parser.add_argument(
-        "--duration-s", type=float, default=None, help="storm length (default 120; --quick 90)"
+        "--duration-s", type=float, default=None, help="storm length (default 120; --quick 100)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the load and the storm")
     parser.add_argument("--concurrency", type=int, default=8, help="streamed requests at once")
@@ -96,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--graceful-timeout-s",
         type=float,
         default=None,
-        help=f"passed to the daemons when they have `{GRACEFUL_KEY}` (default: theirs)",
+        help=f"passed to the daemons when they have `{GRACEFUL_KEY}` (default: theirs; --quick 10)",
     )
     parser.add_argument(
         "--leak-wait-s",
@@ -108,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--first-host", type=int, default=41, help="daemons bind 127.0.0.N, N+1, ..."
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quick", action="store_true", help="a 90 s storm, 24-token requests")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 100 s storm, 24-token requests, 10 s graceful stops"
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the daemons' work dir")
 
 
@@ -182,16 +186,19 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if args.session_lease_s is not None:
             flags += ["--session-lease-s", str(args.session_lease_s)]
     if graceful_ok:
-        graceful_s = args.graceful_timeout_s or graceful_default
-        if args.graceful_timeout_s is not None:
-            flags += ["--graceful-timeout-s", str(args.graceful_timeout_s)]
+        # A quick storm keeps a SIGTERMed coordinator's drain short, so that the storm still
+        # holds a restart after it.
+        asked = args.graceful_timeout_s or (QUICK_GRACEFUL_S if args.quick else None)
+        graceful_s = asked or graceful_default
+        if asked is not None:
+            flags += ["--graceful-timeout-s", str(asked)]
     leak_wait_s = lease_s + LEASE_MARGIN_S if lease_s is not None else args.leak_wait_s
-    duration_s = args.duration_s or (90.0 if args.quick else 120.0)
+    duration_s = args.duration_s or (100.0 if args.quick else 120.0)
     cfg = StormConfig(
         seed=args.seed,
         duration_s=duration_s,
         concurrency=args.concurrency,
-        # A daemon takes 20-30 s to start on a busy 2-core machine: a quick storm wastes
+        # A daemon takes 25-55 s to start on a busy 2-core machine: a quick storm wastes
         # less time around each restart so that it still holds one SIGKILL and one SIGTERM.
         gap_s=(2.0, 6.0) if args.quick else (4.0, 12.0),
         down_s=(1.0, 3.0) if args.quick else (1.0, 5.0),

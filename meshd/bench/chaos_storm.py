@@ -164,10 +164,11 @@ async def _chaos_loop(mesh: ChaosMesh, cfg: StormConfig, log: StormLog, stop_at:
 
     Only one node is down at a time (the mesh has one spare), and the next disruption waits
     until the mesh is whole and settled, so enough nodes are always there to serve. Kinds
-    come in shuffled pairs, so every storm long enough for two has both.
+    come in pairs, so every storm long enough for two has both: the first pair SIGKILL then
+    SIGTERM (a SIGKILL's cycle is the shorter one, no drain), later pairs shuffled.
     """
     rng = random.Random(cfg.seed)
-    kinds: list[str] = []
+    kinds = ["sigterm", "sigkill"]  # popped from the end
     while True:
         gap = rng.uniform(*cfg.gap_s)
         if time.monotonic() + gap >= stop_at:
