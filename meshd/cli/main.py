@@ -38,6 +38,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "membership, failure detection and planner at 10-1000 nodes",
     ),
     "load": ("meshd.api.bench_load", "OpenAI endpoint under load: latency, errors, KV leaks"),
+    "chaos": (
+        "meshd.bench.chaos",
+        "real daemons SIGKILLed, SIGTERMed and restarted under load: errors, recovery, leaks",
+    ),
     "plot": ("meshd.cli.bench_plot", "draw saved --json reports (docs/bench/) as PNGs"),
 }
 

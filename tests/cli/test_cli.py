@@ -23,7 +23,7 @@ def test_help_of_a_subcommand_lists_its_own_options(capsys) -> None:
 
     from meshd.cli.main import BENCHES
 
-    for name in ("pipeline", "spec"):
+    for name in ("pipeline", "spec", "chaos"):
         assert name in BENCHES
         with pytest.raises(SystemExit) as done:
             main(["bench", name, "--help"])
