@@ -26,7 +26,7 @@ from meshd.cli.demo_daemons import (
     write_secret_file,
 )
 
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 240.0  # four daemons starting at once on a busy 2-core machine
 _T0 = time.monotonic()
 # A plan counts as settled once every node reports it, loaded, unchanged this long.
 PLAN_STABLE_S = 0.5

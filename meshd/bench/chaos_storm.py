@@ -241,7 +241,7 @@ async def _restart(mesh: ChaosMesh, log: StormLog, slot: Slot) -> None:
     daemon = mesh.spawn(slot)  # the trio thread: see chaos_mesh
     log.disruptions.append(Disruption("restart", slot.name, slot.incarnation, at, role, 0))
     try:
-        ready = await in_thread(lambda: daemon.wait_listening(time.monotonic() + 120))
+        ready = await in_thread(lambda: daemon.wait_listening(time.monotonic() + 180))
         log.restart_s.append(ready - at)
         note(f"{slot.name} listens again after {ready - at:.1f} s")
     except DemoError as exc:
