@@ -23,6 +23,7 @@ compare the two signals within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
 import signal
@@ -120,7 +121,9 @@ def stop_round(
     thread.join(90)
     final = lines[-1][1]
     after = [t for t, ln in lines if ln.get("tokens") and "ok" not in ln and t > at]
-    gaps = [b - a for a, b in zip([at, *after], after, strict=False)]
+    starts = [at, *after]
+    gaps = [b - a for a, b in zip(starts, after, strict=False)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else None
     wait_until(lambda: victim.proc.poll() is not None, 30, "the victim to exit")
     others = [d for d in mesh.live() if d.name != "n60"]
     leak_free = True
@@ -129,6 +132,7 @@ def stop_round(
     except Exception:
         leak_free = False
     index = int(victim.name[1:])
+    victim.log_path.rename(victim.log_path.with_suffix(f".{how.name}.{time.time():.0f}.log"))
     mesh.start(index)  # back as the next round's spare
     mesh.members_settled()
     return {
@@ -136,6 +140,8 @@ def stop_round(
         "identical": bool(final.get("ok")) and final.get("tokens") == expected,
         "to_next_token_s": after[0] - at if after else None,
         "longest_stall_s": max(gaps) if gaps else None,
+        # When that stall began, after the signal (a hand-over comes at graceful_timeout_s).
+        "stall_began_s": starts[worst] - at if worst is not None else None,
         "exit_status": victim.proc.returncode,
         "no_session_left": leak_free,
     }
@@ -179,7 +185,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="stop rounds per signal")
     parser.add_argument("--crashes", type=int, default=10, help="coordinator SIGKILLs")
     parser.add_argument("--streams", type=int, default=4, help="streams open at each crash")
+    parser.add_argument("--signals", default="SIGTERM,SIGKILL", help="stop rounds' signals")
+    parser.add_argument("--keep-logs", metavar="DIR", help="work (and keep the logs) in DIR")
     args = parser.parse_args()
+    signals = [signal.Signals[name] for name in args.signals.split(",") if name]
     import torch
 
     from meshd.model.checkpoint import Checkpoint
@@ -192,7 +201,12 @@ def main() -> None:
     checkpoint = Checkpoint.open(builtin_model_dir())
     whole = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
     expected = generate([whole], prompt, 150).tokens
-    with tempfile.TemporaryDirectory(prefix="meshd-stops-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.keep_logs:
+            Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+            tmp = args.keep_logs
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="meshd-stops-"))
         mesh = Mesh(Path(tmp))
         try:
             for i in (71, 72, 73):
@@ -203,7 +217,7 @@ def main() -> None:
             mesh.members_settled()
             stops = []
             for _ in range(args.rounds):
-                for how in (signal.SIGTERM, signal.SIGKILL):
+                for how in signals:
                     stops.append(stop_round(mesh, prompt, expected, how))
                     print(json.dumps(stops[-1]), flush=True)
             mesh.daemons[60].kill()

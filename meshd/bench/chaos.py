@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         mesh.start()
-        report = trio.run(_measure, mesh, jobs, cfg, args.reference_rounds, settings["leak_wait_s"])
+        report = _run_trio(mesh, jobs, cfg, args.reference_rounds, settings["leak_wait_s"])
         report |= {k: v for k, v in settings.items() if k not in ("cfg", "flags")}
         report["nodes"] = args.nodes
         report["stages"] = args.stages
@@ -151,10 +152,13 @@ def run(args: argparse.Namespace) -> int:
         report["seed"] = args.seed
         report["duration_s"] = cfg.duration_s
     except KeyboardInterrupt:
-        print("meshd bench chaos: interrupted; stopping the daemons", flush=True)
+        print("meshd bench chaos: interrupted; stopping the daemons", file=sys.stderr)
         return 130
     except Exception as exc:  # a failure to start or a bug: say so, with the daemons' logs
-        print(f"meshd bench chaos failed: {type(exc).__name__}: {exc}\n{mesh.logs(1500)}")
+        failure = f"{type(exc).__name__}: {exc}"
+        print(f"meshd bench chaos failed: {failure}\n{mesh.logs(1500)}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "failures": [failure], "work_dir": str(mesh.work)}))
         return 1
     finally:
         if main_thread:
@@ -168,6 +172,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(report)
     return 0 if report["ok"] else 1
+
+
+def _run_trio(
+    mesh: ChaosMesh, jobs: list[ChaosJob], cfg: StormConfig, rounds: int, leak_wait_s: float
+) -> dict[str, Any]:
+    """`_measure` in trio; a Ctrl-C that reaches us inside an exception group stays a Ctrl-C."""
+    try:
+        return trio.run(_measure, mesh, jobs, cfg, rounds, leak_wait_s)
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from None
+        raise
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

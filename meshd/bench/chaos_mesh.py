@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,15 @@ from meshd.cli.demo_daemons import (
     write_secret_file,
 )
 
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 240.0  # four daemons starting at once on a busy 2-core machine
+_T0 = time.monotonic()
 # A plan counts as settled once every node reports it, loaded, unchanged this long.
 PLAN_STABLE_S = 0.5
+
+
+def note(text: str) -> None:
+    """One line of progress on stderr (stdout stays the report's)."""
+    print(f"[{time.monotonic() - _T0:7.1f} s] {text}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -88,6 +95,7 @@ class ChaosMesh:
         )
         slot.daemon = daemon
         slot.pids.append(daemon.proc.pid)
+        note(f"{slot.name}: run {slot.incarnation}, pid {daemon.proc.pid}, work dir {self.work}")
         return daemon
 
     def start(self) -> None:
@@ -167,6 +175,8 @@ class ChaosMesh:
     def stop(self, keep_logs: bool = False) -> None:
         """SIGTERM every daemon, SIGKILL stragglers, reap them, remove the work dir."""
         daemons = [s.daemon for s in self.slots if s.daemon is not None]
+        if daemons:
+            note(f"stopping {len(daemons)} daemons")
         for slot in self.slots:
             slot.daemon = None
         for d in daemons:
@@ -176,3 +186,4 @@ class ChaosMesh:
             d.wait_stopped(deadline)
         if not keep_logs:
             shutil.rmtree(self.work, ignore_errors=True)
+        note(f"stopped; work dir {self.work} {'kept' if keep_logs else 'removed'}")

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import trio
 
-from meshd.bench.chaos_mesh import ChaosMesh, Slot
+from meshd.bench.chaos_mesh import ChaosMesh, Slot, note
 from meshd.bench.chaos_requests import ChaosJob, Disruption, Seen, Timeouts, stream_once
 from meshd.cli.demo_daemons import DemoError
 
@@ -119,11 +119,13 @@ async def storm(
     """The load and the chaos loop until `cfg.duration_s`; returns with every node up."""
     log.started_at = time.monotonic()
     stop_at = log.started_at + cfg.duration_s
+    note(f"storm: {cfg.duration_s:.0f} s, {cfg.concurrency} streams")
     async with _client(cfg.concurrency, len(mesh.slots)) as client, trio.open_nursery() as n:
         for worker in range(cfg.concurrency):
             n.start_soon(_load_worker, mesh, client, model, jobs, cfg, log, worker, stop_at)
         n.start_soon(_chaos_loop, mesh, cfg, log, stop_at)
     log.ended_at = time.monotonic()
+    note(f"storm over: {len(log.seen)} requests, {len(log.disruptions)} disruptions")
 
 
 async def _load_worker(
@@ -215,8 +217,10 @@ async def _disrupt(mesh: ChaosMesh, cfg: StormConfig, log: StormLog, slot: Slot,
         if not exited:
             escalated_at = time.monotonic()
             daemon.kill()
-    await in_thread(lambda: daemon.wait_stopped(time.monotonic() + 10))
+    how = await in_thread(lambda: daemon.wait_stopped(time.monotonic() + 10))
     slot.daemon = None
+    escalated = ", then SIGKILL" if escalated_at is not None else ""
+    note(f"{kind} {slot.name} ({role}, {coordinating} streams){escalated}: {how}")
     log.disruptions.append(
         Disruption(kind, slot.name, slot.incarnation, at, role, coordinating, escalated_at)
     )
@@ -237,8 +241,9 @@ async def _restart(mesh: ChaosMesh, log: StormLog, slot: Slot) -> None:
     daemon = mesh.spawn(slot)  # the trio thread: see chaos_mesh
     log.disruptions.append(Disruption("restart", slot.name, slot.incarnation, at, role, 0))
     try:
-        ready = await in_thread(lambda: daemon.wait_listening(time.monotonic() + 120))
+        ready = await in_thread(lambda: daemon.wait_listening(time.monotonic() + 180))
         log.restart_s.append(ready - at)
+        note(f"{slot.name} listens again after {ready - at:.1f} s")
     except DemoError as exc:
         log.restart_failures.append(str(exc))
 
@@ -249,6 +254,7 @@ async def leak_check(mesh: ChaosMesh, wait_s: float) -> tuple[dict[str, dict[str
     Returns the last snapshot and how long it took (`wait_s` when something stayed).
     """
     t0 = time.monotonic()
+    note(f"leak check: up to {wait_s:.0f} s for every node to hold no session")
     while True:
         snap = await in_thread(mesh.snapshot)
         waited = time.monotonic() - t0

@@ -143,9 +143,16 @@ class Membership(Probing):
             member.rtt_s = rtt_s
             self._note_rtt(member)
 
-    def set_capacity(self, capacity: LocalCapacity, now: float) -> None:
-        """What this node offers now; re-signed and gossiped when changed, at a bounded rate."""
+    def set_capacity(self, capacity: LocalCapacity, now: float, *, urgent: bool = False) -> None:
+        """What this node offers now; re-signed and gossiped when changed, at a bounded rate.
+
+        `urgent` re-signs at the next tick past the rate limit: for a node that stops offering
+        its stage (a stop or a drain), so every node re-plans onto the spare at once instead of
+        up to `capacity_interval_s` later. Rare by nature (once per stop), so it cannot flood.
+        """
         self._own.update(capacity=capacity)
+        if urgent and self._own.dirty:
+            self._own.published_at = -math.inf
 
     def set_address(self, address: str, now: float) -> None:
         """Where this node's lanes listen, as others should dial it."""

@@ -237,9 +237,10 @@ class MeshNode:
         sessions = self.slot.sessions if hasattr(self, "slot") else 0
         return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
 
-    def publish_capacity(self) -> None:
-        """Re-sign our record if what we offer changed (membership rate-limits it)."""
-        self.membership.set_capacity(self.capacity(), trio.current_time())
+    def publish_capacity(self, *, urgent: bool = False) -> None:
+        """Re-sign our record if what we offer changed (membership rate-limits it, unless
+        `urgent`: we stop offering our stage, and the spare should take it at once)."""
+        self.membership.set_capacity(self.capacity(), trio.current_time(), urgent=urgent)
         self.gossip.poke()
         self.request_replan()
 
@@ -439,7 +440,7 @@ class MeshNode:
         self.draining = True
         self.slot.refuse_new_sessions = True
         self.note("draining", self.node_key, f"{self.slot.sessions} sessions open")
-        self.publish_capacity()  # new requests plan around us while ours finish
+        self.publish_capacity(urgent=True)  # new requests plan around us while ours finish
         timeout_s = self.config.drain_timeout_s
         with trio.CancelScope() as scope:
             self._drain_scope = scope
@@ -466,7 +467,7 @@ class MeshNode:
         self.draining = True
         self.slot.refuse_new_sessions = True
         self.note("stopping", self.node_key, f"{self.slot.sessions} sessions open")
-        self.publish_capacity()
+        self.publish_capacity(urgent=True)
 
     async def finish_stop(self) -> None:
         """Stop the stage: sessions still open get `stage_stopped`, and their coordinators

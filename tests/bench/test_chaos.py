@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import pathlib
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -253,3 +260,34 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
     )
     assert report["after_storm_completed"] == report["after_storm_requests"] == 4
     assert status == 0, report["failures"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
+    command = [sys.executable, "-m", "meshd.cli.main", "bench", "chaos", "--quick", "--json"]
+    proc = subprocess.Popen(
+        [*command, "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    progress: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any("] storm:" in line for line in progress):
+            assert time.monotonic() < deadline and proc.poll() is None, progress
+            ready, _, _ = select.select([proc.stderr], [], [], 1.0)
+            if ready:
+                progress.append(proc.stderr.readline())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(progress) + err
+    assert proc.returncode == 130, text[-3000:]
+    pids = [int(p) for p in re.findall(r"n\d: run \d+, pid (\d+), work dir", text)]
+    work = re.search(r"work dir (\S+) removed", text)
+    assert len(pids) == 4 and all(_process_gone(pid) for pid in pids), text[-3000:]
+    assert work is not None and not pathlib.Path(work.group(1)).exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -315,6 +316,36 @@ def test_unsigned_claims_cannot_pin_the_own_record_version() -> None:
     assert sim.wait_for(everyone_sees_it, timeout_s=5.0) <= 2.0
     own = me.m.view()[me.node_id].capacity
     assert own is not None and own.version < 1000
+
+
+def test_an_urgent_capacity_change_goes_out_past_the_rate_limit() -> None:
+    # A stopping node's "no model" must go out at once (the spare takes its stage); an
+    # ordinary change waits for the record's rate limit.
+    sim = converged_sim(8, seed=21)
+    me = sim.nodes[1]
+    interval = me.m.config.capacity_interval_s(len(sim.nodes))
+
+    def signed(budget: int) -> Callable[[], bool]:
+        def check() -> bool:
+            record = me.m.view()[me.node_id].capacity
+            return record is not None and record.memory_budget_bytes == budget
+
+        return check
+
+    def everyone_sees(budget: int) -> Callable[[], bool]:
+        def check() -> bool:
+            records = [node.m.view()[me.node_id].capacity for node in sim.nodes]
+            return all(r is not None and r.memory_budget_bytes == budget for r in records)
+
+        return check
+
+    me.m.set_capacity(LocalCapacity(memory_budget_bytes=11), sim.now)
+    assert sim.wait_for(signed(11), timeout_s=5.0) < math.inf
+    me.m.set_capacity(LocalCapacity(memory_budget_bytes=12), sim.now)  # just re-signed
+    assert sim.wait_for(signed(12), timeout_s=5.0) >= interval
+    me.m.set_capacity(LocalCapacity(memory_budget_bytes=13), sim.now, urgent=True)
+    assert sim.wait_for(signed(13), timeout_s=5.0) <= me.m.config.probe_interval_s
+    assert sim.wait_for(everyone_sees(13), timeout_s=10.0) < math.inf
 
 
 # ---- bounds ------------------------------------------------------------------------------
