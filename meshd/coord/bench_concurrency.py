@@ -23,6 +23,7 @@ from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.spec.config import STRATEGIES, SpecConfig
 
@@ -66,7 +67,7 @@ def _prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
 async def _matrix(
     model_dir: str, streams: list[int], tokens: int, repeats: int, rtt_ms: float, strategy: str
 ) -> dict[str, Any]:
-    tokenizer = Tokenizer.open(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     prompts = _prompts(tokenizer, max(streams))
     rows: list[dict[str, Any]] = []
     async with open_local_pipeline(model_dir, 2, rtt_s=rtt_ms / 1000, wire_dtype="f16") as pipe:

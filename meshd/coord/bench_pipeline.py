@@ -53,7 +53,7 @@ from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_tokenizer
 from meshd.spec.config import STRATEGIES, SpecConfig
 
 TOLERANCE = 0.15  # the goal: measured within 15 % of the model
@@ -165,7 +165,7 @@ class RunResult:
 async def _measure(
     model_dir: str, cells: list[Cell], tokens: int, repeats: int, candidates: list[str]
 ) -> dict[str, Any]:
-    tokenizer = Tokenizer.open(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     load = next(w for w in workloads(1) if w.kind == PROMPT_KIND)
     prompt = tokenizer.encode(load.prompt)
     load_before = os.getloadavg()

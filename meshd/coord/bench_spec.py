@@ -26,8 +26,7 @@ from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import Workload, workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.spec.config import (
     STRATEGIES,
     SpecConfig,
@@ -115,8 +114,8 @@ async def _matrix(
     spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
     settings = spec or SpecConfig()
-    checkpoint = Checkpoint.open(model_dir)
-    tokenizer = Tokenizer.open(model_dir)
+    checkpoint = open_checkpoint(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     mtp_depth = checkpoint.config.num_mtp_layers
     eos = frozenset(tokenizer.eos_ids)
     rows: list[dict[str, Any]] = []
@@ -253,7 +252,7 @@ def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> li
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
-    tok = Tokenizer.open(model_dir)
+    tok = open_tokenizer(model_dir)
     rows = []
     for kind in KINDS:
         for load in [w for w in loads if w.kind == kind][:1]:

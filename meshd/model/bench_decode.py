@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 
 # Shapes for `--random-config`. "small" matches the built-in model's shape; "large" is a
@@ -126,7 +126,7 @@ def bench(
 ) -> dict[str, Any]:
     """Interleaved meshd / transformers greedy runs; medians, ratio and agreement."""
     transformers = _transformers()
-    checkpoint = Checkpoint.open(directory)
+    checkpoint = open_checkpoint(directory)
     stage = StageModel.load(
         checkpoint, 0, checkpoint.config.num_layers, device=settings.device, dtype=settings.dtype
     )
@@ -239,9 +239,7 @@ def _transformers() -> Any:
 
 def _prompt_ids(directory: pathlib.Path, text: str, vocab_size: int) -> list[int]:
     if (directory / "tokenizer.json").is_file():
-        from meshd.model.tokenizer import Tokenizer
-
-        ids = Tokenizer.open(directory).encode(text)
+        ids = open_tokenizer(directory).encode(text)
         if ids:
             return ids
     # Random checkpoints have no tokenizer: a fixed pseudo-random prompt of 12 ids.
