@@ -44,11 +44,12 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF `general.architecture` values we run
 # Tensor types `load` dequantizes, and the stage quantization each lands in by default: a
-# quantized file must not silently grow into fp32.
+# quantized file must not silently grow into fp32. Q4_1/Q5_0/Q5_1 are llama-quantize's
+# fallbacks for rows that are not whole 256-value K-quant blocks, so K-quant files hold them.
 TENSOR_TYPES = {
     "F32": "none", "F16": "none", "BF16": "none",
-    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8",
-    "Q4_0": "int4", "Q4_K": "int4",
+    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
+    "Q4_0": "int4", "Q4_K": "int4", "Q4_1": "int4",
 }  # fmt: skip
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

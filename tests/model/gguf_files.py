@@ -189,9 +189,11 @@ def llama3_rope_factors(rope: Mapping[str, Any], config: Mapping[str, Any], dim:
 def _add_vocab(
     writer: gguf.GGUFWriter, src: pathlib.Path, config: Mapping[str, Any], pre: str
 ) -> None:
-    """Byte-level BPE as the converter's `_set_vocab_gpt2` writes it (no files: no vocab)."""
+    """Byte-level BPE as the converter's `_set_vocab_gpt2` writes it (no tokenizer.json: only
+    the special ids of config.json, which the converter would also write)."""
     path = src / "tokenizer.json"
     if not path.is_file():
+        gguf.SpecialVocab(src, n_vocab=config["vocab_size"]).add_to_gguf(writer, quiet=True)
         return
     tok = json.loads(path.read_text())
     vocab: dict[str, int] = dict(tok["model"]["vocab"])
