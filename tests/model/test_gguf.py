@@ -198,9 +198,9 @@ def test_every_quantized_type_dequantizes_close_to_the_weights(
     checkpoint = open_checkpoint(write_gguf(tmp_path / "hf", tmp_path / "q.gguf", kind))
     directory = open_checkpoint(tmp_path / "hf")
     names = [n for n in directory.tensors if n.endswith("proj.weight")]
-    # Worst relative error measured over these matrices: Q8_0 0.0045, Q6_K 0.0099, Q5_K 0.026,
-    # Q4_K 0.053 (the test packers: plain min/max scales, not llama-quantize's search), Q4_0 0.093.
-    error = {"Q8_0": 0.006, "Q6_K": 0.013, "Q5_K": 0.033, "Q4_K": 0.065, "Q4_0": 0.11}[kind]
+    # Worst relative error measured over these matrices: Q8_0 0.0054, Q6_K 0.0194, Q5_K 0.0384,
+    # Q4_K 0.0786 (the test packers: plain min/max scales, not llama-quantize's search), Q4_0 0.0864.
+    error = {"Q8_0": 0.007, "Q6_K": 0.025, "Q5_K": 0.05, "Q4_K": 0.1, "Q4_0": 0.11}[kind]
     for (name, got), (_, want) in zip(checkpoint.load(names), directory.load(names), strict=True):
         assert got.dtype == torch.float32 and got.shape == want.shape
         relative = float((got - want).norm() / want.norm())
