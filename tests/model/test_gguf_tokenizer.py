@@ -91,8 +91,10 @@ SP_TEXTS = [
 _SPACE = "\u2581"
 
 
-def sentencepiece_dir(directory: pathlib.Path) -> pathlib.Path:
-    """A Llama-2-style tokenizer.json (BPE, byte fallback, ▁ spaces) trained on SENTENCES."""
+def sentencepiece_dir(
+    directory: pathlib.Path, sentences: list[str] = SENTENCES, vocab_size: int = 400
+) -> pathlib.Path:
+    """A Llama-2-style tokenizer.json (BPE, byte fallback, ▁ spaces) trained on `sentences`."""
     specials = ["<unk>", "<s>", "</s>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     trainer_model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
@@ -100,9 +102,9 @@ def sentencepiece_dir(directory: pathlib.Path) -> pathlib.Path:
     # SentencePiece never merges across words: train on ▁-prefixed words.
     trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials + byte_tokens, show_progress=False
+        vocab_size=vocab_size, special_tokens=specials + byte_tokens, show_progress=False
     )
-    trainer_model.train_from_iterator(SENTENCES, trainer)
+    trainer_model.train_from_iterator(sentences, trainer)
     trained = json.loads(trainer_model.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
     tok = tokenizers.Tokenizer(
