@@ -217,8 +217,21 @@ def read_gguf(path: pathlib.Path) -> GGUFReader:
     """Parse a GGUF file's header with llama.cpp's reader; damage is a one-line error."""
     from gguf import GGUFReader
 
+    class PlainViewReader(GGUFReader):
+        # The reader slices its map once per metadata value (450 000 times for a 150k-token
+        # vocabulary with its merges); slicing a `np.memmap` runs Python-level finalizers each
+        # time, a plain ndarray view of the same map does not: measured 33 s -> 6.7 s on that
+        # vocabulary. Still memory-mapped: the view reads nothing until touched.
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray)
+
     try:
-        return GGUFReader(path, "r")
+        return PlainViewReader(path, "r")
     except (ValueError, IndexError, KeyError, OSError) as exc:
         raise CorruptCheckpoint(f"{path}: not a readable GGUF file ({exc})") from None
 
