@@ -248,10 +248,10 @@ def _quartiles(values: list[float]) -> list[float]:
 
 def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> list[dict[str, Any]]:
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()  # type: ignore[no-untyped-call]
+    from meshd.model.reference import transformers_model
+
+    model = transformers_model(model_dir, torch.float32)  # a directory or a GGUF file
     tok = open_tokenizer(model_dir)
     rows = []
     for kind in KINDS:
