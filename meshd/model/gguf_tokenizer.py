@@ -145,6 +145,10 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokeniz
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
+    if pre == "qwen2":
+        # Qwen2's tokenizer.json normalizes to NFC first (llama.cpp does not): follow the
+        # model's own tokenizer, so a decomposed "é" tokenizes as the composed one.
+        backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     return backend
 
