@@ -261,12 +261,21 @@ def tokenizers_vs_llama_cpp(work: pathlib.Path, bin_dir: pathlib.Path) -> None:
     ours = open_tokenizer(builtin)
     differ = [t for t in TEXTS if ours.encode(t) != llama_ids(builtin, t)]
     print(json.dumps({"tokenizer": "gpt2 (built-in)", "texts": len(TEXTS), "differ": differ}))
+    from tests.model.gguf_files import write_vocab_gguf
+
     lines = [
         line.strip()
         for doc in sorted((REPO / "docs").glob("*.md"))
         for line in doc.read_text().splitlines()
         if len(line.strip()) > 20
     ]
+    sample = [t for t in lines[::10] + TEXTS if t]
+    for pre in ("llama-bpe", "qwen2"):
+        src = sp_test.byte_level_dir(work / pre, pre, lines, vocab_size=3000)
+        path = write_vocab_gguf(src, work / f"{pre}.gguf", pre)
+        bpe = open_tokenizer(path)
+        differ = [t for t in sample if bpe.encode(t) != llama_ids(path, t)]
+        print(json.dumps({"tokenizer": f"gpt2 + {pre}", "texts": len(sample), "differ": differ}))
     src = sp_test.sentencepiece_dir(work / "sentencepiece", lines, vocab_size=3000)
     path = sp_test.write_sentencepiece_gguf(src, work / "sentencepiece.gguf")
     sp = open_tokenizer(path)

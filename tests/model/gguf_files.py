@@ -186,6 +186,19 @@ def llama3_rope_factors(rope: Mapping[str, Any], config: Mapping[str, Any], dim:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+def write_vocab_gguf(src: pathlib.Path, dest: pathlib.Path, pre: str) -> pathlib.Path:
+    """A GGUF holding only the byte-level BPE vocabulary of `src`'s tokenizer.json."""
+    tok = json.loads((src / "tokenizer.json").read_text())
+    size = len(tok["model"]["vocab"] | {a["content"]: a["id"] for a in tok["added_tokens"]})
+    writer = gguf.GGUFWriter(dest, "llama")
+    _add_vocab(writer, src, {"vocab_size": size}, pre)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
 def _add_vocab(
     writer: gguf.GGUFWriter, src: pathlib.Path, config: Mapping[str, Any], pre: str
 ) -> None:

@@ -14,7 +14,7 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.errors import TokenizerError
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
-from tests.model.gguf_files import write_gguf
+from tests.model.gguf_files import write_gguf, write_vocab_gguf
 
 TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -68,6 +68,70 @@ def test_the_daemon_opens_the_gguf_as_one_model_file(tmp_path: pathlib.Path) -> 
     assert checkpoint.config.vocab_size == tokenizer.vocab_size
     assert checkpoint.config.eos_token_ids == tokenizer.eos_ids
     assert checkpoint.config.bos_token_id == 0  # llama.cpp's converter reads config.json's
+
+
+# The split regexes of Llama 3's and Qwen2's tokenizer.json (as published with the models).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def byte_level_dir(
+    directory: pathlib.Path, pre: str, sentences: list[str], vocab_size: int = 1000
+) -> pathlib.Path:
+    """A byte-level BPE tokenizer.json laid out like Llama 3's (`llama-bpe`: split regex,
+    ignore_merges, BOS template) or Qwen2's (`qwen2`: NFC, split regex), trained here."""
+    regex = LLAMA3_SPLIT if pre == "llama-bpe" else QWEN2_SPLIT
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    if pre == "qwen2":
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(ignore_merges=pre == "llama-bpe"))
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(sentences, trainer)
+    config: dict[str, object] = {"eos_token": specials[1 if pre == "llama-bpe" else 0]}
+    if pre == "llama-bpe":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A",
+            pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", 0)],
+        )
+        config |= {"bos_token": "<|begin_of_text|>", "add_bos_token": True}
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_llama3_and_qwen2_style_byte_level_bpe_from_gguf(tmp_path: pathlib.Path, pre: str) -> None:
+    src = byte_level_dir(tmp_path / "src", pre, SENTENCES + TEXTS)
+    theirs = tokenizers.Tokenizer.from_file(str(src / "tokenizer.json"))
+    ours = open_tokenizer(write_vocab_gguf(src, tmp_path / "v.gguf", pre))
+    for text in [*TEXTS, "e\u0301 composed: \u00e9", "12345678 digits 3.14"]:
+        ids = theirs.encode(text).ids
+        assert ours.encode(text) == ids, (pre, text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False)
+    # eos, plus the end-of-turn token llama.cpp also stops at.
+    assert ours.eos_ids == ((1, 2) if pre == "llama-bpe" else (0, 2))
 
 
 # --- SentencePiece ("llama") -------------------------------------------------------------
