@@ -156,7 +156,7 @@ def _counts(snap: Snapshot) -> dict[str, dict[str, int]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench load`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--requests", type=int, default=None, help="default 200 (--quick: 30)")
     parser.add_argument("--concurrency", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--stages", type=int, default=2, help="daemons, one stage each (2-3)")

@@ -32,7 +32,7 @@ PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of eac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench concurrency`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer tokens, one repeat (< 60 s)")
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4, 8])

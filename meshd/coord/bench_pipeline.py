@@ -64,7 +64,7 @@ WARMUP_TOKENS = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench pipeline`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(

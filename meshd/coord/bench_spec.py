@@ -40,7 +40,7 @@ KINDS = ("edit", "completion", "prose")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench spec`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="2 stages, RTT 20 ms, 1 prompt")
     parser.add_argument("--stages", type=int, nargs="*", default=None)

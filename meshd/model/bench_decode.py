@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench decode`."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--model", type=pathlib.Path, help="checkpoint directory (default: built-in)"
+        "--model", type=pathlib.Path, help="checkpoint directory or .gguf file (default: built-in)"
     )
     source.add_argument(
         "--random-config",

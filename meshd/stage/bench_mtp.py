@@ -32,7 +32,7 @@ DEFAULT_PROMPT = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench mtp`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--tokens", type=int, default=150, help="tokens decoded per session")
     parser.add_argument("--block", type=int, default=5, help="tokens per alternation block")
     parser.add_argument("--want", type=int, default=None, help="drafts asked (default: depth)")
