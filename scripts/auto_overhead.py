@@ -25,7 +25,7 @@ from meshd.coord.bench_spec import _generate
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_tokenizer
 from meshd.spec import auto
 from meshd.spec.config import SpecConfig
 
@@ -49,7 +49,7 @@ def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
 async def _run(stages: int, prompt: str, tokens: int) -> None:
     model = str(builtin_model_dir())
-    tok = Tokenizer.open(model)
+    tok = open_tokenizer(model)
     loads = workloads(2)
     (load,) = [w for w in loads if w.name == prompt]
     eos = frozenset(tok.eos_ids)

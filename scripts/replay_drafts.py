@@ -23,9 +23,8 @@ import torch
 
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
-from meshd.model.tokenizer import Tokenizer
 from meshd.spec import make_proposer
 from meshd.spec.config import SpecConfig
 from meshd.spec.ngram import NgramSimple
@@ -120,8 +119,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per workload")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    checkpoint = Checkpoint.open(args.dir)
-    tokenizer = Tokenizer.open(args.dir)
+    checkpoint = open_checkpoint(args.dir)
+    tokenizer = open_tokenizer(args.dir)
     depth = min(2, checkpoint.config.num_mtp_layers)
     stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
     window = args.window

@@ -24,7 +24,7 @@ from meshd.coord.bench_spec import _generate
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_tokenizer
 from meshd.spec.config import SpecConfig
 
 STRATEGIES = ("disabled", "ngram-simple", "mtp-simple", "mtp")
@@ -48,7 +48,7 @@ async def _measure(model_dir: str, stages: int, tokens: int) -> dict[str, list[f
         observe(self, size, round_trip_s, compute_s, queue_s, mtp_s)
 
     costs.RouteCosts.observe = recording  # type: ignore[method-assign,assignment]
-    tok = Tokenizer.open(model_dir)
+    tok = open_tokenizer(model_dir)
     eos = frozenset(tok.eos_ids)
     async with open_local_pipeline(
         model_dir, stages, rtt_s=0.0, wire_dtype="f16", eos_ids=eos

@@ -23,6 +23,8 @@ from meshd.coord.pipeline import (
     StageOverloaded,
 )
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.files import model_name as display_name
+from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from protocol.messages import DType
 
@@ -143,8 +145,8 @@ async def open_local_backend(
     """
     directory = pathlib.Path(model_dir) if model_dir is not None else builtin_model_dir()
     if model_name is None:
-        model_name = BUILTIN_MODEL_NAME if model_dir is None else directory.resolve().name
-    tokenizer = Tokenizer.open(directory)
+        model_name = BUILTIN_MODEL_NAME if model_dir is None else display_name(directory)
+    tokenizer = open_tokenizer(directory)
     async with open_local_pipeline(
         directory,
         stages,

@@ -31,6 +31,7 @@ import trio
 
 from meshd.api.bench_load_requests import SIZES, Job, LoadConfig, Record, make_jobs, run_load
 from meshd.api.bench_load_targets import Snapshot
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 
 
@@ -155,7 +156,7 @@ def _counts(snap: Snapshot) -> dict[str, dict[str, int]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench load`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--requests", type=int, default=None, help="default 200 (--quick: 30)")
     parser.add_argument("--concurrency", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--stages", type=int, default=2, help="daemons, one stage each (2-3)")
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     model_dir = args.model or str(builtin_model_dir())
-    tokenizer = Tokenizer.open(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     context = _context_tokens(model_dir)
     t0 = time.perf_counter()
     if args.local:
@@ -211,9 +212,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _context_tokens(model_dir: str) -> int:
-    from meshd.model.checkpoint import Checkpoint
 
-    return Checkpoint.open(model_dir).config.max_position_embeddings
+    return open_checkpoint(model_dir).config.max_position_embeddings
 
 
 async def _run_local(

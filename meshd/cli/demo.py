@@ -45,7 +45,7 @@ PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd demo`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--stages", type=int, default=3, help="pipeline stages (plus one spare)")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-tokens", type=int, default=120)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshd.model.files import open_checkpoint
 from meshd.node.control_client import ControlError, StatusOp, call
 
 # Headroom over the smallest per-node budget that fits the wanted number of stages.
@@ -267,11 +268,10 @@ def stage_budget(model_dir: str, stages: int) -> int:
     """A per-node memory budget where `stages` nodes hold the model and one fewer cannot."""
     import torch
 
-    from meshd.model.checkpoint import Checkpoint
     from meshd.node.planning import model_shape
     from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
 
-    checkpoint = Checkpoint.open(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     shape = model_shape(checkpoint, torch.float32)
     context = checkpoint.config.max_position_embeddings
 

@@ -17,8 +17,7 @@ import trio
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.spec.config import SpecConfig
 from protocol.messages import Sampling
 
@@ -30,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _demo(args: argparse.Namespace) -> int:
     model_dir = args.model or str(builtin_model_dir())
-    tokenizer = Tokenizer.open(model_dir)
-    checkpoint = Checkpoint.open(model_dir)
+    tokenizer = open_tokenizer(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     say = print
     say(f"meshd demo — model {checkpoint.model_id[:16]} ({checkpoint.config.num_layers} layers)")
     say(f"starting {args.stages} stage nodes on loopback, emulated RTT {args.rtt_ms:g} ms …")

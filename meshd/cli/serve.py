@@ -156,8 +156,11 @@ def startup_cause(exc: BaseException) -> str | None:
 
 
 def model_name(model: str) -> str:
-    """What the API calls the model: the directory's name, or `meshd-builtin`."""
-    return os.path.basename(os.path.normpath(model)) if model else "meshd-builtin"
+    """What the API calls the model: the directory's name, a GGUF file's stem, or `meshd-builtin`."""
+    name = os.path.basename(os.path.normpath(model))
+    if name.lower().endswith(".gguf") and not os.path.isdir(model):
+        name = name[: -len(".gguf")]
+    return name if model else "meshd-builtin"
 
 
 async def serve(config: NodeConfig) -> None:

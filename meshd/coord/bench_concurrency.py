@@ -23,6 +23,7 @@ from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.spec.config import STRATEGIES, SpecConfig
 
@@ -31,7 +32,7 @@ PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of eac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench concurrency`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer tokens, one repeat (< 60 s)")
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4, 8])
@@ -66,7 +67,7 @@ def _prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
 async def _matrix(
     model_dir: str, streams: list[int], tokens: int, repeats: int, rtt_ms: float, strategy: str
 ) -> dict[str, Any]:
-    tokenizer = Tokenizer.open(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     prompts = _prompts(tokenizer, max(streams))
     rows: list[dict[str, Any]] = []
     async with open_local_pipeline(model_dir, 2, rtt_s=rtt_ms / 1000, wire_dtype="f16") as pipe:

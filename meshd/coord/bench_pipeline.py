@@ -53,7 +53,7 @@ from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_tokenizer
 from meshd.spec.config import STRATEGIES, SpecConfig
 
 TOLERANCE = 0.15  # the issue's goal: measured within 15 % of the model
@@ -64,7 +64,7 @@ WARMUP_TOKENS = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench pipeline`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(
@@ -165,7 +165,7 @@ class RunResult:
 async def _measure(
     model_dir: str, cells: list[Cell], tokens: int, repeats: int, candidates: list[str]
 ) -> dict[str, Any]:
-    tokenizer = Tokenizer.open(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     load = next(w for w in workloads(1) if w.kind == PROMPT_KIND)
     prompt = tokenizer.encode(load.prompt)
     load_before = os.getloadavg()

@@ -26,8 +26,7 @@ from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
 from meshd.coord.workloads import Workload, workloads
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.spec.config import (
     STRATEGIES,
     SpecConfig,
@@ -41,7 +40,7 @@ KINDS = ("edit", "completion", "prose")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench spec`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="2 stages, RTT 20 ms, 1 prompt")
     parser.add_argument("--stages", type=int, nargs="*", default=None)
@@ -115,8 +114,8 @@ async def _matrix(
     spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
     settings = spec or SpecConfig()
-    checkpoint = Checkpoint.open(model_dir)
-    tokenizer = Tokenizer.open(model_dir)
+    checkpoint = open_checkpoint(model_dir)
+    tokenizer = open_tokenizer(model_dir)
     mtp_depth = checkpoint.config.num_mtp_layers
     eos = frozenset(tokenizer.eos_ids)
     rows: list[dict[str, Any]] = []
@@ -249,11 +248,11 @@ def _quartiles(values: list[float]) -> list[float]:
 
 def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> list[dict[str, Any]]:
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()  # type: ignore[no-untyped-call]
-    tok = Tokenizer.open(model_dir)
+    from meshd.model.reference import transformers_model
+
+    model = transformers_model(model_dir, torch.float32)  # a directory or a GGUF file
+    tok = open_tokenizer(model_dir)
     rows = []
     for kind in KINDS:
         for load in [w for w in loads if w.kind == kind][:1]:

@@ -23,6 +23,7 @@ from meshd.coord.pipeline import Coordinator
 from meshd.coord.route import Route, RouteStage
 from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
+from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
@@ -88,7 +89,7 @@ async def open_local_pipeline(
     """
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
-    checkpoint = Checkpoint.open(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     ranges = list(split) if split is not None else even_split(checkpoint.config.num_layers, stages)
     psk = nacl_random(32)
     egress = LinkProfile(delay_s=rtt_s / 2) if rtt_s > 0 else None

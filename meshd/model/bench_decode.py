@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
+from meshd.model.errors import TokenizerError
+from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
+from meshd.model.reference import transformers_model
 from meshd.model.stage import StageModel
 
 # Shapes for `--random-config`. "small" matches the built-in model's shape; "large" is a
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench decode`."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--model", type=pathlib.Path, help="checkpoint directory (default: built-in)"
+        "--model", type=pathlib.Path, help="checkpoint directory or .gguf file (default: built-in)"
     )
     source.add_argument(
         "--random-config",
@@ -125,15 +127,12 @@ def bench(
     directory: pathlib.Path, settings: BenchSettings, *, profile: bool = False
 ) -> dict[str, Any]:
     """Interleaved meshd / transformers greedy runs; medians, ratio and agreement."""
-    transformers = _transformers()
-    checkpoint = Checkpoint.open(directory)
+    _transformers()  # imported and quietened before the reference model loads
+    checkpoint = open_checkpoint(directory)
     stage = StageModel.load(
         checkpoint, 0, checkpoint.config.num_layers, device=settings.device, dtype=settings.dtype
     )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=settings.dtype, attn_implementation="sdpa"
-    ).to(settings.device)
-    hf.eval()
+    hf = transformers_model(directory, settings.dtype).to(settings.device)
     # Neither side may stop early: both decode exactly `tokens` tokens.
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -238,10 +237,11 @@ def _transformers() -> Any:
 
 
 def _prompt_ids(directory: pathlib.Path, text: str, vocab_size: int) -> list[int]:
-    if (directory / "tokenizer.json").is_file():
-        from meshd.model.tokenizer import Tokenizer
-
-        ids = Tokenizer.open(directory).encode(text)
+    if is_gguf(directory) or (directory / "tokenizer.json").is_file():
+        try:
+            ids = open_tokenizer(directory).encode(text)
+        except TokenizerError:  # a GGUF file without tokenizer metadata
+            ids = []
         if ids:
             return ids
     # Random checkpoints have no tokenizer: a fixed pseudo-random prompt of 12 ids.

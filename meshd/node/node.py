@@ -27,9 +27,8 @@ from meshd.mesh.jointoken import Address
 from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
 from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
-from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
-from meshd.model.tokenizer import Tokenizer
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
@@ -84,8 +83,8 @@ class MeshNode:
         self.identity = NodeIdentity.load_or_create(config.state_dir)
         self.psk = psk_from_secret(config.read_mesh_secret())
         self.model_dir = model_dir
-        self.checkpoint = Checkpoint.open(model_dir)
-        self.tokenizer = Tokenizer.open(model_dir)
+        self.checkpoint = open_checkpoint(model_dir)
+        self.tokenizer = open_tokenizer(model_dir)
         self.device = pick_device(None if config.device == "auto" else config.device)
         self.dtype = _DTYPES.get(config.dtype, torch.float32)
         self.shape = model_shape(self.checkpoint, self.dtype)

@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import Checkpoint
+from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
-from meshd.model.tokenizer import Tokenizer
 from meshd.stage.mtp_drafter import MtpDrafter
 
 DEFAULT_PROMPT = (
@@ -33,7 +32,7 @@ DEFAULT_PROMPT = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench mtp`."""
-    parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
+    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
     parser.add_argument("--tokens", type=int, default=150, help="tokens decoded per session")
     parser.add_argument("--block", type=int, default=5, help="tokens per alternation block")
     parser.add_argument("--want", type=int, default=None, help="drafts asked (default: depth)")
@@ -82,13 +81,13 @@ def measure(
     model_dir: str, prompt: str, tokens: int, block: int, want: int | None
 ) -> dict[str, Any]:
     """Decode `tokens` greedy tokens in two sessions, alternating blocks; the report."""
-    checkpoint = Checkpoint.open(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers)
     depth = len(stage.mtp)
     if depth == 0:
         raise SystemExit(f"{model_dir}: the checkpoint has no MTP depths")
     wanted = depth if want is None else max(1, min(want, depth))
-    ids = Tokenizer.open(model_dir).encode(prompt)
+    ids = open_tokenizer(model_dir).encode(prompt)
     sessions = [
         _open(stage, MtpDrafter(stage, reuse_rows=reuse), name, ids, tokens, wanted)
         for name, reuse in (("reuse", True), ("full", False))

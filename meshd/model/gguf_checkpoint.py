@@ -1,0 +1,580 @@
+"""A GGUF model file (what llama.cpp, Ollama and LM Studio store), opened lazily.
+
+`GGUFCheckpoint.open(path)` parses the header, metadata and tensor table with the `gguf`
+package (llama.cpp's own reader; the file is memory-mapped, no tensor bytes are read), maps the
+metadata to a `ModelConfig` and GGUF tensor names to the Hugging Face names the runtime uses,
+and checks every tensor's type and shape. `load(names)` then reads and dequantizes only the
+tensors asked for, one at a time and in row chunks, so a stage of layers 8-15 never touches the
+other layers' bytes and peak memory is one tensor in float plus one chunk's scratch.
+
+GGUF stores dimensions in ggml's order (`ne`, innermost first): a Hugging Face `[out, in]`
+matrix is `ne = [in, out]`. llama.cpp's converter permutes the q/k projection rows of the
+`llama` architecture (`LlamaModel.permute`, for ggml's adjacent-pair RoPE); `load` undoes it so
+the runtime sees Hugging Face order (and then applies its own interleave, the same permutation).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import os
+import pathlib
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from meshd.model.checkpoint import Checkpoint, OnTensor, TensorInfo, _sample, expected_shapes
+from meshd.model.config import FAMILIES, ModelConfig, RopeConfig
+from meshd.model.errors import (
+    CorruptCheckpoint,
+    InvalidConfig,
+    MissingFile,
+    MissingTensor,
+    ShapeMismatch,
+    UnsupportedArchitecture,
+)
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF `general.architecture` values we run
+# Tensor types `load` dequantizes, and the stage quantization each lands in by default: a
+# quantized file must not silently grow into fp32. Q4_1/Q5_0/Q5_1 are llama-quantize's
+# fallbacks for rows that are not whole 256-value K-quant blocks, so K-quant files hold them.
+TENSOR_TYPES = {
+    "F32": "none", "F16": "none", "BF16": "none",
+    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
+    "Q4_0": "int4", "Q4_K": "int4", "Q4_1": "int4",
+}  # fmt: skip
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_down.bias": "mlp.down_proj.bias",
+}
+_CONTROL = 3  # gguf.TokenType.CONTROL
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Dequantize at most this many output elements at once (16 MiB of fp32): the numpy block
+# decoders allocate a few temporaries per element, so whole-tensor calls would multiply peak RSS.
+_CHUNK_ELEMENTS = 4 * 1024 * 1024
+# llama.cpp's text heuristic for end-of-generation tokens (llama-vocab.cpp), for files whose
+# metadata names only one eos id.
+EOG_TEXTS = frozenset(
+    ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+     "<EOT>", "_<EOT>", "<|end_of_text|>")
+)  # fmt: skip
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name, or None for tensors the runtime ignores."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_RE.fullmatch(name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+
+
+def unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute` of q/k rows (weights `[out, in]` or biases `[out]`)."""
+    shape = t.shape
+    return t.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one runtime tensor lives in the GGUF file."""
+
+    gguf_name: str
+    ggml_type: int
+    type_name: str
+
+
+@dataclass(eq=False)
+class GGUFCheckpoint(Checkpoint):
+    """An opened GGUF file: `Checkpoint`'s interface over HF names, dequantizing on `load`.
+
+    `directory` is the file's path; `tensors[name].dtype` is the GGUF type name (`Q8_0`, ...)
+    and `.nbytes` its size in the file.
+    """
+
+    entries: Mapping[str, _Entry] = field(default_factory=dict)
+    metadata_bytes: int = 0  # header + metadata + tensor table: hashed whole into the id
+    # q/k rows to un-permute (GGUF architecture `llama`): HF name -> heads.
+    permuted: Mapping[str, int] = field(default_factory=dict)
+    architecture: str = ""
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str]) -> GGUFCheckpoint:
+        """Open and validate a GGUF file (header, metadata and tensor table only)."""
+        path = pathlib.Path(directory)
+        if not path.is_file():
+            raise MissingFile(f"{path}: GGUF file not found")
+        reader = read_gguf(path)
+        meta = GGUFMetadata(reader, str(path))
+        arch = meta.architecture()
+        infos, entries = _tensor_table(reader, path)
+        config = config_from_gguf(meta, arch, infos, _rope_factors(reader, path))
+        _check_tensors(path, config, infos, entries)
+        permuted: dict[str, int] = {}
+        if arch == "llama":
+            for i in range(config.num_layers):
+                for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+                    for kind in ("weight", "bias"):
+                        name = f"model.layers.{i}.self_attn.{proj}.{kind}"
+                        if name in infos:
+                            permuted[name] = heads
+        return cls(
+            path,
+            config,
+            infos,
+            default_quantization=_default_quantization(infos),
+            entries=entries,
+            metadata_bytes=reader.data_offset,
+            permuted=permuted,
+            architecture=arch,
+        )
+
+    @functools.cached_property
+    def model_id(self) -> str:
+        """Stable id of the file (hex, 32 chars): equal on every node holding the same file.
+
+        Hashes the config, the file's whole header/metadata/tensor table (tokenizer included),
+        and a strided sample of each tensor's bytes, like `Checkpoint.model_id`.
+        """
+        digest = hashlib.sha256(b"meshd-gguf-model-id-v1\0")
+        digest.update(self.config.canonical_bytes())
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            digest.update(os.pread(fd, self.metadata_bytes, 0))
+            for name in sorted(expected_shapes(self.config)):
+                info = self.tensors[name]
+                digest.update(f"\0{name}\0{info.dtype}\0{info.shape}\0".encode())
+                digest.update(_sample(fd, info))
+        finally:
+            os.close(fd)
+        return digest.hexdigest()[:32]
+
+    def load(
+        self, names: Iterable[str], on_tensor: OnTensor | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(name, tensor)` per name: F32/F16/BF16 as stored, quantized types as fp32.
+
+        Only these tensors' bytes are read (the file is memory-mapped); q/k rows of the
+        `llama` architecture come back in Hugging Face order.
+        """
+        wanted = list(names)
+        for name in wanted:
+            if name not in self.tensors:
+                raise MissingTensor(f"{self.directory}: tensor {name!r} is not in the checkpoint")
+        if not wanted:
+            return
+        try:
+            mapped = np.memmap(self.directory, mode="r")
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpoint(f"{self.directory}: cannot map ({exc})") from None
+        try:
+            for name in wanted:
+                info, entry = self.tensors[name], self.entries[name]
+                raw = mapped[info.offset : info.offset + info.nbytes]
+                tensor = dequantize(raw, entry.ggml_type, info.shape)
+                if name in self.permuted:
+                    tensor = unpermute_rows(tensor, self.permuted[name])
+                self.loaded_names.add(name)
+                if on_tensor is not None:
+                    on_tensor(name, info.nbytes)
+                yield name, tensor
+        finally:
+            del mapped
+
+
+def read_gguf(path: pathlib.Path) -> GGUFReader:
+    """Parse a GGUF file's header with llama.cpp's reader; damage is a one-line error."""
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        # The reader slices its map once per metadata value (450 000 times for a 150k-token
+        # vocabulary with its merges); slicing a `np.memmap` runs Python-level finalizers each
+        # time, a plain ndarray view of the same map does not: measured 33 s -> 6.7 s on that
+        # vocabulary. Still memory-mapped: the view reads nothing until touched.
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray)
+
+    try:
+        return PlainViewReader(path, "r")
+    except (ValueError, IndexError, KeyError, OSError) as exc:
+        raise CorruptCheckpoint(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """One tensor's bytes (uint8) as a torch tensor of `shape` (HF order), row chunk by chunk.
+
+    F32/F16/BF16 keep their dtype (copied out of the map); block-quantized types become fp32.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as dequantize_blocks
+
+    qtype = GGMLQuantizationType(ggml_type)
+    if qtype == GGMLQuantizationType.F32:
+        return torch.from_numpy(raw.view(np.float32).reshape(shape).copy())
+    if qtype == GGMLQuantizationType.F16:
+        return torch.from_numpy(raw.view(np.float16).reshape(shape).copy())
+    if qtype == GGMLQuantizationType.BF16:
+        return torch.from_numpy(raw.view(np.int16).reshape(shape).copy()).view(torch.bfloat16)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    blocks = raw.reshape(rows, cols // block * type_size)
+    out = np.empty((rows, cols), dtype=np.float32)
+    step = max(1, _CHUNK_ELEMENTS // cols)
+    for start in range(0, rows, step):
+        out[start : start + step] = dequantize_blocks(blocks[start : start + step], qtype)
+    return torch.from_numpy(out).reshape(shape)
+
+
+class GGUFMetadata:
+    """Typed access to a GGUF file's key/value metadata; errors name the key."""
+
+    def __init__(self, reader: GGUFReader, source: str) -> None:
+        self._fields = reader.fields
+        self.source = source
+
+    def has(self, key: str) -> bool:
+        return key in self._fields
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """The key's value (str, number, bool or list), `default` when absent."""
+        found = self._fields.get(key)
+        if found is None:
+            return default
+        try:
+            return found.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise InvalidConfig(f"{self.source}: metadata {key!r} is unreadable ({exc})") from None
+
+    def string(self, key: str, default: str | None = None) -> str | None:
+        value = self.value(key, default)
+        if value is not None and not isinstance(value, str):
+            raise InvalidConfig(f"{self.source}: metadata {key!r} must be a string, got {value!r}")
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+        value = self.value(key, default)
+        if value is None:
+            raise InvalidConfig(f"{self.source}: required metadata {key!r} is missing")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise InvalidConfig(
+                f"{self.source}: metadata {key} must be an integer >= {minimum}, got {value!r}"
+            )
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.value(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise InvalidConfig(
+                f"{self.source}: metadata {key} must be a positive number, got {value!r}"
+            )
+        # GGUF stores f32: print it back as the shortest decimal that rounds to the same f32.
+        return float(str(np.float32(value)))
+
+    def optional_id(self, key: str) -> int | None:
+        value = self.value(key)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidConfig(f"{self.source}: metadata {key} must be a token id, got {value!r}")
+        return value
+
+    def architecture(self) -> str:
+        arch = self.string("general.architecture")
+        if arch is None:
+            raise InvalidConfig(f"{self.source}: metadata 'general.architecture' is missing")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedArchitecture(
+                f"{self.source}: GGUF architecture {arch!r} is not supported "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
+        return arch
+
+
+def _tensor_table(
+    reader: GGUFReader, path: pathlib.Path
+) -> tuple[dict[str, TensorInfo], dict[str, _Entry]]:
+    """The runtime's tensors (HF names, HF shapes) and where each lies in the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    infos: dict[str, TensorInfo] = {}
+    entries: dict[str, _Entry] = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_name_to_hf(tensor.name)
+        if hf_name is None:
+            continue
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        ne = [int(d) for d in tensor.shape]
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if ne and ne[0] % block:
+            raise CorruptCheckpoint(
+                f"{path}: tensor {tensor.name!r} has rows of {ne[0]} values, not whole "
+                f"{qtype.name} blocks of {block}"
+            )
+        nbytes = math.prod(ne) // block * type_size
+        if tensor.data_offset + nbytes > size:
+            raise CorruptCheckpoint(
+                f"{path}: tensor {tensor.name!r} lies beyond the end of the file ({size} bytes)"
+            )
+        shape = tuple(reversed(ne))
+        infos[hf_name] = TensorInfo(hf_name, qtype.name, shape, path, tensor.data_offset, nbytes)
+        entries[hf_name] = _Entry(tensor.name, int(qtype), qtype.name)
+    return infos, entries
+
+
+def _rope_factors(reader: GGUFReader, path: pathlib.Path) -> np.ndarray | None:
+    """llama.cpp's per-frequency RoPE divisors (`rope_freqs.weight`, Llama 3 scaling), if any."""
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            if tensor.tensor_type != 0:  # F32
+                raise UnsupportedArchitecture(f"{path}: rope_freqs.weight is not F32")
+            return np.array(tensor.data, dtype=np.float32).reshape(-1)
+    return None
+
+
+def config_from_gguf(
+    meta: GGUFMetadata,
+    arch: str,
+    infos: Mapping[str, TensorInfo],
+    rope_factors: np.ndarray | None,
+) -> ModelConfig:
+    """Map GGUF metadata (`{arch}.block_count`, ...) to the runtime's `ModelConfig`."""
+    source = meta.source
+    experts = meta.value(f"{arch}.expert_count", 0)
+    if experts:
+        raise UnsupportedArchitecture(
+            f"{source}: mixture-of-experts GGUF ({arch}.expert_count = {experts}) is not supported"
+        )
+    hidden = meta.integer(f"{arch}.embedding_length")
+    heads = meta.integer(f"{arch}.attention.head_count")
+    kv_heads = meta.integer(f"{arch}.attention.head_count_kv", heads)
+    head_dim = meta.integer(f"{arch}.attention.key_length", hidden // heads)
+    value_dim = meta.integer(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise UnsupportedArchitecture(
+            f"{source}: attention.value_length ({value_dim}) != key_length ({head_dim})"
+        )
+    rope_dim = meta.integer(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedArchitecture(
+            f"{source}: partial RoPE ({arch}.rope.dimension_count {rope_dim} of {head_dim})"
+        )
+    if heads % kv_heads:
+        raise InvalidConfig(
+            f"{source}: head_count ({heads}) is not a multiple of head_count_kv ({kv_heads})"
+        )
+    if head_dim % 2:
+        raise InvalidConfig(f"{source}: head dim ({head_dim}) must be even for RoPE")
+    layers = meta.integer(f"{arch}.block_count")
+    embed = infos.get("model.embed_tokens.weight")
+    vocab = embed.shape[0] if embed is not None else meta.integer(f"{arch}.vocab_size")
+    family = arch
+    window: int | None = None
+    sliding: tuple[bool, ...] = (False,) * layers
+    swa = meta.value(f"{arch}.attention.sliding_window")
+    if swa is not None and arch == "llama":
+        # Mistral 7B's window. llama.cpp's converter writes Mistral as plain `llama` without
+        # it (and runs full attention); a file that names a window gets it on every layer.
+        family, window = "mistral", meta.integer(f"{arch}.attention.sliding_window")
+        sliding = (True,) * layers
+    assert family in FAMILIES
+    layer0 = "model.layers.0."
+    bos = meta.optional_id("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=meta.integer(f"{arch}.feed_forward_length"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        max_position_embeddings=meta.integer(f"{arch}.context_length", 2048),
+        rope=_rope(meta, arch, head_dim, rope_factors),
+        tie_word_embeddings="lm_head.weight" not in infos,
+        qkv_bias=layer0 + "self_attn.q_proj.bias" in infos,
+        o_bias=layer0 + "self_attn.o_proj.bias" in infos,
+        mlp_bias=layer0 + "mlp.up_proj.bias" in infos,
+        qk_norm=layer0 + "self_attn.q_norm.weight" in infos,
+        sliding_window=window,
+        sliding_layers=sliding,
+        bos_token_id=bos,
+        eos_token_ids=stop_ids(meta),
+    )
+
+
+def stop_ids(meta: GGUFMetadata) -> tuple[int, ...]:
+    """End-of-generation ids: eos/eot/eom, plus control tokens llama.cpp treats as such."""
+    ids = [
+        i
+        for key in ("eos", "eot", "eom")
+        if (i := meta.optional_id(f"tokenizer.ggml.{key}_token_id")) is not None
+    ]
+    tokens = meta.value("tokenizer.ggml.tokens") or []
+    types = meta.value("tokenizer.ggml.token_type") or []
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=False)):
+        if kind == _CONTROL and text in EOG_TEXTS:
+            ids.append(i)
+    return tuple(dict.fromkeys(ids))
+
+
+def _rope(meta: GGUFMetadata, arch: str, head_dim: int, factors: np.ndarray | None) -> RopeConfig:
+    theta = meta.number(f"{arch}.rope.freq_base", 10000.0)
+    scaling = meta.string(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = meta.number(f"{arch}.rope.scaling.factor", 1.0)
+        if factors is not None:
+            raise UnsupportedArchitecture(f"{meta.source}: rope_freqs with linear RoPE scaling")
+        return RopeConfig(rope_type="linear", theta=theta, factor=factor)
+    if scaling != "none":
+        raise UnsupportedArchitecture(
+            f"{meta.source}: RoPE scaling {scaling!r} is not supported (supported: none, "
+            "linear, llama3 via rope_freqs)"
+        )
+    if factors is None:
+        return RopeConfig(theta=theta)
+    return llama3_rope_from_factors(factors, theta, head_dim, meta.source)
+
+
+def llama3_rope_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, source: str
+) -> RopeConfig:
+    """Recover Llama 3 RoPE scaling from llama.cpp's per-frequency divisors (`rope_freqs`).
+
+    The converter writes `r_i = 1 / ((1 - s_i) / factor + s_i)` with
+    `s_i = (L / wavelen_i - low) / (high - low)` between the two wavelength bounds, 1 above
+    and `factor` below them. Every Llama 3.x release uses low = 1, high = 4; `factor` is the
+    largest divisor and `L` (the original context) follows from any smoothed frequency. The
+    result must reproduce every stored divisor, or the file is refused.
+    """
+    n = head_dim // 2
+    if factors.shape != (n,):
+        raise UnsupportedArchitecture(
+            f"{source}: rope_freqs has {factors.size} values, expected {n} (head_dim / 2)"
+        )
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * math.pi / inv_freq
+    factor = float(factors.max())
+    low, high = 1.0, 4.0
+    original = 8192
+    medium = [(w, float(r)) for w, r in zip(wavelen, factors, strict=True) if 1 < r < factor]
+    if medium and factor > 1:
+        w, r = medium[0]
+        smooth = (1 / r - 1 / factor) / (1 - 1 / factor)
+        original = round(w * (smooth * (high - low) + low))
+    elif factor > 1:
+        # No smoothed frequency: any context between the last unscaled and first scaled
+        # wavelength gives the same divisors; take the smallest power of two that does.
+        scaled = wavelen[factors >= factor]
+        original = 2 ** math.ceil(math.log2(float(scaled.min()) * low)) if scaled.size else 8192
+    rope = RopeConfig(
+        rope_type="llama3",
+        theta=theta,
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=max(1, original),
+    )
+    if not np.allclose(_llama3_divisors(rope, wavelen), factors, rtol=1e-4, atol=0):
+        raise UnsupportedArchitecture(
+            f"{source}: rope_freqs is not Llama 3 RoPE scaling with low/high frequency "
+            "factors 1/4 (other per-frequency scalings are not supported)"
+        )
+    return rope
+
+
+def _llama3_divisors(rope: RopeConfig, wavelen: np.ndarray) -> np.ndarray:
+    """The converter's `rope_factors` for `rope` (generate_extra_tensors in llama.py)."""
+    old = rope.original_max_position_embeddings
+    low_wavelen = old / rope.low_freq_factor
+    high_wavelen = old / rope.high_freq_factor
+    smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    mid = 1 / ((1 - smooth) / rope.factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, rope.factor, mid))
+
+
+def _check_tensors(
+    path: pathlib.Path,
+    config: ModelConfig,
+    infos: Mapping[str, TensorInfo],
+    entries: Mapping[str, _Entry],
+) -> None:
+    for name, shape in expected_shapes(config).items():
+        info = infos.get(name)
+        if info is None:
+            gguf = _hf_to_gguf_name(name)
+            raise MissingTensor(f"{path}: tensor {gguf!r} ({name}) is missing from the GGUF file")
+        if info.dtype not in TENSOR_TYPES:
+            raise UnsupportedArchitecture(
+                f"{path}: tensor {entries[name].gguf_name!r} is stored as {info.dtype}; "
+                f"supported GGUF types: {', '.join(TENSOR_TYPES)}"
+            )
+        if info.shape != shape:
+            raise ShapeMismatch(
+                f"{path}: tensor {entries[name].gguf_name!r} has shape {list(info.shape)} "
+                f"(HF order), but the metadata implies {list(shape)}"
+            )
+
+
+def _hf_to_gguf_name(name: str) -> str:
+    for gguf, hf in _GLOBAL_NAMES.items():
+        if hf == name:
+            return gguf
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match:
+        for gguf, hf in _BLOCK_NAMES.items():
+            if hf == match.group(2):
+                return f"blk.{match.group(1)}.{gguf}"
+    return name
+
+
+def _default_quantization(infos: Mapping[str, TensorInfo]) -> str:
+    """The stage quantization of the file's dominant decoder matrix type (by elements)."""
+    elements: dict[str, int] = {}
+    for name, info in infos.items():
+        if name.startswith("model.layers.") and any(f".{m}." in name for m in _MATRICES):
+            elements[info.dtype] = elements.get(info.dtype, 0) + math.prod(info.shape)
+    if not elements:
+        return "none"
+    dominant = max(elements, key=lambda t: elements[t])
+    return TENSOR_TYPES.get(dominant, "none")

@@ -1,0 +1,52 @@
+"""`meshd serve --model FILE.gguf`: two daemons split a GGUF model and generate exactly what one
+process decodes from the same file."""
+
+from __future__ import annotations
+
+import pathlib
+
+import httpx
+import pytest
+import torch
+
+from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.decode import generate
+from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.stage import StageModel
+from meshd.node.control_client import GenerateOp, request_lines
+from tests.model.gguf_files import write_gguf
+from tests.node.daemons import SECRET, Daemon, started, stop_all
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_daemons_serve_a_quantized_gguf_file(tmp_path: pathlib.Path) -> None:
+    model = write_gguf(builtin_model_dir(), tmp_path / "tiny-stories-q8.gguf", "Q8_0")
+    budget = stage_budget(str(model), 2)  # two nodes hold it, one cannot
+    daemons = [
+        Daemon(tmp_path, i, secret=SECRET, budget=budget, extra=("--model", str(model)))
+        for i in (2, 3)
+    ]
+    try:
+        started(daemons)
+        wait_until(lambda: settled_plan(daemons) is not None, 60, "a settled plan")
+        plan = settled_plan(daemons)
+        assert plan is not None and len(plan) == 2
+        prompt = open_tokenizer(model).encode("Once upon a time")
+        lines = list(
+            request_lines(
+                daemons[0].socket,
+                GenerateOp(prompt=prompt, max_tokens=24, ignore_eos=True),
+                timeout_s=60,
+            )
+        )
+        assert lines[-1]["ok"], lines[-1]
+        torch.set_num_threads(1)
+        checkpoint = open_checkpoint(model)
+        whole = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
+        assert lines[-1]["tokens"] == generate([whole], prompt, 24).tokens
+        models = httpx.get(f"{daemons[0].api_url}/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-stories-q8"]
+    finally:
+        stop_all(daemons)
