@@ -128,6 +128,9 @@ class _Live:
     route: Route
     replies: trio.MemorySendChannel[VerifyReply | StageError | RouteFailed]
     inbox: trio.MemoryReceiveChannel[VerifyReply | StageError | RouteFailed]
+    # Stage nodes the session's OpenSession has been sent to: only those get keep-alives (a
+    # keep-alive overtaking the open would be answered "session_expired").
+    opened: set[bytes] = field(default_factory=set)
 
 
 class Coordinator:
@@ -219,7 +222,7 @@ class Coordinator:
         """One `SessionKeepAlive` per stage node, naming this coordinator's sessions there."""
         by_key: dict[bytes, list[str]] = {}
         for live in list(self._live.values()):
-            for key in dict.fromkeys(live.route.keys):
+            for key in live.opened:
                 by_key.setdefault(key, []).append(live.session)
 
         async def renew(key: bytes, sessions: list[str]) -> None:
@@ -343,6 +346,7 @@ class _Run:
                 layer_end=stage.layer_end,
             )
             await self._send(stage.node_key, message)
+            self.live.opened.add(stage.node_key)
 
     async def _prefill(self, prompt: list[int]) -> int:
         chunk = self.coord.prefill_chunk_tokens

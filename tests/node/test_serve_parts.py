@@ -3,7 +3,9 @@ carrying gossip and pipeline messages side by side."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -109,3 +111,31 @@ async def test_two_nodes_dialing_each_other_at_once_keep_the_same_lane() -> None
         # The same lane from both ends: one side's local id is the other's remote id.
         assert lane_a.lane.local_lane_id == lane_b.lane.remote_lane_id
         nursery.cancel_scope.cancel()
+
+
+async def test_sigterm_stops_gracefully_and_a_second_one_stops_at_once() -> None:
+    from meshd.cli.serve import _stop_on_sigterm
+
+    async def run(graceful_blocks: bool) -> list[str]:
+        steps: list[str] = []
+        began = trio.Event()
+
+        async def graceful() -> None:
+            steps.append("graceful")
+            began.set()
+            if graceful_blocks:
+                await trio.sleep_forever()  # a stop that would take its whole grace
+            steps.append("drained")
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(_stop_on_sigterm, nursery.cancel_scope, Notifier({}), graceful)
+                os.kill(os.getpid(), signal.SIGTERM)
+                await began.wait()
+                if graceful_blocks:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the operator insists
+                await trio.sleep_forever()  # the daemon's work, until the stop cancels it
+        return steps
+
+    assert await run(graceful_blocks=False) == ["graceful", "drained"]
+    assert await run(graceful_blocks=True) == ["graceful"]

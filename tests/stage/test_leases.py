@@ -301,6 +301,42 @@ async def test_the_close_reaches_the_stages_after_one_that_died(model_dir: pathl
         assert last.stats.sessions_expired == {COORDINATOR_LOST: 0, LEASE_LAPSED: 0}
 
 
+class _SlowOpen:
+    """A sender whose OpenSession to one node waits for `release` (a slow lane)."""
+
+    def __init__(self, inner: object, slow: bytes) -> None:
+        self.inner = inner
+        self.slow = slow
+        self.held = trio.Event()
+        self.release = trio.Event()
+
+    async def send(self, key: bytes, message: Message, stream: int = 1) -> None:
+        if key == self.slow and isinstance(message, OpenSession):
+            self.held.set()
+            await self.release.wait()
+        await self.inner.send(key, message, stream)  # type: ignore[attr-defined]
+
+
+async def test_a_keep_alive_never_overtakes_the_open_it_renews(model_dir: pathlib.Path) -> None:
+    async with open_local_pipeline(model_dir, 2, session_lease_s=60.0) as pipe:
+        sender = _SlowOpen(pipe.coordinator.sender, pipe.route.keys[1])
+        pipe.coordinator.sender = sender
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                result: list[list[int]] = []
+
+                async def run() -> None:
+                    done = await pipe.coordinator.generate(pipe.route, _request(), _ignore)
+                    result.append(done.tokens)
+
+                nursery.start_soon(run)
+                await sender.held.wait()  # opened on stage 0, not yet on stage 1
+                await pipe.coordinator.renew_leases()
+                await _wait(lambda: pipe.hosts[0].sessions == 1)
+                sender.release.set()
+        assert result and len(result[0]) == _request().max_tokens
+
+
 async def _wait(predicate: object, timeout_s: float = 10.0) -> None:
     with trio.fail_after(timeout_s):
         while not predicate():  # type: ignore[operator]  # noqa: ASYNC110
