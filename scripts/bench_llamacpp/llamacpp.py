@@ -181,9 +181,9 @@ def _ensure_greedy(source: pathlib.Path, bin_dir: pathlib.Path) -> pathlib.Path:
     src = HERE / "greedy.cpp"
     if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
-    libs = [f"-l{p.name[3:-3]}" for p in sorted(bin_dir.glob("lib*.so"))]
-    if not libs:
-        raise RuntimeError(f"no shared libraries in {bin_dir} to link meshd-greedy against")
+    libs = ["-lllama", "-lggml", "-lggml-base"]
+    if not (bin_dir / "libllama.so").is_file():
+        raise RuntimeError(f"no libllama.so in {bin_dir} to link meshd-greedy against")
     cmd = [
         "g++",
         "-O2",
