@@ -202,15 +202,33 @@ def _held_bytes(report: dict[str, Any]) -> dict[str, Any]:
 Task = tuple[str, str, Callable[[], float]]  # (side, label, run → tok/s)
 
 
-def alternate(tasks: list[Task], rounds: int) -> dict[tuple[str, str], list[float]]:
-    """Run every task once per round, the order rotated each round; tok/s per task."""
+def alternate(
+    tasks: list[Task], rounds: int, failures: dict[tuple[str, str], str]
+) -> dict[tuple[str, str], list[float]]:
+    """Run every task once per round, the order rotated each round; tok/s per task.
+
+    A run that fails is logged into `failures` (its last line) and the rest go on.
+    """
     results: dict[tuple[str, str], list[float]] = {(s, label): [] for s, label, _ in tasks}
     for r in range(rounds):
         shift = r % len(tasks)
         for side, label, fn in tasks[shift:] + tasks[:shift]:
-            results[(side, label)].append(round(fn(), 2))
+            try:
+                results[(side, label)].append(round(fn(), 2))
+            except (RuntimeError, KeyError, ValueError) as exc:
+                failures[(side, label)] = str(exc).strip().splitlines()[-1][-300:]
+                log(f"  round {r + 1}/{rounds} {side} {label}: FAILED {failures[(side, label)]}")
+                continue
             log(f"  round {r + 1}/{rounds} {side} {label}: {results[(side, label)][-1]} tok/s")
     return results
+
+
+def _note(failures: dict[tuple[str, str], str], *keys: tuple[str, str]) -> str | None:
+    """The failure of any of these tasks, named by side."""
+    for key in keys:
+        if key in failures:
+            return f"{key[0]} failed: {failures[key]}"
+    return None
 
 
 def _median(xs: list[float]) -> float | None:
@@ -248,7 +266,8 @@ def decode_rows(
         if gguf_ok:
             tasks.append(("meshd-gguf", prec, meshd_run(f"gguf-{prec}", str(gguf), "none")))
     log(f"decode: {model.name}, {threads} thread(s), {env.rounds} round(s), {env.tokens} tokens")
-    runs = alternate(tasks, env.rounds)
+    failures: dict[tuple[str, str], str] = {}
+    runs = alternate(tasks, env.rounds, failures)
     fp32 = _median(runs.get(("meshd", "f32"), []))
     rows = []
     for prec, gguf in model.gguf.items():
@@ -271,7 +290,10 @@ def decode_rows(
                 "meshd_runs_tok_s": mine or [],
                 "gguf_bytes": gguf.stat().st_size,
             }
-            if not mine:
+            failed = _note(failures, ("llama.cpp", prec), (source, prec))
+            if failed:
+                row["note"] = failed
+            elif (source, prec) not in runs:
                 row["note"] = "unsupported"
             label = prec if source == "meshd" else f"gguf-{prec}"
             if extra.get(label):
@@ -347,7 +369,8 @@ def pipeline_rows(
         if prec in meshd_precs:
             tasks.append(("meshd", f"{prec} rtt {rtts[0]:g}+", meshd(prec)))
     log(f"pipeline: {model.name}, 2 stages, RTT {rtts} ms, {threads} thread(s) per stage")
-    runs = alternate(tasks, env.rounds)
+    failures: dict[tuple[str, str], str] = {}
+    runs = alternate(tasks, env.rounds, failures)
     rows = []
     for prec in model.gguf:
         for rtt in rtts:
@@ -367,7 +390,14 @@ def pipeline_rows(
                 "llamacpp_runs_tok_s": runs[("llama.cpp", f"{prec} rtt {rtt:g}")],
                 "meshd_runs_tok_s": mine,
             }
-            if not mine:
+            failed = _note(
+                failures,
+                ("llama.cpp", f"{prec} rtt {rtt:g}"),
+                ("meshd", f"{prec} rtt {rtts[0]:g}+"),
+            )
+            if failed:
+                row["note"] = failed
+            elif prec not in meshd_precs:
                 row["note"] = "unsupported"
             rows.append(row)
     return rows
@@ -396,7 +426,11 @@ def _agreement(a: list[int], b: list[int]) -> dict[str, Any]:
 
 
 def agreement_rows(model: Model, env: Env, threads: int) -> list[dict[str, Any]]:
-    """meshd's greedy tokens against llama.cpp's from the same prompt ids."""
+    """meshd's greedy tokens against llama.cpp's from the same prompt ids.
+
+    Per GGUF file: meshd fp32 from its own checkpoint (for q8_0/q4_0 files this shows what
+    llama.cpp's quantization alone changes), and meshd loading that same file where it can.
+    """
     meshd_dir = str(model.meshd_dir)
     prompt = _side(env.python, "prompt", meshd_dir)
     ids = ",".join(map(str, prompt))
@@ -404,7 +438,6 @@ def agreement_rows(model: Model, env: Env, threads: int) -> list[dict[str, Any]]
     ours = _side(env.python, "greedy", meshd_dir, n, str(threads), ids)
     rows = []
     for prec, gguf in model.gguf.items():
-        theirs = llamacpp.greedy_tokens(env.lc, gguf, prompt, env.tokens, threads)
         base: dict[str, Any] = {
             "kind": "agreement",
             "model": model.name,
@@ -412,26 +445,34 @@ def agreement_rows(model: Model, env: Env, threads: int) -> list[dict[str, Any]]
             "tokens": env.tokens,
             "prompt_ids": prompt,
         }
-        if prec == "f32":
+        try:
+            theirs = llamacpp.greedy_tokens(env.lc, gguf, prompt, env.tokens, threads)
+        except RuntimeError as exc:
+            last = str(exc).strip().splitlines()[-1]
             rows.append(
                 {
                     **base,
-                    "meshd_source": "safetensors fp32",
-                    **_agreement(ours, theirs),
-                    "meshd_tokens": ours,
-                    "llamacpp_tokens": theirs,
+                    "meshd_source": "-",
+                    "identical": None,
+                    "note": f"llama.cpp failed: {last}",
                 }
             )
+            continue
+        rows.append(
+            {
+                **base,
+                "meshd_source": "safetensors fp32",
+                **_agreement(ours, theirs),
+                "meshd_tokens": ours,
+                "llamacpp_tokens": theirs,
+            }
+        )
         try:
             from_gguf = _side(env.python, "greedy", str(gguf), n, str(threads), ids)
         except RuntimeError as exc:
+            why = str(exc).rsplit(": ", 1)[-1]
             rows.append(
-                {
-                    **base,
-                    "meshd_source": "gguf",
-                    "identical": None,
-                    "note": f"unsupported: {str(exc).rsplit(': ', 1)[-1]}",
-                }
+                {**base, "meshd_source": "gguf", "identical": None, "note": f"unsupported: {why}"}
             )
             continue
         rows.append(

@@ -51,7 +51,8 @@ int main(int argc, char ** argv) {
     }
     llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx = (uint32_t) (prompt.size() + n_new);
-    cparams.n_batch = (uint32_t) prompt.size();
+    cparams.n_batch = 1;
+    cparams.n_ubatch = 1;
     cparams.n_threads = threads;
     cparams.n_threads_batch = threads;
     llama_context * ctx = llama_init_from_model(model, cparams);
@@ -62,8 +63,18 @@ int main(int argc, char ** argv) {
     llama_sampler * smpl = llama_sampler_chain_init(llama_sampler_chain_default_params());
     llama_sampler_chain_add(smpl, llama_sampler_init_greedy());
 
+    // The prompt goes in one token per step, as decoding does: on a CPU that lists AMX but
+    // whose (virtual) machine faults on its tile instructions, llama.cpp's AMX kernels for
+    // q8_0/q4_0 batches of more than one token crash (SIGILL/SIGSEGV in ldtilecfg).
     llama_batch_ext * batch = llama_batch_ext_init(ctx);
-    set_tokens(batch, prompt.data(), (int32_t) prompt.size(), 0);
+    for (size_t i = 0; i + 1 < prompt.size(); ++i) {
+        set_tokens(batch, &prompt[i], 1, (llama_pos) i);
+        if (llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch) != 0) {
+            fprintf(stderr, "decode failed at prompt token %zu\n", i);
+            return 1;
+        }
+    }
+    set_tokens(batch, &prompt.back(), 1, (llama_pos) prompt.size() - 1);
     llama_pos pos = (llama_pos) prompt.size();
     for (int i = 0; i < n_new; ++i) {
         if (llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch) != 0) {
