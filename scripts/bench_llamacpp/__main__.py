@@ -557,6 +557,12 @@ def _cpu() -> str:
     return platform.processor() or "unknown"
 
 
+def _partial(out: pathlib.Path | None, rows: list[dict[str, Any]]) -> None:
+    """The rows so far, so that an interrupted run still leaves what it measured."""
+    if out is not None:
+        out.write_text(json.dumps({"conditions": None, "rows": rows}, indent=1) + "\n")
+
+
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -648,10 +654,13 @@ def main(argv: list[str]) -> int:
                 notes[f"{name}: meshd bench decode --model f32.gguf"] = why
             for n in threads:
                 rows += decode_rows(model, n, env, decode_quants, gguf_ok)
+                _partial(args.out, rows)
         if "pipeline" in parts:
             rows += pipeline_rows(model, env, rtts, args.pipeline_threads, pipeline_quants)
+            _partial(args.out, rows)
         if "gguf" in parts:
             rows += agreement_rows(model, env, max(threads))
+            _partial(args.out, rows)
     conditions = {
         "kind": "conditions",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
