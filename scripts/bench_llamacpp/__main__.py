@@ -557,10 +557,12 @@ def _cpu() -> str:
     return platform.processor() or "unknown"
 
 
-def _partial(out: pathlib.Path | None, rows: list[dict[str, Any]]) -> None:
+def _partial(out: pathlib.Path | None, head: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """The rows so far, so that an interrupted run still leaves what it measured."""
     if out is not None:
-        out.write_text(json.dumps({"conditions": None, "rows": rows}, indent=1) + "\n")
+        now = {"load_average_now": [round(x, 2) for x in os.getloadavg()], "interrupted": True}
+        report = {"conditions": {**head, **now}, "rows": rows}
+        out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _csv(text: str) -> list[str]:
@@ -617,6 +619,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print JSON rows, one per line")
     p.add_argument(
+        "--render",
+        type=pathlib.Path,
+        nargs="+",
+        default=None,
+        help="measure nothing: print the tables of these --out reports, merged",
+    )
+    p.add_argument(
         "--out", type=pathlib.Path, default=None, help="also write the whole report as JSON here"
     )
     return p.parse_args(argv)
@@ -624,6 +633,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.render:
+        reports = [json.loads(path.read_text()) for path in args.render]
+        print(markdown([row for report in reports for row in report["rows"]]))
+        for path, report in zip(args.render, reports, strict=True):
+            c = report["conditions"] or {}
+            print(
+                f"\n{path}: {c.get('command', 'interrupted run')}, load average "
+                f"{c.get('load_average_before')} → "
+                f"{c.get('load_average_after', c.get('load_average_now'))}"
+            )
+        return 0
     cache = (
         args.cache_dir or pathlib.Path.home() / ".cache" / "meshd-llamacpp" / args.llamacpp_version
     )
@@ -636,6 +656,12 @@ def main(argv: list[str]) -> int:
     if unknown := set(precisions) - set(PRECISIONS):
         raise SystemExit(f"unknown precisions: {', '.join(sorted(unknown))}")
     started, load_before = time.perf_counter(), os.getloadavg()
+    head = {
+        "kind": "conditions",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["scripts/bench_llamacpp", *argv]),
+        "load_average_before": [round(x, 2) for x in load_before],
+    }
     lc = llamacpp.ensure_built(
         args.llamacpp_version, cache, args.llamacpp_dir, args.python, args.jobs
     )
@@ -654,17 +680,15 @@ def main(argv: list[str]) -> int:
                 notes[f"{name}: meshd bench decode --model f32.gguf"] = why
             for n in threads:
                 rows += decode_rows(model, n, env, decode_quants, gguf_ok)
-                _partial(args.out, rows)
+                _partial(args.out, head, rows)
         if "pipeline" in parts:
             rows += pipeline_rows(model, env, rtts, args.pipeline_threads, pipeline_quants)
-            _partial(args.out, rows)
+            _partial(args.out, head, rows)
         if "gguf" in parts:
             rows += agreement_rows(model, env, max(threads))
-            _partial(args.out, rows)
+            _partial(args.out, head, rows)
     conditions = {
-        "kind": "conditions",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["scripts/bench_llamacpp", *argv]),
+        **head,
         "meshd_commit": _git_commit(),
         "llamacpp": f"llama-cpp-python {args.llamacpp_version} sdist, vendor/llama.cpp ({lc.commit()})",
         "llamacpp_bin_dir": str(lc.bin_dir),
@@ -677,7 +701,6 @@ def main(argv: list[str]) -> int:
             "pipeline": sorted(pipeline_quants),
         },
         "unsupported_notes": notes,
-        "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - started, 1),
     }
