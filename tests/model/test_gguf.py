@@ -124,17 +124,23 @@ def test_llama_q_and_k_rows_come_back_in_hugging_face_order(tmp_path: pathlib.Pa
     assert not torch.equal(stored, k) and torch.equal(unpermute_rows(stored, 2), k)
 
 
-def agreement(
-    ours: StageModel, theirs: StageModel, prompts: list[list[int]], n: int
-) -> dict[str, float]:
-    """Greedy agreement and logits cosine of two whole-model stages."""
+class Reference:
+    """The fp32 directory's greedy tokens and logits per prompt, computed once per module."""
+
+    def __init__(self, stage: StageModel, prompts: list[list[int]], n: int) -> None:
+        self.prompts, self.n = prompts, n
+        self.tokens = [generate([stage], ids, n).tokens for ids in prompts]
+        self.logits = [stage_logits(stage, ids) for ids in prompts]
+
+
+def agreement(ours: StageModel, reference: Reference) -> dict[str, float]:
+    """Greedy agreement and logits cosine of a whole-model stage with the reference."""
     same, first, cosine = [], [], []
-    for ids in prompts:
-        a, b = generate([ours], ids, n).tokens, generate([theirs], ids, n).tokens
+    for ids, b, lb in zip(reference.prompts, reference.tokens, reference.logits, strict=True):
+        a, n = generate([ours], ids, reference.n).tokens, reference.n
         same.append(sum(x == y for x, y in zip(a, b, strict=True)) / n)
         first.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n))
-        la, lb = stage_logits(ours, ids), stage_logits(theirs, ids)
-        cosine.append(float(F.cosine_similarity(la, lb, dim=-1).min()))
+        cosine.append(float(F.cosine_similarity(stage_logits(ours, ids), lb, dim=-1).min()))
     return {
         "identical": sum(same) / len(same),
         "first_divergence_median": float(np.median(first)),
@@ -161,9 +167,21 @@ QUANTIZED = {
 }
 
 
+@pytest.fixture(scope="module")
+def builtin_reference() -> Reference:
+    tok = open_tokenizer(builtin_model_dir())
+    stage = whole(open_checkpoint(builtin_model_dir()))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run outside conftest's one-thread fixture
+    try:
+        return Reference(stage, [tok.encode(p) for p in PROMPTS], 32)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
 def test_quantized_ggufs_agree_with_the_builtin_model_as_measured(
-    tmp_path: pathlib.Path, kind: str
+    tmp_path: pathlib.Path, kind: str, builtin_reference: Reference
 ) -> None:
     quantization, types, min_identical, min_cosine = QUANTIZED[kind]
     checkpoint = open_checkpoint(
@@ -171,13 +189,7 @@ def test_quantized_ggufs_agree_with_the_builtin_model_as_measured(
     )
     assert checkpoint.default_quantization == quantization
     assert checkpoint.tensors["model.layers.0.mlp.up_proj.weight"].dtype == kind
-    tok = open_tokenizer(builtin_model_dir())
-    figures = agreement(
-        whole(checkpoint),
-        whole(open_checkpoint(builtin_model_dir())),
-        [tok.encode(p) for p in PROMPTS],
-        32,
-    )
+    figures = agreement(whole(checkpoint), builtin_reference)
     assert figures["identical"] >= min_identical, figures
     assert figures["min_cosine"] >= min_cosine, figures
 
