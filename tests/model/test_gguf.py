@@ -208,6 +208,8 @@ def test_every_quantized_type_dequantizes_close_to_the_weights(
         num_hidden_layers=2,
     )
     checkpoint = open_checkpoint(write_gguf(tmp_path / "hf", tmp_path / "q.gguf", kind))
+    # Never silently fp32: 8-bit-class types land in int8 stages, 4-bit ones in int4.
+    assert checkpoint.default_quantization == ("int4" if kind.startswith("Q4") else "int8")
     directory = open_checkpoint(tmp_path / "hf")
     names = [n for n in directory.tensors if n.endswith("proj.weight")]
     # Worst relative error measured over these matrices: Q8_0 0.0054, Q6_K 0.0194, Q5_K 0.0384,
