@@ -137,6 +137,14 @@ class GGUFCheckpoint(Checkpoint):
             raise MissingFile(f"{path}: GGUF file not found")
         reader = read_gguf(path)
         meta = GGUFMetadata(reader, str(path))
+        if reader.byte_order != "I":
+            raise UnsupportedArchitecture(f"{path}: a big-endian GGUF file is not supported")
+        splits = meta.value("split.count", 1)
+        if splits != 1:
+            raise UnsupportedArchitecture(
+                f"{path}: split GGUF files (split.count = {splits}) are not supported; merge "
+                "them into one with llama.cpp's `llama-gguf-split --merge`"
+            )
         arch = meta.architecture()
         infos, entries = _tensor_table(reader, path)
         config = config_from_gguf(meta, arch, infos, _rope_factors(reader, path))

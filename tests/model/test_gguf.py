@@ -338,6 +338,7 @@ def test_unsupported_tensor_type_is_a_one_line_error_naming_it(tmp_path: pathlib
     [
         ({"llama.rope.scaling.type": "yarn"}, ["yarn"]),
         ({"llama.expert_count": 8}, ["expert_count"]),
+        ({"split.count": (3, gguf.GGUFValueType.UINT16)}, ["split", "llama-gguf-split"]),
     ],
 )
 def test_unsupported_features_are_one_line_errors(
