@@ -294,6 +294,35 @@ def test_a_middle_stage_reads_only_its_layers(tmp_path: pathlib.Path, kind: str)
     assert torch.equal(ours, reference.forward("s", 0, hidden).hidden)
 
 
+def test_a_split_gguf_model_is_one_model(tmp_path: pathlib.Path) -> None:
+    make_checkpoint(tmp_path / "hf", "qwen3", seed=7, num_hidden_layers=6)
+    first = write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0", split_max_tensors=20)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) > 2
+    whole_file = open_checkpoint(write_gguf(tmp_path / "hf", tmp_path / "one.gguf", "Q8_0"))
+    for given in (shards[0], shards[-1]):  # any shard names the model
+        checkpoint = open_checkpoint(given)
+        assert checkpoint.config == whole_file.config
+        assert {info.path for info in checkpoint.tensors.values()} == set(shards)
+        assert torch.equal(
+            stage_logits(whole(checkpoint), PROMPT), stage_logits(whole(whole_file), PROMPT)
+        )
+    ids = {open_checkpoint(s).model_id for s in shards}
+    assert len(ids) == 1 and ids != {whole_file.model_id}
+    # A middle stage reads only the shards holding its layers, and computes as the single file.
+    checkpoint = open_checkpoint(shards[0])
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    ours, theirs = StageModel.load(checkpoint, 2, 4), StageModel.load(whole_file, 2, 4)
+    for s in (ours, theirs):
+        s.open_session("s", 4)
+    assert torch.equal(ours.forward("s", 0, hidden).hidden, theirs.forward("s", 0, hidden).hidden)
+    assert {checkpoint.tensors[n].path for n in checkpoint.loaded_names} < set(shards)
+    shards[1].unlink()
+    with pytest.raises(MissingFile) as exc:
+        open_checkpoint(shards[0])
+    one_line_error(exc, shards[1].name)
+
+
 def test_the_model_id_is_the_files_and_every_node_computes_the_same(tmp_path: pathlib.Path) -> None:
     make_checkpoint(tmp_path / "hf", "qwen3", seed=1)
     first = write_gguf(tmp_path / "hf", tmp_path / "a.gguf")
@@ -338,7 +367,6 @@ def test_unsupported_tensor_type_is_a_one_line_error_naming_it(tmp_path: pathlib
     [
         ({"llama.rope.scaling.type": "yarn"}, ["yarn"]),
         ({"llama.expert_count": 8}, ["expert_count"]),
-        ({"split.count": (3, gguf.GGUFValueType.UINT16)}, ["split", "llama-gguf-split"]),
     ],
 )
 def test_unsupported_features_are_one_line_errors(
