@@ -124,7 +124,9 @@ class GGUFCheckpoint(Checkpoint):
     """
 
     entries: Mapping[str, _Entry] = field(default_factory=dict)
-    metadata_bytes: int = 0  # header + metadata + tensor table: hashed whole into the id
+    # Per file (one, or every shard of a split model): header + metadata + tensor table bytes,
+    # hashed whole into the id.
+    headers: tuple[tuple[pathlib.Path, int], ...] = ()
     # q/k rows to un-permute (GGUF architecture `llama`): HF name -> heads.
     permuted: Mapping[str, int] = field(default_factory=dict)
     architecture: str = ""
@@ -135,11 +137,12 @@ class GGUFCheckpoint(Checkpoint):
         path = pathlib.Path(directory)
         if not path.is_file():
             raise MissingFile(f"{path}: GGUF file not found")
-        reader = read_gguf(path)
-        meta = GGUFMetadata(reader, str(path))
+        readers = read_shards(path)
+        path, first = readers[0]
+        meta = GGUFMetadata(first, str(path))
         arch = meta.architecture()
-        infos, entries = _tensor_table(reader, path)
-        config = config_from_gguf(meta, arch, infos, _rope_factors(reader, path))
+        infos, entries = _tensor_table(readers)
+        config = config_from_gguf(meta, arch, infos, _rope_factors(readers))
         _check_tensors(path, config, infos, entries)
         permuted: dict[str, int] = {}
         if arch == "llama":
@@ -155,7 +158,7 @@ class GGUFCheckpoint(Checkpoint):
             infos,
             default_quantization=_default_quantization(infos),
             entries=entries,
-            metadata_bytes=reader.data_offset,
+            headers=tuple((p, r.data_offset) for p, r in readers),
             permuted=permuted,
             architecture=arch,
         )
@@ -169,15 +172,17 @@ class GGUFCheckpoint(Checkpoint):
         """
         digest = hashlib.sha256(b"meshd-gguf-model-id-v1\0")
         digest.update(self.config.canonical_bytes())
-        fd = os.open(self.directory, os.O_RDONLY)
+        fds = {p: os.open(p, os.O_RDONLY) for p, _ in self.headers}
         try:
-            digest.update(os.pread(fd, self.metadata_bytes, 0))
+            for p, size in self.headers:
+                digest.update(os.pread(fds[p], size, 0))
             for name in sorted(expected_shapes(self.config)):
                 info = self.tensors[name]
                 digest.update(f"\0{name}\0{info.dtype}\0{info.shape}\0".encode())
-                digest.update(_sample(fd, info))
+                digest.update(_sample(fds[info.path], info))
         finally:
-            os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
         return digest.hexdigest()[:32]
 
     def load(
@@ -192,16 +197,16 @@ class GGUFCheckpoint(Checkpoint):
         for name in wanted:
             if name not in self.tensors:
                 raise MissingTensor(f"{self.directory}: tensor {name!r} is not in the checkpoint")
-        if not wanted:
-            return
-        try:
-            mapped = np.memmap(self.directory, mode="r")
-        except (OSError, ValueError) as exc:
-            raise CorruptCheckpoint(f"{self.directory}: cannot map ({exc})") from None
+        maps: dict[pathlib.Path, np.ndarray] = {}
         try:
             for name in wanted:
                 info, entry = self.tensors[name], self.entries[name]
-                raw = mapped[info.offset : info.offset + info.nbytes]
+                if info.path not in maps:
+                    try:
+                        maps[info.path] = np.memmap(info.path, mode="r")
+                    except (OSError, ValueError) as exc:
+                        raise CorruptCheckpoint(f"{info.path}: cannot map ({exc})") from None
+                raw = maps[info.path][info.offset : info.offset + info.nbytes]
                 tensor = dequantize(raw, entry.ggml_type, info.shape)
                 if name in self.permuted:
                     tensor = unpermute_rows(tensor, self.permuted[name])
@@ -210,7 +215,7 @@ class GGUFCheckpoint(Checkpoint):
                     on_tensor(name, info.nbytes)
                 yield name, tensor
         finally:
-            del mapped
+            maps.clear()
 
 
 def read_gguf(path: pathlib.Path) -> GGUFReader:
@@ -234,6 +239,40 @@ def read_gguf(path: pathlib.Path) -> GGUFReader:
         return PlainViewReader(path, "r")
     except (ValueError, IndexError, KeyError, OSError) as exc:
         raise CorruptCheckpoint(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+_SHARD_RE = re.compile(r"(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)
+
+
+def read_shards(path: pathlib.Path) -> list[tuple[pathlib.Path, GGUFReader]]:
+    """The file's reader, or for a split model (`split.count` > 1) every shard's, first first.
+
+    Shards are named as llama.cpp's `llama-gguf-split` names them, `PREFIX-00001-of-00003.gguf`;
+    any one of them may be given. The first holds the metadata, each its own tensors.
+    """
+    reader = read_gguf(path)
+    if reader.byte_order != "I":
+        raise UnsupportedArchitecture(f"{path}: a big-endian GGUF file is not supported")
+    field = reader.fields.get("split.count")
+    count = int(field.contents()) if field is not None else 1
+    if count <= 1:
+        return [(path, reader)]
+    match = _SHARD_RE.fullmatch(path.name)
+    if match is None or int(match["count"]) != count:
+        raise MissingFile(
+            f"{path}: one of {count} split GGUF files, but not named PREFIX-0000N-of-"
+            f"{count:05d}.gguf, so the others cannot be found"
+        )
+    shards = [
+        path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf")
+        for i in range(1, count + 1)
+    ]
+    readers: list[tuple[pathlib.Path, GGUFReader]] = []
+    for i, shard in enumerate(shards):
+        if not shard.is_file():
+            raise MissingFile(f"{shard}: shard {i + 1} of {count} of a split GGUF model not found")
+        readers.append((shard, reader if shard == path else read_gguf(shard)))
+    return readers
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -330,44 +369,55 @@ class GGUFMetadata:
 
 
 def _tensor_table(
-    reader: GGUFReader, path: pathlib.Path
+    readers: list[tuple[pathlib.Path, GGUFReader]],
 ) -> tuple[dict[str, TensorInfo], dict[str, _Entry]]:
-    """The runtime's tensors (HF names, HF shapes) and where each lies in the file."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    """The runtime's tensors (HF names, HF shapes) and where each lies in the file(s)."""
 
-    size = path.stat().st_size
     infos: dict[str, TensorInfo] = {}
     entries: dict[str, _Entry] = {}
-    for tensor in reader.tensors:
-        hf_name = gguf_name_to_hf(tensor.name)
-        if hf_name is None:
-            continue
-        qtype = GGMLQuantizationType(tensor.tensor_type)
-        ne = [int(d) for d in tensor.shape]
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if ne and ne[0] % block:
-            raise CorruptCheckpoint(
-                f"{path}: tensor {tensor.name!r} has rows of {ne[0]} values, not whole "
-                f"{qtype.name} blocks of {block}"
-            )
-        nbytes = math.prod(ne) // block * type_size
-        if tensor.data_offset + nbytes > size:
-            raise CorruptCheckpoint(
-                f"{path}: tensor {tensor.name!r} lies beyond the end of the file ({size} bytes)"
-            )
-        shape = tuple(reversed(ne))
-        infos[hf_name] = TensorInfo(hf_name, qtype.name, shape, path, tensor.data_offset, nbytes)
-        entries[hf_name] = _Entry(tensor.name, int(qtype), qtype.name)
+    for path, reader in readers:
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            hf_name = gguf_name_to_hf(tensor.name)
+            if hf_name is None:
+                continue
+            if hf_name in infos:
+                raise CorruptCheckpoint(f"{path}: tensor {tensor.name!r} is stored twice")
+            info = _tensor_info(path, size, tensor, hf_name)
+            infos[hf_name] = info
+            entries[hf_name] = _Entry(tensor.name, int(tensor.tensor_type), info.dtype)
     return infos, entries
 
 
-def _rope_factors(reader: GGUFReader, path: pathlib.Path) -> np.ndarray | None:
+def _tensor_info(path: pathlib.Path, size: int, tensor: Any, hf_name: str) -> TensorInfo:
+    """One tensor's type, HF-order shape and byte range, checked against the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    ne = [int(d) for d in tensor.shape]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if ne and ne[0] % block:
+        raise CorruptCheckpoint(
+            f"{path}: tensor {tensor.name!r} has rows of {ne[0]} values, not whole "
+            f"{qtype.name} blocks of {block}"
+        )
+    nbytes = math.prod(ne) // block * type_size
+    if tensor.data_offset + nbytes > size:
+        raise CorruptCheckpoint(
+            f"{path}: tensor {tensor.name!r} lies beyond the end of the file ({size} bytes)"
+        )
+    shape = tuple(reversed(ne))
+    return TensorInfo(hf_name, qtype.name, shape, path, tensor.data_offset, nbytes)
+
+
+def _rope_factors(readers: list[tuple[pathlib.Path, GGUFReader]]) -> np.ndarray | None:
     """llama.cpp's per-frequency RoPE divisors (`rope_freqs.weight`, Llama 3 scaling), if any."""
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            if tensor.tensor_type != 0:  # F32
-                raise UnsupportedArchitecture(f"{path}: rope_freqs.weight is not F32")
-            return np.array(tensor.data, dtype=np.float32).reshape(-1)
+    for path, reader in readers:
+        for tensor in reader.tensors:
+            if tensor.name == "rope_freqs.weight":
+                if tensor.tensor_type != 0:  # F32
+                    raise UnsupportedArchitecture(f"{path}: rope_freqs.weight is not F32")
+                return np.array(tensor.data, dtype=np.float32).reshape(-1)
     return None
 
 

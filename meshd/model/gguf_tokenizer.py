@@ -25,7 +25,7 @@ import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from meshd.model.errors import MissingFile, ModelError, TokenizerError
-from meshd.model.gguf_checkpoint import GGUFMetadata, read_gguf, stop_ids
+from meshd.model.gguf_checkpoint import GGUFMetadata, read_shards, stop_ids
 from meshd.model.tokenizer import Tokenizer
 
 # gguf.TokenType values.
@@ -57,7 +57,9 @@ def tokenizer_from_gguf(path: str | pathlib.Path) -> Tokenizer:
     if not path.is_file():
         raise MissingFile(f"{path}: GGUF file not found")
     try:
-        meta = GGUFMetadata(read_gguf(path), str(path))
+        # A split model's metadata is in its first shard.
+        first, reader = read_shards(path)[0]
+        meta = GGUFMetadata(reader, str(first))
         return build_tokenizer(meta)
     except TokenizerError:
         raise

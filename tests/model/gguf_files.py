@@ -81,6 +81,7 @@ def write_gguf(
     sliding_window: bool = False,
     metadata: Mapping[str, Any] | None = None,
     arch: str | None = None,
+    split_max_tensors: int = 0,
 ) -> pathlib.Path:
     """Convert checkpoint directory `src` to GGUF file `dest`; return `dest`.
 
@@ -88,11 +89,13 @@ def write_gguf(
     1-D tensors stay F32 as in the converter. `sliding_window` writes Mistral's window as
     `llama.attention.sliding_window` (llama.cpp's converter drops it). `metadata` adds or
     overrides keys (value, or (value, GGUFValueType)); `arch` overrides the architecture.
+    `split_max_tensors` splits the file into shards as `llama-gguf-split` does
+    (`dest` stem + `-00001-of-0000N.gguf`; the first shard's path is returned).
     """
     config = json.loads((src / "config.json").read_text())
     family = config["model_type"]
     arch = arch or ARCH[family]
-    writer = gguf.GGUFWriter(dest, arch)
+    writer = gguf.GGUFWriter(dest, arch, split_max_tensors=split_max_tensors)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_type("model")
@@ -146,7 +149,7 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return dest
+    return writer.format_shard_names(dest)[0]
 
 
 def _tensor_order(name: str) -> tuple[int, str]:

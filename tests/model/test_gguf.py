@@ -124,17 +124,23 @@ def test_llama_q_and_k_rows_come_back_in_hugging_face_order(tmp_path: pathlib.Pa
     assert not torch.equal(stored, k) and torch.equal(unpermute_rows(stored, 2), k)
 
 
-def agreement(
-    ours: StageModel, theirs: StageModel, prompts: list[list[int]], n: int
-) -> dict[str, float]:
-    """Greedy agreement and logits cosine of two whole-model stages."""
+class Reference:
+    """The fp32 directory's greedy tokens and logits per prompt, computed once per module."""
+
+    def __init__(self, stage: StageModel, prompts: list[list[int]], n: int) -> None:
+        self.prompts, self.n = prompts, n
+        self.tokens = [generate([stage], ids, n).tokens for ids in prompts]
+        self.logits = [stage_logits(stage, ids) for ids in prompts]
+
+
+def agreement(ours: StageModel, reference: Reference) -> dict[str, float]:
+    """Greedy agreement and logits cosine of a whole-model stage with the reference."""
     same, first, cosine = [], [], []
-    for ids in prompts:
-        a, b = generate([ours], ids, n).tokens, generate([theirs], ids, n).tokens
+    for ids, b, lb in zip(reference.prompts, reference.tokens, reference.logits, strict=True):
+        a, n = generate([ours], ids, reference.n).tokens, reference.n
         same.append(sum(x == y for x, y in zip(a, b, strict=True)) / n)
         first.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n))
-        la, lb = stage_logits(ours, ids), stage_logits(theirs, ids)
-        cosine.append(float(F.cosine_similarity(la, lb, dim=-1).min()))
+        cosine.append(float(F.cosine_similarity(stage_logits(ours, ids), lb, dim=-1).min()))
     return {
         "identical": sum(same) / len(same),
         "first_divergence_median": float(np.median(first)),
@@ -161,9 +167,21 @@ QUANTIZED = {
 }
 
 
+@pytest.fixture(scope="module")
+def builtin_reference() -> Reference:
+    tok = open_tokenizer(builtin_model_dir())
+    stage = whole(open_checkpoint(builtin_model_dir()))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run outside conftest's one-thread fixture
+    try:
+        return Reference(stage, [tok.encode(p) for p in PROMPTS], 32)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
 def test_quantized_ggufs_agree_with_the_builtin_model_as_measured(
-    tmp_path: pathlib.Path, kind: str
+    tmp_path: pathlib.Path, kind: str, builtin_reference: Reference
 ) -> None:
     quantization, types, min_identical, min_cosine = QUANTIZED[kind]
     checkpoint = open_checkpoint(
@@ -171,13 +189,7 @@ def test_quantized_ggufs_agree_with_the_builtin_model_as_measured(
     )
     assert checkpoint.default_quantization == quantization
     assert checkpoint.tensors["model.layers.0.mlp.up_proj.weight"].dtype == kind
-    tok = open_tokenizer(builtin_model_dir())
-    figures = agreement(
-        whole(checkpoint),
-        whole(open_checkpoint(builtin_model_dir())),
-        [tok.encode(p) for p in PROMPTS],
-        32,
-    )
+    figures = agreement(whole(checkpoint), builtin_reference)
     assert figures["identical"] >= min_identical, figures
     assert figures["min_cosine"] >= min_cosine, figures
 
@@ -196,6 +208,8 @@ def test_every_quantized_type_dequantizes_close_to_the_weights(
         num_hidden_layers=2,
     )
     checkpoint = open_checkpoint(write_gguf(tmp_path / "hf", tmp_path / "q.gguf", kind))
+    # Never silently fp32: 8-bit-class types land in int8 stages, 4-bit ones in int4.
+    assert checkpoint.default_quantization == ("int4" if kind.startswith("Q4") else "int8")
     directory = open_checkpoint(tmp_path / "hf")
     names = [n for n in directory.tensors if n.endswith("proj.weight")]
     # Worst relative error measured over these matrices: Q8_0 0.0054, Q6_K 0.0194, Q5_K 0.0384,
@@ -278,6 +292,35 @@ def test_a_middle_stage_reads_only_its_layers(tmp_path: pathlib.Path, kind: str)
     ours = stage.forward("s", 0, hidden).hidden
     assert ours.isfinite().all()
     assert torch.equal(ours, reference.forward("s", 0, hidden).hidden)
+
+
+def test_a_split_gguf_model_is_one_model(tmp_path: pathlib.Path) -> None:
+    make_checkpoint(tmp_path / "hf", "qwen3", seed=7, num_hidden_layers=6)
+    first = write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0", split_max_tensors=20)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) > 2
+    whole_file = open_checkpoint(write_gguf(tmp_path / "hf", tmp_path / "one.gguf", "Q8_0"))
+    for given in (shards[0], shards[-1]):  # any shard names the model
+        checkpoint = open_checkpoint(given)
+        assert checkpoint.config == whole_file.config
+        assert {info.path for info in checkpoint.tensors.values()} == set(shards)
+        assert torch.equal(
+            stage_logits(whole(checkpoint), PROMPT), stage_logits(whole(whole_file), PROMPT)
+        )
+    ids = {open_checkpoint(s).model_id for s in shards}
+    assert len(ids) == 1 and ids != {whole_file.model_id}
+    # A middle stage reads only the shards holding its layers, and computes as the single file.
+    checkpoint = open_checkpoint(shards[0])
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    ours, theirs = StageModel.load(checkpoint, 2, 4), StageModel.load(whole_file, 2, 4)
+    for s in (ours, theirs):
+        s.open_session("s", 4)
+    assert torch.equal(ours.forward("s", 0, hidden).hidden, theirs.forward("s", 0, hidden).hidden)
+    assert {checkpoint.tensors[n].path for n in checkpoint.loaded_names} < set(shards)
+    shards[1].unlink()
+    with pytest.raises(MissingFile) as exc:
+        open_checkpoint(shards[0])
+    one_line_error(exc, shards[1].name)
 
 
 def test_the_model_id_is_the_files_and_every_node_computes_the_same(tmp_path: pathlib.Path) -> None:

@@ -68,6 +68,11 @@ def test_the_daemon_opens_the_gguf_as_one_model_file(tmp_path: pathlib.Path) -> 
     assert checkpoint.config.vocab_size == tokenizer.vocab_size
     assert checkpoint.config.eos_token_ids == tokenizer.eos_ids
     assert checkpoint.config.bos_token_id == 0  # llama.cpp's converter reads config.json's
+    # A split file's tokenizer is in its first shard, whichever shard is named.
+    write_gguf(builtin_model_dir(), tmp_path / "split.gguf", "Q8_0", split_max_tensors=20)
+    last = sorted(tmp_path.glob("split-*-of-*.gguf"))[-1]
+    assert open_tokenizer(last).encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
+    assert open_checkpoint(last).model_id != checkpoint.model_id
 
 
 # The split regexes of Llama 3's and Qwen2's tokenizer.json (as published with the models).
