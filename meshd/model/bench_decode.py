@@ -26,6 +26,7 @@ import torch
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
+from meshd.model.quant import in_features, matmul
 from meshd.model.stage import StageModel
 
 # Shapes for `--random-config`. "small" matches the built-in model's shape; "large" is a
@@ -215,15 +216,16 @@ def _matmul_floor_cpu_ms(stage: StageModel, steps: int = 20) -> float:
     """CPU ms per token of one decode step's matmuls alone (same weights, same order)."""
     matrices = stage.weight_matrices()  # [in, out], as the forward pass multiplies them
     inputs = {
-        m.shape[0]: torch.randn(1, m.shape[0], dtype=m.dtype, device=m.device) for m in matrices
+        in_features(m): torch.randn(1, in_features(m), dtype=stage.dtype, device=stage.device)
+        for m in matrices
     }
     with torch.inference_mode():
         for m in matrices:
-            torch.mm(inputs[m.shape[0]], m)
+            matmul(inputs[in_features(m)], m)
         started = time.process_time()
         for _ in range(steps):
             for m in matrices:
-                torch.mm(inputs[m.shape[0]], m)
+                matmul(inputs[in_features(m)], m)
     return (time.process_time() - started) * 1e3 / steps
 
 
