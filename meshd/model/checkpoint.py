@@ -179,6 +179,15 @@ class Checkpoint:
         _check_against_config(config, tensors)
         return cls(path, config, tensors)
 
+    @property
+    def default_quantization(self) -> str:
+        """What `quantization = "auto"` means for this checkpoint: its weights' own format.
+
+        Safetensors checkpoints hold full-precision floats, so "none" (a quantized file format
+        answers "int8" or "int4").
+        """
+        return "none"
+
     @functools.cached_property
     def model_id(self) -> str:
         """Stable id of config + weights (hex, 32 chars); equal on every node."""
