@@ -74,6 +74,7 @@ async def open_local_pipeline(
     split: Sequence[tuple[int, int]] | None = None,
     use_thread: bool = True,
     torch_threads: int | None = 1,
+    quantization: str = "none",
 ) -> AsyncIterator[LocalPipeline]:
     """Start `stages` stage nodes on loopback and a coordinator on the first one.
 
@@ -98,7 +99,9 @@ async def open_local_pipeline(
             for k in keys
         ]
         for index, (lo, hi) in enumerate(ranges):
-            stage = StageModel.load(checkpoint, lo, hi, device="cpu", dtype=dtype)
+            stage = StageModel.load(
+                checkpoint, lo, hi, device="cpu", dtype=dtype, quantization=quantization
+            )
             holder: dict[str, object] = {}
 
             def dispatch(
