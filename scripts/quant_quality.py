@@ -6,8 +6,8 @@
 
 On the built-in model, with meshd's own runtime (`StageModel`), for each of none/int8/int4
 (and fp32 weights with a float16 KV cache):
-- held-out bits per byte: the held-out files of `eval_builtin.py`, scored in consecutive
-  256-token windows, nats / ln 2 / the UTF-8 bytes the tokens stand for;
+- held-out bits per byte: the held-out files of `eval_builtin.py`, scored as it scores them
+  (consecutive windows of the model's context), nats / ln 2 / the UTF-8 bytes of the tokens;
 - greedy agreement with fp32: 50 evenly spaced held-out prompts of 32 tokens, 64 new tokens
   each; mean tokens until the first divergence (64 when none), and the share of the 50
   continuations identical to fp32's in all 64 tokens.
@@ -45,7 +45,6 @@ VARIANTS: dict[str, dict[str, object]] = {
     "int4": {"quantization": "int4"},
 }
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-WINDOW = 256
 
 
 def load(checkpoint: Checkpoint, options: dict[str, object]) -> StageModel:
@@ -55,10 +54,11 @@ def load(checkpoint: Checkpoint, options: dict[str, object]) -> StageModel:
 
 @torch.inference_mode()
 def bits_per_byte(stage: StageModel, stream: torch.Tensor, sizes: torch.Tensor) -> float:
-    """Held-out bits per byte in consecutive windows of `WINDOW` tokens (+1 for the target)."""
+    """Held-out bits per byte in consecutive windows of the model's context (+1 target)."""
     nats, nbytes = 0.0, 0
-    for start in range(0, len(stream) - 1, WINDOW):
-        seq = stream[start : start + WINDOW + 1].long()
+    window = stage.config.max_position_embeddings
+    for start in range(0, len(stream) - 1, window):
+        seq = stream[start : start + window + 1].long()
         if len(seq) < 2:
             break
         stage.open_session("bpb", len(seq))

@@ -10,6 +10,7 @@ Kernels (docs/model-runtime.md has the measurements behind each choice):
 |---|---|---|
 | x86 CPU | fbgemm dynamic linear: per-output-channel symmetric int8 weights, activations quantized to uint8 per call, per row (`quantized::linear_dynamic`) | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
 | CUDA | `_weight_int8pack_mm` (weight-only, per channel) | `_weight_int4pack_mm` (tinygemm, bf16) |
+| CPU without fbgemm (ARM) | `_weight_int8pack_mm` | as on x86 |
 | other | dequantize on the fly (correct, not fast) | same |
 
 A matrix whose shape a kernel refuses (int4 on CPU needs `out` % 16 == 0) falls back to int8.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
 import warnings
 
 import torch
@@ -89,6 +91,13 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
+def has_fbgemm() -> bool:
+    """Whether this torch build runs fbgemm (x86 CPUs); other CPUs take `_weight_int8pack_mm`."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    return x86 and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@functools.cache
 def fbgemm_blocking() -> tuple[int, int]:
     """(K, N) multiples fbgemm pads a packed int8 matrix to on this CPU (its PackBMatrix traits)."""
     if torch.cpu._is_vnni_supported():  # avx512_vnni: KCB 512, NCB 48
@@ -149,7 +158,8 @@ class Int8Fbgemm(QuantMatrix):
 class Int8WeightOnly(QuantMatrix):
     """int8 weights, scale per output channel, activations unquantized (CUDA, MPS, others).
 
-    CUDA and MPS run torch's `_weight_int8pack_mm`; any other device dequantizes per call.
+    CUDA, MPS and CPUs without fbgemm run torch's `_weight_int8pack_mm`; any other device
+    dequantizes per call.
     """
 
     kind = "int8"
@@ -159,7 +169,7 @@ class Int8WeightOnly(QuantMatrix):
         q, scale = _int8_rows(w)
         self._q = q.to(device)  # [out, in]
         self._scale = scale.to(device=device, dtype=dtype)
-        self._fused = device.type in ("cuda", "mps")
+        self._fused = device.type in ("cuda", "mps", "cpu")
         self.kernel = "_weight_int8pack_mm" if self._fused else "dequantize per call"
         self.in_features, self.out_features = in_f, out_f
         self.nbytes = self._q.nbytes + self._scale.nbytes
@@ -350,7 +360,7 @@ def quantize_matrix(
             return Int4Dequant(w, group, device)
     elif quantization != "int8":
         raise ValueError(f"cannot quantize a matrix as {quantization!r}")
-    if device.type == "cpu":
+    if device.type == "cpu" and has_fbgemm():
         return Int8Fbgemm(w)
     return Int8WeightOnly(w, device, dtype)
 
@@ -370,7 +380,7 @@ def matrix_bytes(
         if group is not None:
             # Two weights per byte, a bf16 scale and offset per group.
             return in_features * out_features // 2 + 4 * out_features * (in_features // group)
-    if device_type == "cpu":
+    if device_type == "cpu" and has_fbgemm():
         return _fbgemm_bytes(in_features, out_features)
     return in_features * out_features + out_features * _itemsize(dtype)
 
