@@ -10,11 +10,15 @@ figures behind the kernel choice in meshd/model/quant.py (docs/model-runtime.md)
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
+
+# As meshd/__init__.py does, before torch loads libgomp: idle OpenMP workers sleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
+
+# As meshd/__init__.py does, before torch loads libgomp: idle OpenMP workers sleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -52,6 +56,7 @@ def measure(directory: pathlib.Path, tokens: int, rounds: int, threads: list[int
             started = time.perf_counter()
             generate([stages[q]], prompt, tokens)
             rates[(q, t)].append(tokens / (time.perf_counter() - started))
+            print(f"round {r}: {q} x {t} threads {rates[(q, t)][-1]:.2f} tok/s", file=sys.stderr)
     base = statistics.median(rates[("none", threads[0])])
     return {
         "model": str(directory),

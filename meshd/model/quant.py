@@ -389,46 +389,28 @@ def matrix_bytes(
 
 
 class QuantEmbedding:
-    """An embedding table quantized by row; a lookup dequantizes only the rows it reads.
+    """An embedding table as int8 rows with a scale each; a lookup dequantizes its rows.
 
-    int8: symmetric rows with an fp32 scale each. int4: the same asymmetric 4-bit groups as
-    int4 matrices (two per byte, bf16 scale and offset per group), where a group divides the
-    hidden size; int8 otherwise.
+    int4 stages keep int8 rows too: on the built-in model and the tiny random checkpoints of
+    every family, 4-bit rows cost more quality than the bytes they save (docs/model.md).
     """
 
-    def __init__(self, table: torch.Tensor, quantization: str, device: torch.device) -> None:
-        table = table.detach().to(device="cpu", dtype=torch.float32)
-        hidden = table.shape[1]
-        self.group = int4_group(hidden) if quantization == "int4" else None
-        if self.group is None:
-            q, scale = _int8_rows(table)
-            self.q, self.scale = q.to(device), scale[:, None].to(device)
-        else:
-            q4, sz = _int4_groups(table, self.group)
-            self.q = (q4[:, ::2] << 4 | q4[:, 1::2]).to(torch.uint8).to(device)
-            # [vocab, groups, 2]: scale and offset of each row's groups, looked up with the row.
-            self.scale = sz.transpose(0, 1).to(device=device, dtype=torch.bfloat16).contiguous()
+    def __init__(self, table: torch.Tensor, device: torch.device) -> None:
+        q, scale = _int8_rows(table.detach().to(device="cpu", dtype=torch.float32))
+        self.q = q.to(device)
+        self.scale = scale[:, None].to(device)
         self.nbytes = self.q.nbytes + self.scale.nbytes
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` `[T]` as `[T, hidden]` in `dtype`."""
-        rows = self.q[ids]
-        if self.group is None:
-            return rows.to(dtype).mul_(self.scale[ids].to(dtype))
-        q = torch.stack((rows >> 4, rows & 15), dim=-1).view(len(ids), -1, self.group)
-        sz = self.scale[ids].float()
-        w = (q.float() - 8).mul_(sz[..., :1]).add_(sz[..., 1:])
-        return w.view(len(ids), -1).to(dtype)
+        return self.q[ids].to(dtype).mul_(self.scale[ids].to(dtype))
 
 
 def embedding_bytes(vocab: int, hidden: int, quantization: str, dtype: torch.dtype) -> int:
-    """Bytes of an embedding table at `quantization` (`QuantEmbedding`)."""
+    """Bytes of an embedding table at `quantization` (`QuantEmbedding` when quantized)."""
     if quantization == "none":
         return vocab * hidden * _itemsize(dtype)
-    group = int4_group(hidden) if quantization == "int4" else None
-    if group is None:
-        return vocab * hidden + 4 * vocab
-    return vocab * hidden // 2 + 4 * vocab * (hidden // group)
+    return vocab * hidden + 4 * vocab
 
 
 def head_quantization(quantization: str) -> str:

@@ -16,12 +16,16 @@ slower than one:
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+import meshd
 from meshd.model.config import ModelConfig
 from meshd.model.stage import layer_bytes
+
+log = logging.getLogger(__name__)
 
 # Below this many bytes per weight matrix (a layer's four, on average) one core finishes a
 # matrix-vector product (about 100 us at ~10 GB/s) in less time than waking a second one
@@ -66,5 +70,11 @@ def configure_threads(
     if threads < 0:
         raise ValueError(f"threads must be >= 0 (0 = all cores), got {threads}")
     n = useful_threads(threads, config, dtype, quantization)
+    if n > 1 and not meshd.OMP_POLICY_SET_IN_TIME:
+        log.warning(
+            "torch was imported before meshd without OMP_WAIT_POLICY: its OpenMP workers spin "
+            "when idle, and %d threads may decode slower than 1 on a busy machine",
+            n,
+        )
     torch.set_num_threads(n)
     return n

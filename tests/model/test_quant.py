@@ -225,7 +225,7 @@ def test_int8_bytes_per_parameter_on_a_246m_llama() -> None:
     int8 = stage_weight_bytes(config, 0, n, torch.float32, "int8")
     int4 = stage_weight_bytes(config, 0, n, torch.float32, "int4")
     assert int8 / params <= 1.15 * 1.0625
-    assert int4 < 0.62 * int8
+    assert int4 < 0.66 * int8
     # Two stages hold what one does, plus nothing (no shared tensors counted twice).
     halves = [stage_weight_bytes(config, a, b, torch.float32, "int8") for a, b in [(0, 8), (8, n)]]
     assert sum(halves) == int8
