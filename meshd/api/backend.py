@@ -138,6 +138,7 @@ async def open_local_backend(
     rtt_s: float = 0.0,
     wire_dtype: DType = "f32",
     max_concurrent_requests: int = 8,
+    quantization: str = "none",
 ) -> AsyncIterator[LocalPipelineBackend]:
     """Start a local pipeline of `stages` on `model_dir` (default: the built-in model).
 
@@ -153,6 +154,7 @@ async def open_local_backend(
         rtt_s=rtt_s,
         wire_dtype=wire_dtype,
         eos_ids=frozenset(tokenizer.eos_ids),
+        quantization=quantization,
     ) as pipeline:
         yield LocalPipelineBackend(
             pipeline,

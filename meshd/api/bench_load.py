@@ -168,6 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[s.name for s in SIZES],
         help="request size classes in the mix",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="stage weight format (docs/model-runtime.md)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="30 requests at concurrency 4")
     parser.add_argument(
@@ -198,11 +204,14 @@ def run(args: argparse.Namespace) -> int:
     context = _context_tokens(model_dir)
     t0 = time.perf_counter()
     if args.local:
-        report = trio.run(_run_local, args.model, args.stages, tokenizer, context, cfg)
+        report = trio.run(
+            _run_local, args.model, args.stages, tokenizer, context, cfg, args.quantization
+        )
         report["target"] = {"kind": "local", "stages": args.stages}
     else:
         report = _run_daemons(args, model_dir, tokenizer, context, cfg)
     report["total_s"] = time.perf_counter() - t0
+    report["quantization"] = args.quantization
     if args.json:
         print(json.dumps(report))
     else:
@@ -217,11 +226,16 @@ def _context_tokens(model_dir: str) -> int:
 
 
 async def _run_local(
-    model: str | None, stages: int, tokenizer: Tokenizer, context: int, cfg: LoadConfig
+    model: str | None,
+    stages: int,
+    tokenizer: Tokenizer,
+    context: int,
+    cfg: LoadConfig,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     from meshd.api.bench_load_targets import local_target
 
-    async with local_target(model, stages, cfg.concurrency) as target:
+    async with local_target(model, stages, cfg.concurrency, quantization) as target:
         return await measure(target.urls, tokenizer, context, target.snapshot, cfg)
 
 
@@ -231,7 +245,7 @@ def _run_daemons(
     from meshd.api.bench_load_targets import DaemonMesh
     from meshd.cli.demo_daemons import DemoError
 
-    mesh = DaemonMesh(model_dir, args.model, args.stages, args.first_host)
+    mesh = DaemonMesh(model_dir, args.model, args.stages, args.first_host, args.quantization)
     try:
         started = time.perf_counter()
         mesh.start()

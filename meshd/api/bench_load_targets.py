@@ -37,8 +37,16 @@ Snapshot = dict[str, dict[str, int]]
 class DaemonMesh:
     """`stages` real `meshd serve` daemons holding one `stages`-way split; `stop()` is idempotent."""
 
-    def __init__(self, model_dir: str, model: str | None, stages: int, first_host: int) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        model: str | None,
+        stages: int,
+        first_host: int,
+        quantization: str = "none",
+    ) -> None:
         self.model_dir = model_dir
+        self.quantization = quantization
         self.model = model
         self.stages = stages
         self.first_host = first_host
@@ -55,7 +63,15 @@ class DaemonMesh:
         for i in range(self.stages):
             host = f"127.0.0.{self.first_host + i}"
             self.daemons.append(
-                DemoDaemon(self.work, f"n{i + 1}", host, secret, budget, self.model)
+                DemoDaemon(
+                    self.work,
+                    f"n{i + 1}",
+                    host,
+                    secret,
+                    budget,
+                    self.model,
+                    extra=("--quantization", self.quantization),
+                )
             )
         deadline = time.monotonic() + START_TIMEOUT_S
         for d in self.daemons:
@@ -148,7 +164,7 @@ class LocalTarget:
 
 @contextlib.asynccontextmanager
 async def local_target(
-    model_dir: str | None, stages: int, max_concurrent_requests: int
+    model_dir: str | None, stages: int, max_concurrent_requests: int, quantization: str = "none"
 ) -> AsyncIterator[LocalTarget]:
     """Start a local pipeline of `stages` and its API on loopback.
 
@@ -159,7 +175,10 @@ async def local_target(
 
     async with (
         open_local_backend(
-            model_dir, stages, max_concurrent_requests=max_concurrent_requests
+            model_dir,
+            stages,
+            max_concurrent_requests=max_concurrent_requests,
+            quantization=quantization,
         ) as backend,
         trio.open_nursery() as nursery,
     ):

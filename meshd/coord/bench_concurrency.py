@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per cell (best kept)")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated RTT per hop")
     parser.add_argument("--strategy", default="disabled", choices=list(STRATEGIES))
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="stage weight format (docs/model-runtime.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,8 +54,16 @@ def run(args: argparse.Namespace) -> int:
     tokens = args.tokens or (32 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
     report = trio.run(
-        _matrix, model_dir, sorted(set(args.streams)), tokens, repeats, args.rtt_ms, args.strategy
+        _matrix,
+        model_dir,
+        sorted(set(args.streams)),
+        tokens,
+        repeats,
+        args.rtt_ms,
+        args.strategy,
+        args.quantization,
     )
+    report["quantization"] = args.quantization
     if args.json:
         print(json.dumps(report))
     else:
@@ -65,12 +79,20 @@ def _prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
 
 
 async def _matrix(
-    model_dir: str, streams: list[int], tokens: int, repeats: int, rtt_ms: float, strategy: str
+    model_dir: str,
+    streams: list[int],
+    tokens: int,
+    repeats: int,
+    rtt_ms: float,
+    strategy: str,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     tokenizer = open_tokenizer(model_dir)
     prompts = _prompts(tokenizer, max(streams))
     rows: list[dict[str, Any]] = []
-    async with open_local_pipeline(model_dir, 2, rtt_s=rtt_ms / 1000, wire_dtype="f16") as pipe:
+    async with open_local_pipeline(
+        model_dir, 2, rtt_s=rtt_ms / 1000, wire_dtype="f16", quantization=quantization
+    ) as pipe:
         mtp = pipe.checkpoint.config.num_mtp_layers
         await _streams(pipe, prompts[:2], 8, strategy, mtp, batching=True)  # warm-up
         for n in streams:

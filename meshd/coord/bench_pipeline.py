@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative candidates (the fastest per cell is reported)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="stage weight format (docs/model-runtime.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown strategies: {', '.join(unknown)}")
     cells = [Cell(s, r) for s in stages for r in rtts]
-    report = trio.run(_measure, model_dir, cells, tokens, repeats, candidates)
+    report = trio.run(_measure, model_dir, cells, tokens, repeats, candidates, args.quantization)
+    report["quantization"] = args.quantization
     if args.json:
         print(json.dumps(report))
     elif args.markdown:
@@ -163,7 +170,12 @@ class RunResult:
 
 
 async def _measure(
-    model_dir: str, cells: list[Cell], tokens: int, repeats: int, candidates: list[str]
+    model_dir: str,
+    cells: list[Cell],
+    tokens: int,
+    repeats: int,
+    candidates: list[str],
+    quantization: str = "none",
 ) -> dict[str, Any]:
     tokenizer = open_tokenizer(model_dir)
     load = next(w for w in workloads(1) if w.kind == PROMPT_KIND)
@@ -177,7 +189,11 @@ async def _measure(
         for cell in cells:
             pipes[cell] = await stack.enter_async_context(
                 open_local_pipeline(
-                    model_dir, cell.stages, rtt_s=cell.rtt_ms / 1000, wire_dtype="f16"
+                    model_dir,
+                    cell.stages,
+                    rtt_s=cell.rtt_ms / 1000,
+                    wire_dtype="f16",
+                    quantization=quantization,
                 )
             )
         mtp = next(iter(pipes.values())).checkpoint.config.num_mtp_layers

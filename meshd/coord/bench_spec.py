@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="stage weight format (docs/model-runtime.md)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(
         "--min-seconds",
@@ -77,8 +83,20 @@ def run(args: argparse.Namespace) -> int:
     rounds = Rounds(min_s, max(1, args.max_rounds))
     overrides = {k: v for k, v in spec_cli_values(args).items() if k != "strategy"}
     spec = resolve_spec_config({}, {}, overrides, {})
-    report = trio.run(_matrix, model_dir, stages, rtts, tokens, loads, strategies, rounds, spec)
+    report = trio.run(
+        _matrix,
+        model_dir,
+        stages,
+        rtts,
+        tokens,
+        loads,
+        strategies,
+        rounds,
+        spec,
+        args.quantization,
+    )
     report["spec_overrides"] = overrides
+    report["quantization"] = args.quantization
     if 1 in stages and not args.no_transformers:
         report["transformers"] = _transformers_rows(model_dir, loads, tokens)
     if args.json:
@@ -112,6 +130,7 @@ async def _matrix(
     strategies: list[str],
     rounds: Rounds = Rounds(0.0, 1),
     spec: SpecConfig | None = None,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     settings = spec or SpecConfig()
     checkpoint = open_checkpoint(model_dir)
@@ -123,7 +142,12 @@ async def _matrix(
     for stages in stage_counts:
         for rtt_ms in rtts_ms:
             async with open_local_pipeline(
-                model_dir, stages, rtt_s=rtt_ms / 1000, wire_dtype="f16", eos_ids=eos
+                model_dir,
+                stages,
+                rtt_s=rtt_ms / 1000,
+                wire_dtype="f16",
+                eos_ids=eos,
+                quantization=quantization,
             ) as pipe:
                 # Warm-up: lanes open, threads start, caches fill.
                 warm = tokenizer.encode(loads[0].prompt)

@@ -77,6 +77,7 @@ async def open_local_pipeline(
     torch_threads: int | None = 1,
     session_lease_s: float = 30.0,
     keep_alive: bool = True,
+    quantization: str = "none",
 ) -> AsyncIterator[LocalPipeline]:
     """Start `stages` stage nodes on loopback and a coordinator on the first one.
 
@@ -103,7 +104,9 @@ async def open_local_pipeline(
             for k in keys
         ]
         for index, (lo, hi) in enumerate(ranges):
-            stage = StageModel.load(checkpoint, lo, hi, device="cpu", dtype=dtype)
+            stage = StageModel.load(
+                checkpoint, lo, hi, device="cpu", dtype=dtype, quantization=quantization
+            )
             holder: dict[str, object] = {}
 
             def dispatch(

@@ -12,6 +12,7 @@ import contextlib
 import cProfile
 import io
 import json
+import math
 import pathlib
 import pstats
 import statistics
@@ -24,11 +25,14 @@ from typing import Any
 import torch
 
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import expected_shapes
 from meshd.model.decode import generate
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
+from meshd.model.quant import QUANTIZATIONS, in_features, matmul
 from meshd.model.reference import transformers_model
 from meshd.model.stage import StageModel
+from meshd.model.threads import configure_threads
 
 # Shapes for `--random-config`. "small" matches the built-in model's shape; "large" is a
 # few hundred million parameters, to show where the loop stands once matmuls dominate.
@@ -53,6 +57,9 @@ class BenchSettings:
     prompt: str
     dtype: torch.dtype
     device: str
+    quantization: str = "none"
+    kv_dtype: torch.dtype | None = None
+    transformers: bool = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +77,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="runs of each (default 5)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="meshd's weight format (transformers stays in --dtype)",
+    )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="meshd's KV cache element type (default: --dtype)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="cores for compute (0 = all; a model too small to share runs on one, as in the "
+        "daemon; default: torch's own setting)",
+    )
+    parser.add_argument(
+        "--no-transformers",
+        action="store_true",
+        help="time meshd alone (no transformers runs; ratio fields are null)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer tokens and rounds (< 30 s)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of meshd's loop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -79,18 +109,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point: resolve the checkpoint, run the interleaved comparison, report."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
     settings = BenchSettings(
         tokens=args.tokens or (32 if args.quick else 64),
         rounds=args.rounds or (3 if args.quick else 5),
         prompt=args.prompt,
         dtype=getattr(torch, args.dtype),
         device=args.device,
+        quantization=args.quantization,
+        kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None,
+        transformers=not args.no_transformers,
     )
     with _checkpoint_dir(args) as (directory, label):
+        if args.threads is not None:
+            config = open_checkpoint(directory).config
+            configure_threads(args.threads, config, settings.dtype, settings.quantization)
         report = bench(directory, settings, profile=args.profile)
     report["model"] = label
+    report["threads_requested"] = args.threads
     if args.json:
         print(json.dumps(report))
     else:
@@ -127,46 +162,69 @@ def bench(
     directory: pathlib.Path, settings: BenchSettings, *, profile: bool = False
 ) -> dict[str, Any]:
     """Interleaved meshd / transformers greedy runs; medians, ratio and agreement."""
-    _transformers()  # imported and quietened before the reference model loads
     checkpoint = open_checkpoint(directory)
     stage = StageModel.load(
-        checkpoint, 0, checkpoint.config.num_layers, device=settings.device, dtype=settings.dtype
+        checkpoint,
+        0,
+        checkpoint.config.num_layers,
+        device=settings.device,
+        dtype=settings.dtype,
+        quantization=settings.quantization,
+        kv_dtype=settings.kv_dtype,
     )
-    hf = transformers_model(directory, settings.dtype).to(settings.device)
-    # Neither side may stop early: both decode exactly `tokens` tokens.
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
     prompt = _prompt_ids(directory, settings.prompt, checkpoint.config.vocab_size)
-    input_ids = torch.tensor([prompt], device=settings.device)
 
     def ours() -> list[int]:
         return generate([stage], prompt, settings.tokens).tokens
 
-    def theirs() -> list[int]:
-        with torch.inference_mode():
-            out = hf.generate(input_ids, max_new_tokens=settings.tokens, do_sample=False)
-        return [int(t) for t in out[0, len(prompt) :]]
+    theirs: Callable[[], list[int]] | None = None
+    params = sum(  # the main model's parameters (a tied head counted once, MTP not at all)
+        math.prod(shape)
+        for name, shape in expected_shapes(checkpoint.config).items()
+        if not name.startswith("mtp.")
+    )
+    if settings.transformers:
+        _transformers()  # imported and quietened before the reference model loads
+        hf = transformers_model(directory, settings.dtype).to(settings.device)
+        hf.eval()
+        # Neither side may stop early: both decode exactly `tokens` tokens.
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+        params = sum(p.numel() for p in hf.parameters())
+        input_ids = torch.tensor([prompt], device=settings.device)
 
-    ours(), theirs()  # warm-up: allocator, kernels, lazy init
+        def theirs() -> list[int]:
+            with torch.inference_mode():
+                out = hf.generate(input_ids, max_new_tokens=settings.tokens, do_sample=False)
+            return [int(t) for t in out[0, len(prompt) :]]
+
+        theirs()
+    ours()  # warm-up: allocator, kernels, lazy init
     runs = _interleave(ours, theirs, settings.rounds)
+    ours_tok_s = statistics.median(runs.ours_tok_s)
+    ours_cpu = statistics.median(runs.ours_cpu_ms)
+    theirs_tok_s = statistics.median(runs.theirs_tok_s) if runs.theirs_tok_s else None
+    theirs_cpu = statistics.median(runs.theirs_cpu_ms) if runs.theirs_cpu_ms else None
     report: dict[str, Any] = {
-        "meshd_tok_s": round(statistics.median(runs.ours_tok_s), 2),
-        "transformers_tok_s": round(statistics.median(runs.theirs_tok_s), 2),
-        "ratio": round(
-            statistics.median(runs.ours_tok_s) / statistics.median(runs.theirs_tok_s), 3
-        ),
+        "meshd_tok_s": round(ours_tok_s, 2),
+        "transformers_tok_s": _round(theirs_tok_s, 2),
+        "ratio": _round(theirs_tok_s and ours_tok_s / theirs_tok_s, 3),
         # CPU time per token excludes time the OS gave to other processes (a shared machine).
-        "meshd_cpu_ms_per_tok": round(statistics.median(runs.ours_cpu_ms), 3),
-        "transformers_cpu_ms_per_tok": round(statistics.median(runs.theirs_cpu_ms), 3),
-        "cpu_ratio": round(
-            statistics.median(runs.theirs_cpu_ms) / statistics.median(runs.ours_cpu_ms), 3
-        ),
-        "same_tokens": runs.same_tokens,
+        "meshd_cpu_ms_per_tok": round(ours_cpu, 3),
+        "transformers_cpu_ms_per_tok": _round(theirs_cpu, 3),
+        "cpu_ratio": _round(theirs_cpu and theirs_cpu / ours_cpu, 3),
+        "same_tokens": runs.same_tokens if theirs is not None else None,
         "tokens": settings.tokens,
         "rounds": settings.rounds,
         "prompt_tokens": len(prompt),
-        "params": sum(p.numel() for p in hf.parameters()),
+        "params": params,
         "dtype": str(settings.dtype).removeprefix("torch."),
+        "quantization": settings.quantization,
+        "kv_dtype": str(stage.kv_dtype).removeprefix("torch."),
+        # Bytes the stage holds: weights (embedding and head included, padding included) and
+        # KV cache per position.
+        "weight_bytes": stage.weight_bytes,
+        "kv_bytes_per_token": stage.kv_bytes_per_token,
         "device": settings.device,
         "threads": torch.get_num_threads(),
         "meshd_runs_tok_s": [round(r, 2) for r in runs.ours_tok_s],
@@ -175,10 +233,14 @@ def bench(
     floor_ms = _matmul_floor_cpu_ms(stage)
     report["matmul_floor_cpu_ms_per_tok"] = round(floor_ms, 3)
     # Even a loop with no overhead at all could not beat transformers by more than this.
-    report["max_cpu_ratio"] = round(report["transformers_cpu_ms_per_tok"] / floor_ms, 3)
+    report["max_cpu_ratio"] = _round(theirs_cpu and theirs_cpu / floor_ms, 3)
     if profile:
         report["profile"] = _profile(ours)
     return report
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 @dataclass
@@ -191,22 +253,22 @@ class _Runs:
 
 
 def _interleave(
-    ours: Callable[[], list[int]], theirs: Callable[[], list[int]], rounds: int
+    ours: Callable[[], list[int]], theirs: Callable[[], list[int]] | None, rounds: int
 ) -> _Runs:
-    """Run A B A B ...; wall-clock tok/s and CPU ms per token for each run."""
+    """Run A B A B ... (A alone without B); wall-clock tok/s and CPU ms per token for each."""
     runs = _Runs([], [], [], [])
+    sides = [(ours, runs.ours_tok_s, runs.ours_cpu_ms)]
+    if theirs is not None:
+        sides.append((theirs, runs.theirs_tok_s, runs.theirs_cpu_ms))
     for _ in range(rounds):
         outputs = []
-        for fn, rates, cpu in (
-            (ours, runs.ours_tok_s, runs.ours_cpu_ms),
-            (theirs, runs.theirs_tok_s, runs.theirs_cpu_ms),
-        ):
+        for fn, rates, cpu in sides:
             wall, cpu_started = time.perf_counter(), time.process_time()
             tokens = fn()
             cpu.append((time.process_time() - cpu_started) * 1e3 / len(tokens))
             rates.append(len(tokens) / (time.perf_counter() - wall))
             outputs.append(tokens)
-        runs.same_tokens = runs.same_tokens and outputs[0] == outputs[1]
+        runs.same_tokens = runs.same_tokens and outputs[0] == outputs[-1]
     return runs
 
 
@@ -214,15 +276,16 @@ def _matmul_floor_cpu_ms(stage: StageModel, steps: int = 20) -> float:
     """CPU ms per token of one decode step's matmuls alone (same weights, same order)."""
     matrices = stage.weight_matrices()  # [in, out], as the forward pass multiplies them
     inputs = {
-        m.shape[0]: torch.randn(1, m.shape[0], dtype=m.dtype, device=m.device) for m in matrices
+        in_features(m): torch.randn(1, in_features(m), dtype=stage.dtype, device=stage.device)
+        for m in matrices
     }
     with torch.inference_mode():
         for m in matrices:
-            torch.mm(inputs[m.shape[0]], m)
+            matmul(inputs[in_features(m)], m)
         started = time.process_time()
         for _ in range(steps):
             for m in matrices:
-                torch.mm(inputs[m.shape[0]], m)
+                matmul(inputs[in_features(m)], m)
     return (time.process_time() - started) * 1e3 / steps
 
 
@@ -272,23 +335,31 @@ def _print_report(report: dict[str, Any]) -> None:
     print(
         f"greedy, batch 1, {report['tokens']} new tokens after a {report['prompt_tokens']}-token "
         f"prompt, {report['rounds']} interleaved rounds, {report['dtype']} on {report['device']} "
-        f"({report['threads']} threads)"
+        f"({report['threads']} threads); meshd weights {report['quantization']}, KV "
+        f"{report['kv_dtype']}"
+    )
+    print(
+        f"  meshd holds {report['weight_bytes'] / 1e6:.1f} MB of weights, "
+        f"{report['kv_bytes_per_token']} KV bytes per position"
     )
     print(
         f"  meshd         {report['meshd_tok_s']:>9.1f} tok/s  (runs: {report['meshd_runs_tok_s']})"
     )
-    print(
-        f"  transformers  {report['transformers_tok_s']:>9.1f} tok/s  "
-        f"(runs: {report['transformers_runs_tok_s']})"
-    )
-    print(f"  ratio         {report['ratio']:>9.2f}x   same greedy tokens: {report['same_tokens']}")
-    print(
-        f"  CPU time per token: meshd {report['meshd_cpu_ms_per_tok']:.2f} ms, transformers "
-        f"{report['transformers_cpu_ms_per_tok']:.2f} ms (ratio {report['cpu_ratio']:.2f}x)"
-    )
-    print(
-        f"  matmuls alone: {report['matmul_floor_cpu_ms_per_tok']:.2f} ms per token, so no loop "
-        f"could beat transformers by more than {report['max_cpu_ratio']:.2f}x here"
-    )
+    if report["transformers_tok_s"] is not None:
+        print(
+            f"  transformers  {report['transformers_tok_s']:>9.1f} tok/s  "
+            f"(runs: {report['transformers_runs_tok_s']})"
+        )
+        print(
+            f"  ratio         {report['ratio']:>9.2f}x   same greedy tokens: "
+            f"{report['same_tokens']}"
+        )
+        print(
+            f"  CPU time per token: meshd {report['meshd_cpu_ms_per_tok']:.2f} ms, transformers "
+            f"{report['transformers_cpu_ms_per_tok']:.2f} ms (ratio {report['cpu_ratio']:.2f}x)"
+        )
+    print(f"  matmuls alone: {report['matmul_floor_cpu_ms_per_tok']:.2f} ms per token")
+    if report["max_cpu_ratio"] is not None:
+        print(f"  so no loop could beat transformers by more than {report['max_cpu_ratio']:.2f}x")
     if "profile" in report:
         print(report["profile"])

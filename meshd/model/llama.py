@@ -17,13 +17,17 @@ projection is one `mm`, and a projection that feeds the residual stream is one `
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig, RopeConfig
+from meshd.model.quant import Matrix, QuantMatrix
+
+# Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
+MatrixPrep = Callable[[torch.Tensor], Matrix]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, d: Dims) -> torch.Tensor:
@@ -231,25 +235,32 @@ class Dims:
 class LayerWeights:
     """One decoder layer's weights, q/k/v and gate/up fused; biases and q/k norms optional.
 
-    Matrices are `[in, out]` (`linear_weight`), so the q/k/v projection is `x @ wqkv`.
+    Matrices are `[in, out]` (`linear_weight`), so the q/k/v projection is `x @ wqkv`, or
+    quantized matrices standing for them (`meshd.model.quant`).
     """
 
     input_norm: torch.Tensor
-    wqkv: torch.Tensor  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    wqkv: Matrix  # [hidden, (heads + 2 * kv_heads) * head_dim]
     bqkv: torch.Tensor | None
-    wo: torch.Tensor  # [heads * head_dim, hidden]
+    wo: Matrix  # [heads * head_dim, hidden]
     bo: torch.Tensor | None
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    w_gate_up: Matrix  # [hidden, 2 * intermediate]
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [intermediate, hidden]
+    w_down: Matrix  # [intermediate, hidden]
     b_down: torch.Tensor | None
 
     @classmethod
-    def from_checkpoint(cls, w: Mapping[str, torch.Tensor], d: Dims) -> LayerWeights:
-        """Build from one layer's HF-named tensors (names relative to the layer prefix)."""
+    def from_checkpoint(
+        cls, w: Mapping[str, torch.Tensor], d: Dims, matrix: MatrixPrep = linear_weight
+    ) -> LayerWeights:
+        """Build from one layer's HF-named tensors (names relative to the layer prefix).
+
+        `matrix` prepares each (fused) checkpoint matrix: `linear_weight` by default, a
+        quantizer for quantized stages.
+        """
 
         def get(name: str) -> torch.Tensor | None:
             t = w.get(name)
@@ -271,39 +282,53 @@ class LayerWeights:
         assert wqkv is not None and w_gate_up is not None
         return cls(
             input_norm=w["input_layernorm.weight"],
-            wqkv=linear_weight(wqkv),
+            wqkv=matrix(wqkv),
             bqkv=fused([f"{n}.bias" for n in qkv]),
-            wo=linear_weight(w["self_attn.o_proj.weight"]),
+            wo=matrix(w["self_attn.o_proj.weight"]),
             bo=w.get("self_attn.o_proj.bias"),
             q_norm=get("self_attn.q_norm.weight"),
             k_norm=get("self_attn.k_norm.weight"),
             post_norm=w["post_attention_layernorm.weight"],
-            w_gate_up=linear_weight(w_gate_up),
+            w_gate_up=matrix(w_gate_up),
             b_gate_up=fused([f"{n}.bias" for n in gate_up]),
-            w_down=linear_weight(w["mlp.down_proj.weight"]),
+            w_down=matrix(w["mlp.down_proj.weight"]),
             b_down=w.get("mlp.down_proj.bias"),
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held (for size accounting)."""
+        """Every plain tensor held (quantized matrices are in `matrices`)."""
         values = (getattr(self, f) for f in self.__slots__)
         return [t for t in values if isinstance(t, torch.Tensor)]
 
+    def matrices(self) -> list[Matrix]:
+        """The four weight matrices, in the order a step multiplies by them."""
+        return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
+
+    def nbytes(self) -> int:
+        """Bytes held: vectors, plain matrices and quantized matrices (padding included)."""
+        held = sum(t.nbytes for t in self.tensors())
+        return held + sum(m.nbytes for m in self.matrices() if isinstance(m, QuantMatrix))
+
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None = None
+    x: torch.Tensor, w: Matrix, b: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`x @ w + b` for rows `[T, in]` and a matrix `[in, out]` (into `out` if given)."""
+    if isinstance(w, QuantMatrix):
+        y = w.mm(x)
+        if b is not None:
+            y.add_(b)
+        return y if out is None else out.copy_(y)
     if b is None:
         return torch.mm(x, w, out=out)
     return torch.addmm(b, x, w, out=out)
 
 
 def residual_linear(
-    residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    residual: torch.Tensor, x: torch.Tensor, w: Matrix, b: torch.Tensor | None
 ) -> torch.Tensor:
     """`residual + x @ w + b`, the residual added by the matmul itself (one op, not two)."""
-    out = torch.addmm(residual, x, w)
+    out = w.mm(x).add_(residual) if isinstance(w, QuantMatrix) else torch.addmm(residual, x, w)
     return out if b is None else out.add_(b)
 
 
@@ -367,11 +392,14 @@ def _attend(
         q.copy_(rms_norm(q, w.q_norm, d))
         k.copy_(rms_norm(k, w.k_norm, d))
     rotate_(qkv.rot, rope)
-    cache.kv[:, span.end - length : span.end] = qkv.kv
+    cache.kv[:, span.end - length : span.end] = qkv.kv  # cast to the cache's dtype if narrower
+    k, v = cache.k[:, :, span.start : span.end], cache.v[:, :, span.start : span.end]
+    if k.dtype != qkv.q.dtype:  # a narrower KV cache (`kv_dtype`): attend in the compute dtype
+        k, v = k.to(qkv.q.dtype), v.to(qkv.q.dtype)
     out = F.scaled_dot_product_attention(
         qkv.q,
-        cache.k[:, :, span.start : span.end],
-        cache.v[:, :, span.start : span.end],
+        k,
+        v,
         attn_mask=span.mask,
         enable_gqa=d.n_kv != d.n_heads,
     )

@@ -25,12 +25,14 @@ from meshd.model.llama import (
     Dims,
     LayerCache,
     LayerWeights,
+    MatrixPrep,
     StepScratch,
     decoder_layer,
     decoder_layer_shapes,
     linear_weight,
     rms_norm,
 )
+from meshd.model.quant import Matrix, matmul
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,21 +41,28 @@ class MtpWeights:
 
     enorm: torch.Tensor
     hnorm: torch.Tensor
-    eh_proj: torch.Tensor  # [2 * hidden, hidden] (`linear_weight`)
+    eh_proj: Matrix  # [2 * hidden, hidden] (`linear_weight`)
     block: LayerWeights
     norm: torch.Tensor
 
     @classmethod
-    def from_checkpoint(cls, w: Mapping[str, torch.Tensor], d: Dims) -> MtpWeights:
+    def from_checkpoint(
+        cls, w: Mapping[str, torch.Tensor], d: Dims, matrix: MatrixPrep = linear_weight
+    ) -> MtpWeights:
         """Build from one depth's tensors, names relative to `mtp.{k}.`."""
         block = {n.removeprefix("block."): t for n, t in w.items() if n.startswith("block.")}
         return cls(
             enorm=w["enorm.weight"],
             hnorm=w["hnorm.weight"],
-            eh_proj=linear_weight(w["eh_proj.weight"]),
-            block=LayerWeights.from_checkpoint(block, d),
+            eh_proj=matrix(w["eh_proj.weight"]),
+            block=LayerWeights.from_checkpoint(block, d, matrix),
             norm=w["norm.weight"],
         )
+
+    def nbytes(self) -> int:
+        """Bytes held by this depth's weights."""
+        own = self.enorm.nbytes + self.hnorm.nbytes + self.norm.nbytes
+        return own + self.eh_proj.nbytes + self.block.nbytes()
 
 
 def mtp_hidden(
@@ -68,7 +77,7 @@ def mtp_hidden(
 ) -> torch.Tensor:
     """This depth's hidden state `h` `[T, hidden]` (before `norm`; the next depth's h_prev)."""
     joined = torch.cat((rms_norm(embeds, w.enorm, d), rms_norm(prev_hidden, w.hnorm, d)), -1)
-    return decoder_layer(torch.mm(joined, w.eh_proj), w.block, d, rope, cache, span, scratch)
+    return decoder_layer(matmul(joined, w.eh_proj), w.block, d, rope, cache, span, scratch)
 
 
 def mtp_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

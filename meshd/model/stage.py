@@ -35,6 +35,16 @@ from meshd.model.llama import (
     rms_norm,
 )
 from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
+from meshd.model.quant import (
+    Matrix,
+    QuantEmbedding,
+    check_quantization,
+    embedding_bytes,
+    head_quantization,
+    matmul,
+    matrix_bytes,
+    quantize_matrix,
+)
 
 # Told as a stage's weights load: (bytes read so far, bytes the stage reads in all).
 LoadProgress = Callable[[int, int], None]
@@ -65,14 +75,78 @@ class MtpOutput:
     logits: torch.Tensor
 
 
-def layer_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one decoder layer's weights when loaded as `dtype` (for the planner)."""
-    elements = sum(math.prod(s) for s in decoder_layer_shapes(config).values())
-    return elements * _itemsize(dtype)
+def layer_bytes(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    device: str | torch.device = "cpu",
+) -> int:
+    """Bytes one decoder layer holds once loaded (for the planner).
+
+    `dtype` is the compute dtype (norms, biases, unquantized matrices); quantized matrices count
+    what their kernel holds on `device`'s type, padding included (`quant.matrix_bytes`).
+    """
+    check_quantization(quantization)
+    device_type = torch.device(device).type
+    shapes = decoder_layer_shapes(config).values()
+    vectors = sum(math.prod(s) for s in shapes if len(s) == 1) * _itemsize(dtype)
+    return vectors + sum(
+        matrix_bytes(n_in, n_out, quantization, dtype, device_type)
+        for n_in, n_out in _layer_matrices(config)
+    )
+
+
+def _layer_matrices(config: ModelConfig) -> list[tuple[int, int]]:
+    """`(in, out)` of a layer's fused matrices: q/k/v, o, gate/up, down."""
+    h, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    inter = config.intermediate_size
+    return [(h, q_out + 2 * kv_out), (q_out, h), (h, 2 * inter), (inter, h)]
+
+
+def stage_weight_bytes(
+    config: ModelConfig,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    device: str | torch.device = "cpu",
+) -> int:
+    """Bytes the stage `[layer_start, layer_end)` holds once loaded: `StageModel.weight_bytes`.
+
+    Layers, plus the embedding on the first stage and the final norm, head and MTP depths on
+    the last (`StageModel` says which stage holds what). Quantized stages keep the embedding as
+    int8 rows and quantize the head (int8 for int4 stages too).
+    """
+    check_quantization(quantization)
+    device_type = torch.device(device).type
+    item = _itemsize(dtype)
+    is_first, is_last = layer_start == 0, layer_end == config.num_layers
+    n_mtp = config.num_mtp_layers if is_last else 0
+    vocab, h = config.vocab_size, config.hidden_size
+    total = (layer_end - layer_start) * layer_bytes(config, dtype, quantization, device_type)
+    if quantization == "none":
+        tied = config.tie_word_embeddings
+        if is_first or (is_last and (tied or n_mtp > 0)):
+            total += vocab * h * item
+        if is_last and not tied:
+            total += vocab * h * item
+    else:
+        if is_first or n_mtp > 0:
+            total += embedding_bytes(vocab, h, quantization, dtype)
+        if is_last:
+            total += matrix_bytes(h, vocab, head_quantization(quantization), dtype, device_type)
+    if is_last:
+        mtp_own = 3 * h * item + matrix_bytes(2 * h, h, quantization, dtype, device_type)
+        total += h * item + n_mtp * (mtp_own + layer_bytes(config, dtype, quantization, device))
+    return total
 
 
 def kv_bytes_per_token(config: ModelConfig, n_layers: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes per position for `n_layers` layers (count MTP depths as layers)."""
+    """KV-cache bytes per position for `n_layers` layers (count MTP depths as layers).
+
+    `dtype` is the KV cache's element type (the stage's `kv_dtype`).
+    """
     return 2 * n_layers * config.num_kv_heads * config.head_dim * _itemsize(dtype)
 
 
@@ -92,6 +166,8 @@ class StageModel:
         dtype: torch.dtype,
         kv_budget_bytes: int | None,
         progress: LoadProgress | None = None,
+        quantization: str = "none",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         config = checkpoint.config
         if not 0 <= layer_start < layer_end <= config.num_layers:
@@ -105,13 +181,15 @@ class StageModel:
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.num_layers
         self.device, self.dtype = device, dtype
-        self.bytes_per_layer = layer_bytes(config, dtype)
+        self.quantization = check_quantization(quantization)
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        self.bytes_per_layer = layer_bytes(config, dtype, quantization, device)
         self._layer_windows = [config.window_for_layer(i) for i in range(layer_start, layer_end)]
         self._windows = sorted(set(self._layer_windows), key=lambda w: -1 if w is None else w)
         self._rotary = Rotary(config, device, dtype)
         n_mtp = config.num_mtp_layers if self.is_last else 0
         layout = KVLayout(
-            layer_end - layer_start, n_mtp, config.num_kv_heads, config.head_dim, dtype
+            layer_end - layer_start, n_mtp, config.num_kv_heads, config.head_dim, self.kv_dtype
         )
         self.kv = KVCache(layout, device, kv_budget_bytes)
         self._scratch: dict[str, StepScratch] = {}  # per open session
@@ -133,22 +211,54 @@ class StageModel:
         dtype: torch.dtype = torch.float32,
         kv_budget_bytes: int | None = None,
         progress: LoadProgress | None = None,
+        quantization: str = "none",
+        kv_dtype: torch.dtype | None = None,
     ) -> StageModel:
         """Materialise only this stage's weights on `device` (auto-picked when None).
 
-        `progress(done_bytes, total_bytes)` is called after each tensor is read, from the
-        loading thread; None (the default) costs nothing.
+        `quantization` "int8" or "int4" quantizes the matrices as each layer loads (the
+        checkpoint's own precision is read one layer at a time); "none" keeps `dtype`.
+        `kv_dtype` is the KV cache's element type (default: `dtype`; float16 or bfloat16 halve
+        an fp32 stage's KV bytes). `progress(done_bytes, total_bytes)` is called after each
+        tensor is read, from the loading thread; None (the default) costs nothing.
         """
         device_ = pick_device(device)
-        return cls(checkpoint, layer_start, layer_end, device_, dtype, kv_budget_bytes, progress)
+        return cls(
+            checkpoint,
+            layer_start,
+            layer_end,
+            device_,
+            dtype,
+            kv_budget_bytes,
+            progress,
+            quantization,
+            kv_dtype,
+        )
 
     def _fetch(
         self, checkpoint: Checkpoint, prefix: str, names: list[str]
     ) -> dict[str, torch.Tensor]:
         loaded = checkpoint.load((prefix + name for name in names), self._on_tensor)
+        if self.quantization == "none":
+            return {
+                name[len(prefix) :]: t.to(device=self.device, dtype=self.dtype)
+                for name, t in loaded
+            }
+        # Matrices stay as read (on the CPU) until quantized; vectors take the stage's format.
         return {
-            name[len(prefix) :]: t.to(device=self.device, dtype=self.dtype) for name, t in loaded
+            name[len(prefix) :]: t if t.dim() == 2 else t.to(device=self.device, dtype=self.dtype)
+            for name, t in loaded
         }
+
+    def _matrix(self, quantization: str) -> Callable[[torch.Tensor], Matrix]:
+        """How a checkpoint matrix `[out, in]` becomes an operand at `quantization`."""
+        if quantization == "none":
+            return linear_weight
+
+        def quantize(w: torch.Tensor) -> Matrix:
+            return quantize_matrix(w, quantization, self.device, self.dtype)
+
+        return quantize
 
     def _weight_names(self, n_mtp: int) -> list[str]:
         """Every tensor name `_load_weights` reads (to size a progress display)."""
@@ -170,42 +280,80 @@ class StageModel:
         config = self.config
         self._dims = Dims.of(config, self.device)
         layer_names = list(decoder_layer_shapes(config))
+        matrix = self._matrix(self.quantization)
+        # One layer at a time: read, fuse, quantize; the full-precision copy is freed before
+        # the next layer is read.
         self.layers = [
             LayerWeights.from_checkpoint(
-                self._fetch(checkpoint, f"model.layers.{i}.", layer_names), self._dims
+                self._fetch(checkpoint, f"model.layers.{i}.", layer_names), self._dims, matrix
             )
             for i in range(self.layer_start, self.layer_end)
         ]
-        needs_embed = self.is_first or (self.is_last and (config.tie_word_embeddings or n_mtp > 0))
-        self._embed = (
+        tied = config.tie_word_embeddings
+        needs_embed = self.is_first or (self.is_last and (tied or n_mtp > 0))
+        embed = (
             self._fetch(checkpoint, "model.", ["embed_tokens.weight"])["embed_tokens.weight"]
             if needs_embed
             else None
         )
+        self._embed: torch.Tensor | QuantEmbedding | None = embed
         self._norm: torch.Tensor | None = None
-        self._head: torch.Tensor | None = None  # [hidden, vocab] (`linear_weight`)
+        self._head: Matrix | None = None  # [hidden, vocab] (`linear_weight`)
         self.mtp: list[MtpWeights] = []
+        quantized = self.quantization != "none"
+        if quantized and embed is not None:
+            # int8 rows, looked up where this stage takes tokens (first stage, MTP).
+            lookups = self.is_first or n_mtp > 0
+            self._embed = QuantEmbedding(embed, self.device) if lookups else None
         if not self.is_last:
             return
         self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
-        if config.tie_word_embeddings:
-            assert self._embed is not None
+        head = embed if tied else self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
+        assert head is not None
+        if quantized:
+            self._head = self._matrix(head_quantization(self.quantization))(head)
+        elif tied:
             # One tensor serves both: the head in its matmul layout, lookups reading its columns
             # (a lookup touches T rows; the head streams the whole matrix every token).
-            self._head = linear_weight(self._embed)
+            self._head = linear_weight(head)
             self._embed = self._head.t()
         else:
-            head = self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
             self._head = linear_weight(head)
+        del embed, head
         mtp_names = list(mtp_shapes(config))
         self.mtp = [
-            MtpWeights.from_checkpoint(self._fetch(checkpoint, f"mtp.{k}.", mtp_names), self._dims)
+            MtpWeights.from_checkpoint(
+                self._fetch(checkpoint, f"mtp.{k}.", mtp_names), self._dims, matrix
+            )
             for k in range(n_mtp)
         ]
 
-    def weight_matrices(self) -> list[torch.Tensor]:
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this stage holds: layers, embedding, norm, head, MTP depths.
+
+        Counted from the loaded tensors (quantized matrices by their kernel's layout); equal to
+        `stage_weight_bytes` of this stage's config, range, dtype and quantization.
+        """
+        total = sum(layer.nbytes() for layer in self.layers)
+        total += sum(depth.nbytes() for depth in self.mtp)
+        if self._embed is not None:
+            total += self._embed.nbytes
+        head, embed = self._head, self._embed
+        shared = (  # a tied fp head and the embedding are one tensor
+            isinstance(head, torch.Tensor)
+            and isinstance(embed, torch.Tensor)
+            and head.data_ptr() == embed.data_ptr()
+        )
+        if head is not None and not shared:
+            total += head.nbytes
+        if self._norm is not None:
+            total += self._norm.nbytes
+        return total
+
+    def weight_matrices(self) -> list[Matrix]:
         """The `[in, out]` matrices one decode step multiplies by, in order (for roofline measurements)."""
-        matrices = [t for layer in self.layers for t in layer.tensors() if t.dim() == 2]
+        matrices = [m for layer in self.layers for m in layer.matrices()]
         return matrices + ([self._head] if self._head is not None else [])
 
     def open_session(self, session_id: str, max_positions: int) -> None:
@@ -342,7 +490,7 @@ class StageModel:
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        return torch.mm(rms_norm(hidden, norm, self._dims), self._head).float()
+        return matmul(rms_norm(hidden, norm, self._dims), self._head).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._embed is None:
@@ -358,6 +506,8 @@ class StageModel:
         ids = tokens.tolist() if tokens.device.type == "cpu" else None
         if ids is not None and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
             raise InvalidInput(f"token id outside the vocabulary [0, {self.config.vocab_size})")
+        if isinstance(self._embed, QuantEmbedding):
+            return self._embed.lookup(tokens.to(self.device), self.dtype)
         return F.embedding(tokens.to(self.device), self._embed)
 
     def _hidden_input(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from meshd.mesh.membership import Membership
 from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.threads import configure_threads
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
@@ -87,6 +88,12 @@ class MeshNode:
         self.tokenizer = open_tokenizer(model_dir)
         self.device = pick_device(None if config.device == "auto" else config.device)
         self.dtype = _DTYPES.get(config.dtype, torch.float32)
+        self.quantization = (
+            self.checkpoint.default_quantization
+            if config.quantization == "auto"
+            else config.quantization
+        )
+        self.kv_dtype = _DTYPES.get(config.kv_dtype)  # None ("auto"): the compute dtype
         self.shape = model_shape(self.checkpoint, self.dtype)
         model_ctx = self.checkpoint.config.max_position_embeddings
         self.context_tokens = self.tuning.context_tokens or model_ctx
@@ -135,9 +142,17 @@ class MeshNode:
     # ---- the composition ----------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open lanes, join the mesh, plan and serve until cancelled."""
-        torch.set_num_threads(self.tuning.torch_threads)
+        configure_threads(
+            self.config.threads, self.checkpoint.config, self.dtype, self.quantization
+        )
         self.compute_ns = await trio.to_thread.run_sync(
-            measure_compute_ns, self.checkpoint, self.device, self.dtype, self.tuning.warmup_passes
+            measure_compute_ns,
+            self.checkpoint,
+            self.device,
+            self.dtype,
+            self.tuning.warmup_passes,
+            self.quantization,
+            self.kv_dtype,
         )
         c = self.config
         admit = admission_policy(c.admitted_public_keys(), c.revoked_public_keys())
@@ -185,6 +200,8 @@ class MeshNode:
             eos_ids=frozenset(self.tokenizer.eos_ids),
             load_display=self.load_display,
             host_config=StageHostConfig(session_lease_s=self.config.session_lease_s),
+            quantization=self.quantization,
+            kv_dtype=self.kv_dtype,
         )
         now = trio.current_time()
         self.membership = Membership(

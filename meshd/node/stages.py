@@ -33,14 +33,21 @@ LoadDisplay = Callable[[str], contextlib.AbstractContextManager[LoadProgress | N
 
 
 def measure_compute_ns(
-    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, passes: int
+    checkpoint: Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    passes: int,
+    quantization: str = "none",
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """(blocking) Nanoseconds one decoder layer takes for one decode token on this node.
 
     Loads the first layer alone, runs a short prefill as warm-up, then times single-token
     passes and keeps the fastest (the least disturbed by other work on the machine).
     """
-    stage = StageModel.load(checkpoint, 0, 1, device=device, dtype=dtype)
+    stage = StageModel.load(
+        checkpoint, 0, 1, device=device, dtype=dtype, quantization=quantization, kv_dtype=kv_dtype
+    )
     stage.open_session("warmup", passes + 16)
     best = float("inf")
     with torch.inference_mode():
@@ -74,8 +81,12 @@ class StageSlot:
         eos_ids: frozenset[int],
         load_display: LoadDisplay | None = None,
         host_config: StageHostConfig | None = None,
+        quantization: str = "none",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        self.quantization = quantization
+        self.kv_dtype = kv_dtype
         self.load_display = load_display
         self.peers = peers
         self.device = device
@@ -136,7 +147,14 @@ class StageSlot:
         with display(f"loading layers [{lo}, {hi})") as progress:
             model = await trio.to_thread.run_sync(
                 lambda: StageModel.load(
-                    self.checkpoint, lo, hi, device=self.device, dtype=self.dtype, progress=progress
+                    self.checkpoint,
+                    lo,
+                    hi,
+                    device=self.device,
+                    dtype=self.dtype,
+                    progress=progress,
+                    quantization=self.quantization,
+                    kv_dtype=self.kv_dtype,
                 )
             )
         host = StageHost(

@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="stage weight format (docs/model-runtime.md)",
+    )
 
 
 @dataclass
@@ -58,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure and print."""
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(builtin_model_dir())
-    report = measure(model_dir, args.prompt, args.tokens, args.block, args.want)
+    report = measure(model_dir, args.prompt, args.tokens, args.block, args.want, args.quantization)
     if args.json:
         print(json.dumps(report))
     else:
@@ -78,11 +84,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(
-    model_dir: str, prompt: str, tokens: int, block: int, want: int | None
+    model_dir: str,
+    prompt: str,
+    tokens: int,
+    block: int,
+    want: int | None,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     """Decode `tokens` greedy tokens in two sessions, alternating blocks; the report."""
     checkpoint = open_checkpoint(model_dir)
-    stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers)
+    stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, quantization=quantization)
     depth = len(stage.mtp)
     if depth == 0:
         raise SystemExit(f"{model_dir}: the checkpoint has no MTP depths")

@@ -6,8 +6,12 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from meshd.cli.main import main
+from meshd.model.bench_decode import RANDOM_CONFIGS
+from meshd.model.config import parse_config
+from meshd.model.stage import stage_weight_bytes
 from tests.model.tiny import make_checkpoint
 
 
@@ -34,3 +38,28 @@ def test_bench_decode_text_report_for_a_given_model(
     )
     out = capsys.readouterr().out
     assert str(tmp_path) in out and "ratio" in out and "same greedy tokens: True" in out
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_bench_decode_reports_quantized_bytes_held(
+    capsys: pytest.CaptureFixture[str], quantization: str
+) -> None:
+    def report(*extra: str) -> dict[str, object]:
+        args = ["bench", "decode", "--random-config", "tiny", "--json", "--tokens", "4"]
+        assert main([*args, "--rounds", "1", "--no-transformers", *extra]) == 0
+        result: dict[str, object] = json.loads(capsys.readouterr().out)
+        return result
+
+    fp32 = report()
+    quantized = report("--quantization", quantization, "--kv-dtype", "float16", "--threads", "1")
+    assert quantized["quantization"] == quantization and quantized["kv_dtype"] == "float16"
+    assert isinstance(quantized["meshd_tok_s"], float) and quantized["meshd_tok_s"] > 0
+    assert quantized["transformers_tok_s"] is None and quantized["threads"] == 1
+    config = parse_config(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+         "max_position_embeddings": 4096} | RANDOM_CONFIGS["tiny"]
+    )  # fmt: skip
+    n = config.num_layers
+    for result, scheme in ((fp32, "none"), (quantized, quantization)):
+        assert result["weight_bytes"] == stage_weight_bytes(config, 0, n, torch.float32, scheme)
+    assert quantized["kv_bytes_per_token"] == fp32["kv_bytes_per_token"] // 2  # type: ignore[operator]

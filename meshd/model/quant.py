@@ -1,0 +1,422 @@
+"""Quantized weight matrices: int8 and int4 weights, one kernel per device.
+
+A stage quantizes its matrices at load (`quantize_matrix`), one layer at a time, from the
+checkpoint's fp32/fp16/bf16 tensors. A quantized matrix stands where the `[in, out]` operand of
+`x @ w` stood (`QuantMatrix.mm(x)`); norms, biases and activations stay in the stage's dtype.
+
+Kernels (docs/model-runtime.md has the measurements behind each choice):
+
+| device | int8 | int4 |
+|---|---|---|
+| x86 CPU | fbgemm dynamic linear: per-output-channel symmetric int8 weights, activations quantized to uint8 per call, per row (`quantized::linear_dynamic`) | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
+| CUDA | `_weight_int8pack_mm` (weight-only, per channel) | `_weight_int4pack_mm` (tinygemm, bf16) |
+| CPU without fbgemm (ARM) | `_weight_int8pack_mm` | as on x86 |
+| other | dequantize on the fly (correct, not fast) | same |
+
+A matrix whose shape a kernel refuses (int4 on CPU needs `out` % 16 == 0) falls back to int8.
+`matrix_bytes` is what each holds, padding included; `QuantMatrix.nbytes` is the same figure for
+a loaded matrix, so the planner's arithmetic and the loaded stage agree exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import platform
+import warnings
+
+import torch
+
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
+# Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
+INT4_GROUPS: tuple[int, ...] = (64, 32)
+_FBGEMM_PARAMS_PER_COLUMN = 12  # fp32 scale + int32 zero point + int32 column offset
+
+
+class QuantMatrix:
+    """A quantized `[in, out]` matrix: `mm(x)` is `x @ w` for rows `x` `[T, in]`."""
+
+    kind = ""  # "int8" or "int4"
+    kernel = ""  # which kernel runs it (for reports)
+    in_features: int
+    out_features: int
+    nbytes: int  # bytes held, padding included
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ w` in `x`'s dtype."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 `[in, out]` matrix this stands for (tests and fallbacks)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        raise NotImplementedError
+
+
+Matrix = torch.Tensor | QuantMatrix
+
+
+def check_quantization(quantization: str) -> str:
+    """`quantization` if it names a scheme, else ValueError listing them."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    return quantization
+
+
+def matmul(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """`x @ w` for a plain or a quantized matrix."""
+    if isinstance(w, QuantMatrix):
+        return w.mm(x)
+    return torch.mm(x, w)
+
+
+def in_features(w: Matrix) -> int:
+    """Rows of the `[in, out]` operand a plain or quantized matrix stands for."""
+    return w.in_features if isinstance(w, QuantMatrix) else int(w.shape[0])
+
+
+# --- int8 rows: scale per output channel --------------------------------------------------
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of `w` `[out, in]` (fp32): (q `[out, in]` int8, scale `[out]`)."""
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+@functools.cache
+def has_fbgemm() -> bool:
+    """Whether this torch build runs fbgemm (x86 CPUs); other CPUs take `_weight_int8pack_mm`."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    return x86 and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@functools.cache
+def fbgemm_blocking() -> tuple[int, int]:
+    """(K, N) multiples fbgemm pads a packed int8 matrix to on this CPU (its PackBMatrix traits)."""
+    if torch.cpu._is_vnni_supported():  # avx512_vnni: KCB 512, NCB 48
+        return 512, 48
+    if torch.cpu._is_avx512_supported():
+        return 256, 32
+    return 512, 8  # avx2
+
+
+def _fbgemm_bytes(k: int, n: int) -> int:
+    kb, nb = fbgemm_blocking()
+    return math.ceil(k / kb) * kb * math.ceil(n / nb) * nb + _FBGEMM_PARAMS_PER_COLUMN * n
+
+
+class Int8Fbgemm(QuantMatrix):
+    """x86 CPU int8: fbgemm's prepacked weight and its dynamic-activation linear.
+
+    `reduce_range` stays off: it trades a bit of activation precision for avoiding int16
+    overflow on CPUs without VNNI, and fbgemm accumulates in int32 on those that have it.
+    """
+
+    kind, kernel = "int8", "fbgemm linear_dynamic"
+
+    def __init__(self, w: torch.Tensor) -> None:
+        out_f, in_f = w.shape
+        q, scale = _int8_rows(w)
+        with warnings.catch_warnings():
+            # torch marks its quantized tensor type deprecated; fbgemm's prepack still takes it.
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(
+                q, scale.double(), torch.zeros(out_f, dtype=torch.long), 0
+            )
+        self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = _fbgemm_bytes(in_f, out_f)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        if x32.shape[0] == 1:
+            y: torch.Tensor = torch.ops.quantized.linear_dynamic(x32, self._packed, False)
+        else:
+            # fbgemm quantizes its whole input with one scale; rows scaled to max |x| = 1 first
+            # (and back after) make that per row, so no row's range costs another its precision.
+            s = x32.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
+            y = torch.ops.quantized.linear_dynamic(x32 / s, self._packed, False).mul_(s)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        qw, _bias = torch.ops.quantized.linear_unpack(self._packed)
+        w: torch.Tensor = qw.dequantize()
+        return w.t()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class Int8WeightOnly(QuantMatrix):
+    """int8 weights, scale per output channel, activations unquantized (CUDA, MPS, others).
+
+    CUDA, MPS and CPUs without fbgemm run torch's `_weight_int8pack_mm`; any other device
+    dequantizes per call.
+    """
+
+    kind = "int8"
+
+    def __init__(self, w: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        out_f, in_f = w.shape
+        q, scale = _int8_rows(w)
+        self._q = q.to(device)  # [out, in]
+        self._scale = scale.to(device=device, dtype=dtype)
+        self._fused = device.type in ("cuda", "mps", "cpu")
+        self.kernel = "_weight_int8pack_mm" if self._fused else "dequantize per call"
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = self._q.nbytes + self._scale.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused:
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(
+                x.to(self._scale.dtype), self._q, self._scale
+            )
+            return y.to(x.dtype)
+        return torch.mm(x, (self._q.to(x.dtype) * self._scale[:, None].to(x.dtype)).t())
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._q.float() * self._scale.float()[:, None]).t().cpu()
+
+    @property
+    def device(self) -> torch.device:
+        return self._q.device
+
+
+# --- int4 groups: scale and offset per group of `in` --------------------------------------
+
+
+def int4_group(in_features: int) -> int | None:
+    """The int4 group size for rows of `in_features` elements (None: no group divides it)."""
+    return next((g for g in INT4_GROUPS if in_features % g == 0), None)
+
+
+def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of `w` `[out, in]` (fp32).
+
+    Returns q `[out, in]` int32 in 0..15 and `scales_and_zeros` `[in / group, out, 2]` fp32 in
+    torch's int4pack convention: w ≈ (q - 8) * scale + zero.
+    """
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, in_f // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
+    zero = lo + 8 * scale
+    sz = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
+    return q.to(torch.int32).reshape(out_f, in_f), sz
+
+
+def _int4_dequantize(q: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """`[in, out]` fp32 from q `[out, in]` (0..15) and `[in / group, out, 2]` scales/zeros."""
+    scale = sz[..., 0].t().float().repeat_interleave(group, dim=1)
+    zero = sz[..., 1].t().float().repeat_interleave(group, dim=1)
+    return ((q.float() - 8) * scale + zero).t()
+
+
+class Int4Cpu(QuantMatrix):
+    """x86 CPU int4: torch's int4pack kernel, fed bf16 activations.
+
+    On bf16 input it is the fastest matrix-vector product measured here (faster than fbgemm's
+    int8); on fp32 input it takes a slow path, hence the casts around it.
+    """
+
+    kind, kernel = "int4", "_weight_int4pack_mm_for_cpu (bf16)"
+
+    def __init__(self, w: torch.Tensor, group: int) -> None:
+        out_f, in_f = w.shape
+        q, sz = _int4_groups(w, group)
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [out, in/2]
+        self._sz = sz.to(torch.bfloat16)
+        self.group = group
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = self._packed.nbytes + self._sz.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self._packed, self.group, self._sz
+        )
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        # Recover q by multiplying the identity: the kernel's own view of its packed weight.
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        zeros = self._sz.clone()
+        zeros[..., 0] = 1
+        zeros[..., 1] = 8  # (q - 8) * 1 + 8 = q, exact in bf16 for 0..15
+        q: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self._packed, self.group, zeros
+        )
+        return _int4_dequantize(q.t().round().to(torch.int32), self._sz, self.group)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class Int4Cuda(QuantMatrix):
+    """CUDA int4: tinygemm's `_weight_int4pack_mm` on bf16 (as gpt-fast runs it)."""
+
+    kind, kernel = "int4", "_weight_int4pack_mm (tinygemm)"
+
+    def __init__(self, w: torch.Tensor, group: int, inner_k_tiles: int, device: torch.device):
+        out_f, in_f = w.shape
+        q, sz = _int4_groups(w, group)
+        packed_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+        self._packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, inner_k_tiles)
+        self._sz = sz.to(device=device, dtype=torch.bfloat16)
+        self.group = group
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = self._packed.nbytes + self._sz.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm(
+            x.to(torch.bfloat16), self._packed, self.group, self._sz
+        )
+        return y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self._packed.device)
+        ones = torch.empty_like(self._sz)
+        ones[..., 0], ones[..., 1] = 1, 8
+        q: torch.Tensor = torch.ops.aten._weight_int4pack_mm(eye, self._packed, self.group, ones)
+        return _int4_dequantize(q.t().round().to(torch.int32).cpu(), self._sz.cpu(), self.group)
+
+    @property
+    def device(self) -> torch.device:
+        device: torch.device = self._packed.device
+        return device
+
+
+class Int4Dequant(QuantMatrix):
+    """int4 on a device with no int4 kernel: two weights per byte, dequantized per call."""
+
+    kind, kernel = "int4", "dequantize per call"
+
+    def __init__(self, w: torch.Tensor, group: int, device: torch.device) -> None:
+        out_f, in_f = w.shape
+        q, sz = _int4_groups(w, group)
+        self._packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+        self._sz = sz.to(device=device, dtype=torch.bfloat16)
+        self.group = group
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = self._packed.nbytes + self._sz.nbytes
+
+    def _q(self) -> torch.Tensor:
+        hi, lo = (self._packed >> 4).to(torch.int32), (self._packed & 15).to(torch.int32)
+        return torch.stack((hi, lo), dim=-1).reshape(self.out_features, self.in_features)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        w = _int4_dequantize(self._q(), self._sz, self.group)
+        return torch.mm(x, w.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return _int4_dequantize(self._q(), self._sz, self.group).cpu()
+
+    @property
+    def device(self) -> torch.device:
+        device: torch.device = self._packed.device
+        return device
+
+
+def _cuda_inner_k_tiles(in_features: int) -> int | None:
+    return next((t for t in (8, 4, 2) if in_features % (t * 16) == 0), None)
+
+
+def _int4_fits(in_features: int, out_features: int, device_type: str) -> int | None:
+    """The int4 group for this shape on this device, or None where int4 does not fit."""
+    group = int4_group(in_features)
+    if group is None:
+        return None
+    if device_type == "cpu" and out_features % 16:
+        return None
+    if device_type == "cuda" and (out_features % 8 or _cuda_inner_k_tiles(in_features) is None):
+        return None
+    return group
+
+
+def quantize_matrix(
+    w: torch.Tensor, quantization: str, device: torch.device, dtype: torch.dtype
+) -> QuantMatrix:
+    """Quantize a checkpoint matrix `w` `[out, in]` for `device` (activations in `dtype`)."""
+    w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    out_f, in_f = w.shape
+    if quantization == "int4":
+        group = _int4_fits(in_f, out_f, device.type)
+        if group is not None:
+            if device.type == "cpu":
+                return Int4Cpu(w, group)
+            if device.type == "cuda":
+                tiles = _cuda_inner_k_tiles(in_f)
+                assert tiles is not None
+                return Int4Cuda(w, group, tiles, device)
+            return Int4Dequant(w, group, device)
+    elif quantization != "int8":
+        raise ValueError(f"cannot quantize a matrix as {quantization!r}")
+    if device.type == "cpu" and has_fbgemm():
+        return Int8Fbgemm(w)
+    return Int8WeightOnly(w, device, dtype)
+
+
+def matrix_bytes(
+    in_features: int,
+    out_features: int,
+    quantization: str,
+    dtype: torch.dtype,
+    device_type: str = "cpu",
+) -> int:
+    """Bytes one `[in, out]` matrix holds at `quantization` (what `quantize_matrix` makes)."""
+    if quantization == "none":
+        return in_features * out_features * _itemsize(dtype)
+    if quantization == "int4":
+        group = _int4_fits(in_features, out_features, device_type)
+        if group is not None:
+            # Two weights per byte, a bf16 scale and offset per group.
+            return in_features * out_features // 2 + 4 * out_features * (in_features // group)
+    if device_type == "cpu" and has_fbgemm():
+        return _fbgemm_bytes(in_features, out_features)
+    return in_features * out_features + out_features * _itemsize(dtype)
+
+
+# --- embedding rows -----------------------------------------------------------------------
+
+
+class QuantEmbedding:
+    """An embedding table as int8 rows with a scale each; a lookup dequantizes its rows.
+
+    int4 stages keep int8 rows too: on the built-in model and the tiny random checkpoints of
+    every family, 4-bit rows cost more quality than the bytes they save (docs/model.md).
+    """
+
+    def __init__(self, table: torch.Tensor, device: torch.device) -> None:
+        q, scale = _int8_rows(table.detach().to(device="cpu", dtype=torch.float32))
+        self.q = q.to(device)
+        self.scale = scale[:, None].to(device)
+        self.nbytes = self.q.nbytes + self.scale.nbytes
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` `[T]` as `[T, hidden]` in `dtype`."""
+        return self.q[ids].to(dtype).mul_(self.scale[ids].to(dtype))
+
+
+def embedding_bytes(vocab: int, hidden: int, quantization: str, dtype: torch.dtype) -> int:
+    """Bytes of an embedding table at `quantization` (`QuantEmbedding` when quantized)."""
+    if quantization == "none":
+        return vocab * hidden * _itemsize(dtype)
+    return vocab * hidden + 4 * vocab
+
+
+def head_quantization(quantization: str) -> str:
+    """The head's scheme: int8 for int4 stages too (it sets every logit; see docs/model.md)."""
+    return "int8" if quantization == "int4" else quantization
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

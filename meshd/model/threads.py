@@ -1,0 +1,80 @@
+"""How many cores a stage computes with (`configure_threads`), and why that is safe.
+
+Batch-1 decode runs a few hundred small ops per token; only the weight matmuls (and attention
+over long contexts) are big enough to share between cores. Two rules make more threads never
+slower than one:
+
+- OpenMP workers sleep when idle (`OMP_WAIT_POLICY=PASSIVE`, set by `meshd/__init__.py` before
+  torch loads, unless the environment says otherwise). With the default policy an idle worker
+  spins; on a machine whose cores are busy with other work, every parallel region then waits
+  for a worker that the spinning partner keeps off the CPU: measured on this project's 2-core
+  machine under load, 2 threads decoded 4-30x slower than 1 (0.8 vs 3.5 tok/s on a 246M
+  model, 2.5 vs 73 tok/s on the built-in one); with passive workers 2 threads ran level with 1.
+- A model whose matrices are too small to split (`MIN_SHARED_MATRIX_BYTES`) computes on one
+  thread: a fork and a join cost more than half of such a matrix-vector product.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+import meshd
+from meshd.model.config import ModelConfig
+from meshd.model.stage import layer_bytes
+
+log = logging.getLogger(__name__)
+
+# Below this many bytes per weight matrix (a layer's four, on average) one core finishes a
+# matrix-vector product (about 100 us at ~10 GB/s) in less time than waking a second one
+# pays back.
+MIN_SHARED_MATRIX_BYTES = 1 << 20
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def useful_threads(
+    threads: int,
+    config: ModelConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+) -> int:
+    """The intra-op threads a stage of `config` should use when given `threads` (0 = all)."""
+    wanted = threads if threads > 0 else available_cores()
+    if config is None or wanted == 1:
+        return wanted
+    vectors = 2 * config.hidden_size * torch.empty(0, dtype=dtype).element_size()
+    per_matrix = (layer_bytes(config, dtype, quantization) - vectors) / 4
+    return wanted if per_matrix >= MIN_SHARED_MATRIX_BYTES else 1
+
+
+def configure_threads(
+    threads: int = 0,
+    config: ModelConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+) -> int:
+    """Set torch's intra-op threads for stage compute; returns the number set.
+
+    `threads` 0 means every core this process may use. With `config` (and the stage's dtype
+    and quantization), a model too small to gain from more than one core gets one.
+    """
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0 (0 = all cores), got {threads}")
+    n = useful_threads(threads, config, dtype, quantization)
+    if n > 1 and not meshd.OMP_POLICY_SET_IN_TIME:
+        log.warning(
+            "torch was imported before meshd without OMP_WAIT_POLICY: its OpenMP workers spin "
+            "when idle, and %d threads may decode slower than 1 on a busy machine",
+            n,
+        )
+    torch.set_num_threads(n)
+    return n
