@@ -39,6 +39,8 @@ MAX_SECRET_FILE_BYTES = 4096
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH_BYTES = 107
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# "auto": the checkpoint's own (`Checkpoint.default_quantization`: "none" for safetensors).
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -113,6 +115,9 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     model: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"
+    kv_dtype: str = "auto"
+    threads: int = 0
     memory_budget_bytes: int = 0
     layers: tuple[int, int] | None = None
     join: tuple[str, ...] = ()
@@ -268,6 +273,12 @@ def _check_compute(c: NodeConfig) -> None:
             f"device {c.device!r} is unknown: use auto, cpu, cuda, cuda:N or mps", key="device"
         )
     _choice("dtype", c.dtype, DTYPES)
+    _choice("quantization", c.quantization, QUANTIZATIONS)
+    _choice("kv_dtype", c.kv_dtype, DTYPES)
+    if c.threads < 0:
+        raise ConfigError(
+            "threads must be >= 0 (0 = every core this process may use)", key="threads"
+        )
     if c.memory_budget_bytes < 0:
         raise ConfigError(
             "memory_budget_bytes must be >= 0 (0 = what the device offers)",

@@ -47,3 +47,21 @@ def host_available_bytes() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; all the machine's where unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_compute_threads(threads: int) -> int:
+    """Run torch's intra-op work on `threads` threads (0 = every usable core); returns how many.
+
+    The one place a daemon sets its compute threads (the `threads` config key).
+    """
+    count = threads if threads > 0 else usable_cores()
+    torch.set_num_threads(count)
+    return count

@@ -28,7 +28,7 @@ from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
 from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.device import device_memory_bytes, pick_device
+from meshd.model.device import device_memory_bytes, pick_device, set_compute_threads
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.node.gossip_driver import GossipDriver, KeyBook
@@ -79,7 +79,17 @@ class MeshNode:
         self.tokenizer = Tokenizer.open(model_dir)
         self.device = pick_device(None if config.device == "auto" else config.device)
         self.dtype = _DTYPES.get(config.dtype, torch.float32)
-        self.shape = model_shape(self.checkpoint, self.dtype)
+        self.kv_dtype = _DTYPES.get(config.kv_dtype, self.dtype)
+        # What this node offers: (model id, quantization). It plans with, and serves stages of,
+        # the nodes offering the same quantization (docs/planner.md, "Quantization").
+        self.quantization = (
+            self.checkpoint.default_quantization
+            if config.quantization == "auto"
+            else config.quantization
+        )
+        self.shape = model_shape(
+            self.checkpoint, self.dtype, self.quantization, self.kv_dtype, self.device
+        )
         model_ctx = self.checkpoint.config.max_position_embeddings
         self.context_tokens = self.tuning.context_tokens or model_ctx
         self.planner_config = PlannerConfig(
@@ -125,9 +135,17 @@ class MeshNode:
     # ---- the composition ----------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open lanes, join the mesh, plan and serve until cancelled."""
-        torch.set_num_threads(self.tuning.torch_threads)
+        threads = set_compute_threads(self.config.threads)
+        log.info("compute: %d thread(s), quantization %s", threads, self.quantization)
         self.compute_ns = await trio.to_thread.run_sync(
-            measure_compute_ns, self.checkpoint, self.device, self.dtype, self.tuning.warmup_passes
+            lambda: measure_compute_ns(
+                self.checkpoint,
+                self.device,
+                self.dtype,
+                self.tuning.warmup_passes,
+                quantization=self.quantization,
+                kv_dtype=self.kv_dtype,
+            )
         )
         c = self.config
         admit = admission_policy(c.admitted_public_keys(), c.revoked_public_keys())
@@ -171,6 +189,8 @@ class MeshNode:
             dtype=self.dtype,
             eos_ids=frozenset(self.tokenizer.eos_ids),
             load_display=self.load_display,
+            quantization=self.quantization,
+            kv_dtype=self.kv_dtype,
         )
         now = trio.current_time()
         self.membership = Membership(
@@ -216,7 +236,16 @@ class MeshNode:
         if not (self.disabled or self.draining):
             layers = self.slot.layers if hasattr(self, "slot") else None
             lo, hi = layers if layers is not None else (0, self.shape.num_layers)
-            holding = ModelHolding(self.shape.model_id, lo, hi, layers is not None, self.compute_ns)
+            holding = ModelHolding(
+                self.shape.model_id,
+                lo,
+                hi,
+                layers is not None,
+                self.compute_ns,
+                quantization=self.quantization,
+                weight_bytes=self.slot.weight_bytes if layers is not None else 0,
+                kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
+            )
             models = (holding,)
         sessions = self.slot.sessions if hasattr(self, "slot") else 0
         return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)

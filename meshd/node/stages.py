@@ -31,14 +31,29 @@ LoadDisplay = Callable[[str], contextlib.AbstractContextManager[LoadProgress | N
 
 
 def measure_compute_ns(
-    checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, passes: int
+    checkpoint: Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    passes: int,
+    *,
+    quantization: str = "none",
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """(blocking) Nanoseconds one decoder layer takes for one decode token on this node.
 
-    Loads the first layer alone, runs a short prefill as warm-up, then times single-token
-    passes and keeps the fastest (the least disturbed by other work on the machine).
+    Loads the first layer alone (at the quantization the node serves), runs a short prefill as
+    warm-up, then times single-token passes and keeps the fastest (the least disturbed by other
+    work on the machine).
     """
-    stage = StageModel.load(checkpoint, 0, 1, device=device, dtype=dtype)
+    stage = StageModel.load(
+        checkpoint,
+        0,
+        1,
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        kv_dtype=kv_dtype,
+    )
     stage.open_session("warmup", passes + 16)
     best = float("inf")
     with torch.inference_mode():
@@ -71,8 +86,12 @@ class StageSlot:
         dtype: torch.dtype,
         eos_ids: frozenset[int],
         load_display: LoadDisplay | None = None,
+        quantization: str = "none",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        self.quantization = quantization
+        self.kv_dtype = kv_dtype
         self.load_display = load_display
         self.peers = peers
         self.device = device
@@ -102,6 +121,16 @@ class StageSlot:
         return self._running.host.stage.kv.used_bytes if self._running else 0
 
     @property
+    def weight_bytes(self) -> int:
+        """Weight bytes the current stage holds (0: no stage)."""
+        return self._running.host.stage.weight_bytes if self._running else 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes the current stage adds per position of a session (0: no stage)."""
+        return self._running.host.stage.kv_bytes_per_token if self._running else 0
+
+    @property
     def windows_computed(self) -> int:
         """Windows the current stage computed."""
         return self._running.host.stats.windows_computed if self._running else 0
@@ -122,7 +151,14 @@ class StageSlot:
         with display(f"loading layers [{lo}, {hi})") as progress:
             model = await trio.to_thread.run_sync(
                 lambda: StageModel.load(
-                    self.checkpoint, lo, hi, device=self.device, dtype=self.dtype, progress=progress
+                    self.checkpoint,
+                    lo,
+                    hi,
+                    device=self.device,
+                    dtype=self.dtype,
+                    progress=progress,
+                    quantization=self.quantization,
+                    kv_dtype=self.kv_dtype,
                 )
             )
         host = StageHost(model, self.peers, eos_ids=self.eos_ids, use_thread=True)
@@ -130,7 +166,14 @@ class StageSlot:
         self._running = running
         assert self._nursery is not None, "StageSlot.run() must be started first"
         self._nursery.start_soon(self._serve, running)
-        log.info("stage loaded: layers [%d, %d) in %.2f s", lo, hi, time.perf_counter() - t0)
+        log.info(
+            "stage loaded: layers [%d, %d) at quantization %s, %d weight bytes, in %.2f s",
+            lo,
+            hi,
+            self.quantization,
+            model.weight_bytes,
+            time.perf_counter() - t0,
+        )
 
     async def _serve(self, running: _Running) -> None:
         try:

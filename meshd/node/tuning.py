@@ -38,9 +38,6 @@ class DaemonTuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # machine swing by more than 80 % with round-trip noise (measured on the test mesh), and
     # every move reloads a stage and fails the sessions on it.
     planner_reuse_tolerance_fraction: float = math.inf
-    # Torch intra-op threads for stage compute. One is fastest for small models on small
-    # machines (an OpenMP team per op oversubscribes a 2-core box; measured in coord/local).
-    torch_threads: int = 1
     # When a direct dial fails: introductions, hole punching and relaying (with their limits).
     nat: NatDialConfig = NatDialConfig()
 
@@ -50,5 +47,5 @@ class DaemonTuning(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             unbounded = name == "planner_reuse_tolerance_fraction" and value == math.inf
             if isinstance(value, float) and not (0.0 < value < math.inf or unbounded):
                 raise ValueError(f"{name} must be a positive finite number, got {value}")
-        if self.warmup_passes < 1 or self.torch_threads < 1 or self.context_tokens < 0:
-            raise ValueError("warmup_passes and torch_threads must be >= 1, context_tokens >= 0")
+        if self.warmup_passes < 1 or self.context_tokens < 0:
+            raise ValueError("warmup_passes must be >= 1, context_tokens >= 0")
