@@ -8,7 +8,7 @@ Kernels (docs/model-runtime.md has the measurements behind each choice):
 
 | device | int8 | int4 |
 |---|---|---|
-| x86 CPU | fbgemm dynamic linear: per-output-channel symmetric int8 weights, each call quantizes its activation rows per tensor to uint8 (`quantized::linear_dynamic`) | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
+| x86 CPU | fbgemm dynamic linear: per-output-channel symmetric int8 weights, activations quantized to uint8 per call, per row (`quantized::linear_dynamic`) | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
 | CUDA | `_weight_int8pack_mm` (weight-only, per channel) | `_weight_int4pack_mm` (tinygemm, bf16) |
 | other | dequantize on the fly (correct, not fast) | same |
 
@@ -24,7 +24,6 @@ import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 # Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
@@ -127,7 +126,14 @@ class Int8Fbgemm(QuantMatrix):
         self.nbytes = _fbgemm_bytes(in_f, out_f)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.quantized.linear_dynamic(x.float(), self._packed, False)
+        x32 = x.float()
+        if x32.shape[0] == 1:
+            y: torch.Tensor = torch.ops.quantized.linear_dynamic(x32, self._packed, False)
+        else:
+            # fbgemm quantizes its whole input with one scale; rows scaled to max |x| = 1 first
+            # (and back after) make that per row, so no row's range costs another its precision.
+            s = x32.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
+            y = torch.ops.quantized.linear_dynamic(x32 / s, self._packed, False).mul_(s)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
@@ -373,25 +379,46 @@ def matrix_bytes(
 
 
 class QuantEmbedding:
-    """An embedding table as int8 rows with a scale each; a lookup dequantizes its rows."""
+    """An embedding table quantized by row; a lookup dequantizes only the rows it reads.
 
-    def __init__(self, table: torch.Tensor, device: torch.device) -> None:
-        q, scale = _int8_rows(table.detach().to(device="cpu", dtype=torch.float32))
-        self.q = q.to(device)
-        self.scale = scale.to(device)
+    int8: symmetric rows with an fp32 scale each. int4: the same asymmetric 4-bit groups as
+    int4 matrices (two per byte, bf16 scale and offset per group), where a group divides the
+    hidden size; int8 otherwise.
+    """
+
+    def __init__(self, table: torch.Tensor, quantization: str, device: torch.device) -> None:
+        table = table.detach().to(device="cpu", dtype=torch.float32)
+        hidden = table.shape[1]
+        self.group = int4_group(hidden) if quantization == "int4" else None
+        if self.group is None:
+            q, scale = _int8_rows(table)
+            self.q, self.scale = q.to(device), scale[:, None].to(device)
+        else:
+            q4, sz = _int4_groups(table, self.group)
+            self.q = (q4[:, ::2] << 4 | q4[:, 1::2]).to(torch.uint8).to(device)
+            # [vocab, groups, 2]: scale and offset of each row's groups, looked up with the row.
+            self.scale = sz.transpose(0, 1).to(device=device, dtype=torch.bfloat16).contiguous()
         self.nbytes = self.q.nbytes + self.scale.nbytes
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` `[T]` as `[T, hidden]` in `dtype`."""
-        rows = F.embedding(ids, self.q).to(dtype)
-        return rows.mul_(F.embedding(ids, self.scale[:, None]).to(dtype))
+        rows = self.q[ids]
+        if self.group is None:
+            return rows.to(dtype).mul_(self.scale[ids].to(dtype))
+        q = torch.stack((rows >> 4, rows & 15), dim=-1).view(len(ids), -1, self.group)
+        sz = self.scale[ids].float()
+        w = (q.float() - 8).mul_(sz[..., :1]).add_(sz[..., 1:])
+        return w.view(len(ids), -1).to(dtype)
 
 
 def embedding_bytes(vocab: int, hidden: int, quantization: str, dtype: torch.dtype) -> int:
-    """Bytes of an embedding table at `quantization` (int8 rows for both int8 and int4)."""
+    """Bytes of an embedding table at `quantization` (`QuantEmbedding`)."""
     if quantization == "none":
         return vocab * hidden * _itemsize(dtype)
-    return vocab * hidden + 4 * vocab
+    group = int4_group(hidden) if quantization == "int4" else None
+    if group is None:
+        return vocab * hidden + 4 * vocab
+    return vocab * hidden // 2 + 4 * vocab * (hidden // group)
 
 
 def head_quantization(quantization: str) -> str:

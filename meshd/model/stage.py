@@ -116,7 +116,7 @@ def stage_weight_bytes(
 
     Layers, plus the embedding on the first stage and the final norm, head and MTP depths on
     the last (`StageModel` says which stage holds what). Quantized stages keep the embedding as
-    int8 rows and quantize the head (int8 for int4 stages too).
+    quantized rows and quantize the head (int8 for int4 stages too).
     """
     check_quantization(quantization)
     device_type = torch.device(device).type
@@ -302,9 +302,9 @@ class StageModel:
         self.mtp: list[MtpWeights] = []
         quantized = self.quantization != "none"
         if quantized and embed is not None:
-            # int8 rows, looked up where this stage takes tokens (first stage, MTP).
+            # Quantized rows, looked up where this stage takes tokens (first stage, MTP).
             lookups = self.is_first or n_mtp > 0
-            self._embed = QuantEmbedding(embed, self.device) if lookups else None
+            self._embed = QuantEmbedding(embed, self.quantization, self.device) if lookups else None
         if not self.is_last:
             return
         self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
