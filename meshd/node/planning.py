@@ -165,4 +165,5 @@ def lane_route(p: Plan) -> Route:
             RouteStage(x25519_public_from_ed25519_public(s.node_key), s.layer_start, s.layer_end)
             for s in p.stages
         ),
+        p.quantization,
     )

@@ -216,6 +216,16 @@ class StageSlot:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)
                 return
+            if message.quantization and message.quantization != self.quantization:
+                error = StageError(
+                    message.session,
+                    "wrong_quantization",
+                    f"this node holds the model at quantization {self.quantization}, the route "
+                    f"expects {message.quantization}",
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._send, message.coordinator, error)
+                return
             if self.refuse_new_sessions and message.session not in self._sessions:
                 error = StageError(
                     message.session, "draining", "this stage is draining: re-plan without it"

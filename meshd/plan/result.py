@@ -120,4 +120,5 @@ class Plan:
         return Route(
             self.model_id,
             tuple(RouteStage(s.node_key, s.layer_start, s.layer_end) for s in self.stages),
+            self.quantization,
         )
