@@ -501,5 +501,5 @@ class _RouteSender:
 def _describe(p: Plan) -> str:
     return (
         ", ".join(f"{s.node_key.hex()[:8]}[{s.layer_start},{s.layer_end})" for s in p.stages)
-        + f" ~{p.predicted_s_per_token * 1000:.2f} ms/token"
+        + f" {p.quantization} ~{p.predicted_s_per_token * 1000:.2f} ms/token"
     )

@@ -2,7 +2,9 @@
 
 Every node runs the planner on its own view. The stage assignment must come out the same on
 every node that sees the same view, so nothing node-local goes in: the inputs are the healthy
-members holding the model (sorted by id), their signed capacity records (memory, measured
+members holding the model at the planning node's own quantization (sorted by id; stages of
+one plan must compute the same tokens, so each quantization gets its own plan and a node is
+only ever in its own quantization's), their signed capacity records (memory, measured
 compute, the layers they have loaded now, which the planner prefers to keep), the gossiped RTT
 matrix, and a coordinator every node agrees on (the lowest member id). Planner keys are
 Ed25519 node ids; the route the coordinator drives uses lane (X25519) keys.
