@@ -74,8 +74,8 @@ def render(status: dict[str, Any], events: int) -> None:
     console.print(members)
     if status["plan"]:
         plan = Table(
-            title=f"plan, quantization {status['plan_quantization']} "
-            f"(~{status['predicted_ms_per_token']:.2f} ms/token)"
+            title=f"plan (~{status['predicted_ms_per_token']:.2f} ms/token), quantization "
+            f"{status['plan_quantization']}"
         )
         for column in ("stage", "node key", "layers", "weights", "weights + KV"):
             plan.add_column(column)

@@ -86,7 +86,7 @@ def test_each_node_plans_over_its_own_quantization_and_both_answer(
         assert status["weight_bytes"] == held[quantization]
         assert status["plan"][0]["weight_bytes"] == held[quantization]
         assert f"quantization {quantization}" in meshctl("plan", "--socket", d.socket)
-        assert f"plan, quantization {quantization}" in meshctl("status", "--socket", d.socket)
+        assert f"ms/token), quantization {quantization}" in meshctl("status", "--socket", d.socket)
 
     prompt = Tokenizer.open(builtin_model_dir()).encode(PROMPT)
     op = GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, strategy="disabled", ignore_eos=True)
