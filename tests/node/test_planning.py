@@ -58,7 +58,7 @@ def test_a_budget_holds_about_four_times_more_layers_at_int8_than_at_fp32() -> N
         // config_shape(config, "large", torch.float32, q).layer_bytes(CONTEXT)
         for q in ("none", "int8")
     }
-    assert 3.5 <= uncapped["int8"] / uncapped["none"] <= 4.0
+    assert 3.5 <= uncapped["int8"] / uncapped["none"] <= 4.2  # 39 / 10 here (AVX-512 VNNI)
 
     # The same four nodes: fp32 needs three stages, int8 fits on one node.
     nodes = [NodeCapacity(bytes([i]) * 32, GIB // 2, 1e-4) for i in range(1, 5)]
