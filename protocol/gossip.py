@@ -33,6 +33,7 @@ MAX_RECORD_BYTES = 8 * 1024
 MAX_SIGNATURE_BYTES = 128
 MAX_ADDRESS_CHARS = 256
 MAX_MODEL_ID_CHARS = 128
+MAX_QUANTIZATION_CHARS = 16
 MAX_MODELS = 16
 MAX_RTT_ENTRIES = 256
 MAX_U63 = (1 << 63) - 1
@@ -44,6 +45,10 @@ NodeId = Annotated[bytes, msgspec.Meta(min_length=NODE_ID_BYTES, max_length=NODE
 IdBound = Annotated[bytes, msgspec.Meta(max_length=NODE_ID_BYTES)]
 U63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_U63)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+# A scheme's name; unknown names decode (a newer node's scheme) and match no one else's plan.
+Quantization = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_QUANTIZATION_CHARS, pattern="^[a-z0-9_]+$")
+]
 
 
 class Status(enum.IntEnum):
@@ -87,6 +92,12 @@ class ModelHolding(msgspec.Struct, frozen=True, array_like=True):
     loaded: bool
     # Measured forward time of one layer for one token on this node (0: not measured yet).
     compute_ns_per_layer_token: U63 = 0
+    # How the node holds the weights ("none", "int8", "int4", or a later scheme's name): only
+    # nodes holding the same quantization serve one plan (their tokens are the same).
+    quantization: Quantization = "none"
+    # What the loaded stage holds: weight bytes, and KV cache bytes per position (0: none).
+    weight_bytes: U63 = 0
+    kv_bytes_per_token: U63 = 0
 
 
 class RttEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -262,6 +273,8 @@ def _check_record(record: CapacityRecord, error: type[Exception]) -> None:
     for model in record.models:
         if model.layer_start >= model.layer_end:
             raise error(f"model {model.model_id!r}: empty layer range")
+        if not model.loaded and (model.weight_bytes or model.kv_bytes_per_token):
+            raise error(f"model {model.model_id!r}: bytes held without a loaded stage")
 
 
 def _check(message: GossipMessage) -> None:

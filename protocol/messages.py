@@ -95,6 +95,9 @@ class OpenSession(msgspec.Struct, frozen=True, tag="open"):
     # that holds other layers (or none yet) answers StageError(code="wrong_layers").
     layer_start: int = -1
     layer_end: int = -1
+    # The quantization the route's stages hold the model at ("": not checked). A node holding
+    # another answers StageError(code="wrong_quantization"): its tokens would differ.
+    quantization: str = ""
 
 
 class CloseSession(msgspec.Struct, frozen=True, tag="close"):

@@ -52,8 +52,8 @@ class ServeProcess:
     """One `meshd serve` child process with its state dir and log under `work`.
 
     `flags` are the serve flags beyond the state dir, the secret file and the CPU float32
-    compute every demo and test daemon uses; `prefix` runs the command inside something
-    (e.g. `ip netns exec NS`).
+    compute on one thread every demo and test daemon uses; `prefix` runs the command inside
+    something (e.g. `ip netns exec NS`).
     """
 
     def __init__(
@@ -79,6 +79,9 @@ class ServeProcess:
             "--state-dir", str(self.state),
             "--mesh-secret-file", str(secret_file),
             "--device", "cpu", "--dtype", "float32",
+            # Several daemons share one machine here: one thread each keeps them from
+            # oversubscribing its cores (a daemon alone uses them all: `threads` = 0).
+            "--threads", "1",
             *flags,
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:

@@ -39,7 +39,11 @@ def render(status: dict[str, Any], events: int) -> None:
     layers = status["stage_layers"]
     console.print(
         f"node [bold]{status['name']}[/] ({status['key'][:16]})  model {status['model_id'][:16]}"
-        f"  stage {_layers(layers)}  {_state(status)}"
+        f" {status['quantization']}  stage {_layers(layers)}  {_state(status)}"
+    )
+    console.print(
+        f"holds weights {_mib(status['weight_bytes'])} + KV {status['kv_bytes_per_token']} "
+        f"B/token (KV {status['kv_dtype']}), {status['threads']} thread(s)"
     )
     console.print(
         f"sessions hosted {status['sessions_hosted']} "
@@ -52,29 +56,41 @@ def render(status: dict[str, Any], events: int) -> None:
     if isinstance(status.get("sessions_expired"), dict):  # sessions a lease ended, by cause
         console.print(_counts("expired sessions", status["sessions_expired"]))
     members = Table(title="members")
-    for column in ("node", "key", "health", "address", "offers", "stage", "lane", "rtt ms", "loss"):
+    columns = ("node", "key", "health", "address", "offers", "stage", "weights", "KV/token")
+    for column in (*columns, "lane", "rtt ms", "loss"):
         members.add_column(column)
     for m in status["members"]:
         loss = f"{m['packets_lost']}/{m['packets_sent']}" if m["lane_up"] else "-"
+        held = m["loaded_layers"] is not None
         members.add_row(
             m["name"] + (" (self)" if m["is_self"] else ""),
             m["key"][:16],
             m["status"],
             m["address"] or "-",
-            "yes" if m["offers_model"] else "[red]no[/]",
+            m["quantization"] if m["offers_model"] else "[red]no[/]",
             _layers(m["loaded_layers"]),
+            _mib(m["weight_bytes"]) if held else "-",
+            f"{m['kv_bytes_per_token']} B" if held else "-",
             "up" if m["lane_up"] else "-",
             f"{m['rtt_ms']:.2f}" if m["rtt_ms"] is not None else "-",
             loss,
         )
     console.print(members)
     if status["plan"]:
-        plan = Table(title=f"plan (~{status['predicted_ms_per_token']:.2f} ms/token)")
-        plan.add_column("stage")
-        plan.add_column("node key")
-        plan.add_column("layers")
+        plan = Table(
+            title=f"plan (~{status['predicted_ms_per_token']:.2f} ms/token), quantization "
+            f"{status['plan_quantization']}"
+        )
+        for column in ("stage", "node key", "layers", "weights", "weights + KV"):
+            plan.add_column(column)
         for i, stage in enumerate(status["plan"]):
-            plan.add_row(str(i), stage["key"][:16], _layers(stage["layers"]))
+            plan.add_row(
+                str(i),
+                stage["key"][:16],
+                _layers(stage["layers"]),
+                _mib(stage["weight_bytes"]),
+                _mib(stage["memory_bytes"]),
+            )
         console.print(plan)
     else:
         console.print(f"[red]no plan:[/] {status['plan_error']}")
@@ -98,6 +114,10 @@ def _state(status: dict[str, Any]) -> str:
     if status.get("draining"):
         return f"[yellow]DRAINING[/] ({status['sessions_hosted']} sessions left)"
     return "[red]KILLED[/]" if status["disabled"] else ""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _layers(layers: list[int] | None) -> str:

@@ -39,6 +39,7 @@ MAX_SECRET_FILE_BYTES = 4096
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH_BYTES = 107
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# "auto": the checkpoint's own (`Checkpoint.default_quantization`: "none" for safetensors).
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
@@ -285,7 +286,9 @@ def _check_compute(c: NodeConfig) -> None:
     _choice("quantization", c.quantization, QUANTIZATIONS)
     _choice("kv_dtype", c.kv_dtype, DTYPES)
     if c.threads < 0:
-        raise ConfigError("threads must be >= 0 (0 = every core)", key="threads")
+        raise ConfigError(
+            "threads must be >= 0 (0 = every core this process may use)", key="threads"
+        )
     if c.memory_budget_bytes < 0:
         raise ConfigError(
             "memory_budget_bytes must be >= 0 (0 = what the device offers)",

@@ -344,6 +344,7 @@ class _Run:
                 mtp_depth=self.mtp_tokens if last else 0,
                 layer_start=stage.layer_start,
                 layer_end=stage.layer_end,
+                quantization=route.quantization,
             )
             await self._send(stage.node_key, message)
             self.live.opened.add(stage.node_key)

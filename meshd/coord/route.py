@@ -20,6 +20,8 @@ class Route:
 
     model_id: str
     stages: tuple[RouteStage, ...]
+    # How every stage holds the weights ("": not said; stages then do not check it).
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         if not self.stages:

@@ -88,13 +88,17 @@ class MeshNode:
         self.tokenizer = open_tokenizer(model_dir)
         self.device = pick_device(None if config.device == "auto" else config.device)
         self.dtype = _DTYPES.get(config.dtype, torch.float32)
+        self.kv_dtype = _DTYPES.get(config.kv_dtype, self.dtype)
+        # What this node offers: (model id, quantization). It plans with, and serves stages of,
+        # the nodes offering the same quantization (docs/planner.md, "Quantization").
         self.quantization = (
             self.checkpoint.default_quantization
             if config.quantization == "auto"
             else config.quantization
         )
-        self.kv_dtype = _DTYPES.get(config.kv_dtype)  # None ("auto"): the compute dtype
-        self.shape = model_shape(self.checkpoint, self.dtype)
+        self.shape = model_shape(
+            self.checkpoint, self.dtype, self.quantization, self.kv_dtype, self.device
+        )
         model_ctx = self.checkpoint.config.max_position_embeddings
         self.context_tokens = self.tuning.context_tokens or model_ctx
         self.planner_config = PlannerConfig(
@@ -142,17 +146,19 @@ class MeshNode:
     # ---- the composition ----------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Open lanes, join the mesh, plan and serve until cancelled."""
-        configure_threads(
+        threads = configure_threads(
             self.config.threads, self.checkpoint.config, self.dtype, self.quantization
         )
+        log.info("compute: %d thread(s), quantization %s", threads, self.quantization)
         self.compute_ns = await trio.to_thread.run_sync(
-            measure_compute_ns,
-            self.checkpoint,
-            self.device,
-            self.dtype,
-            self.tuning.warmup_passes,
-            self.quantization,
-            self.kv_dtype,
+            lambda: measure_compute_ns(
+                self.checkpoint,
+                self.device,
+                self.dtype,
+                self.tuning.warmup_passes,
+                quantization=self.quantization,
+                kv_dtype=self.kv_dtype,
+            )
         )
         c = self.config
         admit = admission_policy(c.admitted_public_keys(), c.revoked_public_keys())
@@ -248,7 +254,16 @@ class MeshNode:
         if not (self.disabled or self.draining):
             layers = self.slot.layers if hasattr(self, "slot") else None
             lo, hi = layers if layers is not None else (0, self.shape.num_layers)
-            holding = ModelHolding(self.shape.model_id, lo, hi, layers is not None, self.compute_ns)
+            holding = ModelHolding(
+                self.shape.model_id,
+                lo,
+                hi,
+                layers is not None,
+                self.compute_ns,
+                quantization=self.quantization,
+                weight_bytes=self.slot.weight_bytes if layers is not None else 0,
+                kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
+            )
             models = (holding,)
         sessions = self.slot.sessions if hasattr(self, "slot") else 0
         return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
@@ -539,5 +554,5 @@ class _RouteSender:
 def _describe(p: Plan) -> str:
     return (
         ", ".join(f"{s.node_key.hex()[:8]}[{s.layer_start},{s.layer_end})" for s in p.stages)
-        + f" ~{p.predicted_s_per_token * 1000:.2f} ms/token"
+        + f" {p.quantization} ~{p.predicted_s_per_token * 1000:.2f} ms/token"
     )

@@ -2,7 +2,9 @@
 
 Every node runs the planner on its own view. The stage assignment must come out the same on
 every node that sees the same view, so nothing node-local goes in: the inputs are the healthy
-members holding the model (sorted by id), their signed capacity records (memory, measured
+members holding the model at the planning node's own quantization (sorted by id; stages of
+one plan must compute the same tokens, so each quantization gets its own plan and a node is
+only ever in its own quantization's), their signed capacity records (memory, measured
 compute, the layers they have loaded now, which the planner prefers to keep), the gossiped RTT
 matrix, and a coordinator every node agrees on (the lowest member id). Planner keys are
 Ed25519 node ids; the route the coordinator drives uses lane (X25519) keys.
@@ -18,27 +20,63 @@ import torch
 from meshd.coord.route import Route, RouteStage
 from meshd.mesh.member import MemberInfo
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.stage import kv_bytes_per_token, layer_bytes
+from meshd.model.config import ModelConfig
+from meshd.model.stage import kv_bytes_per_token, layer_bytes, stage_weight_bytes
 from meshd.plan import ModelShape, NodeCapacity, NoFeasiblePlan, Plan, PlannerConfig, plan
 from protocol.gossip import ModelHolding
 from protocol.noise import x25519_public_from_ed25519_public
 
 
-def model_shape(checkpoint: Checkpoint, dtype: torch.dtype) -> ModelShape:
-    """The model as the planner sees it, for weights held as `dtype`."""
-    config = checkpoint.config
-    item = torch.empty(0, dtype=dtype).element_size()
-    embedding = config.vocab_size * config.hidden_size * item
-    head = 0 if config.tie_word_embeddings else embedding
-    # Each MTP depth is about one decoder layer plus its projections; the last stage holds them.
-    head += config.num_mtp_layers * layer_bytes(config, dtype)
+def model_shape(
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    kv_dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> ModelShape:
+    """The model as the planner sees it: the bytes a stage holds at `quantization` on `device`.
+
+    Layer, embedding and head bytes are `stage_weight_bytes`'s (what `StageModel.weight_bytes`
+    counts once loaded); KV per token is at `kv_dtype` (default: `dtype`), the last stage's
+    MTP depths included (`StageModel.kv_bytes_per_token`).
+    """
+    return config_shape(
+        checkpoint.config, checkpoint.model_id, dtype, quantization, kv_dtype, device
+    )
+
+
+def config_shape(
+    config: ModelConfig,
+    model_id: str,
+    dtype: torch.dtype,
+    quantization: str = "none",
+    kv_dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> ModelShape:
+    """`model_shape` from a model's config and id alone (no weights needed)."""
+    n = config.num_layers
+    per_layer = layer_bytes(config, dtype, quantization, device)
+
+    def extra(start: int, end: int) -> int:
+        return stage_weight_bytes(config, start, end, dtype, quantization, device) - (
+            (end - start) * per_layer
+        )
+
+    only = extra(0, n)
+    # With one layer the first stage is the last: only the whole-model figure exists.
+    first, last = (extra(0, 1), extra(n - 1, n)) if n > 1 else (only, only)
     return ModelShape(
-        model_id=checkpoint.model_id,
-        num_layers=config.num_layers,
-        bytes_per_layer=layer_bytes(config, dtype),
-        kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, dtype),
-        embedding_bytes=embedding,
-        head_bytes=head,
+        model_id=model_id,
+        num_layers=n,
+        bytes_per_layer=per_layer,
+        kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, kv_dtype or dtype),
+        head_kv_bytes_per_token=kv_bytes_per_token(
+            config, config.num_mtp_layers, kv_dtype or dtype
+        ),
+        embedding_bytes=first,
+        head_bytes=last,
+        shared_bytes=max(0, first + last - only),
+        quantization=quantization,
     )
 
 
@@ -51,25 +89,32 @@ class PlanInputs:
     coordinator: bytes
 
 
-def holding_of(info: MemberInfo, model_id: str) -> ModelHolding | None:
-    """The member's holding of `model_id` in its capacity record, if it offers it."""
+def holding_of(
+    info: MemberInfo, model_id: str, quantization: str | None = None
+) -> ModelHolding | None:
+    """The member's holding of `model_id` (at `quantization` when given), if it offers it."""
     if info.capacity is None:
         return None
     for holding in info.capacity.models:
-        if holding.model_id == model_id:
+        if holding.model_id == model_id and quantization in (None, holding.quantization):
             return holding
     return None
 
 
 def plan_inputs(
-    view: Mapping[bytes, MemberInfo], model_id: str, exclude: Collection[bytes] = frozenset()
+    view: Mapping[bytes, MemberInfo],
+    model_id: str,
+    quantization: str,
+    exclude: Collection[bytes] = frozenset(),
 ) -> PlanInputs:
-    """Healthy members offering `model_id` (not excluded), in id order, and their loaded layers."""
+    """Healthy members offering `model_id` at `quantization` (not excluded), in id order, and
+    their loaded layers. Members holding the model at another quantization are left out: the
+    stages of one plan must compute the same tokens."""
     nodes: list[NodeCapacity] = []
     held: dict[bytes, tuple[int, int]] = {}
     for node_id in sorted(view):
         info = view[node_id]
-        holding = holding_of(info, model_id)
+        holding = holding_of(info, model_id, quantization)
         if not info.healthy or holding is None or info.capacity is None or node_id in exclude:
             continue
         compute_s = max(1, holding.compute_ns_per_layer_token) / 1e9
@@ -90,9 +135,11 @@ def plan_view(
     config: PlannerConfig | None = None,
 ) -> Plan:
     """The mesh's plan for the model as this view shows it (NoFeasiblePlan if none fits)."""
-    inputs = plan_inputs(view, shape.model_id, exclude)
+    inputs = plan_inputs(view, shape.model_id, shape.quantization, exclude)
     if not inputs.nodes:
-        raise NoFeasiblePlan("no healthy member offers the model")
+        raise NoFeasiblePlan(
+            f"no healthy member offers the model at quantization {shape.quantization}"
+        )
     return plan(
         shape,
         inputs.nodes,
@@ -120,4 +167,5 @@ def lane_route(p: Plan) -> Route:
             RouteStage(x25519_public_from_ed25519_public(s.node_key), s.layer_start, s.layer_end)
             for s in p.stages
         ),
+        p.quantization,
     )

@@ -37,16 +37,24 @@ def measure_compute_ns(
     device: torch.device,
     dtype: torch.dtype,
     passes: int,
+    *,
     quantization: str = "none",
     kv_dtype: torch.dtype | None = None,
 ) -> int:
     """(blocking) Nanoseconds one decoder layer takes for one decode token on this node.
 
-    Loads the first layer alone, runs a short prefill as warm-up, then times single-token
-    passes and keeps the fastest (the least disturbed by other work on the machine).
+    Loads the first layer alone (at the quantization the node serves), runs a short prefill as
+    warm-up, then times single-token passes and keeps the fastest (the least disturbed by other
+    work on the machine).
     """
     stage = StageModel.load(
-        checkpoint, 0, 1, device=device, dtype=dtype, quantization=quantization, kv_dtype=kv_dtype
+        checkpoint,
+        0,
+        1,
+        device=device,
+        dtype=dtype,
+        quantization=quantization,
+        kv_dtype=kv_dtype,
     )
     stage.open_session("warmup", passes + 16)
     best = float("inf")
@@ -127,6 +135,16 @@ class StageSlot:
         return self._running.host.stage.kv.used_bytes if self._running else 0
 
     @property
+    def weight_bytes(self) -> int:
+        """Weight bytes the current stage holds (0: no stage)."""
+        return self._running.host.stage.weight_bytes if self._running else 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes the current stage adds per position of a session (0: no stage)."""
+        return self._running.host.stage.kv_bytes_per_token if self._running else 0
+
+    @property
     def windows_computed(self) -> int:
         """Windows the current stage computed."""
         return self._running.host.stats.windows_computed if self._running else 0
@@ -164,7 +182,14 @@ class StageSlot:
         self._running = running
         assert self._nursery is not None, "StageSlot.run() must be started first"
         self._nursery.start_soon(self._serve, running)
-        log.info("stage loaded: layers [%d, %d) in %.2f s", lo, hi, time.perf_counter() - t0)
+        log.info(
+            "stage loaded: layers [%d, %d) at quantization %s, %d weight bytes, in %.2f s",
+            lo,
+            hi,
+            self.quantization,
+            model.weight_bytes,
+            time.perf_counter() - t0,
+        )
 
     async def _serve(self, running: _Running) -> None:
         try:
@@ -204,6 +229,16 @@ class StageSlot:
                     message.session,
                     "wrong_layers",
                     f"this node serves {held}, the route expects {list(expected)}",
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._send, message.coordinator, error)
+                return
+            if message.quantization and message.quantization != self.quantization:
+                error = StageError(
+                    message.session,
+                    "wrong_quantization",
+                    f"this node holds the model at quantization {self.quantization}, the route "
+                    f"expects {message.quantization}",
                 )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)

@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import torch
 
 from meshd.mesh.identity import node_id_of
 from meshd.node.planning import holding_of
@@ -27,7 +28,13 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     address: str
     is_self: bool
     offers_model: bool
+    # The quantization it holds the model at (None: it offers no model); only members at this
+    # node's quantization serve this node's plan.
+    quantization: str | None
     loaded_layers: list[int] | None
+    # Bytes its loaded stage holds: weights, and KV cache per position (0: no stage).
+    weight_bytes: int
+    kv_bytes_per_token: int
     memory_budget_bytes: int
     compute_ns_per_layer_token: int
     sessions: int
@@ -43,10 +50,12 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StageStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """One stage of the current plan."""
+    """One stage of the current plan, with the bytes the planner counts for it."""
 
     key: str
     layers: list[int]
+    weight_bytes: int  # the stage's weights at the plan's quantization
+    memory_bytes: int  # weights plus KV for the plan's context
 
 
 class EventStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +85,9 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     name: str
     model_id: str
+    quantization: str  # how this node holds the weights ("none", "int8", "int4")
+    kv_dtype: str  # the KV cache's element type
+    threads: int  # torch threads this node computes with
     disabled: bool
     draining: bool  # `meshctl kill --drain`: serving open sessions, then the stage stops
     stage_layers: list[int] | None
@@ -85,11 +97,14 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # "coordinator_lost" (its lane died, or membership declared it dead) and "lease_lapsed".
     sessions_expired: dict[str, int]
     stopping: bool  # SIGTERM: admits no request, lets those in flight finish, then exits
+    weight_bytes: int  # weights held by this node's stage (0: no stage)
+    kv_bytes_per_token: int  # KV bytes this node's stage adds per position of a session
     sessions_coordinated: int
     recoveries: int
     uptime_s: float
     members: list[MemberStatus]
     plan: list[StageStatus]
+    plan_quantization: str | None  # the plan's quantization (every stage holds it)
     plan_error: str
     predicted_ms_per_token: float | None
     events: list[EventStatus]
@@ -120,9 +135,12 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
                 address=info.address,
                 is_self=key == node.node_key,
                 offers_model=holding is not None,
+                quantization=holding.quantization if holding is not None else None,
                 loaded_layers=[holding.layer_start, holding.layer_end]
                 if holding is not None and holding.loaded
                 else None,
+                weight_bytes=holding.weight_bytes if holding is not None else 0,
+                kv_bytes_per_token=holding.kv_bytes_per_token if holding is not None else 0,
                 memory_budget_bytes=cap.memory_budget_bytes if cap else 0,
                 compute_ns_per_layer_token=holding.compute_ns_per_layer_token if holding else 0,
                 sessions=cap.sessions if cap else 0,
@@ -141,6 +159,9 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         key=node.node_key.hex(),
         name=node.identity.node_id,
         model_id=node.shape.model_id,
+        quantization=node.quantization,
+        kv_dtype=str(node.kv_dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
         disabled=node.disabled,
         draining=node.draining,
         stage_layers=list(layers) if layers is not None else None,
@@ -148,14 +169,22 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         kv_used_bytes=node.slot.kv_used_bytes,
         sessions_expired=node.slot.sessions_expired,
         stopping=node.stopping,
+        weight_bytes=node.slot.weight_bytes,
+        kv_bytes_per_token=node.slot.kv_bytes_per_token,
         sessions_coordinated=node.coordinator.sessions_in_flight,
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,
         members=members,
         plan=[
-            StageStatus(key=s.node_key.hex(), layers=[s.layer_start, s.layer_end])
+            StageStatus(
+                key=s.node_key.hex(),
+                layers=[s.layer_start, s.layer_end],
+                weight_bytes=s.weight_bytes,
+                memory_bytes=s.memory_bytes,
+            )
             for s in (plan.stages if plan is not None else ())
         ],
+        plan_quantization=plan.quantization if plan is not None else None,
         plan_error=node.plan_error,
         predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,
         events=[

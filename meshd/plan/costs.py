@@ -68,9 +68,9 @@ def make_candidate(
         s_per_layer=node.effective_s_per_layer_token,
         usable_bytes=usable,
         cap_mid=cap(0),
-        cap_first=cap(model.embedding_bytes),
-        cap_last=cap(model.head_bytes),
-        cap_only=cap(model.embedding_bytes + model.head_bytes),
+        cap_first=cap(model.extra_bytes(True, False, context_tokens)),
+        cap_last=cap(model.extra_bytes(False, True, context_tokens)),
+        cap_only=cap(model.extra_bytes(True, True, context_tokens)),
         fixed_layers=node.fixed_layers,
     )
 
@@ -78,11 +78,7 @@ def make_candidate(
 def stage_bytes(model: ModelShape, context_tokens: int, layer_start: int, layer_end: int) -> int:
     """Memory a stage serving [layer_start, layer_end) needs (weights, KV, embedding, head)."""
     need = (layer_end - layer_start) * model.layer_bytes(context_tokens)
-    if layer_start == 0:
-        need += model.embedding_bytes
-    if layer_end == model.num_layers:
-        need += model.head_bytes
-    return need
+    return need + model.extra_bytes(layer_start == 0, layer_end == model.num_layers, context_tokens)
 
 
 class HopCosts:

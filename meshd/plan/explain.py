@@ -21,8 +21,9 @@ def explain(plan: Plan, names: Mapping[bytes, str] | None = None) -> str:
 
     n = len(plan.stages)
     lines = [
-        f"Plan for {plan.model_id} ({plan.num_layers} layers, context {plan.context_tokens} "
-        f"tokens): {n} stage{'s' if n != 1 else ''}, predicted "
+        f"Plan for {plan.model_id} ({plan.num_layers} layers, quantization "
+        f"{plan.quantization}, context {plan.context_tokens} tokens): "
+        f"{n} stage{'s' if n != 1 else ''}, predicted "
         f"{format_ms(plan.predicted_s_per_token)}/token = compute {format_ms(plan.compute_s)} "
         f"+ network {format_ms(plan.network_s)}",
         f"Why {n} stage{'s' if n != 1 else ''}: {plan.min_stages_reason}"
@@ -42,8 +43,9 @@ def explain(plan: Plan, names: Mapping[bytes, str] | None = None) -> str:
         lines.append(
             f"  s{i} {name(s.node_key)}: layers {s.layer_start}-{s.layer_end - 1} "
             f"({s.layer_end - s.layer_start}) at {format_ms(s.s_per_layer_token)}/layer = "
-            f"{format_ms(s.compute_s)}; memory {format_bytes(s.memory_bytes)} of "
-            f"{format_bytes(s.usable_bytes)} usable{load}"
+            f"{format_ms(s.compute_s)}; memory {format_bytes(s.memory_bytes)} (weights "
+            f"{format_bytes(s.weight_bytes)} + KV {format_bytes(s.memory_bytes - s.weight_bytes)}"
+            f") of {format_bytes(s.usable_bytes)} usable{load}"
         )
     lines.append(
         f"Network cycle (one-way latency = RTT/2, plus P = {format_ms(plan.hop_cost_s)} per "

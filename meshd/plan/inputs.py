@@ -80,18 +80,44 @@ class ModelShape:
     embedding_bytes: int = 0
     # Extra weights on the last stage (final norm, LM head, MTP heads).
     head_bytes: int = 0
+    # Bytes counted in both embedding_bytes and head_bytes that a stage holding the whole model
+    # holds once (a tied head is the embedding table).
+    shared_bytes: int = 0
+    # KV bytes per position the last stage holds beyond its layers' (its MTP depths).
+    head_kv_bytes_per_token: int = 0
+    # How the stages hold their weights ("none", "int8", "int4"): every stage of a plan agrees,
+    # and the figures above are at this quantization.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError("a model needs at least one layer")
         if self.bytes_per_layer < 1:
             raise ValueError("bytes_per_layer must be positive")
-        if min(self.kv_bytes_per_token_per_layer, self.embedding_bytes, self.head_bytes) < 0:
+        if (
+            min(
+                self.kv_bytes_per_token_per_layer,
+                self.embedding_bytes,
+                self.head_bytes,
+                self.head_kv_bytes_per_token,
+            )
+            < 0
+        ):
             raise ValueError("KV, embedding and head bytes must be >= 0")
+        if not 0 <= self.shared_bytes <= min(self.embedding_bytes, self.head_bytes):
+            raise ValueError("shared_bytes must be in [0, min(embedding_bytes, head_bytes)]")
 
     def layer_bytes(self, context_tokens: int) -> int:
         """Memory one layer needs: its weights plus KV for `context_tokens` positions."""
         return self.bytes_per_layer + self.kv_bytes_per_token_per_layer * context_tokens
+
+    def extra_bytes(self, first: bool, last: bool, context_tokens: int) -> int:
+        """Memory beyond the layers' on the model's first and/or last stage: embedding, head
+        and MTP weights, and the MTP depths' KV for `context_tokens` positions."""
+        extra = (self.embedding_bytes if first else 0) + (self.head_bytes if last else 0)
+        if last:
+            extra += self.head_kv_bytes_per_token * context_tokens
+        return extra - (self.shared_bytes if first and last else 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -275,6 +275,7 @@ def _build(
             s_per_layer_token=c.s_per_layer,
             compute_s=c.s_per_layer * (end - start),
             memory_bytes=stage_bytes(model, inputs.context_tokens, start, end),
+            weight_bytes=stage_bytes(model, 0, start, end),
             usable_bytes=c.usable_bytes,
             reload_layers=_reload(inputs, c.key, start, end),
         )
@@ -303,6 +304,7 @@ def _build(
         alternatives=_alternatives(inputs, chosen, free, free_result, options),
         naive_order_network_s=naive_s,
         kept_stages=chosen.kept,
+        quantization=model.quantization,
     )
 
 
@@ -314,8 +316,8 @@ def _hop(hops: HopCosts, a: bytes, b: bytes) -> Hop:
 def _whole_model(inputs: _Inputs) -> str:
     model, ctx = inputs.model, inputs.context_tokens
     whole = stage_bytes(model, ctx, 0, model.num_layers)
-    kv = model.kv_bytes_per_token_per_layer * ctx * model.num_layers
-    weights = whole - kv
+    weights = stage_bytes(model, 0, 0, model.num_layers)
+    kv = whole - weights
     return (
         f"the whole model needs {format_bytes(whole)} ({format_bytes(weights)} weights + "
         f"{format_bytes(kv)} KV for {ctx} tokens)"

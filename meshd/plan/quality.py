@@ -59,9 +59,9 @@ def offers(
             node.key,
             node.effective_s_per_layer_token,
             layers(0),
-            layers(model.embedding_bytes),
-            layers(model.head_bytes),
-            layers(model.embedding_bytes + model.head_bytes),
+            layers(model.extra_bytes(True, False, context_tokens)),
+            layers(model.extra_bytes(False, True, context_tokens)),
+            layers(model.extra_bytes(True, True, context_tokens)),
         )
         if offer.cap_mid >= 1:
             out.append(offer)

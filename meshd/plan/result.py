@@ -33,10 +33,12 @@ class PlannedStage:
     layer_end: int
     s_per_layer_token: float
     compute_s: float
+    # Weights plus KV for the plan's context (weight_bytes: the weights alone).
     memory_bytes: int
     usable_bytes: int
     # Layers the node must load (0: it already holds the whole range).
     reload_layers: int
+    weight_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,8 @@ class Plan:
     # Hop cost of the same stages ordered by RTT to the coordinator alone.
     naive_order_network_s: float
     kept_stages: int
+    # How every stage holds its weights ("none", "int8", "int4"); the stages' memory is at it.
+    quantization: str = "none"
 
     @property
     def compute_s(self) -> float:
@@ -116,4 +120,5 @@ class Plan:
         return Route(
             self.model_id,
             tuple(RouteStage(s.node_key, s.layer_start, s.layer_end) for s in self.stages),
+            self.quantization,
         )

@@ -204,6 +204,19 @@ def test_bad_env_value_names_the_variable(
     assert err.value.source == f"env {name}"
 
 
+def test_quantization_kv_dtype_and_threads_from_flags_env_and_file(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    c = load_config({}, env, None)
+    assert (c.quantization, c.kv_dtype, c.threads) == ("auto", "auto", 0)
+    env |= {"MESHD_KV_DTYPE": "float16", "MESHD_THREADS": "3"}
+    file = _write(tmp_path / "q.toml", 'quantization = "int4"\n')
+    c = load_config_from_args(_parse(["--config", str(file)]), env)
+    assert (c.quantization, c.kv_dtype, c.threads) == ("int4", "float16", 3)
+    c = load_config_from_args(_parse(["--config", str(file), "--quantization", "int8"]), env)
+    assert c.quantization == "int8"
+
+
 def test_bad_values_name_the_key_and_where_it_was_set(tmp_path: Path, env: dict[str, str]) -> None:
     file = _write(tmp_path / "m.toml", 'api_port = "eighty"\n')
     with pytest.raises(ConfigError, match=r"api_port: Expected `int`, got `str`") as err:
@@ -216,7 +229,7 @@ def test_bad_values_name_the_key_and_where_it_was_set(tmp_path: Path, env: dict[
         ({"spec.window_max_tokens": 100}, "spec.window_max_tokens", r"0\.\.64"),
         ({"device": "gpu"}, "device", "cuda:N"),
         ({"dtype": "int4"}, "dtype", "bfloat16"),
-        ({"quantization": "fp8"}, "quantization", "int8, int4"),
+        ({"quantization": "q4_0"}, "quantization", "auto, none, int8, int4"),
         ({"kv_dtype": "int8"}, "kv_dtype", "float16"),
         ({"threads": -1}, "threads", ">= 0"),
         ({"log_format": "xml"}, "log_format", "json"),

@@ -1,0 +1,123 @@
+"""The planner's memory figures are the bytes a stage really holds at its quantization, and a
+plan runs only on nodes that hold the model at the plan's quantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshd.mesh.member import MemberInfo
+from meshd.model.bench_decode import RANDOM_CONFIGS
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.config import ModelConfig, parse_config
+from meshd.model.stage import StageModel
+from meshd.node.planning import config_shape, model_shape, plan_view
+from meshd.plan import NodeCapacity, NoFeasiblePlan, PlannerConfig, plan
+from meshd.plan.costs import make_candidate, stage_bytes
+from protocol.gossip import CapacityRecord, ModelHolding, Status
+
+CONTEXT = 256
+GIB = 1 << 30
+
+
+def large_config() -> ModelConfig:
+    """The config of `meshd bench decode --random large` (16 layers, hidden 1024)."""
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return parse_config({**raw, "max_position_embeddings": 4096, **RANDOM_CONFIGS["large"]})
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_the_shape_counts_what_each_loaded_stage_holds(quantization: str) -> None:
+    torch.set_num_threads(1)
+    checkpoint = Checkpoint.open(builtin_model_dir())
+    shape = model_shape(checkpoint, torch.float32, quantization, torch.float16)
+    n = checkpoint.config.num_layers
+    for lo, hi in ((0, n), (0, 2), (2, 4), (4, n)):
+        stage = StageModel.load(
+            checkpoint, lo, hi, device="cpu", quantization=quantization, kv_dtype=torch.float16
+        )
+        assert stage_bytes(shape, 0, lo, hi) == stage.weight_bytes, (lo, hi)
+        # KV for one position: the layers', plus the MTP depths' on the last stage.
+        kv_one = stage_bytes(shape, 1, lo, hi) - stage_bytes(shape, 0, lo, hi)
+        assert kv_one == stage.kv_bytes_per_token, (lo, hi)
+
+
+def test_a_budget_holds_about_four_times_more_layers_at_int8_than_at_fp32() -> None:
+    config = large_config()
+    node = NodeCapacity(b"\x01" * 32, GIB // 2, 1e-4)  # 512 MiB, 90 % usable
+    caps = {}
+    for q in ("none", "int8", "int4"):
+        shape = config_shape(config, "large", torch.float32, q)
+        caps[q] = make_candidate(node, shape, CONTEXT, PlannerConfig()).cap_mid
+    # Per layer 45.1 MB at fp32, 11.8 MB at int8 (fbgemm's padded layout), 6.3 MB at int4.
+    assert caps["none"] == 10
+    assert caps["int8"] == config.num_layers  # all 16 (it would hold 36)
+    uncapped = {
+        q: (GIB // 2 * 9 // 10)
+        // config_shape(config, "large", torch.float32, q).layer_bytes(CONTEXT)
+        for q in ("none", "int8")
+    }
+    assert 3.5 <= uncapped["int8"] / uncapped["none"] <= 4.2  # 39 / 10 here (AVX-512 VNNI)
+
+    # The same four nodes: fp32 needs three stages, int8 fits on one node.
+    nodes = [NodeCapacity(bytes([i]) * 32, GIB // 2, 1e-4) for i in range(1, 5)]
+    stages = {}
+    for q in ("none", "int8"):
+        shape = config_shape(config, "large", torch.float32, q)
+        p = plan(shape, nodes, {}, nodes[0].key, context_tokens=CONTEXT)
+        assert p.quantization == q
+        stages[q] = len(p.stages)
+    assert stages == {"none": 3, "int8": 1}
+
+
+def _member(
+    node_id: bytes, quantization: str, budget: int, loaded: tuple[int, int] | None
+) -> MemberInfo:
+    lo, hi = loaded or (0, 16)
+    holding = ModelHolding(
+        "large", lo, hi, loaded is not None, 100_000, quantization=quantization,
+        weight_bytes=1 if loaded else 0,
+    )  # fmt: skip
+    record = CapacityRecord(node_id, 1, "", budget, [holding], 0, 0, [])
+    return MemberInfo(node_id, Status.ALIVE, 1, "", record, {}, True, 0.0)
+
+
+def test_a_plan_runs_only_on_nodes_holding_its_quantization() -> None:
+    config = large_config()
+    ids = [bytes([i]) * 32 for i in range(1, 6)]
+    # The lowest id holds int8 and layers [0, 16) loaded; fp32 nodes are bigger.
+    view = {
+        ids[0]: _member(ids[0], "int8", GIB // 2, (0, 16)),
+        ids[1]: _member(ids[1], "none", GIB, None),
+        ids[2]: _member(ids[2], "int8", GIB // 2, None),
+        ids[3]: _member(ids[3], "none", GIB, None),
+        ids[4]: _member(ids[4], "int4", GIB // 4, None),
+    }
+    plans = {}
+    for q in ("none", "int8", "int4"):
+        shape = config_shape(config, "large", torch.float32, q)
+        plans[q] = plan_view(view, shape, {}, context_tokens=CONTEXT)
+        assert plans[q].quantization == q
+        assert plans[q].model_id == "large"  # one model id whatever the quantization
+    assert {s.node_key for s in plans["none"].stages} == {ids[1], ids[3]}
+    assert plans["none"].coordinator == ids[1]  # the lowest id among the fp32 nodes
+    assert [s.node_key for s in plans["int8"].stages] == [ids[0]]  # keeps its loaded stage
+    assert plans["int8"].coordinator == ids[0]
+    assert [s.node_key for s in plans["int4"].stages] == [ids[4]]
+    # Every node of a quantization plans the same: the plan does not depend on who asks.
+    again = plan_view(
+        dict(reversed(view.items())),
+        config_shape(config, "large", torch.float32, "none"),
+        {},
+        context_tokens=CONTEXT,
+    )
+    assert again.route == plans["none"].route
+
+    # No member at a quantization: no plan, and the error says which.
+    only_fp32 = {k: v for k, v in view.items() if k in (ids[1], ids[3])}
+    with pytest.raises(NoFeasiblePlan, match="quantization int8"):
+        plan_view(
+            only_fp32, config_shape(config, "large", torch.float32, "int8"), {},
+            context_tokens=CONTEXT,
+        )  # fmt: skip

@@ -1,0 +1,73 @@
+"""The stage a node hosts refuses a session whose route expects another quantization: its
+tokens would differ from the other stages' (a node restarted with another `quantization`
+while a coordinator's view still shows the old one)."""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from meshd.mesh.identity import NodeIdentity
+from meshd.mesh.peers import PeerTable
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.net.endpoint import open_endpoint
+from meshd.node.stages import StageSlot
+from protocol.messages import Message, OpenSession, StageError
+
+
+def _open(session: str, coordinator: bytes, quantization: str) -> OpenSession:
+    return OpenSession(
+        session=session,
+        model_id=Checkpoint.open(builtin_model_dir()).model_id,
+        max_positions=64,
+        stage_index=0,
+        coordinator=coordinator,
+        layer_start=0,
+        layer_end=6,
+        quantization=quantization,
+    )
+
+
+async def test_a_session_at_another_quantization_is_refused_with_a_typed_error() -> None:
+    torch.set_num_threads(1)
+    me = NodeIdentity.generate()
+    replies: list[Message] = []
+    got = trio.Event()
+
+    def to_me(message: Message, sender: bytes) -> None:  # this node coordinates too
+        replies.append(message)
+        got.set()
+
+    async with (
+        open_endpoint(static_private=me.x25519_private, psk=b"k" * 32) as endpoint,
+        trio.open_nursery() as nursery,
+    ):
+        peers = PeerTable(endpoint, me.x25519_public, to_me)
+        await nursery.start(peers.run)
+        slot = StageSlot(
+            Checkpoint.open(builtin_model_dir()),
+            peers,
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            eos_ids=frozenset(),
+            quantization="int8",
+        )
+        await nursery.start(slot.run)
+        await slot.load((0, 6))
+        assert slot.weight_bytes > 0 and slot.kv_bytes_per_token > 0
+
+        slot.handle(_open("fp32-route", me.x25519_public, "none"), me.x25519_public)
+        with trio.fail_after(10):
+            await got.wait()
+        [error] = replies
+        assert isinstance(error, StageError) and error.code == "wrong_quantization"
+        assert "int8" in error.message and "none" in error.message
+        assert slot.sessions == 0
+
+        # The route that says int8 (or says nothing) is served.
+        slot.handle(_open("int8-route", me.x25519_public, "int8"), me.x25519_public)
+        slot.handle(_open("unsaid", me.x25519_public, ""), me.x25519_public)
+        assert slot.sessions == 2
+        await slot.stop("test over")
+        nursery.cancel_scope.cancel()
