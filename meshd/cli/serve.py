@@ -103,20 +103,20 @@ def check_model(model: str) -> None:
         raise StartupError(f"model: {model} not found") from None
     except OSError as exc:
         raise StartupError(f"model: cannot read {model}: {exc.strerror}") from None
-    if not is_dir:
+    from meshd.model.errors import ModelError
+    from meshd.model.files import is_gguf, open_checkpoint
+
+    if not is_dir and not is_gguf(path):
         raise StartupError(
             f"model: {model} is not a directory: give a Hugging Face checkpoint directory "
-            f"(config.json and *.safetensors)"
+            f"(config.json and *.safetensors) or a GGUF file (*.gguf)"
         )
-    if not (path / "config.json").is_file():
+    if is_dir and not (path / "config.json").is_file():
         raise StartupError(
             f"model: {model} has no config.json: not a Hugging Face checkpoint directory"
         )
-    from meshd.model.checkpoint import Checkpoint
-    from meshd.model.errors import ModelError
-
     try:
-        Checkpoint.open(path)
+        open_checkpoint(path)
     except ModelError as exc:
         raise StartupError(f"model: {exc}") from None
     except OSError as exc:

@@ -166,7 +166,7 @@ def _meshd_json(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, 
 def meshd_decode(
     env: Env, model: str | None, threads: int, quant: str, tokens: int | None = None
 ) -> dict[str, Any]:
-    """One `meshd bench decode --rounds 1` process (it also times transformers; ignored here)."""
+    """One `meshd bench decode --rounds 1 --no-transformers` process."""
     cmd = [
         env.meshd,
         "bench",
@@ -177,6 +177,7 @@ def meshd_decode(
         str(threads),
         "--rounds",
         "1",
+        "--no-transformers",
         "--json",
     ]
     if model is not None:

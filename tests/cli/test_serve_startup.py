@@ -66,6 +66,14 @@ def test_a_missing_model_and_one_that_is_not_a_directory_are_told_apart(
     assert_one_line(*serve(tmp_path, "--model", str(tmp_path / "empty")), "has no config.json")
 
 
+def test_a_damaged_gguf_file_is_one_line(tmp_path: pathlib.Path) -> None:
+    damaged = tmp_path / "model.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(60))
+    code, stderr = serve(tmp_path, "--model", str(damaged))
+    assert_one_line(code, stderr, "model: ", str(damaged))
+    assert "is not a directory" not in stderr  # a .gguf file is a model format, not a mistake
+
+
 def test_an_unsupported_checkpoint_is_one_line(tmp_path: pathlib.Path) -> None:
     def gpt2(model: pathlib.Path) -> None:
         config = json.loads((model / "config.json").read_text())

@@ -37,13 +37,20 @@ def test_two_daemons_serve_a_quantized_gguf_file(tmp_path: pathlib.Path) -> None
         lines = list(
             request_lines(
                 daemons[0].socket,
-                GenerateOp(prompt=prompt, max_tokens=24, ignore_eos=True),
+                # Plain decoding: on a CPU an int8 verify window of several rows quantizes its
+                # activations together, so speculation is not yet bit-exact at int8 (issue 19's
+                # notes; docs/model-runtime.md, "Quantized stages").
+                GenerateOp(prompt=prompt, max_tokens=24, ignore_eos=True, strategy="disabled"),
                 timeout_s=60,
             )
         )
         assert lines[-1]["ok"], lines[-1]
         checkpoint = open_checkpoint(model)
-        whole = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
+        # A Q8_0 file is served at int8 by default (`quantization = "auto"`), never as fp32.
+        assert checkpoint.default_quantization == "int8"
+        whole = StageModel.load(
+            checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="int8"
+        )
         previous = torch.get_num_threads()
         torch.set_num_threads(1)  # the daemons hold the cores
         try:
