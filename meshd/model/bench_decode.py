@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -79,9 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="meshd's weight format (transformers stays in --dtype)",
+        choices=("auto", *QUANTIZATIONS),
+        default="auto",
+        help="meshd's weight format (default auto: the checkpoint's own, as the daemon does: "
+        "none for safetensors, int8/int4 for a quantized GGUF file; transformers stays in "
+        "--dtype)",
     )
     parser.add_argument(
         "--kv-dtype",
@@ -120,9 +122,13 @@ def run(args: argparse.Namespace) -> int:
         transformers=not args.no_transformers,
     )
     with _checkpoint_dir(args) as (directory, label):
+        checkpoint = open_checkpoint(directory)
+        if settings.quantization == "auto":
+            settings = replace(settings, quantization=checkpoint.default_quantization)
         if args.threads is not None:
-            config = open_checkpoint(directory).config
-            configure_threads(args.threads, config, settings.dtype, settings.quantization)
+            configure_threads(
+                args.threads, checkpoint.config, settings.dtype, settings.quantization
+            )
         report = bench(directory, settings, profile=args.profile)
     report["model"] = label
     report["threads_requested"] = args.threads

@@ -10,8 +10,10 @@ import torch
 
 from meshd.cli.main import main
 from meshd.model.bench_decode import RANDOM_CONFIGS
+from meshd.model.builtin import builtin_model_dir
 from meshd.model.config import parse_config
 from meshd.model.stage import stage_weight_bytes
+from tests.model.gguf_files import write_gguf
 from tests.model.tiny import make_checkpoint
 
 
@@ -63,3 +65,13 @@ def test_bench_decode_reports_quantized_bytes_held(
     for result, scheme in ((fp32, "none"), (quantized, quantization)):
         assert result["weight_bytes"] == stage_weight_bytes(config, 0, n, torch.float32, scheme)
     assert quantized["kv_bytes_per_token"] == fp32["kv_bytes_per_token"] // 2  # type: ignore[operator]
+
+
+def test_a_quantized_gguf_file_is_benched_at_its_own_quantization(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = write_gguf(builtin_model_dir(), tmp_path / "builtin-q8.gguf", "Q8_0")
+    args = ["bench", "decode", "--model", str(model), "--json", "--tokens", "4", "--rounds", "1"]
+    assert main([*args, "--no-transformers"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quantization"] == "int8"  # never dequantized to fp32 behind the user's back
