@@ -157,9 +157,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # a failure to start or a bug: say so, with the daemons' logs
         failure = f"{type(exc).__name__}: {exc}"
         print(f"meshd bench chaos failed: {failure}\n{mesh.logs(1500)}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"ok": False, "failures": [failure], "work_dir": str(mesh.work)}))
-        return 1
+        report = {"ok": False, "failures": [failure]}
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -169,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     report["total_s"] = time.monotonic() - t0
     if args.json:
         print(json.dumps(report))
-    else:
+    elif "disruptions" in report:  # a failed start was said above, with the logs
         print_report(report)
     return 0 if report["ok"] else 1
 

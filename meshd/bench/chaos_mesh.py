@@ -99,40 +99,54 @@ class ChaosMesh:
         return daemon
 
     def start(self) -> None:
-        """Spawn every daemon; wait until they listen, know each other and agree on a plan."""
+        """Spawn every daemon; wait until they listen, know each other and agree on a plan.
+
+        The stage nodes start first and plan among themselves, then the spares join: plans
+        are sticky (loaded stages stay where they are), so the mesh keeps `stages` stages and
+        the spares stay spare. Started all at once, the first plan could take a spare in as
+        an extra stage when RTTs were not yet measured, and keep it.
+        """
         self.budget = stage_budget(self.model_dir, self.stages)
-        daemons = [self.spawn(slot) for slot in self.slots]
         deadline = time.monotonic() + START_TIMEOUT_S
-        for d in daemons:
-            d.wait_listening(deadline)
-        for slot in self.slots:
-            assert slot.daemon is not None
-            self.keys[slot.name] = slot.daemon.key()
-        self.wait_settled(START_TIMEOUT_S)
+        for end in sorted({self.stages, len(self.slots)}):
+            group = self.slots[len(self.keys) : end]
+            daemons = [self.spawn(slot) for slot in group]
+            for d in daemons:
+                d.wait_listening(deadline)
+            for slot in group:
+                assert slot.daemon is not None
+                self.keys[slot.name] = slot.daemon.key()
+            self.wait_settled(max(1.0, deadline - time.monotonic()), self.slots[:end])
+
+    def _running(self, slots: list[Slot]) -> list[DemoDaemon]:
+        return [s.daemon for s in slots if s.up and s.daemon is not None]
 
     # -- observation (any thread; blocking) --------------------------------------------------
     def up_daemons(self) -> list[DemoDaemon]:
         """The daemons running and listening now."""
-        return [s.daemon for s in self.slots if s.up and s.daemon is not None]
+        return self._running(self.slots)
 
-    def settled(self) -> list[dict[str, Any]] | None:
-        """The plan every node agrees on and has loaded, once all nodes are up and see each
-        other alive; None before."""
-        daemons = self.up_daemons()
-        if len(daemons) != len(self.slots):
+    def settled(self, slots: list[Slot] | None = None) -> list[dict[str, Any]] | None:
+        """The plan every node (of `slots`, default all) agrees on and has loaded, once those
+        nodes are up and see each other alive; None before."""
+        slots = self.slots if slots is None else slots
+        daemons = self._running(slots)
+        if len(daemons) != len(slots):
             return None
-        keys = set(self.keys.values())
+        keys = {self.keys[s.name] for s in slots}
         if any(d.alive_members() != keys for d in daemons):
             return None
         plan = settled_plan(daemons)
         return plan if plan is not None and len(plan) == self.stages else None
 
-    def wait_settled(self, timeout_s: float) -> list[dict[str, Any]]:
-        """Block until `settled()` holds for `PLAN_STABLE_S` (DemoError at the timeout)."""
+    def wait_settled(
+        self, timeout_s: float, slots: list[Slot] | None = None
+    ) -> list[dict[str, Any]]:
+        """Block until `settled(slots)` holds for `PLAN_STABLE_S` (DemoError at the timeout)."""
         seen: list[list[dict[str, Any]] | None] = [None]
 
         def stable() -> bool:
-            before, seen[0] = seen[0], self.settled()
+            before, seen[0] = seen[0], self.settled(slots)
             return seen[0] is not None and seen[0] == before
 
         wait_until(stable, timeout_s, "a settled plan on every node", poll_s=PLAN_STABLE_S)

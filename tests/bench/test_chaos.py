@@ -241,6 +241,7 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     # The bench leaves nothing behind, whatever it found.
+    assert "disruptions" in report, (report["failures"], capsys.readouterr().err[-3000:])
     assert report["pids"] and all(_process_gone(pid) for pid in report["pids"])
     assert not pathlib.Path(report["work_dir"]).exists()
     assert report["duration_s"] <= 120  # the last restart and requests may run a little past

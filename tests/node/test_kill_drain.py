@@ -34,7 +34,10 @@ pytestmark = pytest.mark.slow
 PROMPT = "def fibonacci(n):\n"
 # Long enough that meshctl (a fresh Python process) lands while the generation runs.
 MAX_TOKENS = 200
-# The fourth daemon's drain timeout: far shorter than a generation of MAX_TOKENS.
+# The drain-timeout test's generation: it must outlast meshctl's start plus the short drain
+# timeout even on a quiet machine, where 200 tokens take about as long as those two.
+LONG_TOKENS = 900
+# The fourth daemon's drain timeout: far shorter than a generation of LONG_TOKENS.
 SHORT_DRAIN_TIMEOUT_S = 1.0
 
 
@@ -70,15 +73,22 @@ def expected() -> list[int]:
     return reference(Tokenizer.open(builtin_model_dir()).encode(PROMPT), MAX_TOKENS)
 
 
-def _op() -> GenerateOp:
+@pytest.fixture(scope="module")
+def expected_long() -> list[int]:
+    return reference(Tokenizer.open(builtin_model_dir()).encode(PROMPT), LONG_TOKENS)
+
+
+def _op(max_tokens: int = MAX_TOKENS) -> GenerateOp:
     prompt = Tokenizer.open(builtin_model_dir()).encode(PROMPT)
-    return GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, strategy="disabled", ignore_eos=True)
+    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy="disabled", ignore_eos=True)
 
 
-def _start(d: Daemon) -> tuple[threading.Thread, list[tuple[float, dict[str, Any]]]]:
+def _start(
+    d: Daemon, max_tokens: int = MAX_TOKENS
+) -> tuple[threading.Thread, list[tuple[float, dict[str, Any]]]]:
     lines: list[tuple[float, dict[str, Any]]] = []
     first = threading.Event()
-    thread = threading.Thread(target=run_generation, args=(d, _op(), lines, first))
+    thread = threading.Thread(target=run_generation, args=(d, _op(max_tokens), lines, first))
     thread.start()
     assert first.wait(60)
     return thread, lines
@@ -213,7 +223,7 @@ def test_kill_during_a_generation_completes_on_the_spare(mesh: Mesh, expected: l
 
 
 def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
-    mesh: Mesh, expected: list[int]
+    mesh: Mesh, expected_long: list[int]
 ) -> None:
     coordinator, short = mesh.daemons[0], mesh.daemons[3]
     for d in mesh.daemons:
@@ -225,7 +235,7 @@ def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
     assert len(in_plan) == 3, "no spare left to take over"
     started_at = time.time()
     recoveries_before = coordinator.status()["recoveries"]
-    thread, lines = _start(coordinator)
+    thread, lines = _start(coordinator, LONG_TOKENS)
     out = meshctl("kill", short.key()[:12], "--drain", "--socket", coordinator.socket)
     assert "draining" in out
     wait_until(lambda: short.status()["stage_layers"] is None, 15, "the drain to time out")
@@ -237,7 +247,7 @@ def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
     assert cut_short, "the generation ended before the drain timed out"
     # The stage stopped with the session still open: the coordinator lost it and recovered.
     assert final["ok"], final
-    assert final["tokens"] == expected
+    assert final["tokens"] == expected_long
     assert coordinator.status()["recoveries"] > recoveries_before
     # The route failed after the kill: usually the stage's own `stage_stopped` ("killed by the
     # operator"), but with leases the coordinator may hear of the freed session another way first.
