@@ -217,10 +217,12 @@ class Dims:
     head_dim: int
     eps: float
     eps_tensor: torch.Tensor  # eps as a 0-d fp32 tensor on the stage's device
+    # Windows of up to this many rows attend one row at a time (0: never); see `_attend`.
+    row_attention_max: int = 0
 
     @classmethod
-    def of(cls, config: ModelConfig, device: torch.device) -> Dims:
-        """Dims of `config` for a stage on `device`."""
+    def of(cls, config: ModelConfig, device: torch.device, *, exact_windows: bool = False) -> Dims:
+        """Dims of `config` for a stage on `device`; `exact_windows`: see `_attend`."""
         eps = config.rms_norm_eps
         return cls(
             config.num_heads,
@@ -228,7 +230,12 @@ class Dims:
             config.head_dim,
             eps,
             torch.tensor(eps, dtype=torch.float32, device=device),
+            ROW_ATTENTION_MAX if exact_windows else 0,
         )
+
+
+# Verify windows are at most this long; longer windows (prompts) attend in one call.
+ROW_ATTENTION_MAX = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +403,8 @@ def _attend(
     k, v = cache.k[:, :, span.start : span.end], cache.v[:, :, span.start : span.end]
     if k.dtype != qkv.q.dtype:  # a narrower KV cache (`kv_dtype`): attend in the compute dtype
         k, v = k.to(qkv.q.dtype), v.to(qkv.q.dtype)
+    if 1 < length <= d.row_attention_max:
+        return torch.cat([_attend_row(qkv.q, k, v, span, i, d) for i in range(length)])
     out = F.scaled_dot_product_attention(
         qkv.q,
         k,
@@ -406,6 +415,29 @@ def _attend(
     if length == 1:  # [1, heads, 1, head_dim] is already one row
         return out.view(1, -1)
     return out.transpose(1, 2).reshape(length, -1)
+
+
+def _attend_row(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: AttnSpan, i: int, d: Dims
+) -> torch.Tensor:
+    """Row `i` of a window's attention, computed as a one-row decode step computes it.
+
+    Attention kernels sum in an order that depends on how many query rows they get, so a
+    window's row differs in the last bits from the same position decoded alone. Where the
+    matrices are row-exact (quantized stages: see `Int8Fbgemm`), attending row by row makes a
+    verify window compute exactly the bits of plain decoding, and speculation can never change
+    a greedy token; for fp32 matrices (MKL's product also depends on the row count) it would
+    buy nothing, so those stages attend in one call.
+    """
+    length = q.shape[2]
+    end = k.shape[2] - (length - 1 - i)
+    lo = 0
+    if span.mask is not None:  # a sliding window hides the oldest keys of this row
+        lo = int(span.mask[i].int().argmax())
+    out = F.scaled_dot_product_attention(
+        q[:, :, i : i + 1], k[:, :, lo:end], v[:, :, lo:end], enable_gqa=d.n_kv != d.n_heads
+    )
+    return out.view(1, -1)
 
 
 @dataclass(frozen=True, slots=True)

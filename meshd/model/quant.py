@@ -30,7 +30,11 @@ import torch
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 # Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
 INT4_GROUPS: tuple[int, ...] = (64, 32)
-_FBGEMM_PARAMS_PER_COLUMN = 12  # fp32 scale + int32 zero point + int32 column offset
+# fbgemm's fp32 scale, int32 zero point and int32 column offset, plus our fp32 column sum.
+_FBGEMM_PARAMS_PER_COLUMN = 16
+# The range row's values: just outside [-1, 1], where every normalized row lies (up to a few
+# ulps of rounding in the normalization), so the range row alone sets fbgemm's range.
+_RANGE = 1.0 + 2.0**-10
 
 
 class QuantMatrix:
@@ -97,6 +101,13 @@ def has_fbgemm() -> bool:
     return x86 and "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def row_exact(quantization: str, device: torch.device) -> bool:
+    """Whether this stage's matrices give a row the same bits in any batch (tested): fbgemm's
+    int8 with per-row ranges and the CPU int4 kernel. Not MKL's fp32 product, and not known
+    for the CUDA or ARM kernels."""
+    return quantization in ("int8", "int4") and device.type == "cpu" and has_fbgemm()
+
+
 @functools.cache
 def fbgemm_blocking() -> tuple[int, int]:
     """(K, N) multiples fbgemm pads a packed int8 matrix to on this CPU (its PackBMatrix traits)."""
@@ -109,11 +120,22 @@ def fbgemm_blocking() -> tuple[int, int]:
 
 def _fbgemm_bytes(k: int, n: int) -> int:
     kb, nb = fbgemm_blocking()
-    return math.ceil(k / kb) * kb * math.ceil(n / nb) * nb + _FBGEMM_PARAMS_PER_COLUMN * n
+    packed = math.ceil(k / kb) * kb * math.ceil(n / nb) * nb
+    return packed + _FBGEMM_PARAMS_PER_COLUMN * n + 4 * k  # + the fp32 range row
 
 
 class Int8Fbgemm(QuantMatrix):
     """x86 CPU int8: fbgemm's prepacked weight and its dynamic-activation linear.
+
+    fbgemm quantizes a call's whole input with one range, so a row's result would depend on
+    the rows it is computed with: a verify window would differ from the same positions decoded
+    one at a time, and speculation would change greedy tokens. Every row is therefore mapped
+    onto [-1, 1] first (x' = (x - mid) / half, its own midpoint and half-range), and one extra
+    row holding -R and +R (R just above 1) is appended, which fixes the call's range whatever
+    the other rows are. A row's int8 codes, and so its int32 products, are then the same in
+    any batch, and the result comes back as half * (W x') + mid * (column sums of W), with
+    elementwise operations only (no fused multiply-add whose use could depend on the shape).
+    Each row keeps an asymmetric grid over its own [min, max], as a one-row call had.
 
     `reduce_range` stays off: it trades a bit of activation precision for avoiding int16
     overflow on CPUs without VNNI, and fbgemm accumulates in int32 on those that have it.
@@ -131,18 +153,24 @@ class Int8Fbgemm(QuantMatrix):
                 q, scale.double(), torch.zeros(out_f, dtype=torch.long), 0
             )
         self._packed = torch.ops.quantized.linear_prepack(qw, None)
+        # Sums of the stored weights' columns (dequantized), for the midpoint term.
+        self._colsum = (q.float().sum(dim=1) * scale).unsqueeze(0)
+        self._range_row = torch.zeros(1, in_f)
+        self._range_row[0, 0], self._range_row[0, min(1, in_f - 1)] = -_RANGE, _RANGE
         self.in_features, self.out_features = in_f, out_f
         self.nbytes = _fbgemm_bytes(in_f, out_f)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        if x32.shape[0] == 1:
-            y: torch.Tensor = torch.ops.quantized.linear_dynamic(x32, self._packed, False)
-        else:
-            # fbgemm quantizes its whole input with one scale; rows scaled to max |x| = 1 first
-            # (and back after) make that per row, so no row's range costs another its precision.
-            s = x32.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
-            y = torch.ops.quantized.linear_dynamic(x32 / s, self._packed, False).mul_(s)
+        t = x32.shape[0]
+        lo, hi = torch.aminmax(x32, dim=1, keepdim=True)
+        mid = (hi + lo).mul_(0.5)
+        half = (hi - lo).mul_(0.5).clamp_(min=1e-30)
+        rows = torch.empty(t + 1, self.in_features)
+        torch.sub(x32, mid, out=rows[:t]).div_(half)
+        rows[t:] = self._range_row
+        y: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self._packed, False)[:t]
+        y.mul_(half).add_(mid * self._colsum)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:

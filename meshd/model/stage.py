@@ -44,6 +44,7 @@ from meshd.model.quant import (
     matmul,
     matrix_bytes,
     quantize_matrix,
+    row_exact,
 )
 
 # Told as a stage's weights load: (bytes read so far, bytes the stage reads in all).
@@ -278,7 +279,8 @@ class StageModel:
 
     def _load_weights(self, checkpoint: Checkpoint, n_mtp: int) -> None:
         config = self.config
-        self._dims = Dims.of(config, self.device)
+        exact = row_exact(self.quantization, self.device)
+        self._dims = Dims.of(config, self.device, exact_windows=exact)
         layer_names = list(decoder_layer_shapes(config))
         matrix = self._matrix(self.quantization)
         # One layer at a time: read, fuse, quantize; the full-precision copy is freed before
