@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import platform
+import struct
 import warnings
 
 import torch
@@ -32,9 +33,17 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 INT4_GROUPS: tuple[int, ...] = (64, 32)
 # fbgemm's fp32 scale, int32 zero point and int32 column offset, plus our fp32 column sum.
 _FBGEMM_PARAMS_PER_COLUMN = 16
-# The range row's values: just outside [-1, 1], where every normalized row lies (up to a few
-# ulps of rounding in the normalization), so the range row alone sets fbgemm's range.
-_RANGE = 1.0 + 2.0**-10
+# The least half-range of a row (a constant row's), as an fp32 value.
+_TINY = struct.unpack("f", struct.pack("f", 1e-30))[0]
+
+
+def _f32(v: float) -> float:
+    """`v` rounded to the nearest fp32 (what an fp32 tensor operation would have stored)."""
+    rounded: float = _F32.unpack(_F32.pack(v))[0]
+    return rounded
+
+
+_F32 = struct.Struct("f")
 
 
 class QuantMatrix:
@@ -121,7 +130,7 @@ def fbgemm_blocking() -> tuple[int, int]:
 def _fbgemm_bytes(k: int, n: int) -> int:
     kb, nb = fbgemm_blocking()
     packed = math.ceil(k / kb) * kb * math.ceil(n / nb) * nb
-    return packed + _FBGEMM_PARAMS_PER_COLUMN * n + 4 * k  # + the fp32 range row
+    return packed + _FBGEMM_PARAMS_PER_COLUMN * n
 
 
 class Int8Fbgemm(QuantMatrix):
@@ -130,12 +139,13 @@ class Int8Fbgemm(QuantMatrix):
     fbgemm quantizes a call's whole input with one range, so a row's result would depend on
     the rows it is computed with: a verify window would differ from the same positions decoded
     one at a time, and speculation would change greedy tokens. Every row is therefore mapped
-    onto [-1, 1] first (x' = (x - mid) / half, its own midpoint and half-range), and one extra
-    row holding -R and +R (R just above 1) is appended, which fixes the call's range whatever
-    the other rows are. A row's int8 codes, and so its int32 products, are then the same in
-    any batch, and the result comes back as half * (W x') + mid * (column sums of W), with
-    elementwise operations only (no fused multiply-add whose use could depend on the shape).
-    Each row keeps an asymmetric grid over its own [min, max], as a one-row call had.
+    onto exactly [-1, 1] first (x' = (x - min) / half - 1, half being half the row's range),
+    so every call's range is [-1, 1] whatever its rows. A row's int8 codes, and so its int32
+    products, are then the same in any batch, and the result comes back as
+    half * (W x') + (min + half) * (column sums of W), with elementwise operations only (no
+    fused multiply-add, whose use could depend on the shape). Each row keeps an asymmetric
+    grid over its own [min, max], as a one-row call had. (One exception: a row of zeros alone
+    gets a range of [-1, 0]; its result, about 1e-30, then differs in the last bits.)
 
     `reduce_range` stays off: it trades a bit of activation precision for avoiding int16
     overflow on CPUs without VNNI, and fbgemm accumulates in int32 on those that have it.
@@ -155,22 +165,30 @@ class Int8Fbgemm(QuantMatrix):
         self._packed = torch.ops.quantized.linear_prepack(qw, None)
         # Sums of the stored weights' columns (dequantized), for the midpoint term.
         self._colsum = (q.float().sum(dim=1) * scale).unsqueeze(0)
-        self._range_row = torch.zeros(1, in_f)
-        self._range_row[0, 0], self._range_row[0, min(1, in_f - 1)] = -_RANGE, _RANGE
         self.in_features, self.out_features = in_f, out_f
         self.nbytes = _fbgemm_bytes(in_f, out_f)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        t = x32.shape[0]
-        lo, hi = torch.aminmax(x32, dim=1, keepdim=True)
-        mid = (hi + lo).mul_(0.5)
-        half = (hi - lo).mul_(0.5).clamp_(min=1e-30)
-        rows = torch.empty(t + 1, self.in_features)
-        torch.sub(x32, mid, out=rows[:t]).div_(half)
-        rows[t:] = self._range_row
-        y: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self._packed, False)[:t]
-        y.mul_(half).add_(mid * self._colsum)
+        lo: torch.Tensor | float
+        half: torch.Tensor | float
+        mid: torch.Tensor | float
+        if x32.shape[0] == 1:
+            # A decode step: the same fp32 arithmetic on Python floats (fewer torch calls).
+            # min and max are exact, and a double result rounded to fp32 is the fp32 result.
+            lo_t, hi_t = torch.aminmax(x32)
+            lo, hi = lo_t.item(), hi_t.item()
+            half = max(_f32(hi - lo) * 0.5, _TINY)
+            mid = _f32(lo + half)
+        else:
+            lo, hi_r = torch.aminmax(x32, dim=1, keepdim=True)
+            half = (hi_r - lo).mul_(0.5).clamp_(min=_TINY)
+            mid = lo + half
+        # (x - lo) / half - 1 is exactly -1 at the row's minimum and, since rounding is
+        # monotonic and (max - lo) / half rounds to exactly 2, exactly +1 at its maximum.
+        rows = torch.sub(x32, lo).div_(half).sub_(1.0)
+        y: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self._packed, False)
+        y.mul_(half).add_(self._colsum * mid)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
