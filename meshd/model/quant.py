@@ -177,9 +177,9 @@ class Int8Fbgemm(QuantMatrix):
             # A decode step: the same fp32 arithmetic on Python floats (fewer torch calls).
             # min and max are exact, and a double result rounded to fp32 is the fp32 result.
             lo_t, hi_t = torch.aminmax(x32)
-            lo, hi = lo_t.item(), hi_t.item()
-            half = max(_f32(hi - lo) * 0.5, _TINY)
-            mid = _f32(lo + half)
+            low, high = lo_t.item(), hi_t.item()
+            half = max(_f32(high - low) * 0.5, _TINY)
+            lo, mid = low, _f32(low + half)
         else:
             lo, hi_r = torch.aminmax(x32, dim=1, keepdim=True)
             half = (hi_r - lo).mul_(0.5).clamp_(min=_TINY)
