@@ -178,8 +178,8 @@ class Int8Fbgemm(QuantMatrix):
             # min and max are exact, and a double result rounded to fp32 is the fp32 result.
             lo_t, hi_t = torch.aminmax(x32)
             low, high = lo_t.item(), hi_t.item()
-            half = max(_f32(high - low) * 0.5, _TINY)
-            lo, mid = low, _f32(low + half)
+            h = max(_f32(high - low) * 0.5, _TINY)
+            lo, half, mid = low, h, _f32(low + h)
         else:
             lo, hi_r = torch.aminmax(x32, dim=1, keepdim=True)
             half = (hi_r - lo).mul_(0.5).clamp_(min=_TINY)
