@@ -283,7 +283,8 @@ def decode_rows(
                 "precision": prec,
                 "threads": threads,
                 "meshd_source": "gguf" if source == "meshd-gguf" else "safetensors",
-                "meshd_quantization": "none" if source == "meshd-gguf" else MESHD_QUANT[prec],
+                # A GGUF file is served at its own default (`auto`: q8_0 at int8, q4_0 at int4).
+                "meshd_quantization": "auto" if source == "meshd-gguf" else MESHD_QUANT[prec],
                 "llamacpp_tok_s": lc,
                 "meshd_tok_s": _median(mine) if mine else None,
                 "ratio": _ratio(_median(mine) if mine else None, lc),
