@@ -109,6 +109,24 @@ class ApiMetrics:
         if telemetry.tokens_per_round_trip is not None:
             self.spec_tokens_per_trip.observe(telemetry.tokens_per_round_trip)
 
+    def totals(self) -> dict[str, float]:
+        """Running totals for the console (it derives rates from two readings)."""
+
+        def total(metric: Counter) -> float:
+            return sum(
+                s.value
+                for family in metric.collect()
+                for s in family.samples
+                if not s.name.endswith("_created")
+            )
+
+        return {
+            "prompt_tokens": total(self.prompt_tokens),
+            "generated_tokens": total(self.generated_tokens),
+            "spec_drafted_tokens": total(self.spec_drafted),
+            "spec_accepted_tokens": total(self.spec_accepted),
+        }
+
     # -- hooks for the daemon -----------------------------------------------------------
     def set_lane(self, peer: str, *, rtt_s: float | None, loss_ratio: float | None) -> None:
         """The current RTT and loss of the lane to `peer` (None leaves a figure unchanged)."""

@@ -19,14 +19,23 @@ ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` on every route when a key is set (constant-time check)."""
+    """`Authorization: Bearer <key>` on every route when a key is set (constant-time check),
+    except `public` paths (GET only: the console's static files, which hold no data)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, public: frozenset[str] = frozenset()
+    ) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
+        self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or self._authorized(scope):
+        if (
+            self.key is None
+            or scope["type"] != "http"
+            or (scope["method"] in ("GET", "HEAD") and scope["path"] in self.public)
+            or self._authorized(scope)
+        ):
             await self.app(scope, receive, send)
             return
         error = ApiError(

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from meshd.api.backend import MeshBackend
+from meshd.api.console import PUBLIC_PATHS, StatusSource, console_routes
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
 from meshd.api.middleware import AuthMiddleware, BodyTimeoutMiddleware, MetricsMiddleware
@@ -69,6 +70,7 @@ def create_app(
     spec: SpecConfig | None = None,
     config: ApiConfig | None = None,
     metrics: ApiMetrics | None = None,
+    status: StatusSource | None = None,
 ) -> Starlette:
     """The API app for `backend`.
 
@@ -76,6 +78,7 @@ def create_app(
     `serve_api` refuses to bind beyond loopback without one). `spec`: the node's speculative
     settings, which a request's `meshd.speculative` keys override. `metrics`: give one to
     feed the daemon's hooks; by default the app makes its own (`app.state.metrics`).
+    `status`: what the web console shows of the mesh (`meshctl status --json`'s object).
     """
     state = _State(backend, spec or SpecConfig(), config or ApiConfig(), metrics or ApiMetrics())
     routes = [
@@ -84,12 +87,13 @@ def create_app(
         Route("/v1/chat/completions", _endpoint(state, _chat), methods=["POST"]),
         Route("/v1/completions", _endpoint(state, _completions), methods=["POST"]),
         Route("/metrics", _endpoint(state, _metrics), methods=["GET"]),
+        *console_routes(state.metrics, status, lambda: [backend.model_name]),
     ]
     app = Starlette(
         routes=routes,
         middleware=[
             Middleware(MetricsMiddleware, metrics=state.metrics),
-            Middleware(AuthMiddleware, api_key=api_key),
+            Middleware(AuthMiddleware, api_key=api_key, public=PUBLIC_PATHS),
             Middleware(BodyTimeoutMiddleware, timeout_s=state.config.body_timeout_s),
         ],
         exception_handlers={

@@ -187,7 +187,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
     from meshd.node.shutdown import stop_gracefully
-    from meshd.node.status import export_counters
+    from meshd.node.status import export_counters, node_status
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
@@ -215,6 +215,7 @@ async def serve(config: NodeConfig) -> None:
             spec=config.spec,
             config=ApiConfig(body_timeout_s=config.api_body_timeout_s),
             metrics=metrics,
+            status=lambda: node_status(node, backend),
         )
         api = await nursery.start(
             functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),

@@ -1,0 +1,108 @@
+"""The web console in a real headless browser (Debian's chromium, driven by Selenium) against a
+running 2-node mesh: the page loads, shows both members and the plan, and a chat message streams
+an answer from the mesh.
+
+`scripts/setup` installs chromium and its driver where they are missing; without them this
+test fails (it does not skip): the console is part of the product.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+from collections.abc import Iterator
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
+from meshd.model.builtin import builtin_model_dir
+from tests.node.daemons import SECRET, Daemon, started, stop_all
+
+pytestmark = pytest.mark.slow
+
+# Where Debian's packages put them (`apt-get install chromium chromium-driver`).
+CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
+DRIVER = "chromedriver"
+
+
+def browser(screenshot_dir: pathlib.Path | None = None) -> WebDriver:
+    """A headless chromium; fails with the command that installs it when it is missing."""
+    binary = next((path for name in CHROMIUM if (path := shutil.which(name))), None)
+    driver = shutil.which(DRIVER) or (
+        "/usr/lib/chromium/chromedriver"
+        if pathlib.Path("/usr/lib/chromium/chromedriver").exists()
+        else None
+    )
+    if binary is None or driver is None:
+        pytest.fail("no chromium/chromedriver: run scripts/setup (apt-get install chromium "
+                    "chromium-driver)")  # fmt: skip
+    options = Options()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1400,1000", "--no-first-run", "--no-proxy-server"):  # fmt: skip
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(executable_path=driver), options=options)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
+    tmp = tmp_path_factory.mktemp("console")
+    budget = stage_budget(str(builtin_model_dir()), 2)
+    daemons = [Daemon(tmp, i, secret=SECRET, budget=budget) for i in (120, 121)]
+    try:
+        started(daemons)
+        wait_until(lambda: settled_plan(daemons) is not None, 60, "a settled plan")
+        yield daemons
+    finally:
+        stop_all(daemons)
+
+
+def test_the_console_shows_the_mesh_and_streams_a_chat_answer(mesh: list[Daemon]) -> None:
+    url = mesh[0].api_url.removesuffix("/v1") + "/"
+    names = {d.status()["name"] for d in mesh}
+    driver = browser()
+    try:
+        driver.get(url)
+        wait = WebDriverWait(driver, 30)
+
+        def member_rows(d: WebDriver) -> list[str]:
+            return [row.text for row in d.find_elements(By.CSS_SELECTOR, "#members tbody tr")]
+
+        # Both members appear, alive, each with its stage, and the plan lists two stages.
+        wait.until(lambda d: len(member_rows(d)) == 2)
+        rows = member_rows(driver)
+        assert all(any(name in row for row in rows) for name in names), rows
+        assert all("alive" in row for row in rows), rows
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#plan tbody tr")) == 2)
+        assert "2 stage(s)" in driver.find_element(By.ID, "plan-summary").text
+        assert driver.find_element(By.ID, "state").text == "serving"
+
+        # A chat message streams an answer: text grows while the request runs, then it ends.
+        driver.find_element(By.ID, "prompt").send_keys("Once upon a time")
+        driver.find_element(By.ID, "send").click()
+        answer = "#transcript .msg.assistant"
+        seen: list[str] = []
+
+        def streaming(d: WebDriver) -> bool:
+            text = d.find_element(By.CSS_SELECTOR, f"{answer} .text").text
+            if text and (not seen or seen[-1] != text):
+                seen.append(text)
+            return d.find_element(By.CSS_SELECTOR, answer).get_attribute("data-done") is not None
+
+        WebDriverWait(driver, 120, poll_frequency=0.05).until(streaming)
+        message = driver.find_element(By.CSS_SELECTOR, answer)
+        assert message.get_attribute("data-done") == "yes", message.text
+        final = message.find_element(By.CSS_SELECTOR, ".text").text
+        assert len(final.split()) >= 5, final
+        # More than one state of the text was seen: it arrived in pieces, not at once.
+        assert len(seen) >= 2, seen
+        # The live tiles count what was generated.
+        wait.until(lambda d: d.find_element(By.ID, "generated").text not in ("–", "0"))
+    finally:
+        driver.quit()
