@@ -29,7 +29,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd.model.bench_decode import write_random_checkpoint  # noqa: E402
+from meshd.bench.decode import write_random_checkpoint  # noqa: E402
 from meshd.model.checkpoint import Checkpoint  # noqa: E402
 from meshd.model.decode import generate  # noqa: E402
 from meshd.model.stage import StageModel  # noqa: E402

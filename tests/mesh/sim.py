@@ -1,4 +1,4 @@
-"""Membership measurements on the simulator (meshd/mesh/simnet.py), for tests and docs.
+"""Membership measurements on the simulator (meshd/sim/simnet.py), for tests and docs.
 
 The simulator itself lives in the package (`meshd bench scale` runs it too); this module
 re-exports it for the tests and adds the gossip-load and join/crash measurements that
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from meshd.mesh.membership import LocalCapacity
-from meshd.mesh.simnet import LinkModel, Sim, SimNode, signer, verify_ed25519
+from meshd.sim.simnet import LinkModel, Sim, SimNode, signer, verify_ed25519
 from protocol.gossip import Status
 
 __all__ = [

@@ -9,10 +9,10 @@ import pytest
 import torch
 import trio
 
+from meshd.bench.decode import DEFAULT_PROMPT
 from meshd.cli.main import main
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.model.bench_decode import DEFAULT_PROMPT
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer

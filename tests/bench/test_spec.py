@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from meshd.coord import bench_spec
-from meshd.coord.workloads import workloads
+from meshd.bench import spec as bench_spec
 from meshd.model.builtin import builtin_model_dir
+from meshd.sim.workloads import workloads
 from meshd.spec.config import SpecConfig
 
 

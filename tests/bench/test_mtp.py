@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from meshd.bench import mtp as bench_mtp
 from meshd.model.builtin import builtin_model_dir
-from meshd.stage import bench_mtp
 
 
 def test_reused_rows_give_the_same_drafts_as_running_every_row_again() -> None:

@@ -5,7 +5,7 @@ codec and every capacity record the real Ed25519 signature) over a seeded path m
 one-way delay per message and independent per-message loss. That loss is harsher than a real
 lane, which retransmits and turns loss into delay; it stands for gossip over a lossy path and
 tests SWIM's own defences. Two path models: `LinkModel` (every path alike) and `Geography`
-(nodes in sites, sites in metros, metros across a continent; see meshd/mesh/geography.py).
+(nodes in sites, sites in metros, metros across a continent; see meshd/sim/geography.py).
 
 Lanes are modelled the way `meshd.net` behaves: the first message between two nodes opens a
 lane (both ends get `on_lane_up`); a lane to a node that crashes, or across a pair that gets

@@ -8,7 +8,7 @@ import sysconfig
 from importlib import resources
 from pathlib import Path
 
-from meshd.coord.workloads import EDIT_SOURCES, workloads
+from meshd.sim.workloads import EDIT_SOURCES, workloads
 
 BUILTIN = Path(str(resources.files("meshd.model") / "builtin"))
 

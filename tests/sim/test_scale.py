@@ -14,17 +14,17 @@ from dataclasses import replace
 import pytest
 
 from meshd.cli.main import main
-from meshd.mesh.geography import Geography, GeographyConfig
-from meshd.mesh.scale import run_membership
 from meshd.plan import ModelShape, NodeCapacity, PlannerConfig, plan
-from meshd.plan.quality import (
+from meshd.sim.geography import Geography, GeographyConfig
+from meshd.sim.membership_scale import run_membership
+from meshd.sim.plan_quality import (
     best_random_plan_s,
     lower_bound_s,
     offers,
     route_cost_s,
     split,
 )
-from meshd.plan.scale import run_planner
+from meshd.sim.plan_scale import run_planner
 
 GiB = 1 << 30
 

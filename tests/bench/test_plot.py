@@ -17,13 +17,14 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from meshd.api.bench_load import summarize
-from meshd.api.bench_load_requests import Job, LoadConfig, Record
-from meshd.cli import bench_plot_figures as figures
-from meshd.cli.bench_plot import PLOTTED
+from meshd.bench import pipeline as bench_pipeline
+from meshd.bench import plot_figures as figures
+from meshd.bench import spec as bench_spec
+from meshd.bench.load import summarize
+from meshd.bench.load_requests import Job, LoadConfig, Record
+from meshd.bench.pipeline import Cell, RunResult
+from meshd.bench.plot import PLOTTED
 from meshd.cli.main import main
-from meshd.coord import bench_pipeline, bench_spec
-from meshd.coord.bench_pipeline import Cell, RunResult
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -294,7 +295,7 @@ def test_the_committed_docs_data_draws(
 
 def test_meshd_starts_without_importing_matplotlib() -> None:
     code = (
-        "import sys, meshd.cli.main, meshd.cli.bench_plot; "
+        "import sys, meshd.cli.main, meshd.bench.plot; "
         "meshd.cli.main.build_parser(); "
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     )

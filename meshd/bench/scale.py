@@ -1,8 +1,8 @@
 """`meshd bench scale`: membership, failure detection and planning at 10, 100 and 1000 nodes.
 
 Runs the real sans-IO code on a virtual clock over a seeded geography (LAN, metro and
-continental round trips, 1 % loss): `meshd.mesh.scale` for membership and failure
-detection, `meshd.plan.scale` for the planner. Simulated seconds are cheap at 10 and 100
+continental round trips, 1 % loss): `meshd.sim.membership_scale` for membership and failure
+detection, `meshd.sim.plan_scale` for the planner. Simulated seconds are cheap at 10 and 100
 nodes; at 1000 a mass join costs a few CPU-minutes, so `--quick` stops at 100 nodes for
 membership (the planner still runs at every size). docs/scale.md has the results.
 """
@@ -19,8 +19,8 @@ from dataclasses import asdict
 from typing import Any
 
 from meshd.mesh.membership_config import MembershipConfig
-from meshd.mesh.scale import MembershipScale, run_membership
-from meshd.plan.scale import PlanScale, run_planner
+from meshd.sim.membership_scale import MembershipScale, run_membership
+from meshd.sim.plan_scale import PlanScale, run_planner
 
 GOALS = "goals at 1000 nodes: death known everywhere < 5 s, no false death at 1 % loss, "
 GOALS += "gossip < 10 kB/s per node, a plan < 100 ms"

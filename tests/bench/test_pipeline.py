@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from meshd.bench.pipeline import fit_model, hops
 from meshd.cli.main import main
-from meshd.coord.bench_pipeline import fit_model, hops
 
 
 def test_fit_recovers_the_model_it_was_made_from() -> None:

@@ -19,8 +19,8 @@ import httpx
 import msgspec
 import trio
 
-from meshd.coord.workloads import workloads
 from meshd.model.tokenizer import Tokenizer
+from meshd.sim.workloads import workloads
 
 
 class LoadConfig(msgspec.Struct, frozen=True, kw_only=True):

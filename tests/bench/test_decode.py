@@ -8,8 +8,8 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.decode import RANDOM_CONFIGS
 from meshd.cli.main import main
-from meshd.model.bench_decode import RANDOM_CONFIGS
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.config import parse_config
 from meshd.model.stage import stage_weight_bytes

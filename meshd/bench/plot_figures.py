@@ -1,8 +1,8 @@
 """The figures of `meshd bench plot`: one function per bench, its `--json` report(s) in.
 
-Each function reads the fields its bench's module writes (meshd/net/bench_lanes.py,
-meshd/model/bench_decode.py, meshd/coord/bench_spec.py, meshd/coord/bench_pipeline.py,
-meshd/coord/bench_concurrency.py, meshd/plan/bench_scale.py, meshd/api/bench_load.py) and
+Each function reads the fields its bench's module writes (meshd/bench/lanes.py,
+meshd/bench/decode.py, meshd/bench/spec.py, meshd/bench/pipeline.py,
+meshd/bench/concurrency.py, meshd/bench/scale.py, meshd/bench/load.py) and
 returns a matplotlib Figure. Figures are drawn without pyplot (no global state) on the Agg
 canvas. Imported only by `meshd bench plot`: matplotlib is the optional `plots` extra.
 """
@@ -22,7 +22,7 @@ from matplotlib.lines import Line2D
 PANEL_SIZE_IN = (5.2, 3.9)  # width, height of one panel, inches
 PERCENTILES = ("p50", "p90", "p99", "max")
 SPEC_CELL = (2, 20.0)  # the spec bars' stages and RTT ms, as docs/benchmarks.md quotes them
-# Reference lines: the goals of issue 7, as meshd.plan.bench_scale.GOALS states them.
+# Reference lines: the goals of issue 7, as meshd.bench.scale.GOALS states them.
 DEATH_KNOWN_GOAL_S = 5.0
 GOSSIP_GOAL_KB_S = 10.0
 PLAN_GOAL_MS = 100.0

@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from meshd.api.bench_load import find_leaks, measure, percentiles
-from meshd.api.bench_load_requests import SIZES, LoadConfig, make_jobs
-from meshd.api.bench_load_targets import local_target
+from meshd.bench.load import find_leaks, measure, percentiles
+from meshd.bench.load_requests import SIZES, LoadConfig, make_jobs
+from meshd.bench.load_targets import local_target
 from meshd.cli.main import main
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer

@@ -82,7 +82,7 @@ def plot_all(
     input_dir: pathlib.Path, out_dir: pathlib.Path, benches: Sequence[str], dpi: int = 100
 ) -> list[Outcome]:
     """Draw `<bench>.json` from `input_dir` as `<bench>.png` in `out_dir`, for each bench."""
-    from meshd.cli import bench_plot_figures as figures
+    from meshd.bench import plot_figures as figures
 
     draw: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
         "lanes": figures.lanes,

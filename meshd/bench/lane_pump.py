@@ -1,6 +1,6 @@
 """Protocol cost of a lane without sockets: two lanes handing datagrams straight to each other.
 
-    python -m tests.protocol.bench_lane_pump [--messages 2000] [--round-trips 5000] [--repeats 5]
+    python -m meshd.bench.lane_pump [--messages 2000] [--round-trips 5000] [--repeats 5]
 
 Reports bulk throughput of 64 KiB messages (MB/s and µs of both sides' CPU per message) and the
 CPU cost of one 64-byte request/response round trip, for a lane and, side by side, for
@@ -19,8 +19,8 @@ import ssl
 import time
 from collections.abc import Callable
 
+from meshd.sim.lane_pair import LinkProfile, pair
 from protocol.lane import Lane, MessageReceived
-from tests.protocol.lane_sim import LinkProfile, pair
 
 MESSAGE_BYTES = 64 * 1024
 

@@ -24,9 +24,9 @@ import trio
 
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.coord.workloads import Workload, workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.sim.workloads import Workload, workloads
 from meshd.spec.config import (
     STRATEGIES,
     SpecConfig,

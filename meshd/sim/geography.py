@@ -51,7 +51,7 @@ class GeographyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class Geography:
-    """n nodes placed in sites and metros; a `Paths` for `meshd.mesh.simnet.Sim`."""
+    """n nodes placed in sites and metros; a `Paths` for `meshd.sim.simnet.Sim`."""
 
     def __init__(self, n: int, *, seed: int, config: GeographyConfig | None = None) -> None:
         self.config = config or GeographyConfig()

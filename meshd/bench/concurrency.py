@@ -21,10 +21,10 @@ import trio
 
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
+from meshd.sim.workloads import workloads
 from meshd.spec.config import STRATEGIES, SpecConfig
 
 PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of each run

@@ -29,8 +29,8 @@ import httpx
 import msgspec
 import trio
 
-from meshd.api.bench_load_requests import SIZES, Job, LoadConfig, Record, make_jobs, run_load
-from meshd.api.bench_load_targets import Snapshot
+from meshd.bench.load_requests import SIZES, Job, LoadConfig, Record, make_jobs, run_load
+from meshd.bench.load_targets import Snapshot
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 
@@ -233,7 +233,7 @@ async def _run_local(
     cfg: LoadConfig,
     quantization: str = "none",
 ) -> dict[str, Any]:
-    from meshd.api.bench_load_targets import local_target
+    from meshd.bench.load_targets import local_target
 
     async with local_target(model, stages, cfg.concurrency, quantization) as target:
         return await measure(target.urls, tokenizer, context, target.snapshot, cfg)
@@ -242,7 +242,7 @@ async def _run_local(
 def _run_daemons(
     args: argparse.Namespace, model_dir: str, tokenizer: Tokenizer, context: int, cfg: LoadConfig
 ) -> dict[str, Any]:
-    from meshd.api.bench_load_targets import DaemonMesh
+    from meshd.bench.load_targets import DaemonMesh
     from meshd.cli.demo_daemons import DemoError
 
     mesh = DaemonMesh(model_dir, args.model, args.stages, args.first_host, args.quantization)

@@ -1,6 +1,6 @@
 """Membership at scale: one scripted run of n real state machines over a seeded geography.
 
-The script (`run_membership`), on `meshd.mesh.simnet.Sim` with lanes and a `Geography`:
+The script (`run_membership`), on `meshd.sim.simnet.Sim` with lanes and a `Geography`:
 
 1. n − 1 nodes start `stagger_s` apart, each joining through node 0; wait until everyone
    sees everyone alive (the mass-join time).
@@ -24,9 +24,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from meshd.mesh.geography import Geography, GeographyConfig
 from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
-from meshd.mesh.simnet import Sim
+from meshd.sim.geography import Geography, GeographyConfig
+from meshd.sim.simnet import Sim
 from protocol.gossip import ModelHolding
 
 GiB = 1 << 30

@@ -51,9 +51,9 @@ import trio
 
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
+from meshd.sim.workloads import workloads
 from meshd.spec.config import STRATEGIES, SpecConfig
 
 TOLERANCE = 0.15  # the goal: measured within 15 % of the model

@@ -5,7 +5,7 @@ time on a node is the layer's bytes over its bandwidth (decode is memory-bound),
 (1 + load). Round trips are the geography's (the ones lanes would measure). Each model is
 planned from several random coordinators; for each plan we report the wall and CPU time,
 the stage count, the predicted time per token, and its ratio to a lower bound and to the
-best of many random feasible plans (meshd/plan/quality.py).
+best of many random feasible plans (meshd/sim/plan_quality.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import random
 import time
 from dataclasses import dataclass
 
-from meshd.mesh.geography import Geography, GeographyConfig
 from meshd.plan.inputs import ModelShape, NodeCapacity, NoFeasiblePlan, PlannerConfig
 from meshd.plan.planner import plan
-from meshd.plan.quality import best_random_plan_s, lower_bound_s, offers
+from meshd.sim.geography import Geography, GeographyConfig
+from meshd.sim.plan_quality import best_random_plan_s, lower_bound_s, offers
 
 GiB = 1 << 30
 CONTEXT_TOKENS = 8192

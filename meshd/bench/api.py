@@ -1,6 +1,6 @@
 """What the HTTP layer costs: the same greedy request straight to the backend and through the API.
 
-    python -m meshd.api.bench_api [--stages 2] [--tokens 128] [--runs 7] [--strategy disabled]
+    python -m meshd.bench.api [--stages 2] [--tokens 128] [--runs 7] [--strategy disabled]
 
 Runs a local pipeline of the built-in model and its API in this process, then alternates three
 ways of making the same request (so machine noise hits all three alike): the backend directly,
@@ -123,7 +123,7 @@ def _report(samples: dict[str, list[Sample]], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    """`python -m meshd.api.bench_api`."""
+    """`python -m meshd.bench.api`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
