@@ -243,7 +243,7 @@ def _run_daemons(
     args: argparse.Namespace, model_dir: str, tokenizer: Tokenizer, context: int, cfg: LoadConfig
 ) -> dict[str, Any]:
     from meshd.bench.load_targets import DaemonMesh
-    from meshd.cli.demo_daemons import DemoError
+    from meshd.cli.supervisor import DaemonError
 
     mesh = DaemonMesh(model_dir, args.model, args.stages, args.first_host, args.quantization)
     try:
@@ -258,7 +258,7 @@ def _run_daemons(
         report["target"] = {"kind": "daemons", "stages": args.stages, "nodes": mesh.describe()}
         report["startup_s"] = startup_s
         return report
-    except DemoError as exc:
+    except DaemonError as exc:
         print(f"meshd bench load: {exc}\n{mesh.logs(1500)}")
         return {"errors": 1, "leaked": True, "failure": str(exc)}
     finally:

@@ -10,10 +10,8 @@ In process, the stage hosts' KV bytes and open sessions are read directly.
 from __future__ import annotations
 
 import contextlib
-import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,17 @@ import httpx
 import trio
 
 from meshd.api.backend import LocalPipelineBackend, open_local_backend
-from meshd.cli.demo_daemons import DemoDaemon, DemoError, settled_plan, stage_budget, wait_until
+from meshd.cli.supervisor import (
+    DaemonError,
+    LoopbackDaemon,
+    agreed_plan,
+    found_each_other,
+    fresh_secret_file,
+    stage_budget,
+    started,
+    stop_all,
+    wait_until,
+)
 
 # A plan counts as settled once every node reports it, loaded, unchanged this long.
 PLAN_STABLE_S = 0.5
@@ -51,19 +59,17 @@ class DaemonMesh:
         self.stages = stages
         self.first_host = first_host
         self.work = Path(tempfile.mkdtemp(prefix="meshd-load-"))
-        self.daemons: list[DemoDaemon] = []
+        self.daemons: list[LoopbackDaemon] = []
         self.plan: list[dict[str, Any]] = []
 
     def start(self) -> None:
-        """Spawn the daemons and wait until they agree on a loaded plan (DemoError if not)."""
-        secret = self.work / "mesh.secret"
-        secret.touch(mode=0o600)
-        secret.write_text(secrets.token_urlsafe(32))
+        """Spawn the daemons and wait until they agree on a loaded plan (DaemonError if not)."""
+        secret = fresh_secret_file(self.work)
         budget = stage_budget(self.model_dir, self.stages)
         for i in range(self.stages):
             host = f"127.0.0.{self.first_host + i}"
             self.daemons.append(
-                DemoDaemon(
+                LoopbackDaemon(
                     self.work,
                     f"n{i + 1}",
                     host,
@@ -73,25 +79,15 @@ class DaemonMesh:
                     extra=("--quantization", self.quantization),
                 )
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for d in self.daemons:
-            d.wait_listening(deadline)
-        keys = {d.key() for d in self.daemons}
+        started(self.daemons, START_TIMEOUT_S)
         wait_until(
-            lambda: all(d.alive_members() == keys for d in self.daemons),
+            lambda: found_each_other(self.daemons),
             PLAN_TIMEOUT_S,
             "the daemons to find each other",
         )
-        seen: list[list[dict[str, Any]] | None] = [None]
-
-        def stable() -> bool:
-            before, seen[0] = seen[0], settled_plan(self.daemons)
-            return seen[0] is not None and seen[0] == before
-
-        wait_until(stable, PLAN_TIMEOUT_S, "a settled plan", poll_s=PLAN_STABLE_S)
-        self.plan = seen[0] or []
+        self.plan = agreed_plan(self.daemons, PLAN_TIMEOUT_S, PLAN_STABLE_S)
         if len(self.plan) != self.stages:
-            raise DemoError(f"the mesh planned {len(self.plan)} stages, not {self.stages}")
+            raise DaemonError(f"the mesh planned {len(self.plan)} stages, not {self.stages}")
 
     @property
     def urls(self) -> list[str]:
@@ -112,7 +108,7 @@ class DaemonMesh:
         for d in self.daemons:
             status = d.status()
             if status is None:
-                raise DemoError(f"{d.name} stopped answering on its control socket")
+                raise DaemonError(f"{d.name} stopped answering on its control socket")
             snap[d.name] = {
                 "sessions_hosted": int(status["sessions_hosted"]),
                 "kv_used_bytes": int(status["kv_used_bytes"]),
@@ -129,11 +125,7 @@ class DaemonMesh:
     def stop(self) -> None:
         """SIGTERM every daemon, SIGKILL stragglers, remove the temp dir."""
         daemons, self.daemons = self.daemons, []
-        for d in daemons:
-            d.terminate()
-        deadline = time.monotonic() + 10
-        for d in daemons:
-            d.wait_stopped(deadline)
+        stop_all(daemons)
         shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -142,7 +134,7 @@ def _in_flight(api_url: str) -> int:
     for line in text.splitlines():
         if line.startswith("meshd_api_requests_in_flight "):
             return round(float(line.split()[1]))
-    raise DemoError("/metrics has no meshd_api_requests_in_flight")
+    raise DaemonError("/metrics has no meshd_api_requests_in_flight")
 
 
 def _rss_bytes(pid: int) -> int:

@@ -1,23 +1,27 @@
-"""`meshd serve` child processes for the demo and the multi-process tests.
+"""The daemon supervisor: `meshd serve` child processes for the demo, the benchmarks and the
+multi-process tests.
 
 `ServeProcess` spawns one daemon (its own state dir and log under a work dir, a mesh secret
 file, CPU float32), reads the address it bound, its status and events, and stops it;
-`DemoDaemon` is one on its own loopback address with mDNS there and port 0 for lanes and API
-(the daemon prints what it bound). Children die with the parent process (PR_SET_PDEATHSIG on
-Linux), so a killed demo or test run leaves no daemons behind.
+`LoopbackDaemon` is one on its own loopback address with mDNS there and port 0 for lanes and
+API (the daemon prints what it bound). The functions below start, wait for and stop a group:
+every daemon listening, every one seeing the others alive, one plan they agree on and have
+loaded, SIGTERM or SIGKILL for all. Children die with the parent process (PR_SET_PDEATHSIG on
+Linux), so a killed demo, bench or test run leaves no daemons behind.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +34,12 @@ BUDGET_HEADROOM = 1.10
 _PR_SET_PDEATHSIG = 1
 
 
-class DemoError(Exception):
-    """A demo phase failed (the message says which and why)."""
+class DaemonError(Exception):
+    """A daemon or a group of them did not do what was waited for (the message says what)."""
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the demo process dies."""
+    """In the child before exec: get SIGTERM when the supervising process dies."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -46,6 +50,11 @@ def write_secret_file(path: Path, secret: str) -> Path:
     path.touch(mode=0o600)
     path.write_text(secret)
     return path
+
+
+def fresh_secret_file(work: Path) -> Path:
+    """`work/mesh.secret` holding a fresh random mesh secret."""
+    return write_secret_file(work / "mesh.secret", secrets.token_urlsafe(32))
 
 
 class ServeProcess:
@@ -98,7 +107,7 @@ class ServeProcess:
     def wait_listening(self, deadline: float) -> float:
         """Block until the daemon prints its `listening on` line; returns when (monotonic).
 
-        Raises DemoError at the deadline or when the daemon exits first.
+        Raises DaemonError at the deadline or when the daemon exits first.
         """
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
@@ -112,15 +121,15 @@ class ServeProcess:
                 return time.monotonic()
             if not line:
                 break
-        raise DemoError(
+        raise DaemonError(
             f"{self.name} did not start (exit status {self.proc.poll()}; log {self.log_path})"
         )
 
     def status(self) -> dict[str, Any]:
-        """The daemon's status over its control socket (DemoError while it does not answer)."""
+        """The daemon's status over its control socket (DaemonError while it does not answer)."""
         status = self.try_status()
         if status is None:
-            raise DemoError(f"{self.name} does not answer on {self.socket}")
+            raise DaemonError(f"{self.name} does not answer on {self.socket}")
         return status
 
     def try_status(self) -> dict[str, Any] | None:
@@ -195,7 +204,7 @@ class ServeProcess:
             return "(no log)"
 
 
-class DemoDaemon(ServeProcess):
+class LoopbackDaemon(ServeProcess):
     """A daemon on its own loopback address: lanes, API and mDNS there, any free ports."""
 
     def __init__(
@@ -236,6 +245,60 @@ def settled_plan(daemons: Sequence[ServeProcess]) -> list[dict[str, Any]] | None
     return list(plans[0])
 
 
+def found_each_other(daemons: Sequence[ServeProcess]) -> bool:
+    """Whether every daemon sees every one of them alive (a daemon that does not answer: no)."""
+    keys = {d.key() for d in daemons}
+    return all(d.alive_members() == keys for d in daemons)
+
+
+def wait_stable(
+    read: Callable[[], list[dict[str, Any]] | None], timeout_s: float, stable_s: float, what: str
+) -> list[dict[str, Any]]:
+    """Poll `read` every `stable_s` until two reads in a row return the same value (not None),
+    so it held that long; returns it (DaemonError after `timeout_s`)."""
+    seen: list[list[dict[str, Any]] | None] = [None]
+
+    def stable() -> bool:
+        before, seen[0] = seen[0], read()
+        return seen[0] is not None and seen[0] == before
+
+    wait_until(stable, timeout_s, what, poll_s=stable_s)
+    return seen[0] or []
+
+
+def agreed_plan(
+    daemons: Sequence[ServeProcess], timeout_s: float, stable_s: float
+) -> list[dict[str, Any]]:
+    """The plan these daemons agree on and have loaded, unchanged for `stable_s`."""
+    return wait_stable(lambda: settled_plan(daemons), timeout_s, stable_s, "a settled plan")
+
+
+def started(daemons: Iterable[ServeProcess], timeout_s: float = 60.0) -> float:
+    """Wait until every daemon listens; returns when the last one did (time.monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    return max(d.wait_listening(deadline) for d in daemons)
+
+
+def stop_all(daemons: Iterable[ServeProcess], timeout_s: float = 10.0) -> list[str]:
+    """SIGTERM every daemon, reap them, SIGKILL those still running after `timeout_s`; says
+    how each one ended, in order."""
+    daemons = list(daemons)
+    for d in daemons:
+        d.terminate()
+    deadline = time.monotonic() + timeout_s
+    return [d.wait_stopped(deadline) for d in daemons]
+
+
+def kill_all(daemons: Iterable[ServeProcess]) -> None:
+    """SIGKILL and reap every daemon (a test's finally: nothing to drain)."""
+    daemons = list(daemons)
+    for d in daemons:
+        d.kill()
+    deadline = time.monotonic() + 10
+    for d in daemons:
+        d.wait_stopped(deadline)
+
+
 # Set by the demo's SIGINT handler. Python drops a KeyboardInterrupt raised while a destructor
 # or weakref callback runs ("Exception ignored in ..."), so the demo also checks this latch
 # wherever it waits or reports: one Ctrl-C always stops it.
@@ -257,12 +320,12 @@ def check_interrupted() -> None:
 def wait_until(
     predicate: Callable[[], bool], timeout_s: float, what: str, *, poll_s: float = 0.1
 ) -> float:
-    """Poll until true; returns the seconds it took (DemoError on timeout)."""
+    """Poll until true; returns the seconds it took (DaemonError on timeout)."""
     start = time.monotonic()
     while not predicate():
         check_interrupted()
         if time.monotonic() - start > timeout_s:
-            raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            raise DaemonError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(poll_s)
     return time.monotonic() - start
 
@@ -291,5 +354,5 @@ def stage_budget(model_dir: str, stages: int) -> int:
         lo, hi = (lo, mid) if planned(mid, stages) else (mid + 1, hi)
     budget = int(lo * BUDGET_HEADROOM)
     if planned(budget, stages) != stages or (stages > 1 and planned(budget, stages - 1)):
-        raise DemoError(f"no memory budget forces exactly {stages} stages on this model")
+        raise DaemonError(f"no memory budget forces exactly {stages} stages on this model")
     return budget
