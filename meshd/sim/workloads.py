@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # (module, attribute) pairs; chosen for size and variety, all pure-Python and stable across
 # CPython 3.11+. A missing one is skipped, so the list tolerates other Python versions.
 # The editing functions come from files the built-in model never saw in training (its held-out
-# split, scripts/train_builtin.py: heapq.py, copyreg.py, selectors.py), which was trained on
+# split, meshd_train/corpus.py: heapq.py, copyreg.py, selectors.py), which was trained on
 # edits of other functions: the benchmark asks for an edit, not for a memorised text.
 EDIT_SOURCES = [("heapq", "_siftup"), ("copyreg", "add_extension"), ("selectors", "_can_use")]
 COMPLETION_SOURCES = [("base64", "b64encode"), ("colorsys", "rgb_to_hls"), ("calendar", "weekday")]

@@ -3,7 +3,7 @@
 A code-editing answer repeats its prompt with changes: the function comes back renamed, with
 an argument renamed, or without its docstring. Plain next-token training on the standard
 library teaches a small model almost none of that (the library rarely repeats a function
-with an edit), so phase 3 of `train_builtin.py` adds documents that do exactly this, built
+with an edit), so phase 3 of the training loop (`meshd_train.loop`) adds documents that do exactly this, built
 mechanically from the training files' own functions so every edited copy is correct code:
 
     <function>                                   # plain form (2 in 3)
