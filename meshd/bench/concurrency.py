@@ -12,16 +12,20 @@ stream's text equals the unbatched run's (batching must never change it).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import trio
 
+from meshd.bench.harness import (
+    add_model_option,
+    add_quantization_option,
+    model_dir,
+    print_report,
+)
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import workloads
@@ -32,7 +36,7 @@ PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of eac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench concurrency`."""
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
+    add_model_option(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer tokens, one repeat (< 60 s)")
     parser.add_argument("--streams", type=int, nargs="*", default=[1, 2, 4, 8])
@@ -40,22 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per cell (best kept)")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated RTT per hop")
     parser.add_argument("--strategy", default="disabled", choices=list(STRATEGIES))
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "int8", "int4"),
-        default="none",
-        help="stage weight format (docs/model-runtime.md)",
-    )
+    add_quantization_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the matrix and print it."""
-    model_dir = args.model or str(builtin_model_dir())
+    directory = model_dir(args)
     tokens = args.tokens or (32 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
     report = trio.run(
         _matrix,
-        model_dir,
+        directory,
         sorted(set(args.streams)),
         tokens,
         repeats,
@@ -64,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
         args.quantization,
     )
     report["quantization"] = args.quantization
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print(report)
+    print_report(report, args.json, _print)
     return 0
 
 

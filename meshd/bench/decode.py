@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import json
 import math
 import pathlib
 import pstats
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from meshd.bench.harness import print_report
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import expected_shapes
 from meshd.model.decode import generate
@@ -132,10 +132,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench(directory, settings, profile=args.profile)
     report["model"] = label
     report["threads_requested"] = args.threads
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_report(report)
+    print_report(report, args.json, _print_report)
     return 0
 
 

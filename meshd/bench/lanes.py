@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import socket
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 
 import trio
 
+from meshd.bench.harness import print_report
 from meshd.net.endpoint import open_endpoint
 
 MESSAGE_BYTES = 64 * 1024
@@ -44,10 +44,7 @@ def run(args: argparse.Namespace) -> int:
     pings = args.pings or (300 if args.quick else 2000)
     rounds = args.rounds or (2 if args.quick else 3)
     result = trio.run(_main, messages, pings, rounds)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        _print_table(result)
+    print_report(result, args.json, _print_table)
     return 0
 
 

@@ -18,8 +18,6 @@ failure (exit status 1). `--local` runs an in-process pipeline and API instead o
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -29,6 +27,13 @@ import httpx
 import msgspec
 import trio
 
+from meshd.bench.harness import (
+    add_model_option,
+    add_quantization_option,
+    model_dir,
+    nearest_rank,
+    print_report,
+)
 from meshd.bench.load_requests import SIZES, Job, LoadConfig, Record, make_jobs, run_load
 from meshd.bench.load_targets import Snapshot
 from meshd.model.files import open_checkpoint, open_tokenizer
@@ -38,13 +43,9 @@ from meshd.model.tokenizer import Tokenizer
 def percentiles(values: list[float]) -> dict[str, float | None]:
     """p50/p90/p99/max by nearest rank (None when there is nothing to rank)."""
     ranked = sorted(values)
-
-    def rank(p: float) -> float | None:
-        if not ranked:
-            return None
-        return ranked[max(0, math.ceil(p / 100 * len(ranked)) - 1)]
-
-    return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "max": rank(100)}
+    return {
+        p: nearest_rank(ranked, q) for p, q in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
+    }
 
 
 def find_leaks(before: Snapshot, after: Snapshot, cfg: LoadConfig) -> list[str]:
@@ -156,7 +157,7 @@ def _counts(snap: Snapshot) -> dict[str, dict[str, int]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench load`."""
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
+    add_model_option(parser)
     parser.add_argument("--requests", type=int, default=None, help="default 200 (--quick: 30)")
     parser.add_argument("--concurrency", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--stages", type=int, default=2, help="daemons, one stage each (2-3)")
@@ -168,12 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[s.name for s in SIZES],
         help="request size classes in the mix",
     )
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "int8", "int4"),
-        default="none",
-        help="stage weight format (docs/model-runtime.md)",
-    )
+    add_quantization_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="30 requests at concurrency 4")
     parser.add_argument(
@@ -196,12 +192,10 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the load test; 0 when every request succeeded and nothing leaked."""
-    from meshd.model.builtin import builtin_model_dir
-
     cfg = config_from_args(args)
-    model_dir = args.model or str(builtin_model_dir())
-    tokenizer = open_tokenizer(model_dir)
-    context = _context_tokens(model_dir)
+    directory = model_dir(args)
+    tokenizer = open_tokenizer(directory)
+    context = _context_tokens(directory)
     t0 = time.perf_counter()
     if args.local:
         report = trio.run(
@@ -209,13 +203,10 @@ def run(args: argparse.Namespace) -> int:
         )
         report["target"] = {"kind": "local", "stages": args.stages}
     else:
-        report = _run_daemons(args, model_dir, tokenizer, context, cfg)
+        report = _run_daemons(args, directory, tokenizer, context, cfg)
     report["total_s"] = time.perf_counter() - t0
     report["quantization"] = args.quantization
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print(report)
+    print_report(report, args.json, _print)
     failed = report.get("errors", 1) or report.get("warmup_errors", 0)
     return 1 if failed or report.get("leaked", True) else 0
 

@@ -19,6 +19,12 @@ import httpx
 import msgspec
 import trio
 
+from meshd.bench.openai_requests import (
+    completion_body,
+    completion_path,
+    delta_text,
+    retry_after_s,
+)
 from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import workloads
 
@@ -75,27 +81,20 @@ class Job:
 
     def body(self, model: str) -> dict[str, Any]:
         """The JSON body of the request."""
-        body: dict[str, Any] = {
-            "model": model,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "seed": self.seed,
-            "stream": self.stream,
-            # Fixed lengths: the load is what the mix says, whatever EOS the model picks.
-            "meshd": {"ignore_eos": True},
-        }
-        if self.stream:
-            body["stream_options"] = {"include_usage": True}
-        if self.kind == "chat":
-            body["messages"] = [{"role": "user", "content": self.text}]
-        else:
-            body["prompt"] = self.text
-        return body
+        return completion_body(
+            model,
+            self.kind,
+            self.text,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            stream=self.stream,
+        )
 
     @property
     def path(self) -> str:
         """The endpoint's path under `/v1`."""
-        return "/chat/completions" if self.kind == "chat" else "/completions"
+        return completion_path(self.kind)
 
 
 def make_jobs(
@@ -190,11 +189,9 @@ async def fire(
 
 
 def _retry_after_s(response: httpx.Response) -> float:
-    """What the server asks a client to wait (ms precision when given, as openai-python reads)."""
-    ms = response.headers.get("retry-after-ms")
-    if ms is not None:
-        return float(ms) / 1000
-    return float(response.headers.get("retry-after", "1"))
+    """What the server asks a client to wait (1 s when it does not say)."""
+    wait = retry_after_s(response)
+    return 1.0 if wait is None else wait
 
 
 async def _whole(
@@ -240,7 +237,7 @@ async def _streamed(
             event = json.loads(payload)
             if "error" in event:
                 return 200, None, ttft, tokens, f"stream error: {event['error'].get('code')}"
-            if ttft is None and any(_delta_text(c) for c in event.get("choices", ())):
+            if ttft is None and any(delta_text(c) for c in event.get("choices", ())):
                 ttft = time.perf_counter() - t0
             if event.get("usage"):
                 usage = event["usage"]
@@ -248,11 +245,6 @@ async def _streamed(
         if not done:
             return 200, None, ttft, tokens, "stream ended without [DONE]"
     return 200, None, ttft, tokens, _prompt_check(usage, job)
-
-
-def _delta_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    return str(delta.get("content") or "") if delta is not None else str(choice.get("text") or "")
 
 
 async def run_load(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from meshd.model.builtin import builtin_model_dir
+from meshd.bench.harness import add_model_option, add_quantization_option, model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 from meshd.stage.mtp_drafter import MtpDrafter
@@ -32,19 +32,14 @@ DEFAULT_PROMPT = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench mtp`."""
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
+    add_model_option(parser)
     parser.add_argument("--tokens", type=int, default=150, help="tokens decoded per session")
     parser.add_argument("--block", type=int, default=5, help="tokens per alternation block")
     parser.add_argument("--want", type=int, default=None, help="drafts asked (default: depth)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "int8", "int4"),
-        default="none",
-        help="stage weight format (docs/model-runtime.md)",
-    )
+    add_quantization_option(parser)
 
 
 @dataclass
@@ -63,8 +58,8 @@ class _Session:
 def run(args: argparse.Namespace) -> int:
     """Measure and print."""
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(builtin_model_dir())
-    report = measure(model_dir, args.prompt, args.tokens, args.block, args.want, args.quantization)
+    directory = model_dir(args)
+    report = measure(directory, args.prompt, args.tokens, args.block, args.want, args.quantization)
     if args.json:
         print(json.dumps(report))
     else:

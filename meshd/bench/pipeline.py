@@ -49,9 +49,9 @@ from typing import Any
 
 import trio
 
+from meshd.bench.harness import add_model_option, add_quantization_option, median, model_dir
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
 from meshd.spec.config import STRATEGIES, SpecConfig
@@ -64,7 +64,7 @@ WARMUP_TOKENS = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench pipeline`."""
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
+    add_model_option(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(
@@ -80,17 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative candidates (the fastest per cell is reported)",
     )
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "int8", "int4"),
-        default="none",
-        help="stage weight format (docs/model-runtime.md)",
-    )
+    add_quantization_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every cell, fit the model, print the tables."""
-    model_dir = args.model or str(builtin_model_dir())
+    directory = model_dir(args)
     # The calibration cells (1 stage and RTT 0) are always measured.
     stages = sorted({1, *(args.stages or [1, 2, 3])})
     rtts = sorted({0.0, *(args.rtt_ms or ([0.0, 20.0] if args.quick else [0.0, 5.0, 20.0, 50.0]))})
@@ -102,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown strategies: {', '.join(unknown)}")
     cells = [Cell(s, r) for s in stages for r in rtts]
-    report = trio.run(_measure, model_dir, cells, tokens, repeats, candidates, args.quantization)
+    report = trio.run(_measure, directory, cells, tokens, repeats, candidates, args.quantization)
     report["quantization"] = args.quantization
     if args.json:
         print(json.dumps(report))
@@ -264,7 +259,7 @@ class Fit:
 
 
 def _median(runs: list[RunResult], attr: str) -> float:
-    return float(statistics.median(getattr(r, attr) for r in runs))
+    return median(getattr(r, attr) for r in runs)
 
 
 def _rel(measured: float, predicted: float) -> float:

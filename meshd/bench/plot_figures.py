@@ -10,14 +10,14 @@ canvas. Imported only by `meshd bench plot`: matplotlib is the optional `plots` 
 from __future__ import annotations
 
 import pathlib
-import statistics
-from collections.abc import Iterable
 from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+
+from meshd.bench.harness import median
 
 PANEL_SIZE_IN = (5.2, 3.9)  # width, height of one panel, inches
 PERCENTILES = ("p50", "p90", "p99", "max")
@@ -74,10 +74,6 @@ def _bar_groups(
         ax.bar_label(bars, labels=[fmt.format(v) for _, v in shown], fontsize=7, padding=1)
     ax.set_xticks(range(len(groups)), groups)
     ax.legend(fontsize=8)
-
-
-def _median(values: Iterable[float]) -> float:
-    return float(statistics.median(values))
 
 
 # -- lanes ----------------------------------------------------------------------------------
@@ -194,7 +190,7 @@ def spec(reports: list[dict[str, Any]]) -> Figure:
     if len(rtts) > 1:
         ax = axes[1]
         for s in strategies:
-            ys = [_median(ratio[(t, w, s)] for w in workloads if (t, w, s) in ratio) for t in rtts]
+            ys = [median(ratio[(t, w, s)] for w in workloads if (t, w, s) in ratio) for t in rtts]
             ax.plot(rtts, ys, "o-", label=s)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel("emulated RTT per link (ms)")
@@ -341,7 +337,7 @@ def _membership_panels(detect: Axes, gossip: Axes, members: list[dict[str, Any]]
     for m in members:  # every crash timed; None: never known dead everywhere
         deaths = [d for d in m["death_known_s"] if d is not None]
         detect.plot([m["n"]] * len(deaths), deaths, "o", color="C0", alpha=0.4, ms=4)
-    medians = [_median(d for d in m["death_known_s"] if d is not None) for m in members]
+    medians = [median(d for d in m["death_known_s"] if d is not None) for m in members]
     detect.plot(ns, medians, "-", color="C0", label="crash known dead everywhere (median)")
     detect.plot(
         ns,
@@ -380,7 +376,7 @@ def scale(reports: list[dict[str, Any]]) -> Figure:
     cpu_ms = {n: [1e3 * p["cpu_s"] for p in plans if p["n"] == n] for n in ns}
     for n in ns:
         plan.plot([n] * len(cpu_ms[n]), cpu_ms[n], "o", color="C2", alpha=0.4, ms=4)
-    plan.plot(ns, [_median(cpu_ms[n]) for n in ns], "-", color="C2", label="median")
+    plan.plot(ns, [median(cpu_ms[n]) for n in ns], "-", color="C2", label="median")
     plan.plot(ns, [max(cpu_ms[n]) for n in ns], "--", color="C3", label="max")
     _goal(plan, PLAN_GOAL_MS, "goal: a plan < 100 ms")
     plan.set_yscale("log")

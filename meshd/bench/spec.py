@@ -22,9 +22,9 @@ from typing import Any
 import msgspec
 import trio
 
+from meshd.bench.harness import add_model_option, add_quantization_option, model_dir
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.sim.workloads import Workload, workloads
 from meshd.spec.config import (
@@ -40,7 +40,7 @@ KINDS = ("edit", "completion", "prose")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd bench spec`."""
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
+    add_model_option(parser)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="2 stages, RTT 20 ms, 1 prompt")
     parser.add_argument("--stages", type=int, nargs="*", default=None)
@@ -49,12 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "int8", "int4"),
-        default="none",
-        help="stage weight format (docs/model-runtime.md)",
-    )
+    add_quantization_option(parser)
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(
         "--min-seconds",
@@ -70,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the matrix and print it."""
-    model_dir = args.model or str(builtin_model_dir())
+    directory = model_dir(args)
     stages = args.stages or ([2] if args.quick else [1, 2, 3])
     rtts = args.rtt_ms or ([20.0] if args.quick else [0.0, 5.0, 20.0, 50.0])
     tokens = args.tokens or (48 if args.quick else 96)
@@ -85,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_spec_config({}, {}, overrides, {})
     report = trio.run(
         _matrix,
-        model_dir,
+        directory,
         stages,
         rtts,
         tokens,
@@ -98,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     report["spec_overrides"] = overrides
     report["quantization"] = args.quantization
     if 1 in stages and not args.no_transformers:
-        report["transformers"] = _transformers_rows(model_dir, loads, tokens)
+        report["transformers"] = _transformers_rows(directory, loads, tokens)
     if args.json:
         print(json.dumps(report))
     elif args.markdown:

@@ -13,7 +13,7 @@ blocked, dies `lane_dead_after_s` later on each surviving end (`on_lane_dead`); 
 cannot be opened (peer down or blocked) fails after `connect_timeout_s`. With `lanes=False`
 no lane events happen at all and membership must rely on its own probes (plain SWIM).
 
-Used by the membership tests (tests/mesh/sim.py) and by `meshd bench scale`.
+Used by the membership tests (tests/mesh), `meshd.sim.gossip_load` and `meshd bench scale`.
 """
 
 from __future__ import annotations

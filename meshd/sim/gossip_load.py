@@ -1,8 +1,6 @@
-"""Membership measurements on the simulator (meshd/sim/simnet.py), for tests and docs.
-
-The simulator itself lives in the package (`meshd bench scale` runs it too); this module
-re-exports it for the tests and adds the gossip-load and join/crash measurements that
-docs/membership.md quotes (`python -m tests.mesh.sim`).
+"""Membership measurements on the simulator (`meshd.sim.simnet`), for tests and docs: the
+gossip load per node and the join and crash-detection times that docs/membership.md quotes
+(`python -m meshd.sim.gossip_load`).
 """
 
 from __future__ import annotations
@@ -114,7 +112,7 @@ def print_bounds(sizes: list[int], seeds: int) -> None:
 
 
 def main() -> None:
-    """`python -m tests.mesh.sim N [N ...]`: print the gossip load (or, with --bounds, the
+    """`python -m meshd.sim.gossip_load N [N ...]`: print the gossip load (or, with --bounds, the
     join and crash-detection times) for each mesh size."""
     import argparse
     import time
