@@ -23,6 +23,7 @@ import trio
 from meshd.api.backend import LocalPipelineBackend, open_local_backend
 from meshd.api.openai import create_app
 from meshd.api.server import serve_api
+from meshd.bench.harness import alternate_async
 from meshd.coord.pipeline import GenerationRequest
 from meshd.spec.config import STRATEGIES, SpecConfig
 from protocol.messages import Sampling
@@ -95,12 +96,7 @@ async def bench(args: argparse.Namespace) -> None:
                 "api stream": lambda: streamed(client, body),
                 "api whole": lambda: whole(client, body),
             }
-            samples: dict[str, list[Sample]] = {name: [] for name in ways}
-            for run in range(args.runs + 1):
-                for name, way in ways.items():
-                    sample = await way()
-                    if run:  # the first round warms up
-                        samples[name].append(sample)
+            samples = await alternate_async(ways, args.runs, warmup=1)
         nursery.cancel_scope.cancel()
     _report(samples, args)
 

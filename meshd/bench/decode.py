@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from meshd.bench.harness import print_report
+from meshd.bench.harness import alternate, print_report
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import expected_shapes
 from meshd.model.decode import generate
@@ -259,20 +259,32 @@ def _interleave(
     ours: Callable[[], list[int]], theirs: Callable[[], list[int]] | None, rounds: int
 ) -> _Runs:
     """Run A B A B ... (A alone without B); wall-clock tok/s and CPU ms per token for each."""
-    runs = _Runs([], [], [], [])
-    sides = [(ours, runs.ours_tok_s, runs.ours_cpu_ms)]
+    sides = {"ours": _timed(ours)}
     if theirs is not None:
-        sides.append((theirs, runs.theirs_tok_s, runs.theirs_cpu_ms))
-    for _ in range(rounds):
-        outputs = []
-        for fn, rates, cpu in sides:
-            wall, cpu_started = time.perf_counter(), time.process_time()
-            tokens = fn()
-            cpu.append((time.process_time() - cpu_started) * 1e3 / len(tokens))
-            rates.append(len(tokens) / (time.perf_counter() - wall))
-            outputs.append(tokens)
-        runs.same_tokens = runs.same_tokens and outputs[0] == outputs[-1]
+        sides["theirs"] = _timed(theirs)
+    results = alternate(sides, rounds)
+    runs = _Runs([], [], [], [])
+    for side, rates, cpu in (
+        ("ours", runs.ours_tok_s, runs.ours_cpu_ms),
+        ("theirs", runs.theirs_tok_s, runs.theirs_cpu_ms),
+    ):
+        for tokens, wall_s, cpu_s in results.get(side, []):
+            cpu.append(cpu_s * 1e3 / len(tokens))
+            rates.append(len(tokens) / wall_s)
+    other = results.get("theirs", results["ours"])
+    runs.same_tokens = all(a[0] == b[0] for a, b in zip(results["ours"], other, strict=True))
     return runs
+
+
+def _timed(fn: Callable[[], list[int]]) -> Callable[[], tuple[list[int], float, float]]:
+    """`fn` returning its tokens, wall seconds and CPU seconds."""
+
+    def run() -> tuple[list[int], float, float]:
+        wall, cpu_started = time.perf_counter(), time.process_time()
+        tokens = fn()
+        return tokens, time.perf_counter() - wall, time.process_time() - cpu_started
+
+    return run
 
 
 def _matmul_floor_cpu_ms(stage: StageModel, steps: int = 20) -> float:

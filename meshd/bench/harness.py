@@ -1,5 +1,6 @@
 """What every `meshd bench NAME` shares: the model and quantization options, the `--json`
-report or its table, nearest-rank percentiles and medians over interleaved rounds.
+report or its table, contestants run in alternating rounds, nearest-rank percentiles and
+medians.
 
 Benches run their contestants in alternating rounds in one process (this machine is shared
 and noisy: drift hits every contestant alike) and report medians and ratios to a baseline.
@@ -11,8 +12,10 @@ import argparse
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 MODEL_HELP = "checkpoint dir or .gguf (default: built-in)"
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -65,3 +68,30 @@ def nearest_rank(ranked: Sequence[float], p: float) -> float | None:
 def median(values: Iterable[float]) -> float:
     """The median as a float (statistics.median keeps ints)."""
     return float(statistics.median(values))
+
+
+def alternate(
+    contestants: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 0
+) -> dict[str, list[T]]:
+    """Run every contestant once per round, in order (A B A B ...), so machine noise hits
+    them alike; the first `warmup` rounds are run and dropped. Each one's results, in order."""
+    results: dict[str, list[T]] = {name: [] for name in contestants}
+    for done in range(warmup + rounds):
+        for name, run in contestants.items():
+            result = run()
+            if done >= warmup:
+                results[name].append(result)
+    return results
+
+
+async def alternate_async(
+    contestants: Mapping[str, Callable[[], Awaitable[T]]], rounds: int, warmup: int = 0
+) -> dict[str, list[T]]:
+    """`alternate` for contestants that are awaited."""
+    results: dict[str, list[T]] = {name: [] for name in contestants}
+    for done in range(warmup + rounds):
+        for name, run in contestants.items():
+            result = await run()
+            if done >= warmup:
+                results[name].append(result)
+    return results
