@@ -6,7 +6,7 @@
 
 On the built-in model, with meshd's own runtime (`StageModel`), for each of none/int8/int4
 (and fp32 weights with a float16 KV cache):
-- held-out bits per byte: the held-out files of `eval_builtin.py`, scored as it scores them
+- held-out bits per byte: the held-out files of `meshd_train.evaluate`, scored as it scores them
   (consecutive windows of the model's context), nats / ln 2 / the UTF-8 bytes of the tokens;
 - greedy agreement with fp32: 50 evenly spaced held-out prompts of 32 tokens, 64 new tokens
   each; mean tokens until the first divergence (64 when none), and the share of the 50
@@ -31,7 +31,6 @@ from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 from meshd.model.builtin import builtin_model_dir  # noqa: E402
 from meshd.model.checkpoint import Checkpoint  # noqa: E402
@@ -72,7 +71,7 @@ def bits_per_byte(stage: StageModel, stream: torch.Tensor, sizes: torch.Tensor) 
 
 
 def prompts(stream: torch.Tensor, n: int = 50, length: int = 32) -> list[list[int]]:
-    """`n` evenly spaced held-out prompts of `length` tokens (as eval_builtin's loop check)."""
+    """`n` evenly spaced held-out prompts of `length` tokens (as meshd_train.evaluate's loop check)."""
     step = (len(stream) - length) // n
     return [stream[i * step : i * step + length].tolist() for i in range(n)]
 
@@ -88,13 +87,14 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
 
 
 def builtin_report(new_tokens: int) -> dict[str, dict[str, float]]:
-    import eval_builtin
     from tokenizers import Tokenizer
+
+    from meshd_train import evaluate
 
     directory = builtin_model_dir()
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    stream, _note = eval_builtin.heldout_stream(directory, tok)
-    sizes = eval_builtin.token_bytes(tok)
+    stream, _note = evaluate.heldout_stream(directory, tok)
+    sizes = evaluate.token_bytes(tok)
     checkpoint = Checkpoint.open(directory)
     starts = prompts(stream)
     rows: dict[str, dict[str, float]] = {}

@@ -26,14 +26,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from meshd.model.bench_decode import write_random_checkpoint  # noqa: E402
-from meshd.model.checkpoint import Checkpoint  # noqa: E402
-from meshd.model.decode import generate  # noqa: E402
-from meshd.model.stage import StageModel  # noqa: E402
-from meshd.model.threads import useful_threads  # noqa: E402
+from meshd.bench.decode import write_random_checkpoint
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.decode import generate
+from meshd.model.stage import StageModel
+from meshd.model.threads import useful_threads
 
 
 def measure(directory: pathlib.Path, tokens: int, rounds: int, threads: list[int]) -> dict:

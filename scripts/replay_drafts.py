@@ -21,10 +21,10 @@ from typing import Protocol
 
 import torch
 
-from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
+from meshd.sim.workloads import workloads
 from meshd.spec import make_proposer
 from meshd.spec.config import SpecConfig
 from meshd.spec.ngram import NgramSimple

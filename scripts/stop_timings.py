@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshd.cli.demo_daemons import (
-    DemoDaemon,
+from meshd.cli.supervisor import (
+    LoopbackDaemon,
+    found_each_other,
     settled_plan,
     stage_budget,
     wait_until,
@@ -59,10 +60,10 @@ class Mesh:
         secret = "stop-timings-" + secrets.token_hex(16)  # no other mesh on this machine joins
         self.secret = write_secret_file(work / "secret", secret)
         self.budget = stage_budget(str(builtin_model_dir()), 3)
-        self.daemons: dict[int, DemoDaemon] = {}
+        self.daemons: dict[int, LoopbackDaemon] = {}
 
-    def start(self, index: int, budget: int | None = None) -> DemoDaemon:
-        d = DemoDaemon(
+    def start(self, index: int, budget: int | None = None) -> LoopbackDaemon:
+        d = LoopbackDaemon(
             self.work, f"n{index}", f"127.0.0.{index}", self.secret,
             budget or self.budget, None, extra=FLAGS,
         )  # fmt: skip
@@ -70,10 +71,10 @@ class Mesh:
         d.wait_listening(time.monotonic() + 90)
         return d
 
-    def live(self) -> list[DemoDaemon]:
+    def live(self) -> list[LoopbackDaemon]:
         return [d for d in self.daemons.values() if d.proc.poll() is None]
 
-    def stages(self) -> list[DemoDaemon]:
+    def stages(self) -> list[LoopbackDaemon]:
         """The daemons of the settled plan, in route order, once it holds for a second."""
         candidates = [d for d in self.live() if d.name != "n60"]
         seen: list[Any] = []
@@ -87,10 +88,9 @@ class Mesh:
         return [by_key[s["key"]] for s in seen[-1]]
 
     def members_settled(self) -> None:
-        keys = {d.key() for d in self.live()}
-        wait_until(lambda: all(d.alive_members() == keys for d in self.live()), 60, "members")
+        wait_until(lambda: found_each_other(self.live()), 60, "members")
 
-    def no_sessions(self, daemons: list[DemoDaemon]) -> bool:
+    def no_sessions(self, daemons: list[LoopbackDaemon]) -> bool:
         statuses = [d.try_status() for d in daemons]
         return all(
             s is not None and s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0
@@ -98,7 +98,7 @@ class Mesh:
         )
 
 
-def _stream(d: DemoDaemon, op: GenerateOp, out: list[tuple[float, dict[str, Any]]]) -> None:
+def _stream(d: LoopbackDaemon, op: GenerateOp, out: list[tuple[float, dict[str, Any]]]) -> None:
     try:
         for line in request_lines(d.socket, op, timeout_s=90):
             out.append((time.monotonic(), line))

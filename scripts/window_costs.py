@@ -19,12 +19,12 @@ from collections import defaultdict
 
 import trio
 
+from meshd.bench.spec import _generate
 from meshd.coord import costs
-from meshd.coord.bench_spec import _generate
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.workloads import workloads
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
+from meshd.sim.workloads import workloads
 from meshd.spec.config import SpecConfig
 
 STRATEGIES = ("disabled", "ngram-simple", "mtp-simple", "mtp")

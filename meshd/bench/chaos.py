@@ -240,7 +240,7 @@ async def _measure(
     settle_error = ""
     try:
         await in_thread(lambda: mesh.wait_settled(cfg.settle_timeout_s))
-    except Exception as exc:  # DemoError: reported, the leak check still runs
+    except Exception as exc:  # DaemonError: reported, the leak check still runs
         settle_error = str(exc)
     snapshot, waited_s = await leak_check(mesh, leak_wait_s)
     greedy = next(j for j in jobs if j.greedy)

@@ -9,7 +9,6 @@ idempotent, SIGKILLs what SIGTERM did not stop, and removes the work dir.
 
 from __future__ import annotations
 
-import secrets
 import shutil
 import sys
 import tempfile
@@ -18,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshd.cli.demo_daemons import (
-    DemoDaemon,
+from meshd.cli.supervisor import (
+    LoopbackDaemon,
+    fresh_secret_file,
     settled_plan,
     stage_budget,
-    wait_until,
-    write_secret_file,
+    stop_all,
+    wait_stable,
 )
 
 START_TIMEOUT_S = 240.0  # four daemons starting at once on a busy 2-core machine
@@ -43,7 +43,7 @@ class Slot:
 
     name: str
     host: str
-    daemon: DemoDaemon | None = None
+    daemon: LoopbackDaemon | None = None
     incarnation: int = 0
     # Process ids of every run, so the caller can check that none outlived the bench.
     pids: list[int] = field(default_factory=list)
@@ -72,19 +72,19 @@ class ChaosMesh:
         self.stages = stages
         self.extra_flags = extra_flags
         self.work = Path(tempfile.mkdtemp(prefix="meshd-chaos-"))
-        self.secret_file = write_secret_file(self.work / "mesh.secret", secrets.token_urlsafe(32))
+        self.secret_file = fresh_secret_file(self.work)
         self.budget = 0
         self.slots = [Slot(f"n{i + 1}", f"127.0.0.{first_host + i}") for i in range(nodes)]
         self.keys: dict[str, str] = {}  # slot name -> node key (hex), stable across restarts
 
     # -- processes (main thread) -------------------------------------------------------------
-    def spawn(self, slot: Slot) -> DemoDaemon:
-        """Start the slot's daemon (not yet listening: see `DemoDaemon.wait_listening`)."""
+    def spawn(self, slot: Slot) -> LoopbackDaemon:
+        """Start the slot's daemon (not yet listening: see `LoopbackDaemon.wait_listening`)."""
         old_log = self.work / f"{slot.name}.log"
         if old_log.exists():  # keep every run's log
             old_log.rename(self.work / f"{slot.name}.run{slot.incarnation}.log")
         slot.incarnation += 1
-        daemon = DemoDaemon(
+        daemon = LoopbackDaemon(
             self.work,
             slot.name,
             slot.host,
@@ -118,11 +118,11 @@ class ChaosMesh:
                 self.keys[slot.name] = slot.daemon.key()
             self.wait_settled(max(1.0, deadline - time.monotonic()), self.slots[:end])
 
-    def _running(self, slots: list[Slot]) -> list[DemoDaemon]:
+    def _running(self, slots: list[Slot]) -> list[LoopbackDaemon]:
         return [s.daemon for s in slots if s.up and s.daemon is not None]
 
     # -- observation (any thread; blocking) --------------------------------------------------
-    def up_daemons(self) -> list[DemoDaemon]:
+    def up_daemons(self) -> list[LoopbackDaemon]:
         """The daemons running and listening now."""
         return self._running(self.slots)
 
@@ -142,15 +142,10 @@ class ChaosMesh:
     def wait_settled(
         self, timeout_s: float, slots: list[Slot] | None = None
     ) -> list[dict[str, Any]]:
-        """Block until `settled(slots)` holds for `PLAN_STABLE_S` (DemoError at the timeout)."""
-        seen: list[list[dict[str, Any]] | None] = [None]
-
-        def stable() -> bool:
-            before, seen[0] = seen[0], self.settled(slots)
-            return seen[0] is not None and seen[0] == before
-
-        wait_until(stable, timeout_s, "a settled plan on every node", poll_s=PLAN_STABLE_S)
-        return seen[0] or []
+        """Block until `settled(slots)` holds for `PLAN_STABLE_S` (DaemonError at the timeout)."""
+        return wait_stable(
+            lambda: self.settled(slots), timeout_s, PLAN_STABLE_S, "a settled plan on every node"
+        )
 
     def role(self, slot: Slot) -> str:
         """ "stage" when the slot's node holds a stage of the current plan, else "spare"."""
@@ -193,11 +188,7 @@ class ChaosMesh:
             note(f"stopping {len(daemons)} daemons")
         for slot in self.slots:
             slot.daemon = None
-        for d in daemons:
-            d.terminate()
-        deadline = time.monotonic() + 15
-        for d in daemons:
-            d.wait_stopped(deadline)
+        stop_all(daemons, 15)
         if not keep_logs:
             shutil.rmtree(self.work, ignore_errors=True)
         note(f"stopped; work dir {self.work} {'kept' if keep_logs else 'removed'}")

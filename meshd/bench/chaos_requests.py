@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 import statistics
 import time
@@ -33,6 +32,9 @@ from typing import Any
 
 import httpx
 import trio
+
+from meshd.bench.harness import nearest_rank
+from meshd.bench.openai_requests import completion_body, completion_path, delta_text, retry_after_s
 
 # Short prompts; the built-in model's context is 256 tokens, so prompt and answer fit.
 PROMPTS: tuple[str, ...] = (
@@ -79,24 +81,19 @@ class ChaosJob:
     @property
     def path(self) -> str:
         """The endpoint's path under `/v1`."""
-        return "/chat/completions" if self.kind == "chat" else "/completions"
+        return completion_path(self.kind)
 
     def body(self, model: str) -> dict[str, Any]:
         """The JSON body: streamed, a fixed length whatever EOS the model picks."""
-        body: dict[str, Any] = {
-            "model": model,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "seed": self.seed,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "meshd": {"ignore_eos": True},
-        }
-        if self.kind == "chat":
-            body["messages"] = [{"role": "user", "content": self.prompt}]
-        else:
-            body["prompt"] = self.prompt
-        return body
+        return completion_body(
+            model,
+            self.kind,
+            self.prompt,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            stream=True,
+        )
 
 
 def make_jobs(seed: int, max_tokens: int) -> list[ChaosJob]:
@@ -191,7 +188,7 @@ async def _stream(
             body = await response.aread()
             seen.error_body = _is_error_body(body)
             seen.detail = body.decode(errors="replace")[:200]
-            seen.retry_after_s = _retry_after_s(response)
+            seen.retry_after_s = retry_after_s(response)
             return
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
@@ -206,7 +203,7 @@ async def _stream(
                 seen.error_event = str(error.get("code") or error.get("message") or "error")
                 continue
             for choice in event.get("choices", ()):
-                piece = _delta_text(choice)
+                piece = delta_text(choice)
                 if piece:
                     seen.text += piece
                     seen.token_times.append(time.monotonic())
@@ -224,19 +221,6 @@ def _is_error_body(body: bytes) -> bool:
     except (ValueError, AttributeError):
         return False
     return isinstance(error, dict) and bool(error.get("message"))
-
-
-def _retry_after_s(response: httpx.Response) -> float | None:
-    ms = response.headers.get("retry-after-ms")
-    if ms is not None:
-        return float(ms) / 1000
-    seconds = response.headers.get("retry-after")
-    return float(seconds) if seconds is not None else None
-
-
-def _delta_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    return str(delta.get("content") or "") if delta is not None else str(choice.get("text") or "")
 
 
 @dataclass(frozen=True)
@@ -362,10 +346,9 @@ def recovery_s(
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     """p50/p99/max by nearest rank (None when there is nothing to rank), and how many."""
     ranked = sorted(values)
-
-    def rank(p: float) -> float | None:
-        if not ranked:
-            return None
-        return ranked[max(0, math.ceil(p / 100 * len(ranked)) - 1)]
-
-    return {"p50": rank(50), "p99": rank(99), "max": rank(100), "count": len(ranked)}
+    return {
+        "p50": nearest_rank(ranked, 50),
+        "p99": nearest_rank(ranked, 99),
+        "max": nearest_rank(ranked, 100),
+        "count": len(ranked),
+    }

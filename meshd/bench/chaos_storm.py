@@ -24,7 +24,7 @@ import trio
 
 from meshd.bench.chaos_mesh import ChaosMesh, Slot, note
 from meshd.bench.chaos_requests import ChaosJob, Disruption, Seen, Timeouts, stream_once
-from meshd.cli.demo_daemons import DemoError
+from meshd.cli.supervisor import DaemonError
 
 T = TypeVar("T")
 
@@ -178,7 +178,7 @@ async def _chaos_loop(mesh: ChaosMesh, cfg: StormConfig, log: StormLog, stop_at:
         await trio.sleep(gap)
         try:
             await in_thread(lambda: mesh.wait_settled(cfg.settle_timeout_s))
-        except DemoError:
+        except DaemonError:
             log.skipped_unsettled += 1
             continue
         if time.monotonic() >= stop_at:
@@ -244,7 +244,7 @@ async def _restart(mesh: ChaosMesh, log: StormLog, slot: Slot) -> None:
         ready = await in_thread(lambda: daemon.wait_listening(time.monotonic() + 180))
         log.restart_s.append(ready - at)
         note(f"{slot.name} listens again after {ready - at:.1f} s")
-    except DemoError as exc:
+    except DaemonError as exc:
         log.restart_failures.append(str(exc))
 
 

@@ -8,13 +8,12 @@ completion through the official `openai` client on one node's endpoint, runs `me
 then streams the same request again and SIGKILLs a stage on the way: the coordinator detects
 the dead lane, the spare loads the missing layers, and the text completes identical to the
 first run. Everything stops (SIGTERM, then SIGKILL) and the temp dir goes, on errors and
-Ctrl-C too. `--in-process` runs the older single-process pipeline instead (no daemons).
+Ctrl-C too. `--in-process` runs the stage nodes in this one process instead (no daemons).
 """
 
 from __future__ import annotations
 
 import argparse
-import secrets
 import shutil
 import signal
 import subprocess
@@ -26,14 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshd.cli.demo_daemons import (
+from meshd.cli.supervisor import (
     INTERRUPTED,
-    DemoDaemon,
-    DemoError,
+    DaemonError,
+    LoopbackDaemon,
+    agreed_plan,
     check_interrupted,
+    found_each_other,
+    fresh_secret_file,
     latch_interrupt,
-    settled_plan,
     stage_budget,
+    started,
+    stop_all,
     wait_until,
 )
 from meshd.spec.config import STRATEGIES
@@ -71,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo once; 0 when every phase worked."""
     if args.in_process:
-        from meshd.cli.demo_local import run as run_in_process
+        import trio
 
-        return run_in_process(args)
+        return trio.run(_in_process, args)
     demo = Demo(args)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
         signal.signal(signal.SIGINT, latch_interrupt)
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         INTERRUPTED.clear()
         demo.say("interrupted: stopping the daemons")
         return 130
-    except DemoError as exc:
+    except DaemonError as exc:
         demo.say(f"demo failed: {exc}")
         demo.show_logs()
         return 1
@@ -111,7 +114,7 @@ class Demo:
         self.args = args
         self.t0 = time.monotonic()
         self.work: Path | None = None
-        self.daemons: list[DemoDaemon] = []
+        self.daemons: list[LoopbackDaemon] = []
         self.phase_no = 0
 
     # ---- output --------------------------------------------------------------------------
@@ -132,7 +135,7 @@ class Demo:
 
     # ---- phases ----------------------------------------------------------------------------
     def main(self) -> None:
-        """Run every phase; raises DemoError when one fails."""
+        """Run every phase; raises DaemonError when one fails."""
         import openai
 
         self.phase("set up")
@@ -159,10 +162,7 @@ class Demo:
 
         self.model_dir = self.args.model or str(builtin_model_dir())
         self.work = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
-        secret_file = self.work / "mesh.secret"
-        secret_file.touch(mode=0o600)
-        secret_file.write_text(secrets.token_urlsafe(32))
-        self.secret_file = secret_file
+        self.secret_file = fresh_secret_file(self.work)
         budget = stage_budget(self.model_dir, self.args.stages)
         self.say(f"  state and logs in {self.work}; a fresh random mesh secret")
         self.say(
@@ -177,29 +177,28 @@ class Demo:
         for i in range(self.args.stages + 1):
             host = f"127.0.0.{self.args.first_host + i}"
             self.daemons.append(
-                DemoDaemon(self.work, f"n{i + 1}", host, self.secret_file, budget, self.args.model)
+                LoopbackDaemon(
+                    self.work, f"n{i + 1}", host, self.secret_file, budget, self.args.model
+                )
             )
-        deadline = time.monotonic() + 120
+        started(self.daemons, 120)
         for d in self.daemons:
-            d.wait_listening(deadline)
             self.say(f"  {d.name}: pid {d.proc.pid}, lanes {d.lane_address}, api {d.api_url}")
 
-    def wait_for_plan(self) -> DemoDaemon:
+    def wait_for_plan(self) -> LoopbackDaemon:
         """Until every daemon sees every other and all agree on a plan they have loaded."""
-        keys = {d.key() for d in self.daemons}
-
-        def everyone_found() -> bool:
-            return all(d.alive_members() == keys for d in self.daemons)
-
-        found_s = wait_until(everyone_found, 60, "the daemons to find each other over mDNS")
+        found_s = wait_until(
+            lambda: found_each_other(self.daemons), 60, "the daemons to find each other over mDNS"
+        )
         self.say(
-            f"  all {len(keys)} daemons found each other (mDNS on loopback) in {found_s:.1f} s"
+            f"  all {len(self.daemons)} daemons found each other (mDNS on loopback) "
+            f"in {found_s:.1f} s"
         )
         started = time.monotonic()
         agreed = self.agreed_plan(self.daemons)
         plan_s = time.monotonic() - started
         if len(agreed) != self.args.stages:
-            raise DemoError(f"the mesh planned {len(agreed)} stages, not {self.args.stages}")
+            raise DaemonError(f"the mesh planned {len(agreed)} stages, not {self.args.stages}")
         by_key = {d.key(): d for d in self.daemons}
         for i, stage in enumerate(agreed):
             lo, hi = stage["layers"]
@@ -272,7 +271,7 @@ class Demo:
             f"{spec['decode_tok_per_s'] or 0:.1f} tok/s"
         )
 
-    def meshctl_status(self, coordinator: DemoDaemon) -> None:
+    def meshctl_status(self, coordinator: LoopbackDaemon) -> None:
         """Run the real `meshctl status` against the coordinator's control socket."""
         command = [sys.executable, "-m", "meshd.cli.meshctl", "status", "--socket"]
         self.say(f"  $ meshctl status --socket {coordinator.socket}")
@@ -284,10 +283,10 @@ class Demo:
             check=False,
         )
         if result.returncode != 0:
-            raise DemoError(f"meshctl status failed: {result.stderr.strip()}")
+            raise DaemonError(f"meshctl status failed: {result.stderr.strip()}")
         self.say(result.stdout.rstrip())
 
-    def kill_mid_generation(self, client: Any, coordinator: DemoDaemon, first: ChatRun) -> None:
+    def kill_mid_generation(self, client: Any, coordinator: LoopbackDaemon, first: ChatRun) -> None:
         """The same request again; SIGKILL a stage (not the coordinator) once text flows."""
         # The plan may still move in the first seconds (RTT rows arrive): take it afresh.
         plan = self.agreed_plan(self.daemons)
@@ -309,10 +308,10 @@ class Demo:
         before = coordinator.recoveries()
         again = self.chat(client, on_chunk, show=False)
         if not killed:
-            raise DemoError("the answer ended before the kill could land")
+            raise DaemonError("the answer ended before the kill could land")
         self.say(f"  finished {time.monotonic() - killed[0]:.1f} s after the SIGKILL")
         if coordinator.recoveries() <= before:
-            raise DemoError("the coordinator reports no recovery")
+            raise DaemonError("the coordinator reports no recovery")
         detected = coordinator.first_event("lane-lost", victim.key(), victim.killed_at)
         if detected is not None:
             delay_s = detected - victim.killed_at
@@ -326,30 +325,91 @@ class Demo:
         same = again.text == first.text
         self.say(f"  identical to the undisturbed run: {'yes' if same else 'NO'}")
         if not same and self.args.temperature == 0:
-            raise DemoError("greedy text after recovery differs from the undisturbed run")
+            raise DaemonError("greedy text after recovery differs from the undisturbed run")
 
-    def agreed_plan(self, daemons: list[DemoDaemon]) -> list[dict[str, Any]]:
+    def agreed_plan(self, daemons: list[LoopbackDaemon]) -> list[dict[str, Any]]:
         """The plan these daemons agree on and have loaded, unchanged for `STABLE_S`."""
-        seen: list[list[dict[str, Any]] | None] = [None]
-
-        def stable() -> bool:
-            before, seen[0] = seen[0], settled_plan(daemons)
-            return seen[0] is not None and seen[0] == before
-
-        # Polled every STABLE_S, so two equal reads in a row span that long.
-        wait_until(stable, 60, "a settled plan", poll_s=STABLE_S)
-        return seen[0] or []
+        return agreed_plan(daemons, 60, STABLE_S)
 
     def stop(self) -> None:
         """SIGTERM every daemon, wait, SIGKILL stragglers, remove the temp dir (idempotent)."""
         daemons, self.daemons = self.daemons, []
-        for d in daemons:
-            d.terminate()
-        deadline = time.monotonic() + 10
-        for d in daemons:
-            how = d.wait_stopped(deadline)
+        for d, how in zip(daemons, stop_all(daemons), strict=True):
             self.say(f"  {d.name}: {how}")
         if self.work is not None and not self.args.keep_logs:
             shutil.rmtree(self.work, ignore_errors=True)
             self.say(f"  removed {self.work}")
         self.work = None
+
+
+async def _in_process(args: argparse.Namespace) -> int:
+    """`--in-process`: the stage nodes in this one process, no daemons.
+
+    Each stage node still has its own UDP endpoint and encrypted lanes (the code the daemons
+    run), with latency between them emulated in userspace. It streams one chat completion with
+    speculative decoding, then prints tokens/s and the speculative statistics. Useful where
+    spawning daemons is not (a notebook, a machine without 127.0.0.x aliases).
+    """
+    from meshd.coord.local import open_local_pipeline
+    from meshd.coord.pipeline import GenerationRequest
+    from meshd.model.builtin import builtin_model_dir
+    from meshd.model.files import open_checkpoint, open_tokenizer
+    from meshd.spec.config import SpecConfig
+    from protocol.messages import Sampling
+
+    model_dir = args.model or str(builtin_model_dir())
+    tokenizer = open_tokenizer(model_dir)
+    checkpoint = open_checkpoint(model_dir)
+    say = print
+    say(f"meshd demo — model {checkpoint.model_id[:16]} ({checkpoint.config.num_layers} layers)")
+    say(f"starting {args.stages} stage nodes on loopback, emulated RTT {args.rtt_ms:g} ms …")
+    t_start = time.perf_counter()
+    async with open_local_pipeline(
+        model_dir,
+        args.stages,
+        rtt_s=args.rtt_ms / 1000,
+        wire_dtype="f16",
+        eos_ids=frozenset(tokenizer.eos_ids),
+    ) as pipe:
+        for i, stage in enumerate(pipe.route.stages):
+            say(
+                f"  stage {i}: node {stage.node_key.hex()[:12]} layers {stage.layer_start}-"
+                f"{stage.layer_end - 1}"
+            )
+        say(f"ready in {time.perf_counter() - t_start:.1f} s\n")
+        messages = [{"role": "user", "content": args.prompt}]
+        ids = tokenizer.encode_chat(messages)
+        say(f"user: {args.prompt}\nassistant: ", end="")
+        stream = tokenizer.stream(skip_special_tokens=True)
+
+        async def on_tokens(tokens: list[int]) -> None:
+            for t in tokens:
+                sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+        request = GenerationRequest(
+            prompt=ids,
+            max_tokens=args.max_tokens,
+            sampling=Sampling(temperature=args.temperature, seed=args.seed),
+            spec=SpecConfig(strategy=args.strategy),
+            eos_ids=frozenset(tokenizer.eos_ids),
+            mtp_depth=checkpoint.config.num_mtp_layers,
+        )
+        result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
+        sys.stdout.write(stream.flush())
+        t = result.telemetry
+        say("\n")
+        say(f"finish: {result.finish_reason}, {len(result.tokens)} tokens")
+        if t.decode_tok_per_s:
+            say(f"decode: {t.decode_tok_per_s:.1f} tok/s; prompt {t.prompt_tokens} tokens")
+        acc = "-" if t.acceptance is None else f"{t.acceptance:.0%}"
+        tpr = "-" if t.tokens_per_round_trip is None else f"{t.tokens_per_round_trip:.2f}"
+        say(
+            f"speculation: strategy {t.strategy} (active {t.active_strategy}), drafted "
+            f"{t.drafted_tokens}, accepted {t.accepted_tokens} ({acc}), {tpr} tokens per "
+            f"verify round trip, {t.windows_stale} stale windows"
+        )
+        if t.last_policy_reason:
+            say(f"policy: {t.last_policy_reason}")
+    say("stopped all nodes cleanly")
+    return 0

@@ -21,28 +21,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # `meshd bench NAME`: name -> (module, help), same module contract as COMMANDS.
 BENCHES: dict[str, tuple[str, str]] = {
-    "spec": ("meshd.coord.bench_spec", "speculative strategies over a stage pipeline"),
-    "lanes": ("meshd.net.bench_lanes", "our lane vs aioquic vs raw UDP on loopback"),
-    "decode": ("meshd.model.bench_decode", "single-node decode loop vs transformers generate()"),
-    "mtp": ("meshd.stage.bench_mtp", "the last stage's MTP heads per window, next to a pass"),
+    "spec": ("meshd.bench.spec", "speculative strategies over a stage pipeline"),
+    "lanes": ("meshd.bench.lanes", "our lane vs aioquic vs raw UDP on loopback"),
+    "decode": ("meshd.bench.decode", "single-node decode loop vs transformers generate()"),
+    "mtp": ("meshd.bench.mtp", "the last stage's MTP heads per window, next to a pass"),
     "concurrency": (
-        "meshd.coord.bench_concurrency",
+        "meshd.bench.concurrency",
         "concurrent streams on a 2-stage pipeline, stage batching on vs off",
     ),
     "pipeline": (
-        "meshd.coord.bench_pipeline",
+        "meshd.bench.pipeline",
         "time per token for 1/2/3 stages at emulated RTTs, next to the cost model",
     ),
     "scale": (
-        "meshd.plan.bench_scale",
+        "meshd.bench.scale",
         "membership, failure detection and planner at 10-1000 nodes",
     ),
-    "load": ("meshd.api.bench_load", "OpenAI endpoint under load: latency, errors, KV leaks"),
+    "load": ("meshd.bench.load", "OpenAI endpoint under load: latency, errors, KV leaks"),
     "chaos": (
         "meshd.bench.chaos",
         "real daemons SIGKILLed, SIGTERMed and restarted under load: errors, recovery, leaks",
     ),
-    "plot": ("meshd.cli.bench_plot", "draw saved --json reports (docs/bench/) as PNGs"),
+    "plot": ("meshd.bench.plot", "draw saved --json reports (docs/bench/) as PNGs"),
 }
 
 

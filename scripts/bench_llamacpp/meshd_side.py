@@ -52,7 +52,7 @@ def write_large(out: pathlib.Path) -> dict[str, Any]:
     `meshd bench pipeline` for its prompt. The built-in's 4096 ids all lie inside the 32000-id
     vocabulary (the converter pads the rest).
     """
-    from meshd.model.bench_decode import write_random_checkpoint
+    from meshd.bench.decode import write_random_checkpoint
     from meshd.model.builtin import builtin_model_dir
 
     out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,7 @@ def write_large(out: pathlib.Path) -> dict[str, Any]:
 
 
 def prompt(model_dir: pathlib.Path) -> list[int]:
-    from meshd.model.bench_decode import DEFAULT_PROMPT, _prompt_ids
+    from meshd.bench.decode import DEFAULT_PROMPT, _prompt_ids
     from meshd.model.checkpoint import Checkpoint
 
     config = Checkpoint.open(model_dir).config

@@ -98,3 +98,19 @@ def test_ctrl_c_stops_the_daemons_and_removes_the_temp_dir() -> None:
     assert len(pids) == 4 and all(process_gone(pid) for pid in pids)
     work = re.search(r"state and logs in (\S+);", out)
     assert work is not None and not pathlib.Path(work.group(1)).exists()
+
+
+def test_in_process_demo_streams_a_chat_over_two_stages_and_stops_cleanly() -> None:
+    result = subprocess.run(
+        demo_command("--in-process", "--stages", "2", "--rtt-ms", "1"), cwd=REPO,
+        env=demo_env(), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-2000:]
+    assert len(re.findall(r"^  stage \d: node [0-9a-f]{12} layers \d+-\d+$", out, re.M)) == 2
+    finish = re.search(r"^finish: (\w+), (\d+) tokens$", out, re.MULTILINE)
+    assert finish is not None and 0 < int(finish.group(2)) <= 80, out
+    answer = out.split("assistant: ", 1)[1].split("\nfinish:", 1)[0]
+    assert answer.strip(), out  # the streamed text arrived
+    assert "speculation: strategy auto" in out
+    assert out.rstrip().endswith("stopped all nodes cleanly")

@@ -152,23 +152,6 @@ async def test_reported_stage_load_narrows_speculation() -> None:
     assert coord.stage_load(route) < 1.5
 
 
-async def test_bench_concurrency_reports_every_cell_with_identical_text() -> None:
-    from meshd.coord.bench_concurrency import _matrix
-    from meshd.model.builtin import builtin_model_dir
-
-    with trio.fail_after(60):
-        report = await _matrix(str(builtin_model_dir()), [1, 2], 4, 1, 0.0, "disabled")
-    cells = [(row["streams"], row["batching"]) for row in report["rows"]]
-    assert cells == [(1, False), (1, True), (2, False), (2, True)]
-    assert all(row["identical_to_unbatched"] for row in report["rows"])
-    assert all(row["decode_tok_s"] > 0 and row["p99_token_ms"] > 0 for row in report["rows"])
-    # Unbatched passes hold one window; batched ones at most one per stream (two streams on
-    # two stages may also settle into alternating passes, so 1 is allowed).
-    assert [
-        row["largest_batch"] <= (row["streams"] if row["batching"] else 1) for row in report["rows"]
-    ] == [True] * 4
-
-
 async def test_a_full_stage_is_a_429_with_the_stages_retry_after_through_the_backend(
     model_dir: pathlib.Path,
 ) -> None:

@@ -2,7 +2,7 @@
 deaths, suspicions are refuted, capacity records propagate and forgeries are dropped, garbage
 never crashes anything, and the gossip stays within its byte budget.
 
-Every multi-node test runs tests/mesh/sim.py: real state machines, real codec, real Ed25519,
+Every multi-node test runs the simulator (meshd/sim/simnet.py): real state machines, real codec, real Ed25519,
 a seeded network. Bounds asserted here are the ones docs/membership.md states.
 """
 
@@ -27,6 +27,8 @@ from meshd.mesh.membership import (
     MembershipConfig,
     Status,
 )
+from meshd.sim.gossip_load import measure_gossip_load
+from meshd.sim.simnet import LinkModel, Sim, signer, verify_ed25519
 from protocol.errors import RemoteProtocolError
 from protocol.gossip import (
     MAX_GOSSIP_BYTES,
@@ -46,7 +48,6 @@ from protocol.gossip import (
     read_record,
     sign_record,
 )
-from tests.mesh.sim import LinkModel, Sim, measure_gossip_load, signer, verify_ed25519
 
 LANE_DEAD_AFTER_S = 1.5
 

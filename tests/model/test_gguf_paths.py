@@ -9,10 +9,10 @@ import pytest
 import torch
 import trio
 
+from meshd.bench.decode import DEFAULT_PROMPT
 from meshd.cli.main import main
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import GenerationRequest
-from meshd.model.bench_decode import DEFAULT_PROMPT
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
@@ -43,7 +43,7 @@ def test_bench_decode_takes_a_gguf_model(
     path = write_gguf(builtin_model_dir(), tmp_path / "builtin-q8.gguf", "Q8_0")
     args = ["bench", "decode", "--model", str(path), "--tokens", "8", "--rounds", "1", "--json"]
     # Dequantized to fp32 (as transformers' reference holds it), both sides decode alike; by
-    # default the file is benched at its own int8 (test_bench_decode.py).
+    # default the file is benched at its own int8 (tests/bench/test_decode.py).
     assert main([*args, "--quantization", "none"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == str(path) and report["same_tokens"] is True

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshd.model.bench_decode import RANDOM_CONFIGS
+from meshd.bench.decode import RANDOM_CONFIGS
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import parse_config

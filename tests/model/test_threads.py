@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from meshd.model.bench_decode import RANDOM_CONFIGS
+from meshd.bench.decode import RANDOM_CONFIGS
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig, parse_config

@@ -29,7 +29,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
+from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
@@ -39,7 +39,7 @@ from meshd.node.control_client import GenerateOp, request_lines
 from protocol.datagram import KIND_DATA, KIND_INITIATION
 from protocol.handshake import MIN_INITIATION_BYTES
 from protocol.packet import HEADER
-from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, started, stop_all
+from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         started([m.intruder])
         yield m
     finally:
-        stop_all([*m.daemons.values(), *([m.intruder] if m.intruder else [])])
+        kill_all([*m.daemons.values(), *([m.intruder] if m.intruder else [])])
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ import httpx
 import pytest
 import torch
 
-from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
+from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 from meshd.node.control_client import GenerateOp, request_lines
 from tests.model.gguf_files import write_gguf
-from tests.node.daemons import SECRET, Daemon, started, stop_all
+from tests.node.daemons import SECRET, Daemon
 
 pytestmark = pytest.mark.slow
 
@@ -62,4 +62,4 @@ def test_two_daemons_serve_a_quantized_gguf_file(tmp_path: pathlib.Path) -> None
         models = httpx.get(f"{daemons[0].api_url}/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny-stories-q8"]
     finally:
-        stop_all(daemons)
+        kill_all(daemons)

@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from meshd.cli.demo_daemons import settled_plan, wait_until
+from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import SECRET, Daemon, started, stop_all
+from tests.node.daemons import SECRET, Daemon
 from tests.node.test_daemon import meshctl, reference, run_generation, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         wait_until(lambda: settled_plan(m.daemons) is not None, 30, "a plan with a spare")
         yield m
     finally:
-        stop_all(m.daemons)
+        kill_all(m.daemons)
 
 
 @pytest.fixture(scope="module")

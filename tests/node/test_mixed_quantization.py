@@ -16,14 +16,14 @@ import httpx
 import pytest
 import torch
 
-from meshd.cli.demo_daemons import stage_budget, wait_until
+from meshd.cli.supervisor import kill_all, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import Daemon, started, stop_all
+from tests.node.daemons import Daemon
 from tests.node.test_daemon import meshctl
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Daemon]
         started(daemons.values())
         yield daemons
     finally:
-        stop_all(daemons.values())
+        kill_all(daemons.values())
 
 
 def reference(prompt: list[int], quantization: str) -> list[int]:

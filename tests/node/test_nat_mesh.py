@@ -26,11 +26,13 @@ import torch
 import trio
 from nacl.bindings import crypto_scalarmult_base
 
-from meshd.cli.demo_daemons import (
-    DemoError,
+from meshd.cli.supervisor import (
+    DaemonError,
     ServeProcess,
+    kill_all,
     settled_plan,
     stage_budget,
+    started,
     wait_until,
     write_secret_file,
 )
@@ -48,7 +50,7 @@ from protocol.config import LaneConfig
 from protocol.gossip import Status
 from protocol.handshake import psk_from_secret
 from tests.net import netns
-from tests.node.daemons import SECRET, started, stop_all
+from tests.node.daemons import SECRET
 
 INTRODUCER_PORT = 7000
 PROMPT = "def fibonacci(n):\n"
@@ -131,7 +133,7 @@ def run_mesh(random_fully: bool, tmp: pathlib.Path, budget: int, prompt: list[in
                 "a settled 2-stage plan over A and B",
                 poll_s=0.2,
             )
-        except DemoError as exc:
+        except DaemonError as exc:
             logs = "\n".join(f"--- {d.name}\n{d.log_tail(3000)}" for d in daemons)
             raise AssertionError(f"{exc}\n{logs}") from None
         op = GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -145,7 +147,7 @@ def run_mesh(random_fully: bool, tmp: pathlib.Path, budget: int, prompt: list[in
             {d.name: d.key() for d in daemons},
         )
     finally:
-        stop_all(reversed(daemons))
+        kill_all(reversed(daemons))
         topo.delete()
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshd.bench.decode import RANDOM_CONFIGS
 from meshd.mesh.member import MemberInfo
-from meshd.model.bench_decode import RANDOM_CONFIGS
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig, parse_config

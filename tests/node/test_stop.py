@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 import pytest
 
-from meshd.cli.demo_daemons import settled_plan, wait_until
+from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
-from tests.node.daemons import Daemon, started, stop_all
+from tests.node.daemons import Daemon
 from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         m.in_plan()
         yield m
     finally:
-        stop_all(m.daemons.values())
+        kill_all(m.daemons.values())
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from meshd.sim.lane_pair import CAPABILITIES, PSK, LinkProfile, Network, pair
 from protocol.config import LaneConfig
 from protocol.datagram import KIND_DATA, KIND_INITIATION
 from protocol.errors import LocalProtocolError
@@ -17,7 +18,6 @@ from protocol.lane import (
     TerminationReason,
 )
 from protocol.packet import parse_header
-from tests.protocol.lane_sim import CAPABILITIES, PSK, LinkProfile, Network, pair
 
 
 def send_batch(lane: Lane, rng: random.Random, count: int) -> dict[int, list[bytes]]:

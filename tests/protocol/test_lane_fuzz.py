@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshd.sim.lane_pair import pair
 from protocol.datagram import KIND_DATA, KIND_REFUSAL, KIND_RESPONSE
 from protocol.errors import RemoteProtocolError
 from protocol.lane import Lane, MessageReceived
-from tests.protocol.lane_sim import pair
 
 # One established pair shared by the examples: garbage must leave it working.
 _NET, _A, _B = pair()

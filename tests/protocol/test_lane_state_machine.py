@@ -15,10 +15,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from meshd.sim.lane_pair import pair
 from protocol.config import LaneConfig
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.lane import Lane, LaneTerminated, MessageReceived
-from tests.protocol.lane_sim import pair
 
 CONFIG = LaneConfig(key_rotation_after_packets=6, old_key_retention_s=0.5)
 SIDES = st.sampled_from(["a", "b"])

@@ -1,0 +1,97 @@
+"""What every `meshd bench NAME` shares: the model and quantization options, the `--json`
+report or its table, contestants run in alternating rounds, nearest-rank percentiles and
+medians.
+
+Benches run their contestants in alternating rounds in one process (this machine is shared
+and noisy: drift hits every contestant alike) and report medians and ratios to a baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+MODEL_HELP = "checkpoint dir or .gguf (default: built-in)"
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def add_model_option(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    """`--model`: the checkpoint to bench (the built-in model when not given)."""
+    parser.add_argument("--model", default=None, help=help)
+
+
+def add_quantization_option(parser: argparse.ArgumentParser) -> None:
+    """`--quantization`: the stage weight format (none, int8, int4)."""
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="stage weight format (docs/model-runtime.md)",
+    )
+
+
+def model_dir(args: argparse.Namespace) -> str:
+    """`--model`, or the built-in model's directory."""
+    if args.model:
+        return str(args.model)
+    from meshd.model.builtin import builtin_model_dir
+
+    return str(builtin_model_dir())
+
+
+def print_report(
+    report: dict[str, Any],
+    as_json: bool,
+    table: Callable[[dict[str, Any]], None],
+    default: Callable[[Any], Any] | None = None,
+) -> None:
+    """The report as one JSON line (`--json`, what `meshd bench plot` reads), else its table."""
+    if as_json:
+        print(json.dumps(report, default=default))
+    else:
+        table(report)
+
+
+def nearest_rank(ranked: Sequence[float], p: float) -> float | None:
+    """The p-th percentile of sorted values by nearest rank (None when there are none)."""
+    if not ranked:
+        return None
+    return ranked[max(0, math.ceil(p / 100 * len(ranked)) - 1)]
+
+
+def median(values: Iterable[float]) -> float:
+    """The median as a float (statistics.median keeps ints)."""
+    return float(statistics.median(values))
+
+
+def alternate(
+    contestants: Mapping[str, Callable[[], T]], rounds: int, warmup: int = 0
+) -> dict[str, list[T]]:
+    """Run every contestant once per round, in order (A B A B ...), so machine noise hits
+    them alike; the first `warmup` rounds are run and dropped. Each one's results, in order."""
+    results: dict[str, list[T]] = {name: [] for name in contestants}
+    for done in range(warmup + rounds):
+        for name, run in contestants.items():
+            result = run()
+            if done >= warmup:
+                results[name].append(result)
+    return results
+
+
+async def alternate_async(
+    contestants: Mapping[str, Callable[[], Awaitable[T]]], rounds: int, warmup: int = 0
+) -> dict[str, list[T]]:
+    """`alternate` for contestants that are awaited."""
+    results: dict[str, list[T]] = {name: [] for name in contestants}
+    for done in range(warmup + rounds):
+        for name, run in contestants.items():
+            result = await run()
+            if done >= warmup:
+                results[name].append(result)
+    return results

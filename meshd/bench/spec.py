@@ -1,0 +1,397 @@
+"""`meshd bench spec`: speculative strategies side by side over a real stage pipeline.
+
+For each stage count and emulated RTT, one in-process pipeline on loopback (real lanes, real
+stage hosts, userspace-emulated latency) runs every strategy on every workload, interleaved,
+greedy, in rounds that repeat until `disabled` has decoded for `--min-seconds` (a 96-token
+run on one fast node lasts ~0.3 s, too short to time alone on a shared machine). Reported per
+row, as medians over prompts and rounds: decode tokens/s, the ratio to `disabled` in the same
+round, accepted/drafted, tokens per verify round trip, stale windows — and whether the text
+equals `disabled`'s (speculation must never change it). The single-stage rows also time
+`transformers` `generate()` with and without `prompt_lookup_num_tokens` on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import trio
+
+from meshd.bench.harness import add_model_option, add_quantization_option, model_dir
+from meshd.coord.local import open_local_pipeline
+from meshd.coord.pipeline import GenerationRequest
+from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.sim.workloads import Workload, workloads
+from meshd.spec.config import (
+    STRATEGIES,
+    SpecConfig,
+    add_spec_arguments,
+    resolve_spec_config,
+    spec_cli_values,
+)
+
+KINDS = ("edit", "completion", "prose")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshd bench spec`."""
+    add_model_option(parser)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="2 stages, RTT 20 ms, 1 prompt")
+    parser.add_argument("--stages", type=int, nargs="*", default=None)
+    parser.add_argument("--rtt-ms", type=float, nargs="*", default=None)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens generated per run")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
+    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
+    parser.add_argument("--no-transformers", action="store_true")
+    add_quantization_option(parser)
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=None,
+        help="repeat a prompt's round of strategies until disabled has decoded this long "
+        "(default 4; 0 with --quick): short runs on a shared machine are mostly noise",
+    )
+    parser.add_argument("--max-rounds", type=int, default=10, help="most rounds per prompt")
+    # Every strategy runs with these settings (the strategy flag itself is --strategies).
+    add_spec_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the matrix and print it."""
+    directory = model_dir(args)
+    stages = args.stages or ([2] if args.quick else [1, 2, 3])
+    rtts = args.rtt_ms or ([20.0] if args.quick else [0.0, 5.0, 20.0, 50.0])
+    tokens = args.tokens or (48 if args.quick else 96)
+    prompts = args.prompts or (1 if args.quick else 2)
+    strategies = [s for s in STRATEGIES if s in args.strategies]
+    if "disabled" not in strategies:
+        strategies.insert(0, "disabled")
+    loads = workloads(prompts)
+    min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 4.0)
+    rounds = Rounds(min_s, max(1, args.max_rounds))
+    overrides = {k: v for k, v in spec_cli_values(args).items() if k != "strategy"}
+    spec = resolve_spec_config({}, {}, overrides, {})
+    report = trio.run(
+        _matrix,
+        directory,
+        stages,
+        rtts,
+        tokens,
+        loads,
+        strategies,
+        rounds,
+        spec,
+        args.quantization,
+    )
+    report["spec_overrides"] = overrides
+    report["quantization"] = args.quantization
+    if 1 in stages and not args.no_transformers:
+        report["transformers"] = _transformers_rows(directory, loads, tokens)
+    if args.json:
+        print(json.dumps(report))
+    elif args.markdown:
+        print(markdown(report, strategies))
+    else:
+        _print(report, strategies)
+    return 0
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """How often a prompt's strategies run, interleaved: until `disabled` has decoded for
+    `min_seconds` in all, at most `max_rounds` times (once when min_seconds is 0)."""
+
+    min_seconds: float = 4.0
+    max_rounds: int = 10
+
+    def more(self, done: int, disabled_decode_s: float) -> bool:
+        """Whether to run another round after `done` rounds."""
+        return done < self.max_rounds and disabled_decode_s < self.min_seconds
+
+
+async def _matrix(
+    model_dir: str,
+    stage_counts: list[int],
+    rtts_ms: list[float],
+    tokens: int,
+    loads: list[Workload],
+    strategies: list[str],
+    rounds: Rounds = Rounds(0.0, 1),
+    spec: SpecConfig | None = None,
+    quantization: str = "none",
+) -> dict[str, Any]:
+    settings = spec or SpecConfig()
+    checkpoint = open_checkpoint(model_dir)
+    tokenizer = open_tokenizer(model_dir)
+    mtp_depth = checkpoint.config.num_mtp_layers
+    eos = frozenset(tokenizer.eos_ids)
+    rows: list[dict[str, Any]] = []
+    samples: dict[str, str] = {}
+    for stages in stage_counts:
+        for rtt_ms in rtts_ms:
+            async with open_local_pipeline(
+                model_dir,
+                stages,
+                rtt_s=rtt_ms / 1000,
+                wire_dtype="f16",
+                eos_ids=eos,
+                quantization=quantization,
+            ) as pipe:
+                # Warm-up: lanes open, threads start, caches fill.
+                warm = tokenizer.encode(loads[0].prompt)
+                await _generate(pipe, warm, 8, "disabled", mtp_depth, settings)
+                for load in loads:
+                    ids = tokenizer.encode(load.prompt)
+                    done, disabled_s = 0, 0.0
+                    while done == 0 or rounds.more(done, disabled_s):
+                        # Interleaved, one strategy after another; each round starts one
+                        # strategy later, so none always runs first (after a pause, say).
+                        turn = done % len(strategies)
+                        results = {}
+                        for strategy in strategies[turn:] + strategies[:turn]:
+                            results[strategy] = await _generate(
+                                pipe, ids, tokens, strategy, mtp_depth, settings
+                            )
+                        base = results["disabled"]
+                        disabled_s += base["decode_s"]
+                        samples.setdefault(load.kind, tokenizer.decode(base["tokens"]))
+                        rows += _runs(stages, rtt_ms, load, done, results)
+                        done += 1
+    return {"rows": _aggregate(rows), "runs": rows, "samples": samples, "tokens": tokens}
+
+
+def _runs(
+    stages: int, rtt_ms: float, load: Workload, round_: int, results: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One record per strategy of a round; ratios against that round's `disabled`."""
+    base = results["disabled"]
+    return [
+        {
+            "stages": stages,
+            "rtt_ms": rtt_ms,
+            "workload": load.kind,
+            "prompt": load.name,
+            "round": round_,
+            "strategy": strategy,
+            "decode_tok_s": r["tok_s"],
+            "ratio_vs_disabled": r["tok_s"] / base["tok_s"],
+            "acceptance": r["acceptance"],
+            "drafted": r["drafted"],
+            "accepted": r["accepted"],
+            "tokens_per_round_trip": r["tpr"],
+            "windows_stale": r["stale"],
+            "identical_to_disabled": r["tokens"] == base["tokens"],
+        }
+        for strategy, r in results.items()
+    ]
+
+
+async def _generate(
+    pipe: Any, ids: list[int], n: int, strategy: str, mtp: int, spec: SpecConfig | None = None
+) -> dict[str, Any]:
+    out: list[int] = []
+
+    async def on_tokens(t: list[int]) -> None:
+        out.extend(t)
+
+    request = GenerationRequest(
+        prompt=ids,
+        max_tokens=n,
+        spec=msgspec.structs.replace(spec or SpecConfig(), strategy=strategy),
+        mtp_depth=mtp,
+        eos_ids=frozenset(),  # fixed length, so every strategy decodes the same count
+    )
+    t0 = time.perf_counter()
+    result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
+    wall = time.perf_counter() - t0
+    tel = result.telemetry
+    decode_s = tel.decode_s or max(1e-9, wall - tel.prompt_s)
+    return {
+        "tokens": result.tokens,
+        "decode_s": decode_s,
+        "tok_s": max(1, len(result.tokens) - 1) / decode_s,
+        "acceptance": tel.acceptance,
+        "drafted": tel.drafted_tokens,
+        "accepted": tel.accepted_tokens,
+        "tpr": tel.tokens_per_round_trip,
+        "stale": tel.windows_stale,
+    }
+
+
+def _aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (stages, rtt, workload, strategy): medians over prompts and rounds."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["stages"], r["rtt_ms"], r["workload"], r["strategy"]), []).append(r)
+    rows = []
+    for (stages, rtt, workload, strategy), items in groups.items():
+        drafted = sum(i["drafted"] for i in items)
+        accepted = sum(i["accepted"] for i in items)
+        tprs = [i["tokens_per_round_trip"] for i in items if i["tokens_per_round_trip"]]
+        rows.append(
+            {
+                "stages": stages,
+                "rtt_ms": rtt,
+                "workload": workload,
+                "strategy": strategy,
+                "decode_tok_s": round(statistics.median(i["decode_tok_s"] for i in items), 2),
+                "ratio_vs_disabled": round(
+                    statistics.median(i["ratio_vs_disabled"] for i in items), 3
+                ),
+                # The spread of the per-round ratios (quartiles), and how many there were: on
+                # a shared machine one pair of runs differs by ±5-25 %.
+                "ratio_quartiles": _quartiles([i["ratio_vs_disabled"] for i in items]),
+                "ratio_samples": len(items),
+                "acceptance": round(accepted / drafted, 3) if drafted else None,
+                "tokens_per_round_trip": round(statistics.median(tprs), 2) if tprs else None,
+                "identical_to_disabled": all(i["identical_to_disabled"] for i in items),
+            }
+        )
+    return rows
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """[first quartile, third quartile] of `values` (both the value when there is one)."""
+    if len(values) < 2:
+        return [round(values[0], 3)] * 2 if values else []
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [round(q1, 3), round(q3, 3)]
+
+
+def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> list[dict[str, Any]]:
+    import torch
+
+    from meshd.model.reference import transformers_model
+
+    model = transformers_model(model_dir, torch.float32)  # a directory or a GGUF file
+    tok = open_tokenizer(model_dir)
+    rows = []
+    for kind in KINDS:
+        for load in [w for w in loads if w.kind == kind][:1]:
+            ids = torch.tensor([tok.encode(load.prompt)])
+            for lookup in (0, 10):
+                extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+                def timed(n: int, extra: dict[str, int] = extra, ids: Any = ids) -> float:
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        model.generate(
+                            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra
+                        )
+                    return time.perf_counter() - t0
+
+                timed(4)
+                decode_s = timed(tokens) - timed(1)
+                rows.append(
+                    {
+                        "workload": kind,
+                        "strategy": f"transformers prompt_lookup={lookup}"
+                        if lookup
+                        else "transformers generate",
+                        "decode_tok_s": round((tokens - 1) / max(decode_s, 1e-9), 2),
+                    }
+                )
+    return rows
+
+
+def _row(
+    rows: list[dict[str, Any]], stages: int, rtt: float, kind: str, strategy: str
+) -> dict[str, Any] | None:
+    """The aggregated row of one cell of the table, if it was measured."""
+    for r in rows:
+        if (r["stages"], r["rtt_ms"], r["workload"], r["strategy"]) == (
+            stages,
+            rtt,
+            kind,
+            strategy,
+        ):
+            return r
+    return None
+
+
+def markdown(report: dict[str, Any], strategies: list[str]) -> str:
+    """The rows as Markdown tables, one per (stages, RTT), for docs/speculative.md."""
+    rows = report["rows"]
+    out: list[str] = []
+    for stages, rtt in sorted({(r["stages"], r["rtt_ms"]) for r in rows}):
+        out.append(
+            f"\n**{stages} stage(s), RTT {rtt:g} ms** — decode tok/s (× disabled), "
+            "acceptance, tokens per verify round trip\n"
+        )
+        out.append("| strategy | " + " | ".join(KINDS) + " |")
+        out.append("| --- |" + " --- |" * len(KINDS))
+        for strategy in strategies:
+            cells = []
+            for kind in KINDS:
+                r = _row(rows, stages, rtt, kind, strategy)
+                if r is None:
+                    cells.append("–")
+                    continue
+                acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                tpr = r["tokens_per_round_trip"]
+                flag = "" if r["identical_to_disabled"] else " **MISMATCH**"
+                cells.append(
+                    f"{r['decode_tok_s']:.1f} ({r['ratio_vs_disabled']:.2f}×) {acc} "
+                    f"{'–' if tpr is None else f'{tpr:.2f}'}{flag}"
+                )
+            out.append(f"| {strategy} | " + " | ".join(cells) + " |")
+        spread = []
+        for kind in KINDS:
+            r = _row(rows, stages, rtt, kind, "auto")
+            if r is not None and r.get("ratio_quartiles"):
+                q1, q3 = r["ratio_quartiles"]
+                spread.append(f"{kind} {q1:.2f}–{q3:.2f}× ({r['ratio_samples']} rounds)")
+        if spread:
+            out.append("\n`auto` ÷ `disabled` per round, quartiles: " + ", ".join(spread))
+    for row in report.get("transformers", []):
+        out.append(
+            f"\nsingle node, {row['strategy']}, {row['workload']}: {row['decode_tok_s']:.1f} tok/s"
+        )
+    return "\n".join(out)
+
+
+def _print(report: dict[str, Any], strategies: list[str]) -> None:
+    rows = report["rows"]
+    configs = sorted({(r["stages"], r["rtt_ms"]) for r in rows})
+    print(
+        f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts and rounds"
+    )
+    print("cell: decode tok/s (ratio to disabled in the same run) acceptance, tokens/round trip")
+    for stages, rtt in configs:
+        print(f"\n{stages} stage(s), RTT {rtt:g} ms")
+        print(f"  {'strategy':14}" + "".join(f"{k:>34}" for k in KINDS))
+        for strategy in strategies:
+            cells = []
+            for kind in KINDS:
+                r = _row(rows, stages, rtt, kind, strategy)
+                if r is None:
+                    cells.append(f"{'-':>34}")
+                    continue
+                acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                tpr = (
+                    "-"
+                    if r["tokens_per_round_trip"] is None
+                    else f"{r['tokens_per_round_trip']:.2f}"
+                )
+                flag = "" if r["identical_to_disabled"] else " MISMATCH"
+                cells.append(
+                    f"{r['decode_tok_s']:8.1f} ({r['ratio_vs_disabled']:4.2f}x) {acc:>4} {tpr:>5}{flag}".rjust(
+                        34
+                    )
+                )
+            print(f"  {strategy:14}" + "".join(cells))
+    for row in report.get("transformers", []):
+        print(
+            f"  single node, {row['strategy']:32} {row['workload']:>10}: {row['decode_tok_s']:.1f} tok/s"
+        )
+    print("\nsamples (disabled, greedy):")
+    for kind, text in report["samples"].items():
+        snippet = text[:240].replace("\n", "\n    ")
+        print(f"  [{kind}]\n    {snippet}")

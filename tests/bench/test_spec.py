@@ -1,0 +1,43 @@
+"""`meshd bench spec` over a real one-stage pipeline: rounds, settings, identical text."""
+
+from __future__ import annotations
+
+from meshd.bench import spec as bench_spec
+from meshd.model.builtin import builtin_model_dir
+from meshd.sim.workloads import workloads
+from meshd.spec.config import SpecConfig
+
+
+async def test_short_runs_repeat_in_rounds_and_every_run_matches_disabled() -> None:
+    loads = [w for w in workloads(1) if w.kind == "edit"]
+    report = await bench_spec._matrix(
+        str(builtin_model_dir()),
+        [1],
+        [0.0],
+        12,
+        loads,
+        ["disabled", "ngram-simple", "auto"],
+        bench_spec.Rounds(min_seconds=600.0, max_rounds=3),  # never reached: 3 rounds
+        SpecConfig(window_max_tokens=4),
+    )
+    runs = report["runs"]
+    assert sorted((r["round"], r["strategy"]) for r in runs) == [
+        (i, s) for i in range(3) for s in ("auto", "disabled", "ngram-simple")
+    ]
+    assert all(r["identical_to_disabled"] for r in runs)
+    (row,) = [r for r in report["rows"] if r["strategy"] == "ngram-simple"]
+    assert row["ratio_vs_disabled"] > 0
+    # The row says how far its rounds spread, so a reader can tell a dip from noise.
+    q1, q3 = row["ratio_quartiles"]
+    assert row["ratio_samples"] == 3
+    assert q1 <= row["ratio_vs_disabled"] <= q3
+    table = bench_spec.markdown(report, ["disabled", "ngram-simple", "auto"])
+    assert "`auto` ÷ `disabled` per round, quartiles: edit " in table
+    assert "(3 rounds)" in table
+
+
+def test_rounds_stop_once_disabled_has_decoded_long_enough() -> None:
+    rounds = bench_spec.Rounds(min_seconds=2.0, max_rounds=5)
+    assert rounds.more(1, 0.5)
+    assert not rounds.more(1, 2.5)
+    assert not rounds.more(5, 0.5)

@@ -1,0 +1,30 @@
+"""The benchmark workloads: real text, and edits of code the built-in model never trained on."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sysconfig
+from importlib import resources
+from pathlib import Path
+
+from meshd.sim.workloads import EDIT_SOURCES, workloads
+
+BUILTIN = Path(str(resources.files("meshd.model") / "builtin"))
+
+
+def test_edit_prompts_come_from_the_built_in_models_held_out_files() -> None:
+    info = json.loads((BUILTIN / "training_info.json").read_text())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for module, _ in EDIT_SOURCES:
+        path = Path(importlib.import_module(module).__file__ or "")
+        assert path.relative_to(stdlib).as_posix() in info["heldout_files"]
+
+
+def test_each_kind_has_its_prompts_and_an_edit_asks_for_the_renamed_function() -> None:
+    loads = workloads(2)
+    assert [w.kind for w in loads] == ["edit"] * 2 + ["completion"] * 2 + ["prose"] * 2
+    edit = loads[0]
+    name = edit.name.split(".")[1]
+    assert f"def {name}(" in edit.prompt
+    assert edit.prompt.endswith(f"def {name}_v2(heap, pos):")
