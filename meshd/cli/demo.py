@@ -64,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kill", action="store_true", help="skip the stage-kill phase")
     parser.add_argument("--keep-logs", action="store_true", help="keep the daemons' temp dir")
     parser.add_argument(
+        "--stay",
+        action="store_true",
+        help="keep the mesh running after the demo (for the web console) until Ctrl-C",
+    )
+    parser.add_argument(
         "--in-process",
         action="store_true",
         help="no daemons: run the stage nodes in this process with emulated latency",
@@ -152,6 +157,15 @@ class Demo:
         if not self.args.no_kill:
             self.phase("stream it again and SIGKILL a stage mid-generation")
             self.kill_mid_generation(client, coordinator, first)
+        if self.args.stay:
+            self.phase("the mesh stays up: Ctrl-C stops it")
+            self.say(f"  web console: {coordinator.api_url.removesuffix('/v1')}/")
+            try:
+                while True:
+                    check_interrupted()
+                    time.sleep(0.5)
+            except KeyboardInterrupt:  # the way this phase ends, not a failure
+                INTERRUPTED.clear()
         self.phase("stop every daemon")
         self.stop()
         self.say(f"\ndemo finished in {time.monotonic() - self.t0:.1f} s")
@@ -172,18 +186,29 @@ class Demo:
         return budget
 
     def start(self, budget: int) -> None:
-        """Spawn the daemons, then wait until every one listens."""
+        """Spawn the stage nodes, let them plan, then the spare.
+
+        Plans are sticky (loaded stages stay where they are), so the spare stays spare; all
+        started at once, the first plan could take it in as one more stage and keep it.
+        """
         assert self.work is not None
         for i in range(self.args.stages + 1):
+            if i == self.args.stages:  # the spare
+                wait_until(lambda: found_each_other(self.daemons), 60, "the stage nodes")
+                self.agreed_plan(self.daemons)
             host = f"127.0.0.{self.args.first_host + i}"
             self.daemons.append(
                 LoopbackDaemon(
                     self.work, f"n{i + 1}", host, self.secret_file, budget, self.args.model
                 )
             )
-        started(self.daemons, 120)
+            if i == self.args.stages - 1:
+                started(self.daemons, 120)
+        started(self.daemons[self.args.stages :], 120)
         for d in self.daemons:
             self.say(f"  {d.name}: pid {d.proc.pid}, lanes {d.lane_address}, api {d.api_url}")
+        console = self.daemons[0].api_url.removesuffix("/v1") + "/"
+        self.say(f"  web console: {console} (any node's API address serves one)")
 
     def wait_for_plan(self) -> LoopbackDaemon:
         """Until every daemon sees every other and all agree on a plan they have loaded."""

@@ -20,9 +20,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from meshd.cli.demo_daemons import settled_plan, stage_budget, wait_until
+from meshd.cli.supervisor import settled_plan, stage_budget, started, stop_all, wait_until
 from meshd.model.builtin import builtin_model_dir
-from tests.node.daemons import SECRET, Daemon, started, stop_all
+from tests.node.daemons import SECRET, Daemon
 
 pytestmark = pytest.mark.slow
 

@@ -63,6 +63,7 @@ def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
     assert "tok/s" in out and "speculation:" in out
     assert "members" in out and "plan (~" in out  # meshctl status's tables
     assert "<SIGKILL n" in out
+    assert re.search(r"web console: http://127\.0\.0\.\d+:\d+/ ", out)
     assert re.search(r"the spare n\d took over layers", out)
     assert "identical to the undisturbed run: yes" in out
     pids = daemon_pids(out)
