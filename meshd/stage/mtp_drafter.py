@@ -150,7 +150,8 @@ class MtpDrafter:
             # Only a stale window (assumed past a reject) can leave a gap before its drafts:
             # its output is discarded by the coordinator anyway, so it simply gets no draft.
             # It may have stopped between depths: no row it could have reached counts as sound.
-            for inputs in self._inputs[session_id]:
+            # The session may also have been closed meanwhile (by the event loop's thread).
+            for inputs in self._inputs.get(session_id, ()):
                 inputs.clean = min(inputs.clean, max(0, base_pos - self.depth))
             return []
 
@@ -163,8 +164,9 @@ class MtpDrafter:
         next_token: int | None,
         want: int,
     ) -> list[int]:
-        rings = self._rings[session_id]
-        records = self._inputs[session_id]
+        rings, records = self._rings.get(session_id), self._inputs.get(session_id)
+        if rings is None or records is None:  # closed since the window began
+            raise SessionError(f"session {session_id!r} closed during its window")
         b = base_pos
         n_known = len(known_tokens)
         # t(p): the token at position p for p > b, as far as this window knows it.
