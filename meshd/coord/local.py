@@ -27,7 +27,7 @@ from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
-from meshd.stage.host import StageHost, StageHostConfig
+from meshd.stage.host import StageHost
 from protocol.messages import DType, Message, StageError, VerifyReply
 
 
@@ -122,8 +122,13 @@ async def open_local_pipeline(
                     host.handle(message, sender)
 
             peers = PeerTable(endpoints[index], publics[index], dispatch)
-            config = StageHostConfig(session_lease_s=session_lease_s)
-            host = StageHost(stage, peers, eos_ids=eos_ids, use_thread=use_thread, config=config)
+            host = StageHost(
+                stage,
+                peers,
+                eos_ids=eos_ids,
+                use_thread=use_thread,
+                session_lease_s=session_lease_s,
+            )
             holder["host"] = host
             if index == 0:
                 coordinator = Coordinator(

@@ -35,9 +35,7 @@ from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
-from meshd.node.tuning import DaemonTuning
-from meshd.plan import NoFeasiblePlan, Plan, PlannerConfig
-from meshd.stage.host import StageHostConfig
+from meshd.plan import NoFeasiblePlan, Plan
 from protocol import gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
@@ -55,6 +53,18 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EVENT_LOG = 200
+# Pacing of the daemon's own loops. These follow from how the parts work, not from a
+# deployment, so they are not configuration:
+# membership changes arriving within this window cause one re-plan, not many;
+REPLAN_DEBOUNCE_S = 0.2
+# a `--join` peer that does not answer is retried after this long, doubling up to the maximum;
+JOIN_RETRY_INITIAL_S = 0.5
+JOIN_RETRY_MAX_S = 8.0
+# single-token passes timed at start-up to measure compute per layer and token (the fastest
+# counts: the least disturbed by other work on the machine);
+WARMUP_PASSES = 6
+# lane round trips are fed to membership this often.
+RTT_REPORT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +84,11 @@ class MeshNode:
         self,
         config: NodeConfig,
         *,
-        tuning: DaemonTuning | None = None,
         model_dir: str = "",
         load_display: LoadDisplay | None = None,
     ) -> None:
         self.config = config
         self.load_display = load_display
-        self.tuning = tuning or DaemonTuning()
         self.identity = NodeIdentity.load_or_create(config.state_dir)
         self.psk = psk_from_secret(config.read_mesh_secret())
         self.model_dir = model_dir
@@ -100,11 +108,7 @@ class MeshNode:
             self.checkpoint, self.dtype, self.quantization, self.kv_dtype, self.device
         )
         model_ctx = self.checkpoint.config.max_position_embeddings
-        self.context_tokens = self.tuning.context_tokens or model_ctx
-        self.planner_config = PlannerConfig(
-            unknown_rtt_s=self.tuning.planner_unknown_rtt_s,
-            reuse_tolerance_fraction=self.tuning.planner_reuse_tolerance_fraction,
-        )
+        self.context_tokens = config.context_tokens or model_ctx
         self.keys = KeyBook()
         self.events: collections.deque[NodeEvent] = collections.deque(maxlen=_EVENT_LOG)
         self.plan: Plan | None = None
@@ -155,7 +159,7 @@ class MeshNode:
                 self.checkpoint,
                 self.device,
                 self.dtype,
-                self.tuning.warmup_passes,
+                WARMUP_PASSES,
                 quantization=self.quantization,
                 kv_dtype=self.kv_dtype,
             )
@@ -189,7 +193,8 @@ class MeshNode:
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
             streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
-            nat=self.tuning.nat,
+            nat=self.config.nat,
+            punch=self.config.punch,
             introducers=self._introducers_for,
         )
         self.coordinator = Coordinator(
@@ -205,7 +210,8 @@ class MeshNode:
             dtype=self.dtype,
             eos_ids=frozenset(self.tokenizer.eos_ids),
             load_display=self.load_display,
-            host_config=StageHostConfig(session_lease_s=self.config.session_lease_s),
+            host_config=self.config.stage,
+            session_lease_s=self.config.session_lease_s,
             quantization=self.quantization,
             kv_dtype=self.kv_dtype,
         )
@@ -217,7 +223,7 @@ class MeshNode:
             verify=NodeIdentity.verify,
             now=now,
             capacity=self.capacity(),
-            config=self.config.membership.membership_config(),
+            config=self.config.membership,
             seed=int.from_bytes(self.node_key[:8], "big"),
             # A restart outranks its previous life's words at once.
             incarnation=int(time.time()),
@@ -228,7 +234,7 @@ class MeshNode:
             self.peers,
             self.keys,
             self._on_member_events,
-            rtt_report_interval_s=self.tuning.rtt_report_interval_s,
+            rtt_report_interval_s=RTT_REPORT_INTERVAL_S,
         )
         await nursery.start(self.peers.run)
         await nursery.start(self.slot.run)
@@ -347,6 +353,7 @@ class MeshNode:
                 mesh_hash=mesh_hash_for(self.psk),
                 port=port,
                 interfaces=list(self.config.mdns.interfaces),
+                config=self.config.mdns,
             ) as disc,
             trio.open_nursery() as nursery,
         ):
@@ -379,10 +386,10 @@ class MeshNode:
         return node_id
 
     async def _bootstrap(self, address: Address) -> None:
-        delay = self.tuning.join_retry_initial_s
+        delay = JOIN_RETRY_INITIAL_S
         while await self._meet(address) is None:
             await trio.sleep(delay)
-            delay = min(delay * 2, self.tuning.join_retry_max_s)
+            delay = min(delay * 2, JOIN_RETRY_MAX_S)
 
     # ---- planning -------------------------------------------------------------------------
     def request_replan(self) -> None:
@@ -392,7 +399,7 @@ class MeshNode:
     async def _plan_loop(self) -> None:
         while True:
             await self._replan.wait()
-            await trio.sleep(self.tuning.replan_debounce_s)
+            await trio.sleep(REPLAN_DEBOUNCE_S)
             self._replan = trio.Event()
             await self._replan_once()
 
@@ -403,7 +410,7 @@ class MeshNode:
             self.membership.rtt_matrix(),
             context_tokens=self.context_tokens,
             exclude=frozenset(exclude),
-            config=self.planner_config,
+            config=self.config.planner,
         )
 
     async def _replan_once(self) -> None:
