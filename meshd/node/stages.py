@@ -126,7 +126,7 @@ class StageSlot:
         current = self._running.host.stats.sessions_expired if self._running else {}
         return {c: n + current.get(c, 0) for c, n in self._expired_before.items()}
 
-    def coordinator_lost(self, coordinator: bytes) -> None:
+    def free_coordinator(self, coordinator: bytes) -> None:
         """`coordinator` (a lane key) is gone: free its sessions here."""
         if self._running is not None:
             self._running.host.free_coordinator(coordinator)
