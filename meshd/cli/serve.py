@@ -217,7 +217,10 @@ async def serve(config: NodeConfig) -> None:
             backend,
             api_key=config.read_api_key(),
             spec=config.spec,
-            config=ApiConfig(body_timeout_s=config.api_body_timeout_s),
+            config=ApiConfig(
+                body_timeout_s=config.api_body_timeout_s,
+                max_body_bytes=config.api_max_body_bytes,
+            ),
             metrics=metrics,
         )
         api = await nursery.start(

@@ -79,6 +79,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # arrive within these, or the connection is closed (a body too slow gets 408 first).
     api_header_timeout_s: float = 10.0
     api_body_timeout_s: float = 30.0
+    # Largest request body the API accepts (413 beyond).
+    api_max_body_bytes: int = 4 * 1024 * 1024
     control_socket: str = ""
     model: str = ""
     device: str = "auto"
@@ -293,6 +295,8 @@ def _check_api_timeouts(c: NodeConfig) -> None:
         value = getattr(c, key)
         if not 0 < value < math.inf:
             raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
+    if c.api_max_body_bytes < 1:
+        raise ConfigError("api_max_body_bytes must be >= 1", key="api_max_body_bytes")
 
 
 def _one_of(c: NodeConfig, a: str, b: str) -> None:

@@ -471,6 +471,7 @@ def test_component_tables_from_file_env_and_flags(tmp_path: Path, env: dict[str,
         ("MESHD_LANE__DEAD_AFTER_S", "0", "lane.dead_after_s", "positive"),
         ("MESHD_MEMBERSHIP__GOSSIP_FANOUT", "0", "membership.gossip_fanout", "at least 1"),
         ("MESHD_CONTEXT_TOKENS", "-1", "context_tokens", ">= 0"),
+        ("MESHD_API_MAX_BODY_BYTES", "0", "api_max_body_bytes", ">= 1"),
     ],
 )
 def test_every_table_validates_naming_key_and_source(
