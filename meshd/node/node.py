@@ -25,9 +25,7 @@ from meshd.config import NodeConfig
 from meshd.coord.pipeline import Coordinator
 from meshd.coord.route import Route
 from meshd.coord.wiring import NodeWiring
-from meshd.mesh.discovery import DiscoveredPeer, mesh_hash_for, open_discovery
-from meshd.mesh.identity import NodeIdentity, admission_policy, fingerprint_of
-from meshd.mesh.jointoken import Address
+from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
 from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
@@ -48,6 +46,7 @@ from meshd.node.duty import (
     StartDrain,
     StopStage,
 )
+from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
@@ -73,9 +72,6 @@ _EVENT_LOG = 200
 # deployment, so they are not configuration:
 # membership changes arriving within this window cause one re-plan, not many;
 REPLAN_DEBOUNCE_S = 0.2
-# a `--join` peer that does not answer is retried after this long, doubling up to the maximum;
-JOIN_RETRY_INITIAL_S = 0.5
-JOIN_RETRY_MAX_S = 8.0
 # single-token passes timed at start-up to measure compute per layer and token (the fastest
 # counts: the least disturbed by other work on the machine);
 WARMUP_PASSES = 6
@@ -286,6 +282,15 @@ class MeshNode:
             self._on_member_events,
             rtt_report_interval_s=RTT_REPORT_INTERVAL_S,
         )
+        self.finder = PeerFinder(
+            endpoint,
+            self.peers,
+            self.keys,
+            self.gossip,
+            identity=self.identity,
+            psk=self.psk,
+            mdns=config.mdns,
+        )
 
     async def start(self) -> None:
         """Start every part's tasks; returns once lanes, the stage slot and gossip run."""
@@ -297,9 +302,9 @@ class MeshNode:
         nursery.start_soon(self._plan_loop)
         self.request_replan()  # a lone node serves alone until others join
         for address in self.config.bootstrap_peers():
-            nursery.start_soon(self._bootstrap, address)
+            nursery.start_soon(self.finder.bootstrap, address)
         if self.config.mdns.enabled:
-            nursery.start_soon(self._discover)
+            nursery.start_soon(self.finder.discover)
 
     # ---- identity and what the operator sees -------------------------------------------
     @property
@@ -421,54 +426,6 @@ class MeshNode:
         view = self.membership.view()
         picked = pick_introducers(view, target_id, own=self.node_key, direct_lane=direct_lane)
         return [self.keys.x_of(node_id) for node_id in picked]
-
-    # ---- discovery and bootstrap ----------------------------------------------------------
-    async def _discover(self) -> None:
-        _host, port = self.endpoint.local_address
-        async with (
-            open_discovery(
-                node_id=self.identity.node_id,
-                key_fingerprint=self.identity.fingerprint(),
-                mesh_hash=mesh_hash_for(self.psk),
-                port=port,
-                interfaces=list(self.config.mdns.interfaces),
-                config=self.config.mdns,
-            ) as disc,
-            trio.open_nursery() as nursery,
-        ):
-            async for peer in disc.peers():
-                if not peer.removed:
-                    nursery.start_soon(self._meet_discovered, peer)
-
-    async def _meet_discovered(self, peer: DiscoveredPeer) -> None:
-        for host in peer.addresses:
-            node_id = await self._meet((host, peer.port))
-            if node_id is not None and fingerprint_of(node_id) == peer.key_fingerprint:
-                return
-
-    async def _meet(self, address: Address) -> bytes | None:
-        """Learn the node key at `address` (proven by the mesh secret), dial it and join."""
-        try:
-            node_id = await self.endpoint.query_key(address)
-        except TimeoutError:
-            return None
-        if node_id == self.node_key:
-            return node_id
-        lane_key = self.keys.x_of(node_id)
-        self.peers.addresses[lane_key] = address
-        try:
-            await self.peers.lane_to(lane_key)
-        except PeerUnreachable as exc:
-            log.info("could not open a lane to %s: %s", address, exc)
-            return None
-        self.gossip.join(node_id)
-        return node_id
-
-    async def _bootstrap(self, address: Address) -> None:
-        delay = JOIN_RETRY_INITIAL_S
-        while await self._meet(address) is None:
-            await trio.sleep(delay)
-            delay = min(delay * 2, JOIN_RETRY_MAX_S)
 
     # ---- planning -------------------------------------------------------------------------
     def request_replan(self) -> None:
