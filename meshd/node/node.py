@@ -146,6 +146,7 @@ async def run_node(
 ) -> None:
     """Measure compute, open the lanes, build the node and serve until cancelled; the node is
     passed to `task_status.started` once every part runs."""
+    started_unix_s = time.time()
     threads = configure_threads(
         config.threads, basis.checkpoint.config, basis.dtype, basis.quantization
     )
@@ -181,6 +182,7 @@ async def run_node(
             compute_ns=compute_ns,
             load_display=load_display,
             now=trio.current_time(),
+            started_unix_s=started_unix_s,
         )
         await node.start()
         task_status.started(node)
@@ -200,6 +202,7 @@ class MeshNode:
         *,
         compute_ns: int,
         now: float,
+        started_unix_s: float,
         load_display: LoadDisplay | None = None,
     ) -> None:
         self.config = config
@@ -218,7 +221,7 @@ class MeshNode:
         self.compute_ns = compute_ns
         self.endpoint = endpoint
         self._nursery = nursery
-        self.started_unix_s = time.time()
+        self.started_unix_s = started_unix_s
         self.keys = KeyBook()
         self.events: collections.deque[NodeEvent] = collections.deque(maxlen=_EVENT_LOG)
         self.plan: Plan | None = None
