@@ -6,7 +6,7 @@ import itertools
 
 import msgspec
 
-from protocol.errors import LocalProtocolError
+from protocol.errors import InvalidConfig
 from protocol.stream import INITIAL_MAX_DATA_BYTES, INITIAL_MAX_STREAM_DATA_BYTES
 
 MiB = 1024 * 1024
@@ -21,7 +21,8 @@ MAX_UDP_PAYLOAD_BYTES = 65507
 class LaneConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Behaviour of one lane; both sides may use different values unless noted.
 
-    Validated on construction: a bad value raises LocalProtocolError naming the field.
+    Validated on construction: a bad value raises InvalidConfig (a LocalProtocolError and a
+    ValueError) naming the field.
     """
 
     # Liveness: a PING goes out when nothing was sent for ping_interval_s, and the peer is
@@ -78,22 +79,22 @@ class LaneConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in positive_s:
             value = getattr(self, name)
             if not value > 0.0 or value == float("inf"):
-                raise LocalProtocolError(f"LaneConfig.{name} must be a positive finite time")
+                raise InvalidConfig(f"{name} must be a positive finite time")
         if not 0.0 <= self.max_ack_delay_s < 1.0:
-            raise LocalProtocolError("LaneConfig.max_ack_delay_s must be in [0, 1) seconds")
+            raise InvalidConfig("max_ack_delay_s must be in [0, 1) seconds")
         if self.ping_interval_s >= self.dead_after_s:
-            raise LocalProtocolError("LaneConfig.ping_interval_s must be below dead_after_s")
+            raise InvalidConfig("ping_interval_s must be below dead_after_s")
         if self.handshake_retry_max_s < self.handshake_retry_s:
-            raise LocalProtocolError("LaneConfig.handshake_retry_max_s is below handshake_retry_s")
+            raise InvalidConfig("handshake_retry_max_s is below handshake_retry_s")
         if not 1 <= self.max_message_bytes <= 2**31:
-            raise LocalProtocolError("LaneConfig.max_message_bytes must be in 1..2**31")
+            raise InvalidConfig("max_message_bytes must be in 1..2**31")
         if not 1200 <= self.max_datagram_bytes <= self.max_datagram_bytes_ceiling:
-            raise LocalProtocolError("LaneConfig.max_datagram_bytes must be in 1200..ceiling")
+            raise InvalidConfig("max_datagram_bytes must be in 1200..ceiling")
         if self.max_datagram_bytes_ceiling > MAX_UDP_PAYLOAD_BYTES:
-            raise LocalProtocolError("LaneConfig.max_datagram_bytes_ceiling exceeds UDP's limit")
+            raise InvalidConfig("max_datagram_bytes_ceiling exceeds UDP's limit")
         ladder = self.pmtu_probe_ladder_bytes
         if any(b <= a for a, b in itertools.pairwise(ladder)):
-            raise LocalProtocolError("LaneConfig.pmtu_probe_ladder_bytes must increase")
+            raise InvalidConfig("pmtu_probe_ladder_bytes must increase")
         at_least_one = (
             "pmtu_probe_attempts",
             "ack_every_packets",
@@ -103,16 +104,19 @@ class LaneConfig(msgspec.Struct, frozen=True, kw_only=True):
         )
         for name in at_least_one:
             if getattr(self, name) < 1:
-                raise LocalProtocolError(f"LaneConfig.{name} must be at least 1")
+                raise InvalidConfig(f"{name} must be at least 1")
         if (
             self.initial_max_stream_data_bytes < INITIAL_MAX_STREAM_DATA_BYTES
             or self.initial_max_data_bytes < INITIAL_MAX_DATA_BYTES
         ):
-            raise LocalProtocolError("LaneConfig flow control windows below the protocol floor")
+            raise InvalidConfig(
+                "initial_max_stream_data_bytes and initial_max_data_bytes must be at least the "
+                "protocol floor"
+            )
         if not 0 <= self.max_stream_id < 0xFFFFFFFF:  # 0xFFFFFFFF means ALL_STREAMS
-            raise LocalProtocolError("LaneConfig.max_stream_id must be in 0..0xFFFFFFFE")
+            raise InvalidConfig("max_stream_id must be in 0..0xFFFFFFFE")
         if not 64 <= self.replay_window_packets <= 1 << 20:
-            raise LocalProtocolError("LaneConfig.replay_window_packets must be in 64..2**20")
+            raise InvalidConfig("replay_window_packets must be in 64..2**20")
 
     def probe_sizes(self) -> tuple[int, ...]:
         """The PMTU probe sizes above the starting size, in order, capped by the ceiling."""

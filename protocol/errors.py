@@ -9,6 +9,15 @@ class LocalProtocolError(ProtocolError):
     """The local caller asked for something the protocol does not allow (our bug)."""
 
 
+class InvalidConfig(LocalProtocolError, ValueError):
+    """A config struct was given a value its rule forbids.
+
+    Every config struct of meshd validates this one way: `__post_init__` raises a ValueError
+    whose message starts with the field's name, so a loader can add the table and the place
+    the value was set (`meshd.config.sources`).
+    """
+
+
 class RemoteProtocolError(ProtocolError):
     """The peer sent something malformed, unauthenticated or out of order (their fault).
 

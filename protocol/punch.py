@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.datagram import KIND_PROBE, KIND_RELAY, KIND_RELAYED, MAX_DATAGRAM_BYTES
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.errors import InvalidConfig, LocalProtocolError, RemoteProtocolError
 
 NONCE_BYTES = 16
 TAG_BYTES = 16
@@ -76,15 +76,15 @@ class PunchConfig(msgspec.Struct, frozen=True, kw_only=True):
         }
         for name, value in positive.items():
             if value <= 0:
-                raise LocalProtocolError(f"PunchConfig.{name} must be positive, got {value}")
+                raise InvalidConfig(f"{name} must be positive, got {value}")
         if not 0 <= self.open_phase_s < self.punch_duration_s:
-            raise LocalProtocolError("PunchConfig.open_phase_s must lie in [0, punch_duration_s)")
+            raise InvalidConfig("open_phase_s must lie in [0, punch_duration_s)")
         if not 1 <= self.open_ttl <= 255:
-            raise LocalProtocolError("PunchConfig.open_ttl must lie in 1..255")
+            raise InvalidConfig("open_ttl must lie in 1..255")
         if self.max_concurrent_punches < 1:
-            raise LocalProtocolError("PunchConfig.max_concurrent_punches must be at least 1")
+            raise InvalidConfig("max_concurrent_punches must be at least 1")
         if self.relay_max_sessions < 0:
-            raise LocalProtocolError("PunchConfig.relay_max_sessions must not be negative")
+            raise InvalidConfig("relay_max_sessions must not be negative")
 
 
 # -- messages on the lane's NAT stream ------------------------------------------------------

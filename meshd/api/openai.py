@@ -10,6 +10,7 @@ request metrics are ASGI middleware (`middleware.py`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -39,7 +40,8 @@ T = TypeVar("T")
 
 
 class ApiConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Limits of the HTTP layer."""
+    """Limits of the HTTP layer (the daemon sets them from its `api_*` keys). Validated on
+    construction (ValueError naming the field)."""
 
     # Largest request body accepted (413 beyond).
     max_body_bytes: int = 4 * 1024 * 1024
@@ -48,6 +50,14 @@ class ApiConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     max_drain_bytes: int = 64 * 1024 * 1024
     # The whole body must arrive within this long after the headers (408 and close beyond).
     body_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
+        if self.max_drain_bytes < 0:
+            raise ValueError("max_drain_bytes must be >= 0")
+        if not 0 < self.body_timeout_s < math.inf:
+            raise ValueError("body_timeout_s must be a positive number of seconds")
 
 
 class _State:

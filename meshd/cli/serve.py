@@ -185,16 +185,17 @@ async def serve(config: NodeConfig) -> None:
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
-    from meshd.node.node import MeshNode
+    from meshd.node.node import MeshNode, NodeBasis, run_node
     from meshd.node.shutdown import stop_gracefully
     from meshd.node.status import export_counters, node_status
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
-    node = MeshNode(config, model_dir=model_dir, load_display=_load_display(config))
-    backend = NodeBackend(node, model_name=name)
+    basis = NodeBasis.load(config, model_dir)
     notifier = Notifier()
     started = trio.Event()
+    node: MeshNode
+    backend: NodeBackend
 
     async def graceful() -> None:
         if started.is_set():  # before that, there is nothing to hand over
@@ -205,7 +206,10 @@ async def serve(config: NodeConfig) -> None:
         # Pings start before READY: loading a big model must not look like a hang.
         nursery.start_soon(_watchdog, notifier)
         with _startup_display(config):
-            await nursery.start(node.run)
+            node = await nursery.start(
+                functools.partial(run_node, load_display=_load_display(config)), config, basis
+            )
+        backend = NodeBackend(node, model_name=name)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
         metrics = ApiMetrics()
         export_counters(metrics, node)
@@ -213,7 +217,10 @@ async def serve(config: NodeConfig) -> None:
             backend,
             api_key=config.read_api_key(),
             spec=config.spec,
-            config=ApiConfig(body_timeout_s=config.api_body_timeout_s),
+            config=ApiConfig(
+                body_timeout_s=config.api_body_timeout_s,
+                max_body_bytes=config.api_max_body_bytes,
+            ),
             metrics=metrics,
             status=lambda: node_status(node, backend),
         )

@@ -1,7 +1,9 @@
 """The daemon's typed configuration: sources, precedence, validation and rendering.
 
 Every key is a field of `NodeConfig` or of one of its tables (`mdns`, `membership`, `lane`,
-`spec`, `emulate`). A key may be set at four levels; the later one wins:
+`spec`, `planner`, `stage`, `nat`, `punch`, `emulate`); each table is the typed config of the
+component it tunes. Every config struct validates one way: `__post_init__` raises a ValueError
+whose message starts with the field's name, and the loader adds the table and the source. A key may be set at four levels; the later one wins:
 
     built-in default < TOML file (--config FILE) < environment (MESHD_<KEY>) < command line
 
@@ -25,8 +27,6 @@ from meshd.config.node import (
     DEFAULT_LANE_PORT,
     SECRET_KEYS,
     ConfigError,
-    MdnsConfig,
-    MembershipTimers,
     NodeConfig,
 )
 from meshd.config.sources import (
@@ -41,9 +41,11 @@ from meshd.config.sources import (
     load_config_sources,
     parse_text,
 )
+from meshd.config.tables import DAEMON_PLANNER, NatDialConfig
 
 __all__ = [
     "CONFIG_FILE_ENV",
+    "DAEMON_PLANNER",
     "DEFAULT_API_PORT",
     "DEFAULT_LANE_PORT",
     "KEYS",
@@ -52,8 +54,7 @@ __all__ = [
     "TABLES",
     "ConfigError",
     "LoadedConfig",
-    "MdnsConfig",
-    "MembershipTimers",
+    "NatDialConfig",
     "NodeConfig",
     "add_config_arguments",
     "config_cli_values",

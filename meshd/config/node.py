@@ -14,6 +14,8 @@ from pathlib import Path
 
 import msgspec
 
+from meshd.config.tables import DAEMON_PLANNER, NatDialConfig
+from meshd.mesh.discovery import DiscoveryConfig
 from meshd.mesh.jointoken import (
     MIN_SECRET_CHARS,
     Address,
@@ -24,10 +26,13 @@ from meshd.mesh.jointoken import (
 )
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
+from meshd.plan.inputs import PlannerConfig
 from meshd.spec.config import SpecConfig
+from meshd.stage.host import StageHostConfig
 from protocol import RemoteProtocolError
 from protocol.config import LaneConfig
 from protocol.noise import x25519_public_from_ed25519_public
+from protocol.punch import PunchConfig
 
 DEFAULT_LANE_PORT = 7391
 DEFAULT_API_PORT = 7392
@@ -57,47 +62,6 @@ class ConfigError(ValueError):
         self.source = source
 
 
-class MdnsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Discovery of peers on the local network (a hint only: lanes still authenticate)."""
-
-    enabled: bool = True
-    # Addresses of the interfaces to announce and browse on; empty = every non-loopback one.
-    interfaces: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in self.interfaces:
-            if not name.strip() or name != name.strip():
-                raise ConfigError(f"mdns.interfaces: bad entry {name!r}", key="mdns.interfaces")
-
-
-_MEMBERSHIP = MembershipConfig()
-
-
-class MembershipTimers(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The membership timers an operator may tune; the rest keep `MembershipConfig`'s values.
-
-    Failure detection: a member is probed every `probe_interval_s`; no answer within
-    `probe_timeout_s` (direct or through others) makes it suspect, and a suspect is declared
-    dead after at least `suspicion_min_s`. Changes spread every `gossip_interval_s`.
-    """
-
-    probe_interval_s: float = _MEMBERSHIP.probe_interval_s
-    probe_timeout_s: float = _MEMBERSHIP.probe_timeout_s
-    suspicion_min_s: float = _MEMBERSHIP.suspicion_min_s
-    gossip_interval_s: float = _MEMBERSHIP.gossip_interval_s
-
-    def __post_init__(self) -> None:
-        try:
-            self.membership_config()
-        except ValueError as exc:
-            # MembershipConfig names keys "membership.x"; the table's loader adds the prefix.
-            raise ValueError(str(exc).replace("membership.", "")) from None
-
-    def membership_config(self) -> MembershipConfig:
-        """The full membership configuration with these timers."""
-        return msgspec.structs.replace(_MEMBERSHIP, **msgspec.structs.asdict(self))
-
-
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything one meshd daemon is told (see docs/configuration.md for each key)."""
 
@@ -115,6 +79,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # arrive within these, or the connection is closed (a body too slow gets 408 first).
     api_header_timeout_s: float = 10.0
     api_body_timeout_s: float = 30.0
+    # Largest request body the API accepts (413 beyond).
+    api_max_body_bytes: int = 4 * 1024 * 1024
     control_socket: str = ""
     model: str = ""
     device: str = "auto"
@@ -138,10 +104,17 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     session_lease_s: float = 30.0
     # SIGTERM: how long in-flight requests may run on before they are ended with an error.
     graceful_timeout_s: float = 30.0
-    mdns: MdnsConfig = MdnsConfig()
-    membership: MembershipTimers = MembershipTimers()
+    # Largest context (prompt + completion) the planner sizes KV for; 0 = the model's own.
+    context_tokens: int = 0
+    # The component tables (docs/configuration.md has a section for each).
+    mdns: DiscoveryConfig = DiscoveryConfig()
+    membership: MembershipConfig = MembershipConfig()
     lane: LaneConfig = LaneConfig()
     spec: SpecConfig = SpecConfig()
+    planner: PlannerConfig = DAEMON_PLANNER
+    stage: StageHostConfig = StageHostConfig()
+    nat: NatDialConfig = NatDialConfig()
+    punch: PunchConfig = PunchConfig()
     emulate: LinkProfile | None = None
 
     def __post_init__(self) -> None:
@@ -289,6 +262,10 @@ def _check_compute(c: NodeConfig) -> None:
         raise ConfigError(
             "threads must be >= 0 (0 = every core this process may use)", key="threads"
         )
+    if c.context_tokens < 0:
+        raise ConfigError(
+            "context_tokens must be >= 0 (0 = the model's own context)", key="context_tokens"
+        )
     if c.memory_budget_bytes < 0:
         raise ConfigError(
             "memory_budget_bytes must be >= 0 (0 = what the device offers)",
@@ -318,6 +295,8 @@ def _check_api_timeouts(c: NodeConfig) -> None:
         value = getattr(c, key)
         if not 0 < value < math.inf:
             raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
+    if c.api_max_body_bytes < 1:
+        raise ConfigError("api_max_body_bytes must be >= 1", key="api_max_body_bytes")
 
 
 def _one_of(c: NodeConfig, a: str, b: str) -> None:

@@ -19,28 +19,26 @@ from typing import Any
 
 import msgspec
 
-from meshd.config.node import (
-    CONFIG_FILE_ENV,
-    ENV_PREFIX,
-    ConfigError,
-    MdnsConfig,
-    MembershipTimers,
-    NodeConfig,
-)
+from meshd.config.node import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, NodeConfig
 from meshd.mesh.jointoken import JoinTokenError, parse_join_token
-from meshd.net.emulator import LinkProfile
-from meshd.spec.config import SpecConfig, SpecConfigError, resolve_spec_config
+from meshd.spec.config import SpecConfigError, resolve_spec_config
 from meshd.spec.config import flag_name as spec_flag_name
-from protocol import ProtocolError
-from protocol.config import LaneConfig
 
-TABLES: dict[str, type[msgspec.Struct]] = {
-    "mdns": MdnsConfig,
-    "membership": MembershipTimers,
-    "lane": LaneConfig,
-    "spec": SpecConfig,
-    "emulate": LinkProfile,
-}
+
+def _tables() -> dict[str, type[msgspec.Struct]]:
+    """NodeConfig's fields that are tables (Structs), by name: `[mdns]`, `[planner]`, ..."""
+    tables: dict[str, type[msgspec.Struct]] = {}
+    for f in msgspec.structs.fields(NodeConfig):
+        types_ = [f.type, *typing.get_args(f.type)]
+        struct = next(
+            (t for t in types_ if isinstance(t, type) and issubclass(t, msgspec.Struct)), None
+        )
+        if struct is not None:
+            tables[f.name] = struct
+    return tables
+
+
+TABLES: dict[str, type[msgspec.Struct]] = _tables()
 
 
 def _key_types() -> dict[str, Any]:
@@ -291,10 +289,17 @@ def _build(values: dict[str, Any], origins: dict[str, str], env: Mapping[str, st
         message = message.replace("speculative config: ", "spec.")
         key = f"spec.{exc.key}"
         raise ConfigError(message, key=key, source=_blame(key, message, origins)) from None
-    for table in ("mdns", "membership", "lane", "emulate"):
+    defaults = NodeConfig(state_dir="/")
+    for table, type_ in TABLES.items():
+        if table == "spec":
+            continue
         sub = {k.partition(".")[2]: v for k, v in values.items() if k.startswith(table + ".")}
-        if sub or table != "emulate":
-            top[table] = _convert(sub, TABLES[table], table, origins)
+        # A table's unset keys keep NodeConfig's default for the table (the daemon's planner
+        # defaults differ from PlannerConfig's own); a table that is not set at all stays so.
+        default = getattr(defaults, table)
+        if sub or default is not None:
+            base = msgspec.structs.asdict(default) if default is not None else {}
+            top[table] = _convert(base | sub, type_, table, origins)
     return _convert(top, NodeConfig, "", origins)
 
 
@@ -306,9 +311,6 @@ def _convert(data: dict[str, Any], type_: type[_T], table: str, origins: dict[st
         cause = exc.__cause__
         message = str(cause) if cause is not None else str(exc)
         key = getattr(cause, "key", None) or _key_in(message, table)
-    except ProtocolError as exc:  # LaneConfig validates with LocalProtocolError
-        message = str(exc).replace("LaneConfig.", "")
-        key = _key_in(message, table)
     message = re.sub(r" - at `\$[^`]*`$", "", message)
     if key and not message.startswith(key):
         message = f"{key}: {message}"

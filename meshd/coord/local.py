@@ -1,7 +1,8 @@
 """An in-process pipeline on loopback: real lanes, real stage hosts, one coordinator.
 
-Each node is a UDP endpoint with a peer table; stage nodes host a `StageModel`. The
-coordinator lives on the first stage's node (as a daemon receiving a request would when it
+Each node is a UDP endpoint with a peer table; stage nodes host a `StageModel`. Messages
+reach each node's parts through `NodeWiring`, as in the daemon. The coordinator lives on the
+first stage's node (as a daemon receiving a request would when it
 hosts stage 0). Latency between nodes is emulated in userspace on every endpoint's send path
 (`rtt_s / 2` each way), since this kernel has no netem. Used by tests and benchmarks.
 """
@@ -21,14 +22,15 @@ from nacl.utils import random as nacl_random
 
 from meshd.coord.pipeline import Coordinator
 from meshd.coord.route import Route, RouteStage
+from meshd.coord.wiring import NodeWiring
 from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
-from meshd.stage.host import StageHost, StageHostConfig
-from protocol.messages import DType, Message, StageError, VerifyReply
+from meshd.stage.host import StageHost
+from protocol.messages import DType
 
 
 @dataclass
@@ -107,32 +109,28 @@ async def open_local_pipeline(
             stage = StageModel.load(
                 checkpoint, lo, hi, device="cpu", dtype=dtype, quantization=quantization
             )
-            holder: dict[str, object] = {}
-
-            def dispatch(
-                message: Message, sender: bytes, holder: dict[str, object] = holder
-            ) -> None:
-                if isinstance(message, VerifyReply | StageError):
-                    coordinator = holder.get("coord")
-                    if isinstance(coordinator, Coordinator):
-                        coordinator.handle(message, sender)
-                else:
-                    host = holder["host"]
-                    assert isinstance(host, StageHost)
-                    host.handle(message, sender)
-
-            peers = PeerTable(endpoints[index], publics[index], dispatch)
-            config = StageHostConfig(session_lease_s=session_lease_s)
-            host = StageHost(stage, peers, eos_ids=eos_ids, use_thread=use_thread, config=config)
-            holder["host"] = host
+            wiring = NodeWiring()
+            peers = PeerTable(
+                endpoints[index],
+                publics[index],
+                wiring.dispatch,
+                on_lane_lost=wiring.on_lane_lost,
+            )
+            host = StageHost(
+                stage,
+                peers,
+                eos_ids=eos_ids,
+                use_thread=use_thread,
+                session_lease_s=session_lease_s,
+            )
+            wiring.stage = host
             if index == 0:
                 coordinator = Coordinator(
                     peers, publics[0], wire_dtype=wire_dtype, session_lease_s=session_lease_s
                 )
-                holder["coord"] = coordinator
+                wiring.coordinator = coordinator
                 if keep_alive:
                     nursery.start_soon(coordinator.keep_alive)
-                peers.on_lane_lost = lambda key, _lane, c=coordinator: c.peer_lost(key)
             nodes.append(LocalNode(publics[index], peers, host))
             await nursery.start(peers.run)
             nursery.start_soon(host.run)

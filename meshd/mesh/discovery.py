@@ -57,8 +57,13 @@ T = TypeVar("T")
 
 
 class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Tuning of discovery; the defaults find peers on a LAN or loopback well under 2 s."""
+    """mDNS discovery (the daemon's `[mdns]` table); the defaults find peers on a LAN or
+    loopback well under 2 s. Validated on construction (ValueError naming the field)."""
 
+    # Announce this node and browse for peers of the same mesh.
+    enabled: bool = True
+    # Addresses of the interfaces to announce and browse on; empty = every non-loopback one.
+    interfaces: tuple[str, ...] = ()
     # How long to wait for a peer's SRV/TXT/A records when they were not in its announcement.
     resolve_timeout_s: float = 1.0
     # Minimum gap between periodic browse queries after the startup burst (python-zeroconf
@@ -72,12 +77,15 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     close_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
+        for name in self.interfaces:
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"interfaces: bad entry {name!r}")
         for key in ("resolve_timeout_s", "browse_interval_s", "close_timeout_s"):
             if not 0 < getattr(self, key) <= 3600:
-                raise ValueError(f"mdns {key} must be in (0, 3600] seconds")
+                raise ValueError(f"{key} must be in (0, 3600] seconds")
         for key in ("resolve_workers", "event_buffer"):
             if not 1 <= getattr(self, key) <= 1024:
-                raise ValueError(f"mdns {key} must be in 1..1024")
+                raise ValueError(f"{key} must be in 1..1024")
 
 
 class PeerChange(enum.Enum):

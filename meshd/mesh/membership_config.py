@@ -13,7 +13,10 @@ import msgspec
 
 
 class MembershipConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Behaviour of the membership state machine; validated on construction (ValueError)."""
+    """Behaviour of the membership state machine (the daemon's `[membership]` table).
+
+    Validated on construction: a ValueError whose message starts with the field.
+    """
 
     # SWIM probing: one member per probe_interval_s; no Ack within probe_timeout_s → ask
     # indirect_probes others to probe it; still nothing by the end of the interval → suspect.
@@ -68,20 +71,20 @@ class MembershipConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         for name in self.__struct_fields__:
             value = getattr(self, name)
             if isinstance(value, float) and not (0.0 < value < math.inf):
-                raise ValueError(f"membership.{name} must be a positive finite number, got {value}")
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
             if isinstance(value, int) and value < 0:
-                raise ValueError(f"membership.{name} must not be negative, got {value}")
+                raise ValueError(f"{name} must not be negative, got {value}")
         if self.probe_timeout_s >= self.probe_interval_s:
-            raise ValueError("membership.probe_timeout_s must be below probe_interval_s")
+            raise ValueError("probe_timeout_s must be below probe_interval_s")
         if self.suspicion_max_mult < 1.0:
-            raise ValueError("membership.suspicion_max_mult must be at least 1")
+            raise ValueError("suspicion_max_mult must be at least 1")
         for name in ("gossip_fanout", "retransmit_mult", "sync_page_entries", "max_members"):
             if getattr(self, name) < 1:
-                raise ValueError(f"membership.{name} must be at least 1")
+                raise ValueError(f"{name} must be at least 1")
         if self.sync_page_entries > 256:
-            raise ValueError("membership.sync_page_entries must be at most 256 (a Want's limit)")
+            raise ValueError("sync_page_entries must be at most 256 (a Want's limit)")
         if not 4096 <= self.max_message_bytes <= 64 * 1024 - 1024:
-            raise ValueError("membership.max_message_bytes must be in 4096..64512")
+            raise ValueError("max_message_bytes must be in 4096..64512")
 
     def retransmit_limit(self, n: int) -> int:
         """How many times one change is piggybacked, for a mesh of n members."""

@@ -34,6 +34,8 @@ STOPPING = "this node is stopping: send the request to another node of the mesh"
 STOPPED_MID_REQUEST = "this node stopped before the request finished: retry it on another node"
 # What a stopping node's 503 asks clients to wait (a restart takes about this long).
 STOPPING_RETRY_AFTER_S = 5.0
+# Pause between attempts while the planned stages are not ready yet (a re-plan ends it sooner).
+RETRY_INTERVAL_S = 0.1
 
 
 class NodeBackend:
@@ -90,7 +92,6 @@ class NodeBackend:
                 self._idle.set()
 
     async def _generate(self, request: GenerationRequest, on_tokens: OnTokens) -> GenerationResult:
-        tuning = self.node.tuning
         committed: list[int] = []
         deadline = trio.current_time() + self.node.config.recovery_timeout_s
         while True:
@@ -122,7 +123,7 @@ class NodeBackend:
                 self._on_failure(exc)
                 if trio.current_time() >= deadline:
                     raise ServiceUnavailable(f"the mesh could not recover: {exc}", 1.0) from exc
-                await self.node.wait_plan_change(tuning.retry_interval_s)
+                await self.node.wait_plan_change(RETRY_INTERVAL_S)
                 continue
             result.tokens = [*committed, *result.tokens]
             return result

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Unpack
 
-import msgspec
 import trio
 
+from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
 from meshd.mesh.peers import Dispatch, PeerOptions, PeerTable, PeerUnreachable
 from meshd.net.endpoint import Endpoint, PeerLane
@@ -32,22 +32,6 @@ from meshd.net.punch import NatTraversal, Path
 from protocol.punch import PunchConfig, RelayPath
 
 log = logging.getLogger(__name__)
-
-
-class NatDialConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How the daemon falls back to NAT traversal (and the punch/relay limits it uses)."""
-
-    # After a peer needed an introduction, skip dialing its advertised address this long.
-    direct_retry_s: float = 60.0
-    # The larger-keyed side of a pair waits this long for the other's lane before punching.
-    yield_s: float = 2.0
-    # Introducers tried per dial (each costs up to a punch plus a handshake when it fails).
-    max_introducers: int = 3
-    punch: PunchConfig = PunchConfig()
-
-    def __post_init__(self) -> None:
-        if not (self.direct_retry_s > 0 and self.yield_s >= 0 and self.max_introducers >= 1):
-            raise ValueError("direct_retry_s > 0, yield_s >= 0 and max_introducers >= 1 needed")
 
 
 class LaneKind(enum.Enum):
@@ -81,12 +65,13 @@ class NodePeers(PeerTable):
         dispatch: Dispatch,
         *,
         nat: NatDialConfig | None = None,
+        punch: PunchConfig | None = None,
         introducers: IntroducerPicker = lambda _target: [],
         **options: Unpack[PeerOptions],
     ) -> None:
         super().__init__(endpoint, own_key, dispatch, **options)
         self.nat_config = nat if nat is not None else NatDialConfig()
-        self.nat = NatTraversal(self, self.nat_config.punch)
+        self.nat = NatTraversal(self, punch if punch is not None else PunchConfig())
         self.introducers = introducers
         self.paths: dict[bytes, LanePath] = {}
         self._arrivals: dict[bytes, trio.Event] = {}

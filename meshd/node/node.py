@@ -1,9 +1,12 @@
-"""`MeshNode`: one daemon's parts composed under one trio nursery.
+"""`MeshNode`: one daemon's parts, composed; `run_node` opens the lanes and starts them.
 
-Lanes (endpoint + peer table), membership (driven over stream 0), discovery (mDNS and
-`--join`, each peer's node key learned by an authenticated key query), leaderless planning
-(re-run, debounced, whenever the view changes), the stage this node is assigned, and a
-coordinator for the requests this node receives (`NodeBackend`).
+Lanes (endpoint + peer table), membership (driven over the gossip stream), discovery (mDNS
+and `--join`, each peer's node key learned by an authenticated key query), leaderless
+planning (re-run, debounced, whenever the view changes), the stage this node is assigned, and
+a coordinator for the requests this node receives (`NodeBackend`). Messages reach the parts
+through `NodeWiring` (shared with the in-process local pipeline); which members to route
+around is `Health`'s to decide, and what the stage is for (serving, spare, draining, killed,
+stopping) is `Duty`'s. Both are sans-IO; `MeshNode` only carries out what they return.
 """
 
 from __future__ import annotations
@@ -21,23 +24,35 @@ import trio
 from meshd.config import NodeConfig
 from meshd.coord.pipeline import Coordinator
 from meshd.coord.route import Route
-from meshd.mesh.discovery import DiscoveredPeer, mesh_hash_for, open_discovery
-from meshd.mesh.identity import NodeIdentity, admission_policy, fingerprint_of
-from meshd.mesh.jointoken import Address
-from meshd.mesh.member import EventKind, LocalCapacity, MemberEvent
+from meshd.coord.wiring import NodeWiring
+from meshd.mesh.identity import NodeIdentity, admission_policy
+from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
 from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
+from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.threads import configure_threads
+from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
+from meshd.node.duty import (
+    CancelDrain,
+    Duty,
+    Effect,
+    Ignored,
+    LoadStage,
+    Note,
+    Publish,
+    StartDrain,
+    StopStage,
+)
+from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
+from meshd.node.health import Health
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
-from meshd.node.tuning import DaemonTuning
-from meshd.plan import NoFeasiblePlan, Plan, PlannerConfig
-from meshd.stage.host import StageHostConfig
+from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from protocol import gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
@@ -47,14 +62,21 @@ from protocol.messages import (
     NodeHello,
     SessionKeepAlive,
     StageCommand,
-    StageError,
-    VerifyReply,
 )
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EVENT_LOG = 200
+# Pacing of the daemon's own loops. These follow from how the parts work, not from a
+# deployment, so they are not configuration:
+# membership changes arriving within this window cause one re-plan, not many;
+REPLAN_DEBOUNCE_S = 0.2
+# single-token passes timed at start-up to measure compute per layer and token (the fastest
+# counts: the least disturbed by other work on the machine);
+WARMUP_PASSES = 6
+# lane round trips are fed to membership this often.
+RTT_REPORT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,136 +89,164 @@ class NodeEvent:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class NodeBasis:
+    """What a node is before it opens lanes: its identity, the mesh key, and the model it
+    serves (files, device, formats, and the planner's view of it)."""
+
+    identity: NodeIdentity
+    psk: bytes
+    model_dir: str
+    checkpoint: Checkpoint
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    # What this node offers: (model id, quantization). It plans with, and serves stages of,
+    # the nodes offering the same quantization (docs/planner.md, "Quantization").
+    quantization: str
+    shape: ModelShape
+    context_tokens: int
+
+    @classmethod
+    def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
+        """Read the identity, the mesh secret and the model's files (ConfigError, ModelError)."""
+        identity = NodeIdentity.load_or_create(config.state_dir)
+        psk = psk_from_secret(config.read_mesh_secret())
+        checkpoint = open_checkpoint(model_dir)
+        device = pick_device(None if config.device == "auto" else config.device)
+        dtype = _DTYPES.get(config.dtype, torch.float32)
+        kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
+        quantization = (
+            checkpoint.default_quantization
+            if config.quantization == "auto"
+            else config.quantization
+        )
+        return cls(
+            identity=identity,
+            psk=psk,
+            model_dir=model_dir,
+            checkpoint=checkpoint,
+            tokenizer=open_tokenizer(model_dir),
+            device=device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            quantization=quantization,
+            shape=model_shape(checkpoint, dtype, quantization, kv_dtype, device),
+            context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
+        )
+
+
+async def run_node(
+    config: NodeConfig,
+    basis: NodeBasis,
+    *,
+    load_display: LoadDisplay | None = None,
+    task_status: trio.TaskStatus[MeshNode] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Measure compute, open the lanes, build the node and serve until cancelled; the node is
+    passed to `task_status.started` once every part runs."""
+    started_unix_s = time.time()
+    threads = configure_threads(
+        config.threads, basis.checkpoint.config, basis.dtype, basis.quantization
+    )
+    log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
+    compute_ns = await trio.to_thread.run_sync(
+        lambda: measure_compute_ns(
+            basis.checkpoint,
+            basis.device,
+            basis.dtype,
+            WARMUP_PASSES,
+            quantization=basis.quantization,
+            kv_dtype=basis.kv_dtype,
+        )
+    )
+    admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
+    async with (
+        open_endpoint(
+            static_private=basis.identity.x25519_private,
+            psk=basis.psk,
+            bind=(config.listen_host, config.listen_port),
+            admit=admit,
+            lane_config=config.lane,
+            egress=config.emulate,
+            node_public_key=basis.identity.public_key,
+        ) as endpoint,
+        trio.open_nursery() as nursery,
+    ):
+        node = MeshNode(
+            config,
+            basis,
+            endpoint,
+            nursery,
+            compute_ns=compute_ns,
+            load_display=load_display,
+            now=trio.current_time(),
+            started_unix_s=started_unix_s,
+        )
+        await node.start()
+        task_status.started(node)
+        await trio.sleep_forever()
+
+
 class MeshNode:
-    """A meshd daemon's state and tasks; `run` serves until cancelled."""
+    """A meshd daemon's parts, composed over an open endpoint; `start` runs them in
+    `nursery`."""
 
     def __init__(
         self,
         config: NodeConfig,
+        basis: NodeBasis,
+        endpoint: Endpoint,
+        nursery: trio.Nursery,
         *,
-        tuning: DaemonTuning | None = None,
-        model_dir: str = "",
+        compute_ns: int,
+        now: float,
+        started_unix_s: float,
         load_display: LoadDisplay | None = None,
     ) -> None:
         self.config = config
-        self.load_display = load_display
-        self.tuning = tuning or DaemonTuning()
-        self.identity = NodeIdentity.load_or_create(config.state_dir)
-        self.psk = psk_from_secret(config.read_mesh_secret())
-        self.model_dir = model_dir
-        self.checkpoint = open_checkpoint(model_dir)
-        self.tokenizer = open_tokenizer(model_dir)
-        self.device = pick_device(None if config.device == "auto" else config.device)
-        self.dtype = _DTYPES.get(config.dtype, torch.float32)
-        self.kv_dtype = _DTYPES.get(config.kv_dtype, self.dtype)
-        # What this node offers: (model id, quantization). It plans with, and serves stages of,
-        # the nodes offering the same quantization (docs/planner.md, "Quantization").
-        self.quantization = (
-            self.checkpoint.default_quantization
-            if config.quantization == "auto"
-            else config.quantization
-        )
-        self.shape = model_shape(
-            self.checkpoint, self.dtype, self.quantization, self.kv_dtype, self.device
-        )
-        model_ctx = self.checkpoint.config.max_position_embeddings
-        self.context_tokens = self.tuning.context_tokens or model_ctx
-        self.planner_config = PlannerConfig(
-            unknown_rtt_s=self.tuning.planner_unknown_rtt_s,
-            reuse_tolerance_fraction=self.tuning.planner_reuse_tolerance_fraction,
-        )
+        self.basis = basis
+        self.identity = basis.identity
+        self.psk = basis.psk
+        self.model_dir = basis.model_dir
+        self.checkpoint = basis.checkpoint
+        self.tokenizer = basis.tokenizer
+        self.device = basis.device
+        self.dtype = basis.dtype
+        self.kv_dtype = basis.kv_dtype
+        self.quantization = basis.quantization
+        self.shape = basis.shape
+        self.context_tokens = basis.context_tokens
+        self.compute_ns = compute_ns
+        self.endpoint = endpoint
+        self._nursery = nursery
+        self.started_unix_s = started_unix_s
         self.keys = KeyBook()
         self.events: collections.deque[NodeEvent] = collections.deque(maxlen=_EVENT_LOG)
         self.plan: Plan | None = None
         self.plan_error = "not planned yet"
-        self.disabled = False
-        # `meshctl kill --drain` in progress: the stage serves its open sessions, refuses new
-        # ones and is left out of every plan; it stops when they end (or at the timeout).
-        self.draining = False
+        self.health = Health(config.suspect_hold_s)
+        self.duty = Duty(config.drain_timeout_s)
         self._drain_scope: trio.CancelScope | None = None
-        # SIGTERM: no new requests or sessions; see `meshd/node/shutdown.py`.
-        self.stopping = False
-        self.compute_ns = 0
-        self.started_unix_s = time.time()
-        self._suspects: dict[bytes, float] = {}
         self._replan = trio.Event()
         self._plan_changed = trio.Event()
-        self._ready = trio.Event()
-        # Set in run():
-        self.endpoint: Endpoint
-        self.peers: NodePeers
-        self.membership: Membership
-        self.gossip: GossipDriver
-        self.slot: StageSlot
-        self.coordinator: Coordinator
-        self._nursery: trio.Nursery
-
-    # ---- identity helpers ---------------------------------------------------------------
-    @property
-    def node_key(self) -> bytes:
-        """This node's Ed25519 id (what membership and plans name it by)."""
-        return self.identity.public_key
-
-    def note(self, kind: str, node_id: bytes | str = b"", detail: str = "") -> None:
-        """Add to the event log `meshctl status` shows."""
-        name = node_id.hex()[:16] if isinstance(node_id, bytes) else node_id
-        self.events.append(NodeEvent(time.time(), kind, name, detail))
-        log.info("%s %s %s", kind, name, detail)
-
-    # ---- the composition ----------------------------------------------------------------
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Open lanes, join the mesh, plan and serve until cancelled."""
-        threads = configure_threads(
-            self.config.threads, self.checkpoint.config, self.dtype, self.quantization
-        )
-        log.info("compute: %d thread(s), quantization %s", threads, self.quantization)
-        self.compute_ns = await trio.to_thread.run_sync(
-            lambda: measure_compute_ns(
-                self.checkpoint,
-                self.device,
-                self.dtype,
-                self.tuning.warmup_passes,
-                quantization=self.quantization,
-                kv_dtype=self.kv_dtype,
-            )
-        )
-        c = self.config
-        admit = admission_policy(c.admitted_public_keys(), c.revoked_public_keys())
-        async with (
-            open_endpoint(
-                static_private=self.identity.x25519_private,
-                psk=self.psk,
-                bind=(c.listen_host, c.listen_port),
-                admit=admit,
-                lane_config=c.lane,
-                egress=c.emulate,
-                node_public_key=self.node_key,
-            ) as endpoint,
-            trio.open_nursery() as nursery,
-        ):
-            self.endpoint = endpoint
-            self._nursery = nursery
-            await self._start_parts(nursery)
-            self._ready.set()
-            task_status.started()
-            await trio.sleep_forever()
-
-    async def _start_parts(self, nursery: trio.Nursery) -> None:
         self.peers = NodePeers(
-            self.endpoint,
+            endpoint,
             self.identity.x25519_public,
             self._dispatch,
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
             streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
-            nat=self.tuning.nat,
+            nat=config.nat,
+            punch=config.punch,
             introducers=self._introducers_for,
         )
         self.coordinator = Coordinator(
             _RouteSender(self),
             self.identity.x25519_public,
             wire_dtype="f32",
-            session_lease_s=self.config.session_lease_s,
+            session_lease_s=config.session_lease_s,
         )
         self.slot = StageSlot(
             self.checkpoint,
@@ -204,12 +254,17 @@ class MeshNode:
             device=self.device,
             dtype=self.dtype,
             eos_ids=frozenset(self.tokenizer.eos_ids),
-            load_display=self.load_display,
-            host_config=StageHostConfig(session_lease_s=self.config.session_lease_s),
+            load_display=load_display,
+            host_config=config.stage,
+            session_lease_s=config.session_lease_s,
             quantization=self.quantization,
             kv_dtype=self.kv_dtype,
         )
-        now = trio.current_time()
+        self.wiring = NodeWiring(
+            coordinator=self.coordinator,
+            stage=self.slot,
+            handlers={NodeHello: self._on_hello, StageCommand: self._on_command},
+        )
         self.membership = Membership(
             self.node_key,
             address=self.lane_address,
@@ -217,7 +272,7 @@ class MeshNode:
             verify=NodeIdentity.verify,
             now=now,
             capacity=self.capacity(),
-            config=self.config.membership.membership_config(),
+            config=config.membership,
             seed=int.from_bytes(self.node_key[:8], "big"),
             # A restart outranks its previous life's words at once.
             incarnation=int(time.time()),
@@ -228,8 +283,21 @@ class MeshNode:
             self.peers,
             self.keys,
             self._on_member_events,
-            rtt_report_interval_s=self.tuning.rtt_report_interval_s,
+            rtt_report_interval_s=RTT_REPORT_INTERVAL_S,
         )
+        self.finder = PeerFinder(
+            endpoint,
+            self.peers,
+            self.keys,
+            self.gossip,
+            identity=self.identity,
+            psk=self.psk,
+            mdns=config.mdns,
+        )
+
+    async def start(self) -> None:
+        """Start every part's tasks; returns once lanes, the stage slot and gossip run."""
+        nursery = self._nursery
         await nursery.start(self.peers.run)
         await nursery.start(self.slot.run)
         await nursery.start(self.gossip.run)
@@ -237,9 +305,36 @@ class MeshNode:
         nursery.start_soon(self._plan_loop)
         self.request_replan()  # a lone node serves alone until others join
         for address in self.config.bootstrap_peers():
-            nursery.start_soon(self._bootstrap, address)
+            nursery.start_soon(self.finder.bootstrap, address)
         if self.config.mdns.enabled:
-            nursery.start_soon(self._discover)
+            nursery.start_soon(self.finder.discover)
+
+    # ---- identity and what the operator sees -------------------------------------------
+    @property
+    def node_key(self) -> bytes:
+        """This node's Ed25519 id (what membership and plans name it by)."""
+        return self.identity.public_key
+
+    @property
+    def disabled(self) -> bool:
+        """Killed by the operator (or stopped): hosts nothing, offers nothing."""
+        return self.duty.disabled
+
+    @property
+    def draining(self) -> bool:
+        """A drain or a stop is in progress."""
+        return self.duty.draining
+
+    @property
+    def stopping(self) -> bool:
+        """SIGTERM: no new requests or sessions; see `meshd/node/shutdown.py`."""
+        return self.duty.stopping
+
+    def note(self, kind: str, node_id: bytes | str = b"", detail: str = "") -> None:
+        """Add to the event log `meshctl status` shows."""
+        name = node_id.hex()[:16] if isinstance(node_id, bytes) else node_id
+        self.events.append(NodeEvent(time.time(), kind, name, detail))
+        log.info("%s %s %s", kind, name, detail)
 
     @property
     def lane_address(self) -> str:
@@ -251,8 +346,8 @@ class MeshNode:
         """What this node offers now (the signed record's contents)."""
         budget = self.config.memory_budget_bytes or device_memory_bytes(self.device)
         models: tuple[ModelHolding, ...] = ()
-        if not (self.disabled or self.draining):
-            layers = self.slot.layers if hasattr(self, "slot") else None
+        if self.duty.offers_model:
+            layers = self.slot.layers
             lo, hi = layers if layers is not None else (0, self.shape.num_layers)
             holding = ModelHolding(
                 self.shape.model_id,
@@ -265,8 +360,7 @@ class MeshNode:
                 kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
             )
             models = (holding,)
-        sessions = self.slot.sessions if hasattr(self, "slot") else 0
-        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
+        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=self.slot.sessions)
 
     def publish_capacity(self, *, urgent: bool = False) -> None:
         """Re-sign our record if what we offer changed (membership rate-limits it, unless
@@ -277,14 +371,15 @@ class MeshNode:
 
     # ---- lanes and messages ---------------------------------------------------------------
     def _dispatch(self, message: Message, lane_key: bytes) -> None:
-        if isinstance(message, VerifyReply | StageError):
-            self.coordinator.handle(message, lane_key)
-        elif isinstance(message, NodeHello):
-            self.gossip.on_hello(message.node_key, lane_key)
-        elif isinstance(message, StageCommand):
-            self._nursery.start_soon(self.apply_command, message.action, message.drain)
-        else:
-            self.slot.handle(message, lane_key)
+        self.wiring.dispatch(message, lane_key)
+
+    def _on_hello(self, message: Message, lane_key: bytes) -> None:
+        assert isinstance(message, NodeHello)
+        self.gossip.on_hello(message.node_key, lane_key)
+
+    def _on_command(self, message: Message, lane_key: bytes) -> None:
+        assert isinstance(message, StageCommand)
+        self._nursery.start_soon(self.apply_command, message.action, message.drain)
 
     def _on_gossip(self, message: gossip.GossipMessage, lane_key: bytes) -> None:
         self.gossip.on_gossip(message, lane_key)
@@ -302,31 +397,29 @@ class MeshNode:
         if node_id is not None:
             reason = lane.termination.reason.name.lower() if lane.termination else "closed"
             self.note("lane-lost", node_id, reason)
-            if reason == "peer_dead":
-                self.suspect(node_id)  # before the coordinator hears: its retry routes around
-        self.coordinator.peer_lost(lane_key)
-        self.slot.coordinator_lost(lane_key)  # its sessions here can never be closed now
+            # Before the coordinator hears: its retry routes around the dead node.
+            if self.health.on_lane_lost(node_id, reason, trio.current_time()):
+                self.request_replan()
+        self.wiring.lane_lost(lane_key)
         self.gossip.on_lane_dead(lane_key)
 
     def suspect(self, node_id: bytes) -> None:
         """Leave `node_id` out of this node's routes for a while (its lane died)."""
-        self._suspects[node_id] = trio.current_time() + self.config.suspect_hold_s
+        self.health.suspect(node_id, trio.current_time())
         self.request_replan()
 
     def _on_member_events(self, events: list[MemberEvent]) -> None:
-        for event in events:
-            if event.kind is not EventKind.CAPACITY_CHANGED:
-                self.note(f"member-{event.kind.value}", event.node_id)
-            if event.kind in (EventKind.JOINED, EventKind.ALIVE_AGAIN):
-                self._suspects.pop(event.node_id, None)
-            if event.kind in (EventKind.DIED, EventKind.LEFT):
-                self.slot.coordinator_lost(self.keys.x_of(event.node_id))
+        verdicts = self.health.on_member_events(events)
+        for kind, node_id in verdicts.notes:
+            self.note(kind, node_id)
+        for node_id in verdicts.gone:
+            self.slot.free_coordinator(self.keys.x_of(node_id))
         self.request_replan()
 
     def _introducers_for(self, target: bytes) -> list[bytes]:
         """Lane keys of members that may introduce this node to `target` (a lane key), best first."""
         target_id = self.keys.ed_of(target)
-        if target_id is None or not hasattr(self, "membership"):
+        if target_id is None:
             return []
 
         def direct_lane(node_id: bytes) -> bool:
@@ -337,53 +430,6 @@ class MeshNode:
         picked = pick_introducers(view, target_id, own=self.node_key, direct_lane=direct_lane)
         return [self.keys.x_of(node_id) for node_id in picked]
 
-    # ---- discovery and bootstrap ----------------------------------------------------------
-    async def _discover(self) -> None:
-        _host, port = self.endpoint.local_address
-        async with (
-            open_discovery(
-                node_id=self.identity.node_id,
-                key_fingerprint=self.identity.fingerprint(),
-                mesh_hash=mesh_hash_for(self.psk),
-                port=port,
-                interfaces=list(self.config.mdns.interfaces),
-            ) as disc,
-            trio.open_nursery() as nursery,
-        ):
-            async for peer in disc.peers():
-                if not peer.removed:
-                    nursery.start_soon(self._meet_discovered, peer)
-
-    async def _meet_discovered(self, peer: DiscoveredPeer) -> None:
-        for host in peer.addresses:
-            node_id = await self._meet((host, peer.port))
-            if node_id is not None and fingerprint_of(node_id) == peer.key_fingerprint:
-                return
-
-    async def _meet(self, address: Address) -> bytes | None:
-        """Learn the node key at `address` (proven by the mesh secret), dial it and join."""
-        try:
-            node_id = await self.endpoint.query_key(address)
-        except TimeoutError:
-            return None
-        if node_id == self.node_key:
-            return node_id
-        lane_key = self.keys.x_of(node_id)
-        self.peers.addresses[lane_key] = address
-        try:
-            await self.peers.lane_to(lane_key)
-        except PeerUnreachable as exc:
-            log.info("could not open a lane to %s: %s", address, exc)
-            return None
-        self.gossip.join(node_id)
-        return node_id
-
-    async def _bootstrap(self, address: Address) -> None:
-        delay = self.tuning.join_retry_initial_s
-        while await self._meet(address) is None:
-            await trio.sleep(delay)
-            delay = min(delay * 2, self.tuning.join_retry_max_s)
-
     # ---- planning -------------------------------------------------------------------------
     def request_replan(self) -> None:
         """Re-plan soon (debounced)."""
@@ -392,7 +438,7 @@ class MeshNode:
     async def _plan_loop(self) -> None:
         while True:
             await self._replan.wait()
-            await trio.sleep(self.tuning.replan_debounce_s)
+            await trio.sleep(REPLAN_DEBOUNCE_S)
             self._replan = trio.Event()
             await self._replan_once()
 
@@ -403,7 +449,7 @@ class MeshNode:
             self.membership.rtt_matrix(),
             context_tokens=self.context_tokens,
             exclude=frozenset(exclude),
-            config=self.planner_config,
+            config=self.config.planner,
         )
 
     async def _replan_once(self) -> None:
@@ -416,105 +462,92 @@ class MeshNode:
         self.plan, self.plan_error = new, error
         if (new.route if new is not None else None) != old_route:
             self.note("plan", self.node_key, _describe(new) if new is not None else error)
-        mine = assignment(new, self.node_key) if new is not None and not self.disabled else None
-        if self.draining:
-            pass  # the drain owns the stage until its sessions end
-        elif mine != self.slot.layers:
-            if mine is None:
-                # Not in the plan (a spare, or no plan fits): stop serving only when a plan
-                # exists without us; with no plan at all, keep what we hold for a later one.
-                if new is not None or self.disabled:
-                    await self.slot.stop("not in the plan")
-                    self.note("stage-stopped", self.node_key)
-            else:
-                await self.slot.load(mine)
-                self.note("stage-loaded", self.node_key, f"layers {list(mine)}")
-            self.publish_capacity()
+        await self._carry_out(
+            self.duty.on_plan(
+                assigned=assignment(new, self.node_key) if new is not None else None,
+                planned=new is not None,
+                layers=self.slot.layers,
+                now=trio.current_time(),
+            )
+        )
         self._plan_changed.set()
         self._plan_changed = trio.Event()
 
     def route(self) -> Route:
         """The route this node coordinates its requests over now (NoFeasiblePlan if none)."""
-        now = trio.current_time()
-        for node_id in [n for n, t in self._suspects.items() if t <= now]:
-            del self._suspects[node_id]
-        return lane_route(self._plan_now(exclude=self._suspects))
+        return lane_route(self._plan_now(exclude=self.health.suspects(trio.current_time())))
 
     async def wait_plan_change(self, timeout_s: float) -> None:
         """Return after the next re-plan, or after `timeout_s`."""
         with trio.move_on_after(timeout_s):
             await self._plan_changed.wait()
 
-    # ---- operator commands ----------------------------------------------------------------
+    # ---- operator commands and the stage's duty ----------------------------------------
     async def apply_command(self, action: str, drain: bool) -> None:
         """kill: stop hosting (after the sessions end with `drain`); recover: host again."""
-        if self.stopping:
-            log.info("ignoring %s: this node is stopping", action)
-            return
+        now = trio.current_time()
         if action == "kill":
-            if drain and self.slot.layers is not None and not self.disabled:
-                await self._drain_then_stop()
-                return
-            self._cancel_drain()
-            self.disabled = True
-            await self.slot.stop("killed by the operator")
-            self.note("killed", self.node_key, "at once")
+            effects = self.duty.kill(
+                drain=drain, layers=self.slot.layers, sessions=self.slot.sessions, now=now
+            )
         else:
-            self._cancel_drain()
-            self.disabled = False
-            self.note("recovered", self.node_key)
-        self.publish_capacity()
-
-    async def _drain_then_stop(self) -> None:
-        if self.draining:
-            return  # a second --drain joins the first
-        self.draining = True
-        self.slot.refuse_new_sessions = True
-        self.note("draining", self.node_key, f"{self.slot.sessions} sessions open")
-        self.publish_capacity(urgent=True)  # new requests plan around us while ours finish
-        timeout_s = self.config.drain_timeout_s
-        with trio.CancelScope() as scope:
-            self._drain_scope = scope
-            with trio.move_on_after(timeout_s) as waited:
-                await self.slot.drain()
-            self._drain_scope = None  # decided: a recover from here on comes after the stop
-            self.disabled = True
-            await self.slot.stop("killed by the operator after draining")
-            detail = f"drain timed out after {timeout_s:g} s" if waited.cancelled_caught else ""
-            self.note("killed", self.node_key, detail or "drained")
-        self._drain_scope = None
-        if self.stopping:
-            return  # the stop owns the stage from here
-        self.draining = False
-        self.slot.refuse_new_sessions = False
-        self.publish_capacity()
+            effects = self.duty.recover(now)
+        if any(isinstance(e, Ignored) for e in effects):
+            log.info("ignoring %s: this node is stopping", action)
+        await self._carry_out(effects)
 
     def begin_stop(self) -> None:
         """SIGTERM: admit nothing new and stop offering the model, so every plan (and every
         new request, anywhere) moves to a spare at once, while the stage keeps serving the
         sessions it has; `finish_stop` ends it."""
-        self._cancel_drain()
-        self.stopping = True
-        self.draining = True
-        self.slot.refuse_new_sessions = True
-        self.note("stopping", self.node_key, f"{self.slot.sessions} sessions open")
-        self.publish_capacity(urgent=True)
+        effects = self.duty.begin_stop(sessions=self.slot.sessions, now=trio.current_time())
+        for effect in effects:  # nothing here waits: no stage stops or loads
+            assert not isinstance(effect, StopStage | LoadStage)
+            self._carry_out_now(effect)
 
     async def finish_stop(self) -> None:
         """Stop the stage: sessions still open get `stage_stopped`, and their coordinators
         continue on the spare (loaded since `begin_stop`)."""
-        left = self.slot.sessions
-        self.disabled = True
-        await self.slot.stop("the node is stopping")
-        self.note("stopped", self.node_key, f"{left} sessions handed over" if left else "drained")
-        self.publish_capacity()
+        await self._carry_out(
+            self.duty.finish_stop(sessions=self.slot.sessions, now=trio.current_time())
+        )
 
-    def _cancel_drain(self) -> None:
-        """A kill at once or a recover overrides a drain in progress."""
-        if self._drain_scope is not None:
+    async def _carry_out(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, StopStage):
+                self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
+                await self.slot.stop(effect.reason)
+            elif isinstance(effect, LoadStage):
+                await self.slot.load(effect.layers)
+            else:
+                self._carry_out_now(effect)
+
+    def _carry_out_now(self, effect: Effect) -> None:
+        self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
+        if isinstance(effect, Note):
+            self.note(effect.kind, self.node_key, effect.detail)
+        elif isinstance(effect, Publish):
+            self.publish_capacity(urgent=effect.urgent)
+        elif isinstance(effect, StartDrain):
+            # Made here, not in the task: a CancelDrain before the task runs still reaches it.
+            self._drain_scope = trio.CancelScope()
+            self._nursery.start_soon(self._drain, effect.deadline, self._drain_scope)
+        elif isinstance(effect, CancelDrain) and self._drain_scope is not None:
             self._drain_scope.cancel()
-        self.draining = False
-        self.slot.refuse_new_sessions = False
+            self._drain_scope = None
+
+    async def _drain(self, deadline: float, scope: trio.CancelScope) -> None:
+        """Wait for the draining stage's sessions to end (or the deadline), then tell `duty`."""
+        with scope:
+            with trio.move_on_at(deadline) as waited:
+                await self.slot.drain()
+            if self._drain_scope is scope:
+                self._drain_scope = None
+            now = trio.current_time()
+            timed_out = waited.cancelled_caught
+            effects = self.duty.on_timer(now) if timed_out else self.duty.on_drained(now)
+        if not scope.cancelled_caught:
+            await self._carry_out(effects)
 
     async def send_command(self, node_id: bytes, action: str, drain: bool) -> None:
         """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""
@@ -544,7 +577,7 @@ class _RouteSender:
         peers = self.node.peers
         if key != peers.own_key and peers.lane(key) is None:
             node_id = self.node.keys.ed_of(key)
-            if node_id in self.node._suspects:
+            if self.node.health.is_suspect(node_id, trio.current_time()):
                 raise PeerUnreachable(f"peer {key.hex()[:16]} lost its lane recently")
             if isinstance(message, CloseSession | SessionKeepAlive):
                 raise PeerUnreachable(f"no lane to {key.hex()[:16]}: nothing to close there")

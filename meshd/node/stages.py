@@ -89,6 +89,7 @@ class StageSlot:
         eos_ids: frozenset[int],
         load_display: LoadDisplay | None = None,
         host_config: StageHostConfig | None = None,
+        session_lease_s: float = 30.0,
         quantization: str = "none",
         kv_dtype: torch.dtype | None = None,
     ) -> None:
@@ -101,6 +102,7 @@ class StageSlot:
         self.dtype = dtype
         self.eos_ids = eos_ids
         self.host_config = host_config or StageHostConfig()
+        self.session_lease_s = session_lease_s
         self._running: _Running | None = None
         self._nursery: trio.Nursery | None = None
         # Sessions freed without a close by the stages hosted before the current one.
@@ -124,7 +126,7 @@ class StageSlot:
         current = self._running.host.stats.sessions_expired if self._running else {}
         return {c: n + current.get(c, 0) for c, n in self._expired_before.items()}
 
-    def coordinator_lost(self, coordinator: bytes) -> None:
+    def free_coordinator(self, coordinator: bytes) -> None:
         """`coordinator` (a lane key) is gone: free its sessions here."""
         if self._running is not None:
             self._running.host.free_coordinator(coordinator)
@@ -176,7 +178,12 @@ class StageSlot:
                 )
             )
         host = StageHost(
-            model, self.peers, eos_ids=self.eos_ids, use_thread=True, config=self.host_config
+            model,
+            self.peers,
+            eos_ids=self.eos_ids,
+            use_thread=True,
+            config=self.host_config,
+            session_lease_s=self.session_lease_s,
         )
         running = _Running(layers, host, trio.CancelScope(), trio.Event())
         self._running = running

@@ -12,7 +12,10 @@ import msgspec
 
 
 class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Numbers that tune the planner (units in the names)."""
+    """Numbers that tune the planner (units in the names); the daemon's `[planner]` table.
+
+    Validated on construction (ValueError naming the field).
+    """
 
     # Protocol cost P of one network hop: encode, encrypt, send, receive, decrypt, decode.
     hop_cost_s: float = 0.0005
@@ -42,30 +45,24 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     colocated_rtt_s: float = 0.002
 
     def __post_init__(self) -> None:
-        if (
-            min(
-                self.hop_cost_s, self.unknown_rtt_s, self.memory_reserve_bytes, self.colocated_rtt_s
-            )
-            < 0
+        for name in ("hop_cost_s", "unknown_rtt_s", "memory_reserve_bytes", "colocated_rtt_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in (
+            "memory_margin_fraction",
+            "extra_stage_min_gain_fraction",
+            "speed_tie_fraction",
         ):
-            raise ValueError(
-                "hop_cost_s, unknown_rtt_s, memory_reserve_bytes and colocated_rtt_s must be >= 0"
-            )
-        if not 0 <= self.memory_margin_fraction < 1:
-            raise ValueError("memory_margin_fraction must be in [0, 1)")
-        if self.max_stages < 1 or self.exact_order_max_stages < 1:
-            raise ValueError("max_stages and exact_order_max_stages must be >= 1")
-        if self.exact_order_max_stages > 12:
-            raise ValueError("exact_order_max_stages above 12 makes Held-Karp too slow")
-        for name in ("extra_stage_min_gain_fraction", "speed_tie_fraction"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1)")
-        if self.reuse_tolerance_fraction < 0:
-            raise ValueError("reuse_tolerance_fraction must be >= 0")
-        if self.pool_per_criterion < 1 or self.search_max_rounds < 0:
-            raise ValueError("pool_per_criterion must be >= 1 and search_max_rounds >= 0")
-        if self.exhaustive_max_sets < 0:
-            raise ValueError("exhaustive_max_sets must be >= 0")
+        for name in ("max_stages", "exact_order_max_stages", "pool_per_criterion"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.exact_order_max_stages > 12:
+            raise ValueError("exact_order_max_stages above 12 makes Held-Karp too slow")
+        for name in ("reuse_tolerance_fraction", "search_max_rounds", "exhaustive_max_sets"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,16 +69,25 @@ class Sender(Protocol):
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
 
 
-class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How a stage batches windows and when it refuses new sessions."""
+class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How a stage batches windows and when it refuses new sessions (the daemon's `[stage]`
+    table). Validated on construction (ValueError naming the field)."""
 
+    # Windows of several sessions waiting together are computed in one pass.
     batching: bool = True
     max_batch_tokens: int = 1024  # rows of one pass (a prefill chunk alone may exceed it)
+    # Open sessions and queued windows beyond these are refused with `overloaded`, asking the
+    # coordinator to retry after overload_retry_after_s.
     max_sessions: int = 64
     max_queued_windows: int = 256
     overload_retry_after_s: float = 1.0
-    # A session is freed after this long without a window or keep-alive from its coordinator.
-    session_lease_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_sessions", "max_queued_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.overload_retry_after_s < math.inf:
+            raise ValueError("overload_retry_after_s must be a positive number of seconds")
 
 
 # Why a session was freed without an explicit close (`StageHostStats.sessions_expired` keys).
@@ -134,7 +143,11 @@ class StageHost:
         eos_ids: frozenset[int] = frozenset(),
         use_thread: bool = True,
         config: StageHostConfig | None = None,
+        session_lease_s: float = 30.0,
     ) -> None:
+        """`session_lease_s`: a session is freed after this long without a window or
+        keep-alive from its coordinator (the daemon's `session_lease_s`, which its
+        coordinator's keep-alives share)."""
         self.stage = stage
         self.sender = sender
         self.eos_ids = eos_ids
@@ -151,7 +164,7 @@ class StageHost:
         self._queue: deque[_Work] = deque()
         self._errors: deque[tuple[bytes, StageError]] = deque()
         self._ready = trio.Event()
-        self.leases = Leases(self.config.session_lease_s)
+        self.leases = Leases(session_lease_s)
         self._lease_wake = trio.Event()
         self._empty = trio.Event()
         self._empty.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -25,12 +26,17 @@ from meshd.config import (
     load_config_sources,
     render,
 )
+from meshd.config.tables import NatDialConfig
+from meshd.mesh.discovery import DiscoveryConfig
 from meshd.mesh.identity import NodeIdentity
 from meshd.mesh.jointoken import make_join_token
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
+from meshd.plan.inputs import PlannerConfig
 from meshd.spec import SpecConfig, resolve_spec_config
+from meshd.stage.host import StageHostConfig
 from protocol.config import LaneConfig
+from protocol.punch import PunchConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 SECRET = "mesh-secret-for-tests-0123456789"
@@ -394,12 +400,12 @@ def test_daemon_timers_are_keys_with_the_defaults_they_had(env: dict[str, str]) 
         10.0,
         300.0,
     )
-    assert config.membership.membership_config() == MembershipConfig()
+    assert config.membership == MembershipConfig()
     config = load_config(
         {"drain_timeout_s": 2.5}, env | {"MESHD_MEMBERSHIP__GOSSIP_INTERVAL_S": "0.5"}, None
     )
     assert config.drain_timeout_s == 2.5
-    membership = config.membership.membership_config()
+    membership = config.membership
     assert membership.gossip_interval_s == 0.5
     assert membership.probe_interval_s == MembershipConfig().probe_interval_s
 
@@ -415,6 +421,66 @@ def test_daemon_timers_are_validated_naming_key_and_source(env: dict[str, str]) 
     args = _parse(["--suspect-hold-s", "3", "--membership-suspicion-min-s", "2.5"])
     config = load_config_from_args(args, env)
     assert config.suspect_hold_s == 3.0 and config.membership.suspicion_min_s == 2.5
+
+
+# --- the component tables ---------------------------------------------------------------------
+
+
+def test_component_tables_default_to_what_the_daemon_ran_on(env: dict[str, str]) -> None:
+    config = load_config({}, env, None)
+    # The daemon planned with these two (from its former DaemonTuning), not PlannerConfig's own.
+    assert config.planner == PlannerConfig(unknown_rtt_s=0.01, reuse_tolerance_fraction=math.inf)
+    assert (config.stage, config.nat, config.punch) == (
+        StageHostConfig(),
+        NatDialConfig(),
+        PunchConfig(),
+    )
+    assert config.mdns == DiscoveryConfig() and config.context_tokens == 0
+
+
+def test_component_tables_from_file_env_and_flags(tmp_path: Path, env: dict[str, str]) -> None:
+    file = _write(
+        tmp_path / "c.toml",
+        "[planner]\nmax_stages = 4\n[stage]\nmax_sessions = 8\n[punch]\nopen_ttl = 3\n"
+        "[mdns]\nresolve_timeout_s = 2.0\n[membership]\ndead_retention_s = 90.0\n",
+    )
+    args = _parse(["--planner-unknown-rtt-s", "0.05", "--no-stage-batching", "--nat-yield-s", "0"])
+    loaded = load_config_sources(
+        config_cli_values(args), env | {"MESHD_CONTEXT_TOKENS": "2048"}, file
+    )
+    config = loaded.config
+    assert config.planner.max_stages == 4 and config.planner.unknown_rtt_s == 0.05
+    # A table set in part keeps the daemon's defaults for the rest.
+    assert config.planner.reuse_tolerance_fraction == math.inf
+    assert config.stage.max_sessions == 8 and config.stage.batching is False
+    assert config.punch.open_ttl == 3 and config.nat.yield_s == 0.0
+    assert config.mdns.resolve_timeout_s == 2.0 and config.mdns.enabled
+    assert config.membership.dead_retention_s == 90.0 and config.context_tokens == 2048
+    assert loaded.origins["nat.yield_s"] == "flag --nat-yield-s"
+    assert loaded.origins["stage.max_sessions"] == f"config file {file}"
+
+
+@pytest.mark.parametrize(
+    ("env_var", "value", "key", "match"),
+    [
+        ("MESHD_PLANNER__EXACT_ORDER_MAX_STAGES", "13", "planner.exact_order_max_stages", "Held"),
+        ("MESHD_STAGE__MAX_SESSIONS", "0", "stage.max_sessions", ">= 1"),
+        ("MESHD_PUNCH__OPEN_TTL", "0", "punch.open_ttl", "1..255"),
+        ("MESHD_NAT__MAX_INTRODUCERS", "0", "nat.max_introducers", ">= 1"),
+        ("MESHD_MDNS__RESOLVE_WORKERS", "0", "mdns.resolve_workers", "1..1024"),
+        ("MESHD_LANE__DEAD_AFTER_S", "0", "lane.dead_after_s", "positive"),
+        ("MESHD_MEMBERSHIP__GOSSIP_FANOUT", "0", "membership.gossip_fanout", "at least 1"),
+        ("MESHD_CONTEXT_TOKENS", "-1", "context_tokens", ">= 0"),
+        ("MESHD_API_MAX_BODY_BYTES", "0", "api_max_body_bytes", ">= 1"),
+    ],
+)
+def test_every_table_validates_naming_key_and_source(
+    env: dict[str, str], env_var: str, value: str, key: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config({}, env | {env_var: value}, None)
+    assert (err.value.key, err.value.source) == (key, f"env {env_var}")
+    assert str(err.value).startswith(key)
 
 
 # --- docs/configuration.md ------------------------------------------------------------------
@@ -441,7 +507,10 @@ def _default(key: str) -> Any:
     holder = getattr(config, table) if table else config
     if holder is None:
         holder = LinkProfile()
-    return msgspec.json.decode(msgspec.json.encode(getattr(holder, name)))
+    value = getattr(holder, name)
+    if isinstance(value, float):
+        return value  # JSON would make inf null
+    return msgspec.json.decode(msgspec.json.encode(value))
 
 
 def test_docs_list_every_key_and_nothing_else() -> None:

@@ -36,6 +36,7 @@ from meshd.cli.supervisor import (
     wait_until,
     write_secret_file,
 )
+from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
 from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
@@ -45,7 +46,7 @@ from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint
 from meshd.node.control_client import GenerateOp, request_lines
-from meshd.node.lanes import LaneKind, LanePath, NatDialConfig, NodePeers, pick_introducers
+from meshd.node.lanes import LaneKind, LanePath, NodePeers, pick_introducers
 from protocol.config import LaneConfig
 from protocol.gossip import Status
 from protocol.handshake import psk_from_secret

@@ -18,7 +18,7 @@ from meshd.coord.route import Route
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.spec.config import SpecConfig
-from meshd.stage.host import COORDINATOR_LOST, LEASE_LAPSED, StageHost, StageHostConfig
+from meshd.stage.host import COORDINATOR_LOST, LEASE_LAPSED, StageHost
 from meshd.stage.leases import Leases
 from protocol.messages import Message, OpenSession, SessionKeepAlive, StageError
 from tests.model.tiny import make_checkpoint
@@ -96,8 +96,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def _host(model_dir: pathlib.Path, lease_s: float) -> tuple[StageHost, _Outbox]:
     stage = StageModel.load(Checkpoint.open(model_dir), 0, 3, device="cpu")
     outbox = _Outbox()
-    config = StageHostConfig(session_lease_s=lease_s)
-    return StageHost(stage, outbox, use_thread=False, config=config), outbox
+    return StageHost(stage, outbox, use_thread=False, session_lease_s=lease_s), outbox
 
 
 def _open(host: StageHost, sid: str, coordinator: bytes = COORD) -> None:
