@@ -224,8 +224,10 @@ class Coordinator:
             with trio.move_on_after(CLOSE_TIMEOUT_S):
                 try:
                     await self.sender.send(key, CloseSession(session))
-                except Exception as exc:  # the node may be gone; its KV went with it
+                except LANE_ERRORS as exc:  # the node may be gone; its KV went with it
                     log.debug("close on %s failed: %s", key.hex()[:16], exc)
+                except Exception:  # a bug, logged: it must not hide why the request ended
+                    log.exception("closing session %s on %s failed", session, key.hex()[:16])
 
         async with trio.open_nursery() as nursery:
             for key in dict.fromkeys(route.keys):
@@ -248,8 +250,10 @@ class Coordinator:
             with trio.move_on_after(self.session_lease_s / 3):
                 try:
                     await self.sender.send(key, SessionKeepAlive(sessions))
-                except Exception as exc:  # a lost stage fails its sessions another way
+                except LANE_ERRORS as exc:  # a lost stage fails its sessions another way
                     log.debug("keep-alive to %s failed: %s", key.hex()[:16], exc)
+                except Exception:  # a bug, logged: renewing the other stages goes on
+                    log.exception("keep-alive to %s failed", key.hex()[:16])
 
         async with trio.open_nursery() as nursery:
             for key, sessions in by_key.items():
