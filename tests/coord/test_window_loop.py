@@ -8,6 +8,7 @@ and the costs charged to the policy are checked exactly, with no wall clock invo
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import msgspec
 import pytest
@@ -22,6 +23,8 @@ from meshd.coord.session import (
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.spec.mtp import MtpHybrid, MtpProposer
+from meshd.spec.ngram import NgramSimple
 from meshd.spec.proposers import make_proposer
 from protocol.messages import OpenSession, Rollback, StageError, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages, plain_decode
@@ -78,12 +81,18 @@ def make_loop(
 
 
 def spec_request(
-    prompt: list[int], n: int, strategy: str, *, width: int = 4, depth: int = 2, **kw: object
+    prompt: list[int],
+    n: int,
+    strategy: str,
+    *,
+    width: int = 4,
+    depth: int = 2,
+    eos_ids: frozenset[int] = frozenset(),
 ) -> GenerationRequest:
     spec = SpecConfig(
         strategy=strategy, window_min_tokens=1, window_max_tokens=width, max_pipeline_depth=depth
     )
-    return GenerationRequest(prompt=prompt, max_tokens=n, spec=spec, mtp_depth=2, **kw)  # type: ignore[arg-type]
+    return GenerationRequest(prompt=prompt, max_tokens=n, spec=spec, mtp_depth=2, eos_ids=eos_ids)
 
 
 def windows(net: VirtualRoute) -> list[VerifyWindow]:
@@ -314,3 +323,50 @@ def test_mtp_heads_run_only_for_strategies_that_draft_with_them() -> None:
         loop = make_loop(net, spec_request(NOVEL, 4, strategy))
         opens = [m for _, m in loop.start(NOVEL, 0.0) if isinstance(m, OpenSession)]
         assert [m.mtp_depth for m in opens] == [0, heads], strategy
+
+
+class _HeadsPayUntil(MtpHybrid):
+    """mtp-simple whose judgement of the MTP heads turns after `tokens` committed tokens (as
+    `auto`'s does when its book says they stopped paying)."""
+
+    def __init__(self, config: SpecConfig, tokens: int) -> None:
+        super().__init__("mtp-simple", config, MtpProposer(config), NgramSimple(config))
+        self.tokens = tokens
+        self.seen = 0
+        self.stops = 0
+
+    def observe(self, committed: Sequence[int]) -> None:
+        super().observe(committed)
+        self.seen += len(committed)
+
+    @property
+    def wants_mtp(self) -> bool:
+        return self.seen < self.tokens
+
+    def stop_mtp(self) -> None:
+        self.stops += 1
+
+
+def test_the_heads_stop_for_good_once_the_proposer_no_longer_wants_them(
+    reference: dict[tuple[int, ...], list[int]],
+) -> None:
+    net = VirtualRoute(load_stages(MODEL, TWO_STAGES))
+    request = spec_request(REPEATING, 30, "mtp-simple")
+    proposer = _HeadsPayUntil(request.spec, tokens=10)
+    costs = RouteCosts(stages=2)
+    loop = WindowLoop(
+        session="s",
+        route=net.route,
+        request=request,
+        proposer=proposer,
+        costs=costs,
+        coordinator_key=b"c" * 32,
+        wire_dtype="f32",
+    )
+    drive(loop, net, REPEATING)
+    assert loop.committed == reference[tuple(REPEATING)][:30]
+    heads = [w.mtp_tokens for w in windows(net)]
+    assert heads[0] == 2 and heads[-1] == 0 and proposer.stops == 1
+    first_off = heads.index(0)
+    assert set(heads[first_off:]) == {0}  # never again for this request
+    assert first_off > 1  # the heads drafted for a while first
