@@ -318,7 +318,17 @@ def test_stage_errors_fail_the_route_and_overload_says_when_to_retry() -> None:
 
 
 def test_mtp_heads_run_only_for_strategies_that_draft_with_them() -> None:
-    for strategy, heads in [("ngram-simple", 0), ("mtp", 2), ("auto", 2), ("disabled", 0)]:
+    heads_by_strategy = {
+        "disabled": 0,
+        "ngram-simple": 0,
+        "ngram-cache": 0,
+        "mtp": 2,
+        "mtp-simple": 2,
+        "mtp-cache": 2,
+        "auto": 2,  # it weighs the MTP strategies, so it needs their drafts
+    }
+    assert set(heads_by_strategy) == set(STRATEGIES)
+    for strategy, heads in heads_by_strategy.items():
         net = VirtualRoute(load_stages(MODEL, TWO_STAGES))
         loop = make_loop(net, spec_request(NOVEL, 4, strategy))
         opens = [m for _, m in loop.start(NOVEL, 0.0) if isinstance(m, OpenSession)]
