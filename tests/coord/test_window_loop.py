@@ -7,12 +7,15 @@ and the costs charged to the policy are checked exactly, with no wall clock invo
 
 from __future__ import annotations
 
+import ast
 import itertools
+import pathlib
 from collections.abc import Sequence
 
 import msgspec
 import pytest
 
+import meshd.coord.session as session_module
 from meshd.coord.costs import RouteCosts
 from meshd.coord.session import (
     GenerationRequest,
@@ -380,3 +383,14 @@ def test_the_heads_stop_for_good_once_the_proposer_no_longer_wants_them(
     first_off = heads.index(0)
     assert set(heads[first_off:]) == {0}  # never again for this request
     assert first_off > 1  # the heads drafted for a while first
+
+
+def test_the_window_loop_reads_no_clock_and_does_no_io() -> None:
+    source = pathlib.Path(session_module.__file__).read_text()
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"trio", "time", "asyncio", "socket", "threading", "anyio"}
