@@ -146,8 +146,14 @@ class PeerLane:
         return self._terminated
 
     async def send(self, stream_id: int, data: bytes) -> None:
-        """Queue a message; waits while too much is unacknowledged (backpressure)."""
+        """Queue a message; waits while too much is unacknowledged (backpressure).
+
+        Raises LaneClosedError once the lane is closing or over: a lane that is going away is
+        a dead route to its callers, never a programming error.
+        """
         self._raise_if_terminated()
+        if not self.lane.is_established:
+            raise LaneClosedError(TerminationReason.CLOSED_LOCALLY, "the lane is closing")
         self.lane.send_message(stream_id, data)
         # Send at once from this task: waking the timer task would cost a task switch per
         # message, which is most of a small message's round trip.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshd.spec.auto import AcceptanceBook, AutoProposer
     from meshd.spec.config import (
+        MTP_STRATEGIES,
         STRATEGIES,
         SpecConfig,
         SpecConfigError,
@@ -47,6 +48,7 @@ _WHERE = {
     "AutoProposer": "meshd.spec.auto",
     "DEFAULT_LINK": "meshd.spec.policy",
     "LinkModel": "meshd.spec.policy",
+    "MTP_STRATEGIES": "meshd.spec.config",
     "PolicyInputs": "meshd.spec.policy",
     "Proposer": "meshd.spec.proposer",
     "ProposerStats": "meshd.spec.proposer",
@@ -81,6 +83,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_LINK",
+    "MTP_STRATEGIES",
     "STRATEGIES",
     "AcceptanceBook",
     "AcceptanceTracker",

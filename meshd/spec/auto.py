@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from meshd.spec.config import SpecConfig
+from meshd.spec.config import MTP_STRATEGIES, SpecConfig
 from meshd.spec.mtp import MtpHybrid, MtpProposer
 from meshd.spec.ngram import NgramCache, NgramSimple
 from meshd.spec.policy import (
@@ -35,7 +35,6 @@ from meshd.spec.policy import (
 )
 from meshd.spec.proposer import AccountedProposer, Proposer
 
-_MTP_STRATEGIES = ("mtp", "mtp-simple", "mtp-cache")
 # Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
 _MTP_MIN_SAMPLES = 8
 # Where the book says the heads pay, a request whose choice is plain decoding (not an n-gram
@@ -143,7 +142,7 @@ class AutoProposer(AccountedProposer):
         self._drafts: dict[str, list[int]] = {}
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
-        self.reason = "nothing measured yet"
+        self._reason = "nothing measured yet"
         self.plan: WindowPlan | None = None
         self.reset(())
 
@@ -151,6 +150,16 @@ class AutoProposer(AccountedProposer):
     def active(self) -> str:
         """The strategy drafting now."""
         return self.choice
+
+    @property
+    def reason(self) -> str:
+        """Why the current choice won (or why none speculates)."""
+        return self._reason
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Yes: sessions open with the MTP heads, so the MTP strategies can be weighed."""
+        return True
 
     def set_link(self, link: LinkModel) -> None:
         """Update the measured route costs used to compare strategies (re-decides at once only
@@ -177,11 +186,11 @@ class AutoProposer(AccountedProposer):
         """
         if not self._mtp_live:
             return False
-        if self.choice in _MTP_STRATEGIES or not self.link.mtp_measured:
+        if self.choice in MTP_STRATEGIES or not self.link.mtp_measured:
             return True
         if not self.book.has_mtp:
             return True
-        if any(self.book.tracker(m).samples < _MTP_MIN_SAMPLES for m in _MTP_STRATEGIES):
+        if any(self.book.tracker(m).samples < _MTP_MIN_SAMPLES for m in MTP_STRATEGIES):
             return True
         if self._book_favours_mtp is None:
             # Whether the heads pay on this route at all (an MTP strategy beats plain decoding
@@ -190,18 +199,18 @@ class AutoProposer(AccountedProposer):
             # request and says nothing of the prose that follows), MTP acceptance to the model.
             # Comparing with the book's n-gram once stopped the heads at once in every prose
             # request after an editing one (2 stages / 20 ms: auto 1.0x, mtp-simple 1.3x).
-            best = self._best(self.book.tracker, _MTP_STRATEGIES)[0]
-            self._book_favours_mtp = best in _MTP_STRATEGIES
+            best = self._best(self.book.tracker, MTP_STRATEGIES)[0]
+            self._book_favours_mtp = best in MTP_STRATEGIES
         if not self._book_favours_mtp:
             return False
-        own = min(self._trackers[m].samples - self._first_samples[m] for m in _MTP_STRATEGIES)
+        own = min(self._trackers[m].samples - self._first_samples[m] for m in MTP_STRATEGIES)
         if own < _MTP_MIN_SAMPLES:
             return True
         if self._decided_at != len(self._tokens):
             self._decide()  # stopping is final: on today's estimates, not a spaced-out decision's
         if self.choice == "disabled":
             return own < _MTP_GRACE_SAMPLES and self._heads_cheap(_MTP_GRACE_FRACTION, 0)
-        if self.choice in _MTP_STRATEGIES:
+        if self.choice in MTP_STRATEGIES:
             return True
         width = self.plan.width if self.plan is not None else self._width
         return self._heads_cheap(_MTP_CHEAP_FRACTION, width)
@@ -285,7 +294,7 @@ class AutoProposer(AccountedProposer):
     def _available(self) -> list[str]:
         names = ["ngram-simple", "ngram-cache"]
         if self.book.has_mtp and self.config.mtp_depth > 0 and self._mtp_live:
-            names.extend(_MTP_STRATEGIES)
+            names.extend(MTP_STRATEGIES)
         return names
 
     def _shadow(self, mtp_draft: Sequence[int], reuse: bool = False) -> dict[str, list[int]]:
@@ -299,11 +308,11 @@ class AutoProposer(AccountedProposer):
         drafts: dict[str, list[int]] = {}
         fresh_mtp = bool(mtp_draft) or bool(self._mtp.propose(self._width))
         for name in self._available():
-            if reuse and name not in _MTP_STRATEGIES and name in self._drafts:
+            if reuse and name not in MTP_STRATEGIES and name in self._drafts:
                 drafts[name] = self._drafts[name]
                 continue  # its shadow for this start is already pending
             drafts[name] = self._candidates[name].propose(self._width, mtp_draft)
-            if name in _MTP_STRATEGIES and not fresh_mtp:
+            if name in MTP_STRATEGIES and not fresh_mtp:
                 continue  # no MTP draft to judge: neither credit nor blame the MTP strategies
             self._pending = [
                 s for s in self._pending if not (s.strategy == name and s.start == start)
@@ -361,10 +370,10 @@ class AutoProposer(AccountedProposer):
         if best_plan is None:
             self.choice, self.plan = "disabled", fallback
             tail = fallback.reason if fallback is not None else ""
-            self.reason = f"disabled: no strategy pays ({alphas}); {tail}"
+            self._reason = f"disabled: no strategy pays ({alphas}); {tail}"
         else:
             self.choice, self.plan = best_name, best_plan
-            self.reason = f"{best_name} ({alphas}): {best_plan.reason}"
+            self._reason = f"{best_name} ({alphas}): {best_plan.reason}"
 
     def _best(
         self, tracker: Callable[[str], AcceptanceTracker], among: Sequence[str] | None = None
@@ -377,7 +386,7 @@ class AutoProposer(AccountedProposer):
         for name in self._available():
             if among is not None and name not in among:
                 continue
-            link = self.link.with_mtp_drafts() if name in _MTP_STRATEGIES else self.link
+            link = self.link.with_mtp_drafts() if name in MTP_STRATEGIES else self.link
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
             per_token, width = found[name].s_per_token(self.config)
             if width > 0 and (best_name == "disabled" or per_token < best_s):

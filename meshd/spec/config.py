@@ -24,6 +24,8 @@ STRATEGIES: tuple[str, ...] = (
     "mtp-cache",
     "auto",
 )
+# The strategies that draft from the last stage's MTP heads (`auto` may choose one of them).
+MTP_STRATEGIES: tuple[str, ...] = ("mtp", "mtp-simple", "mtp-cache")
 
 LEVELS: tuple[str, ...] = ("model defaults", "config file", "CLI", "request")
 

@@ -7,12 +7,12 @@ commits is not a draft and counts in neither figure.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from meshd.spec.config import SpecConfig
-from meshd.spec.policy import AcceptanceTracker
+from meshd.spec.config import MTP_STRATEGIES, SpecConfig
+from meshd.spec.policy import AcceptanceTracker, LinkModel
 
 
 @dataclass
@@ -29,18 +29,25 @@ class ProposerStats:
         return self.accepted / self.drafted if self.drafted else None
 
 
-class Proposer(Protocol):
-    """Drafts tokens for verify windows. One instance serves one session at a time."""
+class Proposer(ABC):
+    """Drafts tokens for verify windows. One instance serves one session at a time.
 
-    name: str
+    The coordinator's window loop talks to every strategy through these methods only; the
+    ones with bodies are defaults that a strategy overrides where it needs them.
+    """
+
+    name: str = "abstract"
     stats: ProposerStats
 
+    @abstractmethod
     def reset(self, prompt: Sequence[int]) -> None:
         """Start a new request: clear per-request state and index `prompt`."""
 
+    @abstractmethod
     def observe(self, committed: Sequence[int]) -> None:
         """Tokens just committed to the session's log, in order."""
 
+    @abstractmethod
     def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
         """Up to `max_tokens` drafts after the last committed token.
 
@@ -48,29 +55,55 @@ class Proposer(Protocol):
         the last committed one); strategies that do not use MTP ignore it.
         """
 
+    @abstractmethod
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` drafts after the log plus `assumed` (tokens not yet verified,
         for a pipelined window sent before the previous reply)."""
 
+    @abstractmethod
     def record(self, drafted: int, accepted: int) -> None:
         """A verdict on one window of this proposer's drafts: `accepted` of `drafted`."""
 
+    @abstractmethod
     def acceptance(self) -> tuple[float, ...]:
         """Per-position acceptance estimate (α_1, α_2, …) for `policy.choose`."""
 
     @property
     def active(self) -> str:
         """The strategy that drafts now (differs from `name` only for `auto`)."""
+        return self.name
+
+    @property
+    def reason(self) -> str:
+        """Why the active strategy drafts (or why nothing does); "" when fixed."""
+        return ""
+
+    def set_link(self, link: LinkModel) -> None:
+        """The route's measured costs now (a fixed strategy does not weigh them)."""
+        return None
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Whether a session for this strategy opens with the last stage's MTP heads."""
+        return self.name in MTP_STRATEGIES
+
+    @property
+    def wants_mtp(self) -> bool:
+        """Whether the MTP heads should keep running for this request (read per window;
+        once False the window loop stops them for the rest of the request)."""
+        return self.uses_mtp
+
+    def stop_mtp(self) -> None:
+        """The MTP heads are off for the rest of this request."""
+        return None
 
 
-class AccountedProposer:
+class AccountedProposer(Proposer):
     """Shared bookkeeping: per-request stats and a per-position acceptance EWMA.
 
     The EWMA survives `reset` (what a model's text tends to repeat is knowledge worth keeping
     between requests of one session); the stats do not (they are per request).
     """
-
-    name = "abstract"
 
     def __init__(self, config: SpecConfig) -> None:
         self.config = config
@@ -91,11 +124,6 @@ class AccountedProposer:
     def acceptance(self) -> tuple[float, ...]:
         """Per-position acceptance estimate (α_1, α_2, …) for `policy.choose`."""
         return self.tracker.per_position()
-
-    @property
-    def active(self) -> str:
-        """The strategy that drafts now."""
-        return self.name
 
     def _clear_stats(self) -> None:
         self.stats = ProposerStats()

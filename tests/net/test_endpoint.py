@@ -50,6 +50,20 @@ async def test_messages_flow_both_ways_byte_exact() -> None:
         assert await lane.receive() == (7, b"reply")
 
 
+async def test_sending_on_a_closing_lane_raises_lane_closed() -> None:
+    (sk, spub), (ck, _) = keypair(3), keypair(4)
+    async with (
+        open_endpoint(static_private=sk, psk=PSK) as server,
+        open_endpoint(static_private=ck, psk=PSK) as client,
+    ):
+        lane = await client.connect(server.local_address, spub)
+        await server.accept()
+        lane.close("going away")
+        assert lane.termination is None  # CLOSE is still being delivered
+        with pytest.raises(LaneClosedError):
+            await lane.send(1, b"after close")
+
+
 @pytest.mark.parametrize("loss", [0.0, 0.01, 0.05, 0.2])
 async def test_exactly_once_in_order_through_emulated_loss(loss: float) -> None:
     impaired = LinkProfile(

@@ -1,0 +1,488 @@
+"""One request's window loop, as a sans-IO state machine: events and `now` in, messages out.
+
+`WindowLoop` owns everything a request's decoding decides: the token log, the proposer, the
+windows in flight and their epoch, rollback, acceptance accounting and the route's measured
+costs. It never reads a clock, sleeps or sends; the driver (`Coordinator.generate` in
+`pipeline.py`) feeds it events with the time they happened and sends what each returns:
+
+- `start(prompt, now)`: the session opens on every stage and the prompt is prefilled.
+- `on_reply(reply, now)`: a `VerifyReply` or `StageError` for this session arrived.
+- `on_stage_failed(node, now)`: the lane to a stage node died.
+- `on_timer(now)`: the driver's wait reached `timer` (a reply is overdue).
+- `on_streamed(now, stop=...)`: the driver delivered `tokens_to_stream` to the client, who may
+  have asked to stop. Until then the loop holds back its next windows, so a client that stops
+  never costs the stages a window nobody wants.
+
+Each returns the `Send`s to make, in order. A failure (a stage error, a dead stage, an overdue
+reply, a reply that breaks the protocol) raises `RouteFailed` holding the tokens committed so
+far, and ends the loop.
+
+Pipelining: window n+1 may leave before reply n arrives, assuming window n is accepted in full
+and guessing its bonus token; a reply that disproves the assumption bumps the epoch, tells
+every stage to drop older work (`Rollback`), and costs at most one extra round trip. Replies of
+an older epoch are stale and ignored. KV is positional, so nothing on the stages needs undoing.
+Randomness is keyed by seed and position, so the last stage samples statelessly.
+
+Costs: each reply's round trip and stage timings go to the route's `RouteCosts`; the time from
+a reply that left nothing in flight to the next window's send (streaming, proposing, planning)
+is the coordinator's turnaround, which every window pays, so it is charged too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, NoReturn
+
+from meshd.coord.costs import RouteCosts
+from meshd.coord.route import Route
+from meshd.spec.config import MTP_STRATEGIES, SpecConfig
+from meshd.spec.policy import LinkModel, PolicyInputs, WindowPlan, choose
+from meshd.spec.proposer import Proposer
+from meshd.spec.sampling import clip_drafts
+from meshd.spec.telemetry import Recorder, SpecTelemetry
+from protocol.messages import (
+    DType,
+    Message,
+    OpenSession,
+    Rollback,
+    Sampling,
+    StageError,
+    VerifyReply,
+    VerifyWindow,
+)
+
+
+class RouteFailed(Exception):
+    """A stage failed or became unreachable; `committed` holds what was generated so far."""
+
+    def __init__(self, message: str, committed: Sequence[int] = (), node_key: bytes = b"") -> None:
+        super().__init__(message)
+        self.committed = list(committed)
+        self.node_key = node_key
+
+
+class StageOverloaded(RouteFailed):
+    """A stage refused the session (its KV memory or queue is full): retry after a while.
+
+    A `RouteFailed`, so callers that only know that type still fail fast; the API may answer
+    429/503 with `Retry-After: retry_after_s`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        retry_after_s: float,
+        committed: Sequence[int] = (),
+        node_key: bytes = b"",
+    ) -> None:
+        super().__init__(message, committed, node_key)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: prompt token ids, limits, sampling and speculation settings."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    eos_ids: frozenset[int] = frozenset()
+    mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
+
+
+@dataclass
+class GenerationResult:
+    """What came out: generated token ids (no EOS), why it stopped, and telemetry."""
+
+    tokens: list[int]
+    finish_reason: str  # "stop" (EOS or asked to stop) or "length"
+    telemetry: SpecTelemetry
+
+
+class Send(NamedTuple):
+    """One message for the driver to send to the stage node `key`."""
+
+    key: bytes
+    message: Message
+
+
+@dataclass
+class _Window:
+    window_id: int
+    base_pos: int
+    tokens: list[int]
+    n_draft: int
+    sent_s: float
+
+
+_PLAIN = "speculation disabled"
+
+
+class WindowLoop:
+    """The decode loop of one request over one route (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        session: str,
+        route: Route,
+        request: GenerationRequest,
+        proposer: Proposer,
+        costs: RouteCosts,
+        coordinator_key: bytes,
+        link: Callable[[], LinkModel] | None = None,
+        observe_load: Callable[[int], None] | None = None,
+        prefill_chunk_tokens: int = 256,
+        wire_dtype: DType = "f16",
+        reply_timeout_s: float = 30.0,
+    ) -> None:
+        """`link` is the policy's view of the route when a window is planned (default: the
+        route's own costs at load 1); `observe_load` gets the stage load each reply reports."""
+        self.session = session
+        self.route = route
+        self.request = request
+        self.spec = request.spec
+        self.proposer = proposer
+        self.costs = costs
+        self.coordinator_key = coordinator_key
+        self._link = link if link is not None else costs.link_model
+        self._observe_load = observe_load
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.wire_dtype = wire_dtype
+        self.reply_timeout_s = reply_timeout_s
+        use_mtp = request.mtp_depth > 0 and proposer.uses_mtp
+        # MTP depths the last stage runs per window; 0 once the proposer stops wanting them.
+        self.mtp_tokens = min(request.mtp_depth, self.spec.mtp_depth) if use_mtp else 0
+        self.recorder = Recorder(self.spec.strategy)
+        self.epoch = 0
+        self.finish_reason = "length"
+        self._phase = "new"  # new → prefill → decode → done
+        self._prompt_len = 0
+        self._next_window_id = 0
+        self._committed: list[int] = []
+        self._last_token = -1
+        self._in_flight: deque[_Window] = deque()
+        self._mtp_draft: list[int] = []
+        self._prefill_id = 0
+        self._prefill_start = 0.0
+        self._decode_start = 0.0
+        # When the last reply left nothing in flight: the coordinator's turnaround starts.
+        self._idle_since: float | None = None
+        self._deadline: float | None = None
+        # Committed tokens the driver has yet to stream, and what the loop does once it has.
+        self._to_stream: list[int] = []
+        self._eos = False
+        self._after_reply = False  # the commit came from a decode reply (not the prefill)
+        self._rejected = False  # that reply disproved the windows still in flight
+
+    # -- what the driver reads -----------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """Generation is over (finished, stopped, or failed)."""
+        return self._phase == "done"
+
+    @property
+    def committed(self) -> list[int]:
+        """Tokens committed so far, EOS excluded."""
+        return list(self._committed)
+
+    @property
+    def tokens_to_stream(self) -> list[int]:
+        """Committed tokens the driver must stream, then call `on_streamed` (empty: none)."""
+        return list(self._to_stream)
+
+    @property
+    def windows_in_flight(self) -> int:
+        """Verify windows sent and not yet answered in the current epoch."""
+        return len(self._in_flight)
+
+    @property
+    def timer(self) -> float | None:
+        """When a reply becomes overdue (call `on_timer` then); None when none is awaited."""
+        if self._phase in ("prefill", "decode") and not self._to_stream:
+            return self._deadline
+        return None
+
+    def result(self) -> GenerationResult:
+        """What came out (the tokens so far while the loop is not done)."""
+        return GenerationResult(self.committed, self.finish_reason, self.recorder.snapshot())
+
+    # -- events --------------------------------------------------------------------------
+    def start(self, prompt: Sequence[int], now: float) -> list[Send]:
+        """Open the session on every stage and send the prompt in prefill chunks."""
+        if self._phase != "new":
+            raise RuntimeError("a WindowLoop starts once")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        self._prompt_len = len(prompt)
+        out = self._open(len(prompt))
+        self.proposer.reset(prompt)
+        self._phase = "prefill"
+        self._prefill_start = now
+        chunk = self.prefill_chunk_tokens
+        first_key = self.route.keys[0]
+        for lo in range(0, len(prompt), chunk):
+            hi = min(len(prompt), lo + chunk)
+            self._prefill_id = self._window_id()
+            window = VerifyWindow(
+                session=self.session,
+                epoch=self.epoch,
+                window_id=self._prefill_id,
+                base_pos=lo,
+                tokens=prompt[lo:hi],
+                sampling=self.request.sampling,
+                n_draft=0,
+                sample=hi == len(prompt),
+                mtp_tokens=self.mtp_tokens,
+            )
+            out.append(Send(first_key, window))
+        self._deadline = now + self.reply_timeout_s
+        return out
+
+    def on_reply(self, reply: VerifyReply | StageError, now: float) -> list[Send]:
+        """A reply or error from the route's last stage (replies of older epochs: ignored)."""
+        if self._phase in ("new", "done"):
+            return []
+        if self._to_stream:
+            raise RuntimeError("stream tokens_to_stream and call on_streamed first")
+        if isinstance(reply, StageError):
+            text = f"stage error {reply.code}: {reply.message}"
+            if reply.code == "overloaded":
+                self._fail(StageOverloaded(text, reply.retry_after_s, self._committed))
+            self._fail(RouteFailed(text, self._committed))
+        self._deadline = now + self.reply_timeout_s
+        if reply.epoch != self.epoch:
+            return []
+        if self._phase == "prefill":
+            if reply.window_id != self._prefill_id:
+                return []
+            self.recorder.prefill(self._prompt_len, now - self._prefill_start)
+            self._mtp_draft = list(reply.mtp_draft)
+            self._phase = "decode"
+            self._decode_start = now
+            self._after_reply = False
+            return self._commit([reply.next_token], reply.next_token, now)
+        return self._on_verdict(reply, now)
+
+    def on_streamed(self, now: float, *, stop: bool = False) -> list[Send]:
+        """The driver streamed `tokens_to_stream`; `stop`: the client wants no more."""
+        if not self._to_stream:
+            raise RuntimeError("nothing was waiting to be streamed")
+        self._to_stream = []
+        self._deadline = now + self.reply_timeout_s
+        return self._settle(now, stop)
+
+    def on_stage_failed(self, node: bytes, now: float) -> list[Send]:
+        """The lane to `node` died: the request fails if its route uses that node."""
+        if self._phase in ("new", "done") or node not in self.route.keys:
+            return []
+        self._fail(RouteFailed("stage node unreachable", self._committed, node))
+
+    def on_timer(self, now: float) -> list[Send]:
+        """Time passed: the request fails if a reply is overdue."""
+        timer = self.timer
+        if timer is None or now < timer:
+            return []
+        self._fail(RouteFailed(f"no reply within {self.reply_timeout_s} s", self._committed))
+
+    # -- session set-up ------------------------------------------------------------------
+    def _open(self, prompt_len: int) -> list[Send]:
+        route = self.route
+        lookahead = (self.spec.window_max_tokens + 1) * max(1, self.spec.max_pipeline_depth)
+        max_positions = prompt_len + self.request.max_tokens + lookahead + 8
+        out: list[Send] = []
+        for index, stage in enumerate(route.stages):
+            last = index == len(route.stages) - 1
+            message = OpenSession(
+                session=self.session,
+                model_id=route.model_id,
+                max_positions=max_positions,
+                stage_index=index,
+                coordinator=self.coordinator_key,
+                next_hop=None if last else route.stages[index + 1].node_key,
+                wire_dtype=self.wire_dtype,
+                mtp_depth=self.mtp_tokens if last else 0,
+                layer_start=stage.layer_start,
+                layer_end=stage.layer_end,
+                quantization=route.quantization,
+            )
+            out.append(Send(stage.node_key, message))
+        return out
+
+    # -- the decode loop -----------------------------------------------------------------
+    def _on_verdict(self, reply: VerifyReply, now: float) -> list[Send]:
+        w = self._in_flight.popleft()
+        if reply.window_id != w.window_id:
+            self._fail(
+                RouteFailed(
+                    f"reply for window {reply.window_id}, expected {w.window_id}",
+                    self._committed,
+                )
+            )
+        timings = reply.stage_timings
+        compute = sum(t.compute_s for t in timings)
+        queue = sum(t.queue_s for t in timings)
+        round_trip = now - w.sent_s
+        self._idle_since = None if self._in_flight else now
+        # A batched pass is shared by its sessions: the cost model takes this session's share,
+        # and the policy multiplies it back by the load (C_L = L·C). The rest of the pass was
+        # spent on others' rows, so it counts as waiting, not as network.
+        share = sum(t.compute_s / max(1, t.batch_sessions) for t in timings)
+        mtp = sum(t.mtp_s for t in timings)
+        self.costs.observe(len(w.tokens), round_trip, share, queue + compute - share, mtp)
+        if self._observe_load is not None:
+            self._observe_load(
+                max((t.batch_sessions + t.queued_sessions for t in timings), default=1)
+            )
+        accepted = reply.accepted_len
+        if not 0 <= accepted <= w.n_draft:
+            self._fail(
+                RouteFailed(f"reply accepts {accepted} of {w.n_draft} drafts", self._committed)
+            )
+        new = [*w.tokens[1 : 1 + accepted], reply.next_token]
+        self.proposer.record(w.n_draft, accepted)
+        self.recorder.verdict(
+            self.proposer.active,
+            w.n_draft,
+            accepted,
+            len(new),
+            network_s=max(0.0, round_trip - compute - queue),
+            compute_s=compute,
+        )
+        self._mtp_draft = list(reply.mtp_draft)
+        self._after_reply = True
+        self._rejected = bool(self._in_flight) and (
+            accepted < w.n_draft or reply.next_token != self._in_flight[0].tokens[0]
+        )
+        return self._commit(new, reply.next_token, now)
+
+    def _commit(self, tokens: list[int], last: int, now: float) -> list[Send]:
+        """Add tokens to the log; hold back what follows until the visible ones are streamed."""
+        self._last_token = last
+        self._eos = last in self.request.eos_ids
+        visible = tokens[:-1] if self._eos else tokens
+        self._committed.extend(visible)
+        self.proposer.observe(tokens)
+        if visible:
+            self._to_stream = list(visible)
+            return []
+        return self._settle(now, stop=False)
+
+    def _settle(self, now: float, stop: bool) -> list[Send]:
+        """After a commit was streamed: finish, or roll back what it disproved and fill."""
+        done = self._eos or stop or len(self._committed) >= self.request.max_tokens
+        if self._eos or stop:
+            self.finish_reason = "stop"
+        out: list[Send] = []
+        if self._after_reply and self._in_flight:
+            if done or self._rejected:
+                out.extend(self._rollback())
+            else:
+                self._mtp_draft = []  # it was for a window that has already left
+        if not done:
+            out.extend(self._fill(self._plan(), now))
+            done = not self._in_flight
+        if self._after_reply:
+            self.recorder.decode_elapsed(now - self._decode_start)
+        if done:
+            self._phase = "done"
+        return out
+
+    def _plan(self) -> WindowPlan:
+        spec = self.spec
+        if spec.strategy == "disabled" or spec.window_max_tokens == 0:
+            return WindowPlan(0, 1, 1.0, 0.0, 0.0, _PLAIN)
+        link = self._link()
+        self.proposer.set_link(link)
+        if self.mtp_tokens and not self.proposer.wants_mtp:
+            # The proposer found that MTP drafts cost more than they save on this route: stop
+            # the heads for the rest of the request (the stages skip them from the next window).
+            self.mtp_tokens = 0
+            self.proposer.stop_mtp()
+        if self.proposer.active == "disabled":
+            # The proposer already weighed every strategy against plain decoding; none paid.
+            reason = self.proposer.reason
+            plan = WindowPlan(0, 1, 1.0, 0.0, 0.0, reason)
+            self.recorder.policy(plan, "disabled", reason)
+            return plan
+        if self.mtp_tokens and self.proposer.active in MTP_STRATEGIES:
+            link = link.with_mtp_drafts()
+        plan = choose(PolicyInputs(link, self.proposer.acceptance()), spec)
+        self.recorder.policy(plan, self.proposer.active, self.proposer.reason)
+        if plan.width == 0 and spec.strategy != "auto":
+            # A fixed strategy keeps probing with its narrowest window, so its acceptance
+            # estimate can recover; `auto` is the strategy that is allowed to stop.
+            plan = WindowPlan(spec.window_min_tokens, 1, 1.0, 0.0, 0.0, plan.reason)
+        return plan
+
+    def _remaining(self) -> int:
+        """Tokens that may still be committed beyond what windows in flight could commit."""
+        pending = sum(w.n_draft + 1 for w in self._in_flight)
+        return self.request.max_tokens - len(self._committed) - pending
+
+    def _fill(self, plan: WindowPlan, now: float) -> list[Send]:
+        out: list[Send] = []
+        depth = max(1, plan.depth)
+        while len(self._in_flight) < depth:
+            remaining = self._remaining()
+            if remaining <= 0:
+                break
+            if not self._in_flight:
+                base = self._prompt_len + len(self._committed) - 1
+                # Even at width 0 the proposer sees the MTP draft, so `auto` keeps scoring
+                # MTP strategies while it is not speculating.
+                drafts = self.proposer.propose(plan.width, self._mtp_draft)
+                tokens = [self._last_token, *clip_drafts(drafts, remaining)]
+            else:
+                # Everything in flight is assumed right: the oldest window's drafts, then
+                # each later window's guessed bonus token and its drafts.
+                assumed = self._in_flight[0].tokens[1:] + [
+                    t for w in list(self._in_flight)[1:] for t in w.tokens
+                ]
+                guess = self.proposer.propose_after(assumed, plan.width + 1)
+                if not guess:
+                    break  # no guess for the bonus token: wait for the reply instead
+                prev = self._in_flight[-1]
+                base = prev.base_pos + len(prev.tokens)
+                tokens = [guess[0], *clip_drafts(guess[1:], remaining)]
+            out.append(
+                self._send_window(_Window(self._window_id(), base, tokens, len(tokens) - 1, now))
+            )
+        return out
+
+    def _send_window(self, w: _Window) -> Send:
+        if self._idle_since is not None and not self._in_flight:
+            self.costs.observe_local(w.sent_s - self._idle_since)
+        self._idle_since = None
+        message = VerifyWindow(
+            session=self.session,
+            epoch=self.epoch,
+            window_id=w.window_id,
+            base_pos=w.base_pos,
+            tokens=w.tokens,
+            sampling=self.request.sampling,
+            n_draft=w.n_draft,
+            mtp_tokens=self.mtp_tokens,
+        )
+        self._in_flight.append(w)
+        self.recorder.window_sent()
+        return Send(self.route.keys[0], message)
+
+    def _rollback(self) -> list[Send]:
+        self.recorder.window_stale(len(self._in_flight))
+        self._in_flight.clear()
+        self.epoch += 1
+        return [Send(key, Rollback(self.session, self.epoch)) for key in self.route.keys]
+
+    def _window_id(self) -> int:
+        self._next_window_id += 1
+        return self._next_window_id
+
+    def _fail(self, error: RouteFailed) -> NoReturn:
+        self._phase = "done"
+        self._to_stream = []
+        raise error
