@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -92,6 +93,9 @@ class ApiMetrics:
             ["stage"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self._scrape_hooks: list[Callable[[], None]] = []
+        self._requests = 0
+        self._no_requests = trio.Event()
+        self._no_requests.set()
 
     # -- fed by the API -----------------------------------------------------------------
     def request_done(self, route: str, status: int, duration_s: float) -> None:
@@ -108,6 +112,24 @@ class ApiMetrics:
             self.spec_acceptance.observe(telemetry.acceptance)
         if telemetry.tokens_per_round_trip is not None:
             self.spec_tokens_per_trip.observe(telemetry.tokens_per_round_trip)
+
+    def request_started(self) -> None:
+        """An HTTP request came in (the middleware's call)."""
+        self.in_flight.inc()
+        self._requests += 1
+        if self._no_requests.is_set():
+            self._no_requests = trio.Event()
+
+    def request_ended(self) -> None:
+        """An HTTP request's response is complete, or its client went away."""
+        self.in_flight.dec()
+        self._requests -= 1
+        if self._requests == 0:
+            self._no_requests.set()
+
+    async def wait_no_requests(self) -> None:
+        """Return once no HTTP request is in flight (a stopping daemon's last responses)."""
+        await self._no_requests.wait()
 
     def totals(self) -> dict[str, float]:
         """Running totals for the console (it derives rates from two readings)."""

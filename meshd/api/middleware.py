@@ -93,7 +93,7 @@ class MetricsMiddleware:
                 scope[CLIENT_GONE] = True
             return message
 
-        self.metrics.in_flight.inc()
+        self.metrics.request_started()
         try:
             await self.app(scope, receive_and_note, send_and_note)
         finally:
@@ -104,7 +104,7 @@ class MetricsMiddleware:
                     "client %s went away after %.1f s: %s %s counted as 499",
                     _client(scope), duration_s, scope["method"], path,
                 )  # fmt: skip
-            self.metrics.in_flight.dec()
+            self.metrics.request_ended()
             self.metrics.request_done(route, status, duration_s)
 
 

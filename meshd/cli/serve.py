@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # The exit status of a start-up error no restart can fix (systemd: RestartPreventExitStatus=2).
 EXIT_STARTUP_ERROR = 2
+# After a graceful stop, how long the last error events and [DONE]s may take to go out.
+RESPONSES_FLUSH_S = 2.0
 
 
 class StartupError(Exception):
@@ -196,10 +198,15 @@ async def serve(config: NodeConfig) -> None:
     started = trio.Event()
     node: MeshNode
     backend: NodeBackend
+    metrics = ApiMetrics()
 
     async def graceful() -> None:
         if started.is_set():  # before that, there is nothing to hand over
             await stop_gracefully(node, backend, config.graceful_timeout_s)
+            # A generation ends before its HTTP task has written the error event and [DONE]:
+            # let those go out before the API is cancelled, or a stream is cut silently.
+            with trio.move_on_after(RESPONSES_FLUSH_S):
+                await metrics.wait_no_requests()
 
     async with trio.open_nursery() as nursery:
         await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier, graceful)
@@ -211,7 +218,6 @@ async def serve(config: NodeConfig) -> None:
             )
         backend = NodeBackend(node, model_name=name)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
-        metrics = ApiMetrics()
         export_counters(metrics, node)
         app = create_app(
             backend,
