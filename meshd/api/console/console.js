@@ -3,10 +3,11 @@
 "use strict";
 
 const POLL_MS = 1000;
+const RATE_WINDOW_MS = 5000; // tokens/s is the rate over the readings of this window
 const KEY_STORE = "meshd-api-key";
 const $ = (id) => document.getElementById(id);
 
-let previous = null; // {at, generated} of the last reading, for tokens/s
+const readings = []; // {at, generated} of recent readings, for tokens/s
 const conversation = []; // the chat's messages, sent whole with each request
 
 function apiKey() {
@@ -64,11 +65,13 @@ function render(body) {
   const node = body.node;
   const traffic = body.traffic;
   const now = performance.now();
-  if (previous) {
-    const rate = (traffic.generated_tokens - previous.generated) / ((now - previous.at) / 1000);
+  readings.push({ at: now, generated: traffic.generated_tokens });
+  while (readings.length > 2 && now - readings[1].at >= RATE_WINDOW_MS) readings.shift();
+  if (readings.length > 1) {
+    const first = readings[0];
+    const rate = (traffic.generated_tokens - first.generated) / ((now - first.at) / 1000);
     $("tok-s").textContent = rate.toFixed(1);
   }
-  previous = { at: now, generated: traffic.generated_tokens };
   $("generated").textContent = traffic.generated_tokens.toFixed(0);
   const drafted = traffic.spec_drafted_tokens;
   $("acceptance").textContent = drafted
@@ -124,7 +127,8 @@ function render(body) {
   events.replaceChildren(...node.events.slice(-30).reverse().map((e) => {
     const li = document.createElement("li");
     const at = new Date(e.at_unix_s * 1000).toLocaleTimeString();
-    li.textContent = `${at} ${e.kind} ${(e.node || "").slice(0, 12)} ${e.detail}`;
+    const who = e.node ? node.members.find((m) => m.key.startsWith(e.node)) : null;
+    li.textContent = `${at} ${e.kind} ${who ? who.name : (e.node || "").slice(0, 16)} ${e.detail}`;
     return li;
   }));
 }
