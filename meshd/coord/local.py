@@ -23,12 +23,12 @@ from nacl.utils import random as nacl_random
 from meshd.coord.pipeline import Coordinator
 from meshd.coord.route import Route, RouteStage
 from meshd.coord.wiring import NodeWiring
-from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import LaneTable
 from meshd.stage.host import StageHost
 from protocol.messages import DType
 
@@ -38,7 +38,7 @@ class LocalNode:
     """One node of the local pipeline."""
 
     key: bytes
-    peers: PeerTable
+    peers: LaneTable
     host: StageHost | None
 
 
@@ -110,7 +110,7 @@ async def open_local_pipeline(
                 checkpoint, lo, hi, device="cpu", dtype=dtype, quantization=quantization
             )
             wiring = NodeWiring()
-            peers = PeerTable(
+            peers = LaneTable(
                 endpoints[index],
                 publics[index],
                 wiring.dispatch,

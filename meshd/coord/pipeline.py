@@ -33,8 +33,8 @@ from meshd.coord.session import (
     StageOverloaded,
     WindowLoop,
 )
-from meshd.mesh.peers import PeerUnreachable
 from meshd.net.endpoint import LaneClosedError
+from meshd.net.lanes import PeerUnreachable
 from meshd.spec.auto import AcceptanceBook
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import LinkModel

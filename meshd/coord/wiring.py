@@ -53,7 +53,7 @@ class NodeWiring:
             self.stage.handle(message, sender)
 
     def on_lane_lost(self, key: bytes, _lane: object) -> None:
-        """`PeerTable.on_lane_lost`: see `lane_lost`."""
+        """`LaneTable.on_lane_lost`: see `lane_lost`."""
         self.lane_lost(key)
 
     def lane_lost(self, key: bytes) -> None:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.mesh.peers import PeerTable, PeerUnreachable
 from meshd.net.endpoint import Address, LaneAddress, LaneClosedError, PeerLane
+from meshd.net.lanes import LaneTable, PeerUnreachable
 from meshd.net.relay import Relay
 from protocol import punch
 from protocol.datagram import KIND_PROBE
@@ -76,7 +76,7 @@ class _Punch:
 class NatTraversal:
     """Introductions, hole punching and relaying for one peer table. Start `run()` first."""
 
-    def __init__(self, peers: PeerTable, config: punch.PunchConfig | None = None) -> None:
+    def __init__(self, peers: LaneTable, config: punch.PunchConfig | None = None) -> None:
         self.peers = peers
         self.endpoint = peers.endpoint
         self.config = config if config is not None else punch.PunchConfig()
@@ -268,7 +268,7 @@ class NatTraversal:
         self._nursery.start_soon(fn, *args)
 
 
-def _direct_address(peers: PeerTable, key: bytes) -> Address | None:
+def _direct_address(peers: LaneTable, key: bytes) -> Address | None:
     """Where the open lane to `key` reaches it (its observed address), unless relayed."""
     lane = peers.lane(key)
     if lane is None or not isinstance(lane.addr, tuple):

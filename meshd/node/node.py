@@ -28,13 +28,13 @@ from meshd.coord.wiring import NodeWiring
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.threads import configure_threads
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
+from meshd.net.lanes import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
 from meshd.node.duty import (
     CancelDrain,
     Duty,

@@ -38,13 +38,13 @@ from meshd.cli.supervisor import (
 )
 from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
-from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import PeerUnreachable
 from meshd.node.control_client import GenerateOp, request_lines
 from meshd.node.lanes import LaneKind, LanePath, NodePeers, pick_introducers
 from protocol.config import LaneConfig

@@ -1,6 +1,6 @@
 """Lanes by node key: connect on demand, accept, and read every lane into one dispatcher.
 
-The layers above address peers by their static key, never by socket address. `PeerTable`
+The layers above address peers by their static key, never by socket address. `LaneTable`
 keeps at most one open lane per peer (the newest wins), opens one on demand from an address
 book, and runs a reader task per lane that decodes each message by its stream and hands it on:
 pipeline messages (stream 1, `protocol.messages`) to `dispatch`, and each other registered
@@ -37,22 +37,22 @@ class PeerUnreachable(Exception):
 
 
 @dataclass
-class PeerStats:
+class LaneStats:
     """Counters for the operator."""
 
     malformed_messages: int = 0
     lanes_lost: int = 0
 
 
-class PeerOptions(TypedDict, total=False):
-    """`PeerTable`'s optional keywords, for tables built on it to pass along."""
+class LaneTableOptions(TypedDict, total=False):
+    """`LaneTable`'s optional keywords, for tables built on it to pass along."""
 
     on_lane_lost: Callable[[bytes, PeerLane], None] | None
     on_lane_up: Callable[[bytes, PeerLane], None] | None
     streams: Mapping[int, StreamHandler] | None
 
 
-class PeerTable:
+class LaneTable:
     """One open lane per peer key, opened on demand; every message goes to `dispatch`."""
 
     def __init__(
@@ -75,7 +75,7 @@ class PeerTable:
         self._default: StreamHandler | None = (decode, dispatch) if not streams else None
         self.streams.update(streams or {})
         self.addresses: dict[bytes, Address] = {}
-        self.stats = PeerStats()
+        self.stats = LaneStats()
         self._lanes: dict[bytes, PeerLane] = {}
         self._connecting: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
@@ -175,7 +175,7 @@ class PeerTable:
                 return old
             old.close("replaced by a newer lane")
         self._lanes[key] = lane
-        assert self._nursery is not None, "PeerTable.run() must be started first"
+        assert self._nursery is not None, "LaneTable.run() must be started first"
         self._nursery.start_soon(self._read, key, lane)
         if self.on_lane_up is not None:
             self.on_lane_up(key, lane)
