@@ -21,7 +21,6 @@ from nacl.bindings import crypto_scalarmult_base
 from nacl.utils import random as nacl_random
 
 from meshd.coord.pipeline import Coordinator
-from meshd.coord.route import Route, RouteStage
 from meshd.coord.wiring import NodeWiring
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
@@ -29,6 +28,7 @@ from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lanes import LaneTable
+from meshd.plan.route import Route, RouteStage
 from meshd.stage.host import StageHost
 from protocol.messages import DType
 

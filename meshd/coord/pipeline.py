@@ -24,7 +24,6 @@ from typing import Protocol
 import trio
 
 from meshd.coord.costs import RouteCosts
-from meshd.coord.route import Route
 from meshd.coord.session import (
     GenerationRequest,
     GenerationResult,
@@ -35,6 +34,7 @@ from meshd.coord.session import (
 )
 from meshd.net.endpoint import LaneClosedError
 from meshd.net.lanes import PeerUnreachable
+from meshd.plan.route import Route
 from meshd.spec.auto import AcceptanceBook
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import LinkModel

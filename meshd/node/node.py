@@ -23,7 +23,6 @@ import trio
 
 from meshd.config import NodeConfig
 from meshd.coord.pipeline import Coordinator
-from meshd.coord.route import Route
 from meshd.coord.wiring import NodeWiring
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
@@ -53,6 +52,7 @@ from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
+from meshd.plan.route import Route
 from protocol import gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
