@@ -3,9 +3,10 @@
 The layers above address peers by their static key, never by socket address. `LaneTable`
 keeps at most one open lane per peer (the newest wins), opens one on demand from an address
 book, and runs a reader task per lane that decodes each message by its stream and hands it on:
-pipeline messages (stream 1, `protocol.messages`) to `dispatch`, and each other registered
-stream (stream 0 carries gossip, `protocol.gossip`) to its own handler. Remote garbage is
-counted and dropped (`RemoteProtocolError`), never raised into the reader.
+pipeline messages (`PIPELINE_STREAM`, `protocol.messages`) to `dispatch`, and each other
+registered stream (`GOSSIP_STREAM` carries `protocol.gossip`; ids in `protocol.streams`) to its
+own handler. Remote garbage is counted and dropped (`RemoteProtocolError`), never raised into
+the reader.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ import trio
 from meshd.net.endpoint import Address, Endpoint, LaneClosedError, PeerLane
 from protocol import RemoteProtocolError, gossip
 from protocol.messages import Message, decode, encode
+from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
-
-# Stream ids: pipeline traffic (windows, hidden states, replies) and control (gossip, ...).
-PIPELINE_STREAM = 1
-CONTROL_STREAM = 0
 
 Dispatch = Callable[[Message, bytes], None]
 # A stream other than the pipeline's: how its bytes decode, and who gets (message, sender).
@@ -148,8 +146,8 @@ class LaneTable:
         await self.send_bytes(key, stream, encode(message))
 
     async def send_gossip(self, key: bytes, message: gossip.GossipMessage) -> None:
-        """Send one membership message on the control stream (never to this node itself)."""
-        await self.send_bytes(key, CONTROL_STREAM, gossip.encode(message))
+        """Send one membership message on the gossip stream (never to this node itself)."""
+        await self.send_bytes(key, GOSSIP_STREAM, gossip.encode(message))
 
     async def send_bytes(self, key: bytes, stream: int, data: bytes) -> None:
         """Send encoded bytes on `stream` to a peer (PeerUnreachable if its lane is gone)."""

@@ -32,11 +32,9 @@ from meshd.net.lanes import LaneTable, PeerUnreachable
 from meshd.net.relay import Relay
 from protocol import punch
 from protocol.datagram import KIND_PROBE
+from protocol.streams import NAT_STREAM
 
 log = logging.getLogger(__name__)
-
-# The lane stream NAT messages travel on (0: gossip, 1: pipeline).
-NAT_STREAM = 2
 
 
 class Path(enum.Enum):

@@ -33,7 +33,7 @@ from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.threads import configure_threads
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
-from meshd.net.lanes import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
+from meshd.net.lanes import PeerUnreachable
 from meshd.node.duty import (
     CancelDrain,
     Duty,
@@ -63,6 +63,7 @@ from protocol.messages import (
     SessionKeepAlive,
     StageCommand,
 )
+from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class MeshNode:
             self._dispatch,
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
-            streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
+            streams={GOSSIP_STREAM: (gossip.decode, self._on_gossip)},
             nat=config.nat,
             punch=config.punch,
             introducers=self._introducers_for,

@@ -18,6 +18,7 @@ from meshd.net.lanes import LaneTable
 from meshd.node.notify import Notifier
 from protocol import gossip
 from protocol.messages import Message, NodeHello
+from protocol.streams import GOSSIP_STREAM
 from tests.node.daemons import REPO
 
 
@@ -75,7 +76,9 @@ async def test_one_lane_carries_gossip_and_pipeline_messages_by_stream() -> None
         trio.open_nursery() as nursery,
     ):
         pa = LaneTable(ea, a.x25519_public, lambda m, k: None)
-        pb = LaneTable(eb, b.x25519_public, on_pipeline, streams={0: (gossip.decode, on_gossip)})
+        pb = LaneTable(
+            eb, b.x25519_public, on_pipeline, streams={GOSSIP_STREAM: (gossip.decode, on_gossip)}
+        )
         await nursery.start(pa.run)
         await nursery.start(pb.run)
         pa.addresses[b.x25519_public] = eb.local_address
