@@ -38,7 +38,7 @@ from meshd.plan.route import Route
 from meshd.spec.auto import AcceptanceBook
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import LinkModel
-from meshd.spec.proposers import make_proposer
+from meshd.spec.strategies import make_proposer
 from protocol.messages import (
     MAX_KEEPALIVE_SESSIONS,
     CloseSession,
