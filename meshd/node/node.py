@@ -50,7 +50,7 @@ from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
 from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
-from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
+from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from meshd.plan.route import Route
 from protocol import gossip
