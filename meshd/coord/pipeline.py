@@ -76,7 +76,7 @@ OnTokens = Callable[[list[int]], Awaitable[bool | None]]
 
 
 class Sender(Protocol):
-    """What the coordinator needs of the node's peer table."""
+    """What the coordinator needs of the node's lane table."""
 
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
 
@@ -101,7 +101,7 @@ class _Live:
 
 
 class Coordinator:
-    """Runs requests over routes; `handle` takes the replies the node's peer table receives."""
+    """Runs requests over routes; `handle` takes the replies the node's lane table receives."""
 
     def __init__(
         self,

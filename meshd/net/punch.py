@@ -1,6 +1,6 @@
 """NAT traversal on the trio side: introduce, punch, and fall back to a relay.
 
-Every node installs one `NatTraversal` on its peer table. It plays three roles:
+Every node installs one `NatTraversal` on its lane table. It plays three roles:
 - introducer: on an `IntroduceRequest` from A naming B (both with open lanes here), it opens a
   relay session and sends both an `Introduction` back to back (B first, so B's NAT mapping
   tends to exist before A's probes arrive);
@@ -72,7 +72,7 @@ class _Punch:
 
 
 class NatTraversal:
-    """Introductions, hole punching and relaying for one peer table. Start `run()` first."""
+    """Introductions, hole punching and relaying for one lane table. Start `run()` first."""
 
     def __init__(self, peers: LaneTable, config: punch.PunchConfig | None = None) -> None:
         self.peers = peers

@@ -16,7 +16,7 @@ from meshd.mesh.jointoken import Address
 from meshd.net.endpoint import Endpoint
 from meshd.net.lanes import PeerUnreachable
 from meshd.node.gossip_driver import GossipDriver, KeyBook
-from meshd.node.lanes import NodePeers
+from meshd.node.lanes import NodeLanes
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class PeerFinder:
     def __init__(
         self,
         endpoint: Endpoint,
-        peers: NodePeers,
+        peers: NodeLanes,
         keys: KeyBook,
         gossip: GossipDriver,
         *,

@@ -1,7 +1,7 @@
 """The daemon's dial policy: direct first, then through an introducer (punch, else relay).
 
 Every send in the daemon (gossip, pipeline windows, stage hand-offs, NAT messages) asks the
-peer table for a lane. `NodePeers.lane_to` dials the member's advertised address first: on a
+lane table for a lane. `NodeLanes.lane_to` dials the member's advertised address first: on a
 LAN that is the common case and costs one handshake. When that fails (no usable address, a
 handshake timeout, unreachable), it asks a member it already holds a direct lane to for an
 introduction (`NatTraversal.connect_via`), which punches a direct lane through both NATs or
@@ -55,8 +55,8 @@ class LanePath:
 IntroducerPicker = Callable[[bytes], list[bytes]]
 
 
-class NodePeers(LaneTable):
-    """The daemon's peer table: `lane_to` dials direct, then through an introducer."""
+class NodeLanes(LaneTable):
+    """The daemon's lane table: `lane_to` dials direct, then through an introducer."""
 
     def __init__(
         self,

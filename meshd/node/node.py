@@ -1,6 +1,6 @@
 """`MeshNode`: one daemon's parts, composed; `run_node` opens the lanes and starts them.
 
-Lanes (endpoint + peer table), membership (driven over the gossip stream), discovery (mDNS
+Lanes (endpoint + lane table), membership (driven over the gossip stream), discovery (mDNS
 and `--join`, each peer's node key learned by an authenticated key query), leaderless
 planning (re-run, debounced, whenever the view changes), the stage this node is assigned, and
 a coordinator for the requests this node receives (`NodeBackend`). Messages reach the parts
@@ -48,7 +48,7 @@ from meshd.node.duty import (
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
-from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
+from meshd.node.lanes import LaneKind, NodeLanes, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
@@ -232,7 +232,7 @@ class MeshNode:
         self._drain_scope: trio.CancelScope | None = None
         self._replan = trio.Event()
         self._plan_changed = trio.Event()
-        self.peers = NodePeers(
+        self.peers = NodeLanes(
             endpoint,
             self.identity.x25519_public,
             self._dispatch,

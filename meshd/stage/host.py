@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 class Sender(Protocol):
-    """What the host needs of the node's peer table."""
+    """What the host needs of the node's lane table."""
 
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
 
