@@ -26,7 +26,7 @@ def test_json_lines_carry_ts_level_logger_msg_extra_fields_and_tracebacks(
 ) -> None:
     out = io.StringIO()
     setup_logging("info", "json", out)
-    log = logging.getLogger("meshd.node.stages")
+    log = logging.getLogger("meshd.node.stage_slot")
     log.info("stage loaded: layers [%d, %d)", 0, 2, extra={"layers": (0, 2), "path": object()})
     log.debug("not shown at info")
     try:
@@ -36,7 +36,7 @@ def test_json_lines_carry_ts_level_logger_msg_extra_fields_and_tracebacks(
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(lines) == 2
     first, second = lines
-    assert first["level"] == "info" and first["logger"] == "meshd.node.stages"
+    assert first["level"] == "info" and first["logger"] == "meshd.node.stage_slot"
     assert first["msg"] == "stage loaded: layers [0, 2)"
     assert first["layers"] == [0, 2] and first["path"].startswith("<object object")
     assert first["ts"].endswith("Z") and first["ts"][:2] == "20"

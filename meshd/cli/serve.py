@@ -24,7 +24,7 @@ from meshd.node.notify import Notifier
 
 if TYPE_CHECKING:
     from meshd.model.stage import LoadProgress
-    from meshd.node.stages import LoadDisplay
+    from meshd.node.stage_slot import LoadDisplay
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """An in-process pipeline on loopback: real lanes, real stage hosts, one coordinator.
 
-Each node is a UDP endpoint with a peer table; stage nodes host a `StageModel`. Messages
+Each node is a UDP endpoint with a lane table; stage nodes host a `StageModel`. Messages
 reach each node's parts through `NodeWiring`, as in the daemon. The coordinator lives on the
 first stage's node (as a daemon receiving a request would when it
 hosts stage 0). Latency between nodes is emulated in userspace on every endpoint's send path
@@ -21,14 +21,14 @@ from nacl.bindings import crypto_scalarmult_base
 from nacl.utils import random as nacl_random
 
 from meshd.coord.pipeline import Coordinator
-from meshd.coord.route import Route, RouteStage
 from meshd.coord.wiring import NodeWiring
-from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import LaneTable
+from meshd.plan.route import Route, RouteStage
 from meshd.stage.host import StageHost
 from protocol.messages import DType
 
@@ -38,7 +38,7 @@ class LocalNode:
     """One node of the local pipeline."""
 
     key: bytes
-    peers: PeerTable
+    peers: LaneTable
     host: StageHost | None
 
 
@@ -110,7 +110,7 @@ async def open_local_pipeline(
                 checkpoint, lo, hi, device="cpu", dtype=dtype, quantization=quantization
             )
             wiring = NodeWiring()
-            peers = PeerTable(
+            peers = LaneTable(
                 endpoints[index],
                 publics[index],
                 wiring.dispatch,

@@ -24,7 +24,6 @@ from typing import Protocol
 import trio
 
 from meshd.coord.costs import RouteCosts
-from meshd.coord.route import Route
 from meshd.coord.session import (
     GenerationRequest,
     GenerationResult,
@@ -33,12 +32,13 @@ from meshd.coord.session import (
     StageOverloaded,
     WindowLoop,
 )
-from meshd.mesh.peers import PeerUnreachable
 from meshd.net.endpoint import LaneClosedError
+from meshd.net.lanes import PeerUnreachable
+from meshd.plan.route import Route
 from meshd.spec.auto import AcceptanceBook
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import LinkModel
-from meshd.spec.proposers import make_proposer
+from meshd.spec.strategies import make_proposer
 from protocol.messages import (
     MAX_KEEPALIVE_SESSIONS,
     CloseSession,
@@ -76,7 +76,7 @@ OnTokens = Callable[[list[int]], Awaitable[bool | None]]
 
 
 class Sender(Protocol):
-    """What the coordinator needs of the node's peer table."""
+    """What the coordinator needs of the node's lane table."""
 
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
 
@@ -101,7 +101,7 @@ class _Live:
 
 
 class Coordinator:
-    """Runs requests over routes; `handle` takes the replies the node's peer table receives."""
+    """Runs requests over routes; `handle` takes the replies the node's lane table receives."""
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
 from meshd.coord.costs import RouteCosts
-from meshd.coord.route import Route
+from meshd.plan.route import Route
 from meshd.spec.config import MTP_STRATEGIES, SpecConfig
 from meshd.spec.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.spec.proposer import Proposer

@@ -1,6 +1,6 @@
 """How one node's parts hear their messages: the wiring the daemon and the local pipeline share.
 
-A node may coordinate requests (a `Coordinator`) and host a stage; its peer table hands every
+A node may coordinate requests (a `Coordinator`) and host a stage; its lane table hands every
 pipeline message to `NodeWiring.dispatch`: replies and stage errors go to the coordinator,
 node-level messages to the handlers the node registers (the daemon's hello and operator
 commands), everything else to the stage. When a lane dies, the coordinator fails the windows
@@ -53,7 +53,7 @@ class NodeWiring:
             self.stage.handle(message, sender)
 
     def on_lane_lost(self, key: bytes, _lane: object) -> None:
-        """`PeerTable.on_lane_lost`: see `lane_lost`."""
+        """`LaneTable.on_lane_lost`: see `lane_lost`."""
         self.lane_lost(key)
 
     def lane_lost(self, key: bytes) -> None:

@@ -1,6 +1,6 @@
 """NAT traversal on the trio side: introduce, punch, and fall back to a relay.
 
-Every node installs one `NatTraversal` on its peer table. It plays three roles:
+Every node installs one `NatTraversal` on its lane table. It plays three roles:
 - introducer: on an `IntroduceRequest` from A naming B (both with open lanes here), it opens a
   relay session and sends both an `Introduction` back to back (B first, so B's NAT mapping
   tends to exist before A's probes arrive);
@@ -27,16 +27,14 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.mesh.peers import PeerTable, PeerUnreachable
 from meshd.net.endpoint import Address, LaneAddress, LaneClosedError, PeerLane
+from meshd.net.lanes import LaneTable, PeerUnreachable
 from meshd.net.relay import Relay
 from protocol import punch
 from protocol.datagram import KIND_PROBE
+from protocol.streams import NAT_STREAM
 
 log = logging.getLogger(__name__)
-
-# The lane stream NAT messages travel on (0: gossip, 1: pipeline).
-NAT_STREAM = 2
 
 
 class Path(enum.Enum):
@@ -74,9 +72,9 @@ class _Punch:
 
 
 class NatTraversal:
-    """Introductions, hole punching and relaying for one peer table. Start `run()` first."""
+    """Introductions, hole punching and relaying for one lane table. Start `run()` first."""
 
-    def __init__(self, peers: PeerTable, config: punch.PunchConfig | None = None) -> None:
+    def __init__(self, peers: LaneTable, config: punch.PunchConfig | None = None) -> None:
         self.peers = peers
         self.endpoint = peers.endpoint
         self.config = config if config is not None else punch.PunchConfig()
@@ -268,7 +266,7 @@ class NatTraversal:
         self._nursery.start_soon(fn, *args)
 
 
-def _direct_address(peers: PeerTable, key: bytes) -> Address | None:
+def _direct_address(peers: LaneTable, key: bytes) -> Address | None:
     """Where the open lane to `key` reaches it (its observed address), unless relayed."""
     lane = peers.lane(key)
     if lane is None or not isinstance(lane.addr, tuple):

@@ -13,10 +13,10 @@ import trio
 from meshd.mesh.discovery import DiscoveredPeer, DiscoveryConfig, mesh_hash_for, open_discovery
 from meshd.mesh.identity import NodeIdentity, fingerprint_of
 from meshd.mesh.jointoken import Address
-from meshd.mesh.peers import PeerUnreachable
 from meshd.net.endpoint import Endpoint
+from meshd.net.lanes import PeerUnreachable
 from meshd.node.gossip_driver import GossipDriver, KeyBook
-from meshd.node.lanes import NodePeers
+from meshd.node.lanes import NodeLanes
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class PeerFinder:
     def __init__(
         self,
         endpoint: Endpoint,
-        peers: NodePeers,
+        peers: NodeLanes,
         keys: KeyBook,
         gossip: GossipDriver,
         *,

@@ -18,7 +18,7 @@ import trio
 from meshd.mesh.jointoken import AddressError, parse_peer_address
 from meshd.mesh.member import MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.mesh.peers import PeerTable, PeerUnreachable
+from meshd.net.lanes import LaneTable, PeerUnreachable
 from protocol import RemoteProtocolError
 from protocol.gossip import GossipMessage
 from protocol.noise import x25519_public_from_ed25519_public
@@ -66,7 +66,7 @@ class GossipDriver:
     def __init__(
         self,
         membership: Membership,
-        peers: PeerTable,
+        peers: LaneTable,
         keys: KeyBook,
         on_events: Callable[[list[MemberEvent]], None],
         *,

@@ -1,7 +1,7 @@
 """The daemon's dial policy: direct first, then through an introducer (punch, else relay).
 
 Every send in the daemon (gossip, pipeline windows, stage hand-offs, NAT messages) asks the
-peer table for a lane. `NodePeers.lane_to` dials the member's advertised address first: on a
+lane table for a lane. `NodeLanes.lane_to` dials the member's advertised address first: on a
 LAN that is the common case and costs one handshake. When that fails (no usable address, a
 handshake timeout, unreachable), it asks a member it already holds a direct lane to for an
 introduction (`NatTraversal.connect_via`), which punches a direct lane through both NATs or
@@ -26,8 +26,8 @@ import trio
 
 from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
-from meshd.mesh.peers import Dispatch, PeerOptions, PeerTable, PeerUnreachable
 from meshd.net.endpoint import Endpoint, PeerLane
+from meshd.net.lanes import Dispatch, LaneTable, LaneTableOptions, PeerUnreachable
 from meshd.net.punch import NatTraversal, Path
 from protocol.punch import PunchConfig, RelayPath
 
@@ -55,8 +55,8 @@ class LanePath:
 IntroducerPicker = Callable[[bytes], list[bytes]]
 
 
-class NodePeers(PeerTable):
-    """The daemon's peer table: `lane_to` dials direct, then through an introducer."""
+class NodeLanes(LaneTable):
+    """The daemon's lane table: `lane_to` dials direct, then through an introducer."""
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class NodePeers(PeerTable):
         nat: NatDialConfig | None = None,
         punch: PunchConfig | None = None,
         introducers: IntroducerPicker = lambda _target: [],
-        **options: Unpack[PeerOptions],
+        **options: Unpack[LaneTableOptions],
     ) -> None:
         super().__init__(endpoint, own_key, dispatch, **options)
         self.nat_config = nat if nat is not None else NatDialConfig()
@@ -151,7 +151,7 @@ class NodePeers(PeerTable):
         raise PeerUnreachable(f"peer {key.hex()[:16]}: direct: {direct_error}; via: {reasons}")
 
     def adopt(self, lane: PeerLane) -> PeerLane:
-        """Take a new lane (see `PeerTable.adopt`), waking dials that wait for its peer."""
+        """Take a new lane (see `LaneTable.adopt`), waking dials that wait for its peer."""
         kept = super().adopt(lane)
         arrived = self._arrivals.pop(lane.remote_static, None)
         if arrived is not None:

@@ -1,6 +1,6 @@
 """`MeshNode`: one daemon's parts, composed; `run_node` opens the lanes and starts them.
 
-Lanes (endpoint + peer table), membership (driven over the gossip stream), discovery (mDNS
+Lanes (endpoint + lane table), membership (driven over the gossip stream), discovery (mDNS
 and `--join`, each peer's node key learned by an authenticated key query), leaderless
 planning (re-run, debounced, whenever the view changes), the stage this node is assigned, and
 a coordinator for the requests this node receives (`NodeBackend`). Messages reach the parts
@@ -23,18 +23,17 @@ import trio
 
 from meshd.config import NodeConfig
 from meshd.coord.pipeline import Coordinator
-from meshd.coord.route import Route
 from meshd.coord.wiring import NodeWiring
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.mesh.peers import CONTROL_STREAM, PIPELINE_STREAM, PeerUnreachable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.threads import configure_threads
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
+from meshd.net.lanes import PeerUnreachable
 from meshd.node.duty import (
     CancelDrain,
     Duty,
@@ -49,10 +48,11 @@ from meshd.node.duty import (
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
-from meshd.node.lanes import LaneKind, NodePeers, pick_introducers
+from meshd.node.lanes import LaneKind, NodeLanes, pick_introducers
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
-from meshd.node.stages import LoadDisplay, StageSlot, measure_compute_ns
+from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
+from meshd.plan.route import Route
 from protocol import gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
@@ -63,6 +63,7 @@ from protocol.messages import (
     SessionKeepAlive,
     StageCommand,
 )
+from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +232,13 @@ class MeshNode:
         self._drain_scope: trio.CancelScope | None = None
         self._replan = trio.Event()
         self._plan_changed = trio.Event()
-        self.peers = NodePeers(
+        self.peers = NodeLanes(
             endpoint,
             self.identity.x25519_public,
             self._dispatch,
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
-            streams={CONTROL_STREAM: (gossip.decode, self._on_gossip)},
+            streams={GOSSIP_STREAM: (gossip.decode, self._on_gossip)},
             nat=config.nat,
             punch=config.punch,
             introducers=self._introducers_for,

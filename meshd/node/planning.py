@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from meshd.coord.route import Route, RouteStage
 from meshd.mesh.member import MemberInfo
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
 from meshd.model.stage import kv_bytes_per_token, layer_bytes, stage_weight_bytes
 from meshd.plan import ModelShape, NodeCapacity, NoFeasiblePlan, Plan, PlannerConfig, plan
+from meshd.plan.route import Route, RouteStage
 from protocol.gossip import ModelHolding
 from protocol.noise import x25519_public_from_ed25519_public
 

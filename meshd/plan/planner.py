@@ -23,10 +23,10 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from meshd.coord.route import Route
 from meshd.plan.costs import Candidate, HopCosts, make_candidate, stage_bytes
 from meshd.plan.inputs import ModelShape, NodeCapacity, NoFeasiblePlan, PlannerConfig
 from meshd.plan.result import Alternative, Census, Hop, Plan, PlannedStage
+from meshd.plan.route import Route
 from meshd.plan.search import SegmentSearch
 from meshd.plan.segment import Segment, SegmentResult, min_stages, select_pool
 from meshd.plan.units import format_bytes, format_delta_ms, format_ms, short_key

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshd.coord.route import Route, RouteStage
+from meshd.plan.route import Route, RouteStage
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,13 +9,13 @@ import math
 from dataclasses import dataclass
 
 from meshd.mesh.membership import LocalCapacity
-from meshd.sim.simnet import LinkModel, Sim, SimNode, signer, verify_ed25519
+from meshd.sim.simnet import Sim, SimLink, SimNode, signer, verify_ed25519
 from protocol.gossip import Status
 
 __all__ = [
     "GossipLoad",
-    "LinkModel",
     "Sim",
+    "SimLink",
     "SimNode",
     "join_and_crash_times",
     "measure_gossip_load",
@@ -50,7 +50,7 @@ def measure_gossip_load(
     With `churn`, every node's load figure changes every second (the worst case for capacity
     gossip: each node re-signs its record as often as the rate limit allows).
     """
-    sim = Sim(n, seed=seed, link=LinkModel(loss=loss))
+    sim = Sim(n, seed=seed, link=SimLink(loss=loss))
     sim.start_all(stagger_s=0.01)
     join_s = sim.wait_for(sim.converged, timeout_s=max(30.0, 0.5 * n), step_s=0.5)
     if join_s == math.inf:
@@ -85,7 +85,7 @@ def join_and_crash_times(n: int, seed: int, *, lanes: bool) -> tuple[float, floa
     1 % loss. With lanes, the crash comes after 12 s of running, when probes have opened lanes
     between the members; without, after 5 s.
     """
-    sim = Sim(n, seed=seed, link=LinkModel(loss=0.01), lanes=lanes)
+    sim = Sim(n, seed=seed, link=SimLink(loss=0.01), lanes=lanes)
     sim.start_all()
     joined = sim.wait_for(sim.converged, timeout_s=30.0)
     sim.run_for(12.0 if lanes else 5.0)

@@ -4,7 +4,7 @@ N `Membership` instances talk through encoded bytes (so every message also cross
 codec and every capacity record the real Ed25519 signature) over a seeded path model: a
 one-way delay per message and independent per-message loss. That loss is harsher than a real
 lane, which retransmits and turns loss into delay; it stands for gossip over a lossy path and
-tests SWIM's own defences. Two path models: `LinkModel` (every path alike) and `Geography`
+tests SWIM's own defences. Two path models: `SimLink` (every path alike) and `Geography`
 (nodes in sites, sites in metros, metros across a continent; see meshd/sim/geography.py).
 
 Lanes are modelled the way `meshd.net` behaves: the first message between two nodes opens a
@@ -47,7 +47,7 @@ class Paths(Protocol):
 
 
 @dataclass(frozen=True)
-class LinkModel:
+class SimLink:
     """Every path's behaviour: one-way latency_s + uniform(0, jitter_s), drop with `loss`."""
 
     latency_s: float = 0.002
@@ -135,7 +135,7 @@ class Sim:
         connect_timeout_s: float = 3.0,
     ) -> None:
         self.rng = random.Random(seed)
-        self.link: Paths = link or LinkModel()
+        self.link: Paths = link or SimLink()
         self.config = config or MembershipConfig()
         self.lanes = lanes
         self.lane_dead_after_s = lane_dead_after_s

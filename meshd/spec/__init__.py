@@ -31,7 +31,6 @@ if TYPE_CHECKING:
         choose,
     )
     from meshd.spec.proposer import Proposer, ProposerStats
-    from meshd.spec.proposers import UnknownStrategyError, make_proposer
     from meshd.spec.sampling import (
         SamplingParams,
         Verdict,
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
         sample_token,
         verify,
     )
+    from meshd.spec.strategies import UnknownStrategyError, make_proposer
     from meshd.spec.telemetry import Recorder, SpecTelemetry
 
 _WHERE = {
@@ -58,7 +58,7 @@ _WHERE = {
     "SpecConfig": "meshd.spec.config",
     "SpecConfigError": "meshd.spec.config",
     "SpecTelemetry": "meshd.spec.telemetry",
-    "UnknownStrategyError": "meshd.spec.proposers",
+    "UnknownStrategyError": "meshd.spec.strategies",
     "Verdict": "meshd.spec.sampling",
     "WindowPlan": "meshd.spec.policy",
     "add_spec_arguments": "meshd.spec.config",
@@ -66,7 +66,7 @@ _WHERE = {
     "clip_drafts": "meshd.spec.sampling",
     "flag_name": "meshd.spec.config",
     "keyed_uniform": "meshd.spec.sampling",
-    "make_proposer": "meshd.spec.proposers",
+    "make_proposer": "meshd.spec.strategies",
     "resolve_spec_config": "meshd.spec.config",
     "sample_token": "meshd.spec.sampling",
     "spec_cli_values": "meshd.spec.config",

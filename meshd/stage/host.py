@@ -1,6 +1,6 @@
 """A stage host: one `StageModel` serving verify windows for many sessions over lanes.
 
-Messages arrive from the node's `PeerTable` through `handle()` (synchronous, cheap): session
+Messages arrive from the node's `LaneTable` through `handle()` (synchronous, cheap): session
 opens/closes and rollbacks take effect at once, and every window raises its session's epoch on
 arrival, so a window made stale by a later rollback is dropped *before* it is computed. One
 worker computes in a thread (torch releases the GIL), so the trio loop keeps serving lanes —
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 
 class Sender(Protocol):
-    """What the host needs of the node's peer table."""
+    """What the host needs of the node's lane table."""
 
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
 

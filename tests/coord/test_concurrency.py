@@ -15,10 +15,10 @@ import trio
 
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import Coordinator, GenerationRequest, StageOverloaded
-from meshd.coord.route import Route, RouteStage
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel
+from meshd.plan.route import Route, RouteStage
 from meshd.spec.config import SpecConfig
 from meshd.spec.policy import PolicyInputs, choose
 from meshd.stage.host import StageHostConfig

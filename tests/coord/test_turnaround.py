@@ -17,9 +17,9 @@ import trio.testing
 
 from meshd.coord.pipeline import Coordinator, GenerationRequest, RouteFailed
 from meshd.coord.session import Send
-from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
 from meshd.net.endpoint import LaneClosedError
+from meshd.net.lanes import PeerUnreachable
 from meshd.spec.config import SpecConfig
 from protocol.events import TerminationReason
 from protocol.messages import CloseSession, Message, OpenSession, VerifyWindow

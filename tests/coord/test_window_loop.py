@@ -28,7 +28,7 @@ from meshd.model.tokenizer import Tokenizer
 from meshd.spec.config import STRATEGIES, SpecConfig
 from meshd.spec.mtp import MtpHybrid, MtpProposer
 from meshd.spec.ngram import NgramSimple
-from meshd.spec.proposers import make_proposer
+from meshd.spec.strategies import make_proposer
 from protocol.messages import OpenSession, Rollback, StageError, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages, plain_decode
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshd.coord.route import Route, RouteStage
 from meshd.coord.session import Send, WindowLoop
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel
+from meshd.plan.route import Route, RouteStage
 from meshd.spec.sampling import SamplingParams, verify
 from meshd.stage.mtp_drafter import MtpDrafter
 from protocol.messages import (

@@ -28,7 +28,7 @@ from meshd.mesh.membership import (
     Status,
 )
 from meshd.sim.gossip_load import measure_gossip_load
-from meshd.sim.simnet import LinkModel, Sim, signer, verify_ed25519
+from meshd.sim.simnet import Sim, SimLink, signer, verify_ed25519
 from protocol.errors import RemoteProtocolError
 from protocol.gossip import (
     MAX_GOSSIP_BYTES,
@@ -53,7 +53,7 @@ LANE_DEAD_AFTER_S = 1.5
 
 
 def converged_sim(n: int, *, seed: int = 0, loss: float = 0.0, lanes: bool = True) -> Sim:
-    sim = Sim(n, seed=seed, link=LinkModel(loss=loss), lanes=lanes)
+    sim = Sim(n, seed=seed, link=SimLink(loss=loss), lanes=lanes)
     sim.start_all()
     assert sim.wait_for(sim.converged, timeout_s=10.0) < math.inf
     return sim
@@ -64,7 +64,7 @@ def converged_sim(n: int, *, seed: int = 0, loss: float = 0.0, lanes: bool = Tru
 
 @pytest.mark.parametrize(("n", "seed"), [(10, 0), (10, 1), (30, 2)])
 def test_join_converges_within_two_seconds(n: int, seed: int) -> None:
-    sim = Sim(n, seed=seed, link=LinkModel(loss=0.01))
+    sim = Sim(n, seed=seed, link=SimLink(loss=0.01))
     sim.start_all(stagger_s=0.01)
     took = sim.wait_for(sim.converged, timeout_s=10.0)
     print(f"\njoin of {n} nodes (1% loss) converged {took:.2f} s after the last join")
@@ -144,7 +144,7 @@ def test_broken_path_between_two_members_kills_neither() -> None:
 
 
 def test_partial_connectivity_converges_without_deaths() -> None:
-    sim = Sim(12, seed=8, link=LinkModel(loss=0.01))
+    sim = Sim(12, seed=8, link=SimLink(loss=0.01))
     # A quarter of the paths among nodes 1..11 are filtered (never connect); every node
     # still reaches the join seed, node 0, and most others.
     for i in range(1, 12):

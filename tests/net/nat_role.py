@@ -28,8 +28,8 @@ from typing import Any
 import trio
 from nacl.bindings import crypto_scalarmult_base
 
-from meshd.mesh.peers import PeerTable
 from meshd.net.endpoint import Address, open_endpoint
+from meshd.net.lanes import LaneTable
 from meshd.net.punch import NatTraversal
 from protocol import punch
 from protocol.datagram import KIND_RELAY
@@ -81,7 +81,7 @@ async def run(role: str, introducer: Address) -> None:
         trio.open_nursery() as nursery,
     ):
         streams = {TEST_STREAM: (bytes, lambda data, key: received.send_nowait((data, key)))}
-        peers = PeerTable(endpoint, public_key(role), lambda m, k: None, streams=streams)
+        peers = LaneTable(endpoint, public_key(role), lambda m, k: None, streams=streams)
         nat = NatTraversal(peers)
         await nursery.start(peers.run)
         await nursery.start(nat.run)
@@ -121,7 +121,7 @@ def watch_relay(endpoint: Any) -> list[bytes]:
     return seen
 
 
-async def report_on_request(nat: NatTraversal, peers: PeerTable, forwarded: list[bytes]) -> None:
+async def report_on_request(nat: NatTraversal, peers: LaneTable, forwarded: list[bytes]) -> None:
     """Answer `report` lines on stdin until it closes."""
     stream = await stdin_lines()
     buffer = b""
@@ -151,7 +151,7 @@ def where(addr: Hashable) -> list[object]:
     return list(addr[:2])
 
 
-async def respond(peers: PeerTable, inbox: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
+async def respond(peers: LaneTable, inbox: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
     """Echo test messages; report where the requester's lane comes from."""
     requester = public_key("requester")
     reported = False
@@ -165,7 +165,7 @@ async def respond(peers: PeerTable, inbox: trio.MemoryReceiveChannel[tuple[bytes
 
 
 async def request(
-    nat: NatTraversal, peers: PeerTable, inbox: trio.MemoryReceiveChannel[tuple[bytes, bytes]]
+    nat: NatTraversal, peers: LaneTable, inbox: trio.MemoryReceiveChannel[tuple[bytes, bytes]]
 ) -> None:
     """Connect through the introducer, exchange messages, report."""
     result = await nat.connect_via(public_key("introducer"), public_key("responder"))
@@ -184,7 +184,7 @@ async def request(
 
 
 async def exchange(
-    peers: PeerTable,
+    peers: LaneTable,
     inbox: trio.MemoryReceiveChannel[tuple[bytes, bytes]],
     batch: list[bytes],
 ) -> bool:

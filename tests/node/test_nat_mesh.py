@@ -38,15 +38,15 @@ from meshd.cli.supervisor import (
 )
 from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
-from meshd.mesh.peers import PeerUnreachable
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import PeerUnreachable
 from meshd.node.control_client import GenerateOp, request_lines
-from meshd.node.lanes import LaneKind, LanePath, NodePeers, pick_introducers
+from meshd.node.lanes import LaneKind, LanePath, NodeLanes, pick_introducers
 from protocol.config import LaneConfig
 from protocol.gossip import Status
 from protocol.handshake import psk_from_secret
@@ -227,15 +227,15 @@ def test_introducers_are_members_with_direct_lanes_listing_the_target_first() ->
 
 
 @asynccontextmanager
-async def _node(role: str, **nat: Any) -> AsyncIterator[NodePeers]:
-    """A NodePeers on its own loopback endpoint, with a key derived from `role`."""
+async def _node(role: str, **nat: Any) -> AsyncIterator[NodeLanes]:
+    """A NodeLanes on its own loopback endpoint, with a key derived from `role`."""
     private = hashlib.blake2s(role.encode(), key=b"meshd dial test").digest()
     async with (
         open_endpoint(static_private=private, psk=PSK, lane_config=FAST_LANES) as endpoint,
         trio.open_nursery() as nursery,
     ):
         public = crypto_scalarmult_base(private)
-        peers = NodePeers(endpoint, public, lambda m, k: None, streams={}, nat=NatDialConfig(**nat))
+        peers = NodeLanes(endpoint, public, lambda m, k: None, streams={}, nat=NatDialConfig(**nat))
         await nursery.start(peers.run)
         yield peers
         nursery.cancel_scope.cancel()

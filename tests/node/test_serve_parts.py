@@ -13,11 +13,12 @@ import sys
 import trio
 
 from meshd.mesh.identity import NodeIdentity
-from meshd.mesh.peers import PeerTable
 from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import LaneTable
 from meshd.node.notify import Notifier
 from protocol import gossip
 from protocol.messages import Message, NodeHello
+from protocol.streams import GOSSIP_STREAM
 from tests.node.daemons import REPO
 
 
@@ -74,8 +75,10 @@ async def test_one_lane_carries_gossip_and_pipeline_messages_by_stream() -> None
         open_endpoint(static_private=b.x25519_private, psk=psk) as eb,
         trio.open_nursery() as nursery,
     ):
-        pa = PeerTable(ea, a.x25519_public, lambda m, k: None)
-        pb = PeerTable(eb, b.x25519_public, on_pipeline, streams={0: (gossip.decode, on_gossip)})
+        pa = LaneTable(ea, a.x25519_public, lambda m, k: None)
+        pb = LaneTable(
+            eb, b.x25519_public, on_pipeline, streams={GOSSIP_STREAM: (gossip.decode, on_gossip)}
+        )
         await nursery.start(pa.run)
         await nursery.start(pb.run)
         pa.addresses[b.x25519_public] = eb.local_address
@@ -96,8 +99,8 @@ async def test_two_nodes_dialing_each_other_at_once_keep_the_same_lane() -> None
         open_endpoint(static_private=b.x25519_private, psk=psk) as eb,
         trio.open_nursery() as nursery,
     ):
-        pa = PeerTable(ea, a.x25519_public, lambda m, k: None)
-        pb = PeerTable(eb, b.x25519_public, lambda m, k: None)
+        pa = LaneTable(ea, a.x25519_public, lambda m, k: None)
+        pb = LaneTable(eb, b.x25519_public, lambda m, k: None)
         await nursery.start(pa.run)
         await nursery.start(pb.run)
         pa.addresses[b.x25519_public] = eb.local_address

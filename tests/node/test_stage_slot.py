@@ -8,11 +8,11 @@ import torch
 import trio
 
 from meshd.mesh.identity import NodeIdentity
-from meshd.mesh.peers import PeerTable
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.net.endpoint import open_endpoint
-from meshd.node.stages import StageSlot
+from meshd.net.lanes import LaneTable
+from meshd.node.stage_slot import StageSlot
 from protocol.messages import Message, OpenSession, StageError
 
 
@@ -43,7 +43,7 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
         open_endpoint(static_private=me.x25519_private, psk=b"k" * 32) as endpoint,
         trio.open_nursery() as nursery,
     ):
-        peers = PeerTable(endpoint, me.x25519_public, to_me)
+        peers = LaneTable(endpoint, me.x25519_public, to_me)
         await nursery.start(peers.run)
         slot = StageSlot(
             Checkpoint.open(builtin_model_dir()),

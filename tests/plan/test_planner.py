@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from meshd.coord.route import Route, RouteStage
 from meshd.plan import ModelShape, NodeCapacity, NoFeasiblePlan, PlannerConfig, explain, plan
+from meshd.plan.route import Route, RouteStage
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -109,7 +109,7 @@ def test_a_bad_window_refuses_the_whole_pass_before_writing(checkpoint: Checkpoi
 
 
 class _Outbox:
-    """Collects what a host sends (the node's peer table in a real stage)."""
+    """Collects what a host sends (the node's lane table in a real stage)."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, Message]] = []

@@ -14,9 +14,9 @@ import trio.testing
 
 from meshd.coord.local import open_local_pipeline
 from meshd.coord.pipeline import Coordinator, GenerationRequest, RouteFailed
-from meshd.coord.route import Route
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
+from meshd.plan.route import Route
 from meshd.spec.config import SpecConfig
 from meshd.stage.host import COORDINATOR_LOST, LEASE_LAPSED, StageHost
 from meshd.stage.leases import Leases

@@ -1,11 +1,12 @@
 """Lanes by node key: connect on demand, accept, and read every lane into one dispatcher.
 
-The layers above address peers by their static key, never by socket address. `PeerTable`
+The layers above address peers by their static key, never by socket address. `LaneTable`
 keeps at most one open lane per peer (the newest wins), opens one on demand from an address
 book, and runs a reader task per lane that decodes each message by its stream and hands it on:
-pipeline messages (stream 1, `protocol.messages`) to `dispatch`, and each other registered
-stream (stream 0 carries gossip, `protocol.gossip`) to its own handler. Remote garbage is
-counted and dropped (`RemoteProtocolError`), never raised into the reader.
+pipeline messages (`PIPELINE_STREAM`, `protocol.messages`) to `dispatch`, and each other
+registered stream (`GOSSIP_STREAM` carries `protocol.gossip`; ids in `protocol.streams`) to its
+own handler. Remote garbage is counted and dropped (`RemoteProtocolError`), never raised into
+the reader.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ import trio
 from meshd.net.endpoint import Address, Endpoint, LaneClosedError, PeerLane
 from protocol import RemoteProtocolError, gossip
 from protocol.messages import Message, decode, encode
+from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
-
-# Stream ids: pipeline traffic (windows, hidden states, replies) and control (gossip, ...).
-PIPELINE_STREAM = 1
-CONTROL_STREAM = 0
 
 Dispatch = Callable[[Message, bytes], None]
 # A stream other than the pipeline's: how its bytes decode, and who gets (message, sender).
@@ -37,22 +35,22 @@ class PeerUnreachable(Exception):
 
 
 @dataclass
-class PeerStats:
+class LaneStats:
     """Counters for the operator."""
 
     malformed_messages: int = 0
     lanes_lost: int = 0
 
 
-class PeerOptions(TypedDict, total=False):
-    """`PeerTable`'s optional keywords, for tables built on it to pass along."""
+class LaneTableOptions(TypedDict, total=False):
+    """`LaneTable`'s optional keywords, for tables built on it to pass along."""
 
     on_lane_lost: Callable[[bytes, PeerLane], None] | None
     on_lane_up: Callable[[bytes, PeerLane], None] | None
     streams: Mapping[int, StreamHandler] | None
 
 
-class PeerTable:
+class LaneTable:
     """One open lane per peer key, opened on demand; every message goes to `dispatch`."""
 
     def __init__(
@@ -75,7 +73,7 @@ class PeerTable:
         self._default: StreamHandler | None = (decode, dispatch) if not streams else None
         self.streams.update(streams or {})
         self.addresses: dict[bytes, Address] = {}
-        self.stats = PeerStats()
+        self.stats = LaneStats()
         self._lanes: dict[bytes, PeerLane] = {}
         self._connecting: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
@@ -148,8 +146,8 @@ class PeerTable:
         await self.send_bytes(key, stream, encode(message))
 
     async def send_gossip(self, key: bytes, message: gossip.GossipMessage) -> None:
-        """Send one membership message on the control stream (never to this node itself)."""
-        await self.send_bytes(key, CONTROL_STREAM, gossip.encode(message))
+        """Send one membership message on the gossip stream (never to this node itself)."""
+        await self.send_bytes(key, GOSSIP_STREAM, gossip.encode(message))
 
     async def send_bytes(self, key: bytes, stream: int, data: bytes) -> None:
         """Send encoded bytes on `stream` to a peer (PeerUnreachable if its lane is gone)."""
@@ -175,7 +173,7 @@ class PeerTable:
                 return old
             old.close("replaced by a newer lane")
         self._lanes[key] = lane
-        assert self._nursery is not None, "PeerTable.run() must be started first"
+        assert self._nursery is not None, "LaneTable.run() must be started first"
         self._nursery.start_soon(self._read, key, lane)
         if self.on_lane_up is not None:
             self.on_lane_up(key, lane)

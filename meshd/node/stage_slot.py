@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from meshd.mesh.peers import PeerTable
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import LoadProgress, StageModel
+from meshd.net.lanes import LaneTable
 from meshd.stage.host import EXPIRY_CAUSES, StageHost, StageHostConfig
 from protocol.messages import Message, OpenSession, StageError
 
@@ -82,7 +82,7 @@ class StageSlot:
     def __init__(
         self,
         checkpoint: Checkpoint,
-        peers: PeerTable,
+        peers: LaneTable,
         *,
         device: torch.device,
         dtype: torch.dtype,
