@@ -212,8 +212,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         duration_s=duration_s,
         concurrency=args.concurrency,
-        # A daemon takes 25-55 s to start on a busy 2-core machine: a quick storm wastes
-        # less time around each restart so that it still holds one SIGKILL and one SIGTERM.
+        # A daemon is slow to start on a busy machine: a quick storm wastes less time around
+        # each restart so that it still holds one SIGKILL and one SIGTERM (docs/benchmarks.md).
         gap_s=(2.0, 6.0) if args.quick else (4.0, 12.0),
         down_s=(1.0, 3.0) if args.quick else (1.0, 5.0),
         term_wait_s=(graceful_s or 0.0) + TERM_MARGIN_S,

@@ -22,7 +22,7 @@ from meshd.bench.harness import median
 PANEL_SIZE_IN = (5.2, 3.9)  # width, height of one panel, inches
 PERCENTILES = ("p50", "p90", "p99", "max")
 SPEC_CELL = (2, 20.0)  # the spec bars' stages and RTT ms, as docs/benchmarks.md quotes them
-# Reference lines: the goals of issue 7, as meshd.bench.scale.GOALS states them.
+# Reference lines: the scale goals, as meshd.bench.scale.GOALS states them.
 DEATH_KNOWN_GOAL_S = 5.0
 GOSSIP_GOAL_KB_S = 10.0
 PLAN_GOAL_MS = 100.0

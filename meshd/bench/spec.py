@@ -246,7 +246,7 @@ def _aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     statistics.median(i["ratio_vs_disabled"] for i in items), 3
                 ),
                 # The spread of the per-round ratios (quartiles), and how many there were: on
-                # a shared machine one pair of runs differs by ±5-25 %.
+                # a shared machine one pair of runs can differ widely (docs/speculative.md).
                 "ratio_quartiles": _quartiles([i["ratio_vs_disabled"] for i in items]),
                 "ratio_samples": len(items),
                 "acceptance": round(accepted / drafted, 3) if drafted else None,

@@ -8,14 +8,14 @@ so the policy sees it as part of the fixed per-window cost.
 
 Compute is kept per window size (an EWMA for each count of tokens a window carried), not as
 one running line: a stage's one-token pass can take a path of its own (the CPU stages reuse
-scratch buffers for it), and on this machine at 2 stages a two-token window cost 1.3-1.6x a
-one-token one while each further token added 0.2-0.6 ms (`scripts/window_costs.py`). So the
-plain-decoding baseline is the measured one-token cost itself, and speculative windows come
-from a line fitted over the sizes >= 2 seen (each size weighted by how often it was seen, at
-most `_BUCKET_WEIGHT_CAP`). Sizes keep their estimate while a request decodes plainly: the
-forgetting least-squares fit over windows that this replaced let a stretch of one-token
-windows drown what it knew of wider ones, then extrapolated a slope from the remnant (2.2 ms
-per token where 0.2-0.6 was true).
+scratch buffers for it), so a two-token window may cost far more than a one-token one while
+each further token adds little (figures and the script that measures them:
+docs/speculative.md, "Where the costs come from"). So the plain-decoding baseline is the
+measured one-token cost itself, and speculative windows come from a line fitted over the
+sizes >= 2 seen (each size weighted by how often it was seen, at most `_BUCKET_WEIGHT_CAP`).
+Sizes keep their estimate while a request decodes plainly: a fit that forgets old windows lets
+a stretch of one-token windows drown what it knew of wider ones, then extrapolates a wrong
+slope from the remnant, and speculation looks free or ruinous by what the last request did.
 """
 
 from __future__ import annotations

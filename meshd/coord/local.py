@@ -85,8 +85,9 @@ async def open_local_pipeline(
 
     All stages share this process, and each computes in its own worker thread, so torch's
     intra-op threads default to 1 here: several stages each spinning up an OpenMP team on a
-    small machine oversubscribes it (measured: a small model's pass went from 0.6 ms to 25 ms
-    under load). `torch_threads=None` leaves torch's setting alone. Stages free a session
+    small machine oversubscribe it, and every pass slows many times over under load
+    (docs/model-runtime.md, "Threads"). `torch_threads=None` leaves torch's setting alone.
+    Stages free a session
     after `session_lease_s` without a window or keep-alive; the coordinator renews its
     sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
     """

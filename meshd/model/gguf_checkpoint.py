@@ -223,10 +223,11 @@ def read_gguf(path: pathlib.Path) -> GGUFReader:
     from gguf import GGUFReader
 
     class PlainViewReader(GGUFReader):
-        # The reader slices its map once per metadata value (450 000 times for a 150k-token
-        # vocabulary with its merges); slicing a `np.memmap` runs Python-level finalizers each
-        # time, a plain ndarray view of the same map does not: measured 33 s -> 6.7 s on that
-        # vocabulary. Still memory-mapped: the view reads nothing until touched.
+        # Give the reader a plain ndarray view of the map, not a `np.memmap`: it slices its map
+        # once per metadata value (450 000 times for a 150k-token vocabulary with its merges),
+        # and each `np.memmap` slice runs Python-level finalizers, several times the parse time
+        # (figures: docs/model-runtime.md). Still memory-mapped: the view reads nothing until
+        # touched.
         @property  # type: ignore[override]
         def data(self) -> np.ndarray:
             return self._plain

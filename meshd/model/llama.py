@@ -50,9 +50,9 @@ def linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
     At batch 1 a projection is a matrix-vector product that streams the whole matrix from
     memory. The CPU BLAS torch ships (MKL) does that markedly faster from a contiguous
-    `[in, out]` copy when the output is wider than the input (q/k/v, gate/up, the head: 1.4 to
-    1.7x on this project's machine), and slightly faster from the checkpoint's own `[out, in]`
-    rows otherwise (o, down). Other devices take the transposed view as it is.
+    `[in, out]` copy when the output is wider than the input (q/k/v, gate/up, the head; figures
+    in docs/model-runtime.md), and slightly faster from the checkpoint's own `[out, in]` rows
+    otherwise (o, down). Other devices take the transposed view as it is.
     """
     transposed = weight.t()
     if weight.device.type == "cpu" and weight.shape[0] > weight.shape[1]:

@@ -270,8 +270,9 @@ def _int4_dequantize(q: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Ten
 class Int4Cpu(QuantMatrix):
     """x86 CPU int4: torch's int4pack kernel, fed bf16 activations.
 
-    On bf16 input it is the fastest matrix-vector product measured here (faster than fbgemm's
-    int8); on fp32 input it takes a slow path, hence the casts around it.
+    It is fed bf16 because on bf16 input it is the fastest CPU matrix-vector product we have
+    (faster than fbgemm's int8) and on fp32 input it takes a slow path, hence the casts
+    around it (docs/model-runtime.md).
     """
 
     kind, kernel = "int4", "_weight_int4pack_mm_for_cpu (bf16)"

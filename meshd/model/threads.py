@@ -7,9 +7,9 @@ slower than one:
 - OpenMP workers sleep when idle (`OMP_WAIT_POLICY=PASSIVE`, set by `meshd/__init__.py` before
   torch loads, unless the environment says otherwise). With the default policy an idle worker
   spins; on a machine whose cores are busy with other work, every parallel region then waits
-  for a worker that the spinning partner keeps off the CPU: measured on this project's 2-core
-  machine under load, 2 threads decoded 4-30x slower than 1 (0.8 vs 3.5 tok/s on a 246M
-  model, 2.5 vs 73 tok/s on the built-in one); with passive workers 2 threads ran level with 1.
+  for a worker that the spinning partner keeps off the CPU, and 2 threads decode several
+  times slower than 1. With passive workers they run level with 1 (figures: docs/model-runtime.md,
+  "Threads").
 - A model whose matrices are too small to split (`MIN_SHARED_MATRIX_BYTES`) computes on one
   thread: a fork and a join cost more than half of such a matrix-vector product.
 """

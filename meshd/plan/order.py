@@ -89,8 +89,8 @@ def heuristic_path(
 ) -> tuple[float, tuple[int, ...]]:
     """A good (cost, order): cheapest insertion, then 2-opt (and Or-opt) until none helps.
 
-    Or-opt finds about a third of the excess 2-opt leaves (10 random points in a plane:
-    worst 21 % → 8 % over the optimum) at several times the cost; the set search skips it.
+    Or-opt removes part of the excess 2-opt leaves at several times the cost (figures:
+    docs/planner.md), so the set search, which runs it often, skips it.
     """
     order: list[int] = []
     for node in sorted(nodes, key=lambda n: h[start][n] + h[n][end]):

@@ -39,31 +39,28 @@ from meshd.spec.proposer import AccountedProposer, Proposer
 _MTP_MIN_SAMPLES = 8
 # Where the book says the heads pay, a request whose choice is plain decoding (not an n-gram
 # strategy that beats them) keeps them for this many windows of its own: generated text often
-# starts badly for the heads and gets better (measured on a prose prompt at 2 stages / 20 ms:
-# 2 of its first 11 one-token MTP drafts right, 54 % over the whole answer), and once the
-# heads stop nothing scores them again. The grace costs at most this many windows' head time,
-# and is given only where the heads cost at most `_MTP_GRACE_FRACTION` of a plain window: on a
-# fast route (2 stages / 0 ms: two depths ≈ 2 ms of a ≈ 4.5 ms token) 24 windows of heads
-# that nothing uses left auto at 0.82x disabled on prose, where the heads would not have paid
-# even had the text got better for them.
+# starts badly for the heads and gets better, and once the heads stop nothing scores them
+# again. The grace costs at most this many windows' head time, and is given only where the
+# heads cost at most `_MTP_GRACE_FRACTION` of a plain window: on a fast route, where the heads
+# are a large share of a token, unused heads make auto slower than plain decoding, and they
+# would not pay there even had the text got better for them (figures: docs/speculative.md).
 _MTP_GRACE_SAMPLES = 24
 _MTP_GRACE_FRACTION = 0.2
 # Where the book says the heads pay and a request's choice is an n-gram strategy, the request
 # keeps the heads while they cost at most this fraction of a window (on a high-latency route):
 # a request's text changes under it (an edit answer copies its prompt, where prompt lookup
 # wins, then writes new lines, where the heads do), and once stopped the heads are gone for
-# the request. Measured at 2 stages / 20 ms on code editing, heads ≈ 2.5 ms of a ≈ 50 ms
-# window: stopping them at the first copied stretch left auto at 2.57 tokens per round trip
-# where mtp-simple made 3.06. On one node (heads ≈ half a pass) they still stop.
+# the request, so stopping them at the first copied stretch loses the new lines' gain
+# (figures: docs/speculative.md). On one node (heads ≈ half a pass) they still stop.
 _MTP_CHEAP_FRACTION = 0.1
 # `auto` re-decides at most once per this many committed tokens: deciding weighs every
 # candidate's every width and depth, which on one fast node costs a visible share of a
 # token's time. While decisions keep the same choice, the spacing doubles up to the maximum; a
 # changed choice resets it. New route costs are used from the next decision on, and decided on
 # at once only when the route changed shape (stages, load, MTP cost first measured) or a cost
-# moved by more than this fraction since the last decision: measured pass times wander by
-# 10-20 % from window to window on a shared machine, and re-deciding on each wander (it was
-# once per 3 tokens on one node) cost more than the decisions were worth.
+# moved by more than this fraction since the last decision: measured pass times wander from
+# window to window on a shared machine, and re-deciding on each wander costs more than the
+# decisions are worth.
 _DECIDE_EVERY_TOKENS = 4
 _DECIDE_EVERY_MAX_TOKENS = 32
 _LINK_CHANGE_FRACTION = 0.5
@@ -197,8 +194,8 @@ class AutoProposer(AccountedProposer):
             # by the book), not whether they beat the book's n-gram strategies: n-gram
             # acceptance belongs to a request's text (the book's is high after an editing
             # request and says nothing of the prose that follows), MTP acceptance to the model.
-            # Comparing with the book's n-gram once stopped the heads at once in every prose
-            # request after an editing one (2 stages / 20 ms: auto 1.0x, mtp-simple 1.3x).
+            # Comparing with the book's n-gram would stop the heads at once in every prose
+            # request after an editing one, where they pay.
             best = self._best(self.book.tracker, MTP_STRATEGIES)[0]
             self._book_favours_mtp = best in MTP_STRATEGIES
         if not self._book_favours_mtp:

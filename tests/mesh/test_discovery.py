@@ -114,6 +114,13 @@ def drain(disc: Discovery, log: list[DiscoveredPeer]) -> None:
             return
 
 
+def announced(disc: Discovery) -> bool:
+    """Whether `disc` sent the last of its three announcements (zeroconf's registration
+    future, which the discovery holds, is done)."""
+    future = disc._announcing
+    return isinstance(future, asyncio.Future) and future.done()
+
+
 async def wait_for(condition: Callable[[], bool]) -> None:
     """Poll a counter until it holds; callers bound this with fail_after."""
     while not condition():  # noqa: ASYNC110 - counters have no event to wait on
@@ -250,7 +257,7 @@ async def test_late_joiner_finds_and_is_found(
         ):
             await next_event(a, lambda p: p.node_id == node_id(2), log)
             await next_event(b, lambda p: p.node_id == node_id(1), log)
-            await trio.sleep(0.6)  # past the last of the three announcements (0.45 s)
+            await wait_for(lambda: announced(a) and announced(b))
             joined_at = trio.current_time()
             async with open_discovery(**node(3, netns, interfaces=address(3))) as c:
                 seen: set[str] = set()

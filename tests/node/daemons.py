@@ -7,12 +7,15 @@ declares a silent lane dead after 1.2 s; the caller's finally stops it (`kill_al
 from __future__ import annotations
 
 import pathlib
+import secrets
 
 from meshd.cli.supervisor import LoopbackDaemon, write_secret_file
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SECRET = "meshd-test-secret-0123456789abcdef"
-OTHER_SECRET = "another-mesh-secret-0123456789abcd"
+# Fresh per test run: daemons of two runs on one machine (mDNS on loopback, the same
+# 127.0.0.N addresses) never join each other's mesh.
+SECRET = "meshd-test-secret-" + secrets.token_hex(8)
+OTHER_SECRET = "another-mesh-secret-" + secrets.token_hex(8)
 
 
 class Daemon(LoopbackDaemon):

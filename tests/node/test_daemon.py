@@ -1,18 +1,21 @@
 """Real `meshd serve` daemons on loopback: discovery, planning, generation, recovery, meshctl.
 
-One mesh serves the whole module, in order (each test leaves the mesh as the next expects):
-three daemons started with only a shared secret find each other by mDNS and plan a 3-stage
-split (memory budgets rule out fewer stages), while a daemon with another secret is never
-admitted; a generation through the daemon equals single-node greedy decoding; a fourth
-daemon joins as a spare; `meshctl kill` moves the killed node's stage (and only it) onto the
-spare and `meshctl recover` brings the node back as the new spare; SIGKILL of a stage
-mid-generation is survived on the spare with identical output; a second SIGKILL, with no
-spare left, answers ServiceUnavailable fast.
+One mesh of daemons serves the module (starting them is the slow part), but no test relies on
+what another left behind: each first brings the mesh to the shape it needs (`Mesh.serving`:
+a settled three-stage plan with the spares it asks for, starting daemons or SIGKILLing spares
+as needed), so the tests pass alone and in any order. Three daemons started with only a
+shared secret find each other by mDNS and plan a 3-stage split (memory budgets rule out fewer
+stages), while a daemon with another secret is never admitted; a generation through the
+daemon equals single-node greedy decoding; `meshctl kill` moves the killed node's stage (and
+only it) onto the spare and `meshctl recover` brings the node back as the new spare; SIGKILL
+of a stage mid-generation is survived on the spare with identical output; SIGKILL with no
+spare answers ServiceUnavailable fast.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import socket
@@ -29,7 +32,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
+from meshd.cli.supervisor import (
+    found_each_other,
+    kill_all,
+    settled_plan,
+    stage_budget,
+    started,
+    wait_until,
+)
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
@@ -46,6 +56,11 @@ pytestmark = pytest.mark.slow
 PROMPT = "def fibonacci(n):\n"
 # The first daemon's lane port, fixed so the intruder can be told to --join it from the start.
 FIRST_PORT = 17391
+# The coordinator of every test: the first daemon, which no test kills.
+COORDINATOR = 2
+# Daemons started together find each other this soon after the last one listens, on an idle
+# machine (docs/discovery.md: mDNS alone takes 0.01-0.06 s; the rest is handshakes and gossip).
+DISCOVERY_BOUND_S = 2.0
 
 
 def three_stage_budget() -> int:
@@ -66,12 +81,65 @@ class Mesh:
     tmp: pathlib.Path
     budget: int
     daemons: dict[int, Daemon] = field(default_factory=dict)
-    all_listening_at: float = 0.0
+    # Seconds from the last of the first three daemons listening until each had logged the
+    # other two joining (their own event times, so status polling adds nothing).
+    found_s: float = 0.0
     intruder: Daemon | None = None
     killed: list[int] = field(default_factory=list)
 
     def alive(self) -> list[Daemon]:
         return [d for i, d in self.daemons.items() if i not in self.killed]
+
+    def coordinator(self) -> Daemon:
+        return self.daemons[COORDINATOR]
+
+    def serving(self, spares: int | None) -> list[Daemon]:
+        """Bring the mesh to a settled three-stage plan with exactly `spares` nodes outside it
+        (None: any number): recover disabled nodes, start daemons while too few are alive,
+        SIGKILL spares beyond `spares` (never the coordinator). Returns the alive daemons."""
+        for d in self.alive():
+            if d.status()["disabled"]:
+                meshctl("recover", d.key()[:12], "--socket", self.coordinator().socket)
+        new = []
+        while len(self.alive()) < 3 + (spares or 0):
+            # 127.0.0.9 is the intruder's; one-digit addresses keep `meshctl status` rows short.
+            index = next(i for i in range(5, 255) if i != 9 and i not in self.daemons)
+            self.daemons[index] = Daemon(self.tmp, index, secret=SECRET, budget=self.budget)
+            new.append(self.daemons[index])
+        if new:
+            started(new)
+        nodes = self._settled()
+        if spares is not None:
+            agreed = settled_plan(nodes) or []
+            idle = [d for d in nodes if d.key() not in {s["key"] for s in agreed}]
+            extra = [d for d in idle if d is not self.coordinator()][spares:]
+            for d in extra:
+                d.kill()
+                self.killed.append(d.index)
+            nodes = self._settled() if extra else nodes
+            agreed = settled_plan(nodes) or []
+            assert len(nodes) - len(agreed) == spares, (spares, agreed)
+        return nodes
+
+    def _settled(self) -> list[Daemon]:
+        nodes = self.alive()
+        keys = {d.key() for d in nodes}
+        wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "members each")
+        wait_until(lambda: not any(d.status()["disabled"] for d in nodes), 20, "recovered")
+        wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
+        return nodes
+
+
+def joined_after_s(nodes: list[Daemon], since_unix_s: float) -> float:
+    """Seconds after `since_unix_s` until every node had logged every other one joining."""
+    keys = {d.key() for d in nodes}
+    last = since_unix_s
+    for d in nodes:
+        for other in keys - {d.key()}:
+            at = d.first_event("member-joined", other, since_unix_s - 60)
+            assert at is not None, f"{d.name} logged no member-joined for {other[:12]}"
+            last = max(last, at)
+    return last - since_unix_s
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +152,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         # Another mesh's daemon dials the first one directly (mDNS would not even show it).
         join = ("--join", f"127.0.0.2:{FIRST_PORT}")
         m.intruder = Daemon(m.tmp, 9, secret=OTHER_SECRET, budget=m.budget, extra=join)
-        m.all_listening_at = started(m.daemons.values())
+        listening_unix = time.time() - (time.monotonic() - started(m.daemons.values()))
         started([m.intruder])
+        first = list(m.daemons.values())
+        wait_until(lambda: found_each_other(first), 60, "three members each")
+        m.found_s = joined_after_s(first, listening_unix)
         yield m
     finally:
         kill_all([*m.daemons.values(), *([m.intruder] if m.intruder else [])])
@@ -118,18 +189,23 @@ def meshctl(*args: str) -> str:
     return result.stdout
 
 
-# ---- the tests, in mesh order -------------------------------------------------------------
+# ---- the tests ----------------------------------------------------------------------------
 
 
 def test_three_daemons_find_each_other_and_plan_three_stages(mesh: Mesh) -> None:
-    nodes = list(mesh.daemons.values())
-    keys = {d.key() for d in nodes}
-    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 10, "three members each")
-    found_s = time.monotonic() - mesh.all_listening_at
-    print(f"three daemons found each other {found_s:.2f} s after the last one listened")
-    assert found_s < 2.0
+    # Measured when the mesh started (the fixture), whichever test runs first, from the
+    # daemons' own event times. The bound is the product's promise on an idle machine; on a
+    # shared, loaded one every step (the daemons' startup work, handshakes, gossip) waits for
+    # a core, so the bound stretches by the run queue per core (the 1-minute load average over
+    # the cores). The mDNS part alone is held to its bound in-process by
+    # tests/mesh/test_discovery.py.
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    bound_s = DISCOVERY_BOUND_S * max(1.0, load)
+    print(f"three daemons found each other {mesh.found_s:.2f} s after the last one listened")
+    assert mesh.found_s < bound_s, f"load per core {load:.1f}"
 
-    wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
+    nodes = mesh.serving(spares=0)
+    keys = {d.key() for d in nodes}
     agreed = settled_plan(nodes)
     assert agreed is not None and len(agreed) == 3
     assert {s["key"] for s in agreed} == keys
@@ -144,9 +220,10 @@ def test_three_daemons_find_each_other_and_plan_three_stages(mesh: Mesh) -> None
 
 
 def test_generation_equals_single_node_greedy(mesh: Mesh, tokenizer: Tokenizer) -> None:
+    mesh.serving(spares=None)
     prompt = tokenizer.encode(PROMPT)
     op = GenerateOp(prompt=prompt, max_tokens=40, ignore_eos=True)
-    lines = list(request_lines(mesh.daemons[2].socket, op, timeout_s=60))
+    lines = list(request_lines(mesh.coordinator().socket, op, timeout_s=60))
     final = lines[-1]
     assert final["ok"], final
     assert final["tokens"] == reference(prompt, 40)
@@ -154,7 +231,7 @@ def test_generation_equals_single_node_greedy(mesh: Mesh, tokenizer: Tokenizer) 
     assert streamed == final["tokens"]
 
     # The same node serves the OpenAI endpoint over NodeBackend.
-    api = mesh.daemons[2].api_url
+    api = mesh.coordinator().api_url
     models = httpx.get(f"{api}/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["meshd-builtin"]
     body = {"model": "meshd-builtin", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -166,7 +243,8 @@ def test_generation_equals_single_node_greedy(mesh: Mesh, tokenizer: Tokenizer) 
 def test_forged_datagrams_at_a_lane_port_show_in_status_and_metrics_by_reason(
     mesh: Mesh,
 ) -> None:
-    target = mesh.daemons[2]
+    mesh.serving(spares=None)
+    target = mesh.coordinator()  # the daemon on FIRST_PORT
     before = target.status()["datagrams_dropped"]
     assert set(before) == {"undecryptable", "replayed", "unknown_lane", "malformed"}
     rng = random.Random(20)
@@ -214,16 +292,12 @@ def test_forged_datagrams_at_a_lane_port_show_in_status_and_metrics_by_reason(
 def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_back(
     mesh: Mesh,
 ) -> None:
-    mesh.daemons[5] = spare = Daemon(mesh.tmp, 5, secret=SECRET, budget=mesh.budget)
-    started([spare])
-    nodes = mesh.alive()
-    keys = {d.key() for d in nodes}
-    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 10, "four members each")
-    wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan with the spare")
+    nodes = mesh.serving(spares=1)
     before = settled_plan(nodes)
-    assert before is not None and spare.key() not in {s["key"] for s in before}
+    assert before is not None
+    spare = next(d for d in nodes if d.key() not in {s["key"] for s in before})
 
-    coordinator = mesh.daemons[2]
+    coordinator = mesh.coordinator()
     victim = next(d for d in nodes if d.key() != coordinator.key() and d is not spare)
     sock = ("--socket", coordinator.socket)
     assert "killed" in meshctl("kill", victim.key()[:12], *sock)
@@ -259,13 +333,12 @@ def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_bac
 
 
 def _kill_mid_generation(
-    mesh: Mesh, tokenizer: Tokenizer, max_tokens: int
+    mesh: Mesh, tokenizer: Tokenizer, max_tokens: int, spares: int
 ) -> tuple[Daemon, float, list[tuple[float, dict[str, Any]]], int]:
-    nodes = mesh.alive()
-    wait_until(lambda: settled_plan(nodes) is not None, 30, "a settled plan")
+    nodes = mesh.serving(spares)
     agreed = settled_plan(nodes)
     assert agreed is not None
-    coordinator = mesh.daemons[2]
+    coordinator = mesh.coordinator()
     victim = next(
         d for d in nodes if d is not coordinator and d.key() in {s["key"] for s in agreed}
     )
@@ -290,25 +363,25 @@ def test_sigkill_of_a_stage_mid_generation_recovers_on_the_spare(
     mesh: Mesh, tokenizer: Tokenizer
 ) -> None:
     max_tokens = 150
-    victim, killed_at, lines, before = _kill_mid_generation(mesh, tokenizer, max_tokens)
+    victim, killed_at, lines, before = _kill_mid_generation(mesh, tokenizer, max_tokens, 1)
     final = lines[-1][1]
     assert final["ok"], final
     assert 0 < before < max_tokens, "the kill did not land mid-generation"
     assert final["tokens"] == reference(tokenizer.encode(PROMPT), max_tokens)
-    detected = mesh.daemons[2].first_event("lane-lost", victim.key(), killed_at)
+    detected = mesh.coordinator().first_event("lane-lost", victim.key(), killed_at)
     assert detected is not None
     print(f"stage death detected {detected - killed_at:.2f} s after SIGKILL")
     assert detected - killed_at <= 1.5
-    assert mesh.daemons[2].status()["recoveries"] >= 1
+    assert mesh.coordinator().status()["recoveries"] >= 1
 
 
 def test_sigkill_without_a_spare_answers_service_unavailable_fast(
     mesh: Mesh, tokenizer: Tokenizer
 ) -> None:
-    victim, killed_at, lines, _ = _kill_mid_generation(mesh, tokenizer, 150)
+    victim, killed_at, lines, _ = _kill_mid_generation(mesh, tokenizer, 150, 0)
     answered_at, final = lines[-1]
     assert not final["ok"] and final["code"] == "service_unavailable", final
-    detected = mesh.daemons[2].first_event("lane-lost", victim.key(), killed_at)
+    detected = mesh.coordinator().first_event("lane-lost", victim.key(), killed_at)
     assert detected is not None
     print(
         f"death detected {detected - killed_at:.2f} s after SIGKILL; "

@@ -1,12 +1,13 @@
 """`meshctl kill --drain` and `meshctl kill` while a generation runs, with real daemons.
 
 One mesh of four daemons (three stages and a spare; memory budgets rule out fewer stages)
-serves the module, in order: a drained stage finishes the running generation undisturbed
-(same tokens as single-node greedy, no recovery) and only then stops, `meshctl status` showing
-it draining meanwhile; the next request runs on the re-planned route with the spare. Then the
-drained node is recovered (it becomes the spare) and a stage killed at once mid-generation is
-survived like a crash: the request completes on the spare with identical output. Last, a drain
-that outlasts `drain_timeout_s` (short on the fourth daemon, which serves a stage by then)
+serves the module; each test first recovers whatever node an earlier one left drained or
+killed (`_ready`), so the tests pass alone and in any order. A drained stage finishes the
+running generation undisturbed (same tokens as single-node greedy, no recovery) and only then
+stops, `meshctl status` showing it draining meanwhile; the next request runs on the re-planned
+route with the spare. A stage killed at once mid-generation is survived like a crash: the
+request completes on the spare with identical output. A drain that outlasts
+`drain_timeout_s` (short on the fourth daemon, moved onto a stage first if it is the spare)
 stops the stage anyway, says so in the event log and `meshctl status`, and the request it cut
 completes on the spare.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
+from meshd.cli.supervisor import DaemonError, kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
@@ -110,6 +111,36 @@ def _stable_plan(mesh: Mesh) -> list[dict[str, Any]]:
     return list(seen[-1])
 
 
+def _ready(mesh: Mesh) -> None:
+    """Four serving nodes, whatever an earlier test left: every drained or killed node is
+    recovered, every node sees every member offering the model, and they agree on a plan."""
+    coordinator = mesh.daemons[0]
+    for d in mesh.daemons:
+        if d.status()["disabled"]:
+            meshctl("recover", d.key()[:12], "--socket", coordinator.socket)
+    wait_until(lambda: not any(d.status()["disabled"] for d in mesh.daemons), 10, "the recover")
+
+    def views() -> list[tuple[str, str, str, bool]]:
+        """(viewer, member, health, offers the model) for every member every node sees."""
+        return [
+            (d.name, m["name"], m["status"], m["offers_model"])
+            for d in mesh.daemons
+            for m in d.status()["members"]
+        ]
+
+    def all_offer() -> bool:
+        rows = views()
+        return len(rows) == len(mesh.daemons) ** 2 and all(
+            health == "alive" and offers for _, _, health, offers in rows
+        )
+
+    try:
+        wait_until(all_offer, 30, "every member offering the model")
+    except DaemonError as exc:
+        raise AssertionError(f"{exc}; views: {views()}") from exc
+    wait_until(lambda: settled_plan(mesh.daemons) is not None, 30, "a plan with a spare")
+
+
 def _roles(mesh: Mesh) -> tuple[Daemon, Daemon, Daemon]:
     """(coordinator, a stage node that is not the coordinator, the spare) of the settled plan."""
     in_plan = {s["key"] for s in _stable_plan(mesh)}
@@ -147,6 +178,7 @@ def _failures_from_the_kill(coordinator: Daemon, since_unix_s: float) -> list[st
 def test_drain_finishes_the_running_generation_then_stops_the_stage(
     mesh: Mesh, expected: list[int]
 ) -> None:
+    _ready(mesh)
     coordinator, victim, spare = _roles(mesh)
     started_at = time.time()
     thread, lines = _start(coordinator)
@@ -198,10 +230,7 @@ def test_drain_finishes_the_running_generation_then_stops_the_stage(
 
 
 def test_kill_during_a_generation_completes_on_the_spare(mesh: Mesh, expected: list[int]) -> None:
-    drained = next(d for d in mesh.daemons if d.status()["disabled"])
-    meshctl("recover", drained.key()[:12], "--socket", mesh.daemons[0].socket)
-    wait_until(lambda: not drained.status()["disabled"], 10, "the recover")
-    wait_until(lambda: settled_plan(mesh.daemons) is not None, 30, "a plan with the spare back")
+    _ready(mesh)
     coordinator, victim, spare = _roles(mesh)
     recoveries_before = coordinator.status()["recoveries"]
     started_at = time.time()
@@ -226,11 +255,19 @@ def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
     mesh: Mesh, expected_long: list[int]
 ) -> None:
     coordinator, short = mesh.daemons[0], mesh.daemons[3]
-    for d in mesh.daemons:
-        if d.status()["disabled"]:  # the node killed before comes back as the spare
-            meshctl("recover", d.key()[:12], "--socket", coordinator.socket)
-    wait_until(lambda: not any(d.status()["disabled"] for d in mesh.daemons), 10, "the recover")
+    _ready(mesh)
     in_plan = {s["key"] for s in _stable_plan(mesh)}
+    if short.key() not in in_plan:  # the short-drain daemon is the spare: put it on a stage
+        moved = next(d for d in mesh.daemons[1:3] if d.key() in in_plan)
+        assert "killed" in meshctl("kill", moved.key()[:12], "--socket", coordinator.socket)
+
+        def short_serves() -> bool:
+            agreed = settled_plan(mesh.daemons)
+            return agreed is not None and short.key() in {s["key"] for s in agreed}
+
+        wait_until(short_serves, 20, "the short-drain daemon to take the stage")
+        _ready(mesh)  # the moved node comes back as the spare
+        in_plan = {s["key"] for s in _stable_plan(mesh)}
     assert short.key() in in_plan, "the short-drain daemon serves no stage"
     assert len(in_plan) == 3, "no spare left to take over"
     started_at = time.time()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import trio
+import trio.testing
 
 from meshd.mesh.identity import NodeIdentity
 from meshd.net.endpoint import open_endpoint
@@ -108,11 +109,26 @@ async def test_two_nodes_dialing_each_other_at_once_keep_the_same_lane() -> None
         async with trio.open_nursery() as both:
             both.start_soon(pa.lane_to, b.x25519_public)
             both.start_soon(pb.lane_to, a.x25519_public)
-        await trio.sleep(0.3)  # let each side see the other's lane and settle
-        lane_a, lane_b = pa.lane(b.x25519_public), pb.lane(a.x25519_public)
-        assert lane_a is not None and lane_b is not None
-        # The same lane from both ends: one side's local id is the other's remote id.
-        assert lane_a.lane.local_lane_id == lane_b.lane.remote_lane_id
+
+        def one_lane() -> bool:
+            """Each side holds a lane to the other and it is the same lane from both ends:
+            one side's local id is the other's remote id."""
+            lane_a, lane_b = pa.lane(b.x25519_public), pb.lane(a.x25519_public)
+            return (
+                lane_a is not None
+                and lane_b is not None
+                and lane_a.lane.local_lane_id == lane_b.lane.remote_lane_id
+                and lane_a.lane.remote_lane_id == lane_b.lane.local_lane_id
+            )
+
+        with trio.fail_after(5):
+            while not one_lane():  # noqa: ASYNC110 (lane tables have no change event)
+                await trio.sleep(0.01)
+        # Settled: the crossing handshakes leave no second lane that replaces it later.
+        settled = pa.lane(b.x25519_public)
+        with trio.fail_after(5):
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        assert pa.lane(b.x25519_public) is settled and one_lane()
         nursery.cancel_scope.cancel()
 
 

@@ -1,8 +1,9 @@
 """Sessions never outlive their coordinator, and stops lose nothing: real daemons on loopback.
 
-One mesh serves the module, in order: three stage daemons (memory budgets rule out fewer
-stages), a spare, and a coordinator that can hold no stage (a 1-byte budget), every one with
-a short `session_lease_s` and `graceful_timeout_s`.
+One mesh serves the module: three stage daemons (memory budgets rule out fewer stages), a
+spare, and a coordinator that can hold no stage (a 1-byte budget), every one with a short
+`session_lease_s` and `graceful_timeout_s`. Each test first restarts what an earlier one
+stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
 
 1. SIGKILL of the coordinator with streams open: every stage frees their sessions and KV
    within the lease, counts them in `sessions_expired`, and the next request succeeds.
@@ -66,6 +67,24 @@ class Mesh:
 
     def alive(self) -> list[Daemon]:
         return [d for i, d in self.daemons.items() if i not in self.gone]
+
+    def ready(self, spares: int) -> None:
+        """The coordinator-only node and at least three stage nodes plus `spares` alive,
+        restarting (same state, same key) the ones an earlier test stopped."""
+        new = []
+        if COORDINATOR_ONLY in self.gone:
+            new.append(self.start(COORDINATOR_ONLY, budget=1))
+        for index in (*STAGE_NODES, SPARE):
+            capable = [d for d in self.alive() if d.index != COORDINATOR_ONLY]
+            if len(capable) >= 3 + spares:
+                break
+            if index in self.gone:
+                new.append(self.start(index))
+        if new:
+            started(new)
+        nodes = self.alive()
+        keys = {d.key() for d in nodes}
+        wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "every member")
 
     def in_plan(self) -> list[Daemon]:
         """Daemons serving the stages of the settled plan, in route order."""
@@ -161,6 +180,7 @@ def _expired(d: Daemon) -> dict[str, int]:
 def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     mesh: Mesh, prompt: list[int]
 ) -> None:
+    mesh.ready(spares=0)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
     stages = mesh.in_plan()
     before = {d.index: _expired(d) for d in stages}
@@ -237,6 +257,7 @@ def _stop_middle_stage(
 
 
 def test_sigterm_of_a_middle_stage_is_no_slower_than_sigkill(mesh: Mesh, prompt: list[int]) -> None:
+    mesh.ready(spares=1)
     expected = reference(prompt, 150)
     term_next, term_stall, victim = _stop_middle_stage(mesh, prompt, expected, signal.SIGTERM)
     # The stopped node comes back as the spare for the SIGKILL round.
@@ -271,6 +292,7 @@ def _sse(api: str, body: dict[str, Any], events: list[tuple[float, str]]) -> Non
 def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothing(
     mesh: Mesh, prompt: list[int]
 ) -> None:
+    mesh.ready(spares=0)
     route = mesh.in_plan()
     coordinator = route[0]
     body = {

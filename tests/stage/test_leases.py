@@ -139,7 +139,7 @@ async def test_keep_alive_for_a_session_the_stage_no_longer_holds_answers_sessio
         await trio.sleep(6.0)
         assert not host.has_session("a")
         host.handle(SessionKeepAlive(["a"]), COORD)
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()  # the host has answered it
         nursery.cancel_scope.cancel()
     assert [(k, m.session, m.code) for k, m in outbox.sent if isinstance(m, StageError)] == [
         (COORD, "a", "session_expired")
