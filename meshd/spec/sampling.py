@@ -109,13 +109,18 @@ def filtered_support(
     likely tokens reaching `top_p` — and, so that the result never depends on a sort order,
     every token tied with the last one kept.
     """
-    scores = logits_row.detach().to(device="cpu", dtype=torch.float64) / params.temperature
-    vocab = scores.shape[-1]
+    row = logits_row.detach().to(device="cpu")
+    vocab = row.shape[-1]
     ids: torch.Tensor | None = None
     if 0 < params.top_k < vocab:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        ids = (scores >= kth).nonzero().squeeze(-1)
-        scores = scores[ids]
+        # On the raw row: dividing float32/bfloat16 values by T in float64 keeps their order and
+        # keeps distinct values distinct, so the kept set is the same, found without converting
+        # the whole row.
+        kth = torch.topk(row, params.top_k).values[-1]
+        ids = (row >= kth).nonzero().squeeze(-1)
+        scores = row[ids].to(torch.float64) / params.temperature
+    else:
+        scores = row.to(torch.float64) / params.temperature
     if params.top_p < 1.0:
         probs = torch.softmax(scores, -1)
         kept = (probs >= _nucleus_floor(probs, params.top_p)).nonzero().squeeze(-1)
@@ -177,14 +182,19 @@ def keyed_gumbel(seed: int, position: int, token_ids: torch.Tensor | int) -> tor
 
 def keyed_mantissas(seed: int, position: int, token_ids: torch.Tensor | int) -> torch.Tensor:
     """The top 53 bits of splitmix64(position_key + id * golden) per id, as int64."""
-    ids = torch.as_tensor(token_ids, dtype=torch.int64)
-    x = (ids + 1) * _GOLDEN_I64 + _as_int64(position_key(seed, position))
-    x ^= (x >> 30) & ((1 << 34) - 1)
-    x *= _MIX1_I64
-    x ^= (x >> 27) & ((1 << 37) - 1)
-    x *= _MIX2_I64
-    x ^= (x >> 31) & ((1 << 33) - 1)
-    return (x >> 11) & ((1 << 53) - 1)
+    x = torch.as_tensor(token_ids, dtype=torch.int64) + 1
+    x *= _GOLDEN_I64
+    x += _as_int64(position_key(seed, position))
+    # In place, one scratch buffer: full-vocabulary rows make every pass count.
+    shifted = torch.empty_like(x)
+    for shift, multiplier in ((30, _MIX1_I64), (27, _MIX2_I64), (31, 0)):
+        torch.bitwise_right_shift(x, shift, out=shifted)
+        shifted &= (1 << (64 - shift)) - 1  # int64 shifts are arithmetic: make them logical
+        x ^= shifted
+        if multiplier:
+            x *= multiplier
+    torch.bitwise_right_shift(x, 11, out=shifted)
+    return shifted.bitwise_and_((1 << 53) - 1)
 
 
 def _gumbel_argmax(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
