@@ -83,15 +83,14 @@ def keyed_uniform(seed: int, position: int) -> float:
 def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Float64 probabilities after temperature, top-k and top-p (the transformers order).
 
-    Zero outside the support and not renormalised. The sampler itself never forms this row
+    Zero outside the support, summing to 1 over it. The sampler itself never forms this row
     (it works on the support's logits, see `filtered_support`); it is the distribution the
     sampler draws from, for callers that need it (tests, acceptance measurements).
     """
     ids, scores = filtered_support(logits_row, params)
-    vocab = logits_row.shape[-1]
-    probs = torch.zeros(vocab, dtype=torch.float64)
     if ids is None:
         return torch.softmax(scores, -1)
+    probs = torch.zeros(logits_row.shape[-1], dtype=torch.float64)
     probs[ids] = torch.softmax(scores, -1)
     return probs
 
