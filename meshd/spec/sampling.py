@@ -74,8 +74,8 @@ def _splitmix64(x: int) -> int:
 def keyed_uniform(seed: int, position: int) -> float:
     """A uniform in [0, 1) keyed by (`seed`, `position`): the top 53 bits of `position_key`.
 
-    The sampler's own noise is `keyed_gumbel`; this is for other position-keyed coins (the
-    accept/reject test of the textbook speculative rule in the acceptance measurement).
+    The draw of the inverse-CDF rule the sampler used before Gumbel-max (kept as the reference
+    in scripts/sampling_cost.py); the sampler's own noise is `keyed_gumbel`.
     """
     return (position_key(seed, position) >> 11) * (1.0 / (1 << 53))
 
@@ -214,8 +214,6 @@ def sample_token(logits_row: torch.Tensor, params: SamplingParams, position: int
     """
     if params.greedy:
         return int(logits_row.argmax())
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
     return _gumbel_argmax(logits_row, params, position)
 
 

@@ -96,6 +96,8 @@ def test_noise_is_keyed_by_token_id_alone() -> None:
     # Standard Gumbel: mean = Euler–Mascheroni constant, variance = pi^2 / 6.
     assert float(everything.mean()) == pytest.approx(0.5772, abs=0.06)
     assert float(everything.var()) == pytest.approx(math.pi**2 / 6, abs=0.15)
+    with pytest.raises(ValueError, match="position"):
+        sample_token(ROW16, SamplingParams(temperature=1.0), -1)
 
 
 @pytest.mark.parametrize(
