@@ -168,19 +168,21 @@ def keyed_gumbel(seed: int, position: int, token_ids: torch.Tensor | int) -> tor
     """Standard Gumbel noise for each token id at `position` under `seed` (float64).
 
     A pure function of (seed, position, id): token i gets the i-th output of a SplitMix64
-    stream started at `position_key(seed, position)`, i.e. splitmix64(key + i * golden); its top
-    53 bits give u = (m + 1/2) / 2**53 in (0, 1) and g = -log(-log u). The same id gets the
-    same noise whatever the rest of the row, the vocabulary size or the filters, which is what
-    lets a draft model's sample predict the target's. Vectorised in int64 arithmetic, which
-    wraps like the uint64 reference (right shifts are masked to be logical).
+    stream started at `position_key(seed, position)`, i.e. splitmix64(key + i * golden). Its
+    top 52 bits m give u = (m + 1/2) / 2**52, exact in float64 and strictly inside (0, 1) (with
+    53 bits the largest m + 1/2 would round to 2**53: u = 1, g = inf), and g = -log(-log u).
+    The same id gets the same noise whatever the rest of the row, the vocabulary size or the
+    filters, which is what lets a draft model's sample predict the target's. Vectorised in
+    int64 arithmetic, which wraps like the uint64 reference (right shifts masked to be
+    logical).
     """
     mantissa = keyed_mantissas(seed, position, token_ids)
-    u = (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+    u = (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 52))
     return u.log_().neg_().log_().neg_()
 
 
 def keyed_mantissas(seed: int, position: int, token_ids: torch.Tensor | int) -> torch.Tensor:
-    """The top 53 bits of splitmix64(position_key + id * golden) per id, as int64."""
+    """The top 52 bits of splitmix64(position_key + id * golden) per id, as int64."""
     x = torch.as_tensor(token_ids, dtype=torch.int64) + 1
     x *= _GOLDEN_I64
     x += _as_int64(position_key(seed, position))
@@ -192,8 +194,8 @@ def keyed_mantissas(seed: int, position: int, token_ids: torch.Tensor | int) -> 
         x ^= shifted
         if multiplier:
             x *= multiplier
-    torch.bitwise_right_shift(x, 11, out=shifted)
-    return shifted.bitwise_and_((1 << 53) - 1)
+    torch.bitwise_right_shift(x, 12, out=shifted)
+    return shifted.bitwise_and_((1 << 52) - 1)
 
 
 def _gumbel_argmax(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:

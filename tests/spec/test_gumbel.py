@@ -78,10 +78,10 @@ def test_keyed_noise_is_splitmix64_bit_for_bit() -> None:
     for seed, position in ((0, 0), (2**64 - 1, 7), (12345, 2**33), (2**63, 1)):
         key = position_key(seed, position)
         got = keyed_mantissas(seed, position, torch.tensor(ids)).tolist()
-        assert got == [_splitmix64((key + i * _GOLDEN) & _MASK64) >> 11 for i in ids]
+        assert got == [_splitmix64((key + i * _GOLDEN) & _MASK64) >> 12 for i in ids]
         noise = keyed_gumbel(seed, position, torch.tensor(ids)).tolist()
         for m, g in zip(got, noise, strict=True):
-            assert g == pytest.approx(-math.log(-math.log((m + 0.5) / 2**53)), rel=1e-13)
+            assert g == pytest.approx(-math.log(-math.log((m + 0.5) / 2**52)), rel=1e-13)
 
 
 def test_noise_is_keyed_by_token_id_alone() -> None:
