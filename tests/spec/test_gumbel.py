@@ -10,9 +10,6 @@ import torch
 
 from meshd.spec import SamplingParams, coupled_draft_token, sample_token, verify
 from meshd.spec.sampling import (
-    _GOLDEN,
-    _MASK64,
-    _splitmix64,
     coupled_draft_tokens,
     filtered_probs,
     filtered_support,
@@ -27,6 +24,15 @@ ROW16 = torch.tensor(
     [3.0, 2.2, 1.9, 1.0, 0.8, 0.5, 0.4, 0.1, -0.2, -0.5, -1.0, -1.3, -2.0, -2.5, -3.0, -4.0]
 )
 Sampler = Callable[[torch.Tensor, SamplingParams, int], int]
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """The reference SplitMix64 step (Steele, Lea, Flood 2014) on Python integers."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
 
 
 def chi_square_p_value(counts: list[int], probs: list[float]) -> float:
@@ -76,9 +82,11 @@ def test_keyed_noise_is_splitmix64_bit_for_bit() -> None:
     """Vectorised int64 arithmetic (wrapping, masked shifts) equals the uint64 reference."""
     ids = [0, 1, 2, 4095, 151_935, 2**31 + 5, 2**40 + 3]
     for seed, position in ((0, 0), (2**64 - 1, 7), (12345, 2**33), (2**63, 1)):
-        key = position_key(seed, position)
+        key = splitmix64(splitmix64(seed) ^ position)
+        assert position_key(seed, position) == key
         got = keyed_mantissas(seed, position, torch.tensor(ids)).tolist()
-        assert got == [_splitmix64((key + i * _GOLDEN) & _MASK64) >> 12 for i in ids]
+        # Token i: the i-th output of a SplitMix64 stream whose state starts at the key.
+        assert got == [splitmix64((key + i * 0x9E3779B97F4A7C15) & MASK64) >> 12 for i in ids]
         noise = keyed_gumbel(seed, position, torch.tensor(ids)).tolist()
         for m, g in zip(got, noise, strict=True):
             assert g == pytest.approx(-math.log(-math.log((m + 0.5) / 2**52)), rel=1e-13)
