@@ -1,17 +1,22 @@
 """Lossless verification of draft tokens, with randomness keyed by absolute position.
 
 The token at absolute position p is always the target's choice from the logits that predict
-p, drawn with the uniform `keyed_uniform(seed, p)`: a pure function of (seed, p), never a
-stateful generator. A verify window therefore commits exactly the tokens that plain decoding
-would have produced for the same seed, whatever the drafts were: drafts only decide how many
-of those tokens one round trip yields ("sample from the target, accept while equal" — the
-point-mass case of rejection sampling, exact for deterministic drafts). Greedy is the
-temperature-0 case and needs no draw at all.
+p. Sampled, it is a Gumbel-max draw: argmax over the filtered support (temperature → top-k →
+top-p) of log p_i + g_i, where the noise g_i = `keyed_gumbel(seed, p, i)` is a pure function
+of (seed, p, token id), never a stateful generator. A verify window therefore commits exactly
+the tokens that plain decoding would have produced for the same seed, whatever the drafts
+were: drafts only decide how many of those tokens one round trip yields ("sample from the
+target, accept while equal" — the point-mass case of rejection sampling, exact for
+deterministic drafts). Greedy is the temperature-0 case and needs no draw at all.
+
+Keying the noise by token id (not one uniform per position) is what lets a draft model
+predict a sampled token: `coupled_draft_token` takes argmax_i(log q_i + g_i) with the same g
+over the draft's distribution q, which equals the target's sample whenever q is close to p
+(Gumbel-max coupling), so "accept while equal" still accepts well under sampling.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,43 +59,73 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         return self.temperature == 0.0
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     return x ^ (x >> 31)
 
 
 def keyed_uniform(seed: int, position: int) -> float:
-    """The uniform draw in [0, 1) for the token at absolute `position` under `seed`.
+    """A uniform in [0, 1) keyed by (`seed`, `position`): the top 53 bits of `position_key`.
 
-    splitmix64 is a bijection on 64-bit words, so for a fixed seed distinct positions give
-    distinct words; the top 53 bits become the float64 mantissa.
+    The draw of the inverse-CDF rule the sampler used before Gumbel-max (kept as the reference
+    in scripts/sampling_cost.py); the sampler's own noise is `keyed_gumbel`.
     """
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
-    word = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
-    return (word >> 11) * (1.0 / (1 << 53))
+    return (position_key(seed, position) >> 11) * (1.0 / (1 << 53))
 
 
 def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Float64 probabilities after temperature, top-k and top-p (the transformers order).
 
-    top-k keeps every token scoring at least the k-th best (ties at the threshold are kept,
-    as in transformers). top-p keeps each token whose more probable tokens hold less than
-    `top_p` of the mass — the smallest set of most likely tokens reaching `top_p` — and, so
-    that the result never depends on a sort order, every token tied with the last one kept.
-    The result is renormalised only implicitly: callers sample by inverse CDF.
+    Zero outside the support, summing to 1 over it. The sampler itself never forms this row
+    (it works on the support's logits, see `filtered_support`); it is the distribution the
+    sampler draws from, for callers that need it (tests, acceptance measurements).
     """
-    scores = logits_row.detach().to(device="cpu", dtype=torch.float64) / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    probs = torch.softmax(scores, -1)
-    if params.top_p < 1.0:
-        probs = probs.masked_fill(probs < _nucleus_floor(probs, params.top_p), 0.0)
+    ids, scores = filtered_support(logits_row, params)
+    if ids is None:
+        return torch.softmax(scores, -1)
+    probs = torch.zeros(logits_row.shape[-1], dtype=torch.float64)
+    probs[ids] = torch.softmax(scores, -1)
     return probs
+
+
+def filtered_support(
+    logits_row: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The sampling support and its float64 logits over temperature: `(ids, scores)`.
+
+    `ids` is None when no filter removed anything (the support is the whole row, `scores`
+    then covers every id); otherwise `scores[j]` belongs to token `ids[j]`. The filtered
+    distribution is `softmax(scores)` on the support. top-k keeps every token scoring at least
+    the k-th best (ties at the threshold are kept, as in transformers). top-p keeps each token
+    whose more probable tokens hold less than `top_p` of the mass — the smallest set of most
+    likely tokens reaching `top_p` — and, so that the result never depends on a sort order,
+    every token tied with the last one kept.
+    """
+    row = logits_row.detach().to(device="cpu")
+    vocab = row.shape[-1]
+    ids: torch.Tensor | None = None
+    if 0 < params.top_k < vocab:
+        # On the raw row: dividing float32/bfloat16 values by T in float64 keeps their order and
+        # keeps distinct values distinct, so the kept set is the same, found without converting
+        # the whole row.
+        kth = torch.topk(row, params.top_k).values[-1]
+        ids = (row >= kth).nonzero().squeeze(-1)
+        scores = row[ids].to(torch.float64) / params.temperature
+    else:
+        scores = row.to(torch.float64) / params.temperature
+    if params.top_p < 1.0:
+        probs = torch.softmax(scores, -1)
+        kept = (probs >= _nucleus_floor(probs, params.top_p)).nonzero().squeeze(-1)
+        ids = kept if ids is None else ids[kept]
+        scores = scores[kept]
+    return ids, scores
 
 
 def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -107,22 +142,103 @@ def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         width = min(vocab, width * 8)
 
 
+def _as_int64(word: int) -> int:
+    """A 64-bit word as the int64 with the same bits (torch has no wrapping uint64 ops)."""
+    word &= _MASK64
+    return word - (1 << 64) if word >> 63 else word
+
+
+_GOLDEN_I64 = _as_int64(_GOLDEN)
+_MIX1_I64 = _as_int64(_MIX1)
+_MIX2_I64 = _as_int64(_MIX2)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The 64-bit key of absolute `position` under `seed`: splitmix64(splitmix64(seed) ^ p).
+
+    splitmix64 is a bijection on 64-bit words, so for a fixed seed distinct positions get
+    distinct keys.
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+
+
+def keyed_gumbel(seed: int, position: int, token_ids: torch.Tensor | int) -> torch.Tensor:
+    """Standard Gumbel noise for each token id at `position` under `seed` (float64).
+
+    A pure function of (seed, position, id): token i gets the i-th output of a SplitMix64
+    stream started at `position_key(seed, position)`, i.e. splitmix64(key + i * golden). Its
+    top 52 bits m give u = (m + 1/2) / 2**52, exact in float64 and strictly inside (0, 1) (with
+    53 bits the largest m + 1/2 would round to 2**53: u = 1, g = inf), and g = -log(-log u).
+    The same id gets the same noise whatever the rest of the row, the vocabulary size or the
+    filters, which is what lets a draft model's sample predict the target's. Vectorised in
+    int64 arithmetic, which wraps like the uint64 reference (right shifts masked to be
+    logical).
+    """
+    mantissa = keyed_mantissas(seed, position, token_ids)
+    u = (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 52))
+    return u.log_().neg_().log_().neg_()
+
+
+def keyed_mantissas(seed: int, position: int, token_ids: torch.Tensor | int) -> torch.Tensor:
+    """The top 52 bits of splitmix64(position_key + id * golden) per id, as int64."""
+    x = torch.as_tensor(token_ids, dtype=torch.int64) + 1
+    x *= _GOLDEN_I64
+    x += _as_int64(position_key(seed, position))
+    # In place, one scratch buffer: full-vocabulary rows make every pass count.
+    shifted = torch.empty_like(x)
+    for shift, multiplier in ((30, _MIX1_I64), (27, _MIX2_I64), (31, 0)):
+        torch.bitwise_right_shift(x, shift, out=shifted)
+        shifted &= (1 << (64 - shift)) - 1  # int64 shifts are arithmetic: make them logical
+        x ^= shifted
+        if multiplier:
+            x *= multiplier
+    torch.bitwise_right_shift(x, 12, out=shifted)
+    return shifted.bitwise_and_((1 << 52) - 1)
+
+
+def _gumbel_argmax(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
+    ids, scores = filtered_support(logits_row, params)
+    if ids is None:
+        ids = torch.arange(scores.shape[-1])
+    # argmax over the support of log p_i + g_i; log p_i = scores_i - logsumexp(scores), and the
+    # constant does not move the argmax.
+    best = int((scores + keyed_gumbel(params.seed, position, ids)).argmax())
+    return int(ids[best])
+
+
 def sample_token(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
     """The target's token at absolute `position` from the logits row that predicts it.
 
-    Greedy: argmax (the lowest id among ties). Sampling: inverse CDF over the filtered
-    distribution in token-id order, at `keyed_uniform(params.seed, position)`.
+    Greedy: argmax (the lowest id among ties). Sampling: Gumbel-max over the filtered support,
+    argmax_i(log p_i + g_i) with g = `keyed_gumbel(params.seed, position, i)`.
     """
     if params.greedy:
         return int(logits_row.argmax())
-    probs = filtered_probs(logits_row, params)
-    cdf = probs.cumsum(-1)
-    target = keyed_uniform(params.seed, position) * float(cdf[-1])
-    index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True))
-    if index >= cdf.shape[0]:
-        # Rounding put the draw past the end: take the last token that has mass.
-        index = int(probs.nonzero()[-1])
-    return index
+    return _gumbel_argmax(logits_row, params, position)
+
+
+def coupled_draft_token(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """A draft model's guess of the target's token at `position`: argmax_i(log q_i + g_i).
+
+    `logits_row` is the draft's row predicting `position`; `params` are the request's, their
+    filters applied to the draft's distribution q; g is the target's own keyed noise (the same
+    per token id), so the guess equals the target's sample whenever q is close enough to p
+    (always when q = p) — Gumbel-max coupling. Greedy requests get the draft's argmax. A draft
+    vocabulary that is a prefix of the target's shares its ids, hence its noise.
+    """
+    return sample_token(logits_row, params, position)
+
+
+def coupled_draft_tokens(
+    logits: torch.Tensor, params: SamplingParams, first_position: int
+) -> list[int]:
+    """`coupled_draft_token` for each row of `logits` `[n, V]`, row j predicting
+    `first_position + j`."""
+    if params.greedy:
+        return [int(t) for t in logits.argmax(-1).tolist()]
+    return [coupled_draft_token(row, params, first_position + j) for j, row in enumerate(logits)]
 
 
 @dataclass(frozen=True, slots=True)
