@@ -9,7 +9,8 @@ API it called):
 
 - `completed`: `[DONE]` after a final chunk with a `finish_reason`, no error event;
 - a clear error: an HTTP error status with an OpenAI error body (`http_503`, `http_429`, ...),
-  an `error` event in the stream (`error_event`), a refused connection (`refused`), or the
+  an `error` event in the stream (`error_event`), a refused connection (`refused`; also a
+  request sent to a node already stopping and reset unanswered as its listener closed), or the
   connection lost because its coordinator was SIGKILLed (`connection_lost`: a crashed
   process cannot say anything);
 - `truncated_silently`: the stream stopped without `[DONE]` and without an error event while
@@ -271,7 +272,25 @@ def classify(seen: Seen, disruptions: Sequence[Disruption]) -> tuple[str, str]:
     state = coordinator_state(seen, disruptions)
     if state == "sigkill":
         return CONNECTION_LOST, seen.cut or CUT_RESET
+    if (
+        state == "sigterm"
+        and seen.cut == CUT_NO_RESPONSE
+        and _sent_while_stopping(seen, disruptions)
+    ):
+        # Sent to a node already stopping, and never answered: the connection was waiting to
+        # be accepted when the stopped node closed its listening socket, which resets it (the
+        # kernel had completed the handshake). Any server exiting has that instant; what must
+        # not happen is a request the node took in and then left unanswered.
+        return REFUSED, "closed_at_exit"
     return TRUNCATED, f"{seen.cut or CUT_CLEAN_EOF}/{state}"
+
+
+def _sent_while_stopping(seen: Seen, disruptions: Sequence[Disruption]) -> bool:
+    return any(
+        d.node == seen.node and d.incarnation == seen.incarnation and d.kind == "sigterm"
+        and d.at <= seen.started
+        for d in disruptions
+    )  # fmt: skip
 
 
 def coordinator_state(seen: Seen, disruptions: Sequence[Disruption]) -> str:

@@ -292,3 +292,14 @@ def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> No
     work = re.search(r"work dir (\S+) removed", text)
     assert len(pids) == 4 and all(_process_gone(pid) for pid in pids), text[-3000:]
     assert work is not None and not pathlib.Path(work.group(1)).exists()
+
+
+def test_an_unanswered_request_is_clear_only_when_sent_to_a_node_already_stopping() -> None:
+    # Sent after the SIGTERM and reset unanswered: the stopped node's listening socket closed
+    # with the connection still waiting to be accepted. Sent before it: the node had it.
+    late = seen(cut="no_response", started=15.0, ended=20.0)
+    assert classify(late, [hit("sigterm", 12.0)]) == (REFUSED, "closed_at_exit")
+    early = seen(cut="no_response", started=10.0, ended=20.0)
+    assert classify(early, [hit("sigterm", 12.0)]) == (TRUNCATED, "no_response/sigterm")
+    # A node that was not stopping must answer whatever it accepted.
+    assert classify(late, ())[0] == TRUNCATED
