@@ -80,10 +80,13 @@ _BOOK_EWMA_FRACTION = 0.25
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
 # A draft model's shadow costs its passes (an n-gram's is a lookup): while `draft` is not the
-# choice it is shadow-drafted after one commit in this many, so a request where it does not
-# pay spends a quarter of its passes on learning that; while it is the choice, its real
-# proposal is its shadow (drafted in `propose`, so its time is charged to its own windows).
+# choice it is shadow-drafted after one commit in this many, and in `_DRAFT_SHADOW_SPARSE`
+# while its own estimate says it does not pay on this route (on one fast node a pass of the
+# draft costs a third of a token: a shadow every commit would cost more than it could win);
+# while it is the choice, its real proposal is its shadow (drafted in `propose`, so its time
+# is charged to its own windows).
 _DRAFT_SHADOW_EVERY = 4
+_DRAFT_SHADOW_SPARSE = 16
 
 
 @dataclass
@@ -152,6 +155,7 @@ class AutoProposer(AccountedProposer):
             self._draft = DraftProposer(config, draft, sampling)
             self._candidates["draft"] = self._draft
         self._commits = 0  # observe calls of this request (spaces the draft's shadow)
+        self._draft_pays = True  # by its estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = _DECIDE_EVERY_TOKENS
@@ -378,8 +382,9 @@ class AutoProposer(AccountedProposer):
         fresh_mtp = bool(mtp_draft) or bool(self._mtp.propose(self._width))
         for name in self._available():
             if name in DRAFT_STRATEGIES:
-                # Drafted in `propose` while chosen; else in one commit of _DRAFT_SHADOW_EVERY.
-                if reuse or self.choice == name or self._commits % _DRAFT_SHADOW_EVERY:
+                # Drafted in `propose` while chosen; else in one commit of a few.
+                every = _DRAFT_SHADOW_EVERY if self._draft_pays else _DRAFT_SHADOW_SPARSE
+                if reuse or self.choice == name or self._commits % every:
                     continue
                 drafts[name] = self._candidates[name].propose(self._width)
                 self._pending = [
@@ -436,6 +441,8 @@ class AutoProposer(AccountedProposer):
         self._decided_at = len(self._tokens)
         self.decisions += 1
         best_name, _, found = self._best(lambda name: self._trackers[name])
+        if "draft" in found:
+            self._draft_pays = found["draft"].s_per_token(self.config)[1] > 0
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
         else:
