@@ -198,6 +198,7 @@ def _runs(
             "accepted": r["accepted"],
             "tokens_per_round_trip": r["tpr"],
             "windows_stale": r["stale"],
+            "draft_s_per_token": r["draft_s_per_token"],
             "identical_to_disabled": r["tokens"] == base["tokens"],
         }
         for strategy, r in results.items()
@@ -233,6 +234,7 @@ async def _generate(
         "accepted": tel.accepted_tokens,
         "tpr": tel.tokens_per_round_trip,
         "stale": tel.windows_stale,
+        "draft_s_per_token": tel.draft_s_per_token,
     }
 
 
