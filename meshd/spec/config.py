@@ -228,7 +228,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
             "dest": _dest(key),
             "type": rule.kind,
             "default": argparse.SUPPRESS,
-            "help": f"{rule.help} (default {default})",
+            "help": f"{rule.help} (default {default if default != '' else 'none'})",
         }
         if rule.choices:
             kwargs["choices"] = rule.choices
