@@ -6,6 +6,7 @@ that `LlamaForCausalLM.from_pretrained` ignores and meshd's runtime uses as draf
 
     python -m meshd_train --out meshd/model/builtin      # or scripts/train_builtin.py
     python -m meshd_train --tiny --out /tmp/tiny         # seconds; used by the tests
+    python -m meshd_train distill --out meshd/model/builtin_draft   # its draft model
 
 Everything is seeded: the corpus order, the tokenizer, the init and the batch order (drawn
 per step from `seed` and the step number, so a resumed run sees the same batches).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from meshd_train.config import TINY, TrainConfig
@@ -53,5 +55,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> None:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["distill"]:  # the built-in model's draft (meshd_train.distill)
+        from meshd_train.distill import main as distill_main
+
+        distill_main(args_in[1:])
+        return
     cfg, args = parse_args(argv)
     train(cfg, args.out, args.checkpoint, stop_step=args.stop_step, init_from=args.init_from)

@@ -71,6 +71,10 @@ class ApiMetrics:
             "meshd_spec_accepted_tokens", "Draft tokens accepted, by proposer", ["proposer"],
             registry=r,
         )  # fmt: skip
+        self.spec_draft_seconds = Counter(
+            "meshd_spec_draft_seconds", "Coordinator time in the draft model (draft strategies)",
+            registry=r,
+        )  # fmt: skip
         self.spec_acceptance = Histogram(
             "meshd_spec_acceptance_ratio", "Per request: accepted / drafted tokens",
             buckets=_RATIO_BUCKETS, registry=r,
@@ -108,6 +112,8 @@ class ApiMetrics:
         for name, counts in telemetry.proposers.items():
             self.spec_drafted.labels(proposer=name).inc(counts.drafted)
             self.spec_accepted.labels(proposer=name).inc(counts.accepted)
+        if telemetry.draft_s > 0:
+            self.spec_draft_seconds.inc(telemetry.draft_s)
         if telemetry.acceptance is not None:
             self.spec_acceptance.observe(telemetry.acceptance)
         if telemetry.tokens_per_round_trip is not None:

@@ -6,7 +6,9 @@ greedy, in rounds that repeat until `disabled` has decoded for `--min-seconds` (
 run on one fast node lasts ~0.3 s, too short to time alone on a shared machine). Reported per
 row, as medians over prompts and rounds: decode tokens/s, the ratio to `disabled` in the same
 round, accepted/drafted, tokens per verify round trip, stale windows — and whether the text
-equals `disabled`'s (speculation must never change it). The single-stage rows also time
+equals `disabled`'s (speculation must never change it). `draft` and `draft-ngram` run with
+`--speculative-draft-model`, on the built-in model with its shipped draft by default (and
+`auto` weighs the draft there); without a draft model they are left out. The single-stage rows also time
 `transformers` `generate()` with and without `prompt_lookup_num_tokens` on the same checkpoint.
 """
 
@@ -28,6 +30,7 @@ from meshd.coord.pipeline import GenerationRequest
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.sim.workloads import Workload, workloads
 from meshd.spec.config import (
+    DRAFT_STRATEGIES,
     STRATEGIES,
     SpecConfig,
     add_spec_arguments,
@@ -78,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
     rounds = Rounds(min_s, max(1, args.max_rounds))
     overrides = {k: v for k, v in spec_cli_values(args).items() if k != "strategy"}
     spec = resolve_spec_config({}, {}, overrides, {})
+    if not spec.draft_model and not args.model:
+        # The built-in model drafts with its shipped draft (`auto` weighs it too).
+        from meshd.model.builtin import builtin_draft_dir
+
+        spec = msgspec.structs.replace(spec, draft_model=str(builtin_draft_dir()))
+    if not spec.draft_model:
+        strategies = [s for s in strategies if s not in DRAFT_STRATEGIES]
     report = trio.run(
         _matrix,
         directory,
@@ -91,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         args.quantization,
     )
     report["spec_overrides"] = overrides
+    report["draft_model"] = spec.draft_model
     report["quantization"] = args.quantization
     if 1 in stages and not args.no_transformers:
         report["transformers"] = _transformers_rows(directory, loads, tokens)
@@ -187,6 +198,7 @@ def _runs(
             "accepted": r["accepted"],
             "tokens_per_round_trip": r["tpr"],
             "windows_stale": r["stale"],
+            "draft_s_per_token": r["draft_s_per_token"],
             "identical_to_disabled": r["tokens"] == base["tokens"],
         }
         for strategy, r in results.items()
@@ -222,6 +234,7 @@ async def _generate(
         "accepted": tel.accepted_tokens,
         "tpr": tel.tokens_per_round_trip,
         "stale": tel.windows_stale,
+        "draft_s_per_token": tel.draft_s_per_token,
     }
 
 

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         config.read_mesh_secret()
         config.read_api_key()
         check_model(config.model)
+        check_draft_model(config.model, config.spec.draft_model)
         check_ports(config)
     except (ConfigError, StartupError) as exc:
         print(f"meshd serve: {exc}", file=sys.stderr)
@@ -123,6 +124,27 @@ def check_model(model: str) -> None:
         raise StartupError(f"model: {exc}") from None
     except OSError as exc:
         raise StartupError(f"model: cannot read {model}: {exc.strerror or exc}") from None
+
+
+def check_draft_model(model: str, draft: str) -> None:
+    """Raise StartupError unless `draft` ("" = none) is a checkpoint whose tokenizer is the
+    target model's (or its vocabulary a prefix of the target's); the message names both."""
+    if not draft:
+        return
+    from meshd.model.builtin import builtin_model_dir
+    from meshd.model.errors import ModelError
+    from meshd.spec.draft import DraftMismatchError, check_draft_tokenizer
+
+    try:
+        check_model(draft)
+    except StartupError as exc:
+        raise StartupError(f"spec.draft_model: {str(exc).removeprefix('model: ')}") from None
+    try:
+        check_draft_tokenizer(model or str(builtin_model_dir()), draft)
+    except DraftMismatchError as exc:
+        raise StartupError(f"spec.draft_model: {exc}") from None
+    except ModelError as exc:
+        raise StartupError(f"spec.draft_model: {exc}") from None
 
 
 def check_ports(config: NodeConfig) -> None:

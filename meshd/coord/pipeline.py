@@ -37,7 +37,10 @@ from meshd.net.lanes import PeerUnreachable
 from meshd.plan.route import Route
 from meshd.spec.auto import AcceptanceBook
 from meshd.spec.config import SpecConfig
+from meshd.spec.draft import DraftModel
 from meshd.spec.policy import LinkModel
+from meshd.spec.proposer import Proposer
+from meshd.spec.sampling import SamplingParams
 from meshd.spec.strategies import make_proposer
 from protocol.messages import (
     MAX_KEEPALIVE_SESSIONS,
@@ -112,8 +115,14 @@ class Coordinator:
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
         session_lease_s: float = 30.0,
+        draft: DraftModel | None = None,
+        draft_quantization: str = "none",
     ) -> None:
+        """`draft` is the node's draft model, loaded at start (`spec.draft_model`); a request
+        naming another draft path loads it here once, at `draft_quantization`."""
         self.sender = sender
+        self._drafts: dict[str, DraftModel] = {} if draft is None else {draft.path: draft}
+        self.draft_quantization = draft_quantization
         self.own_key = own_key
         self.session_lease_s = session_lease_s
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -165,16 +174,34 @@ class Coordinator:
     ) -> GenerationResult:
         """Feed `live`'s events to its `WindowLoop` and send what it returns, until done."""
         route = live.route
+        sampling = request.sampling
+        proposer = make_proposer(
+            request.spec.strategy,
+            request.spec,
+            book=self.book(route.model_id, request.spec),
+            link=self.costs(route).link_model(),
+            draft=self.draft_model(request.spec),
+            sampling=SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                seed=sampling.seed,
+            ),
+        )
+        try:
+            return await self._drive_loop(live, request, on_tokens, proposer)
+        finally:
+            proposer.close()
+
+    async def _drive_loop(
+        self, live: _Live, request: GenerationRequest, on_tokens: OnTokens, proposer: Proposer
+    ) -> GenerationResult:
+        route = live.route
         loop = WindowLoop(
             session=live.session,
             route=route,
             request=request,
-            proposer=make_proposer(
-                request.spec.strategy,
-                request.spec,
-                book=self.book(route.model_id, request.spec),
-                link=self.costs(route).link_model(),
-            ),
+            proposer=proposer,
             costs=self.costs(route),
             coordinator_key=self.own_key,
             link=lambda: self.link_model(route),
@@ -280,12 +307,29 @@ class Coordinator:
         load = max(1, self.sessions_in_flight, round(self.stage_load(route)))
         return self.costs(route).link_model(concurrent_sessions=load)
 
+    def draft_model(self, spec: SpecConfig) -> DraftModel | None:
+        """The draft model `spec` names (loaded once per path), or None when it names none."""
+        if not spec.draft_model:
+            return None
+        found = self._drafts.get(spec.draft_model)
+        if found is None:
+            found = self._drafts[spec.draft_model] = DraftModel.load(
+                spec.draft_model, quantization=self.draft_quantization
+            )
+        return found
+
     def book(self, model_id: str, spec: SpecConfig) -> AcceptanceBook:
         """`auto`'s acceptance estimates for a model, shared by its requests (and the settings
         the estimates depend on: a request with another window or prior starts its own)."""
         key = (
             model_id,
-            (spec.window_max_tokens, spec.ewma_alpha, spec.prior_acceptance, spec.mtp_depth),
+            (
+                spec.window_max_tokens,
+                spec.ewma_alpha,
+                spec.prior_acceptance,
+                spec.mtp_depth,
+                spec.draft_model,
+            ),
         )
         found = self._books.get(key)
         if found is None:

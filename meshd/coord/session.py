@@ -116,6 +116,9 @@ class _Window:
     tokens: list[int]
     n_draft: int
     sent_s: float
+    # Coordinator time drafting (a draft model) between `sent_s` and the window's real send:
+    # not network, so it is taken out of the round trip the route's costs see.
+    draft_s: float = 0.0
 
 
 _PLAIN = "speculation disabled"
@@ -326,7 +329,7 @@ class WindowLoop:
         timings = reply.stage_timings
         compute = sum(t.compute_s for t in timings)
         queue = sum(t.queue_s for t in timings)
-        round_trip = now - w.sent_s
+        round_trip = max(0.0, now - w.sent_s - w.draft_s)
         self._idle_since = None if self._in_flight else now
         # A batched pass is shared by its sessions: the cost model takes this session's share,
         # and the policy multiplies it back by the load (C_L = L·C). The rest of the pass was
@@ -411,6 +414,8 @@ class WindowLoop:
             return plan
         if self.mtp_tokens and self.proposer.active in MTP_STRATEGIES:
             link = link.with_mtp_drafts()
+        if self.proposer.draft_cost_s > 0:
+            link = link.with_draft_cost(self.proposer.draft_cost_s)
         plan = choose(PolicyInputs(link, self.proposer.acceptance()), spec)
         self.recorder.policy(plan, self.proposer.active, self.proposer.reason)
         if plan.width == 0 and spec.strategy != "auto":
@@ -426,6 +431,8 @@ class WindowLoop:
 
     def _fill(self, plan: WindowPlan, now: float) -> list[Send]:
         out: list[Send] = []
+        sent: list[_Window] = []
+        drafting = 0.0  # the draft model's time in this fill: every window here leaves after it
         depth = max(1, plan.depth)
         while len(self._in_flight) < depth:
             remaining = self._remaining()
@@ -449,9 +456,15 @@ class WindowLoop:
                 prev = self._in_flight[-1]
                 base = prev.base_pos + len(prev.tokens)
                 tokens = [guess[0], *clip_drafts(guess[1:], remaining)]
-            out.append(
-                self._send_window(_Window(self._window_id(), base, tokens, len(tokens) - 1, now))
-            )
+            spent = self.proposer.last_draft_s
+            if spent > 0:
+                drafting += spent
+                self.recorder.draft(spent, len(tokens) - 1)
+            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, now)
+            sent.append(window)
+            out.append(self._send_window(window))
+        for window in sent:
+            window.draft_s = drafting
         return out
 
     def _send_window(self, w: _Window) -> Send:

@@ -76,6 +76,10 @@ class Tokenizer:
         """Number of ids, added tokens included."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token string and its id, added tokens included."""
+        return dict(self._backend.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the post-processor's BOS etc. when `add_special_tokens`)."""
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)

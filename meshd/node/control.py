@@ -34,7 +34,7 @@ from meshd.node.generation import NodeBackend
 from meshd.node.node import MeshNode
 from meshd.node.status import node_status
 from meshd.plan import NoFeasiblePlan, explain
-from meshd.spec.config import SpecConfig
+from meshd.spec.config import SpecConfig, SpecConfigError
 from protocol.messages import Sampling
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,16 @@ async def _generate(
     if not prompt:
         raise ControlError("bad_request", "empty prompt")
     eos = frozenset() if op.ignore_eos else frozenset(backend.tokenizer.eos_ids)
+    try:
+        # The node's draft model, so `draft` strategies work here as over the API.
+        spec = SpecConfig(strategy=op.strategy, draft_model=backend.node.config.spec.draft_model)
+    except SpecConfigError as exc:
+        raise ControlError("bad_request", str(exc)) from None
     request = GenerationRequest(
         prompt=prompt,
         max_tokens=op.max_tokens,
         sampling=Sampling(temperature=op.temperature, seed=op.seed),
-        spec=SpecConfig(strategy=op.strategy),
+        spec=spec,
         eos_ids=eos,
         mtp_depth=backend.mtp_depth,
     )

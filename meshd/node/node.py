@@ -53,6 +53,7 @@ from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from meshd.plan.route import Route
+from meshd.spec.draft import DraftModel
 from protocol import gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
@@ -108,6 +109,8 @@ class NodeBasis:
     quantization: str
     shape: ModelShape
     context_tokens: int
+    # The coordinator's draft model (`spec.draft_model`), at the node's quantization.
+    draft: DraftModel | None = None
 
     @classmethod
     def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
@@ -135,6 +138,11 @@ class NodeBasis:
             quantization=quantization,
             shape=model_shape(checkpoint, dtype, quantization, kv_dtype, device),
             context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
+            draft=(
+                DraftModel.load(config.spec.draft_model, quantization=quantization)
+                if config.spec.draft_model
+                else None
+            ),
         )
 
 
@@ -248,6 +256,8 @@ class MeshNode:
             self.identity.x25519_public,
             wire_dtype="f32",
             session_lease_s=config.session_lease_s,
+            draft=basis.draft,
+            draft_quantization=self.quantization,
         )
         self.slot = StageSlot(
             self.checkpoint,

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from meshd.spec.config import MTP_STRATEGIES, SpecConfig
+from meshd.spec.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
 from meshd.spec.mtp import MtpHybrid, MtpProposer
 from meshd.spec.ngram import NgramCache, NgramSimple
 from meshd.spec.policy import (
@@ -34,6 +35,10 @@ from meshd.spec.policy import (
     search,
 )
 from meshd.spec.proposer import AccountedProposer, Proposer
+
+if TYPE_CHECKING:
+    from meshd.spec.draft import DraftModel, DraftProposer
+    from meshd.spec.sampling import SamplingParams
 
 # Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
 _MTP_MIN_SAMPLES = 8
@@ -71,6 +76,14 @@ _LINK_CHANGE_FRACTION = 0.5
 _BOOK_EWMA_FRACTION = 0.25
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
+# A draft model's shadow costs its passes (an n-gram's is a lookup): while `draft` is not the
+# choice it is shadow-drafted after one commit in this many, and in `_DRAFT_SHADOW_SPARSE`
+# while its own estimate says it does not pay on this route (on one fast node a pass of the
+# draft costs a third of a token: a shadow every commit would cost more than it could win);
+# while it is the choice, its real proposal is its shadow (drafted in `propose`, so its time
+# is charged to its own windows).
+_DRAFT_SHADOW_EVERY = 4
+_DRAFT_SHADOW_SPARSE = 16
 
 
 @dataclass
@@ -99,6 +112,7 @@ class _Shadow:
     strategy: str
     start: int  # log length when drafted: drafts[i] predicts log[start + i]
     drafts: list[int]
+    width: int = 0  # positions it is scored over (0: the window's); a shorter draft rejects
 
 
 class AutoProposer(AccountedProposer):
@@ -111,6 +125,9 @@ class AutoProposer(AccountedProposer):
         config: SpecConfig,
         book: AcceptanceBook | None = None,
         link: LinkModel = DEFAULT_LINK,
+        *,
+        draft: DraftModel | None = None,
+        sampling: SamplingParams | None = None,
     ) -> None:
         super().__init__(config)
         self.book = book if book is not None else AcceptanceBook(config)
@@ -127,6 +144,15 @@ class AutoProposer(AccountedProposer):
             "mtp-simple": MtpHybrid("mtp-simple", config, mtp, simple, owns_parts=False),
             "mtp-cache": MtpHybrid("mtp-cache", config, mtp, cache, owns_parts=False),
         }
+        # The node's draft model, where one is configured: one more candidate (and part).
+        self._draft: DraftProposer | None = None
+        if draft is not None:
+            from meshd.spec.draft import DraftProposer
+
+            self._draft = DraftProposer(config, draft, sampling)
+            self._candidates["draft"] = self._draft
+        self._commits = 0  # observe calls of this request (spaces the draft's shadow)
+        self._draft_pays = True  # by its estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = _DECIDE_EVERY_TOKENS
@@ -229,6 +255,10 @@ class AutoProposer(AccountedProposer):
         self._clear_stats()
         for part in self._parts:
             part.reset(prompt)
+        if self._draft is not None:
+            self._draft.reset(prompt)
+        self._commits = 0
+        self.last_draft_s = 0.0
         self._tokens = [int(t) for t in prompt]
         self._pending = []
         alpha = self.config.ewma_alpha
@@ -246,6 +276,9 @@ class AutoProposer(AccountedProposer):
         """
         for part in self._parts:
             part.observe(committed)
+        if self._draft is not None:
+            self._draft.observe(committed)
+        self._commits += 1
         self._tokens.extend(int(t) for t in committed)
         self._score()
         self._drafts = self._shadow(())
@@ -260,16 +293,54 @@ class AutoProposer(AccountedProposer):
             self._drafts = self._shadow(mtp_draft, reuse=not first_mtp)
             if first_mtp:
                 self._decide()
+        self.last_draft_s = 0.0
         if self.choice == "disabled":
             return []
+        if self.choice in DRAFT_STRATEGIES:
+            return self._propose_draft(max_tokens)
         # .get: another session of the model may have just made the MTP strategies available.
         return self._drafts.get(self.choice, [])[: max(0, max_tokens)]
 
+    def _propose_draft(self, max_tokens: int) -> list[int]:
+        """The draft model's proposal, which is also its shadow (scored over its width)."""
+        width = max(0, min(max_tokens, self._width))
+        start = len(self._tokens)
+        shadow = next(
+            (s for s in self._pending if s.strategy == "draft" and s.start == start), None
+        )
+        if shadow is not None and len(shadow.drafts) >= width:
+            return shadow.drafts[:width]  # drafted in the shadow at this very log
+        assert self._draft is not None
+        drafts = self._draft.propose(width)
+        self.last_draft_s = self._draft.last_draft_s
+        if width > 0:
+            self._pending = [
+                s for s in self._pending if not (s.strategy == "draft" and s.start == start)
+            ]
+            self._pending.append(_Shadow("draft", start, drafts, width))
+        return drafts
+
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
         """The current choice's drafts after log + `assumed`."""
+        self.last_draft_s = 0.0
         if self.choice == "disabled":
             return []
-        return self._candidates[self.choice].propose_after(assumed, max_tokens)
+        chosen = self._candidates[self.choice]
+        drafts = chosen.propose_after(assumed, max_tokens)
+        self.last_draft_s = chosen.last_draft_s
+        return drafts
+
+    @property
+    def draft_cost_s(self) -> float:
+        """The draft model's seconds per token while it is the choice (else 0)."""
+        if self._draft is not None and self.choice in DRAFT_STRATEGIES:
+            return self._draft.draft_cost_s
+        return 0.0
+
+    def close(self) -> None:
+        """The request ended: free the draft model's session."""
+        if self._draft is not None:
+            self._draft.close()
 
     def record(self, drafted: int, accepted: int) -> None:
         """Count real windows (the estimates come from shadow scoring, which covers them)."""
@@ -292,6 +363,8 @@ class AutoProposer(AccountedProposer):
         names = ["ngram-simple", "ngram-cache"]
         if self.book.has_mtp and self.config.mtp_depth > 0 and self._mtp_live:
             names.extend(MTP_STRATEGIES)
+        if self._draft is not None:
+            names.append("draft")
         return names
 
     def _shadow(self, mtp_draft: Sequence[int], reuse: bool = False) -> dict[str, list[int]]:
@@ -305,6 +378,17 @@ class AutoProposer(AccountedProposer):
         drafts: dict[str, list[int]] = {}
         fresh_mtp = bool(mtp_draft) or bool(self._mtp.propose(self._width))
         for name in self._available():
+            if name in DRAFT_STRATEGIES:
+                # Drafted in `propose` while chosen; else in one commit of a few.
+                every = _DRAFT_SHADOW_EVERY if self._draft_pays else _DRAFT_SHADOW_SPARSE
+                if reuse or self.choice == name or self._commits % every:
+                    continue
+                drafts[name] = self._candidates[name].propose(self._width)
+                self._pending = [
+                    s for s in self._pending if not (s.strategy == name and s.start == start)
+                ]
+                self._pending.append(_Shadow(name, start, drafts[name]))
+                continue
             if reuse and name not in MTP_STRATEGIES and name in self._drafts:
                 drafts[name] = self._drafts[name]
                 continue  # its shadow for this start is already pending
@@ -331,8 +415,9 @@ class AutoProposer(AccountedProposer):
                     break
                 matched += 1
             if settled or matched == len(shadow.drafts):
-                self._trackers[shadow.strategy].update(self._width, matched)
-                self.book.tracker(shadow.strategy).update(self._width, matched)
+                width = shadow.width or self._width
+                self._trackers[shadow.strategy].update(width, matched)
+                self.book.tracker(shadow.strategy).update(width, matched)
                 # News that may change the choice: decide at once, whatever the spacing.
                 # (An empty draft, no n-gram match, counts as a reject but is no news.)
                 if (shadow.strategy != self.choice and matched == self._width) or (
@@ -353,6 +438,8 @@ class AutoProposer(AccountedProposer):
         self._decided_at = len(self._tokens)
         self.decisions += 1
         best_name, _, found = self._best(lambda name: self._trackers[name])
+        if "draft" in found:
+            self._draft_pays = found["draft"].s_per_token(self.config)[1] > 0
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
         else:
@@ -384,6 +471,8 @@ class AutoProposer(AccountedProposer):
             if among is not None and name not in among:
                 continue
             link = self.link.with_mtp_drafts() if name in MTP_STRATEGIES else self.link
+            if name in DRAFT_STRATEGIES and self._draft is not None:
+                link = link.with_draft_cost(self._draft.draft_cost_s)
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
             per_token, width = found[name].s_per_token(self.config)
             if width > 0 and (best_name == "disabled" or per_token < best_s):

@@ -22,10 +22,16 @@ STRATEGIES: tuple[str, ...] = (
     "mtp",
     "mtp-simple",
     "mtp-cache",
+    "draft",
+    "draft-ngram",
     "auto",
 )
 # The strategies that draft from the last stage's MTP heads (`auto` may choose one of them).
 MTP_STRATEGIES: tuple[str, ...] = ("mtp", "mtp-simple", "mtp-cache")
+# The strategies that draft with the node's draft model (`spec.draft_model`).
+DRAFT_STRATEGIES: tuple[str, ...] = ("draft", "draft-ngram")
+# Keys only the node sets (config file, environment, flags): a request naming one is refused.
+NODE_ONLY_KEYS: tuple[str, ...] = ("draft_model",)
 
 LEVELS: tuple[str, ...] = ("model defaults", "config file", "CLI", "request")
 
@@ -69,6 +75,10 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     prior_acceptance: float = 0.5
     # Speculate only when the model predicts at least this speedup over no speculation.
     min_speedup: float = 1.05
+    # The draft model's checkpoint (a directory or .gguf; "" = none): loaded once by the
+    # coordinator, it drafts for `draft`, `draft-ngram` and `auto`. Its tokenizer must be the
+    # target's (a prefix of the target's vocabulary is allowed).
+    draft_model: str = ""
 
     def __post_init__(self) -> None:
         for key, rule in RULES.items():
@@ -78,6 +88,12 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                 f"speculative config: window_min_tokens ({self.window_min_tokens}) must not "
                 f"exceed window_max_tokens ({self.window_max_tokens})",
                 key="window_min_tokens",
+            )
+        if self.strategy in DRAFT_STRATEGIES and not self.draft_model:
+            raise SpecConfigError(
+                f"speculative config: strategy {self.strategy!r} needs a draft model, and "
+                f"this node has none (spec.draft_model / --speculative-draft-model)",
+                key="strategy",
             )
         if self.ngram_min > self.ngram_max:
             raise SpecConfigError(
@@ -142,6 +158,7 @@ RULES: dict[str, Rule] = {
     "ewma_alpha": Rule(float, 0.001, 1.0, "weight of the newest acceptance sample"),
     "prior_acceptance": Rule(float, 0.0, 0.99, "acceptance assumed before measuring"),
     "min_speedup": Rule(float, 1.0, 100.0, "least predicted speedup to speculate"),
+    "draft_model": Rule(str, help="draft model checkpoint (dir or .gguf) for draft strategies"),
 }
 
 KEYS: tuple[str, ...] = tuple(RULES)
@@ -162,6 +179,13 @@ def resolve_spec_config(
     origin: dict[str, str] = {}
     for level, values in zip(LEVELS, (model_defaults, file, cli, request), strict=True):
         for key, value in values.items():
+            if level == "request" and key in NODE_ONLY_KEYS:
+                raise SpecConfigError(
+                    f"speculative config: {key} is the node's setting (spec.{key}, "
+                    f"{flag_name(key)}); a request cannot set it",
+                    key=key,
+                    level=level,
+                )
             if key not in RULES:
                 raise SpecConfigError(
                     f"speculative config: unknown key {key!r} in {level}; "
@@ -204,7 +228,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
             "dest": _dest(key),
             "type": rule.kind,
             "default": argparse.SUPPRESS,
-            "help": f"{rule.help} (default {default})",
+            "help": f"{rule.help} (default {default if default != '' else 'none'})",
         }
         if rule.choices:
             kwargs["choices"] = rule.choices

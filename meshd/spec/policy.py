@@ -5,14 +5,16 @@ Notation (all times in seconds, compute summed over the route's stages):
     C(k)  = a + b·(k+1)                  one pass over a window of k drafts (+1 context token);
                                          C(0) is the measured one-token pass where known
     L     = sessions sharing the stages; a pass waits behind the others: C_L(k) = L·C(k)
-    T(k)  = R + C_L(k)                   one verify round trip (R: Σ hop RTT + protocol cost)
+    D     = the coordinator's draft model's seconds per drafted token (0 for other drafts)
+    T(k)  = R + C_L(k) + D·k             one verify round trip (R: Σ hop RTT + protocol cost);
+                                         a draft model drafts before the window leaves
     P_i   = α_1·…·α_i  (P_0 = 1)         chance that the first i drafts are all accepted
     E(k)  = Σ_{i=0..k} P_i               tokens committed per window (= (1−α^{k+1})/(1−α))
     p(k)  = P_{k+1}                      window fully accepted and the next window's assumed
                                          bonus token right: only then is a pipelined window used
 
 Depth 1 spends T(k) per window. With d windows in flight the replies of a chain of fully
-accepted windows come Δ = max(T/d, C_L/S) apart (S stages; the slowest stage bounds the
+accepted windows come Δ = max(T/d, C_L/S, D·k) apart (S stages; the slowest stage bounds the
 rate); a reject restarts the chain: T plus one stale pass still in progress per stage (C_L/S),
 and, when other sessions share the stages, half of each of the d−1 stale windows' compute is
 stolen from them. The expected time per window is then
@@ -58,6 +60,8 @@ class LinkModel:
     mtp_measured: bool = False
     draft_overhead_s: float = 0.0
     plain_pass_s: float | None = None
+    # The coordinator's draft model: seconds per drafted token (measured), 0 for other drafts.
+    draft_per_token_s: float = 0.0
 
     def compute_s(self, width: int) -> float:
         """Compute of one pass over a window of `width` drafts, summed over the stages."""
@@ -69,6 +73,14 @@ class LinkModel:
     def with_mtp_drafts(self) -> LinkModel:
         """This link as a strategy drafting with the MTP heads sees it."""
         return replace(self, draft_overhead_s=self.mtp_s)
+
+    def with_draft_cost(self, per_token_s: float) -> LinkModel:
+        """This link as a strategy drafting with the coordinator's draft model sees it."""
+        return replace(self, draft_per_token_s=max(0.0, per_token_s))
+
+    def drafting_s(self, width: int) -> float:
+        """The coordinator's time to draft `width` tokens before it can send the window."""
+        return self.draft_per_token_s * max(0, width)
 
 
 # Used by `auto` until the coordinator has measured the route: a two-stage LAN.
@@ -175,13 +187,15 @@ def search(inputs: PolicyInputs, config: SpecConfig) -> Search:
             continue
         compute = link.compute_s(k)
         loaded = load * compute
-        round_trip = rtt + loaded
+        drafting = link.drafting_s(k)
+        round_trip = rtt + loaded + drafting
         full = products[k + 1]
         for depth in range(1, config.max_pipeline_depth + 1):
             if depth == 1:
                 per_window = round_trip
             else:
-                spacing = max(round_trip / depth, loaded / stages)
+                # The coordinator drafts one window at a time: no faster than D·k apart.
+                spacing = max(round_trip / depth, loaded / stages, drafting)
                 restart = round_trip + loaded / stages + (depth - 1) * compute * stolen
                 per_window = full * spacing + (1.0 - full) * restart
             per_token = per_window / expected

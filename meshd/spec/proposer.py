@@ -38,6 +38,9 @@ class Proposer(ABC):
 
     name: str = "abstract"
     stats: ProposerStats
+    # Seconds the latest proposal took on the coordinator (a draft model's passes; ~0 for
+    # lookups): the window loop takes it out of the round trip it measures.
+    last_draft_s: float = 0.0
 
     @abstractmethod
     def reset(self, prompt: Sequence[int]) -> None:
@@ -95,6 +98,16 @@ class Proposer(ABC):
 
     def stop_mtp(self) -> None:
         """The MTP heads are off for the rest of this request."""
+        return None
+
+    @property
+    def draft_cost_s(self) -> float:
+        """Measured coordinator seconds per drafted token of the active strategy (a draft
+        model's; 0 for lookups, whose cost is in the coordinator's turnaround)."""
+        return 0.0
+
+    def close(self) -> None:
+        """The request ended: free what the proposer holds (a draft model's session)."""
         return None
 
 

@@ -8,6 +8,8 @@
 | `mtp`          | the MTP draft the last stage sent with the previous reply          |
 | `mtp-simple`   | MTP draft + ngram-simple tail of up to `extension_tokens`          |
 | `mtp-cache`    | MTP draft + ngram-cache tail of up to `extension_tokens`           |
+| `draft`        | k tokens from the node's draft model (`spec.draft_model`)          |
+| `draft-ngram`  | ngram-simple's copy where it starts with the draft's token, else it |
 | `auto`         | whichever of the above the cost model expects to be fastest        |
 
 (The hybrids propose the n-gram's copy instead where it starts with the MTP draft's token.)
@@ -16,7 +18,8 @@
 from __future__ import annotations
 
 from meshd.spec.auto import AcceptanceBook, AutoProposer
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.spec.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
+from meshd.spec.draft import DraftModel, DraftNgram, DraftProposer
 from meshd.spec.mtp import MtpHybrid, MtpProposer
 from meshd.spec.ngram import NgramCache, NgramSimple
 from meshd.spec.policy import DEFAULT_LINK, LinkModel
@@ -26,12 +29,15 @@ from meshd.spec.proposer import (
     Proposer,
     ProposerStats,
 )
+from meshd.spec.sampling import SamplingParams
 
 __all__ = [
     "AcceptanceBook",
     "AccountedProposer",
     "AutoProposer",
     "DisabledProposer",
+    "DraftNgram",
+    "DraftProposer",
     "MtpHybrid",
     "MtpProposer",
     "NgramCache",
@@ -53,11 +59,21 @@ def make_proposer(
     *,
     book: AcceptanceBook | None = None,
     link: LinkModel = DEFAULT_LINK,
+    draft: DraftModel | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Proposer:
     """A fresh proposer for `strategy` (call `reset(prompt)` before each request).
 
-    `book` (per model) and `link` (measured route costs) are used by `auto` only.
+    `book` (per model) and `link` (measured route costs) are used by `auto` only; `draft` is
+    the node's draft model (`draft`, `draft-ngram`, and `auto` where it is given) and
+    `sampling` the request's (the draft drafts for it).
     """
+    if strategy in DRAFT_STRATEGIES and draft is None:
+        raise UnknownStrategyError(f"speculative strategy {strategy!r} needs a draft model")
+    if strategy == "draft" and draft is not None:
+        return DraftProposer(config, draft, sampling)
+    if strategy == "draft-ngram" and draft is not None:
+        return DraftNgram(config, draft, sampling)
     if strategy == "disabled":
         return DisabledProposer(config)
     if strategy == "ngram-simple":
@@ -71,7 +87,7 @@ def make_proposer(
     if strategy == "mtp-cache":
         return MtpHybrid(strategy, config, MtpProposer(config), NgramCache(config))
     if strategy == "auto":
-        return AutoProposer(config, book, link)
+        return AutoProposer(config, book, link, draft=draft, sampling=sampling)
     raise UnknownStrategyError(
         f"unknown speculative strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
     )

@@ -50,6 +50,12 @@ class SpecTelemetry(msgspec.Struct, frozen=True, kw_only=True):
     last_depth: int
     last_policy_reason: str
     last_strategy_reason: str
+    # The coordinator's draft model (`draft`, `draft-ngram`, `auto` choosing it): seconds spent
+    # drafting the windows sent, the tokens drafted there, and seconds per drafted token.
+    # Its acceptance is `proposers["draft"]` (or "draft-ngram").
+    draft_s: float = 0.0
+    draft_model_tokens: int = 0
+    draft_s_per_token: float | None = None
 
 
 def _rate(numerator: float, denominator: float) -> float | None:
@@ -82,6 +88,13 @@ class Recorder:
         self.last_depth = 1
         self.last_policy_reason = ""
         self.last_strategy_reason = ""
+        self.draft_s = 0.0
+        self.draft_model_tokens = 0
+
+    def draft(self, seconds: float, tokens: int) -> None:
+        """The draft model spent `seconds` drafting `tokens` tokens for a window."""
+        self.draft_s += seconds
+        self.draft_model_tokens += tokens
 
     def window_sent(self, count: int = 1) -> None:
         """`count` verify windows left the coordinator."""
@@ -170,4 +183,7 @@ class Recorder:
             last_depth=self.last_depth,
             last_policy_reason=self.last_policy_reason,
             last_strategy_reason=self.last_strategy_reason,
+            draft_s=self.draft_s,
+            draft_model_tokens=self.draft_model_tokens,
+            draft_s_per_token=_rate(self.draft_s, self.draft_model_tokens),
         )

@@ -94,6 +94,8 @@ def test_malformed_bodies_are_400(served: Served, content: bytes) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options", None),
         ({"meshd": {"speculative": {"strategy": "psychic"}}}, "meshd.speculative.strategy", "invalid_value"),
         ({"meshd": {"speculative": {"window_max_tokens": 999}}}, "meshd.speculative.window_max_tokens", "invalid_value"),
+        ({"meshd": {"speculative": {"draft_model": "/models/draft"}}}, "meshd.speculative.draft_model", "invalid_value"),
+        ({"meshd": {"speculative": {"strategy": "draft"}}}, "meshd.speculative.strategy", "invalid_value"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "unsupported_parameter"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", "unsupported_parameter"),
         ({"messages": []}, "messages", None),

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+
+import pytest
+
 from meshd.bench import spec as bench_spec
-from meshd.model.builtin import builtin_model_dir
+from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.sim.workloads import workloads
 from meshd.spec.config import SpecConfig
 
@@ -41,3 +46,21 @@ def test_rounds_stop_once_disabled_has_decoded_long_enough() -> None:
     assert rounds.more(1, 0.5)
     assert not rounds.more(1, 2.5)
     assert not rounds.more(5, 0.5)
+
+
+def test_draft_strategies_run_with_the_shipped_draft_on_the_built_in_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    bench_spec.add_arguments(parser)
+    args = parser.parse_args(
+        ["--stages", "1", "--rtt-ms", "0", "--tokens", "8", "--prompts", "1", "--min-seconds",
+         "0", "--strategies", "draft", "draft-ngram", "--no-transformers", "--json"]
+    )  # fmt: skip
+    assert bench_spec.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["draft_model"] == str(builtin_draft_dir())
+    strategies = {r["strategy"] for r in report["runs"]}
+    assert strategies == {"disabled", "draft", "draft-ngram"}
+    assert all(r["identical_to_disabled"] for r in report["runs"])
+    assert all(r["drafted"] > 0 for r in report["runs"] if r["strategy"] != "disabled")

@@ -132,3 +132,18 @@ def test_config_errors_are_one_line(tmp_path: pathlib.Path) -> None:
     assert_one_line(code, stderr, "api_body_timeout_s must be a positive number")
     code, stderr = serve(tmp_path, "--api-prot", "7392")
     assert_one_line(code, stderr, "unrecognized arguments: --api-prot", prefix="meshd: error: ")
+
+
+def test_a_draft_model_with_another_tokenizer_is_one_line_naming_both(
+    tmp_path: pathlib.Path,
+) -> None:
+    def other_tokenizer(model: pathlib.Path) -> None:
+        data = json.loads((model / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        first, second = sorted(vocab, key=vocab.__getitem__)[300:302]
+        vocab[first], vocab[second] = vocab[second], vocab[first]
+        (model / "tokenizer.json").write_text(json.dumps(data))
+
+    draft = checkpoint_copy(tmp_path, other_tokenizer)
+    code, stderr = serve(tmp_path, "--speculative-draft-model", str(draft))
+    assert_one_line(code, stderr, "spec.draft_model", "differs", str(draft), "builtin")

@@ -34,6 +34,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random one-layer draft over the target's 256 ids: mostly rejected, never wrong."""
+    directory = tmp_path_factory.mktemp("pipeline_draft")
+    make_checkpoint(directory, "llama", seed=9, num_hidden_layers=1, hidden_size=32)
+    return str(directory)
+
+
 def reference(model_dir: pathlib.Path, prompt: list[int], n: int) -> list[int]:
     stage = StageModel.load(Checkpoint.open(model_dir), 0, LAYERS, device="cpu")
     return list(generate([stage], prompt, n).tokens)
@@ -65,7 +73,7 @@ async def run_all(
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("width,depth", [(1, 1), (4, 2)], ids=["w1d1", "w4d2"])
 async def test_greedy_output_is_identical_for_every_strategy(
-    model_dir: pathlib.Path, stages: int, rtt_s: float, width: int, depth: int
+    model_dir: pathlib.Path, draft_dir: str, stages: int, rtt_s: float, width: int, depth: int
 ) -> None:
     n = 12 if rtt_s else 24
     prompts = [REPEATING, NOVEL]
@@ -79,6 +87,7 @@ async def test_greedy_output_is_identical_for_every_strategy(
                 window_min_tokens=1,
                 window_max_tokens=width,
                 max_pipeline_depth=depth,
+                draft_model=draft_dir,  # every strategy with a draft model: `auto` weighs it
             ),
             mtp_depth=2,
         )
@@ -92,7 +101,7 @@ async def test_greedy_output_is_identical_for_every_strategy(
 
 
 async def test_sampled_output_with_a_seed_is_identical_with_and_without_speculation(
-    model_dir: pathlib.Path,
+    model_dir: pathlib.Path, draft_dir: str
 ) -> None:
     sampling = Sampling(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     requests = [
@@ -100,7 +109,9 @@ async def test_sampled_output_with_a_seed_is_identical_with_and_without_speculat
             prompt=REPEATING,
             max_tokens=24,
             sampling=sampling,
-            spec=SpecConfig(strategy=s, window_max_tokens=4, max_pipeline_depth=2),
+            spec=SpecConfig(
+                strategy=s, window_max_tokens=4, max_pipeline_depth=2, draft_model=draft_dir
+            ),
             mtp_depth=2,
         )
         for s in STRATEGIES

@@ -8,6 +8,7 @@ and the costs charged to the policy are checked exactly, with no wall clock invo
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import pathlib
 from collections.abc import Sequence
@@ -23,9 +24,10 @@ from meshd.coord.session import (
     StageOverloaded,
     WindowLoop,
 )
-from meshd.model.builtin import builtin_model_dir
+from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.spec.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
+from meshd.spec.draft import DraftModel
 from meshd.spec.mtp import MtpHybrid, MtpProposer
 from meshd.spec.ngram import NgramSimple
 from meshd.spec.strategies import make_proposer
@@ -33,6 +35,7 @@ from protocol.messages import OpenSession, Rollback, StageError, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages, plain_decode
 
 MODEL = builtin_model_dir()
+DRAFT = builtin_draft_dir()
 TWO_STAGES = [(0, 3), (3, 6)]
 # An editing request: the model copies much of the function back, then strays from it, so
 # n-gram drafts are accepted for stretches and then rejected.
@@ -61,6 +64,11 @@ def reference() -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): plain_decode(MODEL, p, 40) for p in (REPEATING, NOVEL)}
 
 
+@functools.cache
+def shipped_draft() -> DraftModel:
+    return DraftModel.load(DRAFT)
+
+
 def make_loop(
     net: VirtualRoute,
     request: GenerationRequest,
@@ -74,7 +82,12 @@ def make_loop(
         session=session,
         route=net.route,
         request=request,
-        proposer=make_proposer(request.spec.strategy, request.spec, link=costs.link_model()),
+        proposer=make_proposer(
+            request.spec.strategy,
+            request.spec,
+            link=costs.link_model(),
+            draft=shipped_draft() if request.spec.draft_model else None,
+        ),
         costs=costs,
         coordinator_key=b"c" * 32,
         prefill_chunk_tokens=16,
@@ -93,7 +106,11 @@ def spec_request(
     eos_ids: frozenset[int] = frozenset(),
 ) -> GenerationRequest:
     spec = SpecConfig(
-        strategy=strategy, window_min_tokens=1, window_max_tokens=width, max_pipeline_depth=depth
+        strategy=strategy,
+        window_min_tokens=1,
+        window_max_tokens=width,
+        max_pipeline_depth=depth,
+        draft_model=str(DRAFT) if strategy in DRAFT_STRATEGIES else "",
     )
     return GenerationRequest(prompt=prompt, max_tokens=n, spec=spec, mtp_depth=2, eos_ids=eos_ids)
 
@@ -328,6 +345,8 @@ def test_mtp_heads_run_only_for_strategies_that_draft_with_them() -> None:
         "mtp": 2,
         "mtp-simple": 2,
         "mtp-cache": 2,
+        "draft": 0,
+        "draft-ngram": 0,
         "auto": 2,  # it weighs the MTP strategies, so it needs their drafts
     }
     assert set(heads_by_strategy) == set(STRATEGIES)

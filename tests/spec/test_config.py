@@ -59,8 +59,8 @@ def test_unknown_key_is_rejected_naming_the_level() -> None:
         resolve_spec_config({}, {"window_size": 4}, {}, {})
     assert "'window_size'" in str(err.value) and "config file" in str(err.value)
     assert err.value.level == "config file"
-    with pytest.raises(SpecConfigError, match="unknown key 'draft_model' in request"):
-        resolve_spec_config({}, {}, {}, {"draft_model": "x"})
+    with pytest.raises(SpecConfigError, match="unknown key 'eagle_heads' in request"):
+        resolve_spec_config({}, {}, {}, {"eagle_heads": "x"})
 
 
 def test_cross_field_checks_blame_the_level_that_set_them() -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from meshd.spec import SamplingParams, SpecConfig, make_proposer
 from meshd.spec.config import STRATEGIES
+from tests.spec.drafts import tiny_draft, tiny_draft_dir
 from tests.spec.target import (
+    VOCAB,
     OracleDrafts,
     RandomDrafts,
     Target,
@@ -24,6 +27,8 @@ PARAMS = {
     "topk-topp": SamplingParams(temperature=1.0, top_k=8, top_p=0.9, seed=3),
 }
 CONFIG = SpecConfig(window_max_tokens=6, ngram_min=1, ngram_max=3, ngram_cache_min_hits=1)
+# Every strategy runs with a draft model configured (a random one: `auto` weighs it too).
+DRAFT_CONFIG = msgspec.structs.replace(CONFIG, draft_model=str(tiny_draft_dir(VOCAB)))
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
 MAX_TOKENS = 48
 EOS = frozenset({0})
@@ -36,7 +41,7 @@ def test_every_strategy_commits_exactly_the_plain_tokens(strategy: str, mode: st
     for target_seed, eos in ((1, frozenset()), (2, EOS)):
         target = Target(target_seed)
         plain = decode_plain(target, PROMPT, MAX_TOKENS, params, eos)
-        proposer = make_proposer(strategy, CONFIG)
+        proposer = make_proposer(strategy, DRAFT_CONFIG, draft=tiny_draft(VOCAB), sampling=params)
         mtp = noisy_mtp(target, params, hit=0.7, seed=target_seed)
         run = decode_spec(target, PROMPT, MAX_TOKENS, params, proposer, 6, eos, mtp)
         assert run.tokens == plain

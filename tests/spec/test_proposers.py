@@ -9,8 +9,18 @@ from hypothesis import strategies as st
 from meshd.spec import SpecConfig, UnknownStrategyError, make_proposer
 from meshd.spec.config import STRATEGIES
 from meshd.spec.ngram import NgramCache
+from tests.spec.drafts import tiny_draft, tiny_draft_dir
+from tests.spec.target import VOCAB
 
 WIDE = SpecConfig(ngram_min=1, ngram_max=3, ngram_cache_min_hits=1, mtp_depth=3)
+# The same with a (random) draft model configured, for the draft strategies and `auto`.
+WIDE_DRAFT = SpecConfig(
+    ngram_min=1,
+    ngram_max=3,
+    ngram_cache_min_hits=1,
+    mtp_depth=3,
+    draft_model=str(tiny_draft_dir(VOCAB)),
+)
 
 
 def simple(history: list[int], config: SpecConfig = WIDE):
@@ -173,7 +183,7 @@ def test_accounting_uses_accepted_over_drafted() -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_factory_builds_each_strategy(strategy: str) -> None:
-    p = make_proposer(strategy, WIDE)
+    p = make_proposer(strategy, WIDE_DRAFT, draft=tiny_draft(VOCAB))
     p.reset([1, 2, 3, 1, 2])
     assert p.name == strategy
     drafts = p.propose(4)
@@ -198,7 +208,7 @@ def test_shorter_proposals_are_prefixes_of_longer_ones(
 ) -> None:
     """`auto` scores a candidate's widest draft and sends a prefix of it: this must hold."""
     for strategy in STRATEGIES:
-        p = make_proposer(strategy, WIDE)
+        p = make_proposer(strategy, WIDE_DRAFT, draft=tiny_draft(VOCAB))
         p.reset(history)
         widest = p.propose(8, mtp_draft)
         assert len(widest) <= 8

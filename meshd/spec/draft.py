@@ -1,0 +1,303 @@
+"""Draft-model speculation: a small model of the target's family drafts on the coordinator.
+
+`DraftModel` is a whole checkpoint (any the runtime loads) held once per coordinator node as a
+`StageModel` of all its layers; each request drafts in a session of its own there, with its
+own positional KV cache. `DraftProposer` (`draft`) keeps that cache in step with the tokens it
+has seen: it remembers which tokens its cache holds, and before drafting it writes only the
+part of the context that differs from them, at its position. After a rejection the cache is
+therefore rewritten from the rollback position (KV is positional: nothing is undone), and after
+an accepted window only the bonus token is new. It then drafts k tokens one at a time.
+
+`DraftNgram` (`draft-ngram`) drafts the model's first token and, where prompt lookup's copy
+starts with that token, proposes the copy instead of the model's further tokens (the model
+agrees that the text is copying; a confirmed copy is right more often than a small model, and
+costs no further draft passes), as the MTP hybrids do.
+
+Exactness does not depend on the draft: verification accepts only the target's own choice at
+each position (see `sampling.verify`), so greedy and seeded sampled output equal `disabled`'s.
+
+The coordinator times each proposal; the seconds per drafted token (`draft_cost_s`) enter the
+window policy's cost model (`LinkModel.draft_per_token_s`), so the width adapts to what a draft
+token costs against what the route's round trip costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshd.spec.config import SpecConfig
+from meshd.spec.ngram import NgramSimple
+from meshd.spec.proposer import AccountedProposer
+from meshd.spec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from meshd.model.stage import StageModel
+
+# Weight of the newest proposal in the draft's seconds-per-token estimate.
+_COST_EWMA = 0.2
+# Positions a draft session holds beyond what it needs now (reopened, doubled, when outgrown).
+_SESSION_SLACK = 256
+
+_session_ids = itertools.count()
+
+
+class DraftMismatchError(ValueError):
+    """The draft's tokenizer is not the target's (nor a prefix of its vocabulary)."""
+
+
+def check_draft_tokenizer(target: str | os.PathLike[str], draft: str | os.PathLike[str]) -> None:
+    """Raise `DraftMismatchError` (naming both) unless the draft's tokenizer is the target's.
+
+    Same means: every draft token has the same id in the target's vocabulary and the draft's
+    ids are the target's first ids (a vocabulary that is a prefix of the target's is allowed:
+    the target's extra ids are tokens the draft never proposes).
+    """
+    from meshd.model.files import model_name, open_tokenizer
+
+    target_vocab = open_tokenizer(target).vocabulary()
+    draft_vocab = open_tokenizer(draft).vocabulary()
+    names = f"draft {model_name(draft)} ({draft}), target {model_name(target)} ({target})"
+    if len(draft_vocab) > len(target_vocab):
+        raise DraftMismatchError(
+            f"draft model's tokenizer differs from the target's: {names}: the draft has "
+            f"{len(draft_vocab)} tokens, the target {len(target_vocab)}"
+        )
+    for token, index in draft_vocab.items():
+        if target_vocab.get(token) != index:
+            raise DraftMismatchError(
+                f"draft model's tokenizer differs from the target's: {names}: draft token "
+                f"{token!r} is id {index}, in the target "
+                f"{target_vocab.get(token, 'absent')}"
+            )
+
+
+class DraftModel:
+    """A whole draft checkpoint for the coordinator: sessions, forward passes, its vocabulary.
+
+    Not thread-safe: the coordinator calls it from its event loop only.
+    """
+
+    def __init__(self, stage: StageModel, path: str, eos_ids: Sequence[int] = ()) -> None:
+        self.stage = stage
+        self.path = path
+        self.vocab_size = stage.config.vocab_size
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype = torch.float32,
+        quantization: str = "none",
+    ) -> DraftModel:
+        """Load every layer of the checkpoint at `path` on the CPU (the coordinator's device).
+
+        `quantization` as the node's ("int8", "int4"; "none" keeps `dtype`).
+        """
+        from meshd.model.errors import MissingFile
+        from meshd.model.files import open_checkpoint, open_tokenizer
+        from meshd.model.stage import StageModel
+
+        checkpoint = open_checkpoint(path)
+        stage = StageModel.load(
+            checkpoint,
+            0,
+            checkpoint.config.num_layers,
+            device="cpu",
+            dtype=dtype,
+            quantization=quantization,
+        )
+        try:
+            eos_ids: Sequence[int] = open_tokenizer(path).eos_ids
+        except MissingFile:  # a bare checkpoint (tests): it drafts through EOS, harmlessly
+            eos_ids = ()
+        return cls(stage, str(path), eos_ids)
+
+    def open(self, max_positions: int) -> str:
+        """A new session holding up to `max_positions` positions; its id."""
+        session = f"draft-{next(_session_ids)}"
+        self.stage.open_session(session, max_positions)
+        return session
+
+    def close(self, session: str) -> None:
+        """Free a session's KV (no-op when it is not open)."""
+        self.stage.close_session(session)
+
+    def next_logits(self, session: str, base_pos: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Write `tokens` at `base_pos..` and return the logits row after the last of them.
+
+        Target ids past the draft's vocabulary (a prefix vocabulary) are fed as id 0: they are
+        the target's added tokens, which the draft never learnt.
+        """
+        ids = torch.tensor([t if t < self.vocab_size else 0 for t in tokens], dtype=torch.long)
+        out = self.stage.forward(session, base_pos, ids, logits_last_n=1)
+        assert out.logits is not None  # the whole model: its last layer is here
+        return out.logits[-1]
+
+
+class DraftProposer(AccountedProposer):
+    """`draft`: k tokens from the draft model, its KV cache kept in step with the log."""
+
+    name = "draft"
+
+    def __init__(
+        self, config: SpecConfig, draft: DraftModel, sampling: SamplingParams | None = None
+    ) -> None:
+        super().__init__(config)
+        self.draft = draft
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.tokens: list[int] = []
+        self._session: str | None = None
+        self._capacity = 0
+        self._cached: list[int] = []  # the tokens whose KV the session holds, from position 0
+        self._cost_s: float | None = None
+        self.last_draft_s = 0.0  # the latest proposal's time (the window loop nets it out)
+        self.draft_s = 0.0  # this request's drafting time in all
+        self.passes = 0  # draft forward passes of this request
+
+    @property
+    def draft_cost_s(self) -> float:
+        """Measured seconds per drafted token (0 until something was drafted)."""
+        return self._cost_s or 0.0
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """New request: a fresh draft session (opened when first needed), `prompt` as the log."""
+        self._clear_stats()
+        self.close()
+        self.tokens = [int(t) for t in prompt]
+        self.draft_s = 0.0
+        self.passes = 0
+        self.last_draft_s = 0.0
+
+    def close(self) -> None:
+        """Free the draft session (the request ended)."""
+        if self._session is not None:
+            self.draft.close(self._session)
+        self._session = None
+        self._capacity = 0
+        self._cached = []
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Append committed tokens (the cache catches up when it next drafts)."""
+        self.tokens.extend(int(t) for t in committed)
+
+    def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
+        """Drafts after the log (`mtp_draft` is ignored)."""
+        return self.propose_after((), max_tokens)
+
+    def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` drafts after the log plus `assumed`."""
+        self.last_draft_s = 0.0
+        if max_tokens <= 0:
+            return []
+        started = time.perf_counter()
+        drafts = self._draft([*self.tokens, *(int(t) for t in assumed)], max_tokens)
+        self._charge(time.perf_counter() - started, len(drafts))
+        return drafts
+
+    def _charge(self, seconds: float, drafted: int) -> None:
+        self.last_draft_s = seconds
+        self.draft_s += seconds
+        if drafted > 0:
+            per_token = seconds / drafted
+            old = self._cost_s
+            self._cost_s = per_token if old is None else old + _COST_EWMA * (per_token - old)
+
+    def _agreeing_copy(self, context: list[int], first: int, max_tokens: int) -> list[int]:
+        """A copy to propose instead of further model drafts (`draft-ngram`); none here."""
+        return []
+
+    def _draft(self, context: list[int], count: int) -> list[int]:
+        """`count` tokens after `context` (fewer after an EOS or an agreeing copy)."""
+        if not context:
+            return []  # nothing to condition on
+        self._ensure_session(len(context) + count)
+        cached = self._cached
+        # Reuse the longest common prefix, but always write at least the context's last token:
+        # its logits are the first draft's.
+        same = 0
+        for a, b in zip(cached, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(context) - 1)
+        feed = context[same:]
+        pos = same
+        out: list[int] = []
+        while len(out) < count:
+            row = self.draft.next_logits(self._session_id(), pos, feed)
+            self.passes += 1
+            del cached[pos:]
+            cached.extend(feed)
+            pos += len(feed)
+            token = self._choose(row, pos)
+            out.append(token)
+            if token in self.draft.eos_ids:
+                break  # nothing after an EOS is accepted
+            if len(out) == 1:
+                copy = self._agreeing_copy(context, token, count)
+                if copy:
+                    return copy
+            feed = [token]
+        return out
+
+    def _choose(self, row: torch.Tensor, position: int) -> int:
+        """The draft token for absolute `position` from the draft's logits row.
+
+        MERGE POINT (issue 23 item 2, branch `gumbel`): for a sampled request this becomes
+        `coupled_draft_token(row, self.sampling, position)` from meshd.spec.sampling, so the
+        draft predicts the target's own keyed sample. Until that lands every request drafts
+        greedily; verification stays exact either way (it accepts only the target's choice).
+        """
+        return int(torch.argmax(row))
+
+    def _ensure_session(self, needed: int) -> None:
+        if self._session is not None and needed <= self._capacity:
+            return
+        self.close()
+        self._capacity = max(2 * needed, needed + _SESSION_SLACK)
+        self._session = self.draft.open(self._capacity)
+
+    def _session_id(self) -> str:
+        assert self._session is not None
+        return self._session
+
+
+class DraftNgram(DraftProposer):
+    """`draft-ngram`: prompt lookup's copy where it starts with the draft's first token, else
+    the draft model's tokens."""
+
+    name = "draft-ngram"
+
+    def __init__(
+        self, config: SpecConfig, draft: DraftModel, sampling: SamplingParams | None = None
+    ) -> None:
+        super().__init__(config, draft, sampling)
+        self.ngram = NgramSimple(config)
+        self.copies = 0  # windows of this request that proposed the n-gram's copy
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """New request: the draft session and the n-gram index start anew."""
+        super().reset(prompt)
+        self.ngram.reset(prompt)
+        self.copies = 0
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Feed both the draft's log and the n-gram index."""
+        super().observe(committed)
+        self.ngram.observe(committed)
+
+    def _agreeing_copy(self, context: list[int], first: int, max_tokens: int) -> list[int]:
+        assumed = context[len(self.tokens) :]
+        copy = self.ngram.propose_after(assumed, max_tokens)
+        if copy and copy[0] == first:
+            self.copies += 1
+            return copy
+        return []

@@ -1,0 +1,82 @@
+"""The shipped draft on the built-in model, over real lanes: exact output, and what it accepts.
+
+`meshd/model/builtin_draft` (distilled from the built-in model, docs/model.md) drafts on the
+coordinator; greedy output over 1-3 stages and a seeded sampled request equal `disabled`'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from meshd.coord.local import open_local_pipeline
+from meshd.coord.pipeline import GenerationRequest, GenerationResult
+from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
+from meshd.model.tokenizer import Tokenizer
+from meshd.spec.config import SpecConfig
+from protocol.messages import Sampling
+
+MODEL = builtin_model_dir()
+DRAFT = str(builtin_draft_dir())
+TOKENIZER = Tokenizer.open(MODEL)
+PROSE = TOKENIZER.encode(
+    'def merge(a, b):\n    """Merge two sorted lists into one sorted list."""\n    ',
+    add_special_tokens=False,
+)
+STRATEGIES = ("disabled", "draft", "draft-ngram", "auto")
+
+
+async def run(
+    stages: int, requests: list[GenerationRequest], rtt_s: float = 0.0
+) -> list[GenerationResult]:
+    results = []
+    async with open_local_pipeline(MODEL, stages, rtt_s=rtt_s, wire_dtype="f32") as pipe:
+        for request in requests:
+            streamed: list[int] = []
+
+            async def on_tokens(tokens: list[int], streamed: list[int] = streamed) -> None:
+                streamed.extend(tokens)
+
+            with trio.fail_after(120):
+                result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
+            assert streamed == result.tokens
+            results.append(result)
+        # Every request closed its draft session: the draft's KV holds nothing.
+        draft = pipe.coordinator.draft_model(SpecConfig(draft_model=DRAFT))
+        assert draft is not None and len(draft.stage.kv) == 0
+    return results
+
+
+def request(strategy: str, sampling: Sampling | None = None, n: int = 32) -> GenerationRequest:
+    sampling = sampling if sampling is not None else Sampling()
+    spec = SpecConfig(strategy=strategy, window_max_tokens=6, draft_model=DRAFT)
+    return GenerationRequest(prompt=PROSE, max_tokens=n, sampling=sampling, spec=spec, mtp_depth=2)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+async def test_greedy_output_with_the_shipped_draft_equals_disabled(stages: int) -> None:
+    results = await run(stages, [request(s) for s in STRATEGIES], rtt_s=0.005)
+    plain = results[0].tokens
+    assert len(plain) == 32
+    for strategy, result in zip(STRATEGIES, results, strict=True):
+        assert result.tokens == plain, f"{strategy} changed the output"
+    drafted = results[1].telemetry
+    assert drafted.proposers["draft"].drafted > 0 and drafted.draft_s > 0
+
+
+async def test_a_seeded_sampled_request_gives_the_same_text_as_disabled() -> None:
+    sampling = Sampling(temperature=0.8, top_p=0.95, seed=2026)
+    results = await run(2, [request(s, sampling) for s in STRATEGIES])
+    texts = [TOKENIZER.decode(r.tokens) for r in results]
+    assert all(t == texts[0] for t in texts), texts
+
+
+async def test_the_shipped_draft_accepts_the_built_in_models_greedy_text() -> None:
+    (result,) = await run(1, [request("draft", n=96)])
+    counts = result.telemetry.proposers["draft"]
+    acceptance = counts.acceptance
+    assert acceptance is not None
+    print(
+        f"shipped draft, greedy acceptance: {acceptance:.2f} ({counts.accepted}/{counts.drafted})"
+    )
+    assert acceptance > 0.2  # a sanity floor: a draft that learnt nothing accepts ~0

@@ -1,0 +1,188 @@
+"""The draft-model strategies: exact output, a KV cache kept in step, the tokenizer rule."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pytest
+import tokenizers
+import torch
+
+from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
+from meshd.spec import SamplingParams, SpecConfig, make_proposer
+from meshd.spec.config import DRAFT_STRATEGIES, SpecConfigError, resolve_spec_config
+from meshd.spec.draft import (
+    DraftMismatchError,
+    DraftModel,
+    DraftNgram,
+    DraftProposer,
+    check_draft_tokenizer,
+)
+from meshd.spec.policy import LinkModel, PolicyInputs, choose
+from tests.spec.drafts import tiny_draft, tiny_draft_dir
+from tests.spec.target import VOCAB, Target, decode_pipelined, decode_plain, decode_spec
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+PARAMS = {
+    "greedy": SamplingParams(),
+    "t08": SamplingParams(temperature=0.8, seed=99),
+}
+
+
+def config(strategy: str = "draft", **extra: object) -> SpecConfig:
+    return SpecConfig(
+        strategy=strategy,
+        window_max_tokens=6,
+        ngram_min=1,
+        ngram_max=3,
+        draft_model=str(tiny_draft_dir(VOCAB)),
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def fresh_logits(draft: DraftModel, context: list[int]) -> torch.Tensor:
+    """The draft's next-token logits after `context`, from a session of its own."""
+    session = draft.open(len(context) + 8)
+    try:
+        return draft.next_logits(session, 0, context)
+    finally:
+        draft.close(session)
+
+
+@pytest.mark.parametrize("mode", list(PARAMS))
+@pytest.mark.parametrize("strategy", DRAFT_STRATEGIES)
+def test_draft_strategies_commit_exactly_the_plain_tokens(strategy: str, mode: str) -> None:
+    params = PARAMS[mode]
+    for target_seed in (1, 2):
+        target = Target(target_seed)
+        plain = decode_plain(target, PROMPT, 48, params)
+        proposer = make_proposer(
+            strategy, config(strategy), draft=tiny_draft(VOCAB), sampling=params
+        )
+        run = decode_spec(target, PROMPT, 48, params, proposer, 6)
+        assert run.tokens == plain
+        pipelined = make_proposer(
+            strategy, config(strategy), draft=tiny_draft(VOCAB), sampling=params
+        )
+        assert decode_pipelined(target, PROMPT, 48, params, pipelined, 3).tokens == plain
+        proposer.close()
+        pipelined.close()
+
+
+def test_the_draft_cache_stays_in_step_after_rejections() -> None:
+    # A random draft against an unrelated target: most windows are rejected part-way, so the
+    # draft's cache holds drafts the log contradicts and must be rewritten from there.
+    draft = tiny_draft(VOCAB)
+    target = Target(3)
+    params = PARAMS["greedy"]
+    proposer = DraftProposer(config(), draft)
+    run = decode_spec(target, PROMPT, 40, params, proposer, 5)
+    assert run.drafted - run.accepted >= 5  # rejections happened
+    log = [*PROMPT, *run.tokens]
+    # Its next proposal comes from the cache it kept; a fresh session over the whole log
+    # must give the same first draft and the same logits.
+    passes = proposer.passes
+    first = proposer.propose(1)
+    assert proposer.passes == passes + 1  # it wrote only what the cache lacked, in one pass
+    assert first == [int(torch.argmax(fresh_logits(draft, log)))]
+    session = proposer._session
+    assert session is not None
+    kept = draft.next_logits(session, len(log) - 1, log[-1:])
+    torch.testing.assert_close(kept, fresh_logits(draft, log), rtol=1e-4, atol=1e-4)
+    proposer.close()
+
+
+def test_after_an_accepted_window_only_the_new_tokens_are_written() -> None:
+    draft = tiny_draft(VOCAB)
+    proposer = DraftProposer(config(), draft)
+    proposer.reset(PROMPT)
+    drafts = proposer.propose(4)
+    assert proposer._cached == [*PROMPT, *drafts[:-1]]
+    proposer.observe([*drafts[:2], 7])  # two accepted, then the target's own token
+    proposer.propose(1)
+    assert proposer._cached == [*PROMPT, *drafts[:2], 7]
+    proposer.close()
+
+
+def test_draft_ngram_proposes_an_agreeing_copy_else_the_models_drafts() -> None:
+    draft = tiny_draft(VOCAB)
+    model = DraftProposer(config(), draft)
+    hybrid = DraftNgram(config("draft-ngram"), draft)
+    agreeing = disagreeing = 0
+    # History whose suffix (11, 12) was once followed by t, 20, 21, 22, 23: prompt lookup
+    # copies that. The hybrid proposes the copy exactly when the model's own first draft is t.
+    for t in range(VOCAB):
+        if t in (11, 12):
+            continue
+        history = [*PROMPT, 11, 12, t, 20, 21, 22, 23, 11, 12]
+        model.reset(history)
+        own = model.propose(5)
+        hybrid.reset(history)
+        proposed = hybrid.propose(5)
+        if own[0] == t:
+            agreeing += 1
+            assert proposed == [t, 20, 21, 22, 23] and hybrid.copies == 1
+        else:
+            disagreeing += 1
+            assert proposed == own and hybrid.copies == 0
+    assert agreeing >= 1 and disagreeing >= 1
+    model.close()
+    hybrid.close()
+
+
+def test_draft_cost_is_measured_and_enters_the_policy() -> None:
+    proposer = DraftProposer(config(), tiny_draft(VOCAB))
+    proposer.reset(PROMPT)
+    proposer.propose(4)
+    assert proposer.draft_cost_s > 0 and proposer.last_draft_s > 0
+    link = LinkModel(rtt_s=0.02, pass_fixed_s=0.004, pass_per_token_s=0.0005, stages=2)
+    alphas = (0.7,)
+    cheap = choose(PolicyInputs(link, alphas), SpecConfig(window_max_tokens=8))
+    dear = choose(
+        PolicyInputs(link.with_draft_cost(0.004), alphas), SpecConfig(window_max_tokens=8)
+    )
+    # A draft token that costs a fifth of the round trip makes deep windows a bad bet.
+    assert 0 < dear.width < cheap.width
+    assert dear.expected_s_per_token > cheap.expected_s_per_token
+    proposer.close()
+
+
+def test_draft_strategies_need_a_draft_model_and_requests_cannot_name_one() -> None:
+    with pytest.raises(SpecConfigError, match="needs a draft model") as err:
+        resolve_spec_config({}, {}, {}, {"strategy": "draft"})
+    assert err.value.key == "strategy" and err.value.level == "request"
+    node = {"draft_model": "/models/draft"}
+    assert resolve_spec_config({}, node, {}, {"strategy": "draft"}).strategy == "draft"
+    with pytest.raises(SpecConfigError, match="the node's setting") as err:
+        resolve_spec_config({}, node, {}, {"draft_model": "/elsewhere"})
+    assert err.value.key == "draft_model" and err.value.level == "request"
+
+
+def _save_tokenizer(source: pathlib.Path, out: pathlib.Path, extra: list[str]) -> pathlib.Path:
+    out.mkdir()
+    backend = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json"))
+    backend.add_tokens(extra)
+    backend.save(str(out / "tokenizer.json"))
+    shutil.copy(source / "tokenizer_config.json", out)
+    return out
+
+
+def test_a_draft_tokenizer_must_be_the_targets_or_a_prefix(tmp_path: pathlib.Path) -> None:
+    builtin = builtin_model_dir()
+    check_draft_tokenizer(builtin, builtin_draft_dir())
+    longer = _save_tokenizer(builtin, tmp_path / "target-plus", ["<|tool|>"])
+    check_draft_tokenizer(longer, builtin_draft_dir())  # the draft's vocabulary is a prefix
+    with pytest.raises(DraftMismatchError) as err:
+        check_draft_tokenizer(builtin, longer)
+    assert "target-plus" in str(err.value) and "builtin" in str(err.value)
+    other = tmp_path / "other"
+    other.mkdir()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"])
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x * 2\n"] * 20, trainer=trainer)
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(DraftMismatchError, match="differs") as err:
+        check_draft_tokenizer(builtin, other)
+    assert str(other) in str(err.value) and str(builtin) in str(err.value)
