@@ -34,7 +34,7 @@ import torch
 from meshd.spec.config import SpecConfig
 from meshd.spec.ngram import NgramSimple
 from meshd.spec.proposer import AccountedProposer
-from meshd.spec.sampling import SamplingParams
+from meshd.spec.sampling import SamplingParams, coupled_draft_token
 
 if TYPE_CHECKING:
     from meshd.model.stage import StageModel
@@ -251,12 +251,12 @@ class DraftProposer(AccountedProposer):
     def _choose(self, row: torch.Tensor, position: int) -> int:
         """The draft token for absolute `position` from the draft's logits row.
 
-        MERGE POINT (issue 23 item 2, branch `gumbel`): for a sampled request this becomes
-        `coupled_draft_token(row, self.sampling, position)` from meshd.spec.sampling, so the
-        draft predicts the target's own keyed sample. Until that lands every request drafts
-        greedily; verification stays exact either way (it accepts only the target's choice).
+        Greedy requests take the draft's argmax; sampled ones draw with the target's own keyed
+        noise (Gumbel-max coupling, `coupled_draft_token`), so the draft predicts the target's
+        sample whenever its distribution is close. Verification accepts only the target's
+        choice either way.
         """
-        return int(torch.argmax(row))
+        return coupled_draft_token(row, self.sampling, position)
 
     def _ensure_session(self, needed: int) -> None:
         if self._session is not None and needed <= self._capacity:

@@ -186,3 +186,43 @@ def test_a_draft_tokenizer_must_be_the_targets_or_a_prefix(tmp_path: pathlib.Pat
     with pytest.raises(DraftMismatchError, match="differs") as err:
         check_draft_tokenizer(builtin, other)
     assert str(other) in str(err.value) and str(builtin) in str(err.value)
+
+
+class _Builtin:
+    """The built-in model as the target of `decode_spec`: window rows from a fresh session."""
+
+    def __init__(self, stage: object) -> None:
+        self.stage = stage
+
+    def window_logits(self, context: list[int], window: list[int]) -> torch.Tensor:
+        from meshd.model.stage import StageModel
+
+        stage = self.stage
+        assert isinstance(stage, StageModel)
+        stage.open_session("target", len(context) + len(window) + 1)
+        try:
+            tokens = torch.tensor([*context, *window])
+            out = stage.forward("target", 0, tokens, logits_last_n=len(window))
+            assert out.logits is not None
+            return out.logits
+        finally:
+            stage.close_session("target")
+
+
+def test_a_sampled_request_drafts_the_targets_own_sample() -> None:
+    # Drafting with the target's keyed noise: a draft as good as the target predicts its
+    # sample every time, where an argmax draft is right only when the sample is the argmax.
+    target = DraftModel.load(builtin_model_dir())  # the target as its own draft: q = p
+    params = SamplingParams(temperature=1.0, seed=7)
+    prompt = [int(t) for t in torch.arange(40, 52)]
+    rates = {}
+    with torch.inference_mode():
+        for name in ("coupled", "argmax"):
+            proposer = DraftProposer(config(), target, sampling=params)
+            if name == "argmax":  # the comparison: what drafting without the noise accepts
+                proposer._choose = lambda row, position: int(torch.argmax(row))  # type: ignore[method-assign]
+            run = decode_spec(_Builtin(target.stage), prompt, 40, params, proposer, 4)  # type: ignore[arg-type]
+            rates[name] = run.accepted / run.drafted
+            proposer.close()
+    assert rates["coupled"] > 0.95, rates
+    assert rates["argmax"] < rates["coupled"] - 0.2, rates
