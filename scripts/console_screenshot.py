@@ -48,7 +48,10 @@ def main() -> None:
     options = Options()
     options.binary_location = shutil.which("chromium") or "chromium"
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 "--window-size=1400,1250", "--no-proxy-server"):  # fmt: skip
+                 "--window-size=1400,1250", "--no-proxy-server",
+                 # nothing reaches out from here: no background fetches to be refused
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--disable-quic"):  # fmt: skip
         options.add_argument(flag)
     try:
         started(daemons)

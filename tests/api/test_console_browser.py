@@ -46,7 +46,10 @@ def browser(screenshot_dir: pathlib.Path | None = None) -> WebDriver:
     options = Options()
     options.binary_location = binary
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1400,1000", "--no-first-run", "--no-proxy-server"):  # fmt: skip
+                 "--window-size=1400,1000", "--no-first-run", "--no-proxy-server",
+                 # nothing reaches out from here: no background fetches to be refused
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--disable-quic"):  # fmt: skip
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(executable_path=driver), options=options)
 
