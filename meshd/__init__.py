@@ -3,11 +3,19 @@
 import os as _os
 import sys as _sys
 
-# OpenMP workers sleep when idle instead of spinning: a spinning worker on a machine with other
-# work stalls every parallel region (meshd/model/threads.py has the measurements). libgomp reads
-# this once, when torch loads it, so it is set here, before any meshd module imports torch.
-# (A program that imported torch before meshd keeps its policy; `configure_threads` warns.)
+# OpenMP workers spin for about 0.3 ms after a parallel region, then sleep. Waking a sleeping
+# worker costs more than a decode step's matmul gains from it (on virtual machines above all),
+# so workers that never spin leave a second core idle; workers that spin for long (libgomp's
+# default) stall every parallel region on a machine whose cores are busy with other work. A
+# stage's `ThreadGovernor` falls back to one thread where the spinning does not pay
+# (docs/model-runtime.md, "Threads"). libgomp reads these once, when torch loads it, so they
+# are set here, before any meshd module imports torch; an environment that sets either keeps
+# its own. (A program that imported torch before meshd keeps its policy; `configure_threads`
+# warns.)
 OMP_POLICY_SET_IN_TIME = "torch" not in _sys.modules or "OMP_WAIT_POLICY" in _os.environ
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    # About 100 000 spins a millisecond (libgomp's own estimate).
+    _os.environ["GOMP_SPINCOUNT"] = "30000"
 
 __version__ = "0.1.0"

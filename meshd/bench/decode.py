@@ -230,6 +230,9 @@ def bench(
         "kv_bytes_per_token": stage.kv_bytes_per_token,
         "device": settings.device,
         "threads": torch.get_num_threads(),
+        # What the stage's thread governor runs decode steps on now (None: not governed, one
+        # thread given).
+        "governed_threads": stage.governor.current(1) if stage.governor else None,
         "meshd_runs_tok_s": [round(r, 2) for r in runs.ours_tok_s],
         "transformers_runs_tok_s": [round(r, 2) for r in runs.theirs_tok_s],
     }

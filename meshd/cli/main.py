@@ -24,6 +24,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("meshd.bench.spec", "speculative strategies over a stage pipeline"),
     "lanes": ("meshd.bench.lanes", "our lane vs aioquic vs raw UDP on loopback"),
     "decode": ("meshd.bench.decode", "single-node decode loop vs transformers generate()"),
+    "threads": (
+        "meshd.bench.threads",
+        "decode on 1 thread, on N, and as the stage's thread governor chooses",
+    ),
     "mtp": ("meshd.bench.mtp", "the last stage's MTP heads per window, next to a pass"),
     "concurrency": (
         "meshd.bench.concurrency",

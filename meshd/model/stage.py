@@ -9,6 +9,7 @@ stages computes exactly what the unsplit model computes.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,6 +21,7 @@ from meshd.model.checkpoint import Checkpoint, OnTensor
 from meshd.model.config import ModelConfig
 from meshd.model.device import pick_device
 from meshd.model.errors import InvalidInput
+from meshd.model.governor import ThreadGovernor
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     AttnSpan,
@@ -194,6 +196,10 @@ class StageModel:
         )
         self.kv = KVCache(layout, device, kv_budget_bytes)
         self._scratch: dict[str, StepScratch] = {}  # per open session
+        # A CPU stage governs the intra-op threads torch had when it loaded (the daemon's
+        # `threads`): each pass runs on those or on one, whichever measures faster now.
+        threads = torch.get_num_threads()
+        self.governor = ThreadGovernor(threads) if device.type == "cpu" and threads > 1 else None
         self.kv_bytes_per_token = layout.bytes_per_token
         self._on_tensor: OnTensor | None = None
         if progress is not None:
@@ -386,6 +392,19 @@ class StageModel:
         otherwise. The last stage also returns fp32 logits, for all T positions or only for the
         last `logits_last_n` (a prefill chunk needs just one row).
         """
+        if self.governor is None:
+            return self._forward(session_id, base_pos, inputs, logits_last_n)
+        threads = self.governor.choose(len(inputs))
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        out = self._forward(session_id, base_pos, inputs, logits_last_n)
+        self.governor.record(len(inputs), threads, time.perf_counter() - start)
+        return out
+
+    def _forward(
+        self, session_id: str, base_pos: int, inputs: torch.Tensor, logits_last_n: int | None
+    ) -> StageOutput:
         group = self.kv.get(session_id).main
         x = self._embed_tokens(inputs) if self.is_first else self._hidden_input(inputs)
         length = x.shape[0]
@@ -414,6 +433,18 @@ class StageModel:
         computed, so a bad one leaves every cache untouched.
         """
         batch = [BatchItem(*item) for item in items]
+        if self.governor is None or not batch:
+            return self._forward_batch(batch)
+        rows = sum(len(item.inputs) for item in batch)
+        threads = self.governor.choose(rows)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        out = self._forward_batch(batch)
+        self.governor.record(rows, threads, time.perf_counter() - start)
+        return out
+
+    def _forward_batch(self, batch: list[BatchItem]) -> list[StageOutput]:
         if len({item.session_id for item in batch}) != len(batch):
             raise InvalidInput("a batched pass takes at most one window per session")
         groups = [self.kv.get(item.session_id).main for item in batch]

@@ -1,15 +1,16 @@
 """How many cores a stage computes with (`configure_threads`), and why that is safe.
 
 Batch-1 decode runs a few hundred small ops per token; only the weight matmuls (and attention
-over long contexts) are big enough to share between cores. Two rules make more threads never
-slower than one:
+over long contexts) are big enough to share between cores. Three rules make more threads pay
+where they can and never cost where they cannot:
 
-- OpenMP workers sleep when idle (`OMP_WAIT_POLICY=PASSIVE`, set by `meshd/__init__.py` before
-  torch loads, unless the environment says otherwise). With the default policy an idle worker
-  spins; on a machine whose cores are busy with other work, every parallel region then waits
-  for a worker that the spinning partner keeps off the CPU, and 2 threads decode several
-  times slower than 1. With passive workers they run level with 1 (figures: docs/model-runtime.md,
-  "Threads").
+- OpenMP workers spin briefly (~0.3 ms), then sleep (`GOMP_SPINCOUNT`, set by
+  `meshd/__init__.py` before torch loads, unless the environment says otherwise): the gaps
+  between a step's matmuls are shorter than that, so a second core stays awake through a step,
+  and a worker never spins for long on a machine whose cores are busy.
+- A stage's `ThreadGovernor` (meshd/model/governor.py) measures its passes on its threads and
+  on one and runs on whichever is faster now: on a busy machine any spinning partner stalls
+  every parallel region, and one thread wins (figures: docs/model-runtime.md, "Threads").
 - A model whose matrices are too small to split (`MIN_SHARED_MATRIX_BYTES`) computes on one
   thread: a fork and a join cost more than half of such a matrix-vector product.
 """

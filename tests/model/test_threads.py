@@ -42,12 +42,24 @@ def test_a_stage_uses_the_cores_it_is_given_where_they_pay() -> None:
         configure_threads(-1)
 
 
-def test_openmp_workers_sleep_when_idle_unless_told_otherwise() -> None:
+def test_openmp_workers_spin_briefly_then_sleep_unless_told_otherwise() -> None:
     # libgomp reads the policy when torch loads it: importing meshd first must set it.
-    code = "import os, meshd, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = (
+        "import os, meshd, torch; "
+        "print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "ACTIVE"
+    assert out.stdout.split() == ["PASSIVE", "30000"]
+    # An environment that says either keeps its own.
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env | {"OMP_WAIT_POLICY": "ACTIVE"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["ACTIVE", "None"]
+    code = "import os, meshd, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env | {"GOMP_SPINCOUNT": "0"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "None"
