@@ -25,6 +25,7 @@ import math
 import platform
 import struct
 import warnings
+from typing import Any
 
 import torch
 
@@ -94,6 +95,20 @@ def in_features(w: Matrix) -> int:
 
 
 # --- int8 rows: scale per output channel --------------------------------------------------
+
+
+def _direct(overload: object) -> Any:
+    """The C++ function behind an operator overload.
+
+    Calling `torch.ops.quantized.linear_dynamic` goes through Python that scans every argument
+    for the fake script objects of tracing (the op takes a packed-weight script object): about
+    17 us a call, 1.1 ms of a 246M int8 model's decode step. Eager stages never trace, so they
+    call the operator itself (falling back to the overload where torch keeps it elsewhere).
+    """
+    return getattr(overload, "_op", overload)
+
+
+_LINEAR_DYNAMIC = _direct(torch.ops.quantized.linear_dynamic.default)
 
 
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +202,7 @@ class Int8Fbgemm(QuantMatrix):
         # (x - lo) / half - 1 is exactly -1 at the row's minimum and, since rounding is
         # monotonic and (max - lo) / half rounds to exactly 2, exactly +1 at its maximum.
         rows = torch.sub(x32, lo).div_(half).sub_(1.0)
-        y: torch.Tensor = torch.ops.quantized.linear_dynamic(rows, self._packed, False)
+        y: torch.Tensor = _LINEAR_DYNAMIC(rows, self._packed, False)
         y.mul_(half).add_(self._colsum * mid)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
