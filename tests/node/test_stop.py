@@ -15,6 +15,11 @@ stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
    `[DONE]` when the grace runs out (never a silent cut), a request in flight that is not
    streamed gets an OpenAI-shaped 503, no stage keeps a session, and the daemon exits with
    status 0.
+4. SIGKILL and SIGTERM of the spare mid-generation: the same tokens, the plan untouched, every
+   view drops the spare, a stopped spare leaves no control socket, no stage keeps a session.
+5. A closed lid (SIGSTOP) on a middle stage mid-generation: the generation completes on the
+   spare with the same tokens; opened again (SIGCONT), the node rejoins every view, holds no
+   session, and the mesh answers with the same tokens.
 """
 
 from __future__ import annotations
@@ -345,3 +350,74 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     assert coordinator.proc.returncode == 0, coordinator.log_tail(2000)
     others = [d for d in mesh.alive() if d.index != COORDINATOR_ONLY]
     wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
+
+
+# ---- 4. the spare dies, and a stage's lid closes ----------------------------------------------
+
+
+def _plan_keys(mesh: Mesh) -> list[str]:
+    return [d.key() for d in mesh.in_plan()]
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
+    mesh: Mesh, prompt: list[int], how: signal.Signals
+) -> None:
+    mesh.ready(spares=1)
+    route = _plan_keys(mesh)
+    spare = next(d for d in mesh.alive() if d.index != COORDINATOR_ONLY and d.key() not in route)
+    expected = reference(prompt, 150)
+    stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
+    wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
+    spare.proc.send_signal(how)
+    final = stream.final()
+    assert final["ok"] and final["tokens"] == expected, final
+    wait_until(lambda: spare.proc.poll() is not None, GRACE_S + 20, f"{spare.name} to exit")
+    mesh.gone.add(spare.index)
+    if how is signal.SIGTERM:
+        assert spare.proc.returncode == 0, spare.log_tail(2000)
+        # A stopped daemon leaves its identity for the next start, not its control socket.
+        assert not pathlib.Path(spare.socket).exists()
+    left = {d.key() for d in mesh.alive()}
+    wait_until(
+        lambda: all(d.alive_members() == left for d in mesh.alive()), 30, "the spare seen gone"
+    )
+    assert _plan_keys(mesh) == route  # a spare holds no stage: nothing was re-planned
+    wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+
+
+def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_it_opens(
+    mesh: Mesh, prompt: list[int]
+) -> None:
+    # SIGSTOP freezes the process as a suspended laptop is frozen: no packet, no timer, until
+    # SIGCONT, when it wakes to a mesh that moved on without it.
+    mesh.ready(spares=1)
+    route = mesh.in_plan()
+    victim, coordinator = route[1], route[0]
+    expected = reference(prompt, 150)
+    stream = Stream(coordinator, _op(prompt, len(expected)))
+    wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        final = stream.final()
+        assert final["ok"] and final["tokens"] == expected, final
+        others = [d for d in mesh.alive() if d is not victim]
+        wait_until(
+            lambda: (
+                (plan := settled_plan(others)) is not None
+                and victim.key() not in {s["key"] for s in plan}
+            ),
+            30,
+            "a plan without the frozen node",
+        )
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    # It wakes: every view counts it alive again, it keeps no session of the generation that
+    # moved on, and the mesh answers with the same tokens as before.
+    keys = {d.key() for d in mesh.alive()}
+    wait_until(lambda: all(d.alive_members() == keys for d in mesh.alive()), 30, "it rejoins")
+    assert victim.proc.poll() is None, victim.log_tail(2000)
+    wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
+    assert final["ok"] and final["tokens"] == reference(prompt, 40), final
+    wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
