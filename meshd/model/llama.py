@@ -171,6 +171,9 @@ class AttnSpan:
     start: int
     end: int
     mask: torch.Tensor | None
+    # For each query row, its first visible key relative to `start` (a sliding window hides
+    # the oldest keys of later rows): what `_attend_row` slices, computed once for all layers.
+    row_starts: tuple[int, ...] = ()
 
     @staticmethod
     def build(base_pos: int, length: int, window: int | None, device: torch.device) -> AttnSpan:
@@ -184,7 +187,11 @@ class AttnSpan:
         allowed = k_pos <= q_pos
         if window is not None:
             allowed &= k_pos > q_pos - window
-        return AttnSpan(start, end, allowed)
+        firsts = tuple(
+            0 if window is None else max(0, base_pos + i + 1 - window - start)
+            for i in range(length)
+        )
+        return AttnSpan(start, end, allowed, firsts)
 
 
 @dataclass(frozen=True)
@@ -431,9 +438,7 @@ def _attend_row(
     """
     length = q.shape[2]
     end = k.shape[2] - (length - 1 - i)
-    lo = 0
-    if span.mask is not None:  # a sliding window hides the oldest keys of this row
-        lo = int(span.mask[i].int().argmax())
+    lo = span.row_starts[i]
     out = F.scaled_dot_product_attention(
         q[:, :, i : i + 1], k[:, :, lo:end], v[:, :, lo:end], enable_gqa=d.n_kv != d.n_heads
     )

@@ -506,29 +506,10 @@ class StageHost:
         # session means the coordinator has stopped MTP for good (`auto` found it does not pay):
         # the depths then stop too, and their time is saved.
         drafting = self.drafter is not None and info.mtp_depth > 0 and w.mtp_tokens > 0
-        started = time.perf_counter()
-        if not w.sample:
-            if drafting:
-                assert self.drafter is not None
-                self.drafter.after_window(w.session, w.base_pos, w.tokens, out.hidden, None, 0)
-                self._mtp_s[w.session] = time.perf_counter() - started
-            return None
-        assert out.logits is not None
-        s = w.sampling
-        params = SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed
-        )
-        verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, self.eos_ids)
-        drafts: list[int] = []
+        result, mtp_s = window_verdict(w, out, self.eos_ids, self.drafter if drafting else None)
         if drafting:
-            assert self.drafter is not None
-            known = w.tokens[: len(w.tokens) - w.n_draft + verdict.accepted_len]
-            mtp_started = time.perf_counter()
-            drafts = self.drafter.after_window(
-                w.session, w.base_pos, known, out.hidden, verdict.next_token, w.mtp_tokens
-            )
-            self._mtp_s[w.session] = time.perf_counter() - mtp_started
-        return verdict.accepted_len, verdict.next_token, drafts
+            self._mtp_s[w.session] = mtp_s
+        return result
 
     async def _send(self, key: bytes, message: Message) -> None:
         try:
@@ -537,3 +518,33 @@ class StageHost:
             log.warning(
                 "stage could not send %s to %s: %s", type(message).__name__, key.hex()[:16], exc
             )
+
+
+def window_verdict(
+    w: VerifyWindow, out: StageOutput, eos_ids: frozenset[int], drafter: MtpDrafter | None
+) -> tuple[tuple[int, int, list[int]] | None, float]:
+    """The last stage's answer to a window it computed, and the MTP heads' seconds.
+
+    A sampled window gets its verdict (accepted drafts, next token) and, with `drafter`, the
+    heads' drafts for the next window from the accepted prefix; a window that only fills the
+    KV (no sample) gets None, its positions still run through the heads so their KV keeps up.
+    """
+    started = time.perf_counter()
+    if not w.sample:
+        if drafter is not None:
+            drafter.after_window(w.session, w.base_pos, w.tokens, out.hidden, None, 0)
+        return None, time.perf_counter() - started
+    assert out.logits is not None
+    s = w.sampling
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+    verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, eos_ids)
+    drafts: list[int] = []
+    mtp_s = 0.0
+    if drafter is not None:
+        known = w.tokens[: len(w.tokens) - w.n_draft + verdict.accepted_len]
+        started = time.perf_counter()
+        drafts = drafter.after_window(
+            w.session, w.base_pos, known, out.hidden, verdict.next_token, w.mtp_tokens
+        )
+        mtp_s = time.perf_counter() - started
+    return (verdict.accepted_len, verdict.next_token, drafts), mtp_s

@@ -23,7 +23,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage
-from meshd.spec.sampling import SamplingParams, verify
+from meshd.stage.host import window_verdict
 from meshd.stage.mtp_drafter import MtpDrafter
 from protocol.messages import (
     CloseSession,
@@ -158,31 +158,17 @@ class VirtualRoute:
         assert out is not None
         drafting = self.drafter is not None and self.mtp_depth.get(w.session, 0) > 0
         drafting = drafting and w.mtp_tokens > 0
-        if not w.sample:
-            if drafting:
-                assert self.drafter is not None
-                self.drafter.after_window(w.session, w.base_pos, w.tokens, out.hidden, None, 0)
+        result, _ = window_verdict(w, out, self.eos_ids, self.drafter if drafting else None)
+        if result is None:
             return None
-        assert out.logits is not None
-        s = w.sampling
-        params = SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed
-        )
-        verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, self.eos_ids)
-        drafts: list[int] = []
-        if drafting:
-            assert self.drafter is not None
-            known = w.tokens[: len(w.tokens) - w.n_draft + verdict.accepted_len]
-            drafts = self.drafter.after_window(
-                w.session, w.base_pos, known, out.hidden, verdict.next_token, w.mtp_tokens
-            )
+        accepted_len, next_token, drafts = result
         timings = [StageTiming(i, 0.0, self.compute_s) for i in range(len(self.stages))]
         return VerifyReply(
             session=w.session,
             window_id=w.window_id,
             epoch=w.epoch,
-            accepted_len=verdict.accepted_len,
-            next_token=verdict.next_token,
+            accepted_len=accepted_len,
+            next_token=next_token,
             mtp_draft=drafts,
             stage_timings=timings,
         )
