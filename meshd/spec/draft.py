@@ -114,6 +114,10 @@ class DraftModel:
             dtype=dtype,
             quantization=quantization,
         )
+        # The draft runs beside the node's own stage, on the coordinator's thread: a governor
+        # of its own would set torch's (process-wide) threads under the stage's passes and
+        # time them wrongly. It keeps whatever the stage chose.
+        stage.governor = None
         try:
             eos_ids: Sequence[int] = open_tokenizer(path).eos_ids
         except MissingFile:  # a bare checkpoint (tests): it drafts through EOS, harmlessly
