@@ -122,6 +122,29 @@ function render(body) {
     bytes(s.weight_bytes), bytes(s.memory_bytes),
   ]));
   $("plan-error").textContent = node.plan_error || "";
+  // A mesh serving several models: each other model's plan below this node's first one.
+  const others = (node.models || []).filter((m) => m.model_id !== node.model_id);
+  $("other-plans").replaceChildren(...others.map((m) => {
+    const section = document.createElement("div");
+    section.className = "model-plan";
+    const heading = document.createElement("h3");
+    const mms = m.predicted_ms_per_token;
+    heading.textContent = `${m.name} (${m.model_id.slice(0, 16)}): ` + (m.plan.length
+      ? `${m.plan.length} stage(s), ${m.plan_quantization}` +
+        (mms == null ? "" : `, predicted ${mms.toFixed(2)} ms/token`)
+      : "no plan yet");
+    const table = $("plan").cloneNode(true);
+    table.removeAttribute("id");
+    fill(table.tBodies[0], m.plan.map((s, i) => [
+      String(i), names[s.key] || s.key.slice(0, 16), layers(s.layers),
+      bytes(s.weight_bytes), bytes(s.memory_bytes),
+    ]));
+    const error = document.createElement("p");
+    error.className = "error";
+    error.textContent = m.plan_error || "";
+    section.replaceChildren(heading, table, error);
+    return section;
+  }));
 
   const events = $("events");
   events.replaceChildren(...node.events.slice(-30).reverse().map((e) => {
