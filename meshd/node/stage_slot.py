@@ -120,6 +120,10 @@ class StageSlot:
         """Sessions open on this node's stage."""
         return self._running.host.sessions if self._running else 0
 
+    def holds_session(self, session: str) -> bool:
+        """Whether the current stage holds `session` open."""
+        return self._running is not None and self._running.host.has_session(session)
+
     @property
     def sessions_expired(self) -> dict[str, int]:
         """Sessions freed without an explicit close since the node started, by cause."""
