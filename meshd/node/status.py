@@ -175,7 +175,8 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         stopping=node.stopping,
         weight_bytes=node.slot.weight_bytes,
         kv_bytes_per_token=node.slot.kv_bytes_per_token,
-        sessions_coordinated=node.coordinator.sessions_in_flight,
+        sessions_coordinated=node.coordinator.sessions_in_flight
+        + sum(h.coordinator.sessions_in_flight for h in node.models),
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,
         members=members,
