@@ -34,10 +34,10 @@ from meshd.api.prepare import prepare_chat, prepare_completion
 from meshd.api.responses import JSON, GenerationResponse
 from meshd.api.routing import (
     RELAYED_HEADER,
+    LocalModels,
     ModelCatalog,
     RelayedResponse,
     ServedModel,
-    SingleModel,
     find_served,
     unknown_model,
 )
@@ -82,7 +82,7 @@ class _State:
         catalog: ModelCatalog | None = None,
     ) -> None:
         self.backend = backend
-        self.catalog: ModelCatalog = catalog or SingleModel(backend)
+        self.catalog: ModelCatalog = catalog or LocalModels([backend])
         self.spec = spec
         self.config = config
         self.metrics = metrics

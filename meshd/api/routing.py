@@ -3,8 +3,8 @@ nowhere (404 listing the models the mesh serves).
 
 A `ModelCatalog` is what the API needs of a mesh that may serve several models: the backends
 this node coordinates itself, every model the mesh serves, and a way to relay a request to a
-node that holds a model this one does not. `SingleModel` is the catalog of one backend (tests,
-benchmarks, `meshd demo`). A model is named by its name (directory or GGUF file name,
+node that holds a model this one does not. `LocalModels` is the catalog of backends in one
+process (tests, benchmarks, `meshd demo`). A model is named by its name (directory or GGUF file name,
 `meshd-builtin`) or by its model id (the alias `meshctl status` prints).
 """
 
@@ -56,18 +56,21 @@ class ModelCatalog(Protocol):
         ...
 
 
-class SingleModel:
-    """The catalog of one backend: nothing to relay."""
+class LocalModels:
+    """The catalog of backends in this process (tests, benchmarks, `meshd demo`): nothing to
+    relay."""
 
-    def __init__(self, backend: MeshBackend) -> None:
-        self.backend = backend
+    def __init__(self, backends: Sequence[MeshBackend]) -> None:
+        self.backends = list(backends)
 
     def local(self, name: str) -> MeshBackend | None:
-        return self.backend if name == self.backend.model_name else None
+        return next((b for b in self.backends if b.model_name == name), None)
 
     def served(self) -> Sequence[ServedModel]:
-        b = self.backend
-        return [ServedModel(b.model_name, max_context_tokens=b.max_context_tokens)]
+        return [
+            ServedModel(b.model_name, max_context_tokens=b.max_context_tokens)
+            for b in self.backends
+        ]
 
     async def relay(self, name: str, method: str, path: str, body: bytes) -> RelayedResponse | None:
         return None
