@@ -218,6 +218,8 @@ class ModelSet:
             )
             await nursery.start(held.slot.run)
             nursery.start_soon(held.coordinator.keep_alive)
+        if self.models:
+            self._publish()  # the record now carries each model's measured compute
 
     # ---- what the node offers ----------------------------------------------------------
     def holdings(self) -> list[ModelHolding]:

@@ -186,6 +186,7 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
     before = {n.name: _plan_of(n, BUILTIN) for n in (d["n2"], d["n3"])}
     long_expected = tokenizer.decode(reference(builtin_model_dir(), prompt, LONG_TOKENS))
     result: dict[str, Any] = {}
+    pieces: list[str] = []
     first_event = threading.Event()
 
     def stream() -> None:
@@ -197,7 +198,7 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
             "stream": True,
             "meshd": {"ignore_eos": True},
         }
-        text = []
+        text = pieces
         with httpx.stream("POST", f"{d['n2'].api_url}/completions", json=body, timeout=120) as r:
             result["status"] = r.status_code
             for line in r.iter_lines():
@@ -214,9 +215,11 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
     thread.start()
     assert first_event.wait(60)
     d["n4"].kill()
+    streamed_at_kill = len(pieces)
     thread.join(120)
     assert result.get("status") == 200 and result.get("done"), result
     assert result["text"] == long_expected
+    assert streamed_at_kill < len(pieces), "the generation ended before the kill"
     survivors = [d["n2"], d["n3"]]
     survivor_keys = {n.key() for n in survivors}
     wait_until(lambda: all(n.alive_members() == survivor_keys for n in survivors), 30, "n4 gone")
