@@ -244,6 +244,17 @@ class StageSlot:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)
                 return
+            if message.model_id != self.checkpoint.model_id:
+                # Another model's session (a stale plan elsewhere): never run it on these weights.
+                error = StageError(
+                    message.session,
+                    "wrong_model",
+                    f"this node serves model {self.checkpoint.model_id[:16]} here, the route "
+                    f"expects {message.model_id[:16]}",
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._send, message.coordinator, error)
+                return
             if message.quantization and message.quantization != self.quantization:
                 error = StageError(
                     message.session,
