@@ -79,7 +79,8 @@ class MeshCatalog:
         self.stats = RelayStats()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
-        self._serving: dict[tuple[bytes, int], trio.CancelScope] = {}
+        # Relayed requests running here, by (asker, id): set when the asker's client is gone.
+        self._serving: dict[tuple[bytes, int], trio.Event] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -186,26 +187,25 @@ class MeshCatalog:
     # ---- messages ----------------------------------------------------------------------
     def _on_message(self, message: ApiMessage, lane_key: bytes) -> None:
         if isinstance(message, ApiRequest):
-            scope = trio.CancelScope()
-            self._serving[(lane_key, message.request)] = scope
+            gone = trio.Event()
+            self._serving[(lane_key, message.request)] = gone
             assert self._nursery is not None
-            self._nursery.start_soon(self._serve, message, lane_key, scope)
+            self._nursery.start_soon(self._serve, message, lane_key, gone)
         elif isinstance(message, ApiCancel):
-            serving = self._serving.get((lane_key, message.request))
-            if serving is not None:
-                serving.cancel()
+            cancelled = self._serving.get((lane_key, message.request))
+            if cancelled is not None:
+                cancelled.set()  # the API sees the client disconnect, as from a direct client
         else:
             pending = self._pending.get(message.request)
             if pending is not None and pending.holder == lane_key:
                 pending.send.send_nowait(message)
 
-    async def _serve(self, request: ApiRequest, asker: bytes, scope: trio.CancelScope) -> None:
+    async def _serve(self, request: ApiRequest, asker: bytes, gone: trio.Event) -> None:
         """Run a relayed request through this node's own API and stream the answer back."""
         error = ""
         try:
-            with scope:
-                await self._run_app(request, asker)
-            if scope.cancelled_caught:
+            await self._run_app(request, asker, gone)
+            if gone.is_set():
                 error = "cancelled by the asker"
         except PeerUnreachable:
             return  # the asker is gone: nothing to tell
@@ -218,7 +218,7 @@ class MeshCatalog:
         with contextlib.suppress(PeerUnreachable):
             await self._send(asker, ApiEnd(request.request, error))
 
-    async def _run_app(self, request: ApiRequest, asker: bytes) -> None:
+    async def _run_app(self, request: ApiRequest, asker: bytes, gone: trio.Event) -> None:
         assert self.app is not None, "MeshCatalog.app must be set before requests arrive"
         headers = [
             (b"content-type", b"application/json"),
@@ -242,14 +242,21 @@ class MeshCatalog:
             "server": ("mesh-relay", 0),
         }
         delivered = False
-        gone = trio.Event()
+        finished = trio.Event()
 
         async def receive() -> dict[str, Any]:
             nonlocal delivered
             if not delivered:
                 delivered = True
                 return {"type": "http.request", "body": request.body, "more_body": False}
-            await gone.wait()
+            async with trio.open_nursery() as either:  # the asker's cancel, or the end
+
+                async def wait(event: trio.Event) -> None:
+                    await event.wait()
+                    either.cancel_scope.cancel()
+
+                either.start_soon(wait, gone)
+                either.start_soon(wait, finished)
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
@@ -265,12 +272,12 @@ class MeshCatalog:
                     chunk = data[i : i + MAX_BODY_CHUNK_BYTES]
                     await self._send(asker, ApiBody(request.request, chunk))
                 if not message.get("more_body", False):
-                    gone.set()  # the exchange is over: a disconnect now is its normal end
+                    finished.set()  # the exchange is over: a disconnect now is its normal end
 
         try:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
         finally:
-            gone.set()
+            finished.set()
 
 
 def model_catalog(node: MeshNode, first: NodeBackend, api_key: str | None) -> MeshCatalog:

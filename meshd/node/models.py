@@ -42,7 +42,6 @@ from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stage_slot import StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan, PlannerConfig
 from meshd.plan.route import Route
-from meshd.stage.host import StageHostConfig
 from protocol.gossip import ModelHolding
 from protocol.messages import (
     CloseSession,
@@ -179,7 +178,7 @@ class ModelSet:
                 device=device,
                 dtype=dtype,
                 eos_ids=frozenset(f.tokenizer.eos_ids),
-                host_config=config.stage if config is not None else StageHostConfig(),
+                host_config=config.stage,
                 session_lease_s=config.session_lease_s,
                 quantization=quantization,
                 kv_dtype=kv_dtype,

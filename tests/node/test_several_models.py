@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.bench.decode import write_random_checkpoint
 from meshd.cli.supervisor import kill_all, stage_budget, started, wait_until
@@ -181,6 +182,21 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["text"] == expected[SECOND]
 
+    # A client that hangs up on a relayed stream cancels it on the holder: no session stays.
+    body = {"model": SECOND, "prompt": prompt, "max_tokens": LONG_TOKENS, "temperature": 0,
+            "stream": True, "meshd": {"ignore_eos": True}}  # fmt: skip
+    with httpx.stream("POST", f"{d['n2'].api_url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
+    wait_until(lambda: all(_clean(n) for n in nodes), 30, "the relayed request cancelled")
+    # The holder saw its client go (499), as it would a client of its own.
+    gone = sum(_metric(n, "meshd_api_requests_total", status="499") for n in (d["n3"], d["n4"]))
+    assert gone == 1
+
     # SIGKILL n4, which serves only the second model, while a built-in generation runs from
     # n4's neighbour n2: it completes undisturbed, and the built-in plan does not change.
     before = {n.name: _plan_of(n, BUILTIN) for n in (d["n2"], d["n3"])}
@@ -236,13 +252,25 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
             assert reply.json()["choices"][0]["text"] == expected[name], (n.name, name)
 
     # Nothing is left behind on the survivors: no session, no KV, nothing coordinated.
-    def clean(n: Daemon) -> bool:
-        s = n.status()
-        idle = s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0
-        return (
-            idle
-            and s["sessions_coordinated"] == 0
-            and all(m["sessions_hosted"] == 0 and m["kv_used_bytes"] == 0 for m in s["models"])
-        )
+    wait_until(lambda: all(_clean(n) for n in survivors), 30, "no session left on the survivors")
 
-    wait_until(lambda: all(clean(n) for n in survivors), 30, "no session left on the survivors")
+
+def _metric(n: Daemon, name: str, **labels: str) -> float:
+    root = n.api_url.removesuffix("/v1")
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def _clean(n: Daemon) -> bool:
+    s = n.status()
+    idle = s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0
+    return (
+        idle
+        and s["sessions_coordinated"] == 0
+        and all(m["sessions_hosted"] == 0 and m["kv_used_bytes"] == 0 for m in s["models"])
+    )
