@@ -160,6 +160,9 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
     assert all(m["plan"] for m in plans), plans
     text = meshctl("plan", "--socket", d["n2"].socket)
     assert f"== model {BUILTIN}" in text and f"== model {SECOND}" in text
+    text = meshctl("status", "--socket", d["n4"].socket)
+    assert f"model {BUILTIN} (" in text and "held elsewhere" in text
+    assert f"model {SECOND} (" in text and "held here" in text
 
     # Both models answer from every node's endpoint, with the tokens of the model run alone.
     tokenizer = Tokenizer.open(builtin_model_dir())
