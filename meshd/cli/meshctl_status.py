@@ -108,11 +108,13 @@ def _models(console: Any, models: list[dict[str, Any]]) -> None:
     for m in models:
         where = "held here" if m["held"] else "held elsewhere"
         speed = m["predicted_ms_per_token"]
-        table = Table(
-            title=f"model {m['name']} ({m['model_id'][:16]}), {where}"
+        # A line of its own, not the table's title: rich wraps titles to the table's width.
+        console.print(
+            f"model {m['name']} ({m['model_id'][:16]}), {where}"
             + (f", ~{speed:.2f} ms/token" if speed is not None else "")
             + f", sessions hosted {m['sessions_hosted']}"
         )
+        table = Table()
         for column in ("stage", "node key", "layers", "weights"):
             table.add_column(column)
         for i, stage in enumerate(m["plan"]):
@@ -122,7 +124,7 @@ def _models(console: Any, models: list[dict[str, Any]]) -> None:
         if m["plan"]:
             console.print(table)
         else:
-            console.print(f"model {m['name']}: [red]no plan:[/] {m['plan_error']}")
+            console.print(f"[red]no plan:[/] {m['plan_error']}")
 
 
 def _counts(title: str, counts: dict[str, int] | None) -> str:
