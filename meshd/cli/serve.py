@@ -208,7 +208,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
-    from meshd.node.api_relay import model_catalog
+    from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
@@ -225,11 +225,12 @@ async def serve(config: NodeConfig) -> None:
     started = trio.Event()
     node: MeshNode
     backend: NodeBackend
+    catalog: MeshCatalog
     metrics = ApiMetrics()
 
     async def graceful() -> None:
         if started.is_set():  # before that, there is nothing to hand over
-            await stop_gracefully(node, backend, config.graceful_timeout_s)
+            await stop_gracefully(node, catalog, config.graceful_timeout_s)  # every model's
             # A generation ends before its HTTP task has written the error event and [DONE]:
             # let those go out before the API is cancelled, or a stream is cut silently.
             with trio.move_on_after(RESPONSES_FLUSH_S):

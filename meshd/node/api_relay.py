@@ -91,6 +91,23 @@ class MeshCatalog:
             task_status.started()
             await trio.sleep_forever()
 
+    # ---- every model's generations (a graceful stop waits for them all) --------------------
+    @property
+    def in_flight(self) -> int:
+        """Generations this node coordinates now, every model's."""
+        return sum(b.in_flight for b in self.backends)
+
+    async def wait_idle(self) -> None:
+        """Return once no generation of any model runs here."""
+        while self.in_flight:
+            for backend in self.backends:
+                await backend.wait_idle()
+
+    async def abort_all(self) -> None:
+        """End every model's running generations (the node is stopping)."""
+        for backend in self.backends:
+            await backend.abort_all()
+
     # ---- the catalog ---------------------------------------------------------------------
     def local(self, name: str) -> MeshBackend | None:
         for backend in self.backends:
