@@ -17,7 +17,7 @@ import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -62,10 +62,9 @@ class _Pending:
 class RelayStats:
     """Relayed requests, both ways."""
 
-    sent: int = 0
-    served: int = 0
-    failed: int = 0
-    holders_tried: list[str] = field(default_factory=list)
+    sent: int = 0  # relayed to a holder, which answered
+    served: int = 0  # relayed here by another node, and run
+    failed: int = 0  # no holder answered
 
 
 class MeshCatalog:

@@ -65,6 +65,8 @@ BUILTIN_MODEL_NAME = "meshd-builtin"
 # Session ids the stage side remembers per model; past this, ids of sessions the stages no
 # longer hold are forgotten (the stages free sessions on their own: leases, lost coordinators).
 _SESSION_MAP_PRUNE_AT = 4096
+# Single-token passes timed per model at start-up (as `meshd.node.node.WARMUP_PASSES`).
+_WARMUP_PASSES = 6
 
 
 def display_name(model: str) -> str:
@@ -210,7 +212,7 @@ class ModelSet:
                     f.checkpoint,
                     self.device,
                     self.dtype,
-                    6,
+                    _WARMUP_PASSES,
                     quantization=self.quantization,
                     kv_dtype=self.kv_dtype,
                 )
