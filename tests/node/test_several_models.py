@@ -124,6 +124,20 @@ def _completion(d: Daemon, model: str, prompt: list[int], max_tokens: int) -> ht
     return httpx.post(f"{d.api_url}/completions", json=body, timeout=120)
 
 
+def _stream(d: Daemon, model: str, prompt: list[int], max_tokens: int) -> list[str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "meshd": {"ignore_eos": True}}  # fmt: skip
+    pieces = []
+    with httpx.stream("POST", f"{d.api_url}/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    assert [line for line in lines if line][-1] == "data: [DONE]", lines[-3:]
+    for line in lines:
+        if line.startswith("data: {"):
+            pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return pieces
+
+
 def _plan_of(d: Daemon, name: str) -> list[dict[str, Any]]:
     entry = _model_entry(d.status(), name)
     assert entry is not None
@@ -179,6 +193,17 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
             body = reply.json()
             assert body["model"] == name
             assert body["choices"][0]["text"] == expected[name], (n.name, name)
+    # A relayed stream carries the same tokens; a relayed chat runs the holder's template.
+    assert "".join(_stream(d["n2"], SECOND, prompt, MAX_TOKENS)) == expected[SECOND]
+    chat = httpx.post(
+        f"{d['n4'].api_url}/chat/completions",
+        json={"model": BUILTIN, "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == BUILTIN and chat.json()["usage"]["completion_tokens"] >= 1
+
     # The model id is an alias of the name.
     second_id = _model_entry(d["n4"].status(), SECOND)["model_id"]  # type: ignore[index]
     reply = _completion(d["n2"], second_id, prompt, MAX_TOKENS)
