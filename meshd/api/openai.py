@@ -36,6 +36,7 @@ from meshd.api.routing import (
     RELAYED_HEADER,
     LocalModels,
     ModelCatalog,
+    RelayCut,
     RelayedResponse,
     ServedModel,
     find_served,
@@ -45,6 +46,8 @@ from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCar
 from meshd.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
+
+EVENT_STREAM = "text/event-stream"
 
 T = TypeVar("T")
 
@@ -228,9 +231,21 @@ class _RelayResponse(Response):
                 await send(
                     {"type": "http.response.start", "status": relayed.status, "headers": headers}
                 )
-                async for chunk in relayed.body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tail = b""
+                try:
+                    async for chunk in relayed.body:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except RelayCut as exc:
+                    if dict(relayed.headers).get("content-type", "").startswith(EVENT_STREAM):
+                        # As a stage failure past recovery ends a stream: an error event.
+                        error = ApiError(
+                            503,
+                            f"the node serving this model was lost mid-answer: {exc}",
+                            type=SERVER_ERROR,
+                            code="service_unavailable",
+                        )
+                        tail = b"data: " + error.encode() + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
             finally:
                 await relayed.body.aclose()  # type: ignore[attr-defined]
             nursery.cancel_scope.cancel()

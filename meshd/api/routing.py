@@ -31,9 +31,14 @@ class ServedModel:
     max_context_tokens: int | None = None
 
 
+class RelayCut(Exception):
+    """A relayed response's body ended before the holder finished it (the holder was lost)."""
+
+
 @dataclass
 class RelayedResponse:
-    """A holder's answer to a relayed request: status, headers, then the body as it comes."""
+    """A holder's answer to a relayed request: status, headers, then the body as it comes
+    (`RelayCut` if it ends early)."""
 
     status: int
     headers: list[tuple[str, str]]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from meshd.api.backend import MeshBackend
-from meshd.api.routing import RELAYED_HEADER, RelayedResponse, ServedModel
+from meshd.api.routing import RELAYED_HEADER, RelayCut, RelayedResponse, ServedModel
 from meshd.net.lanes import PeerUnreachable
 from protocol import api_relay
 from protocol.api_relay import (
@@ -174,11 +174,12 @@ class MeshCatalog:
                     done = True
                     if message.error:
                         log.info("relayed request %d cut by its holder: %s", request, message.error)
+                        raise RelayCut(message.error)
                     return
         except _HolderLost as exc:
             done = True
             log.info("relayed request %d: %s", request, exc)
-            return
+            raise RelayCut(str(exc)) from None
         finally:
             pending = self._pending.pop(request, None)
             if not done and pending is not None:

@@ -255,14 +255,38 @@ def test_two_models_in_one_mesh(mesh: Mesh) -> None:
         result["text"] = "".join(text)
 
     recoveries = {n.name: n.status()["recoveries"] for n in (d["n2"], d["n3"])}
+    # Beside it, a relayed stream of the second model from n2: its holder is the node serving
+    # the second model's stage (one stage here). If that is n4, the kill cuts the relayed
+    # stream, which then ends with an error event and [DONE]; if n3, it completes.
+    [second_stage] = _plan_of(d["n2"], SECOND)
+    relayed_lines: list[str] = []
+
+    def relayed_stream() -> None:
+        body = {"model": SECOND, "prompt": prompt, "max_tokens": LONG_TOKENS, "temperature": 0,
+                "stream": True, "meshd": {"ignore_eos": True}}  # fmt: skip
+        with httpx.stream("POST", f"{d['n2'].api_url}/completions", json=body, timeout=120) as r:
+            relayed_lines.extend(line for line in r.iter_lines() if line)
+
     thread = threading.Thread(target=stream)
+    relayed = threading.Thread(target=relayed_stream)
     thread.start()
+    relayed.start()
     assert first_event.wait(60)
+    wait_until(lambda: len(relayed_lines) >= 2, 60, "the relayed stream under way")
     d["n4"].kill()
     streamed_at_kill = len(pieces)
     thread.join(120)
     assert result.get("status") == 200 and result.get("done"), result
     assert result["text"] == long_expected
+    relayed.join(120)
+    assert relayed_lines[-1] == "data: [DONE]"
+    last = json.loads(relayed_lines[-2][6:])
+    if second_stage["key"] == d["n4"].key():
+        assert last["error"]["code"] == "service_unavailable", last
+    else:
+        assert "error" not in last
+        texts = [json.loads(x[6:])["choices"][0]["text"] for x in relayed_lines[:-1]]
+        assert "".join(texts) == tokenizer.decode(reference(mesh.second, prompt, LONG_TOKENS))
     assert streamed_at_kill < len(pieces), "the generation ended before the kill"
     survivors = [d["n2"], d["n3"]]
     survivor_keys = {n.key() for n in survivors}
