@@ -33,6 +33,7 @@ MAX_RECORD_BYTES = 8 * 1024
 MAX_SIGNATURE_BYTES = 128
 MAX_ADDRESS_CHARS = 256
 MAX_MODEL_ID_CHARS = 128
+MAX_MODEL_NAME_CHARS = 128
 MAX_QUANTIZATION_CHARS = 16
 MAX_MODELS = 16
 MAX_RTT_ENTRIES = 256
@@ -98,6 +99,12 @@ class ModelHolding(msgspec.Struct, frozen=True, array_like=True):
     # What the loaded stage holds: weight bytes, and KV cache bytes per position (0: none).
     weight_bytes: U63 = 0
     kv_bytes_per_token: U63 = 0
+    # The part of the record's memory budget this model may use on the node (0: all of it). A
+    # node holding several models splits its budget among them, so each model's plan is made
+    # from the view alone, whatever other models the node holds.
+    memory_budget_bytes: U63 = 0
+    # What the API calls the model (its directory or GGUF file name; "": the id only).
+    name: Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME_CHARS)] = ""
 
 
 class RttEntry(msgspec.Struct, frozen=True, array_like=True):

@@ -10,5 +10,7 @@ GOSSIP_STREAM = 0
 PIPELINE_STREAM = 1
 # NAT traversal: introduction requests, introductions and refusals (`protocol/punch.py`).
 NAT_STREAM = 2
+# API requests relayed to a node that serves the request's model (`protocol/api_relay.py`).
+API_STREAM = 4
 
-__all__ = ["GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]
+__all__ = ["API_STREAM", "GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
+import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -29,12 +30,24 @@ from meshd.api.console import PUBLIC_PATHS, StatusSource, console_routes
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
 from meshd.api.middleware import AuthMiddleware, BodyTimeoutMiddleware, MetricsMiddleware
-from meshd.api.prepare import check_model, prepare_chat, prepare_completion
+from meshd.api.prepare import prepare_chat, prepare_completion
 from meshd.api.responses import JSON, GenerationResponse
+from meshd.api.routing import (
+    RELAYED_HEADER,
+    LocalModels,
+    ModelCatalog,
+    RelayCut,
+    RelayedResponse,
+    ServedModel,
+    find_served,
+    unknown_model,
+)
 from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from meshd.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
+
+EVENT_STREAM = "text/event-stream"
 
 T = TypeVar("T")
 
@@ -64,9 +77,15 @@ class _State:
     """What the handlers share (one per app)."""
 
     def __init__(
-        self, backend: MeshBackend, spec: SpecConfig, config: ApiConfig, metrics: ApiMetrics
+        self,
+        backend: MeshBackend,
+        spec: SpecConfig,
+        config: ApiConfig,
+        metrics: ApiMetrics,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self.backend = backend
+        self.catalog: ModelCatalog = catalog or LocalModels([backend])
         self.spec = spec
         self.config = config
         self.metrics = metrics
@@ -81,6 +100,7 @@ def create_app(
     config: ApiConfig | None = None,
     metrics: ApiMetrics | None = None,
     status: StatusSource | None = None,
+    catalog: ModelCatalog | None = None,
 ) -> Starlette:
     """The API app for `backend`.
 
@@ -89,15 +109,19 @@ def create_app(
     settings, which a request's `meshd.speculative` keys override. `metrics`: give one to
     feed the daemon's hooks; by default the app makes its own (`app.state.metrics`).
     `status`: what the web console shows of the mesh (`meshctl status --json`'s object).
+    `catalog`: the models of a mesh that serves several (`meshd/api/routing.py`); requests
+    route by their `model` (default: `backend`'s model only).
     """
-    state = _State(backend, spec or SpecConfig(), config or ApiConfig(), metrics or ApiMetrics())
+    state = _State(
+        backend, spec or SpecConfig(), config or ApiConfig(), metrics or ApiMetrics(), catalog
+    )
     routes = [
         Route("/v1/models", _endpoint(state, _models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(state, _model), methods=["GET"]),
         Route("/v1/chat/completions", _endpoint(state, _chat), methods=["POST"]),
         Route("/v1/completions", _endpoint(state, _completions), methods=["POST"]),
         Route("/metrics", _endpoint(state, _metrics), methods=["GET"]),
-        *console_routes(state.metrics, status, lambda: [backend.model_name]),
+        *console_routes(state.metrics, status, lambda: [m.name for m in state.catalog.served()]),
     ]
     app = Starlette(
         routes=routes,
@@ -130,31 +154,101 @@ def _endpoint(state: _State, handler: Handler) -> Callable[[Request], Awaitable[
 
 
 async def _models(state: _State, request: Request) -> Response:
-    return _json(ModelList([_card(state)]))
+    return _json(ModelList([_card(state, m) for m in state.catalog.served()]))
 
 
 async def _model(state: _State, request: Request) -> Response:
-    check_model(request.path_params["model"], state.backend)
-    return _json(_card(state))
+    name = request.path_params["model"]
+    served = state.catalog.served()
+    found = find_served(name, served)
+    if found is None:
+        raise unknown_model(name, served)
+    return _json(_card(state, found))
 
 
-def _card(state: _State) -> ModelCard:
-    b = state.backend
-    return ModelCard(id=b.model_name, created=state.created, max_model_len=b.max_context_tokens)
+def _card(state: _State, model: ServedModel) -> ModelCard:
+    return ModelCard(id=model.name, created=state.created, max_model_len=model.max_context_tokens)
 
 
 async def _chat(state: _State, request: Request) -> Response:
     arrived_s = time.perf_counter()
-    body = _decode(await _read_body(request, state.config), ChatCompletionRequest)
-    prepared = prepare_chat(body, state.backend, state.spec)
-    return GenerationResponse(state.backend, state.metrics, prepared, arrived_s)
+    raw = await _read_body(request, state.config)
+    body = _decode(raw, ChatCompletionRequest)
+    backend = state.catalog.local(body.model)
+    if backend is None:
+        return await _relay(state, request, body.model, raw)
+    body = msgspec.structs.replace(body, model=backend.model_name)  # an alias names it too
+    prepared = prepare_chat(body, backend, state.spec)
+    return GenerationResponse(backend, state.metrics, prepared, arrived_s)
 
 
 async def _completions(state: _State, request: Request) -> Response:
     arrived_s = time.perf_counter()
-    body = _decode(await _read_body(request, state.config), CompletionRequest)
-    prepared = prepare_completion(body, state.backend, state.spec)
-    return GenerationResponse(state.backend, state.metrics, prepared, arrived_s)
+    raw = await _read_body(request, state.config)
+    body = _decode(raw, CompletionRequest)
+    backend = state.catalog.local(body.model)
+    if backend is None:
+        return await _relay(state, request, body.model, raw)
+    body = msgspec.structs.replace(body, model=backend.model_name)
+    prepared = prepare_completion(body, backend, state.spec)
+    return GenerationResponse(backend, state.metrics, prepared, arrived_s)
+
+
+async def _relay(state: _State, request: Request, model: str, raw: bytes) -> Response:
+    """A model this node does not coordinate: relay the request to a node that serves it, or
+    404 listing the models served."""
+    relayed = None
+    if not request.headers.get(RELAYED_HEADER):
+        relayed = await state.catalog.relay(model, request.method, request.url.path, raw)
+    if relayed is None:
+        raise unknown_model(model, state.catalog.served())
+    return _RelayResponse(relayed)
+
+
+class _RelayResponse(Response):
+    """Sends a holder's answer on as it arrives; a client that goes away cancels it there."""
+
+    def __init__(self, relayed: RelayedResponse) -> None:
+        super().__init__(status_code=relayed.status)
+        self.relayed = relayed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relayed = self.relayed
+        headers = [
+            (k.lower().encode("latin-1"), v.encode("latin-1"))
+            for k, v in relayed.headers
+            if k.lower() not in ("content-length", "transfer-encoding", "connection")
+        ]
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(cancel_on_disconnect)
+            try:
+                await send(
+                    {"type": "http.response.start", "status": relayed.status, "headers": headers}
+                )
+                tail = b""
+                try:
+                    async for chunk in relayed.body:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except RelayCut as exc:
+                    if dict(relayed.headers).get("content-type", "").startswith(EVENT_STREAM):
+                        # As a stage failure past recovery ends a stream: an error event.
+                        error = ApiError(
+                            503,
+                            f"the node serving this model was lost mid-answer: {exc}",
+                            type=SERVER_ERROR,
+                            code="service_unavailable",
+                        )
+                        tail = b"data: " + error.encode() + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            finally:
+                await relayed.body.aclose()  # type: ignore[attr-defined]
+            nursery.cancel_scope.cancel()
 
 
 async def _metrics(state: _State, request: Request) -> Response:

@@ -94,9 +94,37 @@ def render(status: dict[str, Any], events: int) -> None:
         console.print(plan)
     else:
         console.print(f"[red]no plan:[/] {status['plan_error']}")
+    if len(status.get("models") or []) > 1:  # a mesh serving several models
+        _models(console, status["models"])
     for event in status["events"][-events:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(event["at_unix_s"]))
         console.print(f"{stamp} {event['kind']:<16} {event['node']} {event['detail']}")
+
+
+def _models(console: Any, models: list[dict[str, Any]]) -> None:
+    """One table per model: its plan's stages (models held elsewhere: as their nodes report)."""
+    from rich.table import Table
+
+    for m in models:
+        where = "held here" if m["held"] else "held elsewhere"
+        speed = m["predicted_ms_per_token"]
+        # A line of its own, not the table's title: rich wraps titles to the table's width.
+        console.print(
+            f"model {m['name']} ({m['model_id'][:16]}), {where}"
+            + (f", ~{speed:.2f} ms/token" if speed is not None else "")
+            + f", sessions hosted {m['sessions_hosted']}"
+        )
+        table = Table()
+        for column in ("stage", "node key", "layers", "weights"):
+            table.add_column(column)
+        for i, stage in enumerate(m["plan"]):
+            table.add_row(
+                str(i), stage["key"][:16], _layers(stage["layers"]), _mib(stage["weight_bytes"])
+            )
+        if m["plan"]:
+            console.print(table)
+        else:
+            console.print(f"[red]no plan:[/] {m['plan_error']}")
 
 
 def _counts(title: str, counts: dict[str, int] | None) -> str:

@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
         config = load_config_from_args(args, os.environ)
         config.read_mesh_secret()
         config.read_api_key()
-        check_model(config.model)
-        check_draft_model(config.model, config.spec.draft_model)
+        for model in config.models:
+            check_model(model)
+        check_draft_model(config.models[0], config.spec.draft_model)
         check_ports(config)
     except (ConfigError, StartupError) as exc:
         print(f"meshd serve: {exc}", file=sys.stderr)
@@ -207,24 +208,29 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
+    from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
+    from meshd.node.models import with_models
     from meshd.node.node import MeshNode, NodeBasis, run_node
     from meshd.node.shutdown import stop_gracefully
     from meshd.node.status import export_counters, node_status
 
-    model_dir = config.model or str(builtin_model_dir())
-    name = model_name(config.model)
+    first, *more = config.models
+    model_dir = first or str(builtin_model_dir())
+    name = model_name(first)
     basis = NodeBasis.load(config, model_dir)
+    basis = with_models(config, basis, more)
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode
     backend: NodeBackend
+    catalog: MeshCatalog
     metrics = ApiMetrics()
 
     async def graceful() -> None:
         if started.is_set():  # before that, there is nothing to hand over
-            await stop_gracefully(node, backend, config.graceful_timeout_s)
+            await stop_gracefully(node, catalog, config.graceful_timeout_s)  # every model's
             # A generation ends before its HTTP task has written the error event and [DONE]:
             # let those go out before the API is cancelled, or a stream is cut silently.
             with trio.move_on_after(RESPONSES_FLUSH_S):
@@ -239,6 +245,8 @@ async def serve(config: NodeConfig) -> None:
                 functools.partial(run_node, load_display=_load_display(config)), config, basis
             )
         backend = NodeBackend(node, model_name=name)
+        catalog = model_catalog(node, backend, config.read_api_key())
+        await nursery.start(catalog.run)
         await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
         export_counters(metrics, node)
         app = create_app(
@@ -251,7 +259,9 @@ async def serve(config: NodeConfig) -> None:
             ),
             metrics=metrics,
             status=lambda: node_status(node, backend),
+            catalog=catalog,
         )
+        catalog.app = app
         api = await nursery.start(
             functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
             app, config.api_host, config.api_port,

@@ -48,11 +48,35 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         }
         if type_ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif str in typing.get_args(type_):  # one text or several: the flag may repeat
+            kwargs["action"] = _Repeatable
+            kwargs["type"] = _flag_type(type_)
+            kwargs["metavar"] = "TEXT"
         else:
             kwargs["type"] = _flag_type(type_)
             kwargs["metavar"] = _metavar(type_)
         group.add_argument(flag_name(key), **kwargs)
     add_spec_arguments(parser)
+
+
+class _Repeatable(argparse.Action):
+    """A flag given once sets one value; given again, the values make a list."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        old = getattr(namespace, self.dest, None)
+        if old is None:
+            setattr(namespace, self.dest, values)
+            return
+        both = (old if isinstance(old, tuple) else (old,)) + (
+            values if isinstance(values, tuple) else (values,)
+        )
+        setattr(namespace, self.dest, both)
 
 
 def _flag_type(type_: Any) -> Callable[[str], Any]:

@@ -82,7 +82,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # Largest request body the API accepts (413 beyond).
     api_max_body_bytes: int = 4 * 1024 * 1024
     control_socket: str = ""
-    model: str = ""
+    # One model, or a list: the node holds every one (meshd/node/models.py).
+    model: str | tuple[str, ...] = ""
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
@@ -136,6 +137,11 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             for f in self.__struct_fields__
         )
         return f"NodeConfig({fields})"
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models this node holds, the first first ("" = the built-in model)."""
+        return (self.model,) if isinstance(self.model, str) else self.model
 
     @property
     def api_is_loopback(self) -> bool:
@@ -258,6 +264,10 @@ def _check_compute(c: NodeConfig) -> None:
     _choice("dtype", c.dtype, DTYPES)
     _choice("quantization", c.quantization, QUANTIZATIONS)
     _choice("kv_dtype", c.kv_dtype, DTYPES)
+    if not c.models:
+        raise ConfigError('model: give at least one model ("" = the built-in one)', key="model")
+    if len(set(c.models)) != len(c.models):
+        raise ConfigError(f"model: a model is listed twice in {list(c.models)}", key="model")
     if c.threads < 0:
         raise ConfigError(
             "threads must be >= 0 (0 = every core this process may use)", key="threads"

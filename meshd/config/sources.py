@@ -74,6 +74,9 @@ def parse_text(text: str, type_: Any) -> Any:
     Raises ValueError saying what was expected.
     """
     origin, args = typing.get_origin(type_), typing.get_args(type_)
+    if origin in (typing.Union, types.UnionType) and str in args:
+        # One text or several (`model`): a comma separates them.
+        return tuple(s.strip() for s in text.split(",")) if "," in text else text
     if origin in (typing.Union, types.UnionType):
         if text.strip().lower() in ("", "none"):
             return None

@@ -24,8 +24,10 @@ from meshd.coord.pipeline import (
     StageOverloaded,
 )
 from meshd.model.tokenizer import Tokenizer
+from meshd.node.models import HeldModel
 from meshd.node.node import MeshNode
 from meshd.plan import NoFeasiblePlan
+from meshd.plan.route import Route
 from meshd.spec.telemetry import Recorder
 
 log = logging.getLogger(__name__)
@@ -39,14 +41,21 @@ RETRY_INTERVAL_S = 0.1
 
 
 class NodeBackend:
-    """`meshd.api.backend.MeshBackend` on a running `MeshNode`."""
+    """`meshd.api.backend.MeshBackend` on a running `MeshNode`: its first model, or `held`,
+    one of its further models (`meshd/node/models.py`)."""
 
-    def __init__(self, node: MeshNode, *, model_name: str) -> None:
+    def __init__(self, node: MeshNode, *, model_name: str, held: HeldModel | None = None) -> None:
         self.node = node
         self.model_name = model_name
-        self.tokenizer: Tokenizer = node.tokenizer
-        self.mtp_depth = node.checkpoint.config.num_mtp_layers
-        self.max_context_tokens = node.context_tokens
+        self.held = held
+        self.model_id = held.model_id if held is not None else node.shape.model_id
+        self.tokenizer: Tokenizer = held.files.tokenizer if held is not None else node.tokenizer
+        checkpoint = held.files.checkpoint if held is not None else node.checkpoint
+        self.mtp_depth = checkpoint.config.num_mtp_layers
+        self.max_context_tokens = (
+            held.files.context_tokens if held is not None else node.context_tokens
+        )
+        self.coordinator = held.coordinator if held is not None else node.coordinator
         self.recoveries = 0
         # One cancel scope per generation running, so a stop can end them (`abort_all`).
         self._running: set[trio.CancelScope] = set()
@@ -96,7 +105,7 @@ class NodeBackend:
         deadline = trio.current_time() + self.node.config.recovery_timeout_s
         while True:
             try:
-                route = self.node.route()
+                route = self._route()
             except NoFeasiblePlan as exc:
                 raise ServiceUnavailable(f"no plan fits the mesh: {exc}", 1.0) from exc
             if len(committed) >= request.max_tokens:
@@ -108,7 +117,7 @@ class NodeBackend:
                 max_tokens=request.max_tokens - len(committed),
             )
             try:
-                result = await self.node.coordinator.generate(route, attempt, on_tokens)
+                result = await self.coordinator.generate(route, attempt, on_tokens)
             except StageOverloaded as exc:
                 if not committed:
                     # Nothing generated yet: the client retries later (429 with Retry-After).
@@ -127,6 +136,17 @@ class NodeBackend:
                 continue
             result.tokens = [*committed, *result.tokens]
             return result
+
+    def _route(self) -> Route:
+        if self.held is None:
+            return self.node.route()
+        node = self.node
+        return node.models.route(
+            self.held,
+            node.membership.view(),
+            node.membership.rtt_matrix(),
+            node.health.suspects(trio.current_time()),
+        )
 
     def _on_failure(self, exc: RouteFailed) -> None:
         node_id = self.node.keys.ed_of(exc.node_key) if exc.node_key else None

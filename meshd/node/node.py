@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import trio
 
@@ -49,6 +50,7 @@ from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
 from meshd.node.lanes import LaneKind, NodeLanes, pick_introducers
+from meshd.node.models import ModelFiles, ModelSet, full_model_bytes, split_budget
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
@@ -111,6 +113,9 @@ class NodeBasis:
     context_tokens: int
     # The coordinator's draft model (`spec.draft_model`), at the node's quantization.
     draft: DraftModel | None = None
+    # What the API calls the model, and the node's further models (`meshd/node/models.py`).
+    name: str = ""
+    extras: tuple[ModelFiles, ...] = ()
 
     @classmethod
     def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
@@ -271,6 +276,19 @@ class MeshNode:
             quantization=self.quantization,
             kv_dtype=self.kv_dtype,
         )
+        self.models = ModelSet(
+            basis.extras,
+            self.peers,
+            _RouteSender(self),
+            self.identity.x25519_public,
+            config,
+            device=self.device,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            quantization=self.quantization,
+            note=lambda kind, detail: self.note(kind, self.node_key, detail),
+            publish=self.publish_capacity,
+        )
         self.wiring = NodeWiring(
             coordinator=self.coordinator,
             stage=self.slot,
@@ -311,6 +329,7 @@ class MeshNode:
         nursery = self._nursery
         await nursery.start(self.peers.run)
         await nursery.start(self.slot.run)
+        await self.models.start(nursery)
         await nursery.start(self.gossip.run)
         nursery.start_soon(self.coordinator.keep_alive)
         nursery.start_soon(self._plan_loop)
@@ -369,9 +388,27 @@ class MeshNode:
                 quantization=self.quantization,
                 weight_bytes=self.slot.weight_bytes if layers is not None else 0,
                 kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
+                name=self.basis.name,
             )
             models = (holding,)
-        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=self.slot.sessions)
+        models = self._share_budget(budget, (*models, *self.models.holdings()))
+        sessions = self.slot.sessions + self.models.sessions
+        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
+
+    def _share_budget(
+        self, budget: int, holdings: tuple[ModelHolding, ...]
+    ) -> tuple[ModelHolding, ...]:
+        """With several models, each offered holds its share of the budget (`split_budget`)."""
+        if len(holdings) < 2:
+            return holdings
+        needs = {self.shape.model_id: full_model_bytes(self.shape, self.context_tokens)}
+        for held in self.models:
+            needs[held.model_id] = full_model_bytes(held.files.shape, held.files.context_tokens)
+        shares = split_budget(budget, [needs[h.model_id] for h in holdings])
+        return tuple(
+            msgspec.structs.replace(h, memory_budget_bytes=share)
+            for h, share in zip(holdings, shares, strict=True)
+        )
 
     def publish_capacity(self, *, urgent: bool = False) -> None:
         """Re-sign our record if what we offer changed (membership rate-limits it, unless
@@ -382,7 +419,9 @@ class MeshNode:
 
     # ---- lanes and messages ---------------------------------------------------------------
     def _dispatch(self, message: Message, lane_key: bytes) -> None:
-        self.wiring.dispatch(message, lane_key)
+        rest = self.models.dispatch(message, lane_key)  # the further models' part
+        if rest is not None:
+            self.wiring.dispatch(rest, lane_key)
 
     def _on_hello(self, message: Message, lane_key: bytes) -> None:
         assert isinstance(message, NodeHello)
@@ -412,6 +451,7 @@ class MeshNode:
             if self.health.on_lane_lost(node_id, reason, trio.current_time()):
                 self.request_replan()
         self.wiring.lane_lost(lane_key)
+        self.models.lane_lost(lane_key)
         self.gossip.on_lane_dead(lane_key)
 
     def suspect(self, node_id: bytes) -> None:
@@ -425,6 +465,7 @@ class MeshNode:
             self.note(kind, node_id)
         for node_id in verdicts.gone:
             self.slot.free_coordinator(self.keys.x_of(node_id))
+            self.models.free_coordinator(self.keys.x_of(node_id))
         self.request_replan()
 
     def _introducers_for(self, target: bytes) -> list[bytes]:
@@ -481,6 +522,8 @@ class MeshNode:
                 now=trio.current_time(),
             )
         )
+        view, rtt = self.membership.view(), self.membership.rtt_matrix()
+        await self.models.replan(view, rtt, self.node_key, trio.current_time())
         self._plan_changed.set()
         self._plan_changed = trio.Event()
 
@@ -506,6 +549,7 @@ class MeshNode:
         if any(isinstance(e, Ignored) for e in effects):
             log.info("ignoring %s: this node is stopping", action)
         await self._carry_out(effects)
+        await self.models.apply_command(action, drain, now)
 
     def begin_stop(self) -> None:
         """SIGTERM: admit nothing new and stop offering the model, so every plan (and every
@@ -515,6 +559,7 @@ class MeshNode:
         for effect in effects:  # nothing here waits: no stage stops or loads
             assert not isinstance(effect, StopStage | LoadStage)
             self._carry_out_now(effect)
+        self.models.begin_stop(trio.current_time())
 
     async def finish_stop(self) -> None:
         """Stop the stage: sessions still open get `stage_stopped`, and their coordinators
@@ -522,6 +567,7 @@ class MeshNode:
         await self._carry_out(
             self.duty.finish_stop(sessions=self.slot.sessions, now=trio.current_time())
         )
+        await self.models.finish_stop(trio.current_time())
 
     async def _carry_out(self, effects: list[Effect]) -> None:
         for effect in effects:

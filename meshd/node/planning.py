@@ -118,7 +118,9 @@ def plan_inputs(
         if not info.healthy or holding is None or info.capacity is None or node_id in exclude:
             continue
         compute_s = max(1, holding.compute_ns_per_layer_token) / 1e9
-        nodes.append(NodeCapacity(node_id, info.capacity.memory_budget_bytes, compute_s))
+        # A node holding several models offers each its share (`ModelHolding`).
+        budget = holding.memory_budget_bytes or info.capacity.memory_budget_bytes
+        nodes.append(NodeCapacity(node_id, budget, compute_s))
         if holding.loaded:
             held[node_id] = (holding.layer_start, holding.layer_end)
     coordinator = nodes[0].key if nodes else b""

@@ -15,16 +15,27 @@
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import trio
 
-from meshd.node.generation import NodeBackend
 from meshd.node.node import MeshNode
 
 log = logging.getLogger(__name__)
 
 
-async def stop_gracefully(node: MeshNode, backend: NodeBackend, timeout_s: float) -> None:
+class Generations(Protocol):
+    """The node's running generations: a `NodeBackend`, or every model's (`MeshCatalog`)."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def wait_idle(self) -> None: ...
+
+    async def abort_all(self) -> None: ...
+
+
+async def stop_gracefully(node: MeshNode, backend: Generations, timeout_s: float) -> None:
     """Run steps 1-3 (see the module docstring); returns when the daemon may exit."""
     deadline = trio.current_time() + timeout_s
     node.begin_stop()

@@ -120,6 +120,10 @@ class StageSlot:
         """Sessions open on this node's stage."""
         return self._running.host.sessions if self._running else 0
 
+    def holds_session(self, session: str) -> bool:
+        """Whether the current stage holds `session` open."""
+        return self._running is not None and self._running.host.has_session(session)
+
     @property
     def sessions_expired(self) -> dict[str, int]:
         """Sessions freed without an explicit close since the node started, by cause."""
@@ -236,6 +240,17 @@ class StageSlot:
                     message.session,
                     "wrong_layers",
                     f"this node serves {held}, the route expects {list(expected)}",
+                )
+                assert self._nursery is not None
+                self._nursery.start_soon(self._send, message.coordinator, error)
+                return
+            if message.model_id != self.checkpoint.model_id:
+                # Another model's session (a stale plan elsewhere): never run it on these weights.
+                error = StageError(
+                    message.session,
+                    "wrong_model",
+                    f"this node serves model {self.checkpoint.model_id[:16]} here, the route "
+                    f"expects {message.model_id[:16]}",
                 )
                 assert self._nursery is not None
                 self._nursery.start_soon(self._send, message.coordinator, error)

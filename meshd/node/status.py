@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from meshd.mesh.identity import node_id_of
+from meshd.node.model_status import ModelStatus, model_statuses
 from meshd.node.planning import holding_of
 from protocol.punch import RelayPath
 
@@ -115,6 +116,9 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # docs/operations.md; `export_counters` gives /metrics the same counts.
     datagrams_dropped: dict[str, int]
     handshakes_refused: dict[str, int]
+    # Every model the mesh serves, with its plan (`meshd/node/model_status.py`); the fields
+    # above are about this node's first model, except sessions_hosted and kv_used_bytes (all).
+    models: list[ModelStatus]
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -165,13 +169,14 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         disabled=node.disabled,
         draining=node.draining,
         stage_layers=list(layers) if layers is not None else None,
-        sessions_hosted=node.slot.sessions,
-        kv_used_bytes=node.slot.kv_used_bytes,
+        sessions_hosted=node.slot.sessions + sum(h.slot.sessions for h in node.models),
+        kv_used_bytes=node.slot.kv_used_bytes + sum(h.slot.kv_used_bytes for h in node.models),
         sessions_expired=node.slot.sessions_expired,
         stopping=node.stopping,
         weight_bytes=node.slot.weight_bytes,
         kv_bytes_per_token=node.slot.kv_bytes_per_token,
-        sessions_coordinated=node.coordinator.sessions_in_flight,
+        sessions_coordinated=node.coordinator.sessions_in_flight
+        + sum(h.coordinator.sessions_in_flight for h in node.models),
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,
         members=members,
@@ -194,6 +199,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         nat=_nat_status(node),
         datagrams_dropped=dict(node.endpoint.stats.dropped),
         handshakes_refused=dict(node.endpoint.stats.refused),
+        models=model_statuses(node),
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out

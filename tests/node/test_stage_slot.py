@@ -4,6 +4,7 @@ while a coordinator's view still shows the old one)."""
 
 from __future__ import annotations
 
+import msgspec
 import torch
 import trio
 
@@ -63,6 +64,17 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
         [error] = replies
         assert isinstance(error, StageError) and error.code == "wrong_quantization"
         assert "int8" in error.message and "none" in error.message
+        assert slot.sessions == 0
+
+        # Another model's session (a stale plan of a mesh serving several) is refused too.
+        replies.clear()
+        got = trio.Event()
+        other = msgspec.structs.replace(_open("other", me.x25519_public, "int8"), model_id="f" * 32)
+        slot.handle(other, me.x25519_public)
+        with trio.fail_after(10):
+            await got.wait()
+        [error] = replies
+        assert isinstance(error, StageError) and error.code == "wrong_model"
         assert slot.sessions == 0
 
         # The route that says int8 (or says nothing) is served.
