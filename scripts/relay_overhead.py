@@ -1,10 +1,10 @@
-"""Not a test: what relaying a request to a model's holder costs.
+"""What relaying a request to a model's holder costs (a measurement, not a test).
 
 The mesh of `test_several_models` (n2: the built-in model, n3: both, n4: the second model);
 the same greedy completion of the second model is asked of n2 (which relays it to a holder),
 n3 and n4 directly, in alternating rounds; medians. Run in a network namespace of its own:
 
-    unshare -rn sh -c 'ip link set lo up && .venv/bin/python -m tests.node.relay_overhead 20 24'
+    unshare -rn sh -c 'ip link set lo up && .venv/bin/python scripts/relay_overhead.py 20 24'
 
 (arguments: rounds, max_tokens).
 """
@@ -16,6 +16,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the test helpers
 
 from meshd.cli.supervisor import kill_all, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
