@@ -1,6 +1,6 @@
 """The web console in a real headless browser (Debian's chromium, driven by Selenium) against a
 running 2-node mesh: the page loads, shows both members and the plan, and a chat message streams
-an answer from the mesh.
+an answer from the mesh; against a node holding two models, it shows each model's plan.
 
 `scripts/setup` installs chromium and its driver where they are missing; without them this
 test fails (it does not skip): the console is part of the product.
@@ -24,6 +24,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from meshd.cli.supervisor import settled_plan, stage_budget, started, stop_all, wait_until
 from meshd.model.builtin import builtin_model_dir
 from tests.node.daemons import SECRET, Daemon
+from tests.node.test_several_models import SECOND, second_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -106,3 +107,37 @@ def test_the_console_shows_the_mesh_and_streams_a_chat_answer(mesh: list[Daemon]
         wait.until(lambda d: d.find_element(By.ID, "generated").text not in ("–", "0"))
     finally:
         driver.quit()
+
+
+def test_the_console_shows_every_models_plan(tmp_path: pathlib.Path) -> None:
+    # One node holding two models: the page shows each model's plan and offers both for chat.
+    second = second_checkpoint(tmp_path / SECOND)
+    budget = 4 * stage_budget(str(second), 1)
+    node = Daemon(tmp_path, 122, secret=SECRET, budget=budget, extra=("--model", "",
+                  "--model", str(second)))  # fmt: skip
+    try:
+        started([node])
+        wait_until(lambda: _both_planned(node), 60, "both models planned")
+        driver = browser()
+        try:
+            driver.get(node.api_url.removesuffix("/v1") + "/")
+            wait = WebDriverWait(driver, 30)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#plan tbody tr")) == 1)
+            assert "1 stage(s)" in driver.find_element(By.ID, "plan-summary").text
+            other = "#other-plans .model-plan"
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, other)) == 1)
+            section = driver.find_element(By.CSS_SELECTOR, other)
+            assert section.find_element(By.TAG_NAME, "h3").text.startswith(f"{SECOND} (")
+            assert "1 stage(s)" in section.text
+            assert len(section.find_elements(By.CSS_SELECTOR, "tbody tr")) == 1
+            options = driver.find_elements(By.CSS_SELECTOR, "#model option")
+            assert {o.text for o in options} == {"meshd-builtin", SECOND}
+        finally:
+            driver.quit()
+    finally:
+        stop_all([node])
+
+
+def _both_planned(node: Daemon) -> bool:
+    status = node.try_status()
+    return status is not None and len([m for m in status["models"] if m["plan"]]) == 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import secrets
 import shutil
 import threading
 from collections.abc import Iterator
@@ -43,7 +44,7 @@ MAX_TOKENS = 24
 # Long enough to still run when the SIGKILL lands.
 LONG_TOKENS = 400
 # This module's own mesh: daemons of other test modules running beside it never join it.
-SECRET = "meshd-several-models-secret-0123456789"
+SECRET = "meshd-several-models-" + secrets.token_hex(8)
 
 
 def second_checkpoint(directory: pathlib.Path) -> pathlib.Path:
