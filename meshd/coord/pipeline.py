@@ -122,6 +122,9 @@ class Coordinator:
         naming another draft path loads it here once, at `draft_quantization`."""
         self.sender = sender
         self._drafts: dict[str, DraftModel] = {} if draft is None else {draft.path: draft}
+        # False where the node's draft does not fit this coordinator's model (another
+        # tokenizer: a further model of the node's); its requests then draft with nothing.
+        self.drafts_allowed = True
         self.draft_quantization = draft_quantization
         self.own_key = own_key
         self.session_lease_s = session_lease_s
@@ -309,7 +312,7 @@ class Coordinator:
 
     def draft_model(self, spec: SpecConfig) -> DraftModel | None:
         """The draft model `spec` names (loaded once per path), or None when it names none."""
-        if not spec.draft_model:
+        if not spec.draft_model or not self.drafts_allowed:
             return None
         found = self._drafts.get(spec.draft_model)
         if found is None:

@@ -25,6 +25,7 @@ from meshd.config import ConfigError, NodeConfig
 from meshd.coord.pipeline import Coordinator, Sender
 from meshd.mesh.member import MemberInfo
 from meshd.model.checkpoint import Checkpoint
+from meshd.model.errors import ModelError
 from meshd.model.files import model_name, open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.lanes import LaneTable
@@ -42,6 +43,7 @@ from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stage_slot import StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan, PlannerConfig
 from meshd.plan.route import Route
+from meshd.spec.draft import DraftMismatchError, check_draft_tokenizer
 from protocol.gossip import ModelHolding
 from protocol.messages import (
     CloseSession,
@@ -192,6 +194,7 @@ class ModelSet:
                 session_lease_s=config.session_lease_s,
                 draft_quantization=quantization,
             )
+            coordinator.drafts_allowed = _draft_fits(config.spec.draft_model, f.model_dir)
             self.models[f.shape.model_id] = HeldModel(
                 f, slot, coordinator, Duty(config.drain_timeout_s)
             )
@@ -457,3 +460,17 @@ def _describe(p: Plan) -> str:
         ", ".join(f"{s.node_key.hex()[:8]}[{s.layer_start},{s.layer_end})" for s in p.stages)
         + f" {p.quantization} ~{p.predicted_s_per_token * 1000:.2f} ms/token"
     )
+
+
+def _draft_fits(draft: str, model_dir: str) -> bool:
+    """Whether the node's draft (`spec.draft_model`, checked at start against the first model)
+    drafts for this further model too: the same tokenizer, or a prefix of its vocabulary.
+    Where it does not, the model's requests run without it (a `draft` request is refused)."""
+    if not draft:
+        return True
+    try:
+        check_draft_tokenizer(model_dir, draft)
+    except (DraftMismatchError, ModelError) as exc:
+        log.warning("spec.draft_model does not draft for %s: %s", model_dir, exc)
+        return False
+    return True

@@ -3,14 +3,21 @@ share: the same plans on every node, from the view alone."""
 
 from __future__ import annotations
 
+import pathlib
+
+import pytest
+import tokenizers
 import torch
 
+from meshd.coord.pipeline import Coordinator
 from meshd.mesh.member import MemberInfo
-from meshd.model.builtin import builtin_model_dir
+from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.node.models import full_model_bytes, split_budget
+from meshd.node.models import _draft_fits, full_model_bytes, split_budget
 from meshd.node.planning import model_shape, plan_view
 from meshd.plan import NoFeasiblePlan
+from meshd.spec.config import SpecConfig
+from meshd.spec.strategies import UnknownStrategyError, make_proposer
 from protocol.gossip import CapacityRecord, ModelHolding, Status
 
 CONTEXT = 1024
@@ -60,3 +67,24 @@ def test_each_model_is_planned_within_the_share_its_nodes_offer_it() -> None:
         pass
     else:
         raise AssertionError("a plan beyond the shares the nodes offer")
+
+
+def test_the_nodes_draft_drafts_only_for_models_with_its_tokenizer(tmp_path: pathlib.Path) -> None:
+    draft = str(builtin_draft_dir())
+    assert _draft_fits(draft, str(builtin_model_dir()))
+    assert _draft_fits("", str(tmp_path))  # no draft configured: nothing to refuse
+    # A further model with a tokenizer of its own: its requests run without the draft, and a
+    # request for the `draft` strategy is refused by name instead of feeding it foreign ids.
+    other = tmp_path / "other"
+    other.mkdir()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"])
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x * 2\n"] * 20, trainer=trainer)
+    tok.save(str(other / "tokenizer.json"))
+    assert not _draft_fits(draft, str(other))
+    coordinator = Coordinator(None, b"k" * 32)  # type: ignore[arg-type]
+    coordinator.drafts_allowed = False
+    assert coordinator.draft_model(SpecConfig(draft_model=draft)) is None
+    with pytest.raises(UnknownStrategyError, match="needs a draft model"):
+        make_proposer("draft", SpecConfig(draft_model=draft), draft=None)
