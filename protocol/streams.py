@@ -10,5 +10,8 @@ GOSSIP_STREAM = 0
 PIPELINE_STREAM = 1
 # NAT traversal: introduction requests, introductions and refusals (`protocol/punch.py`).
 NAT_STREAM = 2
+# Model artifacts: manifests and tensor chunks, fetched by nodes started with `mesh:ID`
+# (`protocol/artifacts.py`).
+ARTIFACT_STREAM = 3
 
-__all__ = ["GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]
+__all__ = ["ARTIFACT_STREAM", "GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]

@@ -97,6 +97,14 @@ def check_model(model: str) -> None:
     branch in one place. A missing path and a path that is not a directory are told apart.
     Opening the checkpoint reads its config and the safetensors headers only (no weights).
     """
+    if model.startswith("mesh:"):
+        from meshd.node.fetch import mesh_model_prefix
+
+        try:
+            mesh_model_prefix(model)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        return
     if not model:
         return
     path = pathlib.Path(model)
@@ -139,6 +147,8 @@ def check_draft_model(model: str, draft: str) -> None:
         check_model(draft)
     except StartupError as exc:
         raise StartupError(f"spec.draft_model: {str(exc).removeprefix('model: ')}") from None
+    if model.startswith("mesh:"):
+        return  # the tokenizer arrives with the manifest: checked when the draft loads
     try:
         check_draft_tokenizer(model or str(builtin_model_dir()), draft)
     except DraftMismatchError as exc:
@@ -208,6 +218,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.control import serve_control
+    from meshd.node.fetch import mesh_basis, mesh_model_prefix
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode, NodeBasis, run_node
     from meshd.node.shutdown import stop_gracefully
@@ -215,7 +226,11 @@ async def serve(config: NodeConfig) -> None:
 
     model_dir = config.model or str(builtin_model_dir())
     name = model_name(config.model)
-    basis = NodeBasis.load(config, model_dir)
+    prefix = mesh_model_prefix(config.model)
+    if prefix is not None:  # holds no files: manifest first, its stage's tensors once planned
+        basis = await mesh_basis(config, prefix)
+    else:
+        basis = NodeBasis.load(config, model_dir)
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode

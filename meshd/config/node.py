@@ -83,6 +83,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     api_max_body_bytes: int = 4 * 1024 * 1024
     control_socket: str = ""
     model: str = ""
+    # Where fetched models (`mesh:ID`) and cached tensor hashes live ("" = the state dir).
+    model_cache_dir: str = ""
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
@@ -141,6 +143,10 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     def api_is_loopback(self) -> bool:
         """True when the API listens on loopback only (then no API key is required)."""
         return _is_loopback(self.api_host)
+
+    def model_cache_path(self) -> Path:
+        """The root of fetched models and tensor-hash caches (`model_cache_dir` or `state_dir`)."""
+        return Path(self.model_cache_dir or self.state_dir)
 
     def control_socket_path(self) -> Path:
         """The control socket for meshctl (`<state_dir>/control.sock` unless set)."""

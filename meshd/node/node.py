@@ -45,6 +45,7 @@ from meshd.node.duty import (
     StartDrain,
     StopStage,
 )
+from meshd.node.fetch import ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
@@ -54,7 +55,7 @@ from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from meshd.plan.route import Route
 from meshd.spec.draft import DraftModel
-from protocol import gossip
+from protocol import artifacts, gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
 from protocol.messages import (
@@ -64,7 +65,7 @@ from protocol.messages import (
     SessionKeepAlive,
     StageCommand,
 )
-from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM
+from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +112,32 @@ class NodeBasis:
     context_tokens: int
     # The coordinator's draft model (`spec.draft_model`), at the node's quantization.
     draft: DraftModel | None = None
+    # What compute is measured on, when not `checkpoint` (a `mesh:ID` node: random weights of
+    # the model's shapes, before it fetched any).
+    timing_checkpoint: Checkpoint | None = None
 
     @classmethod
     def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
         """Read the identity, the mesh secret and the model's files (ConfigError, ModelError)."""
+        from meshd.model.manifest import set_cache_dir
+
+        set_cache_dir(config.model_cache_path())
         identity = NodeIdentity.load_or_create(config.state_dir)
         psk = psk_from_secret(config.read_mesh_secret())
-        checkpoint = open_checkpoint(model_dir)
+        return cls.of(config, identity, psk, model_dir, open_checkpoint(model_dir))
+
+    @classmethod
+    def of(
+        cls,
+        config: NodeConfig,
+        identity: NodeIdentity,
+        psk: bytes,
+        model_dir: str,
+        checkpoint: Checkpoint,
+        *,
+        timing_checkpoint: Checkpoint | None = None,
+    ) -> NodeBasis:
+        """The basis over an opened checkpoint (its tokenizer files are in `model_dir`)."""
         device = pick_device(None if config.device == "auto" else config.device)
         dtype = _DTYPES.get(config.dtype, torch.float32)
         kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
@@ -143,6 +163,7 @@ class NodeBasis:
                 if config.spec.draft_model
                 else None
             ),
+            timing_checkpoint=timing_checkpoint,
         )
 
 
@@ -162,7 +183,7 @@ async def run_node(
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
     compute_ns = await trio.to_thread.run_sync(
         lambda: measure_compute_ns(
-            basis.checkpoint,
+            basis.timing_checkpoint or basis.checkpoint,
             basis.device,
             basis.dtype,
             WARMUP_PASSES,
@@ -246,10 +267,23 @@ class MeshNode:
             self._dispatch,
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
-            streams={GOSSIP_STREAM: (gossip.decode, self._on_gossip)},
+            streams={
+                GOSSIP_STREAM: (gossip.decode, self._on_gossip),
+                ARTIFACT_STREAM: (artifacts.decode, self._on_artifact),
+            },
             nat=config.nat,
             punch=config.punch,
             introducers=self._introducers_for,
+        )
+        # Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage.
+        self.artifacts = ArtifactService(
+            self.checkpoint,
+            self.peers,
+            lambda: model_sources(
+                self.membership.view(), self.shape.model_id, self.node_key, self.keys.x_of
+            ),
+            load_display=load_display,
+            note=lambda kind, detail: self.note(kind, self.node_key, detail),
         )
         self.coordinator = Coordinator(
             _RouteSender(self),
@@ -310,6 +344,7 @@ class MeshNode:
         """Start every part's tasks; returns once lanes, the stage slot and gossip run."""
         nursery = self._nursery
         await nursery.start(self.peers.run)
+        await nursery.start(self.artifacts.run)
         await nursery.start(self.slot.run)
         await nursery.start(self.gossip.run)
         nursery.start_soon(self.coordinator.keep_alive)
@@ -395,6 +430,9 @@ class MeshNode:
     def _on_gossip(self, message: gossip.GossipMessage, lane_key: bytes) -> None:
         self.gossip.on_gossip(message, lane_key)
 
+    def _on_artifact(self, message: artifacts.ArtifactMessage, lane_key: bytes) -> None:
+        self.artifacts.on_message(message, lane_key)
+
     def _on_lane_up(self, lane_key: bytes, lane: PeerLane) -> None:
         self._nursery.start_soon(self._say_hello, lane_key, lane)
         self.gossip.on_lane_up(lane_key)
@@ -413,6 +451,7 @@ class MeshNode:
                 self.request_replan()
         self.wiring.lane_lost(lane_key)
         self.gossip.on_lane_dead(lane_key)
+        self.artifacts.on_lane_lost(lane_key)
 
     def suspect(self, node_id: bytes) -> None:
         """Leave `node_id` out of this node's routes for a while (its lane died)."""
@@ -529,6 +568,7 @@ class MeshNode:
                 self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
                 await self.slot.stop(effect.reason)
             elif isinstance(effect, LoadStage):
+                await self.artifacts.ensure_layers(effect.layers)  # a `mesh:ID` node's tensors
                 await self.slot.load(effect.layers)
             else:
                 self._carry_out_now(effect)

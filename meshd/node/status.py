@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from meshd.mesh.identity import node_id_of
+from meshd.node.fetch import FetchStatus
 from meshd.node.planning import holding_of
 from protocol.punch import RelayPath
 
@@ -115,6 +116,8 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # docs/operations.md; `export_counters` gives /metrics the same counts.
     datagrams_dropped: dict[str, int]
     handshakes_refused: dict[str, int]
+    # The last fetch of this node's stage tensors over the mesh (`mesh:ID` nodes; None: none).
+    fetch: FetchStatus | None = None
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -194,6 +197,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         nat=_nat_status(node),
         datagrams_dropped=dict(node.endpoint.stats.dropped),
         handshakes_refused=dict(node.endpoint.stats.refused),
+        fetch=node.artifacts.status(),
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out

@@ -1,0 +1,274 @@
+"""`meshd bench fetch`: weights over loopback lanes, and what a transfer does to a verify window.
+
+A holder (the checkpoint's files, `ArtifactService`) and a fetcher (an empty `ModelStore`) run
+in this one trio process on two endpoints, as two nodes do. Each round fetches every tensor of
+the model (a fresh store each time) and reports MB/s; meanwhile, and before it, the fetcher
+sends verify-window-sized messages (`--window-kib`, a window's hidden states) to the holder on
+the pipeline stream and times each round trip: the latency of a window with the lane idle and
+with a transfer running, and their ratio (the goal is within 1.2x). Rounds repeat and medians
+are reported, because this machine is shared and noisy.
+
+The built-in model is small (14 MB); `--synthetic-mb N` writes a random checkpoint of about N
+MB (built-in architecture, more and wider layers) to a temp dir and fetches that instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import pathlib
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from meshd.bench.harness import model_dir, print_report
+from meshd.model.checkpoint import Checkpoint, expected_shapes
+from meshd.model.manifest import ModelStore
+from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import LaneTable
+from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
+from protocol import artifacts
+from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher
+from protocol.messages import Message
+from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
+
+REPLY_BYTES = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshd bench fetch`."""
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: built-in)")
+    parser.add_argument("--synthetic-mb", type=int, default=0, help="fetch a random ~N MB model")
+    parser.add_argument("--rounds", type=int, default=3, help="fetches (medians reported)")
+    parser.add_argument("--window-kib", type=int, default=64, help="verify window message size")
+    parser.add_argument("--pings", type=int, default=200, help="idle round trips per round")
+    parser.add_argument("--window-bytes", type=int, default=None, help="fetch flow window")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="bytes per chunk request")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and print a table or JSON."""
+    defaults = FetchConfig()
+    config = FetchConfig(
+        chunk_bytes=args.chunk_bytes or defaults.chunk_bytes,
+        window_bytes=args.window_bytes or defaults.window_bytes,
+    )
+    with tempfile.TemporaryDirectory(prefix="meshd-bench-fetch-") as tmp:
+        source = model_dir(args)
+        if args.synthetic_mb:
+            source = str(synthetic_checkpoint(pathlib.Path(tmp) / "model", args.synthetic_mb))
+        result = trio.run(
+            _main,
+            source,
+            pathlib.Path(tmp),
+            args.rounds,
+            args.window_kib * 1024,
+            args.pings,
+            config,
+        )
+    print_report(result, args.json, _print_table)
+    return 0
+
+
+def synthetic_checkpoint(directory: pathlib.Path, megabytes: int) -> pathlib.Path:
+    """A random float16 checkpoint of about `megabytes` MB with the built-in model's tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from meshd.model.builtin import builtin_model_dir
+    from meshd.model.config import ModelConfig
+
+    builtin = builtin_model_dir()
+    directory.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(builtin / name, directory / name)
+    raw = json.loads((builtin / "config.json").read_text())
+    raw |= {"hidden_size": 1024, "intermediate_size": 2816, "torch_dtype": "float16"}
+    per_layer_mb = (4 * 1024 * 1024 + 3 * 1024 * 2816) * 2 / 1e6
+    raw["num_hidden_layers"] = max(2, round(megabytes / per_layer_mb))
+    (directory / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_file(directory / "config.json")
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=generator).to(torch.float16)
+        for name, shape in expected_shapes(config).items()
+    }
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+@dataclass
+class _Node:
+    table: LaneTable
+    service: ArtifactService
+    key: bytes
+
+
+@contextlib.asynccontextmanager
+async def artifact_pair(
+    holder: Checkpoint, store_checkpoint: Checkpoint, config: FetchConfig
+) -> AsyncIterator[tuple[_Node, _Node, trio.Nursery]]:
+    """Two nodes on loopback lanes: one serving `holder`'s files, one with its own store."""
+    from nacl.bindings import crypto_scalarmult_base
+    from nacl.utils import random as nacl_random
+
+    psk = b"\x07" * 32
+    privs = [nacl_random(32), nacl_random(32)]
+    pubs = [crypto_scalarmult_base(p) for p in privs]
+    async with (
+        open_endpoint(static_private=privs[0], psk=psk) as e0,
+        open_endpoint(static_private=privs[1], psk=psk) as e1,
+        trio.open_nursery() as nursery,
+    ):
+        nodes: list[_Node] = []
+        for endpoint, own, peer, checkpoint in (
+            (e0, pubs[0], pubs[1], holder),
+            (e1, pubs[1], pubs[0], store_checkpoint),
+        ):
+            holder_for: list[ArtifactService] = []
+
+            def on_artifact(
+                message: artifacts.ArtifactMessage,
+                sender: bytes,
+                box: list[ArtifactService] = holder_for,
+            ) -> None:
+                box[0].on_message(message, sender)
+
+            def dispatch(_message: Message, _sender: bytes) -> None:
+                pass
+
+            table = LaneTable(
+                endpoint, own, dispatch, streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)}
+            )
+            await nursery.start(table.run)
+            service = ArtifactService(checkpoint, table, lambda peer=peer: [peer], config=config)
+            holder_for.append(service)
+            await nursery.start(service.run)
+            nodes.append(_Node(table, service, own))
+        nodes[1].table.addresses[pubs[0]] = e0.local_address
+        nodes[0].table.addresses[pubs[1]] = e1.local_address
+        yield nodes[0], nodes[1], nursery
+        nursery.cancel_scope.cancel()
+
+
+async def _main(
+    source: str,
+    tmp: pathlib.Path,
+    rounds: int,
+    window_message_bytes: int,
+    pings: int,
+    config: FetchConfig,
+) -> dict[str, Any]:
+    holder = Checkpoint.open(source)
+    t0 = time.perf_counter()
+    model_id, data, manifest = await trio.to_thread.run_sync(lambda: holder.manifest)
+    manifest_s = time.perf_counter() - t0
+    tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
+    total = sum(manifest.artifacts[i].nbytes for i in tensors)
+    samples: dict[str, list[float]] = {}
+    for r in range(rounds):
+        store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
+        async with artifact_pair(holder, holder, config) as (server, client, _nursery):
+            rtts_idle, rtts_busy, mb_s = await _round(
+                server, client, store, tensors, total, window_message_bytes, pings, config
+            )
+        shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
+        samples.setdefault("fetch_mb_s", []).append(mb_s)
+        samples.setdefault("window_rtt_idle_ms", []).append(statistics.median(rtts_idle) * 1e3)
+        samples.setdefault("window_rtt_busy_ms", []).append(statistics.median(rtts_busy) * 1e3)
+    out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
+    out["window_rtt_ratio"] = round(out["window_rtt_busy_ms"] / out["window_rtt_idle_ms"], 3)
+    out |= {
+        "model_bytes": total,
+        "tensors": len(tensors),
+        "manifest_hash_s": round(manifest_s, 3),
+        "window_message_bytes": window_message_bytes,
+        "chunk_bytes": config.chunk_bytes,
+        "flow_window_bytes": config.window_bytes,
+        "rounds": rounds,
+        "per_round": samples,
+    }
+    return out
+
+
+async def _round(
+    server: _Node,
+    client: _Node,
+    store: ModelStore,
+    tensors: list[int],
+    total: int,
+    window_message_bytes: int,
+    pings: int,
+    config: FetchConfig,
+) -> tuple[list[float], list[float], float]:
+    replies: trio.MemorySendChannel[bytes]
+    replies, reply_out = trio.open_memory_channel[bytes](16)
+    window = b"w" * window_message_bytes
+
+    def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
+        server.table._nursery.start_soon(  # type: ignore[union-attr]
+            server.table.send_bytes, sender, PIPELINE_STREAM, b"r" * REPLY_BYTES
+        )
+
+    def got_reply(data: bytes, sender: bytes) -> None:
+        replies.send_nowait(data)
+
+    server.table.streams[PIPELINE_STREAM] = (bytes, echo)
+    client.table.streams[PIPELINE_STREAM] = (bytes, got_reply)
+
+    async def window_rtt() -> float:
+        t = time.perf_counter()
+        await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
+        await reply_out.receive()
+        return time.perf_counter() - t
+
+    await client.table.lane_to(server.key)
+    for _ in range(20):  # warm-up
+        await window_rtt()
+    idle = [await window_rtt() for _ in range(pings)]
+    fetcher = Fetcher(store.model_id, store.manifest, tensors, config)
+    run = FetchRun(
+        fetcher,
+        store,
+        client.service._send,
+        lambda: [server.key],
+        ProgressMeter(store.model_id, "all", total),
+    )
+    client.service._run = run
+    busy: list[float] = []
+    done = trio.Event()
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+
+        async def fetch() -> None:
+            await run.run()
+            done.set()
+
+        nursery.start_soon(fetch)
+        while not done.is_set():
+            rtt = await window_rtt()
+            if not done.is_set():
+                busy.append(rtt)
+            await trio.sleep(0.005)  # windows come between decode steps, not back to back
+    elapsed = time.perf_counter() - t0
+    client.service._run = None
+    if not busy:
+        busy = [float("nan")]
+    return idle, busy, total / elapsed / 1e6
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    print(f"meshd bench fetch — loopback lanes, {r['rounds']} rounds, medians")
+    print(f"  model: {r['tensors']} tensors, {r['model_bytes'] / 1e6:.1f} MB")
+    print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
+    print(f"  verify window RTT, idle        {r['window_rtt_idle_ms']:9.3f} ms")
+    print(f"  verify window RTT, transfer    {r['window_rtt_busy_ms']:9.3f} ms")
+    print(f"  ratio                          {r['window_rtt_ratio']:9.2f}x")
