@@ -203,8 +203,8 @@ class FetchConfig:
     until `set_sources` names it anew.
     """
 
-    chunk_bytes: int = 1024 * 1024
-    window_bytes: int = 4 * 1024 * 1024
+    chunk_bytes: int = 256 * 1024
+    window_bytes: int = 1024 * 1024
     timeout_s: float = 10.0
     max_strikes: int = 3
 

@@ -14,4 +14,8 @@ NAT_STREAM = 2
 # (`protocol/artifacts.py`).
 ARTIFACT_STREAM = 3
 
-__all__ = ["ARTIFACT_STREAM", "GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]
+# Bulk streams yield to every other stream on a lane (`protocol.transport`): their bytes go
+# only where nothing else waits, and never fill the congestion window.
+BULK_STREAMS = frozenset({ARTIFACT_STREAM})
+
+__all__ = ["ARTIFACT_STREAM", "BULK_STREAMS", "GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]

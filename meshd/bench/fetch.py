@@ -22,7 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,8 @@ from protocol.messages import Message
 from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
 
 REPLY_BYTES = 64
+# Between two windows a coordinator samples and drafts: windows are paced, not back to back.
+PACE_S = 0.005
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +107,42 @@ def synthetic_checkpoint(directory: pathlib.Path, megabytes: int) -> pathlib.Pat
     return directory
 
 
+class _VerifyStage:
+    """The built-in model, whole, verifying 4-token windows of one session (one thread)."""
+
+    TOKENS = 4
+
+    def __init__(self) -> None:
+        import torch
+
+        from meshd.model.builtin import builtin_model_dir
+        from meshd.model.stage import StageModel
+
+        torch.set_num_threads(1)
+        checkpoint = Checkpoint.open(builtin_model_dir())
+        self.stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
+        self.position = 0
+        self.stage.open_session("bench", 1024)
+
+    computing = False
+
+    def step(self) -> None:
+        import torch
+
+        if self.position + self.TOKENS > 1000:
+            self.stage.close_session("bench")
+            self.stage.open_session("bench", 1024)
+            self.position = 0
+        tokens = torch.arange(self.TOKENS, dtype=torch.int64) + 5
+        self.computing = True
+        try:
+            with torch.inference_mode():
+                self.stage.forward("bench", self.position, tokens, logits_last_n=self.TOKENS)
+        finally:
+            self.computing = False
+        self.position += self.TOKENS
+
+
 @dataclass
 class _Node:
     table: LaneTable
@@ -114,7 +152,10 @@ class _Node:
 
 @contextlib.asynccontextmanager
 async def artifact_pair(
-    holder: Checkpoint, store_checkpoint: Checkpoint, config: FetchConfig
+    holder: Checkpoint,
+    store_checkpoint: Checkpoint,
+    config: FetchConfig,
+    busy: Callable[[], bool] | None = None,
 ) -> AsyncIterator[tuple[_Node, _Node, trio.Nursery]]:
     """Two nodes on loopback lanes: one serving `holder`'s files, one with its own store."""
     from nacl.bindings import crypto_scalarmult_base
@@ -149,7 +190,9 @@ async def artifact_pair(
                 endpoint, own, dispatch, streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)}
             )
             await nursery.start(table.run)
-            service = ArtifactService(checkpoint, table, lambda peer=peer: [peer], config=config)
+            service = ArtifactService(
+                checkpoint, table, lambda peer=peer: [peer], config=config, busy=busy
+            )
             holder_for.append(service)
             await nursery.start(service.run)
             nodes.append(_Node(table, service, own))
@@ -174,18 +217,33 @@ async def _main(
     tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
     total = sum(manifest.artifacts[i].nbytes for i in tensors)
     samples: dict[str, list[float]] = {}
+    verify_stage = _VerifyStage()
     for r in range(rounds):
         store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
-        async with artifact_pair(holder, holder, config) as (server, client, _nursery):
-            rtts_idle, rtts_busy, mb_s = await _round(
-                server, client, store, tensors, total, window_message_bytes, pings, config
-            )
-        shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
-        samples.setdefault("fetch_mb_s", []).append(mb_s)
-        samples.setdefault("window_rtt_idle_ms", []).append(statistics.median(rtts_idle) * 1e3)
-        samples.setdefault("window_rtt_busy_ms", []).append(statistics.median(rtts_busy) * 1e3)
+        # Alternate: the lane alone (a window's bytes there and back), then a verify window
+        # through a stage of the built-in model (its forward pass on the holder).
+        for kind, stage in (("lane", None), ("verify", verify_stage)):
+            busy = (lambda: verify_stage.computing) if stage is not None else None
+            async with artifact_pair(holder, holder, config, busy) as (server, client, _nursery):
+                rtts_idle, rtts_busy, mb_s = await _round(
+                    server,
+                    client,
+                    store,
+                    tensors,
+                    total,
+                    window_message_bytes,
+                    pings,
+                    config,
+                    stage,
+                )
+            shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
+            store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
+            samples.setdefault("fetch_mb_s", []).append(mb_s)
+            samples.setdefault(f"{kind}_rtt_idle_ms", []).append(statistics.median(rtts_idle) * 1e3)
+            samples.setdefault(f"{kind}_rtt_busy_ms", []).append(statistics.median(rtts_busy) * 1e3)
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
-    out["window_rtt_ratio"] = round(out["window_rtt_busy_ms"] / out["window_rtt_idle_ms"], 3)
+    for kind in ("lane", "verify"):
+        out[f"{kind}_rtt_ratio"] = round(out[f"{kind}_rtt_busy_ms"] / out[f"{kind}_rtt_idle_ms"], 3)
     out |= {
         "model_bytes": total,
         "tensors": len(tensors),
@@ -208,15 +266,19 @@ async def _round(
     window_message_bytes: int,
     pings: int,
     config: FetchConfig,
+    stage: _VerifyStage | None,
 ) -> tuple[list[float], list[float], float]:
     replies: trio.MemorySendChannel[bytes]
     replies, reply_out = trio.open_memory_channel[bytes](16)
     window = b"w" * window_message_bytes
 
+    async def answer(sender: bytes) -> None:
+        if stage is not None:  # a stage verifying the window: its forward pass, in a thread
+            await trio.to_thread.run_sync(stage.step)
+        await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+
     def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
-        server.table._nursery.start_soon(  # type: ignore[union-attr]
-            server.table.send_bytes, sender, PIPELINE_STREAM, b"r" * REPLY_BYTES
-        )
+        server.table._nursery.start_soon(answer, sender)  # type: ignore[union-attr]
 
     def got_reply(data: bytes, sender: bytes) -> None:
         replies.send_nowait(data)
@@ -233,7 +295,10 @@ async def _round(
     await client.table.lane_to(server.key)
     for _ in range(20):  # warm-up
         await window_rtt()
-    idle = [await window_rtt() for _ in range(pings)]
+    idle = []
+    for _ in range(pings):  # paced as during the transfer: one window, then a decode step
+        idle.append(await window_rtt())
+        await trio.sleep(PACE_S)
     fetcher = Fetcher(store.model_id, store.manifest, tensors, config)
     run = FetchRun(
         fetcher,
@@ -257,7 +322,7 @@ async def _round(
             rtt = await window_rtt()
             if not done.is_set():
                 busy.append(rtt)
-            await trio.sleep(0.005)  # windows come between decode steps, not back to back
+            await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
     elapsed = time.perf_counter() - t0
     client.service._run = None
     if not busy:
@@ -269,6 +334,7 @@ def _print_table(r: dict[str, Any]) -> None:
     print(f"meshd bench fetch — loopback lanes, {r['rounds']} rounds, medians")
     print(f"  model: {r['tensors']} tensors, {r['model_bytes'] / 1e6:.1f} MB")
     print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
-    print(f"  verify window RTT, idle        {r['window_rtt_idle_ms']:9.3f} ms")
-    print(f"  verify window RTT, transfer    {r['window_rtt_busy_ms']:9.3f} ms")
-    print(f"  ratio                          {r['window_rtt_ratio']:9.2f}x")
+    for kind, what in (("lane", "lane round trip"), ("verify", "verify window")):
+        print(f"  {what + ', idle':29s}  {r[f'{kind}_rtt_idle_ms']:9.3f} ms")
+        print(f"  {what + ', transfer':29s}  {r[f'{kind}_rtt_busy_ms']:9.3f} ms")
+        print(f"  {'ratio':29s}  {r[f'{kind}_rtt_ratio']:9.2f}x")

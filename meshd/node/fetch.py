@@ -73,6 +73,7 @@ MANIFEST_TIMEOUT_S = 5.0
 JOIN_RETRY_INITIAL_S = 0.5
 JOIN_RETRY_MAX_S = 8.0
 FETCH_RETRY_S = 2.0
+BUSY_POLL_S = 0.0005
 
 
 def mesh_model_prefix(model: str) -> str | None:
@@ -402,6 +403,7 @@ class ArtifactService:
         config: FetchConfig | None = None,
         load_display: LoadDisplay | None = None,
         note: Callable[[str, str], None] | None = None,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.server = ArtifactServer(checkpoint)
@@ -410,6 +412,9 @@ class ArtifactService:
         self.config = config or FetchConfig()
         self.load_display = load_display
         self._note = note or (lambda _kind, _detail: None)
+        # While this is true (the stage computes a window), serving chunks waits: the CPU
+        # and the GIL go to the verify window first.
+        self.busy = busy or (lambda: False)
         send, receive = trio.open_memory_channel[tuple[ManifestRequest | ChunkRequest, bytes]](
             SERVE_QUEUE
         )
@@ -439,6 +444,9 @@ class ArtifactService:
         """Serve requests, one at a time, until cancelled."""
         task_status.started()
         async for message, sender in self._requests_out:
+            # A flag the stage host owns, polled: an event per pass would cost every pass.
+            while self.busy() and isinstance(message, ChunkRequest):  # noqa: ASYNC110
+                await trio.sleep(BUSY_POLL_S)
             reply = self.server.answer(message)
             with contextlib.suppress(PeerUnreachable):
                 await self.peers.send_bytes(sender, ARTIFACT_STREAM, artifacts.encode(reply))
