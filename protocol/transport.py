@@ -40,7 +40,6 @@ from protocol.packet import PACKET_OVERHEAD_BYTES, KeySchedule, ReplayWindow, pa
 from protocol.packet import seal_packet as _seal
 from protocol.pmtu import PathMtu
 from protocol.ranges import RangeSet
-from protocol.streams import BULK_STREAMS
 from protocol.recovery import CARRIED_CLOSE, CARRIED_MAX_DATA, Recovery, SentPacket
 from protocol.stream import (
     INITIAL_MAX_DATA_BYTES,
@@ -51,6 +50,7 @@ from protocol.stream import (
     SendStream,
     StreamChunk,
 )
+from protocol.streams import BULK_STREAMS
 
 CARRIED_STREAM_DEFAULT = 4
 _NO_STREAMS: tuple[int, ...] = ()
