@@ -190,9 +190,8 @@ async def artifact_pair(
                 endpoint, own, dispatch, streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)}
             )
             await nursery.start(table.run)
-            service = ArtifactService(
-                checkpoint, table, lambda peer=peer: [peer], config=config, busy=busy
-            )
+            sources: list[bytes] = [peer]
+            service = ArtifactService(checkpoint, table, sources.copy, config=config, busy=busy)
             holder_for.append(service)
             await nursery.start(service.run)
             nodes.append(_Node(table, service, own))
