@@ -257,6 +257,11 @@ class _Wanted:
     received: int = 0
     contributors: set[bytes] = field(default_factory=set)
     excluded: set[bytes] = field(default_factory=set)  # refused or supplied bad bytes
+    # After bytes from several sources did not match, the artifact comes whole from one
+    # source (`pinned`), preferring none of the `suspects`, so the next mismatch names a culprit.
+    single: bool = False
+    pinned: bytes | None = None
+    suspects: set[bytes] = field(default_factory=set)
 
 
 class FetchFailed(Exception):
@@ -322,6 +327,9 @@ class Fetcher:
         self._strikes = {s: n for s, n in self._strikes.items() if s in self._sources}
         for source in self._sources:
             self._strikes.setdefault(source, 0)
+        for index in list(self.failed):  # a new holder may supply what failed
+            if any(s not in self._wanted[index].excluded for s in self._sources):
+                del self.failed[index]
 
     def poll(self, now: float) -> list[FetchEffect]:
         """Time out late requests and issue new ones within each source's window."""
@@ -388,7 +396,12 @@ class Fetcher:
         step = self.config.chunk_bytes
         wanted.missing = [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)][::-1]
         wanted.received = 0
-        wanted.excluded |= wanted.contributors
+        if len(wanted.contributors) == 1:
+            wanted.excluded |= wanted.contributors
+        else:
+            wanted.single = True
+            wanted.suspects = set(wanted.contributors)
+        wanted.pinned = None
         wanted.contributors = set()
         self._check_failed()
 
@@ -398,6 +411,9 @@ class Fetcher:
             if p.source == source:
                 self._drop(request_id)
         self._sources = [s for s in self._sources if s != source]
+        for wanted in self._wanted.values():
+            if wanted.pinned == source:
+                wanted.pinned = None
 
     # -- internals ------------------------------------------------------------------------
     def _drop(self, request_id: int, *, requeue: bool = True) -> None:
@@ -412,15 +428,23 @@ class Fetcher:
         )
 
     def _pick(self, index: int, wanted: _Wanted) -> bytes | None:
-        """The usable source with the most room in its window (ties: the earlier listed)."""
+        """The usable source with a chunk's room in its window: fewest recent timeouts first,
+        then the most room (ties: the earlier listed)."""
+        if wanted.pinned is not None:
+            room = self.config.window_bytes - self._in_flight.get(wanted.pinned, 0)
+            usable = self._usable(wanted.pinned, wanted) and wanted.pinned in self._sources
+            return wanted.pinned if usable and room >= self.config.chunk_bytes else None
         best: bytes | None = None
-        best_room = 0
+        best_rank = (0, 0, 0)
         for source in self._sources:
             if not self._usable(source, wanted):
                 continue
             room = self.config.window_bytes - self._in_flight.get(source, 0)
-            if room >= self.config.chunk_bytes and room > best_room:
-                best, best_room = source, room
+            rank = (source not in wanted.suspects, -self._strikes.get(source, 0), room)
+            if room >= self.config.chunk_bytes and (best is None or rank > best_rank):
+                best, best_rank = source, rank
+        if best is not None and wanted.single:
+            wanted.pinned = best
         return best
 
     def _check_failed(self) -> None:

@@ -151,35 +151,32 @@ class _Node:
 
 
 @contextlib.asynccontextmanager
-async def artifact_pair(
-    holder: Checkpoint,
-    store_checkpoint: Checkpoint,
+async def artifact_nodes(
+    checkpoints: list[Checkpoint],
     config: FetchConfig,
     busy: Callable[[], bool] | None = None,
-) -> AsyncIterator[tuple[_Node, _Node, trio.Nursery]]:
-    """Two nodes on loopback lanes: one serving `holder`'s files, one with its own store."""
+) -> AsyncIterator[list[_Node]]:
+    """One node per checkpoint on loopback lanes, each serving that checkpoint's files and
+    knowing every other's address (each lists all the others as sources)."""
     from nacl.bindings import crypto_scalarmult_base
     from nacl.utils import random as nacl_random
 
     psk = b"\x07" * 32
-    privs = [nacl_random(32), nacl_random(32)]
+    privs = [nacl_random(32) for _ in checkpoints]
     pubs = [crypto_scalarmult_base(p) for p in privs]
-    async with (
-        open_endpoint(static_private=privs[0], psk=psk) as e0,
-        open_endpoint(static_private=privs[1], psk=psk) as e1,
-        trio.open_nursery() as nursery,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        endpoints = [
+            await stack.enter_async_context(open_endpoint(static_private=p, psk=psk)) for p in privs
+        ]
+        nursery = await stack.enter_async_context(trio.open_nursery())
         nodes: list[_Node] = []
-        for endpoint, own, peer, checkpoint in (
-            (e0, pubs[0], pubs[1], holder),
-            (e1, pubs[1], pubs[0], store_checkpoint),
-        ):
-            holder_for: list[ArtifactService] = []
+        for endpoint, own, checkpoint in zip(endpoints, pubs, checkpoints, strict=True):
+            box: list[ArtifactService] = []
 
             def on_artifact(
                 message: artifacts.ArtifactMessage,
                 sender: bytes,
-                box: list[ArtifactService] = holder_for,
+                box: list[ArtifactService] = box,
             ) -> None:
                 box[0].on_message(message, sender)
 
@@ -190,14 +187,15 @@ async def artifact_pair(
                 endpoint, own, dispatch, streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)}
             )
             await nursery.start(table.run)
-            sources: list[bytes] = [peer]
-            service = ArtifactService(checkpoint, table, sources.copy, config=config, busy=busy)
-            holder_for.append(service)
+            others = [k for k in pubs if k != own]
+            for key, other in zip(pubs, endpoints, strict=True):
+                if key != own:
+                    table.addresses[key] = other.local_address
+            service = ArtifactService(checkpoint, table, others.copy, config=config, busy=busy)
+            box.append(service)
             await nursery.start(service.run)
             nodes.append(_Node(table, service, own))
-        nodes[1].table.addresses[pubs[0]] = e0.local_address
-        nodes[0].table.addresses[pubs[1]] = e1.local_address
-        yield nodes[0], nodes[1], nursery
+        yield nodes
         nursery.cancel_scope.cancel()
 
 
@@ -223,7 +221,7 @@ async def _main(
         # through a stage of the built-in model (its forward pass on the holder).
         for kind, stage in (("lane", None), ("verify", verify_stage)):
             busy = (lambda: verify_stage.computing) if stage is not None else None
-            async with artifact_pair(holder, holder, config, busy) as (server, client, _nursery):
+            async with artifact_nodes([holder, holder], config, busy) as (server, client):
                 rtts_idle, rtts_busy, mb_s = await _round(
                     server,
                     client,

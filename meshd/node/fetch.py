@@ -312,6 +312,7 @@ class FetchRun:
                 self.store.begin(i)
 
         await trio.to_thread.run_sync(begin_all)
+        failure: str | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             last: list[bytes] | None = None
@@ -329,9 +330,7 @@ class FetchRun:
                 for effect in fetcher.poll(now):
                     await self._apply(effect)
                 failure = fetcher.failure()
-                if failure is not None:
-                    raise FetchFailed(failure)
-                if fetcher.done:
+                if failure is not None or fetcher.done:
                     break
                 self._wake = trio.Event()
                 deadline = fetcher.next_deadline()
@@ -342,6 +341,8 @@ class FetchRun:
                     await self._wake.wait()
             nursery.cancel_scope.cancel()
         self._nursery = None
+        if failure is not None:  # raised out here: not wrapped in the nursery's group
+            raise FetchFailed(failure)
 
     def on_reply(self, message: ChunkReply | ArtifactRefusal, source: bytes) -> None:
         """A reply on the artifact stream from `source`."""
