@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import pathlib
 import shutil
 import statistics
@@ -40,6 +41,7 @@ from protocol.messages import Message
 from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
 
 REPLY_BYTES = 64
+PSK = b"\x07" * 32
 # Between two windows a coordinator samples and drafts: windows are paced, not back to back.
 PACE_S = 0.005
 
@@ -161,7 +163,7 @@ async def artifact_nodes(
     from nacl.bindings import crypto_scalarmult_base
     from nacl.utils import random as nacl_random
 
-    psk = b"\x07" * 32
+    psk = PSK
     privs = [nacl_random(32) for _ in checkpoints]
     pubs = [crypto_scalarmult_base(p) for p in privs]
     async with contextlib.AsyncExitStack() as stack:
@@ -296,35 +298,106 @@ async def _round(
     for _ in range(pings):  # paced as during the transfer: one window, then a decode step
         idle.append(await window_rtt())
         await trio.sleep(PACE_S)
-    fetcher = Fetcher(store.model_id, store.manifest, tensors, config)
-    run = FetchRun(
-        fetcher,
-        store,
-        client.service._send,
-        lambda: [server.key],
-        ProgressMeter(store.model_id, "all", total),
+    # The fetching node, in its own process as in a mesh: the holder's process serves it.
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    address = server.table.endpoint.local_address
+    args = (
+        server.key,
+        address,
+        store.model_id,
+        store.manifest_bytes,
+        str(store.directory.parents[1]),
     )
-    client.service._run = run
-    busy: list[float] = []
-    done = trio.Event()
-    t0 = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-
-        async def fetch() -> None:
-            await run.run()
-            done.set()
-
-        nursery.start_soon(fetch)
-        while not done.is_set():
+    process = ctx.Process(
+        target=_fetch_child, args=(*args, config.chunk_bytes, config.window_bytes, child)
+    )
+    process.start()
+    try:
+        started = await trio.to_thread.run_sync(parent.recv)
+        assert started == "start", started
+        busy: list[float] = []
+        while not parent.poll():
             rtt = await window_rtt()
-            if not done.is_set():
+            if not parent.poll():
                 busy.append(rtt)
             await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
-    elapsed = time.perf_counter() - t0
-    client.service._run = None
+        kind, elapsed = await trio.to_thread.run_sync(parent.recv)
+        assert kind == "done", kind
+    finally:
+        await trio.to_thread.run_sync(process.join, 30)
     if not busy:
         busy = [float("nan")]
     return idle, busy, total / elapsed / 1e6
+
+
+def _fetch_child(
+    holder: bytes,
+    address: tuple[str, int],
+    model_id: str,
+    data: bytes,
+    root: str,
+    chunk_bytes: int,
+    window_bytes: int,
+    conn: Any,
+) -> None:
+    """(another process) Fetch every tensor from `holder`; report "start", then the seconds."""
+    config = FetchConfig(chunk_bytes=chunk_bytes, window_bytes=window_bytes)
+    trio.run(_fetch_child_main, holder, address, model_id, data, pathlib.Path(root), config, conn)
+
+
+async def _fetch_child_main(
+    holder: bytes,
+    address: tuple[str, int],
+    model_id: str,
+    data: bytes,
+    root: pathlib.Path,
+    config: FetchConfig,
+    conn: Any,
+) -> None:
+    from nacl.bindings import crypto_scalarmult_base
+    from nacl.utils import random as nacl_random
+
+    _, manifest = artifacts.open_manifest(data, model_id)
+    store = ModelStore(root, model_id, data, manifest)
+    tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
+    private = nacl_random(32)
+    runs: list[FetchRun] = []
+
+    def on_artifact(message: artifacts.ArtifactMessage, sender: bytes) -> None:
+        if isinstance(message, artifacts.ChunkReply | artifacts.ArtifactRefusal) and runs:
+            runs[0].on_reply(message, sender)
+
+    def dispatch(_message: Message, _sender: bytes) -> None:
+        pass
+
+    async with (
+        open_endpoint(static_private=private, psk=PSK) as endpoint,
+        trio.open_nursery() as nursery,
+    ):
+        table = LaneTable(
+            endpoint,
+            crypto_scalarmult_base(private),
+            dispatch,
+            streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)},
+        )
+        await nursery.start(table.run)
+        table.addresses[holder] = address
+        await table.lane_to(holder)
+
+        async def send(source: bytes, payload: bytes) -> None:
+            await table.send_bytes(source, ARTIFACT_STREAM, payload)
+
+        fetcher = Fetcher(model_id, manifest, tensors, config)
+        total = sum(manifest.artifacts[i].nbytes for i in tensors)
+        runs.append(
+            FetchRun(fetcher, store, send, lambda: [holder], ProgressMeter(model_id, "all", total))
+        )
+        conn.send("start")
+        t0 = time.perf_counter()
+        await runs[0].run()
+        conn.send(("done", time.perf_counter() - t0))
+        nursery.cancel_scope.cancel()
 
 
 def _print_table(r: dict[str, Any]) -> None:

@@ -73,6 +73,8 @@ MANIFEST_TIMEOUT_S = 5.0
 JOIN_RETRY_INITIAL_S = 0.5
 JOIN_RETRY_MAX_S = 8.0
 FETCH_RETRY_S = 2.0
+# A fetch with no chunk arriving for this long fails (and is tried again after FETCH_RETRY_S).
+STALL_S = 30.0
 BUSY_POLL_S = 0.0005
 
 
@@ -317,6 +319,7 @@ class FetchRun:
             self._nursery = nursery
             last: list[bytes] | None = None
             refreshed = -1.0
+            received, progressed = fetcher.received_bytes, trio.current_time()
             while not fetcher.done:
                 now = trio.current_time()
                 if now - refreshed >= SOURCE_REFRESH_S:
@@ -330,6 +333,10 @@ class FetchRun:
                 for effect in fetcher.poll(now):
                     await self._apply(effect)
                 failure = fetcher.failure()
+                if fetcher.received_bytes != received:
+                    received, progressed = fetcher.received_bytes, now
+                elif now - progressed >= STALL_S:
+                    failure = f"no chunk arrived for {STALL_S:.0f} s (no member holding the model answers)"
                 if failure is not None or fetcher.done:
                     break
                 self._wake = trio.Event()
@@ -457,33 +464,33 @@ class ArtifactService:
         """The last fetch's figures (None: this node never fetched)."""
         return self.meter.status() if self.meter is not None else None
 
-    async def ensure_layers(self, layers: tuple[int, int]) -> None:
+    async def ensure_layers(self, layers: tuple[int, int]) -> bool:
         """Fetch the tensors a stage of `layers` needs that this node does not hold (nothing
-        to do for a node holding the checkpoint's files). Retries until it succeeds: a fetch
-        that fails says why in the log, the event log and `meshctl status`."""
+        to do for a node holding the checkpoint's files). False when the fetch failed: it says
+        why in the log, the event log and `meshctl status`, and the caller tries again later."""
         checkpoint = self.checkpoint
         if not isinstance(checkpoint, StoreCheckpoint):
-            return
+            return True
         store = checkpoint.store
         assert store is not None
         names = stage_tensor_names(checkpoint.config, *layers)
         indices = store.tensor_indices(names)
-        while True:
-            held = await trio.to_thread.run_sync(store.held, indices)
+        held = await trio.to_thread.run_sync(store.held, indices)
+        checkpoint.refresh()
+        missing = [i for i in indices if i not in held]
+        if not missing:
+            return True
+        try:
+            await self._fetch(store, missing, f"layers [{layers[0]}, {layers[1]})")
+        except FetchFailed as exc:
+            assert self.meter is not None
+            self.meter.state, self.meter.error = "failed", str(exc)
+            log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, exc)
+            self._note("fetch-failed", str(exc))
+            return False
+        finally:
             checkpoint.refresh()
-            missing = [i for i in indices if i not in held]
-            if not missing:
-                return
-            try:
-                await self._fetch(store, missing, f"layers [{layers[0]}, {layers[1]})")
-            except FetchFailed as exc:
-                assert self.meter is not None
-                self.meter.state, self.meter.error = "failed", str(exc)
-                log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, exc)
-                self._note("fetch-failed", str(exc))
-                await trio.sleep(FETCH_RETRY_S)
-            finally:
-                checkpoint.refresh()
+        return True
 
     async def _fetch(self, store: ModelStore, missing: list[int], what: str) -> None:
         total = sum(store.manifest.artifacts[i].nbytes for i in missing)

@@ -45,7 +45,7 @@ from meshd.node.duty import (
     StartDrain,
     StopStage,
 )
-from meshd.node.fetch import ArtifactService, model_sources
+from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
@@ -524,6 +524,10 @@ class MeshNode:
         self._plan_changed.set()
         self._plan_changed = trio.Event()
 
+    async def _replan_after(self, delay_s: float) -> None:
+        await trio.sleep(delay_s)
+        self.request_replan()
+
     def route(self) -> Route:
         """The route this node coordinates its requests over now (NoFeasiblePlan if none)."""
         return lane_route(self._plan_now(exclude=self.health.suspects(trio.current_time())))
@@ -569,8 +573,13 @@ class MeshNode:
                 self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
                 await self.slot.stop(effect.reason)
             elif isinstance(effect, LoadStage):
-                await self.artifacts.ensure_layers(effect.layers)  # a `mesh:ID` node's tensors
-                await self.slot.load(effect.layers)
+                # A `mesh:ID` node fetches its stage's tensors first; a failed fetch re-plans
+                # (and so tries again) a little later.
+                if await self.artifacts.ensure_layers(effect.layers):
+                    await self.slot.load(effect.layers)
+                else:  # nothing changed: no note, nothing to publish
+                    self._nursery.start_soon(self._replan_after, FETCH_RETRY_S)
+                    return
             else:
                 self._carry_out_now(effect)
 
