@@ -42,6 +42,7 @@ from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
 
 REPLY_BYTES = 64
 PSK = b"\x07" * 32
+STEP_TIMEOUT_S = 10.0
 # Between two windows a coordinator samples and drafts: windows are paced, not back to back.
 PACE_S = 0.005
 
@@ -287,8 +288,9 @@ async def _round(
 
     async def window_rtt() -> float:
         t = time.perf_counter()
-        await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
-        await reply_out.receive()
+        with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
+            await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
+            await reply_out.receive()
         return time.perf_counter() - t
 
     await client.table.lane_to(server.key)
@@ -313,8 +315,10 @@ async def _round(
         target=_fetch_child, args=(*args, config.chunk_bytes, config.window_bytes, child)
     )
     process.start()
+    child.close()  # the child's end: recv raises EOFError if the child dies
     try:
-        started = await trio.to_thread.run_sync(parent.recv)
+        with trio.fail_after(STEP_TIMEOUT_S * 6):
+            started = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
         assert started == "start", started
         busy: list[float] = []
         while not parent.poll():
@@ -322,7 +326,7 @@ async def _round(
             if not parent.poll():
                 busy.append(rtt)
             await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
-        kind, elapsed = await trio.to_thread.run_sync(parent.recv)
+        kind, elapsed = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
         assert kind == "done", kind
     finally:
         await trio.to_thread.run_sync(process.join, 30)
