@@ -76,6 +76,7 @@ FETCH_RETRY_S = 2.0
 # A fetch with no chunk arriving for this long fails (and is tried again after FETCH_RETRY_S).
 STALL_S = 30.0
 BUSY_POLL_S = 0.0005
+SERVE_AHEAD_BYTES = 256 * 1024
 
 
 def mesh_model_prefix(model: str) -> str | None:
@@ -452,12 +453,20 @@ class ArtifactService:
         """Serve requests, one at a time, until cancelled."""
         task_status.started()
         async for message, sender in self._requests_out:
-            # A flag the stage host owns, polled: an event per pass would cost every pass.
-            while self.busy() and isinstance(message, ChunkRequest):  # noqa: ASYNC110
+            # Polled (an event per pass would cost every pass): no chunk while the stage
+            # computes, nor while the lane still holds `SERVE_AHEAD_BYTES` unsent or unacked
+            # (what is queued is encrypted and sent in this loop, beside the stage's thread).
+            while isinstance(message, ChunkRequest) and (  # noqa: ASYNC110
+                self.busy() or self._backlog(sender) > SERVE_AHEAD_BYTES
+            ):
                 await trio.sleep(BUSY_POLL_S)
             reply = self.server.answer(message)
             with contextlib.suppress(PeerUnreachable):
                 await self.peers.send_bytes(sender, ARTIFACT_STREAM, artifacts.encode(reply))
+
+    def _backlog(self, key: bytes) -> int:
+        lane = self.peers.lane(key)
+        return lane.lane.pending_send_bytes if lane is not None else 0
 
     # -- fetching ---------------------------------------------------------------------------
     def status(self) -> FetchStatus | None:
