@@ -186,8 +186,15 @@ async def artifact_nodes(
             def dispatch(_message: Message, _sender: bytes) -> None:
                 pass
 
+            def on_lane_lost(key: bytes, _lane: object, box: list[ArtifactService] = box) -> None:
+                box[0].on_lane_lost(key)
+
             table = LaneTable(
-                endpoint, own, dispatch, streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)}
+                endpoint,
+                own,
+                dispatch,
+                streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)},
+                on_lane_lost=on_lane_lost,
             )
             await nursery.start(table.run)
             others = [k for k in pubs if k != own]

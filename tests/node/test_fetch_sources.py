@@ -8,6 +8,7 @@ import pathlib
 import shutil
 
 import pytest
+import trio
 
 from meshd.bench.fetch import artifact_nodes
 from meshd.model.builtin import builtin_model_dir
@@ -83,3 +84,37 @@ async def test_with_only_a_changed_source_the_fetch_fails_clearly(tmp_path: path
             await run.run()
     (index,) = store.tensor_indices([changed])
     assert not store.path_of(index).exists()  # nothing unverified is ever stored
+
+
+async def test_a_fetch_resumes_from_another_holder_when_a_lane_dies(tmp_path: pathlib.Path) -> None:
+    good = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    everything = list(range(len(manifest.artifacts)))
+    async with artifact_nodes([good, good, good], CONFIG) as (first, second, fetching):
+        run = _run(store, [first.key, second.key], fetching.service._send, everything)
+        fetching.service._run = run
+        into_transfer = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:  # told after every chunk
+            if run.fetcher.received_bytes >= 2 * 1024 * 1024:
+                into_transfer.set()
+
+        assert run.meter is not None
+        run.meter.display = on_progress
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.run)
+            await into_transfer.wait()
+            # The first holder goes away: its lane closes and it cannot be dialled again.
+            del fetching.table.addresses[first.key]
+            lane = fetching.table.lane(first.key)
+            assert lane is not None
+            lane.close("gone")
+            closed_at = trio.current_time()
+        # Resumed at once from the other holder, not after a request timed out.
+        assert trio.current_time() - closed_at < CONFIG.timeout_s
+    assert run.fetcher.done
+    total = run.fetcher.total_bytes
+    # What had arrived was kept: at most what the lost holder still owed is fetched twice.
+    assert run.fetcher.received_bytes <= total + CONFIG.window_bytes
+    assert store.held(everything) == set(everything)
