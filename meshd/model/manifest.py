@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -53,6 +54,7 @@ MODEL_FILES = (
     "tokenizer_config.json",
 )
 MANIFEST_FILE = "manifest.msgpack"
+_TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]{0,200}")
 _HASH_BLOCK = 8 * 1024 * 1024
 
 _lock = threading.Lock()
@@ -198,6 +200,20 @@ class ModelStore:
     """A model fetched (in part) over the mesh: `<root>/models/<model id>/`."""
 
     def __init__(self, root: pathlib.Path, model_id: str, data: bytes, manifest: Manifest) -> None:
+        # Names become file names: a manifest from a peer must not reach outside the store.
+        for artifact in manifest.artifacts:
+            if artifact.kind == ArtifactKind.FILE and artifact.name not in MODEL_FILES:
+                raise CorruptCheckpoint(
+                    f"manifest of {model_id}: unexpected file {artifact.name!r}"
+                )
+            if artifact.kind == ArtifactKind.TENSOR and not _TENSOR_NAME.fullmatch(artifact.name):
+                raise CorruptCheckpoint(
+                    f"manifest of {model_id}: tensor name {artifact.name!r} is not a plain name"
+                )
+            if artifact.kind == ArtifactKind.TENSOR and artifact.dtype not in _TORCH_DTYPES:
+                raise CorruptCheckpoint(
+                    f"manifest of {model_id}: tensor {artifact.name!r} has dtype {artifact.dtype!r}"
+                )
         self.model_id = model_id
         self.manifest_bytes = data
         self.manifest = manifest

@@ -99,3 +99,19 @@ def test_a_store_keeps_matching_bytes_and_drops_a_changed_file(tmp_path: pathlib
     assert reopened is not None and reopened.held([index]) == set()
     assert not store.path_of(index).exists()
     assert manifest.artifacts[index].kind == ArtifactKind.TENSOR
+
+
+def test_a_manifest_naming_paths_outside_the_store_is_refused(tmp_path: pathlib.Path) -> None:
+    from meshd.model.errors import CorruptCheckpoint
+    from protocol.artifacts import Artifact, Manifest, encode_manifest
+
+    for artifact in (
+        Artifact(ArtifactKind.FILE, "../escape.json", 1, b"\0" * 32),
+        Artifact(ArtifactKind.TENSOR, "../../x", 4, b"\0" * 32, "F32", [1]),
+        Artifact(ArtifactKind.TENSOR, "model.norm/weight", 4, b"\0" * 32, "F32", [1]),
+    ):
+        manifest = Manifest(1, "safetensors", [artifact])
+        data = encode_manifest(manifest)
+        with pytest.raises(CorruptCheckpoint):
+            ModelStore(tmp_path, manifest_id(data), data, manifest)
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
