@@ -52,10 +52,20 @@ def _fetcher(tmp: pathlib.Path, index: int, budget: int, model_id: str) -> Daemo
 
 
 def _tokens(d: Daemon, prompt: list[int]) -> list[int]:
+    """The greedy tokens `d` answers; a 503 (a member's record still settling after a restart)
+    is retried as its `retry_after_s` asks, for at most 30 s."""
     op = GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, strategy="disabled", ignore_eos=True)
-    final = list(request_lines(d.socket, op, timeout_s=60))[-1]
-    assert final["ok"], final
-    return list(final["tokens"])
+    finals: list[dict[str, object]] = []
+
+    def answered() -> bool:
+        finals.append(list(request_lines(d.socket, op, timeout_s=60))[-1])
+        return bool(finals[-1]["ok"]) or finals[-1].get("code") != "service_unavailable"
+
+    wait_until(answered, 30, "an answer", poll_s=1.0)
+    assert finals[-1]["ok"], finals[-1]
+    tokens = finals[-1]["tokens"]
+    assert isinstance(tokens, list)
+    return tokens
 
 
 def test_fetching_nodes_serve_their_stages_and_answer_like_one_process(
