@@ -27,7 +27,7 @@ import trio
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
-from meshd.model.errors import ModelError
+from meshd.model.errors import MissingFile, ModelError
 from meshd.model.llama import decoder_layer_shapes
 from meshd.model.manifest import ModelStore, StoreCheckpoint
 from meshd.model.mtp import mtp_shapes
@@ -556,8 +556,8 @@ async def bootstrap_store(
         if await trio.to_thread.run_sync(store.held, files) == set(files):
             return store
     addresses = config.bootstrap_peers()
-    if not addresses:
-        raise FetchFailed(
+    if not addresses:  # a start-up error (ModelError): one line, exit status 2
+        raise MissingFile(
             f"model mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
             "address of a mesh member so its manifest can be fetched"
         )
