@@ -558,7 +558,7 @@ async def bootstrap_store(
     addresses = config.bootstrap_peers()
     if not addresses:  # a start-up error (ModelError): one line, exit status 2
         raise MissingFile(
-            f"model mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
+            f"mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
             "address of a mesh member so its manifest can be fetched"
         )
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
