@@ -10,7 +10,21 @@ GOSSIP_STREAM = 0
 PIPELINE_STREAM = 1
 # NAT traversal: introduction requests, introductions and refusals (`protocol/punch.py`).
 NAT_STREAM = 2
+# Model artifacts: manifests and tensor chunks, fetched by nodes started with `mesh:ID`
+# (`protocol/artifacts.py`).
+ARTIFACT_STREAM = 3
 # API requests relayed to a node that serves the request's model (`protocol/api_relay.py`).
 API_STREAM = 4
 
-__all__ = ["API_STREAM", "GOSSIP_STREAM", "NAT_STREAM", "PIPELINE_STREAM"]
+# Bulk streams yield to every other stream on a lane (`protocol.transport`): their bytes go
+# only where nothing else waits, and never fill the congestion window.
+BULK_STREAMS = frozenset({ARTIFACT_STREAM})
+
+__all__ = [
+    "API_STREAM",
+    "ARTIFACT_STREAM",
+    "BULK_STREAMS",
+    "GOSSIP_STREAM",
+    "NAT_STREAM",
+    "PIPELINE_STREAM",
+]

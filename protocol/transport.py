@@ -50,11 +50,15 @@ from protocol.stream import (
     SendStream,
     StreamChunk,
 )
+from protocol.streams import BULK_STREAMS
 
 CARRIED_STREAM_DEFAULT = 4
 _NO_STREAMS: tuple[int, ...] = ()
 # A runaway guard: one datagrams() call never builds more packets than this.
 MAX_PACKETS_PER_CALL = 4096
+# Bulk streams send only while the congestion window is less full than this: the rest is
+# headroom for other streams' packets.
+BULK_CWND_SHARE = 0.75
 
 
 class Transport:
@@ -432,9 +436,19 @@ class Transport:
         return controls, credit_streams
 
     def _fill_streams(self, parts: list[Piece], chunks: list[StreamChunk], budget: int) -> None:
-        """Fill the packet from the streams in round-robin order: lost bytes first, then new."""
+        """Fill the packet from the streams in round-robin order: lost bytes first, then new.
+
+        Bulk streams (`BULK_STREAMS`: model artifacts) come after every other stream and only
+        while the congestion window is less than `BULK_CWND_SHARE` full, so gossip and verify
+        windows never wait behind a transfer's bytes, in the queue or in flight.
+        """
         sendable = self._sendable
-        for stream_id in list(sendable):
+        cc = self.cc
+        bulk_ok = cc.bytes_in_flight < cc.cwnd_bytes * BULK_CWND_SHARE
+        order = [s for s in sendable if s not in BULK_STREAMS]
+        if bulk_ok:
+            order += [s for s in sendable if s in BULK_STREAMS]
+        for stream_id in order:
             if budget <= STREAM_HEADER_BYTES:
                 break
             stream = sendable.pop(stream_id)

@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("meshd.bench.spec", "speculative strategies over a stage pipeline"),
     "lanes": ("meshd.bench.lanes", "our lane vs aioquic vs raw UDP on loopback"),
+    "fetch": (
+        "meshd.bench.fetch",
+        "weights over loopback lanes: MB/s, verify-window latency idle vs during a transfer",
+    ),
     "decode": ("meshd.bench.decode", "single-node decode loop vs transformers generate()"),
     "threads": (
         "meshd.bench.threads",

@@ -51,6 +51,15 @@ def render(status: dict[str, Any], events: int) -> None:
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
         f"{status['uptime_s']:.0f} s"
     )
+    fetch = status.get("fetch")
+    if fetch:  # a `mesh:ID` node's last fetch of its stage's tensors
+        eta = fetch["eta_s"]
+        console.print(
+            f"fetch {fetch['what']}: {fetch['state']} {fetch['done_bytes'] / 1e6:.1f}/"
+            f"{fetch['total_bytes'] / 1e6:.1f} MB, {fetch['rate_bytes_s'] / 1e6:.1f} MB/s, ETA "
+            + (f"{eta:.0f} s" if eta is not None and fetch["state"] == "fetching" else "-")
+            + (f"  [red]{fetch['error']}[/]" if fetch["error"] else "")
+        )
     console.print(_counts("dropped datagrams", status.get("datagrams_dropped")))
     console.print(_counts("refused handshakes", status.get("handshakes_refused")))
     if isinstance(status.get("sessions_expired"), dict):  # sessions a lease ended, by cause

@@ -55,7 +55,12 @@ def run(args: argparse.Namespace) -> int:
         config = load_config_from_args(args, os.environ)
         config.read_mesh_secret()
         config.read_api_key()
-        for model in config.models:
+        for index, model in enumerate(config.models):
+            if index and model.startswith("mesh:"):
+                raise StartupError(
+                    f"model: {model}: only the first model may be fetched over the mesh "
+                    "(mesh:ID); the further ones are local files"
+                )
             check_model(model)
         check_draft_model(config.models[0], config.spec.draft_model)
         check_ports(config)
@@ -98,6 +103,14 @@ def check_model(model: str) -> None:
     branch in one place. A missing path and a path that is not a directory are told apart.
     Opening the checkpoint reads its config and the safetensors headers only (no weights).
     """
+    if model.startswith("mesh:"):
+        from meshd.node.fetch import mesh_model_prefix
+
+        try:
+            mesh_model_prefix(model)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        return
     if not model:
         return
     path = pathlib.Path(model)
@@ -140,6 +153,8 @@ def check_draft_model(model: str, draft: str) -> None:
         check_model(draft)
     except StartupError as exc:
         raise StartupError(f"spec.draft_model: {str(exc).removeprefix('model: ')}") from None
+    if model.startswith("mesh:"):
+        return  # the tokenizer arrives with the manifest: checked when the draft loads
     try:
         check_draft_tokenizer(model or str(builtin_model_dir()), draft)
     except DraftMismatchError as exc:
@@ -210,6 +225,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.control import serve_control
+    from meshd.node.fetch import mesh_basis, mesh_model_prefix
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
     from meshd.node.node import MeshNode, NodeBasis, run_node
@@ -219,7 +235,11 @@ async def serve(config: NodeConfig) -> None:
     first, *more = config.models
     model_dir = first or str(builtin_model_dir())
     name = model_name(first)
-    basis = NodeBasis.load(config, model_dir)
+    prefix = mesh_model_prefix(first)
+    if prefix is not None:  # holds no files: manifest first, its stage's tensors once planned
+        basis = await mesh_basis(config, prefix)
+    else:
+        basis = NodeBasis.load(config, model_dir)
     basis = with_models(config, basis, more)
     notifier = Notifier()
     started = trio.Event()

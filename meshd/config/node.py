@@ -84,6 +84,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     control_socket: str = ""
     # One model, or a list: the node holds every one (meshd/node/models.py).
     model: str | tuple[str, ...] = ""
+    # Where fetched models (`mesh:ID`) and cached tensor hashes live ("" = the state dir).
+    model_cache_dir: str = ""
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
@@ -147,6 +149,10 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     def api_is_loopback(self) -> bool:
         """True when the API listens on loopback only (then no API key is required)."""
         return _is_loopback(self.api_host)
+
+    def model_cache_path(self) -> Path:
+        """The root of fetched models and tensor-hash caches (`model_cache_dir` or `state_dir`)."""
+        return Path(self.model_cache_dir or self.state_dir)
 
     def control_socket_path(self) -> Path:
         """The control socket for meshctl (`<state_dir>/control.sock` unless set)."""

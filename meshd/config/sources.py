@@ -272,7 +272,14 @@ def default_state_dir(env: Mapping[str, str]) -> str:
     return os.path.join(home, ".local", "state", "meshd")
 
 
-_PATH_KEYS = ("state_dir", "mesh_secret_file", "api_key_file", "control_socket", "model")
+_PATH_KEYS = (
+    "state_dir",
+    "mesh_secret_file",
+    "api_key_file",
+    "control_socket",
+    "model",
+    "model_cache_dir",
+)
 
 
 def _build(values: dict[str, Any], origins: dict[str, str], env: Mapping[str, str]) -> NodeConfig:

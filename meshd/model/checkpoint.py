@@ -5,22 +5,22 @@ via `model.safetensors.index.json`), validates them byte by byte, and checks tha
 the config implies is present with the right shape. Tensor bytes are read only when a stage asks
 for them by name, so a node holding layers 8-15 never reads the other layers.
 
-The model id hashes the canonical config and a manifest of the weights (names, dtypes, shapes
-and a small strided sample of each tensor's bytes): every node computes the same id whatever
-layers it holds, and two fine-tunes of one architecture get different ids.
+The model id is the hash of the checkpoint's manifest (`meshd.model.manifest`: its small files'
+and every tensor's SHA-256, with names, dtypes and shapes): every node holding the same files
+computes the same id, two fine-tunes get different ids, and a node fetching the model over the
+mesh checks every byte against it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 import pathlib
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -36,6 +36,9 @@ from meshd.model.errors import (
 )
 from meshd.model.llama import decoder_layer_shapes
 from meshd.model.mtp import mtp_shapes
+
+if TYPE_CHECKING:
+    from protocol.artifacts import Manifest
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -183,23 +186,16 @@ class Checkpoint:
         return cls(path, config, tensors)
 
     @functools.cached_property
+    def manifest(self) -> tuple[str, bytes, Manifest]:
+        """(model id, canonical bytes, manifest): every tensor hashed (`meshd.model.manifest`)."""
+        from meshd.model.manifest import checkpoint_manifest
+
+        return checkpoint_manifest(self)
+
+    @property
     def model_id(self) -> str:
-        """Stable id of config + weights (hex, 32 chars); equal on every node."""
-        digest = hashlib.sha256(b"meshd-model-id-v1\0")
-        digest.update(self.config.canonical_bytes())
-        names = sorted(expected_shapes(self.config))
-        handles: dict[pathlib.Path, int] = {}
-        try:
-            for name in names:
-                info = self.tensors[name]
-                if info.path not in handles:
-                    handles[info.path] = os.open(info.path, os.O_RDONLY)
-                digest.update(f"\0{name}\0{info.dtype}\0{info.shape}\0".encode())
-                digest.update(_sample(handles[info.path], info))
-        finally:
-            for fd in handles.values():
-                os.close(fd)
-        return digest.hexdigest()[:32]
+        """The hash of the manifest (hex, 32 chars); equal on every node holding the files."""
+        return self.manifest[0]
 
     def load(
         self, names: Iterable[str], on_tensor: OnTensor | None = None

@@ -163,6 +163,13 @@ class GGUFCheckpoint(Checkpoint):
             architecture=arch,
         )
 
+    @property
+    def manifest(self) -> Any:
+        """GGUF files have no artifact manifest: they cannot be fetched over the mesh yet."""
+        raise UnsupportedArchitecture(
+            f"{self.directory}: GGUF models cannot be fetched over the mesh (safetensors only)"
+        )
+
     @functools.cached_property
     def model_id(self) -> str:
         """Stable id of the file (hex, 32 chars): equal on every node holding the same file.

@@ -46,6 +46,7 @@ from meshd.node.duty import (
     StartDrain,
     StopStage,
 )
+from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
@@ -56,7 +57,7 @@ from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from meshd.plan.route import Route
 from meshd.spec.draft import DraftModel
-from protocol import gossip
+from protocol import artifacts, gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret
 from protocol.messages import (
@@ -66,7 +67,7 @@ from protocol.messages import (
     SessionKeepAlive,
     StageCommand,
 )
-from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM
+from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,32 @@ class NodeBasis:
     # What the API calls the model, and the node's further models (`meshd/node/models.py`).
     name: str = ""
     extras: tuple[ModelFiles, ...] = ()
+    # What compute is measured on, when not `checkpoint` (a `mesh:ID` node: random weights of
+    # the model's shapes, before it fetched any).
+    timing_checkpoint: Checkpoint | None = None
 
     @classmethod
     def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
         """Read the identity, the mesh secret and the model's files (ConfigError, ModelError)."""
+        from meshd.model.manifest import set_cache_dir
+
+        set_cache_dir(config.model_cache_path())
         identity = NodeIdentity.load_or_create(config.state_dir)
         psk = psk_from_secret(config.read_mesh_secret())
-        checkpoint = open_checkpoint(model_dir)
+        return cls.of(config, identity, psk, model_dir, open_checkpoint(model_dir))
+
+    @classmethod
+    def of(
+        cls,
+        config: NodeConfig,
+        identity: NodeIdentity,
+        psk: bytes,
+        model_dir: str,
+        checkpoint: Checkpoint,
+        *,
+        timing_checkpoint: Checkpoint | None = None,
+    ) -> NodeBasis:
+        """The basis over an opened checkpoint (its tokenizer files are in `model_dir`)."""
         device = pick_device(None if config.device == "auto" else config.device)
         dtype = _DTYPES.get(config.dtype, torch.float32)
         kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
@@ -148,6 +168,7 @@ class NodeBasis:
                 if config.spec.draft_model
                 else None
             ),
+            timing_checkpoint=timing_checkpoint,
         )
 
 
@@ -167,7 +188,7 @@ async def run_node(
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
     compute_ns = await trio.to_thread.run_sync(
         lambda: measure_compute_ns(
-            basis.checkpoint,
+            basis.timing_checkpoint or basis.checkpoint,
             basis.device,
             basis.dtype,
             WARMUP_PASSES,
@@ -251,10 +272,24 @@ class MeshNode:
             self._dispatch,
             on_lane_lost=self._on_lane_lost,
             on_lane_up=self._on_lane_up,
-            streams={GOSSIP_STREAM: (gossip.decode, self._on_gossip)},
+            streams={
+                GOSSIP_STREAM: (gossip.decode, self._on_gossip),
+                ARTIFACT_STREAM: (artifacts.decode, self._on_artifact),
+            },
             nat=config.nat,
             punch=config.punch,
             introducers=self._introducers_for,
+        )
+        # Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage.
+        self.artifacts = ArtifactService(
+            self.checkpoint,
+            self.peers,
+            lambda: model_sources(
+                self.membership.view(), self.shape.model_id, self.node_key, self.keys.x_of
+            ),
+            load_display=load_display,
+            note=lambda kind, detail: self.note(kind, self.node_key, detail),
+            busy=lambda: self.slot.computing,
         )
         self.coordinator = Coordinator(
             _RouteSender(self),
@@ -328,6 +363,7 @@ class MeshNode:
         """Start every part's tasks; returns once lanes, the stage slot and gossip run."""
         nursery = self._nursery
         await nursery.start(self.peers.run)
+        await nursery.start(self.artifacts.run)
         await nursery.start(self.slot.run)
         await self.models.start(nursery)
         await nursery.start(self.gossip.run)
@@ -434,6 +470,9 @@ class MeshNode:
     def _on_gossip(self, message: gossip.GossipMessage, lane_key: bytes) -> None:
         self.gossip.on_gossip(message, lane_key)
 
+    def _on_artifact(self, message: artifacts.ArtifactMessage, lane_key: bytes) -> None:
+        self.artifacts.on_message(message, lane_key)
+
     def _on_lane_up(self, lane_key: bytes, lane: PeerLane) -> None:
         self._nursery.start_soon(self._say_hello, lane_key, lane)
         self.gossip.on_lane_up(lane_key)
@@ -453,6 +492,7 @@ class MeshNode:
         self.wiring.lane_lost(lane_key)
         self.models.lane_lost(lane_key)
         self.gossip.on_lane_dead(lane_key)
+        self.artifacts.on_lane_lost(lane_key)
 
     def suspect(self, node_id: bytes) -> None:
         """Leave `node_id` out of this node's routes for a while (its lane died)."""
@@ -527,6 +567,10 @@ class MeshNode:
         self._plan_changed.set()
         self._plan_changed = trio.Event()
 
+    async def _replan_after(self, delay_s: float) -> None:
+        await trio.sleep(delay_s)
+        self.request_replan()
+
     def route(self) -> Route:
         """The route this node coordinates its requests over now (NoFeasiblePlan if none)."""
         return lane_route(self._plan_now(exclude=self.health.suspects(trio.current_time())))
@@ -575,7 +619,13 @@ class MeshNode:
                 self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
                 await self.slot.stop(effect.reason)
             elif isinstance(effect, LoadStage):
-                await self.slot.load(effect.layers)
+                # A `mesh:ID` node fetches its stage's tensors first; a failed fetch re-plans
+                # (and so tries again) a little later.
+                if await self.artifacts.ensure_layers(effect.layers):
+                    await self.slot.load(effect.layers)
+                else:  # nothing changed: no note, nothing to publish
+                    self._nursery.start_soon(self._replan_after, FETCH_RETRY_S)
+                    return
             else:
                 self._carry_out_now(effect)
 

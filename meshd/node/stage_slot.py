@@ -151,6 +151,11 @@ class StageSlot:
         return self._running.host.stage.kv_bytes_per_token if self._running else 0
 
     @property
+    def computing(self) -> bool:
+        """A forward pass of the stage runs now."""
+        return self._running.host.computing if self._running else False
+
+    @property
     def windows_computed(self) -> int:
         """Windows the current stage computed."""
         return self._running.host.stats.windows_computed if self._running else 0

@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from meshd.mesh.identity import node_id_of
+from meshd.node.fetch import FetchStatus
 from meshd.node.model_status import ModelStatus, model_statuses
 from meshd.node.planning import holding_of
 from protocol.punch import RelayPath
@@ -119,6 +120,8 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Every model the mesh serves, with its plan (`meshd/node/model_status.py`); the fields
     # above are about this node's first model, except sessions_hosted and kv_used_bytes (all).
     models: list[ModelStatus]
+    # The last fetch of this node's stage tensors over the mesh (`mesh:ID` nodes; None: none).
+    fetch: FetchStatus | None = None
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -200,6 +203,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         datagrams_dropped=dict(node.endpoint.stats.dropped),
         handshakes_refused=dict(node.endpoint.stats.refused),
         models=model_statuses(node),
+        fetch=node.artifacts.status(),
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out

@@ -145,6 +145,7 @@ class StageHost:
         config: StageHostConfig | None = None,
         session_lease_s: float = 30.0,
     ) -> None:
+        self.computing = False  # a forward pass runs now
         """`session_lease_s`: a session is freed after this long without a window or
         keep-alive from its coordinator (the daemon's `session_lease_s`, which its
         coordinator's keep-alives share)."""
@@ -392,10 +393,14 @@ class StageHost:
         start = time.perf_counter()
         in_pass = {work.window.session for work, _ in batch}
         queued = len({w.window.session for w in self._queue} - in_pass)
-        if self.use_thread:
-            results = await trio.to_thread.run_sync(self._compute_batch, batch)
-        else:
-            results = self._compute_batch(batch)
+        self.computing = True  # bulk work on this node (serving weights) waits meanwhile
+        try:
+            if self.use_thread:
+                results = await trio.to_thread.run_sync(self._compute_batch, batch)
+            else:
+                results = self._compute_batch(batch)
+        finally:
+            self.computing = False
         compute_s = time.perf_counter() - start
         self.stats.passes += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))

@@ -1,0 +1,421 @@
+"""`meshd bench fetch`: weights over loopback lanes, and what a transfer does to a verify window.
+
+A holder (the checkpoint's files, `ArtifactService`) and a fetcher (an empty `ModelStore`) run
+in this one trio process on two endpoints, as two nodes do. Each round fetches every tensor of
+the model (a fresh store each time) and reports MB/s; meanwhile, and before it, the fetcher
+sends verify-window-sized messages (`--window-kib`, a window's hidden states) to the holder on
+the pipeline stream and times each round trip: the latency of a window with the lane idle and
+with a transfer running, and their ratio (the goal is within 1.2x). Rounds repeat and medians
+are reported, because this machine is shared and noisy.
+
+The built-in model is small (14 MB); `--synthetic-mb N` writes a random checkpoint of about N
+MB (built-in architecture, more and wider layers) to a temp dir and fetches that instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import pathlib
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from meshd.bench.harness import model_dir, print_report
+from meshd.model.checkpoint import Checkpoint, expected_shapes
+from meshd.model.manifest import ModelStore
+from meshd.net.endpoint import open_endpoint
+from meshd.net.lanes import LaneTable
+from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
+from protocol import artifacts
+from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher
+from protocol.messages import Message
+from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
+
+REPLY_BYTES = 64
+PSK = b"\x07" * 32
+STEP_TIMEOUT_S = 10.0
+# Between two windows a coordinator samples and drafts: windows are paced, not back to back.
+PACE_S = 0.005
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `meshd bench fetch`."""
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: built-in)")
+    parser.add_argument("--synthetic-mb", type=int, default=0, help="fetch a random ~N MB model")
+    parser.add_argument("--rounds", type=int, default=3, help="fetches (medians reported)")
+    parser.add_argument("--window-kib", type=int, default=64, help="verify window message size")
+    parser.add_argument("--pings", type=int, default=200, help="idle round trips per round")
+    parser.add_argument("--window-bytes", type=int, default=None, help="fetch flow window")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="bytes per chunk request")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and print a table or JSON."""
+    defaults = FetchConfig()
+    config = FetchConfig(
+        chunk_bytes=args.chunk_bytes or defaults.chunk_bytes,
+        window_bytes=args.window_bytes or defaults.window_bytes,
+    )
+    with tempfile.TemporaryDirectory(prefix="meshd-bench-fetch-") as tmp:
+        source = model_dir(args)
+        if args.synthetic_mb:
+            source = str(synthetic_checkpoint(pathlib.Path(tmp) / "model", args.synthetic_mb))
+        result = trio.run(
+            _main,
+            source,
+            pathlib.Path(tmp),
+            args.rounds,
+            args.window_kib * 1024,
+            args.pings,
+            config,
+        )
+    print_report(result, args.json, _print_table)
+    return 0
+
+
+def synthetic_checkpoint(directory: pathlib.Path, megabytes: int) -> pathlib.Path:
+    """A random float16 checkpoint of about `megabytes` MB with the built-in model's tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from meshd.model.builtin import builtin_model_dir
+    from meshd.model.config import ModelConfig
+
+    builtin = builtin_model_dir()
+    directory.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(builtin / name, directory / name)
+    raw = json.loads((builtin / "config.json").read_text())
+    raw |= {"hidden_size": 1024, "intermediate_size": 2816, "torch_dtype": "float16"}
+    per_layer_mb = (4 * 1024 * 1024 + 3 * 1024 * 2816) * 2 / 1e6
+    raw["num_hidden_layers"] = max(2, round(megabytes / per_layer_mb))
+    (directory / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_file(directory / "config.json")
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=generator).to(torch.float16)
+        for name, shape in expected_shapes(config).items()
+    }
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+class _VerifyStage:
+    """The built-in model, whole, verifying 4-token windows of one session (one thread)."""
+
+    TOKENS = 4
+
+    def __init__(self) -> None:
+        import torch
+
+        from meshd.model.builtin import builtin_model_dir
+        from meshd.model.stage import StageModel
+
+        torch.set_num_threads(1)
+        checkpoint = Checkpoint.open(builtin_model_dir())
+        self.stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
+        self.position = 0
+        self.stage.open_session("bench", 1024)
+
+    computing = False
+
+    def step(self) -> None:
+        import torch
+
+        if self.position + self.TOKENS > 1000:
+            self.stage.close_session("bench")
+            self.stage.open_session("bench", 1024)
+            self.position = 0
+        tokens = torch.arange(self.TOKENS, dtype=torch.int64) + 5
+        self.computing = True
+        try:
+            with torch.inference_mode():
+                self.stage.forward("bench", self.position, tokens, logits_last_n=self.TOKENS)
+        finally:
+            self.computing = False
+        self.position += self.TOKENS
+
+
+@dataclass
+class _Node:
+    table: LaneTable
+    service: ArtifactService
+    key: bytes
+
+
+@contextlib.asynccontextmanager
+async def artifact_nodes(
+    checkpoints: list[Checkpoint],
+    config: FetchConfig,
+    busy: Callable[[], bool] | None = None,
+) -> AsyncIterator[list[_Node]]:
+    """One node per checkpoint on loopback lanes, each serving that checkpoint's files and
+    knowing every other's address (each lists all the others as sources)."""
+    from nacl.bindings import crypto_scalarmult_base
+    from nacl.utils import random as nacl_random
+
+    psk = PSK
+    privs = [nacl_random(32) for _ in checkpoints]
+    pubs = [crypto_scalarmult_base(p) for p in privs]
+    async with contextlib.AsyncExitStack() as stack:
+        endpoints = [
+            await stack.enter_async_context(open_endpoint(static_private=p, psk=psk)) for p in privs
+        ]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        nodes: list[_Node] = []
+        for endpoint, own, checkpoint in zip(endpoints, pubs, checkpoints, strict=True):
+            box: list[ArtifactService] = []
+
+            def on_artifact(
+                message: artifacts.ArtifactMessage,
+                sender: bytes,
+                box: list[ArtifactService] = box,
+            ) -> None:
+                box[0].on_message(message, sender)
+
+            def dispatch(_message: Message, _sender: bytes) -> None:
+                pass
+
+            def on_lane_lost(key: bytes, _lane: object, box: list[ArtifactService] = box) -> None:
+                box[0].on_lane_lost(key)
+
+            table = LaneTable(
+                endpoint,
+                own,
+                dispatch,
+                streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)},
+                on_lane_lost=on_lane_lost,
+            )
+            await nursery.start(table.run)
+            others = [k for k in pubs if k != own]
+            for key, other in zip(pubs, endpoints, strict=True):
+                if key != own:
+                    table.addresses[key] = other.local_address
+            service = ArtifactService(checkpoint, table, others.copy, config=config, busy=busy)
+            box.append(service)
+            await nursery.start(service.run)
+            nodes.append(_Node(table, service, own))
+        yield nodes
+        nursery.cancel_scope.cancel()
+
+
+async def _main(
+    source: str,
+    tmp: pathlib.Path,
+    rounds: int,
+    window_message_bytes: int,
+    pings: int,
+    config: FetchConfig,
+) -> dict[str, Any]:
+    holder = Checkpoint.open(source)
+    t0 = time.perf_counter()
+    model_id, data, manifest = await trio.to_thread.run_sync(lambda: holder.manifest)
+    manifest_s = time.perf_counter() - t0
+    tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
+    total = sum(manifest.artifacts[i].nbytes for i in tensors)
+    samples: dict[str, list[float]] = {}
+    verify_stage = _VerifyStage()
+    for r in range(rounds):
+        store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
+        # Alternate: the lane alone (a window's bytes there and back), then a verify window
+        # through a stage of the built-in model (its forward pass on the holder).
+        for kind, stage in (("lane", None), ("verify", verify_stage)):
+            busy = (lambda: verify_stage.computing) if stage is not None else None
+            async with artifact_nodes([holder, holder], config, busy) as (server, client):
+                rtts_idle, rtts_busy, mb_s = await _round(
+                    server,
+                    client,
+                    store,
+                    tensors,
+                    total,
+                    window_message_bytes,
+                    pings,
+                    config,
+                    stage,
+                )
+            shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
+            store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
+            samples.setdefault("fetch_mb_s", []).append(mb_s)
+            samples.setdefault(f"{kind}_rtt_idle_ms", []).append(statistics.median(rtts_idle) * 1e3)
+            samples.setdefault(f"{kind}_rtt_busy_ms", []).append(statistics.median(rtts_busy) * 1e3)
+    out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
+    for kind in ("lane", "verify"):
+        out[f"{kind}_rtt_ratio"] = round(out[f"{kind}_rtt_busy_ms"] / out[f"{kind}_rtt_idle_ms"], 3)
+    out |= {
+        "model_bytes": total,
+        "tensors": len(tensors),
+        "manifest_hash_s": round(manifest_s, 3),
+        "window_message_bytes": window_message_bytes,
+        "chunk_bytes": config.chunk_bytes,
+        "flow_window_bytes": config.window_bytes,
+        "rounds": rounds,
+        "per_round": samples,
+    }
+    return out
+
+
+async def _round(
+    server: _Node,
+    client: _Node,
+    store: ModelStore,
+    tensors: list[int],
+    total: int,
+    window_message_bytes: int,
+    pings: int,
+    config: FetchConfig,
+    stage: _VerifyStage | None,
+) -> tuple[list[float], list[float], float]:
+    replies: trio.MemorySendChannel[bytes]
+    replies, reply_out = trio.open_memory_channel[bytes](16)
+    window = b"w" * window_message_bytes
+
+    async def answer(sender: bytes) -> None:
+        if stage is not None:  # a stage verifying the window: its forward pass, in a thread
+            await trio.to_thread.run_sync(stage.step)
+        await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+
+    def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
+        server.table._nursery.start_soon(answer, sender)  # type: ignore[union-attr]
+
+    def got_reply(data: bytes, sender: bytes) -> None:
+        replies.send_nowait(data)
+
+    server.table.streams[PIPELINE_STREAM] = (bytes, echo)
+    client.table.streams[PIPELINE_STREAM] = (bytes, got_reply)
+
+    async def window_rtt() -> float:
+        t = time.perf_counter()
+        with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
+            await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
+            await reply_out.receive()
+        return time.perf_counter() - t
+
+    await client.table.lane_to(server.key)
+    for _ in range(20):  # warm-up
+        await window_rtt()
+    idle = []
+    for _ in range(pings):  # paced as during the transfer: one window, then a decode step
+        idle.append(await window_rtt())
+        await trio.sleep(PACE_S)
+    # The fetching node, in its own process as in a mesh: the holder's process serves it.
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    address = server.table.endpoint.local_address
+    args = (
+        server.key,
+        address,
+        store.model_id,
+        store.manifest_bytes,
+        str(store.directory.parents[1]),
+    )
+    process = ctx.Process(
+        target=_fetch_child, args=(*args, config.chunk_bytes, config.window_bytes, child)
+    )
+    process.start()
+    child.close()  # the child's end: recv raises EOFError if the child dies
+    try:
+        with trio.fail_after(STEP_TIMEOUT_S * 6):
+            started = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
+        assert started == "start", started
+        busy: list[float] = []
+        while not parent.poll():
+            rtt = await window_rtt()
+            if not parent.poll():
+                busy.append(rtt)
+            await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
+        kind, elapsed = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
+        assert kind == "done", kind
+    finally:
+        await trio.to_thread.run_sync(process.join, 30)
+    if not busy:
+        busy = [float("nan")]
+    return idle, busy, total / elapsed / 1e6
+
+
+def _fetch_child(
+    holder: bytes,
+    address: tuple[str, int],
+    model_id: str,
+    data: bytes,
+    root: str,
+    chunk_bytes: int,
+    window_bytes: int,
+    conn: Any,
+) -> None:
+    """(another process) Fetch every tensor from `holder`; report "start", then the seconds."""
+    config = FetchConfig(chunk_bytes=chunk_bytes, window_bytes=window_bytes)
+    trio.run(_fetch_child_main, holder, address, model_id, data, pathlib.Path(root), config, conn)
+
+
+async def _fetch_child_main(
+    holder: bytes,
+    address: tuple[str, int],
+    model_id: str,
+    data: bytes,
+    root: pathlib.Path,
+    config: FetchConfig,
+    conn: Any,
+) -> None:
+    from nacl.bindings import crypto_scalarmult_base
+    from nacl.utils import random as nacl_random
+
+    _, manifest = artifacts.open_manifest(data, model_id)
+    store = ModelStore(root, model_id, data, manifest)
+    tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
+    private = nacl_random(32)
+    runs: list[FetchRun] = []
+
+    def on_artifact(message: artifacts.ArtifactMessage, sender: bytes) -> None:
+        if isinstance(message, artifacts.ChunkReply | artifacts.ArtifactRefusal) and runs:
+            runs[0].on_reply(message, sender)
+
+    def dispatch(_message: Message, _sender: bytes) -> None:
+        pass
+
+    async with (
+        open_endpoint(static_private=private, psk=PSK) as endpoint,
+        trio.open_nursery() as nursery,
+    ):
+        table = LaneTable(
+            endpoint,
+            crypto_scalarmult_base(private),
+            dispatch,
+            streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)},
+        )
+        await nursery.start(table.run)
+        table.addresses[holder] = address
+        await table.lane_to(holder)
+
+        async def send(source: bytes, payload: bytes) -> None:
+            await table.send_bytes(source, ARTIFACT_STREAM, payload)
+
+        fetcher = Fetcher(model_id, manifest, tensors, config)
+        total = sum(manifest.artifacts[i].nbytes for i in tensors)
+        runs.append(
+            FetchRun(fetcher, store, send, lambda: [holder], ProgressMeter(model_id, "all", total))
+        )
+        conn.send("start")
+        t0 = time.perf_counter()
+        await runs[0].run()
+        conn.send(("done", time.perf_counter() - t0))
+        nursery.cancel_scope.cancel()
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    print(f"meshd bench fetch — loopback lanes, {r['rounds']} rounds, medians")
+    print(f"  model: {r['tensors']} tensors, {r['model_bytes'] / 1e6:.1f} MB")
+    print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
+    for kind, what in (("lane", "lane round trip"), ("verify", "verify window")):
+        print(f"  {what + ', idle':29s}  {r[f'{kind}_rtt_idle_ms']:9.3f} ms")
+        print(f"  {what + ', transfer':29s}  {r[f'{kind}_rtt_busy_ms']:9.3f} ms")
+        print(f"  {'ratio':29s}  {r[f'{kind}_rtt_ratio']:9.2f}x")

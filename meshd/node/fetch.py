@@ -1,0 +1,683 @@
+"""Weights over the mesh: serve this node's artifacts, and fetch a `mesh:ID` node's stage.
+
+Every node answers `ARTIFACT_STREAM` requests from the files it holds (`ArtifactServer`: a full
+checkpoint directory, or the tensors a `mesh:ID` node fetched and verified). A node started
+with `--model mesh:ID` holds no files: `bootstrap_store` fetches the manifest (whose hash is the
+id) and the small files from a `join` peer before the node starts, so it knows the config and
+can be planned; `ArtifactService.ensure_layers` then fetches exactly the tensors a planned stage
+needs from the members offering the model, before the stage loads. The protocol and the fetch's
+decisions (flow control, timeouts, resume, source choice, what a bad hash means) are
+`protocol.artifacts.Fetcher`'s; `FetchRun` only carries them out.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+
+import msgspec
+import trio
+
+from meshd.mesh.identity import NodeIdentity, admission_policy
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.config import ModelConfig
+from meshd.model.errors import MissingFile, ModelError
+from meshd.model.llama import decoder_layer_shapes
+from meshd.model.manifest import ModelStore, StoreCheckpoint
+from meshd.model.mtp import mtp_shapes
+from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
+from meshd.net.lanes import LaneTable, PeerUnreachable
+from protocol import artifacts
+from protocol.artifacts import (
+    ArtifactKind,
+    ArtifactRefusal,
+    ChunkReply,
+    ChunkRequest,
+    FetchConfig,
+    FetchEffect,
+    Fetcher,
+    FetchFailed,
+    ManifestReply,
+    ManifestRequest,
+    SendRequest,
+    VerifyArtifact,
+    WriteChunk,
+)
+from protocol.errors import RemoteProtocolError
+from protocol.noise import x25519_public_from_ed25519_public
+from protocol.streams import ARTIFACT_STREAM
+
+if TYPE_CHECKING:
+    from meshd.config import NodeConfig
+    from meshd.mesh.member import MemberInfo
+    from meshd.node.node import NodeBasis
+    from meshd.node.stage_slot import LoadDisplay
+
+log = logging.getLogger(__name__)
+
+MESH_PREFIX = "mesh:"
+# Requests waiting to be served; beyond this a request is dropped (the asker times out and
+# asks again, maybe elsewhere): a peer cannot queue unbounded work here.
+SERVE_QUEUE = 256
+PROGRESS_LOG_INTERVAL_S = 2.0
+RATE_WINDOW_S = 2.0
+# How often a running fetch looks for new sources in the membership view.
+SOURCE_REFRESH_S = 0.5
+MANIFEST_TIMEOUT_S = 5.0
+JOIN_RETRY_INITIAL_S = 0.5
+JOIN_RETRY_MAX_S = 8.0
+FETCH_RETRY_S = 2.0
+# A fetch with no chunk arriving for this long fails (and is tried again after FETCH_RETRY_S).
+STALL_S = 30.0
+BUSY_POLL_S = 0.0005
+SERVE_AHEAD_BYTES = 256 * 1024
+
+
+def mesh_model_prefix(model: str) -> str | None:
+    """The id prefix of a `mesh:ID` model (None: not one). ValueError if ID is malformed."""
+    if not model.startswith(MESH_PREFIX):
+        return None
+    prefix = model[len(MESH_PREFIX) :].strip().lower()
+    if not 1 <= len(prefix) <= artifacts.MODEL_ID_CHARS or any(
+        c not in "0123456789abcdef" for c in prefix
+    ):
+        raise ValueError(
+            f"model: {model!r}: give mesh:ID with ID (or a prefix of it) in hex, as "
+            "`meshctl status` prints it"
+        )
+    return prefix
+
+
+def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
+    """Every tensor a stage of layers [start, end) reads (`StageModel._weight_names`)."""
+    names = [
+        f"model.layers.{i}.{n}" for i in range(start, end) for n in decoder_layer_shapes(config)
+    ]
+    is_first, is_last = start == 0, end == config.num_layers
+    n_mtp = config.num_mtp_layers if is_last else 0
+    if is_first or (is_last and (config.tie_word_embeddings or n_mtp > 0)):
+        names.append("model.embed_tokens.weight")
+    if is_last:
+        names.append("model.norm.weight")
+        if not config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        names += [f"mtp.{k}.{n}" for k in range(n_mtp) for n in mtp_shapes(config)]
+    return names
+
+
+# ---- serving -------------------------------------------------------------------------------
+
+
+class ArtifactServer:
+    """Answers manifest and chunk requests from the files this node holds (and only those)."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self._manifest: tuple[str, bytes, artifacts.Manifest] | None = None
+        self._unavailable = ""
+        self.chunks_served = 0
+        self.bytes_served = 0
+
+    def _table(self) -> tuple[str, bytes, artifacts.Manifest] | None:
+        if self._manifest is None and not self._unavailable:
+            try:
+                if isinstance(self.checkpoint, StoreCheckpoint):
+                    store = self.checkpoint.store
+                    assert store is not None
+                    self._manifest = (store.model_id, store.manifest_bytes, store.manifest)
+                else:
+                    self._manifest = self.checkpoint.manifest
+            except ModelError as exc:
+                self._unavailable = str(exc)
+        return self._manifest
+
+    def _locate(self, index: int) -> tuple[pathlib.Path, int, int] | None:
+        """(path, offset, nbytes) of artifact `index` if this node holds it."""
+        table = self._table()
+        assert table is not None
+        artifact = table[2].artifacts[index]
+        checkpoint = self.checkpoint
+        if isinstance(checkpoint, StoreCheckpoint):
+            store = checkpoint.store
+            assert store is not None
+            if not store.is_held(index):
+                return None
+            return store.path_of(index), store.data_offset(index), artifact.nbytes
+        if artifact.kind == ArtifactKind.FILE:
+            return checkpoint.directory / artifact.name, 0, artifact.nbytes
+        info = checkpoint.tensors.get(artifact.name)
+        return (info.path, info.offset, info.nbytes) if info is not None else None
+
+    def answer(
+        self, message: ManifestRequest | ChunkRequest
+    ) -> ManifestReply | ChunkReply | ArtifactRefusal:
+        """(blocking: reads the file) The reply to one request."""
+        table = self._table()
+        rid = message.request_id
+        if table is None:
+            return ArtifactRefusal(rid, "unknown_model", self._unavailable[:200])
+        model_id, data, manifest = table
+        if isinstance(message, ManifestRequest):
+            if not model_id.startswith(message.model_prefix):
+                return ArtifactRefusal(rid, "unknown_model", f"this node holds {model_id}")
+            return ManifestReply(rid, model_id, data)
+        if message.model_id != model_id:
+            return ArtifactRefusal(rid, "unknown_model", f"this node holds {model_id}")
+        if message.index >= len(manifest.artifacts):
+            return ArtifactRefusal(rid, "bad_range", "no such artifact")
+        if message.offset + message.length > manifest.artifacts[message.index].nbytes:
+            return ArtifactRefusal(rid, "bad_range", "beyond the artifact's end")
+        where = self._locate(message.index)
+        if where is None:
+            return ArtifactRefusal(rid, "not_held", "")
+        path, offset, _nbytes = where
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                chunk = os.pread(fd, message.length, offset + message.offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return ArtifactRefusal(rid, "unreadable", (exc.strerror or str(exc))[:200])
+        if len(chunk) != message.length:
+            return ArtifactRefusal(rid, "unreadable", "the file is shorter than its manifest")
+        self.chunks_served += 1
+        self.bytes_served += len(chunk)
+        return ChunkReply(rid, chunk)
+
+
+# ---- progress ------------------------------------------------------------------------------
+
+
+class FetchStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A fetch as `meshctl status` shows it (`fetch` in its JSON)."""
+
+    model_id: str
+    state: str  # "fetching", "done", "failed" (retrying), "waiting" (no source yet)
+    what: str  # e.g. "layers [0, 3)"
+    done_bytes: int
+    total_bytes: int
+    rate_bytes_s: float
+    eta_s: float | None
+    error: str = ""
+
+
+class ProgressMeter:
+    """Bytes, rate and ETA of one fetch: logged every few seconds, shown on a bar."""
+
+    def __init__(self, model_id: str, what: str, total_bytes: int) -> None:
+        self.model_id, self.what, self.total_bytes = model_id, what, total_bytes
+        self.state = "fetching"
+        self.error = ""
+        self.done_bytes = 0
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self._received = 0
+        self._logged_at = time.monotonic()
+        self.display: Callable[[int, int], None] | None = None
+
+    def received(self, nbytes: int, verified_bytes: int) -> None:
+        """`nbytes` more arrived; `verified_bytes` of the total are stored and checked."""
+        now = time.monotonic()
+        self._received += nbytes
+        self._samples.append((now, self._received))
+        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        self.done_bytes = verified_bytes
+        if self.display is not None:
+            self.display(verified_bytes, self.total_bytes)
+        if now - self._logged_at >= PROGRESS_LOG_INTERVAL_S:
+            self._logged_at = now
+            self.log()
+
+    @property
+    def rate_bytes_s(self) -> float:
+        """Bytes per second over the last few seconds."""
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the current rate (None: no rate yet)."""
+        rate = self.rate_bytes_s
+        return (self.total_bytes - self.done_bytes) / rate if rate > 0 else None
+
+    def log(self) -> None:
+        """One progress line."""
+        eta = self.eta_s
+        log.info(
+            "fetch %s %s: %.1f/%.1f MB, %.1f MB/s, ETA %s",
+            self.model_id[:16],
+            self.what,
+            self.done_bytes / 1e6,
+            self.total_bytes / 1e6,
+            self.rate_bytes_s / 1e6,
+            f"{eta:.1f} s" if eta is not None else "-",
+        )
+
+    def status(self) -> FetchStatus:
+        """The figures for `meshctl status`."""
+        return FetchStatus(
+            model_id=self.model_id,
+            state=self.state,
+            what=self.what,
+            done_bytes=self.done_bytes,
+            total_bytes=self.total_bytes,
+            rate_bytes_s=self.rate_bytes_s,
+            eta_s=self.eta_s,
+            error=self.error,
+        )
+
+
+# ---- fetching ------------------------------------------------------------------------------
+
+SendBytes = Callable[[bytes, bytes], Awaitable[None]]
+
+
+class FetchRun:
+    """Carries out one `Fetcher` into a `ModelStore` until every wanted artifact is verified.
+
+    `send(source, data)` sends an encoded request; `sources()` lists who may hold the model
+    now (polled); replies come in through `on_reply`, dead lanes through `on_source_lost`.
+    """
+
+    def __init__(
+        self,
+        fetcher: Fetcher,
+        store: ModelStore,
+        send: SendBytes,
+        sources: Callable[[], list[bytes]],
+        meter: ProgressMeter | None = None,
+    ) -> None:
+        self.fetcher = fetcher
+        self.store = store
+        self._send = send
+        self._sources = sources
+        self.meter = meter
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.bad_artifacts = 0  # artifacts whose bytes did not match and were fetched again
+
+    async def run(self) -> None:
+        """Fetch until done; FetchFailed when an artifact has no usable source left."""
+        fetcher = self.fetcher
+        wanted = list(fetcher._wanted)
+
+        def begin_all() -> None:
+            for i in wanted:
+                self.store.begin(i)
+
+        await trio.to_thread.run_sync(begin_all)
+        failure: str | None = None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            last: list[bytes] | None = None
+            refreshed = -1.0
+            received, progressed = fetcher.received_bytes, trio.current_time()
+            while not fetcher.done:
+                now = trio.current_time()
+                if now - refreshed >= SOURCE_REFRESH_S:
+                    refreshed = now
+                    sources = self._sources()
+                    if sources != last:
+                        fetcher.set_sources(sources)
+                        last = sources
+                    if self.meter is not None:
+                        self.meter.state = "fetching" if sources else "waiting"
+                for effect in fetcher.poll(now):
+                    await self._apply(effect)
+                failure = fetcher.failure()
+                if fetcher.received_bytes != received:
+                    received, progressed = fetcher.received_bytes, now
+                elif now - progressed >= STALL_S:
+                    failure = f"no chunk arrived for {STALL_S:.0f} s (no member holding the model answers)"
+                if failure is not None or fetcher.done:
+                    break
+                self._wake = trio.Event()
+                deadline = fetcher.next_deadline()
+                wake_at = now + SOURCE_REFRESH_S
+                if deadline is not None:
+                    wake_at = min(wake_at, deadline)
+                with trio.move_on_at(wake_at):
+                    await self._wake.wait()
+            nursery.cancel_scope.cancel()
+        self._nursery = None
+        if failure is not None:  # raised out here: not wrapped in the nursery's group
+            raise FetchFailed(failure)
+
+    def on_reply(self, message: ChunkReply | ArtifactRefusal, source: bytes) -> None:
+        """A reply on the artifact stream from `source`."""
+        for effect in self.fetcher.on_reply(source, message):
+            if isinstance(effect, WriteChunk):
+                # A page-cache write of one chunk: cheaper than a thread hop.
+                self.store.write(effect.index, effect.offset, effect.data)
+                if self.meter is not None:
+                    self.meter.received(len(effect.data), self.fetcher.verified_bytes)
+            elif isinstance(effect, VerifyArtifact) and self._nursery is not None:
+                self._nursery.start_soon(self._verify, effect.index)
+        self._wake.set()
+
+    def on_source_lost(self, source: bytes) -> None:
+        """`source`'s lane died: what it owed is asked of others."""
+        self.fetcher.on_source_lost(source)
+        self._wake.set()
+
+    async def _apply(self, effect: FetchEffect) -> None:
+        if isinstance(effect, SendRequest):
+            try:
+                await self._send(effect.source, artifacts.encode(effect.request))
+            except (PeerUnreachable, LaneClosedError) as exc:
+                log.info("fetch: source %s unreachable: %s", effect.source.hex()[:16], exc)
+                self.fetcher.on_source_lost(effect.source)
+        elif isinstance(effect, VerifyArtifact):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._verify, effect.index)
+
+    async def _verify(self, index: int) -> None:
+        store = self.store
+
+        def check() -> bool:
+            ok = store.finish(index)
+            if not ok:
+                store.begin(index)
+            return ok
+
+        ok = await trio.to_thread.run_sync(check)
+        if not ok:
+            self.bad_artifacts += 1
+            name = store.manifest.artifacts[index].name
+            log.warning("fetch: %s does not match the manifest; fetching it again elsewhere", name)
+        self.fetcher.on_verified(index, ok)
+        if self.meter is not None:
+            self.meter.received(0, self.fetcher.verified_bytes)
+        self._wake.set()
+
+
+class ArtifactService:
+    """A node's side of `ARTIFACT_STREAM`: serve what it holds, fetch what its stage needs."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        peers: LaneTable,
+        sources: Callable[[], list[bytes]],
+        *,
+        config: FetchConfig | None = None,
+        load_display: LoadDisplay | None = None,
+        note: Callable[[str, str], None] | None = None,
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.server = ArtifactServer(checkpoint)
+        self.peers = peers
+        self.sources = sources
+        self.config = config or FetchConfig()
+        self.load_display = load_display
+        self._note = note or (lambda _kind, _detail: None)
+        # While this is true (the stage computes a window), serving chunks waits: the CPU
+        # and the GIL go to the verify window first.
+        self.busy = busy or (lambda: False)
+        send, receive = trio.open_memory_channel[tuple[ManifestRequest | ChunkRequest, bytes]](
+            SERVE_QUEUE
+        )
+        self._requests_in, self._requests_out = send, receive
+        self.requests_dropped = 0
+        self._run: FetchRun | None = None
+        self.meter: ProgressMeter | None = None
+        self._next_request_id = 1
+
+    # -- lanes ------------------------------------------------------------------------------
+    def on_message(self, message: artifacts.ArtifactMessage, sender: bytes) -> None:
+        """A message on the artifact stream (from the lane reader: must not block)."""
+        if isinstance(message, ManifestRequest | ChunkRequest):
+            try:
+                self._requests_in.send_nowait((message, sender))
+            except trio.WouldBlock:
+                self.requests_dropped += 1
+        elif isinstance(message, ChunkReply | ArtifactRefusal) and self._run is not None:
+            self._run.on_reply(message, sender)
+
+    def on_lane_lost(self, lane_key: bytes) -> None:
+        """A lane died: a fetch from that peer continues elsewhere."""
+        if self._run is not None:
+            self._run.on_source_lost(lane_key)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve requests, one at a time, until cancelled."""
+        task_status.started()
+        async for message, sender in self._requests_out:
+            # Polled (an event per pass would cost every pass): no chunk while the stage
+            # computes, nor while the lane still holds `SERVE_AHEAD_BYTES` unsent or unacked
+            # (what is queued is encrypted and sent in this loop, beside the stage's thread).
+            while isinstance(message, ChunkRequest) and (  # noqa: ASYNC110
+                self.busy() or self._backlog(sender) > SERVE_AHEAD_BYTES
+            ):
+                await trio.sleep(BUSY_POLL_S)
+            reply = self.server.answer(message)
+            with contextlib.suppress(PeerUnreachable):
+                await self.peers.send_bytes(sender, ARTIFACT_STREAM, artifacts.encode(reply))
+
+    def _backlog(self, key: bytes) -> int:
+        lane = self.peers.lane(key)
+        return lane.lane.pending_send_bytes if lane is not None else 0
+
+    # -- fetching ---------------------------------------------------------------------------
+    def status(self) -> FetchStatus | None:
+        """The last fetch's figures (None: this node never fetched)."""
+        return self.meter.status() if self.meter is not None else None
+
+    async def ensure_layers(self, layers: tuple[int, int]) -> bool:
+        """Fetch the tensors a stage of `layers` needs that this node does not hold (nothing
+        to do for a node holding the checkpoint's files). False when the fetch failed: it says
+        why in the log, the event log and `meshctl status`, and the caller tries again later."""
+        checkpoint = self.checkpoint
+        if not isinstance(checkpoint, StoreCheckpoint):
+            return True
+        store = checkpoint.store
+        assert store is not None
+        names = stage_tensor_names(checkpoint.config, *layers)
+        indices = store.tensor_indices(names)
+        held = await trio.to_thread.run_sync(store.held, indices)
+        checkpoint.refresh()
+        missing = [i for i in indices if i not in held]
+        if not missing:
+            return True
+        try:
+            await self._fetch(store, missing, f"layers [{layers[0]}, {layers[1]})")
+        except FetchFailed as exc:
+            assert self.meter is not None
+            self.meter.state, self.meter.error = "failed", str(exc)
+            log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, exc)
+            self._note("fetch-failed", str(exc))
+            return False
+        finally:
+            checkpoint.refresh()
+        return True
+
+    async def _fetch(self, store: ModelStore, missing: list[int], what: str) -> None:
+        total = sum(store.manifest.artifacts[i].nbytes for i in missing)
+        meter = self.meter = ProgressMeter(store.model_id, what, total)
+        fetcher = Fetcher(
+            store.model_id,
+            store.manifest,
+            missing,
+            self.config,
+            first_request_id=self._next_request_id,
+        )
+        run = FetchRun(fetcher, store, self._send, self.sources, meter)
+        self._note("fetch", f"{what}: {len(missing)} tensors, {total / 1e6:.1f} MB")
+        t0 = time.monotonic()
+        display = self.load_display or (lambda _what: contextlib.nullcontext(None))
+        self._run = run
+        try:
+            with display(f"fetching {what}") as bar:
+                meter.display = bar
+                await run.run()
+        finally:
+            self._run = None
+            self._next_request_id = fetcher._next_id
+            meter.display = None
+        meter.state = "done"
+        elapsed = time.monotonic() - t0
+        meter.done_bytes = total
+        log.info(
+            "fetched %s: %.1f MB in %.2f s (%.1f MB/s), %d artifact(s) fetched again",
+            what,
+            total / 1e6,
+            elapsed,
+            total / 1e6 / max(elapsed, 1e-9),
+            run.bad_artifacts,
+        )
+        self._note("fetched", f"{what}: {total / 1e6:.1f} MB in {elapsed:.2f} s")
+
+    async def _send(self, source: bytes, data: bytes) -> None:
+        await self.peers.send_bytes(source, ARTIFACT_STREAM, data)
+
+
+# ---- a mesh:ID node before it starts -------------------------------------------------------
+
+
+async def bootstrap_store(
+    config: NodeConfig, identity: NodeIdentity, psk: bytes, prefix: str, root: pathlib.Path
+) -> ModelStore:
+    """The store of model `prefix`, with its manifest and small files: from the cache when
+    they are there (a restart needs no peer), else fetched from a `join` peer (retried, with
+    backoff, until one that holds the model answers)."""
+    store = await trio.to_thread.run_sync(ModelStore.open_cached, root, prefix)
+    if store is not None:
+        files = store.file_indices()
+        if await trio.to_thread.run_sync(store.held, files) == set(files):
+            return store
+    addresses = config.bootstrap_peers()
+    if not addresses:  # a start-up error (ModelError): one line, exit status 2
+        raise MissingFile(
+            f"mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
+            "address of a mesh member so its manifest can be fetched"
+        )
+    admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
+    async with open_endpoint(
+        static_private=identity.x25519_private,
+        psk=psk,
+        bind=(config.listen_host, 0),
+        admit=admit,
+        lane_config=config.lane,
+        node_public_key=identity.public_key,
+    ) as endpoint:
+        delay = JOIN_RETRY_INITIAL_S
+        while True:
+            for address in addresses:
+                try:
+                    return await _bootstrap_from(endpoint, address, prefix, root, store)
+                except (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError) as exc:
+                    log.warning("model mesh:%s from %s: %s", prefix, address, exc)
+            await trio.sleep(delay)
+            delay = min(delay * 2, JOIN_RETRY_MAX_S)
+
+
+async def _bootstrap_from(
+    endpoint: Endpoint,
+    address: tuple[str, int],
+    prefix: str,
+    root: pathlib.Path,
+    store: ModelStore | None,
+) -> ModelStore:
+    node_id = await endpoint.query_key(address)
+    lane_key = x25519_public_from_ed25519_public(node_id)
+    lane = await endpoint.connect(address, lane_key)
+    run: FetchRun | None = None
+    manifest_reply: list[ManifestReply | ArtifactRefusal] = []
+    got_manifest = trio.Event()
+
+    async def read() -> None:
+        async for stream, data in lane:
+            if stream != ARTIFACT_STREAM:
+                continue
+            try:
+                message = artifacts.decode(data)
+            except RemoteProtocolError:
+                continue
+            if isinstance(message, ManifestReply) or (
+                isinstance(message, ArtifactRefusal) and run is None
+            ):
+                manifest_reply.append(message)
+                got_manifest.set()
+            elif isinstance(message, ChunkReply | ArtifactRefusal) and run is not None:
+                run.on_reply(message, lane_key)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            if store is None:
+                await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
+                with trio.fail_after(MANIFEST_TIMEOUT_S):
+                    await got_manifest.wait()
+                reply = manifest_reply[0]
+                if isinstance(reply, ArtifactRefusal):
+                    raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
+                model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
+                store = await trio.to_thread.run_sync(
+                    lambda: ModelStore(root, model_id, reply.manifest, manifest)
+                )
+                log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
+            files = store.file_indices()
+            held = await trio.to_thread.run_sync(store.held, files)
+            missing = [i for i in files if i not in held]
+            if missing:
+
+                async def send(_source: bytes, data: bytes) -> None:
+                    await lane.send(ARTIFACT_STREAM, data)
+
+                fetcher = Fetcher(store.model_id, store.manifest, missing, first_request_id=2)
+                run = FetchRun(fetcher, store, send, lambda: [lane_key])
+                await run.run()
+            nursery.cancel_scope.cancel()
+        return store
+    finally:
+        lane.close("manifest fetched")
+
+
+async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
+    """What a `mesh:ID` node is before it opens lanes: the store's manifest and small files
+    (fetched now if not cached), and a checkpoint over the tensors it holds."""
+    from meshd.model.manifest import set_cache_dir
+    from meshd.node.node import NodeBasis
+    from protocol.handshake import psk_from_secret
+
+    identity = NodeIdentity.load_or_create(config.state_dir)
+    psk = psk_from_secret(config.read_mesh_secret())
+    root = config.model_cache_path()
+    set_cache_dir(root)
+    store = await bootstrap_store(config, identity, psk, prefix, root)
+    checkpoint = await trio.to_thread.run_sync(StoreCheckpoint.over, store)
+    return NodeBasis.of(
+        config,
+        identity,
+        psk,
+        str(store.directory),
+        checkpoint,
+        timing_checkpoint=StoreCheckpoint.over(store, synthetic=True),
+    )
+
+
+def model_sources(
+    view: Mapping[bytes, MemberInfo],
+    model_id: str,
+    own: bytes,
+    lane_key_of: Callable[[bytes], bytes],
+) -> list[bytes]:
+    """Lane keys of the healthy members (not `own`) offering `model_id`, in id order: who may
+    hold its files (each answers only for what it holds)."""
+    from meshd.node.planning import holding_of
+
+    return [
+        lane_key_of(node_id)
+        for node_id, info in sorted(view.items())
+        if node_id != own and info.healthy and holding_of(info, model_id) is not None
+    ]

@@ -1,0 +1,136 @@
+"""Weights over the mesh, with real daemons: one holds the built-in checkpoint, two start with
+`--model mesh:ID` and fetch exactly their stages' tensors from it over the lanes.
+
+The three-stage mesh's greedy tokens equal single-process decoding of the whole model (what an
+all-local mesh answers, `test_daemon`). A fetcher whose cached tensor was corrupted finds it
+at restart, fetches it again, and still answers the same tokens.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started, wait_until
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.decode import generate
+from meshd.model.stage import StageModel
+from meshd.model.tokenizer import Tokenizer
+from meshd.node.control_client import GenerateOp, request_lines
+from meshd.node.fetch import stage_tensor_names
+from tests.node.daemons import Daemon
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def fibonacci(n):\n"
+MAX_TOKENS = 24
+HOLDER_PORT = 17431
+SECRET = "meshd-fetch-mesh-secret-0123456789"
+
+
+def _reference(prompt: list[int]) -> list[int]:
+    torch.set_num_threads(1)
+    checkpoint = Checkpoint.open(builtin_model_dir())
+    stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, device="cpu")
+    return generate([stage], prompt, MAX_TOKENS).tokens
+
+
+@pytest.fixture(scope="module")
+def mesh_parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pathlib.Path, int]]:
+    tmp = tmp_path_factory.mktemp("fetch")
+    yield tmp, stage_budget(str(builtin_model_dir()), 3)
+
+
+def _fetcher(tmp: pathlib.Path, index: int, budget: int, model_id: str) -> Daemon:
+    join = ("--join", f"127.0.0.31:{HOLDER_PORT}", "--model", f"mesh:{model_id[:16]}")
+    return Daemon(tmp, index, secret=SECRET, budget=budget, extra=join)
+
+
+def _tokens(d: Daemon, prompt: list[int]) -> list[int]:
+    """The greedy tokens `d` answers; a 503 (a member's record still settling after a restart)
+    is retried as its `retry_after_s` asks, for at most 30 s."""
+    op = GenerateOp(prompt=prompt, max_tokens=MAX_TOKENS, strategy="disabled", ignore_eos=True)
+    finals: list[dict[str, object]] = []
+
+    def answered() -> bool:
+        finals.append(list(request_lines(d.socket, op, timeout_s=60))[-1])
+        return bool(finals[-1]["ok"]) or finals[-1].get("code") != "service_unavailable"
+
+    wait_until(answered, 30, "an answer", poll_s=1.0)
+    assert finals[-1]["ok"], finals[-1]
+    tokens = finals[-1]["tokens"]
+    assert isinstance(tokens, list)
+    return tokens
+
+
+def test_fetching_nodes_serve_their_stages_and_answer_like_one_process(
+    mesh_parts: tuple[pathlib.Path, int],
+) -> None:
+    tmp, budget = mesh_parts
+    checkpoint = Checkpoint.open(builtin_model_dir())
+    model_id = checkpoint.model_id
+    holder = Daemon(
+        tmp, 31, secret=SECRET, budget=budget, extra=("--listen-port", str(HOLDER_PORT))
+    )
+    daemons = [holder, _fetcher(tmp, 32, budget, model_id), _fetcher(tmp, 33, budget, model_id)]
+    try:
+        started(daemons, timeout_s=120)
+        plan = agreed_plan(daemons, timeout_s=120, stable_s=1.0)
+        assert len(plan) == 3, plan
+        prompt = Tokenizer.open(builtin_model_dir()).encode(PROMPT)
+        expected = _reference(prompt)
+        for d in daemons:
+            assert _tokens(d, prompt) == expected, d.name
+        for d in daemons[1:]:
+            status = d.status()
+            assert status["model_id"] == model_id
+            lo, hi = status["stage_layers"]
+            fetch = status["fetch"]
+            assert fetch["state"] == "done" and fetch["done_bytes"] == fetch["total_bytes"] > 0
+            # It holds its stage's tensors, and only those of stages it was assigned (a
+            # re-plan fetches what is missing and keeps the rest): no other layer crossed.
+            stored = {
+                p.name.removesuffix(".safetensors")
+                for p in (d.state / "models" / model_id / "tensors").iterdir()
+            }
+            assert set(stage_tensor_names(checkpoint.config, lo, hi)) <= stored
+            fetched = [
+                re.match(r"layers \[(\d+), (\d+)\)", e["detail"])
+                for e in status["events"]
+                if e["kind"] == "fetch"
+            ]
+            assigned: set[str] = set()
+            for m in fetched:
+                assert m is not None
+                assigned |= set(stage_tensor_names(checkpoint.config, int(m[1]), int(m[2])))
+            assert stored <= assigned
+        # The holder's files answer; the fetchers hold no checkpoint directory of their own.
+        assert daemons[0].status()["fetch"] is None
+
+        # A flipped byte in a fetched tensor: found at restart, fetched again, same tokens.
+        victim = daemons[2]
+        victim.kill()
+        victim.wait_stopped(float("inf"))
+        tensors = victim.state / "models" / model_id / "tensors"
+        target = sorted(tensors.iterdir())[0]
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0x01
+        target.write_bytes(bytes(data))
+        daemons[2] = victim = _fetcher(tmp, 33, budget, model_id)
+        started([victim], timeout_s=120)
+        agreed_plan(daemons, timeout_s=120, stable_s=1.0)
+        wait_until(
+            lambda: "does not match the manifest" in victim.log_tail(200_000),
+            30,
+            "the corrupted tensor reported",
+        )
+        assert target.read_bytes() != bytes(data)  # replaced by the manifest's bytes
+        assert _tokens(victim, prompt) == expected
+        assert _tokens(daemons[0], prompt) == expected
+    finally:
+        kill_all(daemons)

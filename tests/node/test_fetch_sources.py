@@ -1,0 +1,120 @@
+"""Fetching over real loopback lanes from peers that serve what they hold: a peer whose file
+changed under it (its bytes no longer match the manifest) is refused and another source used;
+with no other source, the fetch fails with a clear error."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pytest
+import trio
+
+from meshd.bench.fetch import artifact_nodes
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.manifest import ModelStore, StoreCheckpoint
+from meshd.node.fetch import FetchRun, ProgressMeter
+from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, FetchFailed
+
+CONFIG = FetchConfig(chunk_bytes=64 * 1024, window_bytes=256 * 1024, timeout_s=5.0)
+
+
+def _holders(tmp: pathlib.Path) -> tuple[Checkpoint, Checkpoint, str]:
+    good_dir, bad_dir = tmp / "good", tmp / "bad"
+    shutil.copytree(builtin_model_dir(), good_dir)
+    shutil.copytree(builtin_model_dir(), bad_dir)
+    good, bad = Checkpoint.open(good_dir), Checkpoint.open(bad_dir)
+    assert good.model_id == bad.model_id  # computed now, before the file changes
+    # The bad holder's weights change under it: a byte in every chunk of the embedding, so
+    # whichever chunks it serves carry one.
+    info = bad.tensors["model.embed_tokens.weight"]
+    with (bad_dir / "model.safetensors").open("r+b") as f:
+        for at in range(info.offset, info.offset + info.nbytes, CONFIG.chunk_bytes):
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x10]))
+    return good, bad, "model.embed_tokens.weight"
+
+
+def _run(
+    store: ModelStore, sources: list[bytes], node_send: object, indices: list[int]
+) -> FetchRun:
+    fetcher = Fetcher(store.model_id, store.manifest, indices, CONFIG)
+    meter = ProgressMeter(
+        store.model_id, "test", sum(store.manifest.artifacts[i].nbytes for i in indices)
+    )
+    return FetchRun(fetcher, store, node_send, sources.copy, meter)  # type: ignore[arg-type]
+
+
+async def test_a_peer_serving_changed_bytes_is_refused_and_another_used(
+    tmp_path: pathlib.Path,
+) -> None:
+    good, bad, changed = _holders(tmp_path)
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    names = sorted(a.name for a in manifest.artifacts if a.kind == ArtifactKind.TENSOR)
+    everything = list(range(len(manifest.artifacts)))  # files and tensors
+    async with artifact_nodes([bad, good, good], CONFIG) as (bad_node, good_node, fetching):
+        # The bad holder is listed first: it is asked first, and for everything.
+        run = _run(store, [bad_node.key, good_node.key], fetching.service._send, everything)
+        fetching.service._run = run
+        await run.run()
+    assert run.bad_artifacts >= 1
+    assert run.fetcher.done and set(store.held(store.tensor_indices(names))) == set(
+        store.tensor_indices(names)
+    )
+    checkpoint = StoreCheckpoint.over(store)
+    ((_, fetched),) = list(checkpoint.load([changed]))
+    ((_, expected),) = list(good.load([changed]))
+    assert fetched.equal(expected)  # the manifest's bytes, not the changed ones
+    assert bad_node.service.server.chunks_served > 0 and good_node.service.server.chunks_served > 0
+
+
+async def test_with_only_a_changed_source_the_fetch_fails_clearly(tmp_path: pathlib.Path) -> None:
+    good, bad, changed = _holders(tmp_path)
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    async with artifact_nodes([bad, bad], CONFIG) as (bad_node, fetching):
+        wanted = store.tensor_indices([changed, "model.norm.weight"])
+        run = _run(store, [bad_node.key], fetching.service._send, wanted)
+        fetching.service._run = run
+        with pytest.raises(FetchFailed, match=f"{changed}: every peer that holds model"):
+            await run.run()
+    (index,) = store.tensor_indices([changed])
+    assert not store.path_of(index).exists()  # nothing unverified is ever stored
+
+
+async def test_a_fetch_resumes_from_another_holder_when_a_lane_dies(tmp_path: pathlib.Path) -> None:
+    good = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    everything = list(range(len(manifest.artifacts)))
+    async with artifact_nodes([good, good, good], CONFIG) as (first, second, fetching):
+        run = _run(store, [first.key, second.key], fetching.service._send, everything)
+        fetching.service._run = run
+        into_transfer = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:  # told after every chunk
+            if run.fetcher.received_bytes >= 2 * 1024 * 1024:
+                into_transfer.set()
+
+        assert run.meter is not None
+        run.meter.display = on_progress
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.run)
+            await into_transfer.wait()
+            # The first holder goes away: its lane closes and it cannot be dialled again.
+            del fetching.table.addresses[first.key]
+            lane = fetching.table.lane(first.key)
+            assert lane is not None
+            lane.close("gone")
+            closed_at = trio.current_time()
+        # Resumed at once from the other holder, not after a request timed out.
+        assert trio.current_time() - closed_at < CONFIG.timeout_s
+    assert run.fetcher.done
+    total = run.fetcher.total_bytes
+    # What had arrived was kept: at most what the lost holder still owed is fetched twice.
+    assert run.fetcher.received_bytes <= total + CONFIG.window_bytes
+    assert store.held(everything) == set(everything)
