@@ -29,6 +29,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.gossip import MAX_MODEL_NAME_CHARS
 
 MANIFEST_VERSION = 1
 # Domain separation: a manifest hash is never any other hash of the same bytes.
@@ -103,6 +104,9 @@ class ManifestReply(msgspec.Struct, frozen=True, array_like=True, tag=2):
     request_id: U32
     model_id: ModelId
     manifest: Annotated[bytes, msgspec.Meta(max_length=MAX_MANIFEST_BYTES)]
+    # What the holder's API calls the model (not part of the id: a name is no weight data),
+    # so that a node fetching it answers to the same name.
+    name: Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME_CHARS)] = ""
 
 
 class ChunkRequest(msgspec.Struct, frozen=True, array_like=True, tag=3):

@@ -208,14 +208,6 @@ def startup_cause(exc: BaseException) -> str | None:
     return None
 
 
-def model_name(model: str) -> str:
-    """What the API calls the model: the directory's name, a GGUF file's stem, or `meshd-builtin`."""
-    name = os.path.basename(os.path.normpath(model))
-    if name.lower().endswith(".gguf") and not os.path.isdir(model):
-        name = name[: -len(".gguf")]
-    return name if model else "meshd-builtin"
-
-
 async def serve(config: NodeConfig) -> None:
     """Run one daemon until cancelled."""
     # Imported here so `meshd --help` and config errors stay fast (torch is heavy).
@@ -234,13 +226,13 @@ async def serve(config: NodeConfig) -> None:
 
     first, *more = config.models
     model_dir = first or str(builtin_model_dir())
-    name = model_name(first)
     prefix = mesh_model_prefix(first)
     if prefix is not None:  # holds no files: manifest first, its stage's tensors once planned
         basis = await mesh_basis(config, prefix)
     else:
         basis = NodeBasis.load(config, model_dir)
     basis = with_models(config, basis, more)
+    name = basis.name
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode

@@ -54,6 +54,7 @@ MODEL_FILES = (
     "tokenizer_config.json",
 )
 MANIFEST_FILE = "manifest.msgpack"
+NAME_FILE = "name"
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]{0,200}")
 _HASH_BLOCK = 8 * 1024 * 1024
 
@@ -235,6 +236,20 @@ class ModelStore:
             self._verified = {i: _Verified(v[0], v[1]) for i, v in raw.items() if len(v) == 2}
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             self._verified = {}
+
+    @property
+    def name(self) -> str:
+        """What the holders' APIs call the model ("" if no holder said): a `mesh:ID` node
+        answers to the same name."""
+        try:
+            return (self.directory / NAME_FILE).read_text(encoding="utf-8").strip()
+        except OSError:
+            return ""
+
+    def set_name(self, name: str) -> None:
+        """Keep the holders' name for the model (one line; restarts need no peer)."""
+        if name and name != self.name:
+            _write_atomic(self.directory / NAME_FILE, name.splitlines()[0].encode())
 
     @classmethod
     def open_cached(cls, root: pathlib.Path, prefix: str) -> ModelStore | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
@@ -117,8 +118,9 @@ def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
 class ArtifactServer:
     """Answers manifest and chunk requests from the files this node holds (and only those)."""
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, checkpoint: Checkpoint, name: str = "") -> None:
         self.checkpoint = checkpoint
+        self.name = name  # what this node's API calls the model (sent with the manifest)
         self._manifest: tuple[str, bytes, artifacts.Manifest] | None = None
         self._unavailable = ""
         self.chunks_served = 0
@@ -166,7 +168,7 @@ class ArtifactServer:
         if isinstance(message, ManifestRequest):
             if not model_id.startswith(message.model_prefix):
                 return ArtifactRefusal(rid, "unknown_model", f"this node holds {model_id}")
-            return ManifestReply(rid, model_id, data)
+            return ManifestReply(rid, model_id, data, self.name)
         if message.model_id != model_id:
             return ArtifactRefusal(rid, "unknown_model", f"this node holds {model_id}")
         if message.index >= len(manifest.artifacts):
@@ -413,9 +415,10 @@ class ArtifactService:
         load_display: LoadDisplay | None = None,
         note: Callable[[str, str], None] | None = None,
         busy: Callable[[], bool] | None = None,
+        name: str = "",
     ) -> None:
         self.checkpoint = checkpoint
-        self.server = ArtifactServer(checkpoint)
+        self.server = ArtifactServer(checkpoint, name)
         self.peers = peers
         self.sources = sources
         self.config = config or FetchConfig()
@@ -625,6 +628,7 @@ async def _bootstrap_from(
                 store = await trio.to_thread.run_sync(
                     lambda: ModelStore(root, model_id, reply.manifest, manifest)
                 )
+                await trio.to_thread.run_sync(store.set_name, reply.name)
                 log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
             files = store.file_indices()
             held = await trio.to_thread.run_sync(store.held, files)
@@ -656,7 +660,7 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     set_cache_dir(root)
     store = await bootstrap_store(config, identity, psk, prefix, root)
     checkpoint = await trio.to_thread.run_sync(StoreCheckpoint.over, store)
-    return NodeBasis.of(
+    basis = NodeBasis.of(
         config,
         identity,
         psk,
@@ -664,6 +668,8 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
         checkpoint,
         timing_checkpoint=StoreCheckpoint.over(store, synthetic=True),
     )
+    # The holders' name for it, so that every node answers to one name for one model.
+    return dataclasses.replace(basis, name=store.name)
 
 
 def model_sources(

@@ -444,7 +444,8 @@ def with_models(config: NodeConfig, basis: NodeBasis, more: Sequence[str]) -> No
     ids = [basis.shape.model_id, *(f.shape.model_id for f in extras)]
     if len(set(ids)) != len(ids):
         raise ConfigError("model: two of the models listed are the same checkpoint", key="model")
-    return dataclasses.replace(basis, name=display_name(config.models[0]), extras=extras)
+    name = basis.name or display_name(config.models[0])  # a `mesh:ID` node: the holders' name
+    return dataclasses.replace(basis, name=name, extras=extras)
 
 
 def _session_of(message: Message) -> str | None:

@@ -290,6 +290,7 @@ class MeshNode:
             load_display=load_display,
             note=lambda kind, detail: self.note(kind, self.node_key, detail),
             busy=lambda: self.slot.computing,
+            name=basis.name,
         )
         self.coordinator = Coordinator(
             _RouteSender(self),

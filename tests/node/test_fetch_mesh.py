@@ -12,6 +12,7 @@ import pathlib
 import re
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 
@@ -111,6 +112,18 @@ def test_fetching_nodes_serve_their_stages_and_answer_like_one_process(
             assert stored <= assigned
         # The holder's files answer; the fetchers hold no checkpoint directory of their own.
         assert daemons[0].status()["fetch"] is None
+        # One model, one name: a fetching node answers to the holder's name for it, and lists
+        # it once.
+        for d in daemons:
+            listed = httpx.get(f"{d.api_url}/models", timeout=30).json()["data"]
+            assert [m["id"] for m in listed] == ["meshd-builtin"], (d.name, listed)
+        reply = httpx.post(
+            f"{daemons[1].api_url}/completions",
+            json={"model": "meshd-builtin", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == "meshd-builtin"
 
         # A flipped byte in a fetched tensor: found at restart, fetched again, same tokens.
         victim = daemons[2]
