@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 
@@ -113,7 +114,8 @@ def test_the_console_shows_every_models_plan(tmp_path: pathlib.Path) -> None:
     # One node holding two models: the page shows each model's plan and offers both for chat.
     second = second_checkpoint(tmp_path / SECOND)
     budget = 4 * stage_budget(str(second), 1)
-    node = Daemon(tmp_path, 122, secret=SECRET, budget=budget, extra=("--model", "",
+    # A mesh of its own: the 2-node mesh of the test above may still run on this machine.
+    node = Daemon(tmp_path, 122, secret="console-models-" + secrets.token_hex(8), budget=budget, extra=("--model", "",
                   "--model", str(second)))  # fmt: skip
     try:
         started([node])
