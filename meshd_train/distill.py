@@ -268,6 +268,8 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
             )
         if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
             log(f"step {step} agreement {'{:.3f} / {:.3f}'.format(*agreements())}")
+            # A snapshot to try while training goes on (export_state_dict writes bf16 copies).
+            save_directory(student, tok, config, out.with_name(out.name + "-snapshot"), {})
     train_s = time.monotonic() - t_run
     # The file holds bf16: measure what ships.
     with torch.no_grad():

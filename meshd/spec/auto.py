@@ -84,6 +84,14 @@ _PENDING_PER_CANDIDATE = 8
 # is charged to its own windows).
 _DRAFT_SHADOW_EVERY = 4
 _DRAFT_SHADOW_SPARSE = 16
+# While the MTP heads run, a `draft` window pays for them too, so `draft` is weighed with their
+# cost like the MTP strategies. Where `draft` is the choice the heads stop only once this
+# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft` beats every MTP
+# strategy by this fraction of a token's time by the book: stopping is final, and a request's
+# estimates of the draft and of the heads dip together on hard stretches of text, where a
+# noisy lead of a few per cent once stopped the heads for good (2 stages / 20 ms prose: auto
+# 1.23x where mtp-simple made 1.73x).
+_DRAFT_OVER_HEADS_MARGIN = 0.1
 
 
 @dataclass
@@ -235,8 +243,24 @@ class AutoProposer(AccountedProposer):
             return own < _MTP_GRACE_SAMPLES and self._heads_cheap(_MTP_GRACE_FRACTION, 0)
         if self.choice in MTP_STRATEGIES:
             return True
+        if self.choice in DRAFT_STRATEGIES:
+            return not self._draft_beats_heads()
         width = self.plan.width if self.plan is not None else self._width
         return self._heads_cheap(_MTP_CHEAP_FRACTION, width)
+
+    def _draft_beats_heads(self) -> bool:
+        """Whether `draft` has scored enough windows of this request and beats the best MTP
+        strategy by `_DRAFT_OVER_HEADS_MARGIN` by the book. The book, not this request: how
+        well a draft and the heads predict new text is the model's, and a request's estimates
+        of both dip together on a hard stretch, where their order is noise."""
+        own = self._trackers["draft"].samples - self._first_samples["draft"]
+        if own < _MTP_MIN_SAMPLES or self.book.tracker("draft").samples < _MTP_MIN_SAMPLES:
+            return False
+        best, mtp_s, _ = self._best(self.book.tracker, MTP_STRATEGIES)
+        if best == "disabled":
+            return True  # no MTP strategy pays at all
+        _, draft_s, _ = self._best(self.book.tracker, DRAFT_STRATEGIES)
+        return 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s
 
     def _heads_cheap(self, fraction: float, width: int) -> bool:
         """Whether the MTP heads cost at most `fraction` of a window of `width` drafts."""
@@ -470,7 +494,10 @@ class AutoProposer(AccountedProposer):
         for name in self._available():
             if among is not None and name not in among:
                 continue
-            link = self.link.with_mtp_drafts() if name in MTP_STRATEGIES else self.link
+            heads = name in MTP_STRATEGIES or (
+                name in DRAFT_STRATEGIES and self._mtp_live and self.book.has_mtp
+            )
+            link = self.link.with_mtp_drafts() if heads else self.link
             if name in DRAFT_STRATEGIES and self._draft is not None:
                 link = link.with_draft_cost(self._draft.draft_cost_s)
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
