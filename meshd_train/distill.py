@@ -201,7 +201,9 @@ def lr_at(step: int, elapsed: float, cfg: DistillConfig) -> float:
     return cfg.lr_peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, object]:
+def distill(
+    cfg: DistillConfig, teacher_dir: Path, out: Path, init: Path | None = None
+) -> dict[str, object]:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.monotonic()
@@ -215,7 +217,11 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
     teacher = load_teacher(teacher_dir)
     config = student_config(cfg, teacher.lm.config, tok)
     student = BuiltinModel(config)
-    init_embedding(student, teacher)
+    if init is not None:  # go on from an earlier draft of this shape (its weights as saved)
+        load_exported(student, init)
+        student.lm.tie_weights()
+    else:
+        init_embedding(student, teacher)
     n_params = sum(p.numel() for p in student.parameters())
     log(f"{len(stream)} train tokens, {len(heldout)} held-out; student {n_params / 1e6:.2f} M")
     eval_corpus, eval_generated, eval_skip = eval_sets(teacher, heldout, cfg)
@@ -282,6 +288,7 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
     )
     info: dict[str, object] = {
         "distilled_from": str(teacher_dir.name),
+        "initialised_from": str(init) if init is not None else None,
         "command": "python -m meshd_train distill " + " ".join(sys.argv[2:]),
         "corpus_sha256": corpus.sha256,
         "hyperparameters": dataclasses.asdict(cfg),
@@ -307,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--teacher", type=Path, default=Path("meshd/model/builtin"))
     p.add_argument("--minutes", type=float, default=None, help="wall-time budget of the loop")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run for tests")
+    p.add_argument("--init", type=Path, default=None, help="start from this draft's weights")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = TINY_DISTILL if args.tiny else DistillConfig()
@@ -320,4 +328,4 @@ def main(argv: list[str] | None = None) -> None:
         cfg = dataclasses.replace(
             cfg, **{key: {"int": int, "float": float}[str(types[key])](value)}
         )
-    distill(cfg, args.teacher, args.out)
+    distill(cfg, args.teacher, args.out, args.init)

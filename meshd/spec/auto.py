@@ -92,6 +92,12 @@ _DRAFT_SHADOW_SPARSE = 16
 # noisy lead of a few per cent once stopped the heads for good (2 stages / 20 ms prose: auto
 # 1.23x where mtp-simple made 1.73x).
 _DRAFT_OVER_HEADS_MARGIN = 0.1
+# `draft` and the MTP strategies both predict new text, and their estimates move together:
+# switching between them needs this margin in expected time per token. Each switch to `draft`
+# makes the draft model catch up on the tokens it has not seen, and flapping at every decision
+# cost auto 10-15 % against either alone (2 stages / 20 ms, a 60 % draft: prose 1.50x where
+# mtp-simple made 1.69x and draft 1.67x).
+_MODEL_SWITCH_MARGIN = 0.1
 
 
 @dataclass
@@ -404,7 +410,13 @@ class AutoProposer(AccountedProposer):
         for name in self._available():
             if name in DRAFT_STRATEGIES:
                 # Drafted in `propose` while chosen; else in one commit of a few.
-                every = _DRAFT_SHADOW_EVERY if self._draft_pays else _DRAFT_SHADOW_SPARSE
+                # Sparse too while an MTP strategy drafts: the heads are the draft's rival on
+                # new text, and a shadow every few commits costs a share of each token.
+                every = (
+                    _DRAFT_SHADOW_EVERY
+                    if self._draft_pays and self.choice not in MTP_STRATEGIES
+                    else _DRAFT_SHADOW_SPARSE
+                )
                 if reuse or self.choice == name or self._commits % every:
                     continue
                 drafts[name] = self._candidates[name].propose(self._width)
@@ -461,9 +473,19 @@ class AutoProposer(AccountedProposer):
         self._decided_link = self.link
         self._decided_at = len(self._tokens)
         self.decisions += 1
-        best_name, _, found = self._best(lambda name: self._trackers[name])
+        best_name, best_s, found = self._best(lambda name: self._trackers[name])
         if "draft" in found:
             self._draft_pays = found["draft"].s_per_token(self.config)[1] > 0
+        models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
+        if (
+            self.choice in found
+            and best_name in models
+            and self.choice in models
+            and (best_name in DRAFT_STRATEGIES) != (self.choice in DRAFT_STRATEGIES)
+        ):
+            held_s, width = found[self.choice].s_per_token(self.config)
+            if width > 0 and best_s > (1 - _MODEL_SWITCH_MARGIN) * held_s:
+                best_name = self.choice  # not clearly better: keep the one drafting now
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
         else:
