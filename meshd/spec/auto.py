@@ -98,6 +98,11 @@ _DRAFT_OVER_HEADS_MARGIN = 0.1
 # cost auto 10-15 % against either alone (2 stages / 20 ms, a 60 % draft: prose 1.50x where
 # mtp-simple made 1.69x and draft 1.67x).
 _MODEL_SWITCH_MARGIN = 0.1
+# The draft model's candidate: `draft-ngram` (the draft's tokens, or prompt lookup's copy where
+# it starts with the draft's first token), which beat `draft` on every workload of `meshd
+# bench spec` at 2 stages / 20 ms (docs/speculative.md); switching to ngram-simple by stretches
+# does not replace its copies inside a window.
+_DRAFT_CANDIDATE = "draft-ngram"
 
 
 @dataclass
@@ -161,10 +166,10 @@ class AutoProposer(AccountedProposer):
         # The node's draft model, where one is configured: one more candidate (and part).
         self._draft: DraftProposer | None = None
         if draft is not None:
-            from meshd.spec.draft import DraftProposer
+            from meshd.spec.draft import DraftNgram
 
-            self._draft = DraftProposer(config, draft, sampling)
-            self._candidates["draft"] = self._draft
+            self._draft = DraftNgram(config, draft, sampling)
+            self._candidates[_DRAFT_CANDIDATE] = self._draft
         self._commits = 0  # observe calls of this request (spaces the draft's shadow)
         self._draft_pays = True  # by its estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
@@ -259,8 +264,8 @@ class AutoProposer(AccountedProposer):
         strategy by `_DRAFT_OVER_HEADS_MARGIN` by the book. The book, not this request: how
         well a draft and the heads predict new text is the model's, and a request's estimates
         of both dip together on a hard stretch, where their order is noise."""
-        own = self._trackers["draft"].samples - self._first_samples["draft"]
-        if own < _MTP_MIN_SAMPLES or self.book.tracker("draft").samples < _MTP_MIN_SAMPLES:
+        own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
+        if own < _MTP_MIN_SAMPLES or self.book.tracker(_DRAFT_CANDIDATE).samples < _MTP_MIN_SAMPLES:
             return False
         best, mtp_s, _ = self._best(self.book.tracker, MTP_STRATEGIES)
         if best == "disabled":
@@ -336,7 +341,7 @@ class AutoProposer(AccountedProposer):
         width = max(0, min(max_tokens, self._width))
         start = len(self._tokens)
         shadow = next(
-            (s for s in self._pending if s.strategy == "draft" and s.start == start), None
+            (s for s in self._pending if s.strategy == _DRAFT_CANDIDATE and s.start == start), None
         )
         if shadow is not None and len(shadow.drafts) >= width:
             return shadow.drafts[:width]  # drafted in the shadow at this very log
@@ -345,9 +350,11 @@ class AutoProposer(AccountedProposer):
         self.last_draft_s = self._draft.last_draft_s
         if width > 0:
             self._pending = [
-                s for s in self._pending if not (s.strategy == "draft" and s.start == start)
+                s
+                for s in self._pending
+                if not (s.strategy == _DRAFT_CANDIDATE and s.start == start)
             ]
-            self._pending.append(_Shadow("draft", start, drafts, width))
+            self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, width))
         return drafts
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
@@ -394,7 +401,7 @@ class AutoProposer(AccountedProposer):
         if self.book.has_mtp and self.config.mtp_depth > 0 and self._mtp_live:
             names.extend(MTP_STRATEGIES)
         if self._draft is not None:
-            names.append("draft")
+            names.append(_DRAFT_CANDIDATE)
         return names
 
     def _shadow(self, mtp_draft: Sequence[int], reuse: bool = False) -> dict[str, list[int]]:
@@ -474,8 +481,8 @@ class AutoProposer(AccountedProposer):
         self._decided_at = len(self._tokens)
         self.decisions += 1
         best_name, best_s, found = self._best(lambda name: self._trackers[name])
-        if "draft" in found:
-            self._draft_pays = found["draft"].s_per_token(self.config)[1] > 0
+        if _DRAFT_CANDIDATE in found:
+            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0
         models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
         if (
             self.choice in found
