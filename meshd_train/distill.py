@@ -232,8 +232,11 @@ def distill(
             agreement(student, teacher, eval_generated, eval_skip),
         )
 
-    init = agreements()
-    log(f"prep {time.monotonic() - t0:.1f}s; agreement at init {init[0]:.3f} / {init[1]:.3f}")
+    at_start = agreements()
+    log(
+        f"prep {time.monotonic() - t0:.1f}s; agreement at start "
+        f"{at_start[0]:.3f} / {at_start[1]:.3f}"
+    )
     decay = [p for p in student.parameters() if p.dim() >= 2]
     rest = [p for p in student.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
