@@ -57,10 +57,16 @@ class DistillConfig:
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
     minutes: float = 25.0
-    threads: int = 2
+    threads: int = 1
     max_files: int = 0
     log_every_steps: int = 20
     eval_windows: int = 32
+    eval_every_steps: int = 0
+    # Windows of a batch that continue a corpus prompt with the teacher's own greedy tokens
+    # (what a draft must predict at inference is the target's text, not the corpus').
+    generated_fraction: float = 0.5
+    prompt_tokens_min: int = 16
+    prompt_tokens_max: int = 64
 
 
 TINY_DISTILL = DistillConfig(
@@ -76,6 +82,8 @@ TINY_DISTILL = DistillConfig(
     max_files=4,
     log_every_steps=1,
     eval_windows=2,
+    prompt_tokens_min=4,
+    prompt_tokens_max=8,
 )
 
 
@@ -131,6 +139,30 @@ def window_batch(stream: torch.Tensor, step: int, cfg: DistillConfig, n: int) ->
     return torch.stack([stream[s : s + cfg.context_tokens] for s in starts.tolist()]).long()
 
 
+def generated_batch(
+    teacher: BuiltinModel, stream: torch.Tensor, step: int, cfg: DistillConfig, n: int
+) -> torch.Tensor:
+    """`n` windows that start with a corpus prompt and continue with the teacher's greedy
+    tokens up to `context_tokens` (EOS suppressed: the window stays full)."""
+    if n <= 0:
+        return torch.empty(0, cfg.context_tokens, dtype=torch.long)
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 700_001 + step)
+    lo, hi = cfg.prompt_tokens_min, max(cfg.prompt_tokens_min, cfg.prompt_tokens_max)
+    prompt_len = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    prompts = window_batch(stream, step + 7_000_000, cfg, n)[:, :prompt_len]
+    new = cfg.context_tokens - prompt_len
+    with torch.inference_mode():
+        out = teacher.lm.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, : cfg.context_tokens].clone()
+
+
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(teacher || student)."""
     t = teacher_logits.float().log_softmax(-1).flatten(0, 1)
@@ -138,17 +170,27 @@ def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch
     return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def agreement(
-    student: BuiltinModel, teacher: BuiltinModel, stream: torch.Tensor, cfg: DistillConfig
+    student: BuiltinModel, teacher: BuiltinModel, seq: torch.Tensor, skip: int = 0
 ) -> float:
-    """Fraction of held-out positions where the student's argmax equals the teacher's: the
-    greedy per-token acceptance a draft of depth 1 would see on teacher-forced text."""
+    """Fraction of positions (from `skip` on) of the windows `seq` where the student's argmax
+    equals the teacher's: the greedy per-token acceptance a draft of depth 1 would see."""
     student.eval()
-    seq = window_batch(stream, -1, cfg, cfg.eval_windows)
     agree = student.lm(seq).logits.argmax(-1) == teacher.lm(seq).logits.argmax(-1)
     student.train()
-    return float(agree.float().mean())
+    return float(agree[:, skip:].float().mean())
+
+
+def eval_sets(
+    teacher: BuiltinModel, heldout: torch.Tensor, cfg: DistillConfig
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Held-out corpus windows, and the teacher's greedy continuations of held-out prompts
+    (the prompt's length: agreement is measured on the continuation only)."""
+    corpus = window_batch(heldout, -1, cfg, cfg.eval_windows)
+    fixed = dataclasses.replace(cfg, prompt_tokens_max=cfg.prompt_tokens_min)
+    generated = generated_batch(teacher, heldout, -1, fixed, cfg.eval_windows)
+    return corpus, generated, cfg.prompt_tokens_min
 
 
 def lr_at(step: int, elapsed: float, cfg: DistillConfig) -> float:
@@ -159,7 +201,9 @@ def lr_at(step: int, elapsed: float, cfg: DistillConfig) -> float:
     return cfg.lr_peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, object]:
+def distill(
+    cfg: DistillConfig, teacher_dir: Path, out: Path, init: Path | None = None
+) -> dict[str, object]:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.monotonic()
@@ -173,11 +217,25 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
     teacher = load_teacher(teacher_dir)
     config = student_config(cfg, teacher.lm.config, tok)
     student = BuiltinModel(config)
-    init_embedding(student, teacher)
+    if init is not None:  # go on from an earlier draft of this shape (its weights as saved)
+        load_exported(student, init)
+        student.lm.tie_weights()
+    else:
+        init_embedding(student, teacher)
     n_params = sum(p.numel() for p in student.parameters())
     log(f"{len(stream)} train tokens, {len(heldout)} held-out; student {n_params / 1e6:.2f} M")
+    eval_corpus, eval_generated, eval_skip = eval_sets(teacher, heldout, cfg)
+
+    def agreements() -> tuple[float, float]:
+        return (
+            agreement(student, teacher, eval_corpus),
+            agreement(student, teacher, eval_generated, eval_skip),
+        )
+
+    at_start = agreements()
     log(
-        f"prep {time.monotonic() - t0:.1f}s; agreement at init {agreement(student, teacher, heldout, cfg):.3f}"
+        f"prep {time.monotonic() - t0:.1f}s; agreement at start "
+        f"{at_start[0]:.3f} / {at_start[1]:.3f}"
     )
     decay = [p for p in student.parameters() if p.dim() >= 2]
     rest = [p for p in student.parameters() if p.dim() < 2]
@@ -196,9 +254,16 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, elapsed, cfg)
-        seq = window_batch(stream, step, cfg, cfg.batch_sequences)
-        with torch.no_grad():
+        n_gen = round(cfg.batch_sequences * cfg.generated_fraction)
+        seq = torch.cat(
+            [
+                window_batch(stream, step, cfg, cfg.batch_sequences - n_gen),
+                generated_batch(teacher, stream, step, cfg, n_gen),
+            ]
+        )
+        with torch.inference_mode():
             teacher_logits = teacher.lm(seq).logits
+        teacher_logits = teacher_logits.clone()  # an ordinary tensor for the loss's autograd
         loss = kl_loss(student.lm(seq).logits, teacher_logits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -210,15 +275,23 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
             log(
                 f"step {step} kl {loss_value} lr {lr_at(step - 1, elapsed, cfg):.2e} {elapsed:.0f}s"
             )
+        if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
+            log(f"step {step} agreement {'{:.3f} / {:.3f}'.format(*agreements())}")
+            # A snapshot to try while training goes on (export_state_dict writes bf16 copies).
+            save_directory(student, tok, config, out.with_name(out.name + "-snapshot"), {})
     train_s = time.monotonic() - t_run
     # The file holds bf16: measure what ships.
     with torch.no_grad():
         for p in student.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    agree = agreement(student, teacher, heldout, cfg)
-    log(f"{step} steps in {train_s:.0f}s; held-out argmax agreement {agree:.3f}")
+    agree, agree_generated = agreements()
+    log(
+        f"{step} steps in {train_s:.0f}s; held-out argmax agreement {agree:.3f} (corpus), "
+        f"{agree_generated:.3f} (the teacher's greedy continuations)"
+    )
     info: dict[str, object] = {
         "distilled_from": str(teacher_dir.name),
+        "initialised_from": str(init) if init is not None else None,
         "command": "python -m meshd_train distill " + " ".join(sys.argv[2:]),
         "corpus_sha256": corpus.sha256,
         "hyperparameters": dataclasses.asdict(cfg),
@@ -227,6 +300,8 @@ def distill(cfg: DistillConfig, teacher_dir: Path, out: Path) -> dict[str, objec
         "train_seconds": round(train_s, 1),
         "final_kl": loss_value,
         "heldout_argmax_agreement": round(agree, 4),
+        "heldout_generated_argmax_agreement": round(agree_generated, 4),
+        "train_tokens": step * cfg.batch_sequences * cfg.context_tokens,
         "torch": torch.__version__,
         "python": sys.version,
     }
@@ -242,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--teacher", type=Path, default=Path("meshd/model/builtin"))
     p.add_argument("--minutes", type=float, default=None, help="wall-time budget of the loop")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run for tests")
+    p.add_argument("--init", type=Path, default=None, help="start from this draft's weights")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     cfg = TINY_DISTILL if args.tiny else DistillConfig()
@@ -255,4 +331,4 @@ def main(argv: list[str] | None = None) -> None:
         cfg = dataclasses.replace(
             cfg, **{key: {"int": int, "float": float}[str(types[key])](value)}
         )
-    distill(cfg, args.teacher, args.out)
+    distill(cfg, args.teacher, args.out, args.init)

@@ -37,6 +37,7 @@ from meshd.spec.config import (
     resolve_spec_config,
     spec_cli_values,
 )
+from meshd.spec.draft import DraftModel
 
 KINDS = ("edit", "completion", "prose")
 
@@ -145,6 +146,13 @@ async def _matrix(
     eos = frozenset(tokenizer.eos_ids)
     rows: list[dict[str, Any]] = []
     samples: dict[str, str] = {}
+    # Loaded before any lane opens: loading blocks the event loop, and a load that outlasts
+    # the lanes' dead_after_s under load would lose the route.
+    draft = (
+        DraftModel.load(settings.draft_model, quantization=quantization)
+        if settings.draft_model and any(s in DRAFT_STRATEGIES or s == "auto" for s in strategies)
+        else None
+    )
     for stages in stage_counts:
         for rtt_ms in rtts_ms:
             async with open_local_pipeline(
@@ -154,6 +162,7 @@ async def _matrix(
                 wire_dtype="f16",
                 eos_ids=eos,
                 quantization=quantization,
+                draft=draft,
             ) as pipe:
                 # Warm-up: lanes open, threads start, caches fill.
                 warm = tokenizer.encode(loads[0].prompt)

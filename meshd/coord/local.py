@@ -29,6 +29,7 @@ from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lanes import LaneTable
 from meshd.plan.route import Route, RouteStage
+from meshd.spec.draft import DraftModel
 from meshd.stage.host import StageHost
 from protocol.messages import DType
 
@@ -80,6 +81,7 @@ async def open_local_pipeline(
     session_lease_s: float = 30.0,
     keep_alive: bool = True,
     quantization: str = "none",
+    draft: DraftModel | None = None,
 ) -> AsyncIterator[LocalPipeline]:
     """Start `stages` stage nodes on loopback and a coordinator on the first one.
 
@@ -87,6 +89,8 @@ async def open_local_pipeline(
     intra-op threads default to 1 here: several stages each spinning up an OpenMP team on a
     small machine oversubscribe it, and every pass slows many times over under load
     (docs/model-runtime.md, "Threads"). `torch_threads=None` leaves torch's setting alone.
+    `draft`: the coordinator's draft model, loaded before the lanes open (a load inside the
+    event loop can outlast the lanes' `dead_after_s` on a loaded machine).
     Stages free a session
     after `session_lease_s` without a window or keep-alive; the coordinator renews its
     sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
@@ -127,7 +131,11 @@ async def open_local_pipeline(
             wiring.stage = host
             if index == 0:
                 coordinator = Coordinator(
-                    peers, publics[0], wire_dtype=wire_dtype, session_lease_s=session_lease_s
+                    peers,
+                    publics[0],
+                    wire_dtype=wire_dtype,
+                    session_lease_s=session_lease_s,
+                    draft=draft,
                 )
                 wiring.coordinator = coordinator
                 if keep_alive:

@@ -84,6 +84,25 @@ _PENDING_PER_CANDIDATE = 8
 # is charged to its own windows).
 _DRAFT_SHADOW_EVERY = 4
 _DRAFT_SHADOW_SPARSE = 16
+# While the MTP heads run, a `draft` window pays for them too, so `draft` is weighed with their
+# cost like the MTP strategies. Where `draft` is the choice the heads stop only once this
+# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft` beats every MTP
+# strategy by this fraction of a token's time by the book: stopping is final, and a request's
+# estimates of the draft and of the heads dip together on hard stretches of text, where a
+# noisy lead of a few per cent once stopped the heads for good (2 stages / 20 ms prose: auto
+# 1.23x where mtp-simple made 1.73x).
+_DRAFT_OVER_HEADS_MARGIN = 0.1
+# `draft` and the MTP strategies both predict new text, and their estimates move together:
+# switching between them needs this margin in expected time per token. Each switch to `draft`
+# makes the draft model catch up on the tokens it has not seen, and flapping at every decision
+# cost auto 10-15 % against either alone (2 stages / 20 ms, a 60 % draft: prose 1.50x where
+# mtp-simple made 1.69x and draft 1.67x).
+_MODEL_SWITCH_MARGIN = 0.1
+# The draft model's candidate: `draft-ngram` (the draft's tokens, or prompt lookup's copy where
+# it starts with the draft's first token), which beat `draft` on every workload of `meshd
+# bench spec` at 2 stages / 20 ms (docs/speculative.md); switching to ngram-simple by stretches
+# does not replace its copies inside a window.
+_DRAFT_CANDIDATE = "draft-ngram"
 
 
 @dataclass
@@ -147,10 +166,10 @@ class AutoProposer(AccountedProposer):
         # The node's draft model, where one is configured: one more candidate (and part).
         self._draft: DraftProposer | None = None
         if draft is not None:
-            from meshd.spec.draft import DraftProposer
+            from meshd.spec.draft import DraftNgram
 
-            self._draft = DraftProposer(config, draft, sampling)
-            self._candidates["draft"] = self._draft
+            self._draft = DraftNgram(config, draft, sampling)
+            self._candidates[_DRAFT_CANDIDATE] = self._draft
         self._commits = 0  # observe calls of this request (spaces the draft's shadow)
         self._draft_pays = True  # by its estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
@@ -235,8 +254,24 @@ class AutoProposer(AccountedProposer):
             return own < _MTP_GRACE_SAMPLES and self._heads_cheap(_MTP_GRACE_FRACTION, 0)
         if self.choice in MTP_STRATEGIES:
             return True
+        if self.choice in DRAFT_STRATEGIES:
+            return not self._draft_beats_heads()
         width = self.plan.width if self.plan is not None else self._width
         return self._heads_cheap(_MTP_CHEAP_FRACTION, width)
+
+    def _draft_beats_heads(self) -> bool:
+        """Whether `draft` has scored enough windows of this request and beats the best MTP
+        strategy by `_DRAFT_OVER_HEADS_MARGIN` by the book. The book, not this request: how
+        well a draft and the heads predict new text is the model's, and a request's estimates
+        of both dip together on a hard stretch, where their order is noise."""
+        own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
+        if own < _MTP_MIN_SAMPLES or self.book.tracker(_DRAFT_CANDIDATE).samples < _MTP_MIN_SAMPLES:
+            return False
+        best, mtp_s, _ = self._best(self.book.tracker, MTP_STRATEGIES)
+        if best == "disabled":
+            return True  # no MTP strategy pays at all
+        _, draft_s, _ = self._best(self.book.tracker, DRAFT_STRATEGIES)
+        return 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s
 
     def _heads_cheap(self, fraction: float, width: int) -> bool:
         """Whether the MTP heads cost at most `fraction` of a window of `width` drafts."""
@@ -306,7 +341,7 @@ class AutoProposer(AccountedProposer):
         width = max(0, min(max_tokens, self._width))
         start = len(self._tokens)
         shadow = next(
-            (s for s in self._pending if s.strategy == "draft" and s.start == start), None
+            (s for s in self._pending if s.strategy == _DRAFT_CANDIDATE and s.start == start), None
         )
         if shadow is not None and len(shadow.drafts) >= width:
             return shadow.drafts[:width]  # drafted in the shadow at this very log
@@ -315,9 +350,11 @@ class AutoProposer(AccountedProposer):
         self.last_draft_s = self._draft.last_draft_s
         if width > 0:
             self._pending = [
-                s for s in self._pending if not (s.strategy == "draft" and s.start == start)
+                s
+                for s in self._pending
+                if not (s.strategy == _DRAFT_CANDIDATE and s.start == start)
             ]
-            self._pending.append(_Shadow("draft", start, drafts, width))
+            self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, width))
         return drafts
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
@@ -364,7 +401,7 @@ class AutoProposer(AccountedProposer):
         if self.book.has_mtp and self.config.mtp_depth > 0 and self._mtp_live:
             names.extend(MTP_STRATEGIES)
         if self._draft is not None:
-            names.append("draft")
+            names.append(_DRAFT_CANDIDATE)
         return names
 
     def _shadow(self, mtp_draft: Sequence[int], reuse: bool = False) -> dict[str, list[int]]:
@@ -380,7 +417,13 @@ class AutoProposer(AccountedProposer):
         for name in self._available():
             if name in DRAFT_STRATEGIES:
                 # Drafted in `propose` while chosen; else in one commit of a few.
-                every = _DRAFT_SHADOW_EVERY if self._draft_pays else _DRAFT_SHADOW_SPARSE
+                # Sparse too while an MTP strategy drafts: the heads are the draft's rival on
+                # new text, and a shadow every few commits costs a share of each token.
+                every = (
+                    _DRAFT_SHADOW_EVERY
+                    if self._draft_pays and self.choice not in MTP_STRATEGIES
+                    else _DRAFT_SHADOW_SPARSE
+                )
                 if reuse or self.choice == name or self._commits % every:
                     continue
                 drafts[name] = self._candidates[name].propose(self._width)
@@ -437,9 +480,19 @@ class AutoProposer(AccountedProposer):
         self._decided_link = self.link
         self._decided_at = len(self._tokens)
         self.decisions += 1
-        best_name, _, found = self._best(lambda name: self._trackers[name])
-        if "draft" in found:
-            self._draft_pays = found["draft"].s_per_token(self.config)[1] > 0
+        best_name, best_s, found = self._best(lambda name: self._trackers[name])
+        if _DRAFT_CANDIDATE in found:
+            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0
+        models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
+        if (
+            self.choice in found
+            and best_name in models
+            and self.choice in models
+            and (best_name in DRAFT_STRATEGIES) != (self.choice in DRAFT_STRATEGIES)
+        ):
+            held_s, width = found[self.choice].s_per_token(self.config)
+            if width > 0 and best_s > (1 - _MODEL_SWITCH_MARGIN) * held_s:
+                best_name = self.choice  # not clearly better: keep the one drafting now
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
         else:
@@ -470,7 +523,10 @@ class AutoProposer(AccountedProposer):
         for name in self._available():
             if among is not None and name not in among:
                 continue
-            link = self.link.with_mtp_drafts() if name in MTP_STRATEGIES else self.link
+            heads = name in MTP_STRATEGIES or (
+                name in DRAFT_STRATEGIES and self._mtp_live and self.book.has_mtp
+            )
+            link = self.link.with_mtp_drafts() if heads else self.link
             if name in DRAFT_STRATEGIES and self._draft is not None:
                 link = link.with_draft_cost(self._draft.draft_cost_s)
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)

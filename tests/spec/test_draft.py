@@ -226,3 +226,14 @@ def test_a_sampled_request_drafts_the_targets_own_sample() -> None:
             proposer.close()
     assert rates["coupled"] > 0.95, rates
     assert rates["argmax"] < rates["coupled"] - 0.2, rates
+
+
+def test_the_shipped_draft_fits_in_three_megabytes_and_loads_as_a_draft() -> None:
+    """Issue 23's limit for the built-in model's draft, tokenizer included: it ships in the
+    package, and a bigger one is a download in disguise."""
+    files = list(builtin_draft_dir().iterdir())
+    assert sum(f.stat().st_size for f in files) <= 3_000_000
+    from meshd.model.files import open_checkpoint
+
+    draft = DraftModel.load(builtin_draft_dir())
+    assert draft.vocab_size == open_checkpoint(builtin_model_dir()).config.vocab_size
