@@ -130,19 +130,28 @@ def test_fetching_nodes_serve_their_stages_and_answer_like_one_process(
         victim.kill()
         victim.wait_stopped(float("inf"))
         tensors = victim.state / "models" / model_id / "tensors"
-        target = sorted(tensors.iterdir())[0]
-        data = bytearray(target.read_bytes())
-        data[-1] ^= 0x01
-        target.write_bytes(bytes(data))
+        # Every tensor it stored gets a flipped byte: whichever of its old layers the next plan
+        # gives it back, the ones it loads are corrupted.
+        corrupted: dict[pathlib.Path, bytes] = {}
+        for target in sorted(tensors.iterdir()):
+            data = bytearray(target.read_bytes())
+            data[-1] ^= 0x01
+            target.write_bytes(bytes(data))
+            corrupted[target] = bytes(data)
         daemons[2] = victim = _fetcher(tmp, 33, budget, model_id)
         started([victim], timeout_s=120)
-        agreed_plan(daemons, timeout_s=120, stable_s=1.0)
+        plan = agreed_plan(daemons, timeout_s=120, stable_s=1.0)
+        assert len(plan) == 3, plan  # it serves a stage again (two nodes hold too little)
         wait_until(
             lambda: "does not match the manifest" in victim.log_tail(200_000),
-            30,
+            60,
             "the corrupted tensor reported",
         )
-        assert target.read_bytes() != bytes(data)  # replaced by the manifest's bytes
+        lo, hi = victim.status()["stage_layers"]
+        for name in stage_tensor_names(checkpoint.config, lo, hi):
+            path = tensors / f"{name}.safetensors"
+            if path in corrupted:  # replaced by the manifest's bytes
+                assert path.read_bytes() != corrupted[path], name
         assert _tokens(victim, prompt) == expected
         assert _tokens(daemons[0], prompt) == expected
     finally:
