@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from meshd.node.node import MeshNode
 
 
-class ModelStageStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """One stage of a model's plan."""
+class StageStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage of a plan, with the bytes the planner counts for it."""
 
     key: str
     layers: list[int]
@@ -36,15 +36,15 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
     sessions_hosted: int
     kv_used_bytes: int
     holders: list[str]  # node keys (hex) of the healthy members offering it
-    plan: list[ModelStageStatus]
+    plan: list[StageStatus]
     plan_quantization: str | None
     plan_error: str
     predicted_ms_per_token: float | None
 
 
-def _stages(plan: Plan | None) -> list[ModelStageStatus]:
+def plan_stages(plan: Plan | None) -> list[StageStatus]:
     return [
-        ModelStageStatus(
+        StageStatus(
             key=s.node_key.hex(),
             layers=[s.layer_start, s.layer_end],
             weight_bytes=s.weight_bytes,
@@ -66,7 +66,7 @@ def _held(
         sessions_hosted=slot.sessions,
         kv_used_bytes=slot.kv_used_bytes,
         holders=_holders(node, model_id),
-        plan=_stages(plan),
+        plan=plan_stages(plan),
         plan_quantization=plan.quantization if plan is not None else None,
         plan_error=error,
         predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,
@@ -91,7 +91,7 @@ def model_statuses(node: MeshNode) -> list[ModelStatus]:
             _held(node, held.files.name, held.model_id, held.plan, held.plan_error, held.slot)
         )
     known = {m.model_id for m in out}
-    reported: dict[str, tuple[str, list[ModelStageStatus], str | None]] = {}
+    reported: dict[str, tuple[str, list[StageStatus], str | None]] = {}
     for key, info in sorted(node.membership.view().items()):
         if not info.healthy or info.capacity is None:
             continue
@@ -101,7 +101,7 @@ def model_statuses(node: MeshNode) -> list[ModelStatus]:
             name, stages, quantization = reported.setdefault(h.model_id, (h.name, [], None))
             if h.loaded:
                 stages.append(
-                    ModelStageStatus(
+                    StageStatus(
                         key=key.hex(),
                         layers=[h.layer_start, h.layer_end],
                         weight_bytes=h.weight_bytes,

@@ -238,47 +238,35 @@ class StageSlot:
         """A pipeline message for the stage; an open for layers we do not serve is refused."""
         running = self._running
         if isinstance(message, OpenSession):
-            expected = (message.layer_start, message.layer_end)
-            if running is None or (expected != (-1, -1) and expected != running.layers):
-                held = "no stage" if running is None else f"layers {list(running.layers)}"
-                error = StageError(
-                    message.session,
-                    "wrong_layers",
-                    f"this node serves {held}, the route expects {list(expected)}",
-                )
+            refusal = self._refusal(message, running)
+            if refusal is not None:
                 assert self._nursery is not None
-                self._nursery.start_soon(self._send, message.coordinator, error)
-                return
-            if message.model_id != self.checkpoint.model_id:
-                # Another model's session (a stale plan elsewhere): never run it on these weights.
-                error = StageError(
-                    message.session,
-                    "wrong_model",
-                    f"this node serves model {self.checkpoint.model_id[:16]} here, the route "
-                    f"expects {message.model_id[:16]}",
-                )
-                assert self._nursery is not None
-                self._nursery.start_soon(self._send, message.coordinator, error)
-                return
-            if message.quantization and message.quantization != self.quantization:
-                error = StageError(
-                    message.session,
-                    "wrong_quantization",
-                    f"this node holds the model at quantization {self.quantization}, the route "
-                    f"expects {message.quantization}",
-                )
-                assert self._nursery is not None
-                self._nursery.start_soon(self._send, message.coordinator, error)
-                return
-            if self.refuse_new_sessions and not running.host.has_session(message.session):
-                error = StageError(
-                    message.session, "draining", "this stage is draining: re-plan without it"
-                )
-                assert self._nursery is not None
+                error = StageError(message.session, *refusal)
                 self._nursery.start_soon(self._send, message.coordinator, error)
                 return
         if running is not None:
             running.host.handle(message, sender)
+
+    def _refusal(self, message: OpenSession, running: _Running | None) -> tuple[str, str] | None:
+        """Why this stage refuses a new session (code, detail), or None to open it."""
+        expected = (message.layer_start, message.layer_end)
+        if running is None or (expected != (-1, -1) and expected != running.layers):
+            held = "no stage" if running is None else f"layers {list(running.layers)}"
+            return "wrong_layers", f"this node serves {held}, the route expects {list(expected)}"
+        if message.model_id != self.checkpoint.model_id:
+            # Another model's session (a stale plan elsewhere): never run it on these weights.
+            return "wrong_model", (
+                f"this node serves model {self.checkpoint.model_id[:16]} here, the route "
+                f"expects {message.model_id[:16]}"
+            )
+        if message.quantization and message.quantization != self.quantization:
+            return "wrong_quantization", (
+                f"this node holds the model at quantization {self.quantization}, the route "
+                f"expects {message.quantization}"
+            )
+        if self.refuse_new_sessions and not running.host.has_session(message.session):
+            return "draining", "this stage is draining: re-plan without it"
+        return None
 
     async def _send(self, key: bytes, message: Message) -> None:
         try:

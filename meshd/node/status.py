@@ -11,7 +11,7 @@ import torch
 
 from meshd.mesh.identity import node_id_of
 from meshd.node.fetch import FetchStatus
-from meshd.node.model_status import ModelStatus, model_statuses
+from meshd.node.model_status import ModelStatus, StageStatus, model_statuses, plan_stages
 from meshd.node.planning import holding_of
 from protocol.punch import RelayPath
 
@@ -49,15 +49,6 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
     rtt_ms: float | None
     packets_lost: int
     packets_sent: int
-
-
-class StageStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """One stage of the current plan, with the bytes the planner counts for it."""
-
-    key: str
-    layers: list[int]
-    weight_bytes: int  # the stage's weights at the plan's quantization
-    memory_bytes: int  # weights plus KV for the plan's context
 
 
 class EventStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,15 +174,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,
         members=members,
-        plan=[
-            StageStatus(
-                key=s.node_key.hex(),
-                layers=[s.layer_start, s.layer_end],
-                weight_bytes=s.weight_bytes,
-                memory_bytes=s.memory_bytes,
-            )
-            for s in (plan.stages if plan is not None else ())
-        ],
+        plan=plan_stages(plan),
         plan_quantization=plan.quantization if plan is not None else None,
         plan_error=node.plan_error,
         predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,

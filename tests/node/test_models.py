@@ -6,7 +6,6 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-import tokenizers
 import torch
 
 from meshd.coord.pipeline import Coordinator
@@ -19,6 +18,7 @@ from meshd.plan import NoFeasiblePlan
 from meshd.spec.config import SpecConfig
 from meshd.spec.strategies import UnknownStrategyError, make_proposer
 from protocol.gossip import CapacityRecord, ModelHolding, Status
+from tests.spec.test_draft import other_tokenizer
 
 CONTEXT = 1024
 
@@ -75,13 +75,7 @@ def test_the_nodes_draft_drafts_only_for_models_with_its_tokenizer(tmp_path: pat
     assert _draft_fits("", str(tmp_path))  # no draft configured: nothing to refuse
     # A further model with a tokenizer of its own: its requests run without the draft, and a
     # request for the `draft` strategy is refused by name instead of feeding it foreign ids.
-    other = tmp_path / "other"
-    other.mkdir()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"])
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x * 2\n"] * 20, trainer=trainer)
-    tok.save(str(other / "tokenizer.json"))
+    other = other_tokenizer(tmp_path / "other")
     assert not _draft_fits(draft, str(other))
     coordinator = Coordinator(None, b"k" * 32)  # type: ignore[arg-type]
     coordinator.drafts_allowed = False

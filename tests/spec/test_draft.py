@@ -168,6 +168,17 @@ def _save_tokenizer(source: pathlib.Path, out: pathlib.Path, extra: list[str]) -
     return out
 
 
+def other_tokenizer(directory: pathlib.Path) -> pathlib.Path:
+    """A directory holding a small BPE tokenizer of its own (not the built-in model's)."""
+    directory.mkdir()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"])
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x * 2\n"] * 20, trainer=trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def test_a_draft_tokenizer_must_be_the_targets_or_a_prefix(tmp_path: pathlib.Path) -> None:
     builtin = builtin_model_dir()
     check_draft_tokenizer(builtin, builtin_draft_dir())
@@ -176,13 +187,7 @@ def test_a_draft_tokenizer_must_be_the_targets_or_a_prefix(tmp_path: pathlib.Pat
     with pytest.raises(DraftMismatchError) as err:
         check_draft_tokenizer(builtin, longer)
     assert "target-plus" in str(err.value) and "builtin" in str(err.value)
-    other = tmp_path / "other"
-    other.mkdir()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"])
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["def f(x):\n    return x * 2\n"] * 20, trainer=trainer)
-    tok.save(str(other / "tokenizer.json"))
+    other = other_tokenizer(tmp_path / "other")
     with pytest.raises(DraftMismatchError, match="differs") as err:
         check_draft_tokenizer(builtin, other)
     assert str(other) in str(err.value) and str(builtin) in str(err.value)
