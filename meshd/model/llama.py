@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig, RopeConfig
-from meshd.model.quant import Matrix, QuantMatrix
+from meshd.model.quant import Int8Vnni, Matrix, QuantMatrix
 
 # Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
 MatrixPrep = Callable[[torch.Tensor], Matrix]
@@ -342,7 +342,12 @@ def residual_linear(
     residual: torch.Tensor, x: torch.Tensor, w: Matrix, b: torch.Tensor | None
 ) -> torch.Tensor:
     """`residual + x @ w + b`, the residual added by the matmul itself (one op, not two)."""
-    out = w.mm(x).add_(residual) if isinstance(w, QuantMatrix) else torch.addmm(residual, x, w)
+    if isinstance(w, Int8Vnni):
+        out = w.mm_add(x, residual)
+    elif isinstance(w, QuantMatrix):
+        out = w.mm(x).add_(residual)
+    else:
+        out = torch.addmm(residual, x, w)
     return out if b is None else out.add_(b)
 
 

@@ -8,7 +8,8 @@ Kernels (docs/model-runtime.md has the measurements behind each choice):
 
 | device | int8 | int4 |
 |---|---|---|
-| x86 CPU | fbgemm dynamic linear: per-output-channel symmetric int8 weights, activations quantized to uint8 per call, per row (`quantized::linear_dynamic`) | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
+| x86 CPU with AVX-512 VNNI | meshd's own kernel (`kernels/int8_mm.c`, compiled once per machine): per-output-channel symmetric int8 weights, each row of activations quantized to uint8 over its range | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
+| other x86 CPU (or no C compiler) | fbgemm dynamic linear, same scheme (`quantized::linear_dynamic`) | as above |
 | CUDA | `_weight_int8pack_mm` (weight-only, per channel) | `_weight_int4pack_mm` (tinygemm, bf16) |
 | CPU without fbgemm (ARM) | `_weight_int8pack_mm` | as on x86 |
 | other | dequantize on the fly (correct, not fast) | same |
@@ -28,6 +29,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from meshd.model.kernels import QUAD, TILE, Int8Kernel, int8_kernel, packed_bytes
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 # Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
@@ -137,10 +140,14 @@ def has_fbgemm() -> bool:
 
 
 def row_exact(quantization: str, device: torch.device) -> bool:
-    """Whether this stage's matrices give a row the same bits in any batch (tested): fbgemm's
-    int8 with per-row ranges and the CPU int4 kernel. Not MKL's fp32 product, and not known
-    for the CUDA or ARM kernels."""
-    return quantization in ("int8", "int4") and device.type == "cpu" and has_fbgemm()
+    """Whether this stage's matrices give a row the same bits in any batch (tested): meshd's
+    int8 kernel and fbgemm's int8 with per-row ranges, and the CPU int4 kernel. Not MKL's fp32
+    product, and not known for the CUDA or ARM kernels."""
+    if device.type != "cpu":
+        return False
+    if quantization == "int8":
+        return int8_kernel() is not None or has_fbgemm()
+    return quantization == "int4" and has_fbgemm()
 
 
 @functools.cache
@@ -202,6 +209,72 @@ class Int8Fbgemm(QuantMatrix):
         qw, _bias = torch.ops.quantized.linear_unpack(self._packed)
         w: torch.Tensor = qw.dequantize()
         return w.t()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class Int8Vnni(QuantMatrix):
+    """x86 CPU int8 with AVX-512 VNNI: meshd's own kernel (`meshd/model/kernels/int8_mm.c`).
+
+    The same scheme as `Int8Fbgemm`, in one call: per-output-channel symmetric int8 weights,
+    each row of activations quantized to uint8 over its own [min, max], so a row's result has
+    the same bits in any batch (verify windows compute the bits of plain decoding). Weights are
+    packed in tiles of 64 channels for VPDPBUSD; the residual can be added in the same call.
+    """
+
+    kind, kernel = "int8", "meshd int8 (AVX-512 VNNI)"
+
+    def __init__(self, w: torch.Tensor, kernel: Int8Kernel) -> None:
+        out_f, in_f = w.shape
+        q, scale = _int8_rows(w)
+        self._k = kernel
+        self._kp = -(-in_f // QUAD) * QUAD
+        channels = -(-out_f // TILE) * TILE
+        self._w = torch.empty(channels * self._kp, dtype=torch.int8)
+        kernel.pack(q.data_ptr(), out_f, in_f, self._kp, self._w.data_ptr())
+        self._scale = torch.zeros(channels)
+        self._scale[:out_f] = scale
+        self._sums = torch.zeros(channels)
+        self._sums[:out_f] = q.sum(dim=1, dtype=torch.int32).float()
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = packed_bytes(in_f, out_f)
+        assert self.nbytes == self._w.nbytes + self._scale.nbytes + self._sums.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm_add(x, None)
+
+    def mm_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """`x @ w (+ residual)`, the residual added in the kernel (`[T, out]`, x's dtype)."""
+        rows = x.float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features)
+        res = None
+        if residual is not None:
+            res = residual.float().contiguous()
+        failed = self._k.mm(
+            rows.data_ptr(),
+            rows.shape[0],
+            self.in_features,
+            self._w.data_ptr(),
+            self._scale.data_ptr(),
+            self._sums.data_ptr(),
+            self.out_features,
+            self._kp,
+            out.data_ptr(),
+            None if res is None else res.data_ptr(),
+            _TINY,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the int8 kernel could not allocate its row buffer")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        tiles = self._w.view(-1, self._kp // QUAD, TILE, QUAD)  # [tile, quad, channel, 4]
+        q = tiles.permute(0, 2, 1, 3).reshape(-1, self._kp)[:n, :k]
+        return (q.float() * self._scale[:n, None]).t()
 
     @property
     def device(self) -> torch.device:
@@ -414,8 +487,12 @@ def quantize_matrix(
             return Int4Dequant(w, group, device)
     elif quantization != "int8":
         raise ValueError(f"cannot quantize a matrix as {quantization!r}")
-    if device.type == "cpu" and has_fbgemm():
-        return Int8Fbgemm(w)
+    if device.type == "cpu":
+        kernel = int8_kernel()
+        if kernel is not None:
+            return Int8Vnni(w, kernel)
+        if has_fbgemm():
+            return Int8Fbgemm(w)
     return Int8WeightOnly(w, device, dtype)
 
 
@@ -434,6 +511,8 @@ def matrix_bytes(
         if group is not None:
             # Two weights per byte, a bf16 scale and offset per group.
             return in_features * out_features // 2 + 4 * out_features * (in_features // group)
+    if device_type == "cpu" and int8_kernel() is not None:
+        return packed_bytes(in_features, out_features)
     if device_type == "cpu" and has_fbgemm():
         return _fbgemm_bytes(in_features, out_features)
     return in_features * out_features + out_features * _itemsize(dtype)

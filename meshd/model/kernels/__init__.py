@@ -1,0 +1,174 @@
+"""meshd's own CPU kernel: an int8 matrix product for x86 CPUs with AVX-512 VNNI.
+
+At batch 1 a projection streams its whole matrix from memory, so its speed is the memory
+bandwidth the kernel reaches. fbgemm's dynamic linear (torch's fastest int8 product here) reaches
+about 12 GB/s on one core of the Xeon we measure on, where a plain stream reaches 16.8, and its
+per-row mapping (which keeps a row's result independent of its batch) adds eleven small torch
+operations per call. `int8_mm.c` quantizes each row itself, streams weights packed for
+VPDPBUSD and adds the residual in the same call: 1.27x fbgemm's products on one core, 1.39x on
+two (figures and commands in docs/model-runtime.md). No library in meshd's dependencies has
+such a kernel, which is why it is written here (docs/model-runtime.md "Why a hand-written
+kernel").
+
+The C source ships in the package and is compiled once per machine with the system's C
+compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else
+`$XDG_CACHE_HOME/meshd/kernels`, else `~/.cache/meshd/kernels`, else a temporary directory),
+then loaded with ctypes, which releases the GIL for the call. Without a compiler, on another
+CPU, or with `MESHD_INT8_KERNEL=fbgemm`, int8 stages run fbgemm as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("int8_mm.c")
+_FLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512vnni",
+    "-fopenmp",
+    # The epilogue's multiplies and adds stay separate: a fused multiply-add chosen by the
+    # compiler in one code path and not another would break the rows' batch independence.
+    "-ffp-contract=off",
+    "-fPIC",
+    "-shared",
+)
+# The CPU features the compiled code uses.
+_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# Output channels per packed tile and input positions per VPDPBUSD lane (int8_mm.c's TILE).
+TILE = 64
+QUAD = 4
+# What `MESHD_INT8_KERNEL` may say: `auto` (this kernel where it runs) or `fbgemm`.
+CHOICES = ("auto", "fbgemm")
+
+
+@dataclass(frozen=True)
+class Int8Kernel:
+    """The loaded kernel: `mm` and `pack` are its C entry points."""
+
+    mm: Any  # ctypes functions
+    pack: Any
+    path: Path
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("MESHD_KERNEL_DIR"):
+        return Path(os.environ["MESHD_KERNEL_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "meshd" / "kernels"
+    return Path.home() / ".cache" / "meshd" / "kernels"
+
+
+def _compile(directory: Path) -> Path:
+    """The compiled library in `directory` (built there first if missing); raises on failure.
+
+    Named by the source's and flags' hash: a new meshd builds its own, and a machine that
+    built it once needs no compiler again.
+    """
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    path = directory / f"int8_mm-{key}.so"
+    if path.exists():
+        return path
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc, or CC) to build it")
+    directory.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: daemons starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("compiled meshd's int8 kernel into %s", path)
+    return path
+
+
+def _load(path: Path) -> Int8Kernel:
+    lib = ctypes.CDLL(str(path))
+    if lib.meshd_int8_abi() != 1:
+        raise OSError(f"{path}: unexpected kernel ABI")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    mm = lib.meshd_int8_mm
+    mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, p, ctypes.c_float, ctypes.c_int]
+    mm.restype = ctypes.c_int
+    pack = lib.meshd_int8_pack
+    pack.argtypes = [p, i64, i64, i64, p]
+    pack.restype = None
+    return Int8Kernel(mm, pack, path)
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run the kernel (None: it can, once compiled)."""
+    choice = os.environ.get("MESHD_INT8_KERNEL", "auto")
+    if choice not in CHOICES:
+        return f"MESHD_INT8_KERNEL={choice!r} (expected one of {', '.join(CHOICES)})"
+    if choice == "fbgemm":
+        return "MESHD_INT8_KERNEL=fbgemm"
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})"
+    missing = [f for f in _NEEDS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return None
+
+
+@functools.cache
+def int8_kernel() -> Int8Kernel | None:
+    """The kernel, compiled and loaded on first use; None where it cannot run here (logged)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("int8 stages use fbgemm: %s", reason)
+        return None
+    # Loaded after torch, so its OpenMP library is torch's (one thread pool for both).
+    assert torch.__version__
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"meshd-kernels-{os.getuid()}"):
+        try:
+            return _load(_compile(directory))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            log.warning("int8 kernel: could not build or load in %s: %s", directory, detail)
+    log.warning("int8 stages use fbgemm: the int8 kernel could not be built")
+    return None
+
+
+def packed_bytes(in_features: int, out_features: int) -> int:
+    """Bytes of a matrix packed for the kernel: tiles of 64 channels, the input rounded up to
+    4, and a scale and a code sum per padded channel."""
+    channels = -(-out_features // TILE) * TILE
+    return channels * (-(-in_features // QUAD) * QUAD) + 8 * channels

@@ -1,0 +1,150 @@
+/* meshd's int8 matrix product for x86 CPUs with AVX-512 VNNI (see docs/model-runtime.md).
+ *
+ * y[m, n] = sum_k x[m, k] * W[n, k] for fp32 rows x and int8 weights W with one scale per
+ * output channel. Each row of x is quantized on its own onto uint8 over its [min, max]
+ * (x ~= lo + s * q), so y = sw[n] * (s * sum_k q[k] * Wq[n, k] + lo * sum_k Wq[n, k]).
+ *
+ * Rules that the Python side relies on:
+ * - A row's result has the same bits whatever other rows share the call: its quantization
+ *   reads only that row, integer sums are exact, and the epilogue is the same per-element
+ *   sequence of fp32 multiplies and adds (no FMA contraction: built with -ffp-contract=off).
+ * - Weights are packed by `meshd_int8_pack` into tiles of 64 output channels: for each group
+ *   of 4 input positions, 64 x 4 bytes, so a tile streams from memory as one sequence and one
+ *   VPDPBUSD consumes each 64-byte line.
+ * - Threads split the tiles (OpenMP: the same libgomp runtime as torch once torch is loaded).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 64 /* output channels per tile: four 16-lane vectors */
+#define ROWS 4  /* rows sharing one pass over a tile's weights */
+
+int meshd_int8_abi(void) { return 1; }
+
+/* Pack q [N, K] int8 (row-major) into tiles: out has ceil(N/64) * (Kp/4) * 256 bytes, zeros
+ * in the padding. Kp is K rounded up to a multiple of 4. */
+void meshd_int8_pack(const int8_t *q, int64_t n, int64_t k, int64_t kp, int8_t *out) {
+    int64_t tiles = (n + TILE - 1) / TILE, quads = kp / 4;
+    memset(out, 0, (size_t)(tiles * quads * 4 * TILE));
+    for (int64_t c = 0; c < n; c++) {
+        int64_t t = c / TILE, lane = c % TILE;
+        int8_t *tile = out + t * quads * 4 * TILE;
+        for (int64_t i = 0; i < k; i++)
+            tile[(i / 4) * 4 * TILE + lane * 4 + (i % 4)] = q[c * k + i];
+    }
+}
+
+/* Row `x` [k] onto uint8 codes [kp] (zeros past k); its offset and step. */
+static void quantize_row(const float *x, int64_t k, int64_t kp, uint8_t *q, float *lo_out,
+                         float *step_out, float tiny) {
+    __m512 vmin = _mm512_set1_ps(x[0]), vmax = vmin;
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        vmin = _mm512_min_ps(vmin, v);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    if (i < k) {
+        __mmask16 m = (__mmask16)((1u << (k - i)) - 1);
+        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(x[0]), m, x + i);
+        vmin = _mm512_min_ps(vmin, v);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    float lo = _mm512_reduce_min_ps(vmin), hi = _mm512_reduce_max_ps(vmax);
+    float step = (hi - lo) / 255.0f;
+    if (!(step >= tiny)) step = tiny; /* a constant row (or NaN): every code is 0 */
+    float inv = 1.0f / step;
+    __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv);
+    __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f);
+    for (i = 0; i < kp; i += 16) {
+        __mmask16 m = i + 16 <= k ? (__mmask16)0xFFFF
+                      : i < k     ? (__mmask16)((1u << (k - i)) - 1)
+                                  : (__mmask16)0;
+        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        v = _mm512_mul_ps(_mm512_sub_ps(v, vlo), vinv);
+        v = _mm512_min_ps(_mm512_max_ps(v, zero), top);
+        __m512i c = _mm512_maskz_mov_epi32(m, _mm512_cvtps_epi32(v)); /* nearest, ties even */
+        __m128i b = _mm512_cvtusepi32_epi8(c);
+        if (i + 16 <= kp)
+            _mm_storeu_si128((__m128i *)(q + i), b);
+        else
+            _mm_mask_storeu_epi8(q + i, (__mmask16)((1u << (kp - i)) - 1), b);
+    }
+    *lo_out = lo;
+    *step_out = step;
+}
+
+/* Rows [r0, r0 + R) of x against one tile; R is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const int8_t *w, const uint8_t *q, int64_t kp, const int R, int64_t r0, int64_t n0, int64_t n,
+    const float *lo, const float *step, const float *sw, const float *wsum, const float *res,
+    float *out) {
+    __m512i acc[ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 4; g++) acc[r][g] = _mm512_setzero_si512();
+    const int64_t quads = kp / 4;
+    for (int64_t j = 0; j < quads; j++) {
+        const __m512i *wp = (const __m512i *)(w + j * 4 * TILE);
+        __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 1);
+        __m512i w2 = _mm512_loadu_si512(wp + 2), w3 = _mm512_loadu_si512(wp + 3);
+        for (int r = 0; r < R; r++) {
+            int32_t four;
+            memcpy(&four, q + (r0 + r) * kp + 4 * j, 4);
+            __m512i xb = _mm512_set1_epi32(four);
+            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
+            acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xb, w2);
+            acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xb, w3);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 vs = _mm512_set1_ps(step[r0 + r]), vl = _mm512_set1_ps(lo[r0 + r]);
+        for (int g = 0; g < 4; g++) {
+            int64_t c = n0 + 16 * g;
+            if (c >= n) break;
+            __mmask16 m = c + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+            __m512 v = _mm512_cvtepi32_ps(acc[r][g]);
+            v = _mm512_add_ps(_mm512_mul_ps(vs, v), _mm512_mul_ps(vl, _mm512_loadu_ps(wsum + c)));
+            v = _mm512_mul_ps(_mm512_loadu_ps(sw + c), v);
+            float *o = out + (r0 + r) * n + c;
+            if (res != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, res + (r0 + r) * n + c));
+            _mm512_mask_storeu_ps(o, m, v);
+        }
+    }
+}
+
+/* out [m, n] = x [m, k] @ W^T (+ res [m, n] when not NULL). sw and wsum hold ceil(n/64)*64
+ * floats (the weights' scales and code sums, zeros past n). Returns 0, or -1 when out of
+ * memory. */
+int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const float *sw,
+                  const float *wsum, int64_t n, int64_t kp, float *out, const float *res,
+                  float tiny, int threads) {
+    uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * kp + 63) / 64 * 64));
+    float *lo = (float *)malloc((size_t)m * 2 * sizeof(float));
+    if (q == NULL || lo == NULL) {
+        free(q);
+        free(lo);
+        return -1;
+    }
+    float *step = lo + m;
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, kp, q + r * kp, lo + r, step + r, tiny);
+    const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = kp * TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *wt = w + t * tile_bytes;
+        int64_t r0 = 0;
+        for (; r0 + ROWS <= m; r0 += ROWS)
+            tile_rows(wt, q, kp, ROWS, r0, t * TILE, n, lo, step, sw, wsum, res, out);
+        switch (m - r0) {
+        case 3: tile_rows(wt, q, kp, 3, r0, t * TILE, n, lo, step, sw, wsum, res, out); break;
+        case 2: tile_rows(wt, q, kp, 2, r0, t * TILE, n, lo, step, sw, wsum, res, out); break;
+        case 1: tile_rows(wt, q, kp, 1, r0, t * TILE, n, lo, step, sw, wsum, res, out); break;
+        default: break;
+        }
+    }
+    free(q);
+    free(lo);
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""meshd's int8 kernel: which kernel a machine picks, and the compiled library's cache."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshd.model.kernels import int8_kernel, unavailable_reason
+from meshd.model.quant import Int8Fbgemm, Int8Vnni, has_fbgemm, quantize_matrix
+
+CPU = torch.device("cpu")
+RUNS_HERE = unavailable_reason() is None
+needs_kernel = pytest.mark.skipif(
+    not RUNS_HERE, reason=f"does not run here: {unavailable_reason()}"
+)
+
+
+def _pick(env: dict[str, str]) -> str:
+    """The int8 matrix class a fresh process picks under `env` (and its kernel report)."""
+    code = (
+        "import torch\n"
+        "from meshd.model.quant import quantize_matrix\n"
+        "q = quantize_matrix(torch.randn(64, 64), 'int8', torch.device('cpu'), torch.float32)\n"
+        "print(type(q).__name__, q.kernel)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+@needs_kernel
+def test_a_machine_with_vnni_and_a_compiler_builds_the_kernel_once(tmp_path: pathlib.Path) -> None:
+    cache = tmp_path / "kernels"
+    assert _pick({"MESHD_KERNEL_DIR": str(cache)}).startswith("Int8Vnni meshd int8")
+    built = list(cache.glob("int8_mm-*.so"))
+    assert len(built) == 1 and not list(cache.glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    # The next start (another daemon, a restart) loads the same file without compiling.
+    assert _pick({"MESHD_KERNEL_DIR": str(cache), "CC": "/nonexistent-cc"}).startswith("Int8Vnni")
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@needs_kernel
+def test_an_unusable_compiler_falls_back_to_fbgemm_with_a_reason(tmp_path: pathlib.Path) -> None:
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = {"MESHD_KERNEL_DIR": str(tmp_path / "empty"), "CC": str(fake), "TMPDIR": str(tmp_path)}
+    assert _pick(env).startswith("Int8Fbgemm fbgemm")
+
+
+@pytest.mark.skipif(not has_fbgemm(), reason="fbgemm: x86 CPUs")
+def test_the_operator_can_choose_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHD_INT8_KERNEL", "fbgemm")
+    int8_kernel.cache_clear()
+    try:
+        assert unavailable_reason() == "MESHD_INT8_KERNEL=fbgemm"
+        assert isinstance(
+            quantize_matrix(torch.randn(32, 32), "int8", CPU, torch.float32), Int8Fbgemm
+        )
+        monkeypatch.setenv("MESHD_INT8_KERNEL", "fast")
+        int8_kernel.cache_clear()
+        assert "expected one of auto, fbgemm" in (unavailable_reason() or "")
+    finally:
+        monkeypatch.undo()
+        int8_kernel.cache_clear()
+
+
+@needs_kernel
+def test_the_kernel_agrees_with_fbgemm_on_the_same_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Same scheme (per-channel int8 weights, per-row uint8 activations), different kernels: the
+    # same stored weights, and products as close to those weights' exact product (fbgemm's
+    # codes sit half a step off the row's ends, ours on them).
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 1000, generator=gen) * 0.02
+    x = torch.randn(6, 1000, generator=gen)
+    int8_kernel.cache_clear()
+    ours = quantize_matrix(w, "int8", CPU, torch.float32)
+    monkeypatch.setenv("MESHD_INT8_KERNEL", "fbgemm")
+    int8_kernel.cache_clear()
+    try:
+        theirs = quantize_matrix(w, "int8", CPU, torch.float32)
+    finally:
+        monkeypatch.undo()
+        int8_kernel.cache_clear()
+    assert isinstance(ours, Int8Vnni) and isinstance(theirs, Int8Fbgemm)
+    assert torch.equal(ours.dequantize(), theirs.dequantize())
+    exact = x @ ours.dequantize()
+    errors = [float((q.mm(x) - exact).norm() / exact.norm()) for q in (ours, theirs)]
+    assert errors[0] < 0.01 and errors[0] <= 1.1 * errors[1], errors
+    residual = torch.randn(6, 300, generator=gen)
+    assert torch.equal(ours.mm_add(x, residual), ours.mm(x) + residual)
