@@ -13,10 +13,13 @@ log = logging.getLogger(__name__)
 # Passes a choice keeps its recent times for (their median is what is compared).
 GOVERNOR_SAMPLES = 5
 # Passes run with the other choice each time it is probed.
-GOVERNOR_PROBE_PASSES = 4
-# Passes between probes: the first gap, doubled each time a probe confirms the choice (up to
-# the last), back to the first after a switch.
-GOVERNOR_GAPS = (16, 1024)
+GOVERNOR_PROBE_PASSES = 3
+# Passes between probes: the first gap, multiplied by GOVERNOR_BACKOFF each time a probe
+# confirms the choice (up to the last), back to the first after a switch. A probe of one
+# thread on a quiet machine costs ~0.8 of a pass each: these keep a 256-token answer's
+# probes to 2 % of its time.
+GOVERNOR_GAPS = (32, 1024)
+GOVERNOR_BACKOFF = 4
 # The other choice must be this much faster to be switched to (noise is not a reason).
 GOVERNOR_MARGIN = 0.05
 
@@ -44,7 +47,7 @@ class ThreadGovernor:
     machine decode 2-3x slower than on 1 (docs/model-runtime.md, "Threads"). Which case holds
     changes while a daemon runs, so the stage measures: it keeps running its current choice,
     every so often runs a few passes with the other, and switches when the other's median is
-    clearly faster. Probes back off (doubling gaps) while they confirm the choice, so a steady
+    clearly faster. Probes back off (growing gaps) while they confirm the choice, so a steady
     machine pays for them on well under 1 % of passes.
 
     Sans-IO: `choose(rows)` says how many threads the next pass of `rows` rows should use and
@@ -101,4 +104,4 @@ class ThreadGovernor:
             log.debug("threads: %d -> %d (pass medians)", bucket.current, other)
             bucket.current, bucket.gap = other, GOVERNOR_GAPS[0]
         else:
-            bucket.gap = min(bucket.gap * 2, GOVERNOR_GAPS[1])
+            bucket.gap = min(bucket.gap * GOVERNOR_BACKOFF, GOVERNOR_GAPS[1])

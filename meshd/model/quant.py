@@ -245,10 +245,26 @@ class Int8Vnni(QuantMatrix):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm_add(x, None)
 
-    def mm_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """`x @ w (+ residual)`, the residual added in the kernel (`[T, out]`, x's dtype)."""
+    def mm_add(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        out: torch.Tensor | None = None,
+        glu: bool = False,
+    ) -> torch.Tensor:
+        """`x @ w (+ residual)`, the residual added in the kernel (`[T, out]`, x's dtype).
+
+        With `norm` (fp32 `[in]`), `x` is first RMS-normed in the kernel with that weight and
+        `eps` (the pre-norm of a projection, without a torch operation of its own). With `glu`,
+        `x` is `[T, 2 * in]`, gate then up, and the kernel multiplies silu(gate) * up (the
+        input of a SwiGLU down projection). `out`: an fp32 `[T, out]` contiguous tensor to
+        write into.
+        """
         rows = x.float().contiguous()
-        out = torch.empty(rows.shape[0], self.out_features)
+        if out is None or out.dtype != torch.float32 or not out.is_contiguous():
+            out = torch.empty(rows.shape[0], self.out_features)
         res = None
         if residual is not None:
             res = residual.float().contiguous()
@@ -263,6 +279,9 @@ class Int8Vnni(QuantMatrix):
             self._kp,
             out.data_ptr(),
             None if res is None else res.data_ptr(),
+            None if norm is None else norm.data_ptr(),
+            eps,
+            int(glu),
             _TINY,
             torch.get_num_threads(),
         )

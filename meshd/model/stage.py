@@ -34,7 +34,7 @@ from meshd.model.llama import (
     decoder_layer_batch,
     decoder_layer_shapes,
     linear_weight,
-    rms_norm,
+    norm_linear,
 )
 from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
 from meshd.model.quant import (
@@ -43,7 +43,6 @@ from meshd.model.quant import (
     check_quantization,
     embedding_bytes,
     head_quantization,
-    matmul,
     matrix_bytes,
     quantize_matrix,
     row_exact,
@@ -523,7 +522,7 @@ class StageModel:
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        return matmul(rms_norm(hidden, norm, self._dims), self._head).float()
+        return norm_linear(hidden, norm, self._dims, self._head, None).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._embed is None:

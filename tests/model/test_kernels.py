@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from meshd.model.kernels import int8_kernel, unavailable_reason
 from meshd.model.quant import Int8Fbgemm, Int8Vnni, has_fbgemm, quantize_matrix
@@ -101,3 +102,30 @@ def test_the_kernel_agrees_with_fbgemm_on_the_same_weights(monkeypatch: pytest.M
     assert errors[0] < 0.01 and errors[0] <= 1.1 * errors[1], errors
     residual = torch.randn(6, 300, generator=gen)
     assert torch.equal(ours.mm_add(x, residual), ours.mm(x) + residual)
+
+
+@needs_kernel
+def test_the_kernel_norms_and_gates_its_input_as_torch_does() -> None:
+    # A projection's pre-norm (RMS norm) and a down projection's SwiGLU run inside the call;
+    # each matches the torch operations it replaces to fp32 rounding, row by row.
+    int8_kernel.cache_clear()
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(200, 300, generator=gen) * 0.02
+    q = quantize_matrix(w, "int8", CPU, torch.float32)
+    assert isinstance(q, Int8Vnni)
+    x = torch.randn(9, 300, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    norm = torch.rand(300, generator=gen) + 0.5
+    normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm
+    fused = q.mm_add(x, None, norm, 1e-6)
+    assert float((fused - q.mm(normed)).norm() / fused.norm()) < 1e-3
+    gate_up = torch.randn(9, 600, generator=gen) * 4
+    gated = F.silu(gate_up[:, :300]) * gate_up[:, 300:]
+    assert (
+        float((q.mm_add(gate_up, None, glu=True) - q.mm(gated)).norm() / q.mm(gated).norm()) < 1e-3
+    )
+    # Batch independence holds through both.
+    for args in ((x, None, norm, 1e-6), (gate_up, None, None, 0.0, None, True)):
+        whole = q.mm_add(*args)
+        assert all(
+            torch.equal(q.mm_add(args[0][i : i + 1], *args[1:]), whole[i : i + 1]) for i in range(9)
+        )

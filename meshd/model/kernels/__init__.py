@@ -121,11 +121,12 @@ def _compile(directory: Path) -> Path:
 
 def _load(path: Path) -> Int8Kernel:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 1:
+    if lib.meshd_int8_abi() != 3:
         raise OSError(f"{path}: unexpected kernel ABI")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     mm = lib.meshd_int8_mm
-    mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, p, ctypes.c_float, ctypes.c_int]
+    f32 = ctypes.c_float
+    mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, p, p, f32, ctypes.c_int, f32, ctypes.c_int]
     mm.restype = ctypes.c_int
     pack = lib.meshd_int8_pack
     pack.argtypes = [p, i64, i64, i64, p]

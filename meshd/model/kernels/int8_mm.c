@@ -14,6 +14,7 @@
  * - Threads split the tiles (OpenMP: the same libgomp runtime as torch once torch is loaded).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +22,59 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 1; }
+int meshd_int8_abi(void) { return 3; }
+
+/* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
+ * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* SwiGLU of row `x` [2k] (gate, then up) into `y` [k]: silu(gate) * up. */
+static void swiglu_row(const float *x, int64_t k, float *y) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < k; i += 16) {
+        __mmask16 m = i + 16 <= k ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+        __m512 g = _mm512_maskz_loadu_ps(m, x + i), u = _mm512_maskz_loadu_ps(m, x + k + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(silu, u));
+    }
+}
+
+/* RMS norm of row `x` [k] into `y`: x * (1 / sqrt(mean(x^2) + eps)) * weight, as HF computes
+ * it in fp32 (the statistic summed in a fixed order, so the same row gives the same bits). */
+static void rms_norm_row(const float *x, int64_t k, const float *weight, float eps, float *y) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    if (i < k) {
+        __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (k - i)) - 1), x + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    float r = 1.0f / sqrtf(eps + _mm512_reduce_add_ps(acc) * (1.0f / (float)k));
+    __m512 vr = _mm512_set1_ps(r);
+    for (i = 0; i < k; i += 16) {
+        __mmask16 m = i + 16 <= k ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - i)) - 1);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), vr);
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, weight + i)));
+    }
+}
 
 /* Pack q [N, K] int8 (row-major) into tiles: out has ceil(N/64) * (Kp/4) * 256 bytes, zeros
  * in the padding. Kp is K rounded up to a multiple of 4. */
@@ -115,21 +168,33 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* out [m, n] = x [m, k] @ W^T (+ res [m, n] when not NULL). sw and wsum hold ceil(n/64)*64
- * floats (the weights' scales and code sums, zeros past n). Returns 0, or -1 when out of
- * memory. */
+/* out [m, n] = f(x) @ W^T (+ res [m, n] when not NULL), where f is the RMS norm with
+ * `norm_weight` [k] and `eps` when norm_weight is not NULL, SwiGLU when `glu` (x is then
+ * [m, 2k]: gate and up), else nothing (x [m, k]). sw and
+ * wsum hold ceil(n/64)*64 floats (the weights' scales and code sums, zeros past n). Returns 0,
+ * or -1 when out of memory. */
 int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const float *sw,
                   const float *wsum, int64_t n, int64_t kp, float *out, const float *res,
-                  float tiny, int threads) {
+                  const float *norm_weight, float eps, int glu, float tiny, int threads) {
     uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * kp + 63) / 64 * 64));
-    float *lo = (float *)malloc((size_t)m * 2 * sizeof(float));
+    float *lo = (float *)malloc((size_t)(m * 2 + k) * sizeof(float));
     if (q == NULL || lo == NULL) {
         free(q);
         free(lo);
         return -1;
     }
-    float *step = lo + m;
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, kp, q + r * kp, lo + r, step + r, tiny);
+    float *step = lo + m, *normed = lo + 2 * m;
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * (glu ? 2 * k : k);
+        if (glu) {
+            swiglu_row(row, k, normed);
+            row = normed;
+        } else if (norm_weight != NULL) {
+            rms_norm_row(row, k, norm_weight, eps, normed);
+            row = normed;
+        }
+        quantize_row(row, k, kp, q + r * kp, lo + r, step + r, tiny);
+    }
     const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = kp * TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
