@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig, RopeConfig
-from meshd.model.quant import Int8Vnni, Matrix, QuantMatrix
+from meshd.model.quant import Matrix, QuantMatrix, VnniMatrix
 
 # Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
 MatrixPrep = Callable[[torch.Tensor], Matrix]
@@ -348,7 +348,11 @@ def norm_linear(
 ) -> torch.Tensor:
     """`rms_norm(x, norm) @ w + b`: meshd's int8 kernel norms fp32 rows itself (six fewer
     small operations per projection); every other matrix takes the norm from `rms_norm`."""
-    if isinstance(w, Int8Vnni) and x.dtype == torch.float32 and norm.dtype == torch.float32:
+    if (
+        isinstance(w, VnniMatrix)
+        and x.dtype == norm.dtype == torch.float32
+        and norm.is_contiguous()
+    ):
         y = w.mm_add(x, None, norm, d.eps, out=out)
         if b is not None:
             y.add_(b)
@@ -360,7 +364,7 @@ def residual_linear(
     residual: torch.Tensor, x: torch.Tensor, w: Matrix, b: torch.Tensor | None
 ) -> torch.Tensor:
     """`residual + x @ w + b`, the residual added by the matmul itself (one op, not two)."""
-    if isinstance(w, Int8Vnni):
+    if isinstance(w, VnniMatrix):
         out = w.mm_add(x, residual)
     elif isinstance(w, QuantMatrix):
         out = w.mm(x).add_(residual)
@@ -488,7 +492,7 @@ def mlp_block(
     else:
         gate_up = norm_linear(h, w.post_norm, d, w.w_gate_up, w.b_gate_up, out=scratch.gate_up)
         gate, up = scratch.gate, scratch.up
-    if isinstance(w.w_down, Int8Vnni) and gate_up.dtype == torch.float32:
+    if isinstance(w.w_down, VnniMatrix) and gate_up.dtype == torch.float32:
         # meshd's int8 kernel takes the gate/up rows and multiplies silu(gate) * up itself.
         out = w.w_down.mm_add(gate_up, h, glu=True)
         return out if w.b_down is None else out.add_(w.b_down)

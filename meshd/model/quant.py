@@ -8,7 +8,7 @@ Kernels (docs/model-runtime.md has the measurements behind each choice):
 
 | device | int8 | int4 |
 |---|---|---|
-| x86 CPU with AVX-512 VNNI | meshd's own kernel (`kernels/int8_mm.c`, compiled once per machine): per-output-channel symmetric int8 weights, each row of activations quantized to uint8 over its range | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
+| x86 CPU with AVX-512 VNNI | meshd's own kernel (`kernels/quant_mm.c`, compiled once per machine): per-output-channel symmetric int8 weights, each row of activations quantized to uint8 over its range | `_weight_int4pack_mm_for_cpu` on bf16 activations: asymmetric 4-bit groups of 64 (32 where 64 does not divide `in`) with a bf16 scale and offset |
 | other x86 CPU (or no C compiler) | fbgemm dynamic linear, same scheme (`quantized::linear_dynamic`) | as above |
 | CUDA | `_weight_int8pack_mm` (weight-only, per channel) | `_weight_int4pack_mm` (tinygemm, bf16) |
 | CPU without fbgemm (ARM) | `_weight_int8pack_mm` | as on x86 |
@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from meshd.model.kernels import QUAD, TILE, Int8Kernel, int8_kernel, packed_bytes
+from meshd.model.kernels import (
+    QUAD,
+    TILE,
+    CpuKernels,
+    cpu_kernels,
+    packed_bytes,
+    packed_int4_bytes,
+)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 # Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
@@ -146,7 +153,7 @@ def row_exact(quantization: str, device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     if quantization == "int8":
-        return int8_kernel() is not None or has_fbgemm()
+        return cpu_kernels() is not None or has_fbgemm()
     return quantization == "int4" and has_fbgemm()
 
 
@@ -215,32 +222,15 @@ class Int8Fbgemm(QuantMatrix):
         return torch.device("cpu")
 
 
-class Int8Vnni(QuantMatrix):
-    """x86 CPU int8 with AVX-512 VNNI: meshd's own kernel (`meshd/model/kernels/int8_mm.c`).
+class VnniMatrix(QuantMatrix):
+    """A matrix run by meshd's own x86 kernels (`kernels/quant_mm.c`): int8 or int4 weights,
+    each row of activations quantized to uint8 over its own range in the kernel, so a row's
+    result has the same bits in any batch (verify windows compute the bits of plain decoding).
+    A call can also RMS-norm or SwiGLU-gate its input and add a residual (`mm_add`)."""
 
-    The same scheme as `Int8Fbgemm`, in one call: per-output-channel symmetric int8 weights,
-    each row of activations quantized to uint8 over its own [min, max], so a row's result has
-    the same bits in any batch (verify windows compute the bits of plain decoding). Weights are
-    packed in tiles of 64 channels for VPDPBUSD; the residual can be added in the same call.
-    """
-
-    kind, kernel = "int8", "meshd int8 (AVX-512 VNNI)"
-
-    def __init__(self, w: torch.Tensor, kernel: Int8Kernel) -> None:
-        out_f, in_f = w.shape
-        q, scale = _int8_rows(w)
-        self._k = kernel
-        self._kp = -(-in_f // QUAD) * QUAD
-        channels = -(-out_f // TILE) * TILE
-        self._w = torch.empty(channels * self._kp, dtype=torch.int8)
-        kernel.pack(q.data_ptr(), out_f, in_f, self._kp, self._w.data_ptr())
-        self._scale = torch.zeros(channels)
-        self._scale[:out_f] = scale
-        self._sums = torch.zeros(channels)
-        self._sums[:out_f] = q.sum(dim=1, dtype=torch.int32).float()
-        self.in_features, self.out_features = in_f, out_f
-        self.nbytes = packed_bytes(in_f, out_f)
-        assert self.nbytes == self._w.nbytes + self._scale.nbytes + self._sums.nbytes
+    _fn: Any  # the kernel's entry point
+    _packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, sums
+    _layout: int  # the padded input (int8) or the group size (int4)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm_add(x, None)
@@ -265,18 +255,17 @@ class Int8Vnni(QuantMatrix):
         rows = x.float().contiguous()
         if out is None or out.dtype != torch.float32 or not out.is_contiguous():
             out = torch.empty(rows.shape[0], self.out_features)
-        res = None
-        if residual is not None:
-            res = residual.float().contiguous()
-        failed = self._k.mm(
+        res = None if residual is None else residual.float().contiguous()
+        codes, scales, sums = self._packed
+        failed = self._fn(
             rows.data_ptr(),
             rows.shape[0],
             self.in_features,
-            self._w.data_ptr(),
-            self._scale.data_ptr(),
-            self._sums.data_ptr(),
+            codes.data_ptr(),
+            scales.data_ptr(),
+            sums.data_ptr(),
             self.out_features,
-            self._kp,
+            self._layout,
             out.data_ptr(),
             None if res is None else res.data_ptr(),
             None if norm is None else norm.data_ptr(),
@@ -286,18 +275,44 @@ class Int8Vnni(QuantMatrix):
             torch.get_num_threads(),
         )
         if failed:
-            raise MemoryError("the int8 kernel could not allocate its row buffer")
+            raise MemoryError("meshd's quantized kernel could not allocate its row buffers")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        tiles = self._w.view(-1, self._kp // QUAD, TILE, QUAD)  # [tile, quad, channel, 4]
-        q = tiles.permute(0, 2, 1, 3).reshape(-1, self._kp)[:n, :k]
-        return (q.float() * self._scale[:n, None]).t()
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+
+class Int8Vnni(VnniMatrix):
+    """x86 CPU int8 with AVX-512 VNNI: the scheme of `Int8Fbgemm` (per-output-channel
+    symmetric int8 weights, per-row uint8 activations) in one call, weights packed in tiles of
+    64 channels for VPDPBUSD."""
+
+    kind, kernel = "int8", "meshd int8 (AVX-512 VNNI)"
+
+    def __init__(self, w: torch.Tensor, kernels: CpuKernels) -> None:
+        out_f, in_f = w.shape
+        q, scale = _int8_rows(w)
+        self._fn = kernels.mm
+        self._layout = -(-in_f // QUAD) * QUAD
+        channels = -(-out_f // TILE) * TILE
+        codes = torch.empty(channels * self._layout, dtype=torch.int8)
+        kernels.pack(q.data_ptr(), out_f, in_f, self._layout, codes.data_ptr())
+        scales = torch.zeros(channels)
+        scales[:out_f] = scale
+        sums = torch.zeros(channels)
+        sums[:out_f] = q.sum(dim=1, dtype=torch.int32).float()
+        self._packed = (codes, scales, sums)
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = packed_bytes(in_f, out_f)
+        assert self.nbytes == sum(t.nbytes for t in self._packed)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        codes, scales, _ = self._packed
+        tiles = codes.view(-1, self._layout // QUAD, TILE, QUAD)  # [tile, quad, channel, 4]
+        q = tiles.permute(0, 2, 1, 3).reshape(-1, self._layout)[:n, :k]
+        return (q.float() * scales[:n, None]).t()
 
 
 class Int8WeightOnly(QuantMatrix):
@@ -407,6 +422,45 @@ class Int4Cpu(QuantMatrix):
         return torch.device("cpu")
 
 
+class Int4Vnni(VnniMatrix):
+    """x86 CPU int4 with AVX-512 VNNI: the weights of `Int4Cpu` (asymmetric 4-bit groups with
+    a bf16 scale and offset each) with `Int8Vnni`'s per-row activations and prologues."""
+
+    kind, kernel = "int4", "meshd int4 (AVX-512 VNNI)"
+
+    def __init__(self, w: torch.Tensor, group: int, kernels: CpuKernels) -> None:
+        out_f, in_f = w.shape
+        q, sz = _int4_groups(w, group)
+        sz16 = sz.to(torch.bfloat16)  # [groups, out, 2]
+        self._fn = kernels.int4_mm
+        self._layout = self.group = group
+        tiles = -(-out_f // TILE)
+        codes = torch.empty(tiles * TILE * in_f // 2, dtype=torch.uint8)
+        q8 = q.to(torch.uint8).contiguous()  # held while the kernel reads it
+        kernels.int4_pack(q8.data_ptr(), out_f, in_f, codes.data_ptr())
+        groups = in_f // group
+        dz = torch.zeros(tiles * TILE, groups, 2, dtype=torch.bfloat16)
+        dz[:out_f] = sz16.transpose(0, 1)
+        # [tile, group, (scale, offset), channel]: what one group of one tile reads together.
+        dz = dz.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).contiguous()
+        sums = torch.zeros(tiles * TILE)
+        sums[:out_f] = _int4_dequantize(q, sz16, group).double().sum(dim=0).float()
+        self._packed = (codes, dz, sums)
+        self.in_features, self.out_features = in_f, out_f
+        self.nbytes = packed_int4_bytes(in_f, out_f, group)
+        assert self.nbytes == sum(t.nbytes for t in self._packed)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        codes, dz, _ = self._packed
+        tiles = codes.numel() * 2 // (TILE * k)
+        b = codes.view(tiles, k // 4, 2, 16, 4)  # [tile, quad, half, lane, input]
+        nibbles = torch.stack((b & 0x0F, b >> 4), dim=3)  # [tile, quad, half, nibble, lane, in]
+        q = nibbles.permute(0, 2, 3, 4, 1, 5).reshape(tiles * TILE, k)[:n].to(torch.int32)
+        sz = dz.permute(1, 0, 3, 2).reshape(k // self.group, tiles * TILE, 2)[:, :n]
+        return _int4_dequantize(q, sz, self.group)
+
+
 class Int4Cuda(QuantMatrix):
     """CUDA int4: tinygemm's `_weight_int4pack_mm` on bf16 (as gpt-fast runs it)."""
 
@@ -495,6 +549,9 @@ def quantize_matrix(
     w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
     out_f, in_f = w.shape
     if quantization == "int4":
+        kernels = cpu_kernels() if device.type == "cpu" else None
+        if kernels is not None and int4_group(in_f) is not None:
+            return Int4Vnni(w, int4_group(in_f) or 0, kernels)
         group = _int4_fits(in_f, out_f, device.type)
         if group is not None:
             if device.type == "cpu":
@@ -507,7 +564,7 @@ def quantize_matrix(
     elif quantization != "int8":
         raise ValueError(f"cannot quantize a matrix as {quantization!r}")
     if device.type == "cpu":
-        kernel = int8_kernel()
+        kernel = cpu_kernels()
         if kernel is not None:
             return Int8Vnni(w, kernel)
         if has_fbgemm():
@@ -526,11 +583,14 @@ def matrix_bytes(
     if quantization == "none":
         return in_features * out_features * _itemsize(dtype)
     if quantization == "int4":
+        group = int4_group(in_features)
+        if device_type == "cpu" and group is not None and cpu_kernels() is not None:
+            return packed_int4_bytes(in_features, out_features, group)
         group = _int4_fits(in_features, out_features, device_type)
         if group is not None:
             # Two weights per byte, a bf16 scale and offset per group.
             return in_features * out_features // 2 + 4 * out_features * (in_features // group)
-    if device_type == "cpu" and int8_kernel() is not None:
+    if device_type == "cpu" and cpu_kernels() is not None:
         return packed_bytes(in_features, out_features)
     if device_type == "cpu" and has_fbgemm():
         return _fbgemm_bytes(in_features, out_features)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshd.model.kernels import int8_kernel, unavailable_reason
+from meshd.model.kernels import cpu_kernels, unavailable_reason
 from meshd.model.quant import Int8Fbgemm, Int8Vnni, has_fbgemm, quantize_matrix
 
 CPU = torch.device("cpu")
@@ -44,7 +44,7 @@ def _pick(env: dict[str, str]) -> str:
 def test_a_machine_with_vnni_and_a_compiler_builds_the_kernel_once(tmp_path: pathlib.Path) -> None:
     cache = tmp_path / "kernels"
     assert _pick({"MESHD_KERNEL_DIR": str(cache)}).startswith("Int8Vnni meshd int8")
-    built = list(cache.glob("int8_mm-*.so"))
+    built = list(cache.glob("quant_mm-*.so"))
     assert len(built) == 1 and not list(cache.glob("*.tmp"))
     stamp = built[0].stat().st_mtime_ns
     # The next start (another daemon, a restart) loads the same file without compiling.
@@ -62,20 +62,20 @@ def test_an_unusable_compiler_falls_back_to_fbgemm_with_a_reason(tmp_path: pathl
 
 
 @pytest.mark.skipif(not has_fbgemm(), reason="fbgemm: x86 CPUs")
-def test_the_operator_can_choose_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MESHD_INT8_KERNEL", "fbgemm")
-    int8_kernel.cache_clear()
+def test_the_operator_can_choose_torchs_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHD_QUANT_KERNELS", "torch")
+    cpu_kernels.cache_clear()
     try:
-        assert unavailable_reason() == "MESHD_INT8_KERNEL=fbgemm"
+        assert unavailable_reason() == "MESHD_QUANT_KERNELS=torch"
         assert isinstance(
             quantize_matrix(torch.randn(32, 32), "int8", CPU, torch.float32), Int8Fbgemm
         )
-        monkeypatch.setenv("MESHD_INT8_KERNEL", "fast")
-        int8_kernel.cache_clear()
-        assert "expected one of auto, fbgemm" in (unavailable_reason() or "")
+        monkeypatch.setenv("MESHD_QUANT_KERNELS", "fast")
+        cpu_kernels.cache_clear()
+        assert "expected one of auto, torch" in (unavailable_reason() or "")
     finally:
         monkeypatch.undo()
-        int8_kernel.cache_clear()
+        cpu_kernels.cache_clear()
 
 
 @needs_kernel
@@ -86,15 +86,15 @@ def test_the_kernel_agrees_with_fbgemm_on_the_same_weights(monkeypatch: pytest.M
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(300, 1000, generator=gen) * 0.02
     x = torch.randn(6, 1000, generator=gen)
-    int8_kernel.cache_clear()
+    cpu_kernels.cache_clear()
     ours = quantize_matrix(w, "int8", CPU, torch.float32)
-    monkeypatch.setenv("MESHD_INT8_KERNEL", "fbgemm")
-    int8_kernel.cache_clear()
+    monkeypatch.setenv("MESHD_QUANT_KERNELS", "torch")
+    cpu_kernels.cache_clear()
     try:
         theirs = quantize_matrix(w, "int8", CPU, torch.float32)
     finally:
         monkeypatch.undo()
-        int8_kernel.cache_clear()
+        cpu_kernels.cache_clear()
     assert isinstance(ours, Int8Vnni) and isinstance(theirs, Int8Fbgemm)
     assert torch.equal(ours.dequantize(), theirs.dequantize())
     exact = x @ ours.dequantize()
@@ -108,7 +108,7 @@ def test_the_kernel_agrees_with_fbgemm_on_the_same_weights(monkeypatch: pytest.M
 def test_the_kernel_norms_and_gates_its_input_as_torch_does() -> None:
     # A projection's pre-norm (RMS norm) and a down projection's SwiGLU run inside the call;
     # each matches the torch operations it replaces to fp32 rounding, row by row.
-    int8_kernel.cache_clear()
+    cpu_kernels.cache_clear()
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(200, 300, generator=gen) * 0.02
     q = quantize_matrix(w, "int8", CPU, torch.float32)

@@ -17,9 +17,10 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import parse_config
 from meshd.model.decode import generate
-from meshd.model.kernels import int8_kernel, unavailable_reason
+from meshd.model.kernels import cpu_kernels, unavailable_reason
 from meshd.model.quant import (
     Int4Cpu,
+    Int4Vnni,
     Int8Fbgemm,
     Int8Vnni,
     QuantMatrix,
@@ -62,19 +63,21 @@ def code_prompts() -> list[list[int]]:
     return [tok.encode(p) for p in CODE_PROMPTS]
 
 
-@pytest.fixture(params=["meshd", "fbgemm"])
+@pytest.fixture(params=["meshd", "torch"])
 def int8_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each x86 int8 kernel in turn: meshd's own (where this CPU runs it) and fbgemm."""
+    """Each x86 kernel family in turn: meshd's own (where this CPU runs them) and torch's
+    (fbgemm for int8, int4pack for int4)."""
     kind = request.param
-    monkeypatch.setenv("MESHD_INT8_KERNEL", "auto" if kind == "meshd" else "fbgemm")
-    int8_kernel.cache_clear()
-    if kind == "meshd" and int8_kernel() is None:
+    monkeypatch.setenv("MESHD_QUANT_KERNELS", "auto" if kind == "meshd" else "torch")
+    cpu_kernels.cache_clear()
+    if kind == "meshd" and cpu_kernels() is None:
         pytest.skip(f"meshd's int8 kernel does not run here: {unavailable_reason()}")
     yield kind
-    int8_kernel.cache_clear()  # before the environment is restored: the next call re-decides
+    cpu_kernels.cache_clear()  # before the environment is restored: the next call re-decides
 
 
-INT8_CLASSES = {"meshd": Int8Vnni, "fbgemm": Int8Fbgemm}
+INT8_CLASSES = {"meshd": Int8Vnni, "torch": Int8Fbgemm}
+INT4_CLASSES = {"meshd": Int4Vnni, "torch": Int4Cpu}
 
 
 def whole(checkpoint: Checkpoint, **options: object) -> StageModel:
@@ -108,7 +111,7 @@ def test_quantized_matrices_compute_what_their_weights_say(int8_kind: str) -> No
     x = torch.randn(5, 130, generator=gen)
     int8 = quantize_matrix(w, "int8", CPU, torch.float32)
     int4 = quantize_matrix(w[:, :128], "int4", CPU, torch.float32)
-    assert isinstance(int8, INT8_CLASSES[int8_kind]) and isinstance(int4, Int4Cpu)
+    assert isinstance(int8, INT8_CLASSES[int8_kind]) and isinstance(int4, INT4_CLASSES[int8_kind])
     for q, weight_err, out_err in ((int8, 0.01, 0.02), (int4, 0.15, 0.15)):
         k = q.in_features
         assert (k, q.out_features) == (int8.in_features if q is int8 else 128, 96)
@@ -174,11 +177,16 @@ def test_a_quantized_window_computes_the_bits_of_single_steps(
     assert torch.equal(window, torch.cat([s for s in steps if s is not None]))
 
 
-def test_int4_falls_back_to_int8_where_its_kernel_does_not_fit() -> None:
-    w = torch.randn(40, 64)  # 40 output channels: the CPU int4 kernel needs multiples of 16
-    q = quantize_matrix(w, "int4", CPU, torch.float32)
-    assert q.kind == "int8" and q.nbytes == matrix_bytes(64, 40, "int4", torch.float32)
-    assert matrix_bytes(64, 48, "int4", torch.float32) == 64 * 48 // 2 + 4 * 48
+def test_int4_falls_back_to_int8_where_its_kernel_does_not_fit(int8_kind: str) -> None:
+    # 40 output channels: torch's CPU int4 kernel needs multiples of 16 (meshd's pads its
+    # tiles); 50 inputs: no int4 group of 32 or 64 divides them, for either kernel.
+    q = quantize_matrix(torch.randn(40, 64), "int4", CPU, torch.float32)
+    assert q.kind == ("int4" if int8_kind == "meshd" else "int8")
+    assert q.nbytes == matrix_bytes(64, 40, "int4", torch.float32)
+    q = quantize_matrix(torch.randn(48, 50), "int4", CPU, torch.float32)
+    assert q.kind == "int8" and q.nbytes == matrix_bytes(50, 48, "int4", torch.float32)
+    if int8_kind == "torch":
+        assert matrix_bytes(64, 48, "int4", torch.float32) == 64 * 48 // 2 + 4 * 48
 
 
 class _MallInfo2(ctypes.Structure):

@@ -4,7 +4,7 @@ At batch 1 a projection streams its whole matrix from memory, so its speed is th
 bandwidth the kernel reaches. fbgemm's dynamic linear (torch's fastest int8 product here) reaches
 about 12 GB/s on one core of the Xeon we measure on, where a plain stream reaches 16.8, and its
 per-row mapping (which keeps a row's result independent of its batch) adds eleven small torch
-operations per call. `int8_mm.c` quantizes each row itself, streams weights packed for
+operations per call. `quant_mm.c` quantizes each row itself, streams weights packed for
 VPDPBUSD and adds the residual in the same call: 1.27x fbgemm's products on one core, 1.39x on
 two (figures and commands in docs/model-runtime.md). No library in meshd's dependencies has
 such a kernel, which is why it is written here (docs/model-runtime.md "Why a hand-written
@@ -14,7 +14,7 @@ The C source ships in the package and is compiled once per machine with the syst
 compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else
 `$XDG_CACHE_HOME/meshd/kernels`, else `~/.cache/meshd/kernels`, else a temporary directory),
 then loaded with ctypes, which releases the GIL for the call. Without a compiler, on another
-CPU, or with `MESHD_INT8_KERNEL=fbgemm`, int8 stages run fbgemm as before.
+CPU, or with `MESHD_QUANT_KERNELS=torch`, int8 stages run fbgemm as before.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("int8_mm.c")
+_SOURCE = Path(__file__).with_name("quant_mm.c")
 _FLAGS = (
     "-O3",
     "-mavx512f",
@@ -52,19 +52,22 @@ _FLAGS = (
 )
 # The CPU features the compiled code uses.
 _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-# Output channels per packed tile and input positions per VPDPBUSD lane (int8_mm.c's TILE).
+# Output channels per packed tile and input positions per VPDPBUSD lane (quant_mm.c's TILE).
 TILE = 64
 QUAD = 4
-# What `MESHD_INT8_KERNEL` may say: `auto` (this kernel where it runs) or `fbgemm`.
-CHOICES = ("auto", "fbgemm")
+# What `MESHD_QUANT_KERNELS` may say: `auto` (these kernels where they run) or `torch`
+# (torch's: fbgemm for int8, int4pack for int4).
+CHOICES = ("auto", "torch")
 
 
 @dataclass(frozen=True)
-class Int8Kernel:
-    """The loaded kernel: `mm` and `pack` are its C entry points."""
+class CpuKernels:
+    """The loaded library: its C entry points (ctypes functions) for int8 and int4."""
 
-    mm: Any  # ctypes functions
+    mm: Any
     pack: Any
+    int4_mm: Any
+    int4_pack: Any
     path: Path
 
 
@@ -93,7 +96,7 @@ def _compile(directory: Path) -> Path:
     built it once needs no compiler again.
     """
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = directory / f"int8_mm-{key}.so"
+    path = directory / f"quant_mm-{key}.so"
     if path.exists():
         return path
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -119,9 +122,9 @@ def _compile(directory: Path) -> Path:
     return path
 
 
-def _load(path: Path) -> Int8Kernel:
+def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 3:
+    if lib.meshd_int8_abi() != 4:
         raise OSError(f"{path}: unexpected kernel ABI")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     mm = lib.meshd_int8_mm
@@ -131,16 +134,38 @@ def _load(path: Path) -> Int8Kernel:
     pack = lib.meshd_int8_pack
     pack.argtypes = [p, i64, i64, i64, p]
     pack.restype = None
-    return Int8Kernel(mm, pack, path)
+    int4_mm = lib.meshd_int4_mm
+    int4_mm.argtypes = [
+        p,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        f32,
+        ctypes.c_int,
+        f32,
+        ctypes.c_int,
+    ]
+    int4_mm.restype = ctypes.c_int
+    int4_pack = lib.meshd_int4_pack
+    int4_pack.argtypes = [p, i64, i64, p]
+    int4_pack.restype = None
+    return CpuKernels(mm, pack, int4_mm, int4_pack, path)
 
 
 def unavailable_reason() -> str | None:
     """Why this machine cannot run the kernel (None: it can, once compiled)."""
-    choice = os.environ.get("MESHD_INT8_KERNEL", "auto")
+    choice = os.environ.get("MESHD_QUANT_KERNELS", "auto")
     if choice not in CHOICES:
-        return f"MESHD_INT8_KERNEL={choice!r} (expected one of {', '.join(CHOICES)})"
-    if choice == "fbgemm":
-        return "MESHD_INT8_KERNEL=fbgemm"
+        return f"MESHD_QUANT_KERNELS={choice!r} (expected one of {', '.join(CHOICES)})"
+    if choice == "torch":
+        return "MESHD_QUANT_KERNELS=torch"
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})"
     missing = [f for f in _NEEDS if f not in _cpu_flags()]
@@ -150,11 +175,11 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def int8_kernel() -> Int8Kernel | None:
+def cpu_kernels() -> CpuKernels | None:
     """The kernel, compiled and loaded on first use; None where it cannot run here (logged)."""
     reason = unavailable_reason()
     if reason is not None:
-        log.info("int8 stages use fbgemm: %s", reason)
+        log.info("quantized stages use torch's kernels: %s", reason)
         return None
     # Loaded after torch, so its OpenMP library is torch's (one thread pool for both).
     assert torch.__version__
@@ -163,9 +188,16 @@ def int8_kernel() -> Int8Kernel | None:
             return _load(_compile(directory))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
-            log.warning("int8 kernel: could not build or load in %s: %s", directory, detail)
-    log.warning("int8 stages use fbgemm: the int8 kernel could not be built")
+            log.warning("meshd's CPU kernels: could not build or load in %s: %s", directory, detail)
+    log.warning("quantized stages use torch's kernels: meshd's could not be built")
     return None
+
+
+def packed_int4_bytes(in_features: int, out_features: int, group: int) -> int:
+    """Bytes of an int4 matrix packed for the kernel: half a byte per weight in tiles of 64
+    channels, a bf16 scale and offset per group, and a sum per padded channel."""
+    channels = -(-out_features // TILE) * TILE
+    return channels * in_features // 2 + channels * (in_features // group) * 4 + 4 * channels
 
 
 def packed_bytes(in_features: int, out_features: int) -> int:

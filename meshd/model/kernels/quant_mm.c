@@ -22,7 +22,7 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 3; }
+int meshd_int8_abi(void) { return 4; }
 
 /* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
  * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
@@ -168,22 +168,11 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* out [m, n] = f(x) @ W^T (+ res [m, n] when not NULL), where f is the RMS norm with
- * `norm_weight` [k] and `eps` when norm_weight is not NULL, SwiGLU when `glu` (x is then
- * [m, 2k]: gate and up), else nothing (x [m, k]). sw and
- * wsum hold ceil(n/64)*64 floats (the weights' scales and code sums, zeros past n). Returns 0,
- * or -1 when out of memory. */
-int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const float *sw,
-                  const float *wsum, int64_t n, int64_t kp, float *out, const float *res,
-                  const float *norm_weight, float eps, int glu, float tiny, int threads) {
-    uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * kp + 63) / 64 * 64));
-    float *lo = (float *)malloc((size_t)(m * 2 + k) * sizeof(float));
-    if (q == NULL || lo == NULL) {
-        free(q);
-        free(lo);
-        return -1;
-    }
-    float *step = lo + m, *normed = lo + 2 * m;
+/* Rows of x through the prologue (RMS norm, SwiGLU or nothing: see meshd_int8_mm) onto
+ * uint8 codes q [m, kp], with each row's offset and step. `normed` holds k floats. */
+static void prepare_rows(const float *x, int64_t m, int64_t k, int64_t kp, const float *norm_weight,
+                         float eps, int glu, float tiny, uint8_t *q, float *lo, float *step,
+                         float *normed) {
     for (int64_t r = 0; r < m; r++) {
         const float *row = x + r * (glu ? 2 * k : k);
         if (glu) {
@@ -195,6 +184,24 @@ int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const f
         }
         quantize_row(row, k, kp, q + r * kp, lo + r, step + r, tiny);
     }
+}
+
+/* out [m, n] = f(x) @ W^T (+ res [m, n] when not NULL), where f is the RMS norm with
+ * `norm_weight` [k] and `eps` when norm_weight is not NULL, SwiGLU when `glu` (x is then
+ * [m, 2k]: gate and up), else nothing (x [m, k]). sw and wsum hold ceil(n/64)*64 floats (the
+ * weights' scales and code sums, zeros past n). Returns 0, or -1 when out of memory. */
+int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const float *sw,
+                  const float *wsum, int64_t n, int64_t kp, float *out, const float *res,
+                  const float *norm_weight, float eps, int glu, float tiny, int threads) {
+    uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * kp + 63) / 64 * 64));
+    float *lo = (float *)malloc((size_t)(m * 2 + k) * sizeof(float));
+    if (q == NULL || lo == NULL) {
+        free(q);
+        free(lo);
+        return -1;
+    }
+    float *step = lo + m;
+    prepare_rows(x, m, k, kp, norm_weight, eps, glu, tiny, q, lo, step, lo + 2 * m);
     const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = kp * TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
@@ -211,5 +218,126 @@ int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const f
     }
     free(q);
     free(lo);
+    return 0;
+}
+
+/* ---- int4: asymmetric 4-bit groups ------------------------------------------------------
+ * w[n, i] = (c - 8) * d[n, g] + z[n, g] for the group g = i / G (G = 32 or 64), c in 0..15,
+ * d and z bf16 (torch's int4pack convention). With a row x ~= lo + s * q:
+ *   y[n] = s * sum_g (d * A_g + (z - 8 d) * X_g) + lo * wsum[n]
+ * where A_g = sum_{i in g} c_i q_i (VPDPBUSD), X_g = sum_{i in g} q_i, and wsum the sum of the
+ * stored weights. Tiles of 64 channels as for int8; a quad's 64 x 4 codes take 128 bytes: byte
+ * (h, lane * 4 + i) of half h holds channel 32h + lane in its low nibble and channel
+ * 32h + 16 + lane in its high one, at input 4 * quad + i. d and z are stored per tile and group
+ * as 64 bf16 each. */
+
+void meshd_int4_pack(const uint8_t *c, int64_t n, int64_t k, uint8_t *out) {
+    int64_t tiles = (n + TILE - 1) / TILE, quads = k / 4;
+    memset(out, 0x88, (size_t)(tiles * quads * 128)); /* padding channels: code 8, weight 0 */
+    for (int64_t ch = 0; ch < n; ch++) {
+        int64_t t = ch / TILE, lane = ch % TILE, h = lane / 32, hi = (lane % 32) / 16, l = lane % 16;
+        uint8_t *tile = out + t * quads * 128;
+        for (int64_t i = 0; i < k; i++) {
+            uint8_t *b = tile + (i / 4) * 128 + h * 64 + l * 4 + (i % 4);
+            uint8_t code = c[ch * k + i] & 0x0F;
+            *b = hi ? (uint8_t)((*b & 0x0F) | (code << 4)) : (uint8_t)((*b & 0xF0) | code);
+        }
+    }
+}
+
+static inline __m512 bf16x16(const uint16_t *p) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+static inline __attribute__((always_inline)) void tile_rows4(
+    const uint8_t *w, const uint16_t *dz, const uint8_t *q, const int32_t *xs, int64_t k,
+    int64_t group, const int R, int64_t r0, int64_t n0, int64_t n, const float *lo,
+    const float *step, const float *wsum, const float *res, float *out) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const int64_t groups = k / group, qpg = group / 4;
+    __m512 f[2][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 4; v++) f[r][v] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i acc[2][4];
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_si512();
+        for (int64_t j = g * qpg; j < (g + 1) * qpg; j++) {
+            const __m512i *wp = (const __m512i *)(w + j * 128);
+            __m512i a = _mm512_loadu_si512(wp), b = _mm512_loadu_si512(wp + 1);
+            __m512i w0 = _mm512_and_si512(a, low), w1 = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
+            __m512i w2 = _mm512_and_si512(b, low), w3 = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, q + (r0 + r) * k + 4 * j, 4);
+                __m512i xb = _mm512_set1_epi32(four);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
+                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
+                acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xb, w2);
+                acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xb, w3);
+            }
+        }
+        const uint16_t *d = dz + g * 2 * TILE, *z = d + TILE;
+        for (int v = 0; v < 4; v++) {
+            __m512 dv = bf16x16(d + 16 * v), zv = bf16x16(z + 16 * v);
+            __m512 mv = _mm512_sub_ps(zv, _mm512_mul_ps(eight, dv));
+            for (int r = 0; r < R; r++) {
+                __m512 xg = _mm512_set1_ps((float)xs[(r0 + r) * groups + g]);
+                __m512 t = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(acc[r][v]));
+                f[r][v] = _mm512_add_ps(f[r][v], _mm512_add_ps(t, _mm512_mul_ps(mv, xg)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 vs = _mm512_set1_ps(step[r0 + r]), vl = _mm512_set1_ps(lo[r0 + r]);
+        for (int v = 0; v < 4; v++) {
+            int64_t c = n0 + 16 * v;
+            if (c >= n) break;
+            __mmask16 m = c + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+            __m512 y = _mm512_add_ps(_mm512_mul_ps(vs, f[r][v]), _mm512_mul_ps(vl, _mm512_loadu_ps(wsum + c)));
+            if (res != NULL) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + (r0 + r) * n + c));
+            _mm512_mask_storeu_ps(out + (r0 + r) * n + c, m, y);
+        }
+    }
+}
+
+/* As meshd_int8_mm for int4 weights packed by meshd_int4_pack (k a multiple of `group`, which
+ * is a multiple of 4); dz holds each tile's groups' d and z (bf16), wsum ceil(n/64)*64 sums. */
+int meshd_int4_mm(const float *x, int64_t m, int64_t k, const uint8_t *w, const uint16_t *dz,
+                  const float *wsum, int64_t n, int64_t group, float *out, const float *res,
+                  const float *norm_weight, float eps, int glu, float tiny, int threads) {
+    const int64_t groups = k / group;
+    uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
+    float *lo = (float *)malloc((size_t)(m * 2 + k) * sizeof(float));
+    int32_t *xs = (int32_t *)malloc((size_t)(m * groups) * sizeof(int32_t));
+    if (q == NULL || lo == NULL || xs == NULL) {
+        free(q);
+        free(lo);
+        free(xs);
+        return -1;
+    }
+    float *step = lo + m;
+    prepare_rows(x, m, k, k, norm_weight, eps, glu, tiny, q, lo, step, lo + 2 * m);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t sum = 0;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) sum += q[r * k + i];
+            xs[r * groups + g] = sum;
+        }
+    const int64_t tiles = (n + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * (k / 4) * 128;
+        const uint16_t *dzt = dz + t * groups * 2 * TILE;
+        int64_t r0 = 0;
+        for (; r0 + 2 <= m; r0 += 2)
+            tile_rows4(wt, dzt, q, xs, k, group, 2, r0, t * TILE, n, lo, step, wsum, res, out);
+        if (r0 < m) tile_rows4(wt, dzt, q, xs, k, group, 1, r0, t * TILE, n, lo, step, wsum, res, out);
+    }
+    free(q);
+    free(lo);
+    free(xs);
     return 0;
 }
