@@ -21,6 +21,7 @@ import msgspec
 
 from meshd.config.node import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, NodeConfig
 from meshd.mesh.jointoken import JoinTokenError, parse_join_token
+from meshd.model.kernels import PROCESS_ENV
 from meshd.spec.config import SpecConfigError, resolve_spec_config
 from meshd.spec.config import flag_name as spec_flag_name
 
@@ -140,7 +141,7 @@ def _file_level(path: str | os.PathLike[str]) -> Level:
 def _env_level(env: Mapping[str, str]) -> Level:
     level: Level = {}
     for name, text in env.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
+        if not name.startswith(ENV_PREFIX) or name in (CONFIG_FILE_ENV, *PROCESS_ENV):
             continue
         source = f"env {name}"
         key = name.removeprefix(ENV_PREFIX).lower().replace("__", ".")

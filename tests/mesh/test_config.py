@@ -165,8 +165,10 @@ def test_unknown_key_in_env_is_named_with_the_variable(env: dict[str, str]) -> N
         load_config({}, env | {"MESHD_GOSSIP__FANOUT": "3"}, None)
     with pytest.raises(ConfigError, match=r"lane is a table.*MESHD_LANE__<KEY>"):
         load_config({}, env | {"MESHD_LANE": "x"}, None)
-    # Other variables, and the one naming the file, are not keys.
+    # Other variables, the one naming the file and the process's kernel choices are not keys.
     assert load_config({}, env | {"PATH": "/bin", "MESHDX": "1", "MESHD_CONFIG": ""}, None)
+    kernels = {"MESHD_QUANT_KERNELS": "torch", "MESHD_KERNEL_DIR": "/tmp/k"}
+    assert load_config({}, env | kernels, None)
 
 
 def test_env_values_are_parsed_by_the_field_type(env: dict[str, str]) -> None:

@@ -11,8 +11,9 @@ such a kernel, which is why it is written here (docs/model-runtime.md "Why a han
 kernel").
 
 The C source ships in the package and is compiled once per machine with the system's C
-compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else
-`$XDG_CACHE_HOME/meshd/kernels`, else `~/.cache/meshd/kernels`, else a temporary directory),
+compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else systemd's
+`$CACHE_DIRECTORY/kernels`, else `$XDG_CACHE_HOME/meshd/kernels`, else
+`~/.cache/meshd/kernels`, else a temporary directory),
 then loaded with ctypes, which releases the GIL for the call. Without a compiler, on another
 CPU, or with `MESHD_QUANT_KERNELS=torch`, int8 stages run fbgemm as before.
 """
@@ -55,6 +56,10 @@ _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # Output channels per packed tile and input positions per VPDPBUSD lane (quant_mm.c's TILE).
 TILE = 64
 QUAD = 4
+# Environment variables of the process, not config keys (the config loader skips them).
+KERNELS_ENV = "MESHD_QUANT_KERNELS"
+KERNEL_DIR_ENV = "MESHD_KERNEL_DIR"
+PROCESS_ENV = (KERNELS_ENV, KERNEL_DIR_ENV)
 # What `MESHD_QUANT_KERNELS` may say: `auto` (these kernels where they run) or `torch`
 # (torch's: fbgemm for int8, int4pack for int4).
 CHOICES = ("auto", "torch")
@@ -82,8 +87,10 @@ def _cpu_flags() -> set[str]:
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("MESHD_KERNEL_DIR"):
-        return Path(os.environ["MESHD_KERNEL_DIR"])
+    if os.environ.get(KERNEL_DIR_ENV):
+        return Path(os.environ[KERNEL_DIR_ENV])
+    if os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory= (the shipped unit sets it)
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "kernels"
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "meshd" / "kernels"
     return Path.home() / ".cache" / "meshd" / "kernels"
@@ -161,11 +168,11 @@ def _load(path: Path) -> CpuKernels:
 
 def unavailable_reason() -> str | None:
     """Why this machine cannot run the kernel (None: it can, once compiled)."""
-    choice = os.environ.get("MESHD_QUANT_KERNELS", "auto")
+    choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in CHOICES:
-        return f"MESHD_QUANT_KERNELS={choice!r} (expected one of {', '.join(CHOICES)})"
+        return f"{KERNELS_ENV}={choice!r} (expected one of {', '.join(CHOICES)})"
     if choice == "torch":
-        return "MESHD_QUANT_KERNELS=torch"
+        return f"{KERNELS_ENV}=torch"
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 Linux machine ({platform.system()} {platform.machine()})"
     missing = [f for f in _NEEDS if f not in _cpu_flags()]
