@@ -65,7 +65,7 @@ class DaemonMesh:
     def start(self) -> None:
         """Spawn the daemons and wait until they agree on a loaded plan (DaemonError if not)."""
         secret = fresh_secret_file(self.work)
-        budget = stage_budget(self.model_dir, self.stages)
+        budget = stage_budget(self.model_dir, self.stages, self.quantization)
         for i in range(self.stages):
             host = f"127.0.0.{self.first_host + i}"
             self.daemons.append(

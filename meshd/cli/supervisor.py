@@ -330,15 +330,18 @@ def wait_until(
     return time.monotonic() - start
 
 
-def stage_budget(model_dir: str, stages: int) -> int:
-    """A per-node memory budget where `stages` nodes hold the model and one fewer cannot."""
+def stage_budget(model_dir: str, stages: int, quantization: str = "auto") -> int:
+    """A per-node memory budget where `stages` nodes hold the model and one fewer cannot, at
+    `quantization` ("auto": the checkpoint's own, as `meshd serve` loads it)."""
     import torch
 
     from meshd.node.planning import model_shape
     from meshd.plan import NodeCapacity, NoFeasiblePlan, plan
 
     checkpoint = open_checkpoint(model_dir)
-    shape = model_shape(checkpoint, torch.float32)
+    if quantization == "auto":
+        quantization = checkpoint.default_quantization
+    shape = model_shape(checkpoint, torch.float32, quantization)
     context = checkpoint.config.max_position_embeddings
 
     def planned(budget: int, n: int) -> int:
