@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pathlib
 import subprocess
@@ -129,3 +130,47 @@ def test_the_kernel_norms_and_gates_its_input_as_torch_does() -> None:
         assert all(
             torch.equal(q.mm_add(args[0][i : i + 1], *args[1:]), whole[i : i + 1]) for i in range(9)
         )
+
+
+@needs_kernel
+def test_the_attention_kernel_attends_as_sdpa_does() -> None:
+    # One query row at a time against an fp32 cache (GQA: 8 heads on 2 KV heads), each row its
+    # own key range (a causal window, a sliding window's later start): SDPA's result to fp32
+    # rounding, and a row's bits the same alone as among others.
+    cpu_kernels.cache_clear()
+    kernels = cpu_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, positions = 8, 2, 64, 40
+    kv = torch.randn(1, positions, 2 * kv_heads, dim, generator=gen)
+    q = torch.randn(5, heads * dim, generator=gen)
+    starts, ends = [0, 0, 3, 10, 10], [36, 37, 38, 39, 40]
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        out = torch.empty(len(rows), heads * dim)
+        sub = q[rows].contiguous()
+        kernels.attend(
+            sub.data_ptr(),
+            heads * dim,
+            len(rows),
+            kv.data_ptr(),
+            heads,
+            kv_heads,
+            dim,
+            (ctypes.c_int64 * len(rows))(*[starts[r] for r in rows]),
+            (ctypes.c_int64 * len(rows))(*[ends[r] for r in rows]),
+            dim**-0.5,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    together = attend(list(range(5)))
+    for r in range(5):
+        keys = kv[:, starts[r] : ends[r], :kv_heads].transpose(1, 2)
+        values = kv[:, starts[r] : ends[r], kv_heads:].transpose(1, 2)
+        expected = F.scaled_dot_product_attention(
+            q[r].view(1, heads, 1, dim), keys, values, enable_gqa=True
+        ).view(1, -1)
+        assert torch.allclose(together[r : r + 1], expected, atol=1e-5, rtol=1e-4)
+        assert torch.equal(attend([r]), together[r : r + 1])

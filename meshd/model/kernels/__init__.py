@@ -73,6 +73,7 @@ class CpuKernels:
     pack: Any
     int4_mm: Any
     int4_pack: Any
+    attend: Any
     path: Path
 
 
@@ -131,7 +132,7 @@ def _compile(directory: Path) -> Path:
 
 def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 4:
+    if lib.meshd_int8_abi() != 5:
         raise OSError(f"{path}: unexpected kernel ABI")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     mm = lib.meshd_int8_mm
@@ -163,7 +164,10 @@ def _load(path: Path) -> CpuKernels:
     int4_pack = lib.meshd_int4_pack
     int4_pack.argtypes = [p, i64, i64, p]
     int4_pack.restype = None
-    return CpuKernels(mm, pack, int4_mm, int4_pack, path)
+    attend = lib.meshd_attend
+    attend.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, f32, p, ctypes.c_int]
+    attend.restype = ctypes.c_int
+    return CpuKernels(mm, pack, int4_mm, int4_pack, attend, path)
 
 
 def unavailable_reason() -> str | None:

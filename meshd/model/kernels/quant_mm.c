@@ -22,7 +22,7 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 4; }
+int meshd_int8_abi(void) { return 5; }
 
 /* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
  * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
@@ -339,5 +339,66 @@ int meshd_int4_mm(const float *x, int64_t m, int64_t k, const uint8_t *w, const 
     free(q);
     free(lo);
     free(xs);
+    return 0;
+}
+
+/* ---- attention of single query rows against an fp32 KV cache ----------------------------
+ * Row r (of t) attends keys [lo[r], end[r]) of `kv` ([position][2 * n_kv][hd]: keys, then
+ * values), head h reading kv head h / (n_heads / n_kv): out[r, h] = softmax(q.k * scale) v.
+ * Every (row, head) is computed by the same code whatever t is, so a verify window's row has
+ * the bits of the same position decoded alone. Returns 0, or -1 when out of memory. */
+static void attend_head(const float *q, const float *keys, const float *values, int64_t stride,
+                        int64_t hd, int64_t lo, int64_t end, float scale, float *scores,
+                        float *out) {
+    const int64_t n = end - lo;
+    float best = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = keys + (lo + j) * stride;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hd; d += 16) {
+            __mmask16 m = d + 16 <= hd ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - d)) - 1);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, q + d),
+                                                   _mm512_maskz_loadu_ps(m, k + d)));
+        }
+        float s = _mm512_reduce_add_ps(acc) * scale;
+        scores[j] = s;
+        if (s > best) best = s;
+    }
+    __m512 vbest = _mm512_set1_ps(best), vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 m = j + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), vbest));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(scores + j, m, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+    for (int64_t d = 0; d < hd; d += 16) {
+        __mmask16 m = d + 16 <= hd ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - d)) - 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = values + (lo + j) * stride + d;
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, v)));
+        }
+        _mm512_mask_storeu_ps(out + d, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    }
+}
+
+int meshd_attend(const float *q, int64_t q_stride, int64_t t, const float *kv, int64_t n_heads,
+                 int64_t n_kv, int64_t hd, const int64_t *lo, const int64_t *end, float scale,
+                 float *out, int threads) {
+    int64_t longest = 1;
+    for (int64_t r = 0; r < t; r++)
+        if (end[r] - lo[r] > longest) longest = end[r] - lo[r];
+    const int64_t jobs = t * n_heads, group = n_heads / n_kv, stride = 2 * n_kv * hd;
+    float *scores = (float *)malloc((size_t)(jobs * ((longest + 15) / 16 * 16)) * sizeof(float));
+    if (scores == NULL) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t job = 0; job < jobs; job++) {
+        const int64_t r = job / n_heads, h = job % n_heads, g = h / group;
+        attend_head(q + r * q_stride + h * hd, kv + g * hd, kv + (n_kv + g) * hd, stride, hd, lo[r], end[r], scale,
+                    scores + job * ((longest + 15) / 16 * 16), out + (r * n_heads + h) * hd);
+    }
+    free(scores);
     return 0;
 }
