@@ -29,7 +29,7 @@ from meshd.model.checkpoint import expected_shapes
 from meshd.model.decode import generate
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
-from meshd.model.quant import QUANTIZATIONS, in_features, matmul
+from meshd.model.quant import QUANTIZATIONS, QuantMatrix, in_features, matmul
 from meshd.model.reference import transformers_model
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
@@ -228,6 +228,13 @@ def bench(
         # KV cache per position.
         "weight_bytes": stage.weight_bytes,
         "kv_bytes_per_token": stage.kv_bytes_per_token,
+        # Which kernels multiply the stage's matrices (docs/model-runtime.md).
+        "kernels": sorted(
+            {
+                m.kernel if isinstance(m, QuantMatrix) else "torch mm"
+                for m in stage.weight_matrices()
+            }
+        ),
         "device": settings.device,
         "threads": torch.get_num_threads(),
         # What the stage's thread governor runs decode steps on now (None: not governed, one
@@ -358,7 +365,8 @@ def _print_report(report: dict[str, Any]) -> None:
     )
     print(
         f"  meshd holds {report['weight_bytes'] / 1e6:.1f} MB of weights, "
-        f"{report['kv_bytes_per_token']} KV bytes per position"
+        f"{report['kv_bytes_per_token']} KV bytes per position; kernels: "
+        f"{', '.join(report['kernels'])}"
     )
     print(
         f"  meshd         {report['meshd_tok_s']:>9.1f} tok/s  (runs: {report['meshd_runs_tok_s']})"

@@ -65,6 +65,12 @@ def test_bench_decode_reports_quantized_bytes_held(
     for result, scheme in ((fp32, "none"), (quantized, quantization)):
         assert result["weight_bytes"] == stage_weight_bytes(config, 0, n, torch.float32, scheme)
     assert quantized["kv_bytes_per_token"] == fp32["kv_bytes_per_token"] // 2  # type: ignore[operator]
+    # The report names the kernels that ran: fp32 matrices on torch's mm, quantized ones on a
+    # kernel of that scheme (the head of an int4 stage stays int8).
+    assert fp32["kernels"] == ["torch mm"]
+    kernels = quantized["kernels"]
+    assert isinstance(kernels, list) and kernels and "torch mm" not in kernels
+    assert any(quantization in k or "fbgemm" in k or "int4pack" in k for k in kernels), kernels
 
 
 def test_a_quantized_gguf_file_is_benched_at_its_own_quantization(
