@@ -261,24 +261,35 @@ static inline __attribute__((always_inline)) void tile_rows4(
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 4; v++) f[r][v] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i acc[2][4];
+        /* Two sets of sums, for even and odd quads: twice the independent VPDPBUSD chains
+         * (integer sums, so the bits are the same), which the one set's latency bounded. */
+        __m512i acc[2][4], odd[2][4];
         for (int r = 0; r < R; r++)
-            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_si512();
-        for (int64_t j = g * qpg; j < (g + 1) * qpg; j++) {
+            for (int v = 0; v < 4; v++) acc[r][v] = odd[r][v] = _mm512_setzero_si512();
+        for (int64_t j = g * qpg; j < (g + 1) * qpg; j += 2) {
             const __m512i *wp = (const __m512i *)(w + j * 128);
             __m512i a = _mm512_loadu_si512(wp), b = _mm512_loadu_si512(wp + 1);
+            __m512i c = _mm512_loadu_si512(wp + 2), e = _mm512_loadu_si512(wp + 3);
             __m512i w0 = _mm512_and_si512(a, low), w1 = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
             __m512i w2 = _mm512_and_si512(b, low), w3 = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+            __m512i u0 = _mm512_and_si512(c, low), u1 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+            __m512i u2 = _mm512_and_si512(e, low), u3 = _mm512_and_si512(_mm512_srli_epi16(e, 4), low);
             for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, q + (r0 + r) * k + 4 * j, 4);
-                __m512i xb = _mm512_set1_epi32(four);
+                int32_t four[2];
+                memcpy(four, q + (r0 + r) * k + 4 * j, 8);
+                __m512i xb = _mm512_set1_epi32(four[0]), yb = _mm512_set1_epi32(four[1]);
                 acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
                 acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
                 acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xb, w2);
                 acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xb, w3);
+                odd[r][0] = _mm512_dpbusd_epi32(odd[r][0], yb, u0);
+                odd[r][1] = _mm512_dpbusd_epi32(odd[r][1], yb, u1);
+                odd[r][2] = _mm512_dpbusd_epi32(odd[r][2], yb, u2);
+                odd[r][3] = _mm512_dpbusd_epi32(odd[r][3], yb, u3);
             }
         }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_add_epi32(acc[r][v], odd[r][v]);
         const uint16_t *d = dz + g * 2 * TILE, *z = d + TILE;
         for (int v = 0; v < 4; v++) {
             __m512 dv = bf16x16(d + 16 * v), zv = bf16x16(z + 16 * v);
