@@ -254,6 +254,23 @@ def test_kill_during_a_generation_completes_on_the_spare(mesh: Mesh, expected: l
 def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
     mesh: Mesh, expected_long: list[int]
 ) -> None:
+    # The drain must outlast its timeout because the session stays: should the session leave the
+    # stage sooner (a route lost to CPU starvation on a loaded machine, then recovered without
+    # it), the stage rightly says "drained" before the deadline; that run proves nothing about
+    # the timeout, so it is run again (at most three times).
+    said = f"drain timed out after {SHORT_DRAIN_TIMEOUT_S:g} s"
+    for _attempt in range(3):
+        drain_took, detail = _drain_a_long_generation(mesh, expected_long)
+        if detail == said or drain_took >= SHORT_DRAIN_TIMEOUT_S:
+            break
+    assert detail == said, (detail, drain_took)
+    short = mesh.daemons[3]
+    assert said in meshctl("status", "--events", "100", "--socket", short.socket)
+
+
+def _drain_a_long_generation(mesh: Mesh, expected_long: list[int]) -> tuple[float, str]:
+    """Drain the short-drain daemon's stage under a long generation; (seconds from `draining`
+    to `killed`, the `killed` event's detail)."""
     coordinator, short = mesh.daemons[0], mesh.daemons[3]
     _ready(mesh)
     in_plan = {s["key"] for s in _stable_plan(mesh)}
@@ -291,6 +308,7 @@ def test_a_drain_that_times_out_stops_the_stage_anyway_and_says_so(
     assert _route_failures_since(coordinator, started_at)
     after = short.status()
     assert after["disabled"] and not after["draining"]
-    said = f"drain timed out after {SHORT_DRAIN_TIMEOUT_S:g} s"
-    assert [e["detail"] for e in after["events"] if e["kind"] == "killed"][-1] == said
-    assert said in meshctl("status", "--events", "100", "--socket", short.socket)
+    events = [e for e in after["events"] if e["at_unix_s"] >= started_at]
+    began = next(e["at_unix_s"] for e in events if e["kind"] == "draining")
+    killed = [e for e in events if e["kind"] == "killed"][-1]
+    return killed["at_unix_s"] - began, killed["detail"]
