@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
+import trio
 
 from meshd.mesh.identity import node_id_of
 from meshd.node.fetch import FetchStatus
@@ -113,6 +114,26 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     models: list[ModelStatus]
     # The last fetch of this node's stage tensors over the mesh (`mesh:ID` nodes; None: none).
     fetch: FetchStatus | None = None
+    # Trio tasks alive in this daemon: what a lost peer or a finished session started must not
+    # stay behind (tests compare it before and after a crash).
+    tasks: int = 0
+
+
+def _trio_tasks() -> int:
+    """Every task of the running trio program (0 outside one)."""
+    try:
+        todo = [trio.lowlevel.current_root_task()]
+    except RuntimeError:
+        return 0
+    count = 0
+    while todo:
+        task = todo.pop()
+        if task is None:
+            continue
+        count += 1
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return count
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -187,6 +208,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         handshakes_refused=dict(node.endpoint.stats.refused),
         models=model_statuses(node),
         fetch=node.artifacts.status(),
+        tasks=_trio_tasks(),
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out
