@@ -395,6 +395,17 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     )
     assert _plan_keys(mesh) == route  # a spare holds no stage: nothing was re-planned
     wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    # What it left in its state dir: its identity, the checkpoint hashes it cached, and (after
+    # SIGKILL only) its control socket, which the next start replaces; it comes back as the
+    # same node.
+    left_behind = {p.name for p in spare.state.iterdir()}
+    socket = {"control.sock"} if how is signal.SIGKILL else set()
+    assert left_behind <= {"identity.key", "hashes", *socket}, left_behind
+    assert "identity.key" in left_behind
+    key = spare.key()
+    mesh.ready(spares=1)
+    assert mesh.daemons[spare.index].key() == key
+    assert mesh.daemons[spare.index].status()["stage_layers"] is None
 
 
 def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_it_opens(
