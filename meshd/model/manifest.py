@@ -329,8 +329,9 @@ class ModelStore:
             try:
                 stat = path.stat()
             except OSError:
-                if self._verified.pop(index, None) is not None:
-                    changed = True
+                with self._lock:  # a fetch may verify artifacts in another thread meanwhile
+                    if self._verified.pop(index, None) is not None:
+                        changed = True
                 continue
             known = self._verified.get(index)
             if known == _Verified(stat.st_size, stat.st_mtime_ns):
@@ -343,11 +344,13 @@ class ModelStore:
             )
             changed = True
             if intact:
-                self._verified[index] = _Verified(stat.st_size, stat.st_mtime_ns)
+                with self._lock:
+                    self._verified[index] = _Verified(stat.st_size, stat.st_mtime_ns)
                 out.add(index)
             else:
                 log.warning("%s: does not match the manifest; fetching it again", path)
-                self._verified.pop(index, None)
+                with self._lock:
+                    self._verified.pop(index, None)
                 path.unlink(missing_ok=True)
         if changed:
             with self._lock:

@@ -212,3 +212,54 @@ def test_without_any_source_the_fetch_waits_instead_of_failing() -> None:
     f.set_sources([A])
     (req,) = _requests(f.poll(0.1))
     assert isinstance(req.request, ChunkRequest) and req.source == A
+
+
+def test_a_retargeted_fetch_keeps_what_arrived_and_asks_nothing_twice() -> None:
+    sizes = [4 * CHUNK, 4 * CHUNK, 4 * CHUNK]
+    manifest, blobs = _manifest(sizes)
+    config = FetchConfig(chunk_bytes=CHUNK, window_bytes=2 * CHUNK, timeout_s=1.0)
+    f = Fetcher("0" * 32, manifest, [0, 1], config)  # the first plan's stage
+    f.set_sources([A])
+    asked: list[tuple[int, int]] = []
+    first = _requests(f.poll(0.0))
+    assert [s.request.index for s in first] == [0, 0]
+    _answer(f, first[0], blobs)  # one chunk of artifact 0 arrived; the other is in flight
+    # The plan moved: the stage now needs artifacts 1 and 2, no longer 0.
+    f.retarget([1, 2])
+    assert f.total_bytes == 8 * CHUNK and not f.wants(0)
+    # The late reply for the dropped artifact is ignored.
+    assert _answer(f, first[1], blobs) == []
+    now, effects, verified = 0.0, [], []
+    pending = _requests(f.poll(now))
+    while not f.done:
+        assert pending, "stalled"
+        send = pending.pop(0)
+        asked.append((send.request.index, send.request.offset))
+        effects = _answer(f, send, blobs)
+        for effect in effects:
+            if isinstance(effect, VerifyArtifact):
+                f.on_verified(effect.index, True)
+                verified.append(effect.index)
+        now += 0.01
+        pending += _requests(f.poll(now))
+    assert sorted(verified) == [1, 2]
+    assert sorted(asked) == [(i, o) for i in (1, 2) for o in range(0, 4 * CHUNK, CHUNK)]
+    # Retargeting back keeps the verified artifacts and their chunks: only 0 is asked.
+    f.retarget([0, 1])
+    assert f.wants(2) and f.total_bytes == 12 * CHUNK  # verified: kept
+    again = _requests(f.poll(now + 0.1))
+    assert {s.request.index for s in again} == {0}
+
+
+def test_retargeting_an_artifact_being_hashed_away_forgets_its_verdict() -> None:
+    sizes = [CHUNK, CHUNK]
+    manifest, blobs = _manifest(sizes)
+    f = Fetcher("0" * 32, manifest, [0], FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK))
+    f.set_sources([A])
+    (send,) = _requests(f.poll(0.0))
+    assert VerifyArtifact(0) in _answer(f, send, blobs)
+    f.retarget([1])  # dropped while the driver hashes it
+    f.on_verified(0, False)  # its verdict changes nothing
+    assert not f.wants(0) and f.failure() is None
+    (send,) = _requests(f.poll(0.1))
+    assert send.request.index == 1
