@@ -301,6 +301,8 @@ class Fetcher:
         self._in_flight: dict[bytes, int] = {}
         self._next_id = first_request_id
         self._verifying: set[int] = set()
+        # Artifacts `retarget` dropped while they were being hashed: kept if they match.
+        self._leaving: set[int] = set()
         # Empty artifacts (nothing to fetch) are verified by hashing nothing.
         self._empty = [i for i, w in self._wanted.items() if not w.missing]
 
@@ -396,11 +398,17 @@ class Fetcher:
 
     def on_verified(self, index: int, ok: bool) -> None:
         """The driver hashed artifact `index`: a mismatch fetches it again, from sources that
-        did not supply these bytes (an artifact `retarget` dropped meanwhile is forgotten)."""
+        did not supply these bytes (unless `retarget` no longer wants it: then it is dropped)."""
         self._verifying.discard(index)
         wanted = self._wanted.get(index)
         if wanted is None:
             return
+        if index in self._leaving and not ok:  # no longer wanted: not fetched again
+            self._leaving.discard(index)
+            del self._wanted[index]
+            self.total_bytes -= self.manifest.artifacts[index].nbytes
+            return
+        self._leaving.discard(index)
         if ok:
             self.verified.add(index)
             self.verified_bytes += self.manifest.artifacts[index].nbytes
@@ -418,19 +426,22 @@ class Fetcher:
 
     def retarget(self, wanted: Iterable[int]) -> None:
         """Fetch `wanted` from now on (the plan moved mid-fetch). Artifacts no longer wanted
-        and not verified are dropped, with their outstanding requests (late replies are
-        ignored); new ones are added. What arrived of artifacts still wanted, and every
-        verified artifact, is kept: nothing is asked twice."""
+        are dropped, with their outstanding requests (late replies are ignored), unless they
+        arrived whole (verified, or being hashed: kept if they match); new ones are added.
+        What arrived of artifacts still wanted is kept: nothing is asked twice."""
         target = set(wanted)
+        self._leaving -= target
         for index in list(self._wanted):
             if index in target or index in self.verified:
+                continue
+            if index in self._verifying:  # it arrived whole: kept if its hash matches
+                self._leaving.add(index)
                 continue
             for request_id, p in list(self._pending.items()):
                 if p.index == index:
                     self._drop(request_id, requeue=False)
             del self._wanted[index]
             self.failed.pop(index, None)
-            self._verifying.discard(index)
         self._empty = [i for i in self._empty if i in self._wanted]
         for index in sorted(target - self._wanted.keys()):
             self._wanted[index] = _Wanted(missing=self._chunks(index))

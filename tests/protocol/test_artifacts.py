@@ -251,15 +251,27 @@ def test_a_retargeted_fetch_keeps_what_arrived_and_asks_nothing_twice() -> None:
     assert {s.request.index for s in again} == {0}
 
 
-def test_retargeting_an_artifact_being_hashed_away_forgets_its_verdict() -> None:
-    sizes = [CHUNK, CHUNK]
+def test_an_artifact_being_hashed_when_retargeted_away_is_kept_only_if_it_matches() -> None:
+    sizes = [CHUNK, CHUNK, CHUNK]
     manifest, blobs = _manifest(sizes)
-    f = Fetcher("0" * 32, manifest, [0], FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK))
+    f = Fetcher("0" * 32, manifest, [0, 1], FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK))
     f.set_sources([A])
-    (send,) = _requests(f.poll(0.0))
-    assert VerifyArtifact(0) in _answer(f, send, blobs)
-    f.retarget([1])  # dropped while the driver hashes it
-    f.on_verified(0, False)  # its verdict changes nothing
-    assert not f.wants(0) and f.failure() is None
+    sent = _requests(f.poll(0.0))
+    (send0,) = [s for s in sent if s.request.index == 0]
+    assert VerifyArtifact(0) in _answer(f, send0, blobs)
+    f.retarget([2])  # 0 arrived whole and is being hashed; 1 has not
+    assert f.wants(0) and not f.wants(1)
+    f.on_verified(0, True)  # it matched: kept, not fetched again
+    assert 0 in f.verified
     (send,) = _requests(f.poll(0.1))
+    assert send.request.index == 2
+    # A mismatch of an artifact no longer wanted drops it instead of fetching it again.
+    g = Fetcher("0" * 32, manifest, [0], FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK))
+    g.set_sources([A])
+    (send0,) = _requests(g.poll(0.0))
+    _answer(g, send0, blobs)
+    g.retarget([1])
+    g.on_verified(0, False)
+    assert not g.wants(0) and g.failure() is None and g.total_bytes == CHUNK
+    (send,) = _requests(g.poll(0.1))
     assert send.request.index == 1
