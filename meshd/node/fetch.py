@@ -708,10 +708,10 @@ async def bootstrap_store(
         if await trio.to_thread.run_sync(store.held, files) == set(files):
             return store
     addresses = config.bootstrap_peers()
-    if not addresses:  # a start-up error (ModelError): one line, exit status 2
+    if not addresses and not config.mdns.enabled:  # a start-up error: one line, exit status 2
         raise MissingFile(
             f"mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
-            "address of a mesh member so its manifest can be fetched"
+            "address of a mesh member (or enable mDNS) so its manifest can be fetched"
         )
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with open_endpoint(
@@ -722,15 +722,72 @@ async def bootstrap_store(
         lane_config=config.lane,
         node_public_key=identity.public_key,
     ) as endpoint:
+        if not addresses:
+            return await _bootstrap_by_mdns(config, identity, psk, endpoint, prefix, root, store)
         delay = JOIN_RETRY_INITIAL_S
         while True:
             for address in addresses:
-                try:
-                    return await _bootstrap_from(endpoint, address, prefix, root, store)
-                except (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError) as exc:
-                    log.warning("model mesh:%s from %s: %s", prefix, address, exc)
+                with contextlib.suppress(*_BOOTSTRAP_ERRORS):
+                    return await _try_bootstrap(endpoint, address, prefix, root, store)
             await trio.sleep(delay)
             delay = min(delay * 2, JOIN_RETRY_MAX_S)
+
+
+_BOOTSTRAP_ERRORS = (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError)
+
+
+async def _try_bootstrap(
+    endpoint: Endpoint,
+    address: tuple[str, int],
+    prefix: str,
+    root: pathlib.Path,
+    store: ModelStore | None,
+) -> ModelStore:
+    """`_bootstrap_from`, its failure logged (and raised)."""
+    try:
+        return await _bootstrap_from(endpoint, address, prefix, root, store)
+    except _BOOTSTRAP_ERRORS as exc:
+        log.warning("model mesh:%s from %s: %s", prefix, address, exc)
+        raise
+
+
+async def _bootstrap_by_mdns(
+    config: NodeConfig,
+    identity: NodeIdentity,
+    psk: bytes,
+    endpoint: Endpoint,
+    prefix: str,
+    root: pathlib.Path,
+    store: ModelStore | None,
+) -> ModelStore:
+    """With no `join` address: ask each peer of the mesh that mDNS shows (browsing only: this
+    short-lived endpoint is not the node) until one offering the model answers; members that
+    do not hold it refuse at once. Tried again whenever a peer appears, and with backoff."""
+    from meshd.mesh.discovery import mesh_hash_for, open_discovery
+
+    log.info("model mesh:%s: looking for a member holding it by mDNS", prefix)
+    async with open_discovery(
+        node_id=identity.node_id,
+        key_fingerprint=identity.fingerprint(),
+        mesh_hash=mesh_hash_for(psk),
+        port=endpoint.local_address[1],
+        interfaces=list(config.mdns.interfaces),
+        config=config.mdns,
+        advertise=False,
+    ) as disc:
+        events = disc.peers()
+        delay = JOIN_RETRY_INITIAL_S
+        while True:
+            for peer in disc.known_peers():
+                for host in peer.addresses:
+                    with contextlib.suppress(*_BOOTSTRAP_ERRORS):
+                        return await _try_bootstrap(
+                            endpoint, (host, peer.port), prefix, root, store
+                        )
+            with trio.move_on_after(delay) as waited:
+                await events.receive()  # a peer appeared (or changed): ask again at once
+            if waited.cancelled_caught:
+                delay = min(delay * 2, JOIN_RETRY_MAX_S)
 
 
 async def _bootstrap_from(
