@@ -3,10 +3,12 @@
 Every node answers `ARTIFACT_STREAM` requests from the files it holds (`ArtifactServer`: a full
 checkpoint directory, or the tensors a `mesh:ID` node fetched and verified). A node started
 with `--model mesh:ID` holds no files: `bootstrap_store` fetches the manifest (whose hash is the
-id) and the small files from a `join` peer before the node starts, so it knows the config and
-can be planned; `ArtifactService.ensure_layers` then fetches exactly the tensors a planned stage
-needs from the members offering the model, before the stage loads. The protocol and the fetch's
-decisions (flow control, timeouts, resume, source choice, what a bad hash means) are
+id) and the small files from a `join` peer (or, with none, from the peers mDNS shows) before the
+node starts, so it knows the config and can be planned. `ArtifactService` then fetches, in the
+background, exactly the tensors a planned stage needs (`stage_ready`; the stage loads when the
+fetch ends) or a spare would take over (`prefetch`, `meshd/node/prefetch.py`) from the members
+offering the model; a new job mid-fetch retargets it. The protocol and the fetch's decisions
+(flow control, timeouts, resume, source choice, what a bad hash means, retargeting) are
 `protocol.artifacts.Fetcher`'s; `FetchRun` only carries them out.
 """
 
