@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -32,7 +33,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
 from meshd.model.errors import MissingFile, ModelError
 from meshd.model.llama import decoder_layer_shapes
-from meshd.model.manifest import ModelStore, StoreCheckpoint
+from meshd.model.manifest import ModelStore, store_checkpoint, store_of
 from meshd.model.mtp import mtp_shapes
 from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
 from meshd.net.lanes import LaneTable, PeerUnreachable
@@ -131,9 +132,8 @@ class ArtifactServer:
     def _table(self) -> tuple[str, bytes, artifacts.Manifest] | None:
         if self._manifest is None and not self._unavailable:
             try:
-                if isinstance(self.checkpoint, StoreCheckpoint):
-                    store = self.checkpoint.store
-                    assert store is not None
+                store = store_of(self.checkpoint)
+                if store is not None:
                     self._manifest = (store.model_id, store.manifest_bytes, store.manifest)
                 else:
                     self._manifest = self.checkpoint.manifest
@@ -147,16 +147,25 @@ class ArtifactServer:
         assert table is not None
         artifact = table[2].artifacts[index]
         checkpoint = self.checkpoint
-        if isinstance(checkpoint, StoreCheckpoint):
-            store = checkpoint.store
-            assert store is not None
+        store = store_of(checkpoint)
+        if store is not None:
             if not store.is_held(index):
                 return None
             return store.path_of(index), store.data_offset(index), artifact.nbytes
         if artifact.kind == ArtifactKind.FILE:
+            if table[2].format == "gguf":  # byte ranges of the GGUF file
+                return self._gguf_files.get(artifact.name)
             return checkpoint.directory / artifact.name, 0, artifact.nbytes
         info = checkpoint.tensors.get(artifact.name)
         return (info.path, info.offset, info.nbytes) if info is not None else None
+
+    @functools.cached_property
+    def _gguf_files(self) -> dict[str, tuple[pathlib.Path, int, int]]:
+        from meshd.model.gguf_checkpoint import GGUFCheckpoint
+        from meshd.model.gguf_store import file_locations
+
+        assert isinstance(self.checkpoint, GGUFCheckpoint)
+        return file_locations(self.checkpoint)
 
     def answer(
         self, message: ManifestRequest | ChunkRequest
@@ -528,7 +537,7 @@ class ArtifactService:
     @property
     def fetches(self) -> bool:
         """Whether this node fetches its weights (a `mesh:ID` node) rather than holding them."""
-        return isinstance(self.checkpoint, StoreCheckpoint)
+        return store_of(self.checkpoint) is not None
 
     @property
     def job(self) -> FetchJob | None:
@@ -562,10 +571,9 @@ class ArtifactService:
         """Manifest indices of the tensors stages of `ranges` read and this node does not hold,
         in the order of `ranges` (none for a node holding the checkpoint's files)."""
         checkpoint = self.checkpoint
-        if not isinstance(checkpoint, StoreCheckpoint):
+        store = store_of(checkpoint)
+        if store is None:
             return []
-        store = checkpoint.store
-        assert store is not None
         names = dict.fromkeys(
             n for lo, hi in ranges for n in stage_tensor_names(checkpoint.config, lo, hi)
         )
@@ -603,8 +611,8 @@ class ArtifactService:
         """Fetch `job`, following the jobs that replace it, until done (True), failed (False)
         or no longer wanted (None); with the last job followed."""
         checkpoint = self.checkpoint
-        assert isinstance(checkpoint, StoreCheckpoint) and checkpoint.store is not None
-        store = checkpoint.store
+        store = store_of(checkpoint)
+        assert store is not None
         held = await trio.to_thread.run_sync(store.held, job.indices)
         missing = [i for i in job.indices if i not in held]
         if not missing:
@@ -867,14 +875,16 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     root = config.model_cache_path()
     set_cache_dir(root)
     store = await bootstrap_store(config, identity, psk, prefix, root)
-    checkpoint = await trio.to_thread.run_sync(StoreCheckpoint.over, store)
+    checkpoint = await trio.to_thread.run_sync(store_checkpoint, store)
+    # The tokenizer's files: the store's directory, or a GGUF file's skeleton (its metadata).
+    model_dir = checkpoint.directory if store.manifest.format == "gguf" else store.directory
     basis = NodeBasis.of(
         config,
         identity,
         psk,
-        str(store.directory),
+        str(model_dir),
         checkpoint,
-        timing_checkpoint=StoreCheckpoint.over(store, synthetic=True),
+        timing_checkpoint=store_checkpoint(store, synthetic=True),
     )
     # The holders' name for it, so that every node answers to one name for one model.
     return dataclasses.replace(basis, name=store.name)
