@@ -586,15 +586,18 @@ class MeshNode:
             if assigned == self.slot.layers:
                 self.artifacts.stop_fetching()
         elif self.config.prefetch and self.slot.layers is None:
-            view, rtt = self.membership.view(), self.membership.rtt_matrix()
-            ranges = self.takeover.ranges(
-                view,
-                self.shape,
-                rtt,
-                new,
-                self.node_key,
-                context_tokens=self.context_tokens,
-                config=self.config.planner,
+            view, rtt = self.membership.view(), self.membership.rtt_matrix()  # fresh copies
+            # One plan per stage: in a thread, so a large mesh's planning never stalls lanes.
+            ranges = await trio.to_thread.run_sync(
+                lambda: self.takeover.ranges(
+                    view,
+                    self.shape,
+                    rtt,
+                    new,
+                    self.node_key,
+                    context_tokens=self.context_tokens,
+                    config=self.config.planner,
+                )
             )
             await self.artifacts.prefetch(ranges)
         else:
