@@ -8,8 +8,8 @@ in the order of the stages, are what it would load, so it fetches them ahead (in
 background, `ArtifactService.prefetch`) and a take-over loads from its own store at once.
 
 Planning is pure and deterministic, so the same view gives every spare the same answer; the
-result is cached by the plan's route and the healthy members, since re-plans come often and
-most change neither.
+result is cached by the plan's route and the planner's inputs (offers and loaded layers), since
+re-plans come often and most change neither.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from meshd.mesh.member import MemberInfo
-from meshd.node.planning import assignment, plan_view
+from meshd.node.planning import assignment, plan_inputs, plan_view
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan, PlannerConfig
 
 Layers = tuple[int, int]
@@ -57,8 +57,8 @@ def takeover_ranges(
 
 
 class TakeoverCache:
-    """`takeover_ranges`, computed again only when the plan's route or the set of healthy
-    members changed."""
+    """`takeover_ranges`, computed again only when the plan's route or the planner's inputs
+    (the healthy members' offers and the layers they have loaded) changed."""
 
     def __init__(self) -> None:
         self._key: object = None
@@ -76,7 +76,9 @@ class TakeoverCache:
         config: PlannerConfig | None = None,
     ) -> list[Layers]:
         """The ranges for this view and plan (see `takeover_ranges`)."""
-        key = (plan.route, frozenset(k for k, info in view.items() if info.healthy))
+        # Everything the planner reads of the view: offers, and the layers loaded (anchors).
+        inputs = plan_inputs(view, shape.model_id, shape.quantization)
+        key = (plan.route, inputs.nodes, tuple(sorted(inputs.held.items())))
         if key != self._key:
             self._ranges = takeover_ranges(
                 view, shape, rtt_s, plan, own, context_tokens=context_tokens, config=config
