@@ -288,11 +288,8 @@ class Fetcher:
         self.manifest = manifest
         self.config = config or FetchConfig()
         self._wanted: dict[int, _Wanted] = {}
-        for index in sorted(set(wanted)):
-            nbytes = manifest.artifacts[index].nbytes
-            step = self.config.chunk_bytes
-            chunks = [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)]
-            self._wanted[index] = _Wanted(missing=chunks[::-1])  # popped from the end
+        for index in dict.fromkeys(wanted):  # asked in this order (the most wanted first)
+            self._wanted[index] = _Wanted(missing=self._chunks(index))
         self.total_bytes = sum(manifest.artifacts[i].nbytes for i in self._wanted)
         self.verified_bytes = 0
         self.received_bytes = 0  # every byte that arrived, re-fetches included
@@ -304,10 +301,22 @@ class Fetcher:
         self._in_flight: dict[bytes, int] = {}
         self._next_id = first_request_id
         self._verifying: set[int] = set()
+        # Artifacts `retarget` dropped while they were being hashed: kept if they match.
+        self._leaving: set[int] = set()
         # Empty artifacts (nothing to fetch) are verified by hashing nothing.
         self._empty = [i for i, w in self._wanted.items() if not w.missing]
 
+    def _chunks(self, index: int) -> list[tuple[int, int]]:
+        """Artifact `index`'s chunks, last first (they are popped from the end)."""
+        nbytes = self.manifest.artifacts[index].nbytes
+        step = self.config.chunk_bytes
+        return [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)][::-1]
+
     # -- what the driver reads ------------------------------------------------------------
+    def wants(self, index: int) -> bool:
+        """Whether artifact `index` is (still) part of this fetch."""
+        return index in self._wanted
+
     @property
     def done(self) -> bool:
         """Every wanted artifact is verified."""
@@ -389,16 +398,22 @@ class Fetcher:
 
     def on_verified(self, index: int, ok: bool) -> None:
         """The driver hashed artifact `index`: a mismatch fetches it again, from sources that
-        did not supply these bytes."""
+        did not supply these bytes (unless `retarget` no longer wants it: then it is dropped)."""
         self._verifying.discard(index)
-        wanted = self._wanted[index]
+        wanted = self._wanted.get(index)
+        if wanted is None:
+            return
+        if index in self._leaving and not ok:  # no longer wanted: not fetched again
+            self._leaving.discard(index)
+            del self._wanted[index]
+            self.total_bytes -= self.manifest.artifacts[index].nbytes
+            return
+        self._leaving.discard(index)
         if ok:
             self.verified.add(index)
             self.verified_bytes += self.manifest.artifacts[index].nbytes
             return
-        nbytes = self.manifest.artifacts[index].nbytes
-        step = self.config.chunk_bytes
-        wanted.missing = [(o, min(step, nbytes - o)) for o in range(0, nbytes, step)][::-1]
+        wanted.missing = self._chunks(index)
         wanted.received = 0
         if len(wanted.contributors) == 1:
             wanted.excluded |= wanted.contributors
@@ -407,6 +422,32 @@ class Fetcher:
             wanted.suspects = set(wanted.contributors)
         wanted.pinned = None
         wanted.contributors = set()
+        self._check_failed()
+
+    def retarget(self, wanted: Iterable[int]) -> None:
+        """Fetch `wanted` from now on (the plan moved mid-fetch). Artifacts no longer wanted
+        are dropped, with their outstanding requests (late replies are ignored), unless they
+        arrived whole (verified, or being hashed: kept if they match); new ones are added.
+        What arrived of artifacts still wanted is kept: nothing is asked twice."""
+        target = set(wanted)
+        self._leaving -= target
+        for index in list(self._wanted):
+            if index in target or index in self.verified:
+                continue
+            if index in self._verifying:  # it arrived whole: kept if its hash matches
+                self._leaving.add(index)
+                continue
+            for request_id, p in list(self._pending.items()):
+                if p.index == index:
+                    self._drop(request_id, requeue=False)
+            del self._wanted[index]
+            self.failed.pop(index, None)
+        self._empty = [i for i in self._empty if i in self._wanted]
+        for index in sorted(target - self._wanted.keys()):
+            self._wanted[index] = _Wanted(missing=self._chunks(index))
+            if not self._wanted[index].missing:
+                self._empty.append(index)
+        self.total_bytes = sum(self.manifest.artifacts[i].nbytes for i in self._wanted)
         self._check_failed()
 
     def on_source_lost(self, source: bytes) -> None:
@@ -423,7 +464,7 @@ class Fetcher:
     def _drop(self, request_id: int, *, requeue: bool = True) -> None:
         p = self._pending.pop(request_id)
         self._in_flight[p.source] -= p.length
-        if requeue:
+        if requeue and p.index in self._wanted:
             self._wanted[p.index].missing.append((p.offset, p.length))
 
     def _usable(self, source: bytes, wanted: _Wanted) -> bool:

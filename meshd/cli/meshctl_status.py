@@ -52,7 +52,7 @@ def render(status: dict[str, Any], events: int) -> None:
         f"{status['uptime_s']:.0f} s"
     )
     fetch = status.get("fetch")
-    if fetch:  # a `mesh:ID` node's last fetch of its stage's tensors
+    if fetch:  # a `mesh:ID` node's last fetch: its stage's tensors, or a spare's prefetch
         eta = fetch["eta_s"]
         console.print(
             f"fetch {fetch['what']}: {fetch['state']} {fetch['done_bytes'] / 1e6:.1f}/"

@@ -86,6 +86,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     model: str | tuple[str, ...] = ""
     # Where fetched models (`mesh:ID`) and cached tensor hashes live ("" = the state dir).
     model_cache_dir: str = ""
+    # A `mesh:ID` spare fetches ahead the layers it would take over (meshd/node/prefetch.py).
+    prefetch: bool = True
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"

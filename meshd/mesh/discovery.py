@@ -448,12 +448,18 @@ def _open_zeroconf(interfaces: list[str]) -> tuple[zeroconf.Zeroconf, list[str]]
 
 
 def _start(
-    zc: zeroconf.Zeroconf, info: zeroconf.ServiceInfo, listener: _Listener, config: DiscoveryConfig
+    zc: zeroconf.Zeroconf,
+    info: zeroconf.ServiceInfo | None,
+    listener: _Listener,
+    config: DiscoveryConfig,
 ) -> tuple[zeroconf.ServiceBrowser, object]:
-    """(blocking) Browse first, then announce, so simultaneous starters hear each other."""
+    """(blocking) Browse first, then announce (`info`; None: browse only), so simultaneous
+    starters hear each other."""
     browser = zeroconf.ServiceBrowser(
         zc, SERVICE_TYPE, listener=listener, delay=round(config.browse_interval_s * 1000)
     )
+    if info is None:
+        return browser, None
     assert zc.loop is not None
     # Node ids are unique per key, so skip the ~1.2 s conflict probing (trust comes from the
     # handshake anyway), and return once the first of three announcements is queued.
@@ -485,8 +491,11 @@ async def open_discovery(
     config: DiscoveryConfig | None = None,
     version: int = PROTOCOL_VERSION,
     netns: str | None = None,
+    advertise: bool = True,
 ) -> AsyncIterator[Discovery]:
-    """Advertise this node on `interfaces` and browse for peers of the same mesh.
+    """Advertise this node on `interfaces` (unless not `advertise`: a node that only looks
+    for peers, e.g. a `mesh:ID` node fetching its manifest before it starts) and browse for
+    peers of the same mesh.
 
     `interfaces`: IPv4 addresses or interface names (empty: all non-loopback). `netns`: name
     of a network namespace (/run/netns/NAME) to open the mDNS sockets in; for tests. On exit,
@@ -518,7 +527,7 @@ async def open_discovery(
     browser: zeroconf.ServiceBrowser | None = None
     try:
         browser, disc._announcing = await trio.to_thread.run_sync(
-            _start, zc, info, listener, config
+            _start, zc, info if advertise else None, listener, config
         )
         async with trio.open_nursery() as nursery:
             for _ in range(config.resolve_workers):

@@ -197,6 +197,9 @@ class Checkpoint:
         """The hash of the manifest (hex, 32 chars); equal on every node holding the files."""
         return self.manifest[0]
 
+    def refresh(self) -> None:
+        """Take in tensors that arrived since (a fetching node's checkpoint; files: nothing)."""
+
     def load(
         self, names: Iterable[str], on_tensor: OnTensor | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -163,20 +163,24 @@ class GGUFCheckpoint(Checkpoint):
             architecture=arch,
         )
 
-    @property
+    @functools.cached_property
     def manifest(self) -> Any:
-        """GGUF files have no artifact manifest: they cannot be fetched over the mesh yet."""
-        raise UnsupportedArchitecture(
-            f"{self.directory}: GGUF models cannot be fetched over the mesh (safetensors only)"
-        )
+        """(model id, bytes, manifest) of a single GGUF file (`meshd.model.gguf_store`: every
+        tensor hashed); UnsupportedArchitecture for a split model."""
+        from meshd.model.gguf_store import gguf_manifest
+
+        return gguf_manifest(self)
 
     @functools.cached_property
     def model_id(self) -> str:
         """Stable id of the file (hex, 32 chars): equal on every node holding the same file.
 
-        Hashes the config, the file's whole header/metadata/tensor table (tokenizer included),
-        and a strided sample of each tensor's bytes, like `Checkpoint.model_id`.
+        One file: its manifest's id (so it can be fetched over the mesh). A split model: the
+        hash of the config, each file's whole header/metadata/tensor table (tokenizer
+        included), and a strided sample of each tensor's bytes.
         """
+        if len(self.headers) == 1:
+            return str(self.manifest[0])
         digest = hashlib.sha256(b"meshd-gguf-model-id-v1\0")
         digest.update(self.config.canonical_bytes())
         fds = {p: os.open(p, os.O_RDONLY) for p, _ in self.headers}

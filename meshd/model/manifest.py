@@ -203,6 +203,13 @@ class ModelStore:
     def __init__(self, root: pathlib.Path, model_id: str, data: bytes, manifest: Manifest) -> None:
         # Names become file names: a manifest from a peer must not reach outside the store.
         for artifact in manifest.artifacts:
+            if manifest.format == "gguf":
+                from meshd.model.gguf_store import check_artifact
+
+                problem = check_artifact(artifact)
+                if problem is not None:
+                    raise CorruptCheckpoint(f"manifest of {model_id}: {problem}")
+                continue
             if artifact.kind == ArtifactKind.FILE and artifact.name not in MODEL_FILES:
                 raise CorruptCheckpoint(
                     f"manifest of {model_id}: unexpected file {artifact.name!r}"
@@ -273,12 +280,16 @@ class ModelStore:
         artifact = self.manifest.artifacts[index]
         if artifact.kind == ArtifactKind.FILE:
             return self.directory / artifact.name
+        if self.manifest.format == "gguf":  # raw GGUF bytes (`meshd.model.gguf_store`)
+            return self.tensor_dir / f"{artifact.name}.bin"
         return self.tensor_dir / f"{artifact.name}.safetensors"
 
     def data_offset(self, index: int) -> int:
         """Where artifact `index`'s bytes start in its file."""
         artifact = self.manifest.artifacts[index]
-        return 0 if artifact.kind == ArtifactKind.FILE else len(tensor_file_header(artifact))
+        if artifact.kind == ArtifactKind.FILE or self.manifest.format == "gguf":
+            return 0
+        return len(tensor_file_header(artifact))
 
     def part_path(self, index: int) -> pathlib.Path:
         """Where artifact `index` is written while it arrives."""
@@ -290,7 +301,7 @@ class ModelStore:
         artifact = self.manifest.artifacts[index]
         part = self.part_path(index)
         with part.open("wb") as f:
-            if artifact.kind == ArtifactKind.TENSOR:
+            if self.data_offset(index):
                 f.write(tensor_file_header(artifact))
             f.truncate(self.data_offset(index) + artifact.nbytes)
 
@@ -329,8 +340,9 @@ class ModelStore:
             try:
                 stat = path.stat()
             except OSError:
-                if self._verified.pop(index, None) is not None:
-                    changed = True
+                with self._lock:  # a fetch may verify artifacts in another thread meanwhile
+                    if self._verified.pop(index, None) is not None:
+                        changed = True
                 continue
             known = self._verified.get(index)
             if known == _Verified(stat.st_size, stat.st_mtime_ns):
@@ -343,11 +355,13 @@ class ModelStore:
             )
             changed = True
             if intact:
-                self._verified[index] = _Verified(stat.st_size, stat.st_mtime_ns)
+                with self._lock:
+                    self._verified[index] = _Verified(stat.st_size, stat.st_mtime_ns)
                 out.add(index)
             else:
                 log.warning("%s: does not match the manifest; fetching it again", path)
-                self._verified.pop(index, None)
+                with self._lock:
+                    self._verified.pop(index, None)
                 path.unlink(missing_ok=True)
         if changed:
             with self._lock:
@@ -459,3 +473,19 @@ _TORCH_DTYPES: Mapping[str, Any] = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
+
+
+def store_checkpoint(store: ModelStore, *, synthetic: bool = False) -> Checkpoint:
+    """(blocking) The checkpoint over a store (its files held): a `StoreCheckpoint`, or for a
+    GGUF manifest a `GGUFStoreCheckpoint` (`meshd.model.gguf_store`)."""
+    if store.manifest.format == "gguf":
+        from meshd.model.gguf_store import GGUFStoreCheckpoint
+
+        return GGUFStoreCheckpoint.over(store, synthetic=synthetic)
+    return StoreCheckpoint.over(store, synthetic=synthetic)
+
+
+def store_of(checkpoint: Checkpoint) -> ModelStore | None:
+    """The store a fetching node's checkpoint reads (None: a checkpoint of local files)."""
+    store = getattr(checkpoint, "store", None)
+    return store if isinstance(store, ModelStore) else None

@@ -3,10 +3,12 @@
 Every node answers `ARTIFACT_STREAM` requests from the files it holds (`ArtifactServer`: a full
 checkpoint directory, or the tensors a `mesh:ID` node fetched and verified). A node started
 with `--model mesh:ID` holds no files: `bootstrap_store` fetches the manifest (whose hash is the
-id) and the small files from a `join` peer before the node starts, so it knows the config and
-can be planned; `ArtifactService.ensure_layers` then fetches exactly the tensors a planned stage
-needs from the members offering the model, before the stage loads. The protocol and the fetch's
-decisions (flow control, timeouts, resume, source choice, what a bad hash means) are
+id) and the small files from a `join` peer (or, with none, from the peers mDNS shows) before the
+node starts, so it knows the config and can be planned. `ArtifactService` then fetches, in the
+background, exactly the tensors a planned stage needs (`stage_ready`; the stage loads when the
+fetch ends) or a spare would take over (`prefetch`, `meshd/node/prefetch.py`) from the members
+offering the model; a new job mid-fetch retargets it. The protocol and the fetch's decisions
+(flow control, timeouts, resume, source choice, what a bad hash means, retargeting) are
 `protocol.artifacts.Fetcher`'s; `FetchRun` only carries them out.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
@@ -30,7 +33,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
 from meshd.model.errors import MissingFile, ModelError
 from meshd.model.llama import decoder_layer_shapes
-from meshd.model.manifest import ModelStore, StoreCheckpoint
+from meshd.model.manifest import ModelStore, store_checkpoint, store_of
 from meshd.model.mtp import mtp_shapes
 from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
 from meshd.net.lanes import LaneTable, PeerUnreachable
@@ -129,9 +132,8 @@ class ArtifactServer:
     def _table(self) -> tuple[str, bytes, artifacts.Manifest] | None:
         if self._manifest is None and not self._unavailable:
             try:
-                if isinstance(self.checkpoint, StoreCheckpoint):
-                    store = self.checkpoint.store
-                    assert store is not None
+                store = store_of(self.checkpoint)
+                if store is not None:
                     self._manifest = (store.model_id, store.manifest_bytes, store.manifest)
                 else:
                     self._manifest = self.checkpoint.manifest
@@ -145,16 +147,25 @@ class ArtifactServer:
         assert table is not None
         artifact = table[2].artifacts[index]
         checkpoint = self.checkpoint
-        if isinstance(checkpoint, StoreCheckpoint):
-            store = checkpoint.store
-            assert store is not None
+        store = store_of(checkpoint)
+        if store is not None:
             if not store.is_held(index):
                 return None
             return store.path_of(index), store.data_offset(index), artifact.nbytes
         if artifact.kind == ArtifactKind.FILE:
+            if table[2].format == "gguf":  # byte ranges of the GGUF file
+                return self._gguf_files.get(artifact.name)
             return checkpoint.directory / artifact.name, 0, artifact.nbytes
         info = checkpoint.tensors.get(artifact.name)
         return (info.path, info.offset, info.nbytes) if info is not None else None
+
+    @functools.cached_property
+    def _gguf_files(self) -> dict[str, tuple[pathlib.Path, int, int]]:
+        from meshd.model.gguf_checkpoint import GGUFCheckpoint
+        from meshd.model.gguf_store import file_locations
+
+        assert isinstance(self.checkpoint, GGUFCheckpoint)
+        return file_locations(self.checkpoint)
 
     def answer(
         self, message: ManifestRequest | ChunkRequest
@@ -201,8 +212,10 @@ class FetchStatus(msgspec.Struct, frozen=True, kw_only=True):
     """A fetch as `meshctl status` shows it (`fetch` in its JSON)."""
 
     model_id: str
-    state: str  # "fetching", "done", "failed" (retrying), "waiting" (no source yet)
-    what: str  # e.g. "layers [0, 3)"
+    # "fetching", "done", "failed" (retrying), "waiting" (no source yet), "stopped" (the plan
+    # no longer needs it)
+    state: str
+    what: str  # e.g. "layers [0, 3)", "prefetch layers [3, 6)"
     done_bytes: int
     total_bytes: int
     rate_bytes_s: float
@@ -354,6 +367,21 @@ class FetchRun:
         if failure is not None:  # raised out here: not wrapped in the nursery's group
             raise FetchFailed(failure)
 
+    async def retarget(self, indices: list[int]) -> None:
+        """Fetch `indices` from now on (`Fetcher.retarget`: what arrived of those still
+        wanted, and what was verified, is kept)."""
+        # Newly wanted artifacts start afresh (so does the fetcher's count of their chunks).
+        fresh = [i for i in indices if not self.fetcher.wants(i)]
+        store = self.store
+
+        def begin_fresh() -> None:
+            for i in fresh:
+                store.begin(i)
+
+        await trio.to_thread.run_sync(begin_fresh)
+        self.fetcher.retarget(indices)
+        self._wake.set()
+
     def on_reply(self, message: ChunkReply | ArtifactRefusal, source: bytes) -> None:
         """A reply on the artifact stream from `source`."""
         for effect in self.fetcher.on_reply(source, message):
@@ -387,7 +415,7 @@ class FetchRun:
 
         def check() -> bool:
             ok = store.finish(index)
-            if not ok:
+            if not ok and self.fetcher.wants(index):
                 store.begin(index)
             return ok
 
@@ -402,8 +430,29 @@ class FetchRun:
         self._wake.set()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchJob:
+    """What the node wants fetched now: manifest `indices` (the most wanted first), shown as
+    `what`; for the stage it is assigned (it loads once they are held) or, `prefetch`, for
+    the stages a spare would take over."""
+
+    what: str
+    indices: tuple[int, ...]
+    prefetch: bool = False
+
+
+def describe_layers(ranges: list[tuple[int, int]]) -> str:
+    """`layers [a, b)` (`, [c, d)` ...): how progress, logs and events name a fetch."""
+    return "layers " + ", ".join(f"[{lo}, {hi})" for lo, hi in ranges)
+
+
 class ArtifactService:
-    """A node's side of `ARTIFACT_STREAM`: serve what it holds, fetch what its stage needs."""
+    """A node's side of `ARTIFACT_STREAM`: serve what it holds, fetch what its stage needs.
+
+    Fetching runs in the background (`run`'s task), one `FetchJob` at a time: the planning
+    loop never waits for it. A new job while one runs retargets the fetch (`FetchRun.retarget`:
+    what arrived is kept); `on_fetch_end(ok)` is called when a job ends (done or failed).
+    """
 
     def __init__(
         self,
@@ -416,6 +465,7 @@ class ArtifactService:
         note: Callable[[str, str], None] | None = None,
         busy: Callable[[], bool] | None = None,
         name: str = "",
+        on_fetch_end: Callable[[bool], None] | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.server = ArtifactServer(checkpoint, name)
@@ -424,6 +474,7 @@ class ArtifactService:
         self.config = config or FetchConfig()
         self.load_display = load_display
         self._note = note or (lambda _kind, _detail: None)
+        self.on_fetch_end = on_fetch_end or (lambda _ok: None)
         # While this is true (the stage computes a window), serving chunks waits: the CPU
         # and the GIL go to the verify window first.
         self.busy = busy or (lambda: False)
@@ -435,6 +486,8 @@ class ArtifactService:
         self._run: FetchRun | None = None
         self.meter: ProgressMeter | None = None
         self._next_request_id = 1
+        self._job: FetchJob | None = None
+        self._job_changed = trio.Event()
 
     # -- lanes ------------------------------------------------------------------------------
     def on_message(self, message: artifacts.ArtifactMessage, sender: bytes) -> None:
@@ -453,8 +506,13 @@ class ArtifactService:
             self._run.on_source_lost(lane_key)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve requests, one at a time, until cancelled."""
-        task_status.started()
+        """Serve requests, one at a time, and carry out fetch jobs, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._fetch_loop)
+            task_status.started()
+            await self._serve()
+
+    async def _serve(self) -> None:
         async for message, sender in self._requests_out:
             # Polled (an event per pass would cost every pass): no chunk while the stage
             # computes, nor while the lane still holds `SERVE_AHEAD_BYTES` unsent or unacked
@@ -476,37 +534,91 @@ class ArtifactService:
         """The last fetch's figures (None: this node never fetched)."""
         return self.meter.status() if self.meter is not None else None
 
-    async def ensure_layers(self, layers: tuple[int, int]) -> bool:
-        """Fetch the tensors a stage of `layers` needs that this node does not hold (nothing
-        to do for a node holding the checkpoint's files). False when the fetch failed: it says
-        why in the log, the event log and `meshctl status`, and the caller tries again later."""
-        checkpoint = self.checkpoint
-        if not isinstance(checkpoint, StoreCheckpoint):
+    @property
+    def fetches(self) -> bool:
+        """Whether this node fetches its weights (a `mesh:ID` node) rather than holding them."""
+        return store_of(self.checkpoint) is not None
+
+    @property
+    def job(self) -> FetchJob | None:
+        """The fetch wanted now (None: none)."""
+        return self._job
+
+    async def stage_ready(self, layers: tuple[int, int]) -> bool:
+        """Whether this node holds every tensor a stage of `layers` needs (always true for a
+        node holding the checkpoint's files). If not, their fetch starts in the background
+        (an ongoing one retargets to them, keeping what arrived), and `on_fetch_end` says when
+        it ended: a failed fetch says why in the log, the event log and `meshctl status`."""
+        missing = await self._missing([layers])
+        if not missing:
             return True
-        store = checkpoint.store
-        assert store is not None
-        names = stage_tensor_names(checkpoint.config, *layers)
+        self._want(FetchJob(describe_layers([layers]), tuple(missing)))
+        return False
+
+    async def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """A spare's prefetch: fetch in the background the tensors of `ranges` (the stages it
+        would take over, the most likely first) that it does not hold; replaces any other
+        job. Nothing to fetch (or no ranges) ends the job in progress."""
+        missing = await self._missing(ranges) if ranges else []
+        job = FetchJob("prefetch " + describe_layers(ranges), tuple(missing), prefetch=True)
+        self._want(job if missing else None)
+
+    def stop_fetching(self) -> None:
+        """No fetch is wanted now: one in progress ends (what it verified stays stored)."""
+        self._want(None)
+
+    async def _missing(self, ranges: list[tuple[int, int]]) -> list[int]:
+        """Manifest indices of the tensors stages of `ranges` read and this node does not hold,
+        in the order of `ranges` (none for a node holding the checkpoint's files)."""
+        checkpoint = self.checkpoint
+        store = store_of(checkpoint)
+        if store is None:
+            return []
+        names = dict.fromkeys(
+            n for lo, hi in ranges for n in stage_tensor_names(checkpoint.config, lo, hi)
+        )
         indices = store.tensor_indices(names)
         held = await trio.to_thread.run_sync(store.held, indices)
         checkpoint.refresh()
-        missing = [i for i in indices if i not in held]
-        if not missing:
-            return True
-        try:
-            await self._fetch(store, missing, f"layers [{layers[0]}, {layers[1]})")
-        except FetchFailed as exc:
-            assert self.meter is not None
-            self.meter.state, self.meter.error = "failed", str(exc)
-            log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, exc)
-            self._note("fetch-failed", str(exc))
-            return False
-        finally:
-            checkpoint.refresh()
-        return True
+        return [i for i in indices if i not in held]
 
-    async def _fetch(self, store: ModelStore, missing: list[int], what: str) -> None:
+    def _want(self, job: FetchJob | None) -> None:
+        current = self._job
+        if job == current or (
+            job is not None
+            and current is not None
+            and (job.what, job.prefetch) == (current.what, current.prefetch)
+            and set(job.indices) <= set(current.indices)
+        ):
+            return  # the same job (with less of it left)
+        self._job = job
+        self._job_changed.set()
+        self._job_changed = trio.Event()
+
+    async def _fetch_loop(self) -> None:
+        while True:
+            job = self._job
+            if job is None:
+                await self._job_changed.wait()
+                continue
+            ok, last = await self._carry_out(job)
+            if self._job == last:
+                self._job = None
+            if ok is not None:
+                self.on_fetch_end(ok)
+
+    async def _carry_out(self, job: FetchJob) -> tuple[bool | None, FetchJob]:
+        """Fetch `job`, following the jobs that replace it, until done (True), failed (False)
+        or no longer wanted (None); with the last job followed."""
+        checkpoint = self.checkpoint
+        store = store_of(checkpoint)
+        assert store is not None
+        held = await trio.to_thread.run_sync(store.held, job.indices)
+        missing = [i for i in job.indices if i not in held]
+        if not missing:
+            return True, job
         total = sum(store.manifest.artifacts[i].nbytes for i in missing)
-        meter = self.meter = ProgressMeter(store.model_id, what, total)
+        meter = self.meter = ProgressMeter(store.model_id, job.what, total)
         fetcher = Fetcher(
             store.model_id,
             store.manifest,
@@ -515,33 +627,80 @@ class ArtifactService:
             first_request_id=self._next_request_id,
         )
         run = FetchRun(fetcher, store, self._send, self.sources, meter)
-        self._note("fetch", f"{what}: {len(missing)} tensors, {total / 1e6:.1f} MB")
+        self._note(_kind(job), f"{job.what}: {len(missing)} tensors, {total / 1e6:.1f} MB")
         t0 = time.monotonic()
         display = self.load_display or (lambda _what: contextlib.nullcontext(None))
         self._run = run
+        current = job
+        failure: str | None = None
+        finished = False
+
+        async def follow(cancel: trio.CancelScope) -> None:
+            """Retarget the run to each job that replaces `current`; none: end it."""
+            nonlocal current
+            while True:
+                changed = self._job_changed
+                new = self._job
+                if new is None:
+                    cancel.cancel()
+                    return
+                if new != current:
+                    await run.retarget(list(new.indices))
+                    meter.what, meter.total_bytes = new.what, fetcher.total_bytes
+                    self._note(_kind(new), f"{new.what}: retargeted, what arrived is kept")
+                    current = new
+                    continue
+                await changed.wait()
+
         try:
-            with display(f"fetching {what}") as bar:
+            with display(f"{'pre' if job.prefetch else ''}fetching {job.what}") as bar:
                 meter.display = bar
-                await run.run()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(follow, nursery.cancel_scope)
+                    try:
+                        await run.run()
+                        finished = True
+                    except FetchFailed as exc:
+                        failure = str(exc)
+                    nursery.cancel_scope.cancel()
         finally:
             self._run = None
             self._next_request_id = fetcher._next_id
             meter.display = None
+            checkpoint.refresh()
+        if failure is not None:
+            meter.state, meter.error = "failed", failure
+            log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, failure)
+            self._note("fetch-failed", failure)
+            return False, current
+        if not finished:
+            meter.state = "stopped"
+            log.info("fetch of %s stopped: the plan no longer needs it", current.what)
+            return None, current
         meter.state = "done"
         elapsed = time.monotonic() - t0
+        total = fetcher.total_bytes
         meter.done_bytes = total
         log.info(
             "fetched %s: %.1f MB in %.2f s (%.1f MB/s), %d artifact(s) fetched again",
-            what,
+            current.what,
             total / 1e6,
             elapsed,
             total / 1e6 / max(elapsed, 1e-9),
             run.bad_artifacts,
         )
-        self._note("fetched", f"{what}: {total / 1e6:.1f} MB in {elapsed:.2f} s")
+        self._note(
+            _kind(current) + "ed", f"{current.what}: {total / 1e6:.1f} MB in {elapsed:.2f} s"
+        )
+        return True, current
 
     async def _send(self, source: bytes, data: bytes) -> None:
         await self.peers.send_bytes(source, ARTIFACT_STREAM, data)
+
+
+def _kind(job: FetchJob) -> str:
+    """The event a job's start is noted as (`fetch` or `prefetch`; `...ed` when it ends)."""
+    return "prefetch" if job.prefetch else "fetch"
 
 
 # ---- a mesh:ID node before it starts -------------------------------------------------------
@@ -559,10 +718,10 @@ async def bootstrap_store(
         if await trio.to_thread.run_sync(store.held, files) == set(files):
             return store
     addresses = config.bootstrap_peers()
-    if not addresses:  # a start-up error (ModelError): one line, exit status 2
+    if not addresses and not config.mdns.enabled:  # a start-up error: one line, exit status 2
         raise MissingFile(
             f"mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
-            "address of a mesh member so its manifest can be fetched"
+            "address of a mesh member (or enable mDNS) so its manifest can be fetched"
         )
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with open_endpoint(
@@ -573,15 +732,72 @@ async def bootstrap_store(
         lane_config=config.lane,
         node_public_key=identity.public_key,
     ) as endpoint:
+        if not addresses:
+            return await _bootstrap_by_mdns(config, identity, psk, endpoint, prefix, root, store)
         delay = JOIN_RETRY_INITIAL_S
         while True:
             for address in addresses:
-                try:
-                    return await _bootstrap_from(endpoint, address, prefix, root, store)
-                except (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError) as exc:
-                    log.warning("model mesh:%s from %s: %s", prefix, address, exc)
+                with contextlib.suppress(*_BOOTSTRAP_ERRORS):
+                    return await _try_bootstrap(endpoint, address, prefix, root, store)
             await trio.sleep(delay)
             delay = min(delay * 2, JOIN_RETRY_MAX_S)
+
+
+_BOOTSTRAP_ERRORS = (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError)
+
+
+async def _try_bootstrap(
+    endpoint: Endpoint,
+    address: tuple[str, int],
+    prefix: str,
+    root: pathlib.Path,
+    store: ModelStore | None,
+) -> ModelStore:
+    """`_bootstrap_from`, its failure logged (and raised)."""
+    try:
+        return await _bootstrap_from(endpoint, address, prefix, root, store)
+    except _BOOTSTRAP_ERRORS as exc:
+        log.warning("model mesh:%s from %s: %s", prefix, address, exc)
+        raise
+
+
+async def _bootstrap_by_mdns(
+    config: NodeConfig,
+    identity: NodeIdentity,
+    psk: bytes,
+    endpoint: Endpoint,
+    prefix: str,
+    root: pathlib.Path,
+    store: ModelStore | None,
+) -> ModelStore:
+    """With no `join` address: ask each peer of the mesh that mDNS shows (browsing only: this
+    short-lived endpoint is not the node) until one offering the model answers; members that
+    do not hold it refuse at once. Tried again whenever a peer appears, and with backoff."""
+    from meshd.mesh.discovery import mesh_hash_for, open_discovery
+
+    log.info("model mesh:%s: looking for a member holding it by mDNS", prefix)
+    async with open_discovery(
+        node_id=identity.node_id,
+        key_fingerprint=identity.fingerprint(),
+        mesh_hash=mesh_hash_for(psk),
+        port=endpoint.local_address[1],
+        interfaces=list(config.mdns.interfaces),
+        config=config.mdns,
+        advertise=False,
+    ) as disc:
+        events = disc.peers()
+        delay = JOIN_RETRY_INITIAL_S
+        while True:
+            for peer in disc.known_peers():
+                for host in peer.addresses:
+                    with contextlib.suppress(*_BOOTSTRAP_ERRORS):
+                        return await _try_bootstrap(
+                            endpoint, (host, peer.port), prefix, root, store
+                        )
+            with trio.move_on_after(delay) as waited:
+                await events.receive()  # a peer appeared (or changed): ask again at once
+            if waited.cancelled_caught:
+                delay = min(delay * 2, JOIN_RETRY_MAX_S)
 
 
 async def _bootstrap_from(
@@ -659,14 +875,16 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     root = config.model_cache_path()
     set_cache_dir(root)
     store = await bootstrap_store(config, identity, psk, prefix, root)
-    checkpoint = await trio.to_thread.run_sync(StoreCheckpoint.over, store)
+    checkpoint = await trio.to_thread.run_sync(store_checkpoint, store)
+    # The tokenizer's files: the store's directory, or a GGUF file's skeleton (its metadata).
+    model_dir = checkpoint.directory if store.manifest.format == "gguf" else store.directory
     basis = NodeBasis.of(
         config,
         identity,
         psk,
-        str(store.directory),
+        str(model_dir),
         checkpoint,
-        timing_checkpoint=StoreCheckpoint.over(store, synthetic=True),
+        timing_checkpoint=store_checkpoint(store, synthetic=True),
     )
     # The holders' name for it, so that every node answers to one name for one model.
     return dataclasses.replace(basis, name=store.name)

@@ -134,6 +134,14 @@ class GossipDriver:
     # ---- the loop -----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Tick at each deadline, send what membership wants sent, report events."""
+        try:
+            await self._run(task_status)
+        finally:
+            # Closed: gossip a lane reader still delivers while the node shuts down is
+            # dropped, not sent from a closed nursery (a RuntimeError that failed the exit).
+            self._nursery = None
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._report_rtts)

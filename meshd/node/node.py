@@ -53,6 +53,7 @@ from meshd.node.health import Health
 from meshd.node.lanes import LaneKind, NodeLanes, pick_introducers
 from meshd.node.models import ModelFiles, ModelSet, full_model_bytes, split_budget
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
+from meshd.node.prefetch import TakeoverCache
 from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from meshd.plan.route import Route
@@ -291,7 +292,9 @@ class MeshNode:
             note=lambda kind, detail: self.note(kind, self.node_key, detail),
             busy=lambda: self.slot.computing,
             name=basis.name,
+            on_fetch_end=self._on_fetch_end,
         )
+        self.takeover = TakeoverCache()
         self.coordinator = Coordinator(
             _RouteSender(self),
             self.identity.x25519_public,
@@ -563,10 +566,50 @@ class MeshNode:
                 now=trio.current_time(),
             )
         )
+        await self._steer_fetch(new)
         view, rtt = self.membership.view(), self.membership.rtt_matrix()
         await self.models.replan(view, rtt, self.node_key, trio.current_time())
         self._plan_changed.set()
         self._plan_changed = trio.Event()
+
+    async def _steer_fetch(self, new: Plan | None) -> None:
+        """A `mesh:ID` node's background fetch after a re-plan: a stage still to load keeps
+        its fetch (`ArtifactService.stage_ready` started it); a spare prefetches the layers it
+        would take over (`prefetch` key, `meshd/node/prefetch.py`); otherwise none. With no
+        plan at all, whatever runs goes on (like the stage, kept for a later plan)."""
+        if new is None or not self.artifacts.fetches:
+            return
+        assigned = assignment(new, self.node_key)
+        if not self.duty.offers_model:
+            self.artifacts.stop_fetching()
+        elif assigned is not None:
+            if assigned == self.slot.layers:
+                self.artifacts.stop_fetching()
+        elif self.config.prefetch and self.slot.layers is None:
+            view, rtt = self.membership.view(), self.membership.rtt_matrix()  # fresh copies
+            # One plan per stage: in a thread, so a large mesh's planning never stalls lanes.
+            ranges = await trio.to_thread.run_sync(
+                lambda: self.takeover.ranges(
+                    view,
+                    self.shape,
+                    rtt,
+                    new,
+                    self.node_key,
+                    context_tokens=self.context_tokens,
+                    config=self.config.planner,
+                )
+            )
+            await self.artifacts.prefetch(ranges)
+        else:
+            self.artifacts.stop_fetching()
+
+    def _on_fetch_end(self, ok: bool) -> None:
+        """A background fetch ended: re-plan now (the stage it was for loads), or after a
+        failure a little later (and so try again)."""
+        if ok:
+            self.request_replan()
+        else:
+            self._nursery.start_soon(self._replan_after, FETCH_RETRY_S)
 
     async def _replan_after(self, delay_s: float) -> None:
         await trio.sleep(delay_s)
@@ -620,12 +663,11 @@ class MeshNode:
                 self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
                 await self.slot.stop(effect.reason)
             elif isinstance(effect, LoadStage):
-                # A `mesh:ID` node fetches its stage's tensors first; a failed fetch re-plans
-                # (and so tries again) a little later.
-                if await self.artifacts.ensure_layers(effect.layers):
+                # A `mesh:ID` node fetches its stage's tensors first, in the background: the
+                # fetch's end re-plans, and the stage loads then (`_on_fetch_end`).
+                if await self.artifacts.stage_ready(effect.layers):
                     await self.slot.load(effect.layers)
-                else:  # nothing changed: no note, nothing to publish
-                    self._nursery.start_soon(self._replan_after, FETCH_RETRY_S)
+                else:  # nothing changed yet: no note, nothing to publish
                     return
             else:
                 self._carry_out_now(effect)

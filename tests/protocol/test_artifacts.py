@@ -212,3 +212,66 @@ def test_without_any_source_the_fetch_waits_instead_of_failing() -> None:
     f.set_sources([A])
     (req,) = _requests(f.poll(0.1))
     assert isinstance(req.request, ChunkRequest) and req.source == A
+
+
+def test_a_retargeted_fetch_keeps_what_arrived_and_asks_nothing_twice() -> None:
+    sizes = [4 * CHUNK, 4 * CHUNK, 4 * CHUNK]
+    manifest, blobs = _manifest(sizes)
+    config = FetchConfig(chunk_bytes=CHUNK, window_bytes=2 * CHUNK, timeout_s=1.0)
+    f = Fetcher("0" * 32, manifest, [0, 1], config)  # the first plan's stage
+    f.set_sources([A])
+    asked: list[tuple[int, int]] = []
+    first = _requests(f.poll(0.0))
+    assert [s.request.index for s in first] == [0, 0]
+    _answer(f, first[0], blobs)  # one chunk of artifact 0 arrived; the other is in flight
+    # The plan moved: the stage now needs artifacts 1 and 2, no longer 0.
+    f.retarget([1, 2])
+    assert f.total_bytes == 8 * CHUNK and not f.wants(0)
+    # The late reply for the dropped artifact is ignored.
+    assert _answer(f, first[1], blobs) == []
+    now, effects, verified = 0.0, [], []
+    pending = _requests(f.poll(now))
+    while not f.done:
+        assert pending, "stalled"
+        send = pending.pop(0)
+        asked.append((send.request.index, send.request.offset))
+        effects = _answer(f, send, blobs)
+        for effect in effects:
+            if isinstance(effect, VerifyArtifact):
+                f.on_verified(effect.index, True)
+                verified.append(effect.index)
+        now += 0.01
+        pending += _requests(f.poll(now))
+    assert sorted(verified) == [1, 2]
+    assert sorted(asked) == [(i, o) for i in (1, 2) for o in range(0, 4 * CHUNK, CHUNK)]
+    # Retargeting back keeps the verified artifacts and their chunks: only 0 is asked.
+    f.retarget([0, 1])
+    assert f.wants(2) and f.total_bytes == 12 * CHUNK  # verified: kept
+    again = _requests(f.poll(now + 0.1))
+    assert {s.request.index for s in again} == {0}
+
+
+def test_an_artifact_being_hashed_when_retargeted_away_is_kept_only_if_it_matches() -> None:
+    sizes = [CHUNK, CHUNK, CHUNK]
+    manifest, blobs = _manifest(sizes)
+    f = Fetcher("0" * 32, manifest, [0, 1], FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK))
+    f.set_sources([A])
+    sent = _requests(f.poll(0.0))
+    (send0,) = [s for s in sent if s.request.index == 0]
+    assert VerifyArtifact(0) in _answer(f, send0, blobs)
+    f.retarget([2])  # 0 arrived whole and is being hashed; 1 has not
+    assert f.wants(0) and not f.wants(1)
+    f.on_verified(0, True)  # it matched: kept, not fetched again
+    assert 0 in f.verified
+    (send,) = _requests(f.poll(0.1))
+    assert send.request.index == 2
+    # A mismatch of an artifact no longer wanted drops it instead of fetching it again.
+    g = Fetcher("0" * 32, manifest, [0], FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK))
+    g.set_sources([A])
+    (send0,) = _requests(g.poll(0.0))
+    _answer(g, send0, blobs)
+    g.retarget([1])
+    g.on_verified(0, False)
+    assert not g.wants(0) and g.failure() is None and g.total_bytes == CHUNK
+    (send,) = _requests(g.poll(0.1))
+    assert send.request.index == 1

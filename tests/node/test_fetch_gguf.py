@@ -1,0 +1,112 @@
+"""A GGUF file over the mesh. Over real loopback lanes: a node fetches a Q8_0 GGUF file's
+manifest files and one stage's tensors from a holder of the file, and that stage computes
+exactly what the same stage of the file computes, while the node holds no other layer's bytes.
+With real daemons: a holder of the GGUF file and a `mesh:ID` node answer the greedy tokens one
+process decodes from the file (served at int8, the file's Q8_0 precision)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import httpx
+import pytest
+import torch
+
+from meshd.bench.fetch import artifact_nodes
+from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.decode import generate
+from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.gguf_checkpoint import GGUFCheckpoint
+from meshd.model.gguf_store import GGUFStoreCheckpoint
+from meshd.model.manifest import ModelStore, store_checkpoint
+from meshd.model.stage import StageModel
+from meshd.node.fetch import FetchRun, stage_tensor_names
+from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, open_manifest
+from tests.model.gguf_files import write_gguf
+from tests.node.daemons import SECRET, Daemon
+from tests.node.test_fetch_mesh import _tokens
+
+HOLDER_PORT = 17461
+CONFIG = FetchConfig(chunk_bytes=64 * 1024, window_bytes=256 * 1024, timeout_s=5.0)
+
+
+async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pathlib.Path) -> None:
+    path = write_gguf(builtin_model_dir(), tmp_path / "tiny-q8.gguf", "Q8_0")
+    holder = open_checkpoint(path)
+    assert isinstance(holder, GGUFCheckpoint)
+    model_id, data, manifest = holder.manifest
+    assert holder.model_id == model_id == open_manifest(data, model_id)[0]
+    assert manifest.format == "gguf"
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    async with artifact_nodes([holder, holder], CONFIG) as (source, fetching):
+        for wanted in (store.file_indices(), None):
+            if wanted is None:  # then one stage's tensors, as a planned node fetches them
+                stage = store_checkpoint(store)
+                assert isinstance(stage, GGUFStoreCheckpoint) and not stage.tensors
+                wanted = store.tensor_indices(stage_tensor_names(stage.config, 2, 4))
+            fetcher = Fetcher(model_id, manifest, wanted, CONFIG)
+            run = FetchRun(fetcher, store, fetching.service._send, lambda: [source.key])
+            fetching.service._run = run
+            await run.run()
+    stage.refresh()
+    assert set(stage.tensors) == set(stage_tensor_names(stage.config, 2, 4))
+    # The skeleton holds the header; the layers' bytes are holes (no disk).
+    skeleton = stage.directory
+    assert skeleton.stat().st_size >= path.stat().st_size
+    assert os.stat(skeleton).st_blocks * 512 < path.stat().st_size // 2
+    assert stage.config == holder.config and stage.default_quantization == "int8"
+    ours = StageModel.load(stage, 2, 4, quantization="int8")
+    theirs = StageModel.load(holder, 2, 4, quantization="int8")
+    hidden = torch.randn(4, holder.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for s in (ours, theirs):
+        s.open_session("s", 8)
+    assert torch.equal(ours.forward("s", 0, hidden).hidden, theirs.forward("s", 0, hidden).hidden)
+    # The tokenizer comes from the header's metadata.
+    text = "Once upon a time"
+    assert open_tokenizer(skeleton).encode(text) == open_tokenizer(path).encode(text)
+    tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
+    assert store.held(tensors) == set(store.tensor_indices(stage_tensor_names(stage.config, 2, 4)))
+
+
+@pytest.mark.slow
+def test_mesh_id_nodes_serve_a_gguf_files_stages_like_one_process(tmp_path: pathlib.Path) -> None:
+    model = write_gguf(builtin_model_dir(), tmp_path / "tiny-stories-q8.gguf", "Q8_0")
+    checkpoint = open_checkpoint(model)
+    budget = stage_budget(str(model), 2)  # two nodes hold it, one cannot
+    holder = Daemon(
+        tmp_path,
+        61,
+        secret=SECRET,
+        budget=budget,
+        extra=("--model", str(model), "--listen-port", str(HOLDER_PORT)),
+    )
+    fetch = ("--join", f"127.0.0.61:{HOLDER_PORT}", "--model", f"mesh:{checkpoint.model_id[:16]}")
+    daemons = [holder, Daemon(tmp_path, 62, secret=SECRET, budget=budget, extra=fetch)]
+    try:
+        started(daemons, timeout_s=120)
+        plan = agreed_plan(daemons, timeout_s=120, stable_s=1.0)
+        assert len(plan) == 2, plan
+        prompt = open_tokenizer(model).encode("Once upon a time")
+        whole = StageModel.load(
+            checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="int8"
+        )
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)  # the daemons hold the cores
+        try:
+            expected = generate([whole], prompt, 24).tokens
+        finally:
+            torch.set_num_threads(previous)
+        for d in daemons:
+            assert _tokens(d, prompt) == expected, d.name
+        status = daemons[1].status()
+        assert status["model_id"] == checkpoint.model_id and status["fetch"]["state"] == "done"
+        lo, hi = status["stage_layers"]
+        stored = daemons[1].state / "models" / checkpoint.model_id / "tensors"
+        wanted = {f"{n}.bin" for n in stage_tensor_names(checkpoint.config, lo, hi)}
+        assert wanted <= {p.name for p in stored.iterdir()}
+        models = httpx.get(f"{daemons[1].api_url}/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-stories-q8"]
+    finally:
+        kill_all(daemons)

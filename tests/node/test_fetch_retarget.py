@@ -1,0 +1,103 @@
+"""A `mesh:ID` node's fetch runs in the background over real loopback lanes: asking for a
+stage's tensors returns at once (the planning loop never waits for a transfer), and a new
+stage asked for mid-fetch retargets the transfer: what was verified stays stored, the old
+stage's other tensors are never fetched, and the new stage's arrive."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import shutil
+
+import trio
+
+from meshd.bench.fetch import artifact_nodes
+from meshd.model.builtin import builtin_model_dir
+from meshd.model.checkpoint import Checkpoint
+from meshd.model.manifest import ModelStore, StoreCheckpoint
+from meshd.node.fetch import stage_tensor_names
+from protocol.artifacts import FetchConfig
+
+CONFIG = FetchConfig(chunk_bytes=16 * 1024, window_bytes=32 * 1024, timeout_s=5.0)
+
+
+def _empty_store(tmp: pathlib.Path, holder: Checkpoint) -> StoreCheckpoint:
+    """A `mesh:ID` node's store after its start: the manifest and small files, no tensor."""
+    model_id, data, manifest = holder.manifest
+    store = ModelStore(tmp / "cache", model_id, data, manifest)
+    for index in store.file_indices():
+        name = manifest.artifacts[index].name
+        shutil.copy(holder.directory / name, store.path_of(index))
+    assert store.held(store.file_indices()) == set(store.file_indices())
+    return StoreCheckpoint.over(store)
+
+
+async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_arrived(
+    tmp_path: pathlib.Path,
+) -> None:
+    holder = Checkpoint.open(builtin_model_dir())
+    fetching = _empty_store(tmp_path, holder)
+    store = fetching.store
+    assert store is not None
+    config = fetching.config
+    first = store.tensor_indices(stage_tensor_names(config, 0, 2))
+    second = store.tensor_indices(stage_tensor_names(config, 2, 4))
+    paused = [False]  # the holder serves no chunk while set (as while its stage computes)
+    async with artifact_nodes([holder, fetching], CONFIG, lambda: paused[0]) as (_, node):
+        service = node.service
+        ended: list[bool] = []
+        done = trio.Event()
+        notes: list[tuple[str, str]] = []
+
+        def on_fetch_end(ok: bool) -> None:
+            ended.append(ok)
+            done.set()
+
+        service.on_fetch_end = on_fetch_end
+        service._note = lambda kind, detail: notes.append((kind, detail))
+        first_arrived = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:  # told after every chunk and hash
+            if sum(store.is_held(i) for i in first) >= 3:
+                first_arrived.set()
+
+        service.load_display = lambda _what: contextlib.nullcontext(on_progress)
+
+        # Asked for, not waited for: it returns before a single tensor arrived.
+        assert not await service.stage_ready((0, 2))
+        assert not any(store.is_held(i) for i in first)
+        # Some of the first stage arrives; then the plan moves while the holder is paused.
+        with trio.fail_after(30):
+            await first_arrived.wait()
+        paused[0] = True
+        run = service._run
+        assert run is not None
+        kept = {i for i in first if store.is_held(i)}
+        assert kept != set(first), "the first stage finished before the plan moved"
+        assert not await service.stage_ready((2, 4))
+        paused[0] = False
+        with trio.fail_after(30):
+            await done.wait()
+
+    assert ended == [True]
+    held = store.held(first + second)
+    assert set(second) <= held  # the new stage's tensors arrived
+    assert kept <= held  # what was verified before the move stayed
+    # The first stage's other tensors were dropped, not fetched (those that had arrived whole
+    # and were being hashed are kept). What crossed for nothing is the part of the tensors in
+    # progress when the plan moved: with a window of two chunks, at most two tensors.
+    assert held & set(first) != set(first)
+    useful = sum(store.manifest.artifacts[i].nbytes for i in held)
+    dropped = sorted(store.manifest.artifacts[i].nbytes for i in set(first) - held)
+    assert useful <= run.fetcher.received_bytes <= useful + sum(dropped[-2:])
+    assert [kind for kind, _ in notes] == ["fetch", "fetch", "fetched"]
+    assert notes[1][1].startswith("layers [2, 4): retargeted")
+    assert service.status() is not None and service.status().state == "done"  # type: ignore[union-attr]
+    assert service.job is None
+
+
+async def test_a_stage_already_held_needs_no_fetch(tmp_path: pathlib.Path) -> None:
+    holder = Checkpoint.open(builtin_model_dir())
+    async with artifact_nodes([holder, holder], CONFIG) as (_, node):
+        assert await node.service.stage_ready((0, 6))  # a holder of the files: nothing to do
+        assert node.service.job is None and node.service.status() is None
