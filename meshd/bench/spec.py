@@ -38,8 +38,13 @@ from meshd.spec.config import (
     spec_cli_values,
 )
 from meshd.spec.draft import DraftModel
+from protocol.config import LaneConfig
 
 KINDS = ("edit", "completion", "prose")
+# The pipeline's lanes are loopback between tasks of this one process: one goes quiet only when
+# the process is starved of CPU (a shared machine under `nice`), which must not end the bench
+# with a lost route (it did, at the default 1.5 s).
+_BENCH_LANES = LaneConfig(dead_after_s=30.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +168,7 @@ async def _matrix(
                 eos_ids=eos,
                 quantization=quantization,
                 draft=draft,
+                lane_config=_BENCH_LANES,
             ) as pipe:
                 # Warm-up: lanes open, threads start, caches fill.
                 warm = tokenizer.encode(loads[0].prompt)

@@ -31,6 +31,7 @@ from meshd.net.lanes import LaneTable
 from meshd.plan.route import Route, RouteStage
 from meshd.spec.draft import DraftModel
 from meshd.stage.host import StageHost
+from protocol.config import LaneConfig
 from protocol.messages import DType
 
 
@@ -82,6 +83,7 @@ async def open_local_pipeline(
     keep_alive: bool = True,
     quantization: str = "none",
     draft: DraftModel | None = None,
+    lane_config: LaneConfig | None = None,
 ) -> AsyncIterator[LocalPipeline]:
     """Start `stages` stage nodes on loopback and a coordinator on the first one.
 
@@ -90,7 +92,8 @@ async def open_local_pipeline(
     small machine oversubscribe it, and every pass slows many times over under load
     (docs/model-runtime.md, "Threads"). `torch_threads=None` leaves torch's setting alone.
     `draft`: the coordinator's draft model, loaded before the lanes open (a load inside the
-    event loop can outlast the lanes' `dead_after_s` on a loaded machine).
+    event loop can outlast the lanes' `dead_after_s` on a loaded machine). `lane_config`: every
+    lane's settings (default `LaneConfig()`).
     Stages free a session
     after `session_lease_s` without a window or keep-alive; the coordinator renews its
     sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
@@ -107,7 +110,9 @@ async def open_local_pipeline(
     async with contextlib.AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
         endpoints = [
-            await stack.enter_async_context(open_endpoint(static_private=k, psk=psk, egress=egress))
+            await stack.enter_async_context(
+                open_endpoint(static_private=k, psk=psk, egress=egress, lane_config=lane_config)
+            )
             for k in keys
         ]
         for index, (lo, hi) in enumerate(ranges):
