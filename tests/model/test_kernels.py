@@ -174,3 +174,18 @@ def test_the_attention_kernel_attends_as_sdpa_does() -> None:
         ).view(1, -1)
         assert torch.allclose(together[r : r + 1], expected, atol=1e-5, rtol=1e-4)
         assert torch.equal(attend([r]), together[r : r + 1])
+
+
+@needs_kernel
+def test_a_cache_directory_others_may_write_is_not_trusted(tmp_path: pathlib.Path) -> None:
+    # Loading a library from a directory another user can write would run their code: such a
+    # directory is passed over for a private one, and nothing is built or loaded there.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir(mode=0o700)
+    env = {"MESHD_KERNEL_DIR": str(shared), "TMPDIR": str(private_tmp)}
+    assert _pick(env).startswith("Int8Vnni")
+    assert not list(shared.iterdir())
+    assert list(private_tmp.glob("meshd-kernels-*/quant_mm-*.so"))

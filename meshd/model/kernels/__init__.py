@@ -105,12 +105,14 @@ def _compile(directory: Path) -> Path:
     """
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
     path = directory / f"quant_mm-{key}.so"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(directory)
     if path.exists():
+        _check_private(path)
         return path
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc, or CC) to build it")
-    directory.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: daemons starting together never load half a file.
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
@@ -126,8 +128,16 @@ def _compile(directory: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("compiled meshd's int8 kernel into %s", path)
+    log.info("compiled meshd's CPU kernels into %s", path)
     return path
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a directory or library another user owns or may write: loading it would run
+    their code (the temporary-directory fallback is shared)."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"{path} is not this user's alone (owner {st.st_uid}, mode {st.st_mode:o})")
 
 
 def _load(path: Path) -> CpuKernels:
@@ -143,23 +153,7 @@ def _load(path: Path) -> CpuKernels:
     pack.argtypes = [p, i64, i64, i64, p]
     pack.restype = None
     int4_mm = lib.meshd_int4_mm
-    int4_mm.argtypes = [
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        f32,
-        ctypes.c_int,
-        f32,
-        ctypes.c_int,
-    ]
+    int4_mm.argtypes = mm.argtypes  # the same arguments, the int4 layout's
     int4_mm.restype = ctypes.c_int
     int4_pack = lib.meshd_int4_pack
     int4_pack.argtypes = [p, i64, i64, p]
