@@ -348,8 +348,8 @@ def norm_linear(
     b: torch.Tensor | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`rms_norm(x, norm) @ w + b`: meshd's int8 and int4 kernels norm fp32 rows themselves (six fewer
-    small operations per projection); every other matrix takes the norm from `rms_norm`."""
+    """`rms_norm(x, norm) @ w + b`: meshd's int8 and int4 kernels norm fp32 rows themselves
+    (six fewer small operations per projection); other matrices take it from `rms_norm`."""
     if (
         isinstance(w, VnniMatrix)
         and x.dtype == norm.dtype == torch.float32

@@ -226,12 +226,17 @@ def test_int8_bytes_are_what_it_allocates(out_f: int, in_f: int, int8_kind: str)
     # fbgemm's packed weight is opaque to torch; the byte figure comes from its blocking
     # rules, checked here against what the C heap really grew by (and for meshd's kernel,
     # from its tiles).
+    # Three matrices, each kept, the median growth compared: anything else the process frees
+    # meanwhile (a cache let go by an earlier test) shifts one measurement, not the median.
     w = torch.randn(out_f, in_f)
-    before = _heap_bytes()
-    q = quantize_matrix(w, "int8", CPU, torch.float32)
-    grown = _heap_bytes() - before
+    kept, grown = [], []
+    for _ in range(3):
+        before = _heap_bytes()
+        kept.append(quantize_matrix(w, "int8", CPU, torch.float32))
+        grown.append(_heap_bytes() - before)
+    q = kept[0]
     assert isinstance(q, INT8_CLASSES[int8_kind])
-    assert abs(grown - q.nbytes) <= 0.01 * q.nbytes + 8192
+    assert abs(sorted(grown)[1] - q.nbytes) <= 0.01 * q.nbytes + 8192, grown
     assert q.nbytes == matrix_bytes(in_f, out_f, "int8", torch.float32)
 
 
