@@ -160,12 +160,10 @@ class GGUFStoreCheckpoint(GGUFCheckpoint):
 
     def refresh(self) -> None:
         """Take in the tensors the store verified since."""
+        from meshd.model.manifest import with_verified  # manifest imports this module
+
         assert self.store is not None
-        held: dict[str, TensorInfo] = dict(self.tensors)
-        for i, a in enumerate(self.store.manifest.artifacts):
-            if a.kind == ArtifactKind.TENSOR and self.store.is_held(i):
-                held[a.name] = self.store.tensor_info(i)
-        self.tensors = held
+        self.tensors = with_verified(self.store, self.tensors)
 
     @property
     def manifest(self) -> tuple[str, bytes, Manifest]:

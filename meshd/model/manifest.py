@@ -408,6 +408,15 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def with_verified(store: ModelStore, tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """`tensors` and every tensor `store` holds verified (a store checkpoint's `refresh`)."""
+    held = dict(tensors)
+    for i, a in enumerate(store.manifest.artifacts):
+        if a.kind == ArtifactKind.TENSOR and store.is_held(i):
+            held[a.name] = store.tensor_info(i)
+    return held
+
+
 @dataclass(eq=False)
 class StoreCheckpoint(Checkpoint):
     """The tensors a `ModelStore` holds, as a `Checkpoint` (`tensors` grows as they arrive).
@@ -437,11 +446,7 @@ class StoreCheckpoint(Checkpoint):
     def refresh(self) -> None:
         """Take in the tensors the store verified since."""
         assert self.store is not None
-        held: dict[str, TensorInfo] = dict(self.tensors)
-        for i, a in enumerate(self.store.manifest.artifacts):
-            if a.kind == ArtifactKind.TENSOR and self.store.is_held(i):
-                held[a.name] = self.store.tensor_info(i)
-        self.tensors = held
+        self.tensors = with_verified(self.store, self.tensors)
 
     @property
     def model_id(self) -> str:
