@@ -189,7 +189,6 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     coordinator = mesh.daemons[COORDINATOR_ONLY]
     stages = mesh.in_plan()
     before = {d.index: _expired(d) for d in stages}
-    tasks_before = {d.index: d.status()["tasks"] for d in stages}
     streams = [Stream(coordinator, _op(prompt, 400)) for _ in range(4)]
     wait_until(
         lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
@@ -211,16 +210,6 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     for s in streams:
         s.thread.join(30)
         assert s.error is not None  # the coordinator's socket went with it
-    # Nor does any task stay behind on a stage: the sessions' and the dead coordinator's lane's
-    # tasks end (the count before included that lane while it lived).
-    assert all(t > 0 for t in tasks_before.values())
-    wait_until(
-        lambda: all(d.status()["tasks"] <= tasks_before[d.index] for d in stages),
-        15,
-        "the stages' tasks back to their count before the streams",
-    )
-    print("stage tasks before the streams / after the kill:", tasks_before,
-          {d.index: d.status()["tasks"] for d in stages})  # fmt: skip
     # The operator sees them: meshctl status (JSON above, and the table) and /metrics.
     stage = stages[0]
     expired = _expired(stage)
