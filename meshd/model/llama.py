@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig, RopeConfig
-from meshd.model.kernels import CpuKernels, cpu_kernels
-from meshd.model.quant import Matrix, QuantMatrix, VnniMatrix
+from meshd.model.kernels import CpuKernels, DimsArgs, LayerArgs, cpu_kernels
+from meshd.model.quant import TINY, Matrix, QuantMatrix, VnniMatrix
 
 # Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
 MatrixPrep = Callable[[torch.Tensor], Matrix]
@@ -574,6 +574,119 @@ def decoder_layer_batch(
     ]
     h = residual_linear(x, torch.cat(outs) if len(outs) > 1 else outs[0], w.wo, w.bo)
     return mlp_block(h, w, d)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelWindow:
+    """One session's window in a `KernelLayers` pass: its stage cache, first position, rows and
+    RoPE table (`Rotary.table(base_pos, length)`)."""
+
+    kv: torch.Tensor  # the session's `KVGroup.kv`, [layers, max_positions, 2 * kv_heads, hd]
+    base_pos: int
+    length: int
+    rope: torch.Tensor
+
+
+class KernelLayers:
+    """Every decoder layer of a stage in one call of meshd's C kernel (`meshd_layers`), for
+    windows of up to `ROW_ATTENTION_MAX` rows: what `decoder_layer` computes, to the bit (the
+    same products, prologues and row attention, RoPE as the same complex multiply), without
+    the ~15 torch operations and Python calls per layer between the products (about 1 ms a
+    token on a 16-layer stage, time a second core cannot shorten).
+
+    `build` returns None unless the stage is an fp32 CPU stage whose matrices all run on
+    meshd's int8/int4 kernels, with an fp32 cache and row-exact windows, and without q/k norms
+    (Qwen3 layers run op by op).
+    """
+
+    def __init__(
+        self, kernels: CpuKernels, layers: Sequence[LayerWeights], d: Dims, windows: Sequence[int]
+    ) -> None:
+        self._fn = kernels.layers
+        self._layers = (LayerArgs * len(layers))()
+        for args, w, window in zip(self._layers, layers, windows, strict=True):
+            assert isinstance(w.wqkv, VnniMatrix) and isinstance(w.wo, VnniMatrix)
+            assert isinstance(w.w_gate_up, VnniMatrix) and isinstance(w.w_down, VnniMatrix)
+            args.qkv, args.o = w.wqkv.args(), w.wo.args()
+            args.gate_up, args.down = w.w_gate_up.args(), w.w_down.args()
+            args.input_norm, args.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            for name in ("bqkv", "bo", "b_gate_up", "b_down"):
+                bias = getattr(w, name)
+                setattr(args, name, None if bias is None else bias.data_ptr())
+            args.window = window
+        self._held = list(layers)  # the tensors the pointers above point into
+        w0 = layers[0]
+        assert isinstance(w0.w_down, VnniMatrix)
+        self._dims = DimsArgs(
+            d.n_heads,
+            d.n_kv,
+            d.head_dim,
+            w0.input_norm.shape[0],
+            w0.w_down.in_features,
+            d.eps,
+            TINY,
+            d.head_dim**-0.5,
+        )
+        self._n = len(layers)
+
+    @classmethod
+    def build(
+        cls,
+        layers: Sequence[LayerWeights],
+        d: Dims,
+        windows: Sequence[int | None],
+        kv_dtype: torch.dtype,
+    ) -> KernelLayers | None:
+        """The kernel pass for these layers, or None where they must run op by op."""
+        kernels = cpu_kernels()
+        if kernels is None or not layers or not d.row_attention_max:
+            return None
+        if kv_dtype != torch.float32:
+            return None
+        for w in layers:
+            if not all(isinstance(m, VnniMatrix) for m in w.matrices()):
+                return None
+            if w.q_norm is not None or w.k_norm is not None:
+                return None
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in w.tensors()):
+                return None
+        return cls(kernels, layers, d, [0 if w is None else w for w in windows])
+
+    def run(self, x: torch.Tensor, windows: Sequence[KernelWindow]) -> torch.Tensor:
+        """The stage's layers over `x` `[rows, hidden]` (fp32), the windows' rows in order;
+        writes each window's keys and values into its cache. Returns a new tensor."""
+        out = x.to(torch.float32, copy=True).contiguous()
+        rows = out.shape[0]
+        positions = (ctypes.c_int64 * rows)()
+        sessions = (ctypes.c_int64 * rows)()
+        rope = (ctypes.c_void_p * rows)()
+        kv = (ctypes.c_void_p * (len(windows) * self._n))()
+        r = 0
+        for index, win in enumerate(windows):
+            base, layer_bytes = win.kv.data_ptr(), win.kv[0].nbytes
+            for layer in range(self._n):
+                kv[index * self._n + layer] = base + layer * layer_bytes
+            table, row_bytes = win.rope.data_ptr(), win.rope[0].nbytes
+            for i in range(win.length):
+                positions[r], sessions[r], rope[r] = win.base_pos + i, index, table + i * row_bytes
+                r += 1
+        threads = torch.get_num_threads()
+        failed = self._fn(
+            self._layers,
+            self._n,
+            ctypes.byref(self._dims),
+            out.data_ptr(),
+            rows,
+            positions,
+            sessions,
+            kv,
+            rope,
+            threads,
+            threads,
+        )
+        if failed:
+            raise MemoryError("meshd's layer kernel could not allocate its buffers")
+        return out
 
 
 def decoder_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

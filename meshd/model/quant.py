@@ -34,6 +34,7 @@ from meshd.model.kernels import (
     QUAD,
     TILE,
     CpuKernels,
+    MatrixArgs,
     cpu_kernels,
     packed_bytes,
     packed_int4_bytes,
@@ -45,7 +46,7 @@ INT4_GROUPS: tuple[int, ...] = (64, 32)
 # fbgemm's fp32 scale, int32 zero point and int32 column offset, plus our fp32 column sum.
 _FBGEMM_PARAMS_PER_COLUMN = 16
 # The least half-range of a row (a constant row's), as an fp32 value.
-_TINY = struct.unpack("f", struct.pack("f", 1e-30))[0]
+TINY = struct.unpack("f", struct.pack("f", 1e-30))[0]
 
 
 class QuantMatrix:
@@ -209,7 +210,7 @@ class Int8Fbgemm(QuantMatrix):
         self.nbytes = _fbgemm_bytes(in_f, out_f)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = _int8_rows_mm()(x.float(), self._packed, self._colsum, _TINY)
+        y: torch.Tensor = _int8_rows_mm()(x.float(), self._packed, self._colsum, TINY)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
@@ -271,7 +272,7 @@ class VnniMatrix(QuantMatrix):
             None if norm is None else norm.data_ptr(),
             eps,
             int(glu),
-            _TINY,
+            TINY,
             torch.get_num_threads(),
         )
         if failed:
@@ -281,6 +282,19 @@ class VnniMatrix(QuantMatrix):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def args(self) -> MatrixArgs:
+        """This matrix as the kernel's `meshd_matrix` (pointers into tensors it keeps)."""
+        codes, scales, sums = self._packed
+        return MatrixArgs(
+            8 if self.kind == "int8" else 4,
+            self.in_features,
+            self.out_features,
+            self._layout,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            sums.data_ptr(),
+        )
 
 
 class Int8Vnni(VnniMatrix):

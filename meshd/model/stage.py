@@ -24,9 +24,12 @@ from meshd.model.errors import InvalidInput
 from meshd.model.governor import ThreadGovernor
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
+    ROW_ATTENTION_MAX,
     AttnSpan,
     BatchPart,
     Dims,
+    KernelLayers,
+    KernelWindow,
     LayerWeights,
     Rotary,
     StepScratch,
@@ -296,6 +299,11 @@ class StageModel:
             )
             for i in range(self.layer_start, self.layer_end)
         ]
+        self._kernel_layers = (
+            KernelLayers.build(self.layers, self._dims, self._layer_windows, self.kv_dtype)
+            if self.device.type == "cpu" and self.dtype == torch.float32
+            else None
+        )
         tied = config.tie_word_embeddings
         needs_embed = self.is_first or (self.is_last and (tied or n_mtp > 0))
         embed = (
@@ -358,6 +366,12 @@ class StageModel:
             total += self._norm.nbytes
         return total
 
+    @property
+    def layer_kernel(self) -> str | None:
+        """ "meshd layers" where decode steps and verify windows run every layer of this stage
+        in one call of meshd's C kernel (`KernelLayers`), else None (op by op)."""
+        return None if self._kernel_layers is None else "meshd layers"
+
     def weight_matrices(self) -> list[Matrix]:
         """The `[in, out]` matrices one decode step multiplies by, in order (for roofline measurements)."""
         matrices = [m for layer in self.layers for m in layer.matrices()]
@@ -409,11 +423,14 @@ class StageModel:
         length = x.shape[0]
         group.check_window(session_id, base_pos, length, "stage")
         rope = self._rotary.table(base_pos, length)
-        spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
-        layers = zip(self.layers, group.layers, self._layer_windows, strict=True)
-        scratch = self._scratch.get(session_id) if length == 1 else None
-        for weights, cache, window in layers:
-            x = decoder_layer(x, weights, self._dims, rope, cache, spans[window], scratch)
+        if self._kernel_layers is not None and length <= ROW_ATTENTION_MAX:
+            x = self._kernel_layers.run(x, [KernelWindow(group.kv, base_pos, length, rope)])
+        else:
+            spans = {w: AttnSpan.build(base_pos, length, w, self.device) for w in self._windows}
+            layers = zip(self.layers, group.layers, self._layer_windows, strict=True)
+            scratch = self._scratch.get(session_id) if length == 1 else None
+            for weights, cache, window in layers:
+                x = decoder_layer(x, weights, self._dims, rope, cache, spans[window], scratch)
         group.valid_len = base_pos + length
         if self._norm is None:
             return StageOutput(x, None)
@@ -454,6 +471,32 @@ class StageModel:
             return []
         lengths = [x.shape[0] for x in xs]
         ropes = [self._rotary.table(i.base_pos, n) for i, n in zip(batch, lengths, strict=True)]
+        if self._kernel_layers is not None and max(lengths) <= ROW_ATTENTION_MAX:
+            windows = [
+                KernelWindow(g.kv, i.base_pos, n, r)
+                for g, i, n, r in zip(groups, batch, lengths, ropes, strict=True)
+            ]
+            x = self._kernel_layers.run(torch.cat(xs), windows)
+        else:
+            x = self._layers_batch(xs, batch, groups, lengths, ropes)
+        for item, group, n in zip(batch, groups, lengths, strict=True):
+            group.valid_len = item.base_pos + n
+        hidden = list(torch.split(x, lengths))
+        if self._norm is None:
+            return [StageOutput(h, None) for h in hidden]
+        last = [i.logits_last_n for i in batch]
+        rows = [h if k is None else h[-k:] for h, k in zip(hidden, last, strict=True)]
+        logits = torch.split(self._logits(torch.cat(rows), self._norm), [len(r) for r in rows])
+        return [StageOutput(h, lg) for h, lg in zip(hidden, logits, strict=True)]
+
+    def _layers_batch(
+        self,
+        xs: list[torch.Tensor],
+        batch: list[BatchItem],
+        groups: list[KVGroup],
+        lengths: list[int],
+        ropes: list[torch.Tensor],
+    ) -> torch.Tensor:
         spans = [
             {w: AttnSpan.build(i.base_pos, n, w, self.device) for w in self._windows}
             for i, n in zip(batch, lengths, strict=True)
@@ -467,15 +510,7 @@ class StageModel:
                 for n, rope, group, span in zip(lengths, ropes, groups, spans, strict=True)
             ]
             x = decoder_layer_batch(x, weights, self._dims, parts)
-        for item, group, n in zip(batch, groups, lengths, strict=True):
-            group.valid_len = item.base_pos + n
-        hidden = list(torch.split(x, lengths))
-        if self._norm is None:
-            return [StageOutput(h, None) for h in hidden]
-        last = [i.logits_last_n for i in batch]
-        rows = [h if k is None else h[-k:] for h, k in zip(hidden, last, strict=True)]
-        logits = torch.split(self._logits(torch.cat(rows), self._norm), [len(r) for r in rows])
-        return [StageOutput(h, lg) for h, lg in zip(hidden, logits, strict=True)]
+        return x
 
     def _stage_input(self, inputs: torch.Tensor) -> torch.Tensor:
         return self._embed_tokens(inputs) if self.is_first else self._hidden_input(inputs)

@@ -1,4 +1,5 @@
-"""meshd's int8 kernel: which kernel a machine picks, and the compiled library's cache."""
+"""meshd's CPU kernels: which kernel a machine picks, the compiled library's cache, and what
+the kernels compute against torch and against each other."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.model.checkpoint import Checkpoint
 from meshd.model.kernels import cpu_kernels, unavailable_reason
 from meshd.model.quant import Int8Fbgemm, Int8Vnni, has_fbgemm, quantize_matrix
+from meshd.model.stage import StageModel
+from tests.model.tiny import make_checkpoint
 
 CPU = torch.device("cpu")
+PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 42]
 RUNS_HERE = unavailable_reason() is None
 needs_kernel = pytest.mark.skipif(
     not RUNS_HERE, reason=f"does not run here: {unavailable_reason()}"
@@ -189,3 +194,84 @@ def test_a_cache_directory_others_may_write_is_not_trusted(tmp_path: pathlib.Pat
     assert _pick(env).startswith("Int8Vnni")
     assert not list(shared.iterdir())
     assert list(private_tmp.glob("meshd-kernels-*/quant_mm-*.so"))
+
+
+# --- whole layers in one call ----------------------------------------------------------------
+
+
+def _pair(directory: pathlib.Path, family: str, quantization: str) -> tuple[StageModel, StageModel]:
+    """The same stage twice: one running its layers in one kernel call, one op by op."""
+    make_checkpoint(directory, family, seed=4)
+    checkpoint = Checkpoint.open(directory)
+    n = checkpoint.config.num_layers
+    fused = StageModel.load(checkpoint, 0, n, device="cpu", quantization=quantization)
+    by_op = StageModel.load(checkpoint, 0, n, device="cpu", quantization=quantization)
+    assert fused.layer_kernel == "meshd layers"
+    by_op._kernel_layers = None  # the per-operation path, as a stage without it runs
+    return fused, by_op
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "llama3_rope"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_layers_in_one_call_compute_the_bits_of_layer_by_layer(
+    tmp_path: pathlib.Path, family: str, quantization: str
+) -> None:
+    # Logits and cached keys and values, for a prompt of 12 (one call), steps, a verify window
+    # of 5, and positions past mistral's sliding window of 6; qwen2 adds q/k/v biases.
+    fused, by_op = _pair(tmp_path, family, quantization)
+    windows = [(0, PROMPT[:12]), (12, [7]), (13, [9]), (14, PROMPT[:5]), (19, [3]), (20, [4])]
+    with torch.inference_mode():
+        for stage in (fused, by_op):
+            stage.open_session("s", 64)
+        for base, ids in windows:
+            a = fused.forward("s", base, torch.tensor(ids)).logits
+            b = by_op.forward("s", base, torch.tensor(ids)).logits
+            assert a is not None and b is not None
+            assert torch.equal(a, b), (base, float((a - b).abs().max()))
+    kv = [stage.kv.get("s").main.kv[:, :21] for stage in (fused, by_op)]
+    assert torch.equal(kv[0], kv[1])
+
+
+@needs_kernel
+def test_a_batch_runs_each_window_as_it_runs_alone(tmp_path: pathlib.Path) -> None:
+    # Short windows of several sessions run in one kernel call; a batch holding a prompt longer
+    # than a verify window runs op by op. Either way each session's logits are its own alone.
+    fused, _ = _pair(tmp_path, "qwen2", "int8")
+    long_prompt = (PROMPT * 2)[:20]
+    with torch.inference_mode():
+        for sid in ("a", "b", "c", "a1", "b1", "c1"):
+            fused.open_session(sid, 64)
+        for sid in ("a", "a1"):
+            fused.forward(sid, 0, torch.tensor(PROMPT[:6]))
+        for sid in ("b", "b1"):
+            fused.forward(sid, 0, torch.tensor(PROMPT[:9]))
+        alone = [
+            fused.forward("a1", 6, torch.tensor([5])).logits,
+            fused.forward("b1", 9, torch.tensor(PROMPT[:4])).logits,
+            fused.forward("c1", 0, torch.tensor(long_prompt)).logits,
+        ]
+        short = fused.forward_batch(
+            [("a", 6, torch.tensor([5])), ("b", 9, torch.tensor(PROMPT[:4]))]
+        )
+        fused.close_session("a")
+        fused.open_session("a", 64)
+        fused.forward("a", 0, torch.tensor(PROMPT[:6]))
+        mixed = fused.forward_batch(
+            [("a", 6, torch.tensor([5])), ("c", 0, torch.tensor(long_prompt))]
+        )
+    assert torch.equal(short[0].logits, alone[0]) and torch.equal(short[1].logits, alone[1])
+    assert torch.equal(mixed[0].logits, alone[0]) and torch.equal(mixed[1].logits, alone[2])
+
+
+@needs_kernel
+def test_stages_the_layer_kernel_cannot_run_go_op_by_op(tmp_path: pathlib.Path) -> None:
+    # Qwen3's per-head q/k norms are not in the kernel; an fp16 cache is not either.
+    make_checkpoint(tmp_path / "qwen3", "qwen3", seed=4)
+    make_checkpoint(tmp_path / "llama", "llama", seed=4)
+    qwen3 = Checkpoint.open(tmp_path / "qwen3")
+    llama = Checkpoint.open(tmp_path / "llama")
+    assert StageModel.load(qwen3, 0, 4, device="cpu", quantization="int8").layer_kernel is None
+    narrow = StageModel.load(llama, 0, 4, device="cpu", quantization="int8", kv_dtype=torch.float16)
+    assert narrow.layer_kernel is None
+    assert StageModel.load(llama, 0, 4, device="cpu").layer_kernel is None  # fp32 matrices

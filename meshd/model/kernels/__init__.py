@@ -74,7 +74,55 @@ class CpuKernels:
     int4_mm: Any
     int4_pack: Any
     attend: Any
+    layers: Any  # meshd_layers: every decoder layer of a stage in one call (`LayerArgs`)
     path: Path
+
+
+class MatrixArgs(ctypes.Structure):
+    """quant_mm.c's `meshd_matrix`: a packed int8 (kind 8) or int4 (kind 4) matrix."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+        ("layout", ctypes.c_int64),
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("sums", ctypes.c_void_p),
+    ]
+
+
+class LayerArgs(ctypes.Structure):
+    """quant_mm.c's `meshd_layer`: one decoder layer's matrices, norms and biases (NULL: none)."""
+
+    _fields_ = [
+        ("qkv", MatrixArgs),
+        ("o", MatrixArgs),
+        ("gate_up", MatrixArgs),
+        ("down", MatrixArgs),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("bqkv", ctypes.c_void_p),
+        ("bo", ctypes.c_void_p),
+        ("b_gate_up", ctypes.c_void_p),
+        ("b_down", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+    ]
+
+
+class DimsArgs(ctypes.Structure):
+    """quant_mm.c's `meshd_dims`."""
+
+    _fields_ = [
+        ("n_heads", ctypes.c_int64),
+        ("n_kv", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("tiny", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
 
 
 def _cpu_flags() -> set[str]:
@@ -142,7 +190,7 @@ def _check_private(path: Path) -> None:
 
 def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 5:
+    if lib.meshd_int8_abi() != 6:
         raise OSError(f"{path}: unexpected kernel ABI")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     mm = lib.meshd_int8_mm
@@ -161,7 +209,10 @@ def _load(path: Path) -> CpuKernels:
     attend = lib.meshd_attend
     attend.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, f32, p, ctypes.c_int]
     attend.restype = ctypes.c_int
-    return CpuKernels(mm, pack, int4_mm, int4_pack, attend, path)
+    layers = lib.meshd_layers
+    layers.argtypes = [p, i64, p, p, i64, p, p, p, p, ctypes.c_int, ctypes.c_int]
+    layers.restype = ctypes.c_int
+    return CpuKernels(mm, pack, int4_mm, int4_pack, attend, layers, path)
 
 
 def unavailable_reason() -> str | None:

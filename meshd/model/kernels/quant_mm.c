@@ -22,7 +22,7 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 5; }
+int meshd_int8_abi(void) { return 6; }
 
 /* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
  * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
@@ -412,4 +412,123 @@ int meshd_attend(const float *q, int64_t q_stride, int64_t t, const float *kv, i
     }
     free(scores);
     return 0;
+}
+
+/* ---- whole decoder layers: rows of one or several sessions through every layer of a stage --
+ * One call runs what `llama.decoder_layer` does for each layer (RMS norm, q/k/v product, RoPE, the cache write, attention one row at a time, the output product and residual,
+ * then norm, gate/up, SwiGLU and down with its residual), with the products above. It exists
+ * because between the products a decode step otherwise runs ~15 small torch operations and
+ * Python calls per layer, ~1 ms a token on the 16-layer checkpoint we measure, which a second
+ * core cannot shorten. Row r is at position pos[r] of session sess[r] and attends that
+ * session's keys [max(0, pos[r] + 1 - window), pos[r] + 1): each row computes exactly the bits
+ * it would alone, so verify windows and batches stay row-exact. */
+
+typedef struct {
+    int64_t kind; /* 8: int8 (layout = padded input), 4: int4 (layout = group) */
+    int64_t in, out, layout;
+    const void *codes, *scales;
+    const float *sums;
+} meshd_matrix;
+
+typedef struct {
+    meshd_matrix qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    const float *bqkv, *bo, *b_gate_up, *b_down; /* biases may be NULL */
+    int64_t window;                              /* sliding window, 0: none */
+} meshd_layer;
+
+typedef struct {
+    int64_t n_heads, n_kv, hd, hidden, inter;
+    float eps, tiny, scale;
+} meshd_dims;
+
+static int matrix_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
+                     const float *res, const float *norm, float eps, int glu, float tiny,
+                     int threads) {
+    if (w->kind == 8)
+        return meshd_int8_mm(x, m, w->in, (const int8_t *)w->codes, (const float *)w->scales,
+                             w->sums, w->out, w->layout, out, res, norm, eps, glu, tiny, threads);
+    return meshd_int4_mm(x, m, w->in, (const uint8_t *)w->codes, (const uint16_t *)w->scales,
+                         w->sums, w->out, w->layout, out, res, norm, eps, glu, tiny, threads);
+}
+
+static void add_bias(float *y, int64_t m, int64_t n, const float *b) {
+    if (b == NULL) return;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < n; c++) y[r * n + c] += b[c];
+}
+
+/* Rotate adjacent pairs (2i, 2i+1) of each of `heads` heads of `x` by the position's
+ * cos + i sin pairs `cs` [hd / 2][2]: (a + ib)(c + is) = (ac - bs) + i(bc + as), each product
+ * rounded before the sum, as torch's complex multiply does. Written with intrinsics because
+ * GCC's vectorizer turns the plain C of it into fused multiply-adds (vfmaddsub) even under
+ * -ffp-contract=off, which changes the last bit. */
+static void rope_heads(float *x, int64_t heads, int64_t hd, const float *cs) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * hd;
+        for (int64_t i = 0; i < hd; i += 16) {
+            __mmask16 m = i + 16 <= hd ? (__mmask16)0xFFFF : (__mmask16)((1u << (hd - i)) - 1);
+            __m512 ab = _mm512_maskz_loadu_ps(m, v + i), t = _mm512_maskz_loadu_ps(m, cs + i);
+            __m512 c = _mm512_moveldup_ps(t), s = _mm512_movehdup_ps(t);
+            __m512 ac_bc = _mm512_mul_ps(ab, c);
+            __m512 bs_as = _mm512_mul_ps(_mm512_permute_ps(ab, 0xB1), s);
+            __m512 r = _mm512_mask_sub_ps(_mm512_add_ps(ac_bc, bs_as), (__mmask16)0x5555, ac_bc, bs_as);
+            _mm512_mask_storeu_ps(v + i, m, r);
+        }
+    }
+}
+
+int meshd_layers(const meshd_layer *layers, int64_t n_layers, const meshd_dims *d, float *x,
+                 int64_t t, const int64_t *pos, const int64_t *sess, float *const *kv,
+                 const float *const *rope, int threads, int attn_threads) {
+    const int64_t hd = d->hd, nh = d->n_heads, nkv = d->n_kv, hidden = d->hidden;
+    const int64_t width = (nh + 2 * nkv) * hd, kv_width = 2 * nkv * hd;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < t; r++)
+        if (pos[r] + 1 > longest) longest = pos[r] + 1;
+    const int64_t padded = (longest + 15) / 16 * 16;
+    float *qkv = (float *)malloc((size_t)(t * width) * sizeof(float));
+    float *att = (float *)malloc((size_t)(t * nh * hd) * sizeof(float));
+    float *h = (float *)malloc((size_t)(t * hidden) * sizeof(float));
+    float *gu = (float *)malloc((size_t)(t * 2 * d->inter) * sizeof(float));
+    float *scores = (float *)malloc((size_t)(t * nh * padded) * sizeof(float));
+    int failed = qkv == NULL || att == NULL || h == NULL || gu == NULL || scores == NULL;
+    for (int64_t l = 0; l < n_layers && !failed; l++) {
+        const meshd_layer *w = layers + l;
+        failed |= matrix_mm(&w->qkv, x, t, qkv, NULL, w->input_norm, d->eps, 0, d->tiny, threads);
+        if (failed) break;
+        add_bias(qkv, t, width, w->bqkv);
+        for (int64_t r = 0; r < t; r++) {
+            float *row = qkv + r * width;
+            rope_heads(row, nh + nkv, hd, rope[r]);
+            memcpy(kv[sess[r] * n_layers + l] + pos[r] * kv_width, row + nh * hd,
+                   (size_t)kv_width * sizeof(float));
+        }
+        /* Every row's keys are in the cache before any row attends (a window's later rows
+         * see its earlier ones). */
+        const int64_t jobs = t * nh, group = nh / nkv;
+#pragma omp parallel for schedule(static) num_threads(attn_threads) if (attn_threads > 1)
+        for (int64_t job = 0; job < jobs; job++) {
+            const int64_t r = job / nh, head = job % nh, g = head / group;
+            const float *cache = kv[sess[r] * n_layers + l];
+            const int64_t lo = w->window > 0 && pos[r] + 1 > w->window ? pos[r] + 1 - w->window : 0;
+            attend_head(qkv + r * width + head * hd, cache + g * hd, cache + (nkv + g) * hd,
+                        kv_width, hd, lo, pos[r] + 1, d->scale, scores + job * padded,
+                        att + (r * nh + head) * hd);
+        }
+        failed |= matrix_mm(&w->o, att, t, h, x, NULL, 0.0f, 0, d->tiny, threads);
+        if (failed) break;
+        add_bias(h, t, hidden, w->bo);
+        failed |= matrix_mm(&w->gate_up, h, t, gu, NULL, w->post_norm, d->eps, 0, d->tiny, threads);
+        if (failed) break;
+        add_bias(gu, t, 2 * d->inter, w->b_gate_up);
+        failed |= matrix_mm(&w->down, gu, t, x, h, NULL, 0.0f, 1, d->tiny, threads);
+        add_bias(x, t, hidden, w->b_down);
+    }
+    free(qkv);
+    free(att);
+    free(h);
+    free(gu);
+    free(scores);
+    return failed ? -1 : 0;
 }
