@@ -235,6 +235,8 @@ def bench(
                 for m in stage.weight_matrices()
             }
         ),
+        # "meshd layers" where steps run every layer in one kernel call, else None.
+        "layer_kernel": stage.layer_kernel,
         "device": settings.device,
         "threads": torch.get_num_threads(),
         # What the stage's thread governor runs decode steps on now (None: not governed, one
