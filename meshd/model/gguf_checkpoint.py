@@ -16,7 +16,6 @@ the runtime sees Hugging Face order (and then applies its own interleave, the sa
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import os
 import pathlib
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from meshd.model.checkpoint import Checkpoint, OnTensor, TensorInfo, _sample, expected_shapes
+from meshd.model.checkpoint import Checkpoint, OnTensor, TensorInfo, expected_shapes
 from meshd.model.config import FAMILIES, ModelConfig, RopeConfig
 from meshd.model.errors import (
     CorruptCheckpoint,
@@ -165,36 +164,20 @@ class GGUFCheckpoint(Checkpoint):
 
     @functools.cached_property
     def manifest(self) -> Any:
-        """(model id, bytes, manifest) of a single GGUF file (`meshd.model.gguf_store`: every
-        tensor hashed); UnsupportedArchitecture for a split model."""
+        """(model id, bytes, manifest) of the GGUF file, or of every shard of a split model
+        (`meshd.model.gguf_store`: every tensor hashed)."""
         from meshd.model.gguf_store import gguf_manifest
 
         return gguf_manifest(self)
 
     @functools.cached_property
     def model_id(self) -> str:
-        """Stable id of the file (hex, 32 chars): equal on every node holding the same file.
+        """Stable id of the file (hex, 32 chars): equal on every node holding the same file(s).
 
-        One file: its manifest's id (so it can be fetched over the mesh). A split model: the
-        hash of the config, each file's whole header/metadata/tensor table (tokenizer
-        included), and a strided sample of each tensor's bytes.
+        Its manifest's id (config, headers, every tensor's SHA-256), so a `mesh:ID` node can
+        fetch it over the mesh.
         """
-        if len(self.headers) == 1:
-            return str(self.manifest[0])
-        digest = hashlib.sha256(b"meshd-gguf-model-id-v1\0")
-        digest.update(self.config.canonical_bytes())
-        fds = {p: os.open(p, os.O_RDONLY) for p, _ in self.headers}
-        try:
-            for p, size in self.headers:
-                digest.update(os.pread(fds[p], size, 0))
-            for name in sorted(expected_shapes(self.config)):
-                info = self.tensors[name]
-                digest.update(f"\0{name}\0{info.dtype}\0{info.shape}\0".encode())
-                digest.update(_sample(fds[info.path], info))
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return digest.hexdigest()[:32]
+        return str(self.manifest[0])
 
     def load(
         self, names: Iterable[str], on_tensor: OnTensor | None = None

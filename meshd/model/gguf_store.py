@@ -1,15 +1,16 @@
-"""A GGUF file over the mesh: its manifest, and the checkpoint a `mesh:ID` node fetches into.
+"""A GGUF model over the mesh: its manifest, and the checkpoint a `mesh:ID` node fetches into.
 
-The manifest (`format = "gguf"`, one file; a split model cannot be fetched) lists as files
-`gguf.header` (bytes [0, data start): header, metadata with the tokenizer, tensor table) and
-`gguf.tensor.NAME` for each tensor of the file that is not a runtime weight (`rope_freqs.weight`,
-read while opening); and as tensors each runtime weight by its Hugging Face name, with its GGUF
-type as dtype, its HF shape and its bytes as stored (quantized blocks, unconverted). A node
-holding the file serves every artifact from its byte range in the file.
+The manifest (`format = "gguf"`) lists as files `gguf.header` (bytes [0, data start) of the
+file: header, metadata with the tokenizer, tensor table), for a split model `gguf.header.K` for
+shard K = 2..N as well, and `gguf.tensor.NAME` for each tensor that is not a runtime weight
+(`rope_freqs.weight`, read while opening); and as tensors each runtime weight by its Hugging Face
+name, with its GGUF type as dtype, its HF shape and its bytes as stored (quantized blocks,
+unconverted). A node holding the file(s) serves every artifact from its byte range in its shard.
 
 A fetching node holds the files first (`bootstrap_store`). From them it writes a *skeleton*: a
-sparse file holding the header and the file tensors at their offsets (the holes cost no disk),
-which opens as a `GGUFCheckpoint` (config, tokenizer, tensor table, q/k permutation);
+sparse file per shard holding its header and file tensors at their offsets (the holes cost no
+disk; shards named `model-0000K-of-0000N.gguf`, as llama-gguf-split names them), which opens as
+a `GGUFCheckpoint` (config, tokenizer, tensor table, q/k permutation);
 `GGUFStoreCheckpoint` then points each runtime tensor it holds at its own stored file (raw bytes,
 `tensors/NAME.bin`), so a stage loads and dequantizes exactly as from the original file.
 """
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshd.model.checkpoint import OnTensor, TensorInfo, expected_shapes
-from meshd.model.errors import CorruptCheckpoint, UnsupportedArchitecture
+from meshd.model.errors import CorruptCheckpoint
 from meshd.model.gguf_checkpoint import TENSOR_TYPES, GGUFCheckpoint, read_gguf
 from protocol.artifacts import MANIFEST_VERSION, Artifact, ArtifactKind, Manifest
 
@@ -40,27 +41,35 @@ SKELETON = "model.gguf"
 # Room left after each tensor when sizing the skeleton (GGUF aligns tensor data, 32 bytes by
 # default): a sparse file may be larger than the original at no cost.
 _ALIGN_SLACK = 4096
+# The most shards a fetched split model may have (llama-gguf-split numbers them in 5 digits).
+_MAX_SHARDS = 99999
+
+
+def header_name(shard: int) -> str:
+    """The file artifact holding shard `shard`'s header (0-based; shard 0 is a single file's)."""
+    return HEADER if shard == 0 else f"{HEADER}.{shard + 1}"
+
+
+def skeleton_name(shard: int, count: int) -> str:
+    """A skeleton shard's file name, as llama-gguf-split names shards (`model.gguf` if one)."""
+    return SKELETON if count == 1 else f"model-{shard + 1:05d}-of-{count:05d}.gguf"
 
 
 def file_locations(checkpoint: GGUFCheckpoint) -> dict[str, tuple[pathlib.Path, int, int]]:
-    """(blocking) Where each file artifact of a GGUF holder lies: {name: (path, offset, nbytes)}.
-    UnsupportedArchitecture for a split model (several files)."""
-    if len(checkpoint.headers) != 1:
-        raise UnsupportedArchitecture(
-            f"{checkpoint.directory}: a split GGUF model cannot be fetched over the mesh "
-            "(merge it into one file with llama-gguf-split --merge)"
-        )
-    path, data_start = checkpoint.headers[0]
+    """(blocking) Where each file artifact of a GGUF holder lies: {name: (path, offset, nbytes)}
+    (every shard's header and non-weight tensors for a split model)."""
     runtime = expected_shapes(checkpoint.config)
     gguf_names = {checkpoint.entries[n].gguf_name for n in runtime}
-    where = {HEADER: (path, 0, data_start)}
-    for tensor in read_gguf(path).tensors:
-        if tensor.name not in gguf_names:
-            where[FILE_TENSOR_PREFIX + tensor.name] = (
-                path,
-                int(tensor.data_offset),
-                int(tensor.n_bytes),
-            )
+    where: dict[str, tuple[pathlib.Path, int, int]] = {}
+    for shard, (path, data_start) in enumerate(checkpoint.headers):
+        where[header_name(shard)] = (path, 0, data_start)
+        for tensor in read_gguf(path).tensors:
+            if tensor.name not in gguf_names:
+                where[FILE_TENSOR_PREFIX + tensor.name] = (
+                    path,
+                    int(tensor.data_offset),
+                    int(tensor.n_bytes),
+                )
     return where
 
 
@@ -76,7 +85,9 @@ def gguf_manifest(checkpoint: GGUFCheckpoint) -> tuple[str, bytes, Manifest]:
         artifacts.append(Artifact(ArtifactKind.FILE, name, nbytes, digest))
     names = sorted(expected_shapes(checkpoint.config))
     infos = [checkpoint.tensors[n] for n in names]
-    hashes = _hash_file_tensors(infos[0].path, infos) if infos else {}
+    hashes: dict[str, bytes] = {}
+    for path in sorted({info.path for info in infos}):  # one file, or each shard
+        hashes |= _hash_file_tensors(path, [i for i in infos if i.path == path])
     for info in infos:
         artifacts.append(
             Artifact(
@@ -98,6 +109,9 @@ def check_artifact(artifact: Artifact) -> str | None:
     if artifact.kind == ArtifactKind.FILE:
         rest = artifact.name.removeprefix(FILE_TENSOR_PREFIX)
         plain = rest.replace(".", "").replace("_", "").isalnum() and not rest.startswith(".")
+        shard = artifact.name.removeprefix(HEADER + ".")
+        if shard.isascii() and shard.isdigit() and 2 <= int(shard) <= _MAX_SHARDS:
+            return None
         if artifact.name != HEADER and not (artifact.name != rest and plain):
             return f"unexpected file {artifact.name!r}"
     elif artifact.dtype not in TENSOR_TYPES:
@@ -106,28 +120,43 @@ def check_artifact(artifact: Artifact) -> str | None:
 
 
 def write_skeleton(store: ModelStore) -> pathlib.Path:
-    """(blocking) The sparse GGUF file of a store's header and file tensors (written once)."""
-    path = store.directory / SKELETON
-    if path.is_file():
-        return path
+    """(blocking) The sparse GGUF file(s) of a store's headers and file tensors (written once);
+    the path of the first shard."""
     manifest = store.manifest
-    header = store.path_of(_index(manifest, HEADER))
-    size = header.stat().st_size + sum(a.nbytes + _ALIGN_SLACK for a in manifest.artifacts)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as out:
-        out.write(header.read_bytes())
-        out.truncate(size)
-    offsets = {t.name: int(t.data_offset) for t in read_gguf(tmp).tensors}
-    with tmp.open("r+b") as out:
-        for i, artifact in enumerate(manifest.artifacts):
-            if artifact.kind == ArtifactKind.FILE and artifact.name != HEADER:
+    files = [a for a in manifest.artifacts if a.kind == ArtifactKind.FILE]
+    count = sum(1 for a in files if _is_header(a.name))
+    first = store.directory / skeleton_name(0, count)
+    if first.is_file():  # renamed into place last: every other shard is there
+        return first
+    size = sum(a.nbytes + _ALIGN_SLACK for a in manifest.artifacts)
+    placed: set[str] = set()
+    written: list[tuple[pathlib.Path, pathlib.Path]] = []
+    for shard in range(count):
+        header = store.path_of(_index(manifest, header_name(shard)))
+        path = store.directory / skeleton_name(shard, count)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as out:
+            out.write(header.read_bytes())
+            out.truncate(header.stat().st_size + size)
+        offsets = {t.name: int(t.data_offset) for t in read_gguf(tmp).tensors}
+        with tmp.open("r+b") as out:
+            for i, artifact in enumerate(manifest.artifacts):
                 name = artifact.name.removeprefix(FILE_TENSOR_PREFIX)
-                if name not in offsets:
-                    raise CorruptCheckpoint(f"{store.directory}: {name!r} is not in the header")
-                out.seek(offsets[name])
-                out.write(store.path_of(i).read_bytes())
-    os.replace(tmp, path)
-    return path
+                if artifact.kind == ArtifactKind.FILE and name in offsets:
+                    out.seek(offsets[name])
+                    out.write(store.path_of(i).read_bytes())
+                    placed.add(artifact.name)
+        written.append((tmp, path))
+    for artifact in files:
+        if not _is_header(artifact.name) and artifact.name not in placed:
+            raise CorruptCheckpoint(f"{store.directory}: {artifact.name!r} is in no header")
+    for tmp, path in reversed(written):
+        os.replace(tmp, path)
+    return first
+
+
+def _is_header(name: str) -> bool:
+    return name == HEADER or name.startswith(HEADER + ".")
 
 
 def _index(manifest: Manifest, name: str) -> int:

@@ -70,6 +70,44 @@ async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pat
     assert store.held(tensors) == set(store.tensor_indices(stage_tensor_names(stage.config, 2, 4)))
 
 
+async def test_a_split_gguf_model_is_fetched_shard_by_shard(tmp_path: pathlib.Path) -> None:
+    # Large models come as llama-gguf-split shards: every shard's header travels, each weight
+    # from the shard holding it, and the fetching node's skeleton shards open as the model.
+    first = write_gguf(builtin_model_dir(), tmp_path / "m.gguf", "Q8_0", split_max_tensors=16)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) > 2
+    holder = open_checkpoint(shards[-1])  # any shard names the model
+    assert isinstance(holder, GGUFCheckpoint)
+    model_id, data, manifest = holder.manifest
+    assert holder.model_id == model_id == open_checkpoint(shards[0]).model_id
+    headers = [a.name for a in manifest.artifacts if a.name.startswith("gguf.header")]
+    assert sorted(headers) == ["gguf.header"] + [
+        f"gguf.header.{k}" for k in range(2, len(shards) + 1)
+    ]
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    async with artifact_nodes([holder, holder], CONFIG) as (source, fetching):
+        for wanted in (store.file_indices(), None):
+            if wanted is None:
+                stage = store_checkpoint(store)
+                assert isinstance(stage, GGUFStoreCheckpoint) and not stage.tensors
+                wanted = store.tensor_indices(stage_tensor_names(stage.config, 2, 4))
+            fetcher = Fetcher(model_id, manifest, wanted, CONFIG)
+            run = FetchRun(fetcher, store, fetching.service._send, lambda: [source.key])
+            fetching.service._run = run
+            await run.run()
+    stage.refresh()
+    assert stage.directory.name == f"model-00001-of-{len(shards):05d}.gguf"
+    assert len(list(stage.directory.parent.glob("model-*-of-*.gguf"))) == len(shards)
+    ours = StageModel.load(stage, 2, 4, quantization="int8")
+    theirs = StageModel.load(holder, 2, 4, quantization="int8")
+    hidden = torch.randn(4, holder.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for s in (ours, theirs):
+        s.open_session("s", 8)
+    assert torch.equal(ours.forward("s", 0, hidden).hidden, theirs.forward("s", 0, hidden).hidden)
+    text = "Once upon a time"
+    assert open_tokenizer(stage.directory).encode(text) == open_tokenizer(first).encode(text)
+
+
 @pytest.mark.slow
 def test_mesh_id_nodes_serve_a_gguf_files_stages_like_one_process(tmp_path: pathlib.Path) -> None:
     model = write_gguf(builtin_model_dir(), tmp_path / "tiny-stories-q8.gguf", "Q8_0")
