@@ -11,7 +11,10 @@
  * - Weights are packed by `meshd_int8_pack` into tiles of 64 output channels: for each group
  *   of 4 input positions, 64 x 4 bytes, so a tile streams from memory as one sequence and one
  *   VPDPBUSD consumes each 64-byte line.
- * - Threads split the tiles (OpenMP: the same libgomp runtime as torch once torch is loaded).
+ * - Threads split the tiles (OpenMP: the same libgomp runtime as torch once torch is loaded),
+ *   in guided chunks rather than fixed halves: on a shared machine one thread is often late
+ *   (its core taken by another tenant), and with fixed halves the other waits for it at every
+ *   matrix (int8 decode at 2 threads, one process, alternating: 84 tok/s static, 93 guided).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -203,7 +206,7 @@ int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const f
     float *step = lo + m;
     prepare_rows(x, m, k, kp, norm_weight, eps, glu, tiny, q, lo, step, lo + 2 * m);
     const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = kp * TILE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         const int8_t *wt = w + t * tile_bytes;
         int64_t r0 = 0;
@@ -338,7 +341,7 @@ int meshd_int4_mm(const float *x, int64_t m, int64_t k, const uint8_t *w, const 
             xs[r * groups + g] = sum;
         }
     const int64_t tiles = (n + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *wt = w + t * (k / 4) * 128;
         const uint16_t *dzt = dz + t * groups * 2 * TILE;
