@@ -3,11 +3,13 @@
 import os as _os
 import sys as _sys
 
-# OpenMP workers spin for about 0.3 ms after a parallel region, then sleep. Waking a sleeping
-# worker costs more than a decode step's matmul gains from it (on virtual machines above all),
-# so workers that never spin leave a second core idle; workers that spin for long (libgomp's
-# default) stall every parallel region on a machine whose cores are busy with other work. A
-# stage's `ThreadGovernor` falls back to one thread where the spinning does not pay
+# OpenMP workers spin for a few milliseconds after a parallel region, then sleep. Waking a
+# sleeping worker costs more than a decode step's matmul gains from it (on virtual machines
+# above all), so workers that never spin leave a second core idle, and workers that sleep
+# between two tokens' passes pay that wake-up every token (30 000 spins: int8 decode at 2
+# threads 14 % slower than at 300 000). Spinning workers stall every parallel region on a
+# machine whose cores are busy with other work: a stage's `ThreadGovernor` falls back to one
+# thread there, within its first probe (8 passes), where the spinning does not pay
 # (docs/model-runtime.md, "Threads"). libgomp reads these once, when torch loads it, so they
 # are set here, before any meshd module imports torch; an environment that sets either keeps
 # its own. (A program that imported torch before meshd keeps its policy; `configure_threads`
@@ -15,7 +17,8 @@ import sys as _sys
 OMP_POLICY_SET_IN_TIME = "torch" not in _sys.modules or "OMP_WAIT_POLICY" in _os.environ
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    # About 100 000 spins a millisecond (libgomp's own estimate).
-    _os.environ["GOMP_SPINCOUNT"] = "30000"
+    # libgomp's default count, which it estimates at ~3 ms; spinning only while the policy
+    # is PASSIVE would otherwise be none at all.
+    _os.environ["GOMP_SPINCOUNT"] = "300000"
 
 __version__ = "0.1.0"

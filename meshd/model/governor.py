@@ -17,11 +17,16 @@ GOVERNOR_PROBE_PASSES = 3
 # Passes between probes: the first gap, multiplied by GOVERNOR_BACKOFF each time a probe
 # confirms the choice (up to the last), back to the first after a switch. A probe of one
 # thread on a quiet machine costs ~0.8 of a pass each: these keep a 256-token answer's
-# probes to 2 % of its time.
-GOVERNOR_GAPS = (32, 1024)
+# probes to 3 % of its time, and a stage that starts on busy cores leaves them after 8 passes.
+GOVERNOR_GAPS = (8, 1024)
 GOVERNOR_BACKOFF = 4
 # The other choice must be this much faster to be switched to (noise is not a reason).
 GOVERNOR_MARGIN = 0.05
+# A probe stops after a pass this many times slower than the current choice's median: two
+# threads on cores other work holds ran passes 10-30x slower than one thread (spinning workers
+# wait for descheduled partners), and three such passes per probe cost more than the probing
+# saves. (One thread on a quiet machine is at most ~2x slower than two.)
+GOVERNOR_ABORT = 3.0
 
 
 def _bucket(rows: int) -> int:
@@ -79,6 +84,9 @@ class ThreadGovernor:
         times.append(cost)
         if bucket.probing:
             bucket.probing -= 1
+            mine = bucket.times.get(bucket.current)
+            if mine and cost > GOVERNOR_ABORT * statistics.median(mine):
+                bucket.probing = 0  # far slower: no more passes on it this time
             if not bucket.probing:
                 self._decide(bucket)
             return

@@ -4,10 +4,10 @@ Batch-1 decode runs a few hundred small ops per token; only the weight matmuls (
 over long contexts) are big enough to share between cores. Three rules make more threads pay
 where they can and never cost where they cannot:
 
-- OpenMP workers spin briefly (~0.3 ms), then sleep (`GOMP_SPINCOUNT`, set by
+- OpenMP workers spin for a few milliseconds, then sleep (`GOMP_SPINCOUNT`, set by
   `meshd/__init__.py` before torch loads, unless the environment says otherwise): the gaps
-  between a step's matmuls are shorter than that, so a second core stays awake through a step,
-  and a worker never spins for long on a machine whose cores are busy.
+  between a step's products, and between one token's pass and the next, are shorter than that,
+  so a second core stays awake while a stage decodes, and sleeps once it is idle.
 - A stage's `ThreadGovernor` (meshd/model/governor.py) measures its passes on its threads and
   on one and runs on whichever is faster now: on a busy machine any spinning partner stalls
   every parallel region, and one thread wins (figures: docs/model-runtime.md, "Threads").

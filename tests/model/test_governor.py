@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from meshd.model.builtin import builtin_model_dir
@@ -43,6 +45,18 @@ def test_a_busy_machine_falls_back_to_one_thread_and_returns_when_cores_free_up(
     # and has grown only while probes confirmed the choice) the stage uses both cores again.
     _run(gov, GOVERNOR_GAPS[1] + 2 * GOVERNOR_PROBE_PASSES, {2: 0.020, 1: 0.030})
     assert gov.current() == 2
+
+
+def test_a_probe_far_slower_than_the_choice_stops_at_once() -> None:
+    # Two threads on cores other work holds: each pass 20x one thread's. After the switch to
+    # one thread, each probe of two costs one such pass, not three.
+    gov = ThreadGovernor(2)
+    chosen = _run(gov, 2000, {2: 0.600, 1: 0.030})
+    assert gov.current() == 1
+    assert chosen[: GOVERNOR_GAPS[0]] == [2] * GOVERNOR_GAPS[0]
+    later = chosen[GOVERNOR_GAPS[0] + GOVERNOR_PROBE_PASSES :]
+    probes = sum(1 for a, b in itertools.pairwise(later) if a == 1 and b == 2)
+    assert probes >= 3 and later.count(2) == probes  # one pass per probe
 
 
 def test_noise_within_the_margin_is_no_reason_to_switch() -> None:

@@ -50,7 +50,7 @@ def test_openmp_workers_spin_briefly_then_sleep_unless_told_otherwise() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["PASSIVE", "30000"]
+    assert out.stdout.split() == ["PASSIVE", "300000"]
     # An environment that says either keeps its own.
     out = subprocess.run(
         [sys.executable, "-c", code], env=env | {"OMP_WAIT_POLICY": "ACTIVE"},

@@ -70,12 +70,19 @@ async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pat
     assert store.held(tensors) == set(store.tensor_indices(stage_tensor_names(stage.config, 2, 4)))
 
 
+def _split_model(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The built-in model as Q8_0 shards, as llama-gguf-split writes them."""
+    first = write_gguf(builtin_model_dir(), directory / "m.gguf", "Q8_0", split_max_tensors=16)
+    shards = sorted(directory.glob("m-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) > 2
+    return shards
+
+
 async def test_a_split_gguf_model_is_fetched_shard_by_shard(tmp_path: pathlib.Path) -> None:
     # Large models come as llama-gguf-split shards: every shard's header travels, each weight
     # from the shard holding it, and the fetching node's skeleton shards open as the model.
-    first = write_gguf(builtin_model_dir(), tmp_path / "m.gguf", "Q8_0", split_max_tensors=16)
-    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
-    assert first == shards[0] and len(shards) > 2
+    shards = _split_model(tmp_path)
+    first = shards[0]
     holder = open_checkpoint(shards[-1])  # any shard names the model
     assert isinstance(holder, GGUFCheckpoint)
     model_id, data, manifest = holder.manifest
