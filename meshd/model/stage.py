@@ -368,8 +368,8 @@ class StageModel:
 
     @property
     def layer_kernel(self) -> str | None:
-        """ "meshd layers" where decode steps and verify windows run every layer of this stage
-        in one call of meshd's C kernel (`KernelLayers`), else None (op by op)."""
+        """Whether decode steps and verify windows run every layer of this stage in one call of
+        meshd's C kernel (`KernelLayers`): "meshd layers", or None (layer by layer)."""
         return None if self._kernel_layers is None else "meshd layers"
 
     def weight_matrices(self) -> list[Matrix]:
