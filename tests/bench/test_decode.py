@@ -12,6 +12,7 @@ from meshd.bench.decode import RANDOM_CONFIGS
 from meshd.cli.main import main
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.config import parse_config
+from meshd.model.kernels import unavailable_reason
 from meshd.model.stage import stage_weight_bytes
 from tests.model.gguf_files import write_gguf
 from tests.model.tiny import make_checkpoint
@@ -71,6 +72,8 @@ def test_bench_decode_reports_quantized_bytes_held(
     kernels = quantized["kernels"]
     assert isinstance(kernels, list) and kernels and "torch mm" not in kernels
     assert any(quantization in k or "fbgemm" in k or "int4pack" in k for k in kernels), kernels
+    # fp32 matrices and an fp16 cache run layer by layer.
+    assert fp32["layer_kernel"] is None and quantized["layer_kernel"] is None
 
 
 def test_a_quantized_gguf_file_is_benched_at_its_own_quantization(
@@ -81,3 +84,5 @@ def test_a_quantized_gguf_file_is_benched_at_its_own_quantization(
     assert main([*args, "--no-transformers"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["quantization"] == "int8"  # never dequantized to fp32 behind the user's back
+    # Where meshd's kernels run, an int8 stage with an fp32 cache runs its layers in one call.
+    assert report["layer_kernel"] == ("meshd layers" if unavailable_reason() is None else None)
