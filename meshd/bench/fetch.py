@@ -23,7 +23,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import trio
 from meshd.bench.harness import model_dir, print_report
 from meshd.model.checkpoint import Checkpoint, expected_shapes
 from meshd.model.manifest import ModelStore
+from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lanes import LaneTable
 from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
@@ -127,8 +128,6 @@ class _VerifyStage:
         self.position = 0
         self.stage.open_session("bench", 1024)
 
-    computing = False
-
     def step(self) -> None:
         import torch
 
@@ -137,12 +136,8 @@ class _VerifyStage:
             self.stage.open_session("bench", 1024)
             self.position = 0
         tokens = torch.arange(self.TOKENS, dtype=torch.int64) + 5
-        self.computing = True
-        try:
-            with torch.inference_mode():
-                self.stage.forward("bench", self.position, tokens, logits_last_n=self.TOKENS)
-        finally:
-            self.computing = False
+        with torch.inference_mode():
+            self.stage.forward("bench", self.position, tokens, logits_last_n=self.TOKENS)
         self.position += self.TOKENS
 
 
@@ -151,16 +146,17 @@ class _Node:
     table: LaneTable
     service: ArtifactService
     key: bytes
+    gate: BulkGate
 
 
 @contextlib.asynccontextmanager
 async def artifact_nodes(
     checkpoints: list[Checkpoint],
     config: FetchConfig,
-    busy: Callable[[], bool] | None = None,
 ) -> AsyncIterator[list[_Node]]:
     """One node per checkpoint on loopback lanes, each serving that checkpoint's files and
-    knowing every other's address (each lists all the others as sources)."""
+    knowing every other's address (each lists all the others as sources), each with its bulk
+    gate wired as a daemon's (held while a stage there computes a window)."""
     from nacl.bindings import crypto_scalarmult_base
     from nacl.utils import random as nacl_random
 
@@ -201,10 +197,12 @@ async def artifact_nodes(
             for key, other in zip(pubs, endpoints, strict=True):
                 if key != own:
                     table.addresses[key] = other.local_address
-            service = ArtifactService(checkpoint, table, others.copy, config=config, busy=busy)
+            gate = BulkGate()
+            gate.subscribe(endpoint.hold_bulk)
+            service = ArtifactService(checkpoint, table, others.copy, config=config, gate=gate)
             box.append(service)
             await nursery.start(service.run)
-            nodes.append(_Node(table, service, own))
+            nodes.append(_Node(table, service, own, gate))
         yield nodes
         nursery.cancel_scope.cancel()
 
@@ -230,8 +228,7 @@ async def _main(
         # Alternate: the lane alone (a window's bytes there and back), then a verify window
         # through a stage of the built-in model (its forward pass on the holder).
         for kind, stage in (("lane", None), ("verify", verify_stage)):
-            busy = (lambda: verify_stage.computing) if stage is not None else None
-            async with artifact_nodes([holder, holder], config, busy) as (server, client):
+            async with artifact_nodes([holder, holder], config) as (server, client):
                 rtts_idle, rtts_busy, mb_s = await _round(
                     server,
                     client,
@@ -280,9 +277,14 @@ async def _round(
     window = b"w" * window_message_bytes
 
     async def answer(sender: bytes) -> None:
-        if stage is not None:  # a stage verifying the window: its forward pass, in a thread
+        if stage is None:
+            await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+            return
+        # A stage verifying the window, as `StageHost` does: its forward pass in a thread,
+        # the node's bulk gate held from taking the window until the reply is sent.
+        with server.gate.hold():
             await trio.to_thread.run_sync(stage.step)
-        await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+            await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
 
     def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
         server.table._nursery.start_soon(answer, sender)  # type: ignore[union-attr]
