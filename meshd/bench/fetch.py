@@ -282,7 +282,7 @@ async def _round(
             return
         # A stage verifying the window, as `StageHost` does: its forward pass in a thread,
         # the node's bulk gate held from taking the window until the reply is sent.
-        with server.gate.hold():
+        async with server.gate.hold():
             await trio.to_thread.run_sync(stage.step)
             await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
 

@@ -12,7 +12,7 @@ the gaps between windows.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import trio
 
@@ -36,9 +36,11 @@ class BulkGate:
         """Call `listener(held)` each time the gate closes (True) or opens (False)."""
         self._listeners.append(listener)
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Bulk work waits until the block (and every other hold) ends."""
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        """Bulk work waits until the block (and every other hold) ends, and then one pass of
+        the trio loop more: what arrived meanwhile (the next window, a reply for a coordinator
+        on this node, ACKs) is read before the transfer's first chunk is sent."""
         self._holds += 1
         if self._holds == 1:
             self.holds_total += 1
@@ -47,6 +49,7 @@ class BulkGate:
                 listener(True)
         try:
             yield
+            await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._holds -= 1
             if self._holds == 0:

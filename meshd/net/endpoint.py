@@ -229,11 +229,11 @@ class PeerLane:
         if self._unacked_waiters:
             over = self._terminated is not None
             waiting = []
-            for nbytes, event in self._unacked_waiters:
+            for nbytes, waiter in self._unacked_waiters:
                 if over or pending <= nbytes:
-                    event.set()
+                    waiter.set()
                 else:
-                    waiting.append((nbytes, event))
+                    waiting.append((nbytes, waiter))
             self._unacked_waiters = waiting
 
 

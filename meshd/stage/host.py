@@ -353,7 +353,7 @@ class StageHost:
                 key, error = self._errors.popleft()
                 await self._send(key, error)
             # Windows pending or computing, and their results until sent: bulk work waits.
-            with self.gate.hold():
+            async with self.gate.hold():
                 while self._queue:
                     batch = self._take_batch()
                     if batch:
