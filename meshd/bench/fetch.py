@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import pathlib
 import shutil
 import statistics
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pings", type=int, default=200, help="idle round trips per round")
     parser.add_argument("--window-bytes", type=int, default=None, help="fetch flow window")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="bytes per chunk request")
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="the fetching node's process on the last core alone, the holder's on the others "
+        "(as if the fetcher were another machine, as in a mesh)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -67,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes or defaults.chunk_bytes,
         window_bytes=args.window_bytes or defaults.window_bytes,
     )
+    fetcher_cores: tuple[int, ...] = ()
+    if args.pin_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise SystemExit("--pin-cores needs at least 2 cores")
+        fetcher_cores = (cores[-1],)
+        os.sched_setaffinity(0, cores[:-1])  # the holder (and the coordinator beside it)
     with tempfile.TemporaryDirectory(prefix="meshd-bench-fetch-") as tmp:
         source = model_dir(args)
         if args.synthetic_mb:
@@ -79,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             args.window_kib * 1024,
             args.pings,
             config,
+            fetcher_cores,
         )
     print_report(result, args.json, _print_table)
     return 0
@@ -214,6 +229,7 @@ async def _main(
     window_message_bytes: int,
     pings: int,
     config: FetchConfig,
+    fetcher_cores: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     holder = Checkpoint.open(source)
     t0 = time.perf_counter()
@@ -239,6 +255,7 @@ async def _main(
                     pings,
                     config,
                     stage,
+                    fetcher_cores,
                 )
             shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
             store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
@@ -256,6 +273,7 @@ async def _main(
         "chunk_bytes": config.chunk_bytes,
         "flow_window_bytes": config.window_bytes,
         "rounds": rounds,
+        "pin_cores": bool(fetcher_cores),
         "per_round": samples,
     }
     return out
@@ -271,6 +289,7 @@ async def _round(
     pings: int,
     config: FetchConfig,
     stage: _VerifyStage | None,
+    fetcher_cores: tuple[int, ...] = (),
 ) -> tuple[list[float], list[float], float]:
     replies: trio.MemorySendChannel[bytes]
     replies, reply_out = trio.open_memory_channel[bytes](16)
@@ -321,7 +340,8 @@ async def _round(
         str(store.directory.parents[1]),
     )
     process = ctx.Process(
-        target=_fetch_child, args=(*args, config.chunk_bytes, config.window_bytes, child)
+        target=_fetch_child,
+        args=(*args, config.chunk_bytes, config.window_bytes, fetcher_cores, child),
     )
     process.start()
     child.close()  # the child's end: recv raises EOFError if the child dies
@@ -352,9 +372,13 @@ def _fetch_child(
     root: str,
     chunk_bytes: int,
     window_bytes: int,
+    cores: tuple[int, ...],
     conn: Any,
 ) -> None:
-    """(another process) Fetch every tensor from `holder`; report "start", then the seconds."""
+    """(another process) Fetch every tensor from `holder`; report "start", then the seconds.
+    On `cores` alone if given (`--pin-cores`)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
     config = FetchConfig(chunk_bytes=chunk_bytes, window_bytes=window_bytes)
     trio.run(_fetch_child_main, holder, address, model_id, data, pathlib.Path(root), config, conn)
 
@@ -416,6 +440,8 @@ async def _fetch_child_main(
 def _print_table(r: dict[str, Any]) -> None:
     print(f"meshd bench fetch — loopback lanes, {r['rounds']} rounds, medians")
     print(f"  model: {r['tensors']} tensors, {r['model_bytes'] / 1e6:.1f} MB")
+    if r["pin_cores"]:
+        print("  fetcher on a core of its own (--pin-cores)")
     print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
     for kind, what in (("lane", "lane round trip"), ("verify", "verify window")):
         print(f"  {what + ', idle':29s}  {r[f'{kind}_rtt_idle_ms']:9.3f} ms")

@@ -56,7 +56,7 @@ async def test_held_bulk_waits_on_every_lane_and_goes_when_released() -> None:
     # A node computing a window holds bulk on its endpoint: a weight chunk queued meanwhile
     # stays put (on lanes open before the hold and after it) while pipeline messages flow;
     # released, it goes without anything else being sent.
-    (sk, spub), (ck, _), (dk, _) = keypair(21), keypair(22), keypair(23)
+    (sk, _), (ck, _), (dk, _) = keypair(21), keypair(22), keypair(23)
     async with (
         open_endpoint(static_private=sk, psk=PSK) as server,
         open_endpoint(static_private=ck, psk=PSK) as client,
