@@ -42,8 +42,7 @@ async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_a
     config = fetching.config
     first = store.tensor_indices(stage_tensor_names(config, 0, 2))
     second = store.tensor_indices(stage_tensor_names(config, 2, 4))
-    paused = [False]  # the holder serves no chunk while set (as while its stage computes)
-    async with artifact_nodes([holder, fetching], CONFIG, lambda: paused[0]) as (_, node):
+    async with artifact_nodes([holder, fetching], CONFIG) as (holding, node):
         service = node.service
         ended: list[bool] = []
         done = trio.Event()
@@ -69,13 +68,13 @@ async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_a
         # Some of the first stage arrives; then the plan moves while the holder is paused.
         with trio.fail_after(30):
             await first_arrived.wait()
-        paused[0] = True
-        run = service._run
-        assert run is not None
-        kept = {i for i in first if store.is_held(i)}
-        assert kept != set(first), "the first stage finished before the plan moved"
-        assert not await service.stage_ready((2, 4))
-        paused[0] = False
+        # Paused: the holder's bulk gate held, as while its stage computes a window.
+        async with holding.gate.hold():
+            run = service._run
+            assert run is not None
+            kept = {i for i in first if store.is_held(i)}
+            assert kept != set(first), "the first stage finished before the plan moved"
+            assert not await service.stage_ready((2, 4))
         with trio.fail_after(30):
             await done.wait()
 
