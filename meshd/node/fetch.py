@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import pathlib
@@ -556,11 +557,13 @@ class ArtifactService:
         self._want(FetchJob(describe_layers([layers]), tuple(missing)))
         return False
 
-    async def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+    async def prefetch(self, ranges: list[tuple[int, int]], max_bytes: int = 0) -> None:
         """A spare's prefetch: fetch in the background the tensors of `ranges` (the stages it
         would take over, the most likely first) that it does not hold; replaces any other
-        job. Nothing to fetch (or no ranges) ends the job in progress."""
-        missing = await self._missing(ranges) if ranges else []
+        job. Nothing to fetch (or no ranges) ends the job in progress. `max_bytes` (0: no
+        limit) bounds the disk it takes: the tensors of `ranges`, in order, held ones
+        included, up to the first that would pass it (`prefetch_max_bytes`)."""
+        missing = await self._missing(ranges, max_bytes) if ranges else []
         job = FetchJob("prefetch " + describe_layers(ranges), tuple(missing), prefetch=True)
         self._want(job if missing else None)
 
@@ -568,9 +571,10 @@ class ArtifactService:
         """No fetch is wanted now: one in progress ends (what it verified stays stored)."""
         self._want(None)
 
-    async def _missing(self, ranges: list[tuple[int, int]]) -> list[int]:
+    async def _missing(self, ranges: list[tuple[int, int]], max_bytes: int = 0) -> list[int]:
         """Manifest indices of the tensors stages of `ranges` read and this node does not hold,
-        in the order of `ranges` (none for a node holding the checkpoint's files)."""
+        in the order of `ranges` (none for a node holding the checkpoint's files); with
+        `max_bytes`, of those among the first tensors whose bytes add up to at most that."""
         checkpoint = self.checkpoint
         store = store_of(checkpoint)
         if store is None:
@@ -579,6 +583,9 @@ class ArtifactService:
             n for lo, hi in ranges for n in stage_tensor_names(checkpoint.config, lo, hi)
         )
         indices = store.tensor_indices(names)
+        if max_bytes:
+            sizes = itertools.accumulate(store.manifest.artifacts[i].nbytes for i in indices)
+            indices = [i for i, total in zip(indices, sizes, strict=True) if total <= max_bytes]
         held = await trio.to_thread.run_sync(store.held, indices)
         checkpoint.refresh()
         return [i for i in indices if i not in held]

@@ -605,7 +605,7 @@ class MeshNode:
                     config=self.config.planner,
                 )
             )
-            await self.artifacts.prefetch(ranges)
+            await self.artifacts.prefetch(ranges, max_bytes=self.config.prefetch_max_bytes)
         else:
             self.artifacts.stop_fetching()
 

@@ -100,3 +100,30 @@ async def test_a_stage_already_held_needs_no_fetch(tmp_path: pathlib.Path) -> No
     async with artifact_nodes([holder, holder], CONFIG) as (_, node):
         assert await node.service.stage_ready((0, 6))  # a holder of the files: nothing to do
         assert node.service.job is None and node.service.status() is None
+
+
+async def test_a_prefetch_takes_at_most_prefetch_max_bytes_of_disk(tmp_path: pathlib.Path) -> None:
+    holder = Checkpoint.open(builtin_model_dir())
+    fetching = _empty_store(tmp_path, holder)
+    store = fetching.store
+    assert store is not None
+    config = fetching.config
+    first = store.tensor_indices(stage_tensor_names(config, 0, 2))
+    second = store.tensor_indices(stage_tensor_names(config, 2, 4))
+    size = {i: store.manifest.artifacts[i].nbytes for i in first + second}
+    # Room for the first stage it would take over and about half of the second.
+    budget = sum(size[i] for i in first) + sum(size[i] for i in second) // 2
+    async with artifact_nodes([holder, fetching], CONFIG) as (_, node):
+        service = node.service
+        done = trio.Event()
+        service.on_fetch_end = lambda _ok: done.set()
+        await service.prefetch([(0, 2), (2, 4)], max_bytes=budget)
+        with trio.fail_after(30):
+            await done.wait()
+    held = store.held(first + second)
+    assert set(first) <= held  # the most likely take-over whole
+    taken = [i for i in second if i in held]
+    assert 0 < len(taken) < len(second)
+    assert taken == second[: len(taken)]  # in the order it would load them
+    assert sum(size[i] for i in held) <= budget
+    assert sum(size[i] for i in held) + size[second[len(taken)]] > budget  # nothing more fit
