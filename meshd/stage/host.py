@@ -95,6 +95,11 @@ class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 COORDINATOR_LOST = "coordinator_lost"  # its lane died, or membership declared it dead
 LEASE_LAPSED = "lease_lapsed"  # no window or keep-alive for `session_lease_s`
 EXPIRY_CAUSES = (COORDINATOR_LOST, LEASE_LAPSED)
+# The bulk gate (meshd/net/bulk.py) is held at most this long at a stretch while windows keep
+# coming, then opened for BULK_SLICE_S: a busy stage slows the weight transfers it serves
+# (to about a slice's worth of bytes per stretch) but never starves them into timeouts.
+BULK_HOLD_MAX_S = 0.5
+BULK_SLICE_S = 0.002
 
 
 @dataclass
@@ -352,15 +357,19 @@ class StageHost:
             while self._errors:
                 key, error = self._errors.popleft()
                 await self._send(key, error)
-            # Windows pending or computing, and their results until sent: bulk work waits.
-            async with self.gate.hold():
-                while self._queue:
-                    batch = self._take_batch()
-                    if batch:
-                        await self._process(batch)
-                    while self._errors:
-                        key, error = self._errors.popleft()
-                        await self._send(key, error)
+            while self._queue:
+                # Windows pending or computing, and their results until sent: bulk work waits.
+                async with self.gate.hold():
+                    until = trio.current_time() + BULK_HOLD_MAX_S
+                    while self._queue and trio.current_time() < until:
+                        batch = self._take_batch()
+                        if batch:
+                            await self._process(batch)
+                        while self._errors:
+                            key, error = self._errors.popleft()
+                            await self._send(key, error)
+                if self._queue:  # a queue that never empties still lets transfers through
+                    await trio.sleep(BULK_SLICE_S)
 
     def _take_batch(self) -> list[tuple[_Work, _Session]]:
         """Pop the next pass's windows: FIFO, one per session, within the token budget.

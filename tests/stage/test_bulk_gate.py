@@ -12,7 +12,7 @@ import trio.testing
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.bulk import BulkGate
-from meshd.stage.host import StageHost
+from meshd.stage.host import BULK_HOLD_MAX_S, StageHost
 from protocol.messages import Message, OpenSession, Sampling, VerifyReply, VerifyWindow
 from tests.model.tiny import make_checkpoint
 
@@ -96,3 +96,55 @@ async def test_a_host_holds_the_gate_while_it_computes_a_window_and_sends_its_re
     assert [type(m) for m, _ in outbox.sent] == [VerifyReply, VerifyReply]
     assert all(held for _, held in outbox.sent) and held_in_pass == [True, True]
     assert gate.holds_total == 2 and not gate.held
+
+
+async def test_a_stage_whose_queue_never_empties_still_lets_transfers_through(
+    model_dir: pathlib.Path,
+) -> None:
+    gate = BulkGate()
+    stage = StageModel.load(Checkpoint.open(model_dir), 0, 2, device="cpu")
+    positions: dict[str, int] = {}
+    replies = 0
+    closed = trio.Event()
+    gate.subscribe(lambda held: closed.set() if held else None)
+    enough = (trio.Event(), [1 << 30])  # set once replies reach the target
+
+    class Feeder:
+        """Each reply brings its session's next window at once: the queue never empties."""
+
+        async def send(self, key: bytes, message: Message, stream: int = 0) -> None:
+            nonlocal replies
+            assert isinstance(message, VerifyReply), message
+            replies += 1
+            if replies >= enough[1][0]:
+                enough[0].set()
+            feed(message.session)
+
+    host = StageHost(stage, Feeder(), use_thread=True, gate=gate)  # type: ignore[arg-type]
+
+    def feed(sid: str) -> None:
+        base = positions[sid]
+        positions[sid] = base + 1
+        window = VerifyWindow(sid, 0, base + 1, base_pos=base, tokens=[5], sampling=Sampling())
+        host.handle(window, COORD)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(host.run)
+        for i in range(3):
+            sid = f"s{i}"
+            positions[sid] = 0
+            host.handle(
+                OpenSession(sid, stage.model_id, 8192, stage_index=0, coordinator=COORD), COORD
+            )
+            feed(sid)
+        with trio.fail_after(30):
+            await closed.wait()
+            held_at = trio.current_time()
+            await gate.wait_open()  # a transfer's chance, while windows keep coming
+        waited = trio.current_time() - held_at
+        enough[1][0] = replies + 10
+        with trio.fail_after(30):
+            await enough[0].wait()  # and the windows go on
+        nursery.cancel_scope.cancel()
+    assert waited < 10 * BULK_HOLD_MAX_S  # not starved (about BULK_HOLD_MAX_S)
+    assert replies > 10 and gate.holds_total >= 2
