@@ -76,6 +76,7 @@ class Lane:
         self._last_recv_s = now
         self._last_send_s = now
         self._packets_dropped = 0
+        self._bulk_held = False
         # Initiator only.
         self._attempts: list[Initiator] = []
         self._make_attempt: Callable[[int], Initiator] | None = None
@@ -167,6 +168,7 @@ class Lane:
             max_message_bytes=min(result.max_message_bytes, self._config.max_message_bytes),
             now=now,
         )
+        self._transport.bulk_held = self._bulk_held
 
     def _establish(self, now: float) -> None:
         assert self._result is not None
@@ -369,6 +371,20 @@ class Lane:
         if self._state is not _State.ESTABLISHED or self._transport is None:
             raise LocalProtocolError(f"cannot send on a lane that is {self._state.value}")
         self._transport.send_message(stream_id, bytes(data))
+
+    def hold_bulk(self, held: bool) -> None:
+        """While held, bulk streams (`BULK_STREAMS`) send nothing, new or retransmitted;
+        every other stream, ACKs and timers go on. The owner holds bulk while its node
+        computes a window, so a transfer's encryption and sends do not take the CPU (and the
+        GIL) from it. Released, the queued bulk bytes go with the next `datagrams_to_send`."""
+        self._bulk_held = held
+        if self._transport is not None:
+            self._transport.bulk_held = held
+
+    @property
+    def bulk_held(self) -> bool:
+        """Whether bulk streams are held (`hold_bulk`)."""
+        return self._bulk_held
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Hashable]]:
         """Everything that should go on the wire now, each with its destination."""

@@ -108,6 +108,8 @@ class Transport:
         # Streams and flow control.
         self._send_streams: dict[int, SendStream] = {}
         self._sendable: dict[int, SendStream] = {}  # insertion order is the round-robin order
+        # Set by the lane's owner while its node computes a window: bulk streams send nothing.
+        self.bulk_held = False
         self._recv_streams: dict[int, RecvStream] = {}
         self._peer_max_data = INITIAL_MAX_DATA_BYTES
         self._peer_stream_default = INITIAL_MAX_STREAM_DATA_BYTES
@@ -440,11 +442,12 @@ class Transport:
 
         Bulk streams (`BULK_STREAMS`: model artifacts) come after every other stream and only
         while the congestion window is less than `BULK_CWND_SHARE` full, so gossip and verify
-        windows never wait behind a transfer's bytes, in the queue or in flight.
+        windows never wait behind a transfer's bytes, in the queue or in flight; and not at
+        all while `bulk_held` (the node's CPU goes to a window it computes).
         """
         sendable = self._sendable
         cc = self.cc
-        bulk_ok = cc.bytes_in_flight < cc.cwnd_bytes * BULK_CWND_SHARE
+        bulk_ok = not self.bulk_held and cc.bytes_in_flight < cc.cwnd_bytes * BULK_CWND_SHARE
         order = [s for s in sendable if s not in BULK_STREAMS]
         if bulk_ok:
             order += [s for s in sendable if s in BULK_STREAMS]

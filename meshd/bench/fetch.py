@@ -18,12 +18,13 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import pathlib
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ import trio
 from meshd.bench.harness import model_dir, print_report
 from meshd.model.checkpoint import Checkpoint, expected_shapes
 from meshd.model.manifest import ModelStore
+from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lanes import LaneTable
 from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
@@ -56,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pings", type=int, default=200, help="idle round trips per round")
     parser.add_argument("--window-bytes", type=int, default=None, help="fetch flow window")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="bytes per chunk request")
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="the fetching node's process on the last core alone, the holder's on the others "
+        "(as if the fetcher were another machine, as in a mesh)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -66,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes or defaults.chunk_bytes,
         window_bytes=args.window_bytes or defaults.window_bytes,
     )
+    fetcher_cores: tuple[int, ...] = ()
+    if args.pin_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise SystemExit("--pin-cores needs at least 2 cores")
+        fetcher_cores = (cores[-1],)
+        os.sched_setaffinity(0, cores[:-1])  # the holder (and the coordinator beside it)
     with tempfile.TemporaryDirectory(prefix="meshd-bench-fetch-") as tmp:
         source = model_dir(args)
         if args.synthetic_mb:
@@ -78,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             args.window_kib * 1024,
             args.pings,
             config,
+            fetcher_cores,
         )
     print_report(result, args.json, _print_table)
     return 0
@@ -127,8 +143,6 @@ class _VerifyStage:
         self.position = 0
         self.stage.open_session("bench", 1024)
 
-    computing = False
-
     def step(self) -> None:
         import torch
 
@@ -137,12 +151,8 @@ class _VerifyStage:
             self.stage.open_session("bench", 1024)
             self.position = 0
         tokens = torch.arange(self.TOKENS, dtype=torch.int64) + 5
-        self.computing = True
-        try:
-            with torch.inference_mode():
-                self.stage.forward("bench", self.position, tokens, logits_last_n=self.TOKENS)
-        finally:
-            self.computing = False
+        with torch.inference_mode():
+            self.stage.forward("bench", self.position, tokens, logits_last_n=self.TOKENS)
         self.position += self.TOKENS
 
 
@@ -151,16 +161,17 @@ class _Node:
     table: LaneTable
     service: ArtifactService
     key: bytes
+    gate: BulkGate
 
 
 @contextlib.asynccontextmanager
 async def artifact_nodes(
     checkpoints: list[Checkpoint],
     config: FetchConfig,
-    busy: Callable[[], bool] | None = None,
 ) -> AsyncIterator[list[_Node]]:
     """One node per checkpoint on loopback lanes, each serving that checkpoint's files and
-    knowing every other's address (each lists all the others as sources)."""
+    knowing every other's address (each lists all the others as sources), each with its bulk
+    gate wired as a daemon's (held while a stage there computes a window)."""
     from nacl.bindings import crypto_scalarmult_base
     from nacl.utils import random as nacl_random
 
@@ -201,10 +212,12 @@ async def artifact_nodes(
             for key, other in zip(pubs, endpoints, strict=True):
                 if key != own:
                     table.addresses[key] = other.local_address
-            service = ArtifactService(checkpoint, table, others.copy, config=config, busy=busy)
+            gate = BulkGate()
+            gate.subscribe(endpoint.hold_bulk)
+            service = ArtifactService(checkpoint, table, others.copy, config=config, gate=gate)
             box.append(service)
             await nursery.start(service.run)
-            nodes.append(_Node(table, service, own))
+            nodes.append(_Node(table, service, own, gate))
         yield nodes
         nursery.cancel_scope.cancel()
 
@@ -216,6 +229,7 @@ async def _main(
     window_message_bytes: int,
     pings: int,
     config: FetchConfig,
+    fetcher_cores: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     holder = Checkpoint.open(source)
     t0 = time.perf_counter()
@@ -230,8 +244,7 @@ async def _main(
         # Alternate: the lane alone (a window's bytes there and back), then a verify window
         # through a stage of the built-in model (its forward pass on the holder).
         for kind, stage in (("lane", None), ("verify", verify_stage)):
-            busy = (lambda: verify_stage.computing) if stage is not None else None
-            async with artifact_nodes([holder, holder], config, busy) as (server, client):
+            async with artifact_nodes([holder, holder], config) as (server, client):
                 rtts_idle, rtts_busy, mb_s = await _round(
                     server,
                     client,
@@ -242,6 +255,7 @@ async def _main(
                     pings,
                     config,
                     stage,
+                    fetcher_cores,
                 )
             shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
             store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
@@ -259,6 +273,7 @@ async def _main(
         "chunk_bytes": config.chunk_bytes,
         "flow_window_bytes": config.window_bytes,
         "rounds": rounds,
+        "pin_cores": bool(fetcher_cores),
         "per_round": samples,
     }
     return out
@@ -274,15 +289,21 @@ async def _round(
     pings: int,
     config: FetchConfig,
     stage: _VerifyStage | None,
+    fetcher_cores: tuple[int, ...] = (),
 ) -> tuple[list[float], list[float], float]:
     replies: trio.MemorySendChannel[bytes]
     replies, reply_out = trio.open_memory_channel[bytes](16)
     window = b"w" * window_message_bytes
 
     async def answer(sender: bytes) -> None:
-        if stage is not None:  # a stage verifying the window: its forward pass, in a thread
+        if stage is None:
+            await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+            return
+        # A stage verifying the window, as `StageHost` does: its forward pass in a thread,
+        # the node's bulk gate held from taking the window until the reply is sent.
+        async with server.gate.hold():
             await trio.to_thread.run_sync(stage.step)
-        await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+            await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
 
     def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
         server.table._nursery.start_soon(answer, sender)  # type: ignore[union-attr]
@@ -319,7 +340,8 @@ async def _round(
         str(store.directory.parents[1]),
     )
     process = ctx.Process(
-        target=_fetch_child, args=(*args, config.chunk_bytes, config.window_bytes, child)
+        target=_fetch_child,
+        args=(*args, config.chunk_bytes, config.window_bytes, fetcher_cores, child),
     )
     process.start()
     child.close()  # the child's end: recv raises EOFError if the child dies
@@ -350,9 +372,13 @@ def _fetch_child(
     root: str,
     chunk_bytes: int,
     window_bytes: int,
+    cores: tuple[int, ...],
     conn: Any,
 ) -> None:
-    """(another process) Fetch every tensor from `holder`; report "start", then the seconds."""
+    """(another process) Fetch every tensor from `holder`; report "start", then the seconds.
+    On `cores` alone if given (`--pin-cores`)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
     config = FetchConfig(chunk_bytes=chunk_bytes, window_bytes=window_bytes)
     trio.run(_fetch_child_main, holder, address, model_id, data, pathlib.Path(root), config, conn)
 
@@ -414,6 +440,8 @@ async def _fetch_child_main(
 def _print_table(r: dict[str, Any]) -> None:
     print(f"meshd bench fetch — loopback lanes, {r['rounds']} rounds, medians")
     print(f"  model: {r['tensors']} tensors, {r['model_bytes'] / 1e6:.1f} MB")
+    if r["pin_cores"]:
+        print("  fetcher on a core of its own (--pin-cores)")
     print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
     for kind, what in (("lane", "lane round trip"), ("verify", "verify window")):
         print(f"  {what + ', idle':29s}  {r[f'{kind}_rtt_idle_ms']:9.3f} ms")

@@ -88,6 +88,8 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     model_cache_dir: str = ""
     # A `mesh:ID` spare fetches ahead the layers it would take over (meshd/node/prefetch.py).
     prefetch: bool = True
+    # At most this many bytes of take-over tensors (held or fetched) per spare; 0 = no limit.
+    prefetch_max_bytes: int = 0
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
@@ -283,6 +285,10 @@ def _check_compute(c: NodeConfig) -> None:
     if c.context_tokens < 0:
         raise ConfigError(
             "context_tokens must be >= 0 (0 = the model's own context)", key="context_tokens"
+        )
+    if c.prefetch_max_bytes < 0:
+        raise ConfigError(
+            "prefetch_max_bytes must be >= 0 (0 = no limit)", key="prefetch_max_bytes"
         )
     if c.memory_budget_bytes < 0:
         raise ConfigError(

@@ -121,6 +121,8 @@ class PeerLane:
         self._terminated: LaneTerminated | None = None
         self._terminated_event = trio.Event()
         self._drained = trio.Event()
+        # (bytes, event): set once at most that many bytes are unacknowledged (`wait_unacked`).
+        self._unacked_waiters: list[tuple[int, trio.Event]] = []
 
     # -- what the layers above call ------------------------------------------------------
     @property
@@ -163,6 +165,14 @@ class PeerLane:
             self._drained = trio.Event()
             await self._drained.wait()
             self._raise_if_terminated()
+
+    async def wait_unacked(self, nbytes: int) -> None:
+        """Return once at most `nbytes` sent on this lane are unacknowledged (at once if the
+        lane is over: the caller's next send says so)."""
+        while self.lane.pending_send_bytes > nbytes and self._terminated is None:
+            event = trio.Event()
+            self._unacked_waiters.append((nbytes, event))
+            await event.wait()
 
     async def receive(self) -> tuple[int, bytes]:
         """The next message as (stream_id, data); raises LaneClosedError once the lane ends."""
@@ -213,8 +223,18 @@ class PeerLane:
                 self._drained.set()
                 self._established.set()
                 self._terminated_event.set()
-        if self.lane.pending_send_bytes <= self._endpoint.send_buffer_limit_bytes:
+        pending = self.lane.pending_send_bytes
+        if pending <= self._endpoint.send_buffer_limit_bytes:
             self._drained.set()
+        if self._unacked_waiters:
+            over = self._terminated is not None
+            waiting = []
+            for nbytes, waiter in self._unacked_waiters:
+                if over or pending <= nbytes:
+                    waiter.set()
+                else:
+                    waiting.append((nbytes, waiter))
+            self._unacked_waiters = waiting
 
 
 class Endpoint:
@@ -261,6 +281,7 @@ class Endpoint:
         # NAT traversal hooks: handlers for PROBE/RELAY, and relay paths we accept RELAYED from.
         self.datagram_handlers: dict[int, DatagramHandler] = {}
         self.relay_paths: set[punch.RelayPath] = set()
+        self._bulk_held = False
 
     @property
     def local_address(self) -> Address:
@@ -340,6 +361,20 @@ class Endpoint:
         """The next lane a peer opened to us (after its handshake was admitted)."""
         return await self._incoming_recv.receive()
 
+    def hold_bulk(self, held: bool) -> None:
+        """Hold (or release) bulk streams on every lane, present and future (`Lane.hold_bulk`):
+        a `meshd.net.bulk.BulkGate` listener. Released, the lanes send what they queued on
+        the timer task's next pass, after what the releasing task sends now."""
+        if held == self._bulk_held:
+            return
+        self._bulk_held = held
+        for peer in self._lanes.values():
+            peer.lane.hold_bulk(held)
+            if not held:
+                self._dirty.add(peer)
+        if not held:
+            self._wake.set()
+
     # -- driver internals ----------------------------------------------------------------
     def _new_lane_id(self) -> int:
         while True:
@@ -349,6 +384,7 @@ class Endpoint:
 
     def _register(self, lane: Lane, *, incoming: bool) -> PeerLane:
         peer = PeerLane(self, lane, incoming=incoming)
+        lane.hold_bulk(self._bulk_held)
         self._lanes[lane.local_lane_id] = peer
         self.stats.lanes_opened += 1
         return peer

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import pathlib
@@ -35,6 +36,7 @@ from meshd.model.errors import MissingFile, ModelError
 from meshd.model.llama import decoder_layer_shapes
 from meshd.model.manifest import ModelStore, store_checkpoint, store_of
 from meshd.model.mtp import mtp_shapes
+from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
 from meshd.net.lanes import LaneTable, PeerUnreachable
 from protocol import artifacts
@@ -79,7 +81,6 @@ JOIN_RETRY_MAX_S = 8.0
 FETCH_RETRY_S = 2.0
 # A fetch with no chunk arriving for this long fails (and is tried again after FETCH_RETRY_S).
 STALL_S = 30.0
-BUSY_POLL_S = 0.0005
 SERVE_AHEAD_BYTES = 256 * 1024
 
 
@@ -463,7 +464,7 @@ class ArtifactService:
         config: FetchConfig | None = None,
         load_display: LoadDisplay | None = None,
         note: Callable[[str, str], None] | None = None,
-        busy: Callable[[], bool] | None = None,
+        gate: BulkGate | None = None,
         name: str = "",
         on_fetch_end: Callable[[bool], None] | None = None,
     ) -> None:
@@ -475,9 +476,9 @@ class ArtifactService:
         self.load_display = load_display
         self._note = note or (lambda _kind, _detail: None)
         self.on_fetch_end = on_fetch_end or (lambda _ok: None)
-        # While this is true (the stage computes a window), serving chunks waits: the CPU
-        # and the GIL go to the verify window first.
-        self.busy = busy or (lambda: False)
+        # Held while this node's stage computes a window: serving chunks waits meanwhile, the
+        # CPU and the GIL go to the window first.
+        self.gate = gate or BulkGate()
         send, receive = trio.open_memory_channel[tuple[ManifestRequest | ChunkRequest, bytes]](
             SERVE_QUEUE
         )
@@ -513,21 +514,22 @@ class ArtifactService:
             await self._serve()
 
     async def _serve(self) -> None:
+        gate = self.gate
         async for message, sender in self._requests_out:
-            # Polled (an event per pass would cost every pass): no chunk while the stage
-            # computes, nor while the lane still holds `SERVE_AHEAD_BYTES` unsent or unacked
-            # (what is queued is encrypted and sent in this loop, beside the stage's thread).
-            while isinstance(message, ChunkRequest) and (  # noqa: ASYNC110
-                self.busy() or self._backlog(sender) > SERVE_AHEAD_BYTES
-            ):
-                await trio.sleep(BUSY_POLL_S)
+            # No chunk while the gate is held (a window computes here), nor while the lane
+            # still holds `SERVE_AHEAD_BYTES` unsent or unacked (what is queued is encrypted
+            # and sent in this loop, beside the stage's thread). Both are waited for as events:
+            # a poll would wake this loop (and take the GIL) throughout every window.
+            while isinstance(message, ChunkRequest):
+                await gate.wait_open()
+                lane = self.peers.lane(sender)
+                if lane is not None:
+                    await lane.wait_unacked(SERVE_AHEAD_BYTES)
+                if not gate.held:
+                    break
             reply = self.server.answer(message)
             with contextlib.suppress(PeerUnreachable):
                 await self.peers.send_bytes(sender, ARTIFACT_STREAM, artifacts.encode(reply))
-
-    def _backlog(self, key: bytes) -> int:
-        lane = self.peers.lane(key)
-        return lane.lane.pending_send_bytes if lane is not None else 0
 
     # -- fetching ---------------------------------------------------------------------------
     def status(self) -> FetchStatus | None:
@@ -555,11 +557,13 @@ class ArtifactService:
         self._want(FetchJob(describe_layers([layers]), tuple(missing)))
         return False
 
-    async def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+    async def prefetch(self, ranges: list[tuple[int, int]], max_bytes: int = 0) -> None:
         """A spare's prefetch: fetch in the background the tensors of `ranges` (the stages it
         would take over, the most likely first) that it does not hold; replaces any other
-        job. Nothing to fetch (or no ranges) ends the job in progress."""
-        missing = await self._missing(ranges) if ranges else []
+        job. Nothing to fetch (or no ranges) ends the job in progress. `max_bytes` (0: no
+        limit) bounds the disk it takes: the tensors of `ranges`, in order, held ones
+        included, up to the first that would pass it (`prefetch_max_bytes`)."""
+        missing = await self._missing(ranges, max_bytes) if ranges else []
         job = FetchJob("prefetch " + describe_layers(ranges), tuple(missing), prefetch=True)
         self._want(job if missing else None)
 
@@ -567,9 +571,10 @@ class ArtifactService:
         """No fetch is wanted now: one in progress ends (what it verified stays stored)."""
         self._want(None)
 
-    async def _missing(self, ranges: list[tuple[int, int]]) -> list[int]:
+    async def _missing(self, ranges: list[tuple[int, int]], max_bytes: int = 0) -> list[int]:
         """Manifest indices of the tensors stages of `ranges` read and this node does not hold,
-        in the order of `ranges` (none for a node holding the checkpoint's files)."""
+        in the order of `ranges` (none for a node holding the checkpoint's files); with
+        `max_bytes`, of those among the first tensors whose bytes add up to at most that."""
         checkpoint = self.checkpoint
         store = store_of(checkpoint)
         if store is None:
@@ -578,6 +583,9 @@ class ArtifactService:
             n for lo, hi in ranges for n in stage_tensor_names(checkpoint.config, lo, hi)
         )
         indices = store.tensor_indices(names)
+        if max_bytes:
+            sizes = itertools.accumulate(store.manifest.artifacts[i].nbytes for i in indices)
+            indices = [i for i, total in zip(indices, sizes, strict=True) if total <= max_bytes]
         held = await trio.to_thread.run_sync(store.held, indices)
         checkpoint.refresh()
         return [i for i in indices if i not in held]

@@ -28,6 +28,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.errors import ModelError
 from meshd.model.files import model_name, open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
+from meshd.net.bulk import BulkGate
 from meshd.net.lanes import LaneTable
 from meshd.node.duty import (
     CancelDrain,
@@ -165,6 +166,7 @@ class ModelSet:
         quantization: str,
         note: Callable[[str, str], None],
         publish: Callable[[], None],
+        gate: BulkGate | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -186,6 +188,7 @@ class ModelSet:
                 session_lease_s=config.session_lease_s,
                 quantization=quantization,
                 kv_dtype=kv_dtype,
+                gate=gate,
             )
             coordinator = Coordinator(
                 sender,

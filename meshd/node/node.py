@@ -33,6 +33,7 @@ from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.threads import configure_threads
 from meshd.model.tokenizer import Tokenizer
+from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.net.lanes import PeerUnreachable
 from meshd.node.duty import (
@@ -281,6 +282,9 @@ class MeshNode:
             punch=config.punch,
             introducers=self._introducers_for,
         )
+        # Held while a stage here computes a window: weight transfers wait (meshd/net/bulk.py).
+        self.bulk_gate = BulkGate()
+        self.bulk_gate.subscribe(endpoint.hold_bulk)
         # Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage.
         self.artifacts = ArtifactService(
             self.checkpoint,
@@ -290,7 +294,7 @@ class MeshNode:
             ),
             load_display=load_display,
             note=lambda kind, detail: self.note(kind, self.node_key, detail),
-            busy=lambda: self.slot.computing,
+            gate=self.bulk_gate,
             name=basis.name,
             on_fetch_end=self._on_fetch_end,
         )
@@ -314,6 +318,7 @@ class MeshNode:
             session_lease_s=config.session_lease_s,
             quantization=self.quantization,
             kv_dtype=self.kv_dtype,
+            gate=self.bulk_gate,
         )
         self.models = ModelSet(
             basis.extras,
@@ -327,6 +332,7 @@ class MeshNode:
             quantization=self.quantization,
             note=lambda kind, detail: self.note(kind, self.node_key, detail),
             publish=self.publish_capacity,
+            gate=self.bulk_gate,
         )
         self.wiring = NodeWiring(
             coordinator=self.coordinator,
@@ -599,7 +605,7 @@ class MeshNode:
                     config=self.config.planner,
                 )
             )
-            await self.artifacts.prefetch(ranges)
+            await self.artifacts.prefetch(ranges, max_bytes=self.config.prefetch_max_bytes)
         else:
             self.artifacts.stop_fetching()
 

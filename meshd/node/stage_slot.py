@@ -21,6 +21,7 @@ import trio
 
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import LoadProgress, StageModel
+from meshd.net.bulk import BulkGate
 from meshd.net.lanes import LaneTable
 from meshd.stage.host import EXPIRY_CAUSES, StageHost, StageHostConfig
 from protocol.messages import Message, OpenSession, StageError
@@ -92,8 +93,10 @@ class StageSlot:
         session_lease_s: float = 30.0,
         quantization: str = "none",
         kv_dtype: torch.dtype | None = None,
+        gate: BulkGate | None = None,
     ) -> None:
         self.checkpoint = checkpoint
+        self.gate = gate  # held by each host while it computes (`StageHost`)
         self.quantization = quantization
         self.kv_dtype = kv_dtype
         self.load_display = load_display
@@ -193,6 +196,7 @@ class StageSlot:
             use_thread=True,
             config=self.host_config,
             session_lease_s=self.session_lease_s,
+            gate=self.gate,
         )
         running = _Running(layers, host, trio.CancelScope(), trio.Event())
         self._running = running

@@ -43,6 +43,7 @@ import trio
 
 from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
+from meshd.net.bulk import BulkGate
 from meshd.spec.sampling import SamplingParams, verify
 from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
@@ -94,6 +95,11 @@ class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 COORDINATOR_LOST = "coordinator_lost"  # its lane died, or membership declared it dead
 LEASE_LAPSED = "lease_lapsed"  # no window or keep-alive for `session_lease_s`
 EXPIRY_CAUSES = (COORDINATOR_LOST, LEASE_LAPSED)
+# The bulk gate (meshd/net/bulk.py) is held at most this long at a stretch while windows keep
+# coming, then opened for BULK_SLICE_S: a busy stage slows the weight transfers it serves
+# (to about a slice's worth of bytes per stretch) but never starves them into timeouts.
+BULK_HOLD_MAX_S = 0.5
+BULK_SLICE_S = 0.002
 
 
 @dataclass
@@ -144,11 +150,14 @@ class StageHost:
         use_thread: bool = True,
         config: StageHostConfig | None = None,
         session_lease_s: float = 30.0,
+        gate: BulkGate | None = None,
     ) -> None:
-        self.computing = False  # a forward pass runs now
         """`session_lease_s`: a session is freed after this long without a window or
         keep-alive from its coordinator (the daemon's `session_lease_s`, which its
-        coordinator's keep-alives share)."""
+        coordinator's keep-alives share). `gate` is held from taking a window until its
+        result is sent: the node's bulk transfers wait meanwhile."""
+        self.computing = False  # a forward pass runs now
+        self.gate = gate or BulkGate()
         self.stage = stage
         self.sender = sender
         self.eos_ids = eos_ids
@@ -349,12 +358,18 @@ class StageHost:
                 key, error = self._errors.popleft()
                 await self._send(key, error)
             while self._queue:
-                batch = self._take_batch()
-                if batch:
-                    await self._process(batch)
-                while self._errors:
-                    key, error = self._errors.popleft()
-                    await self._send(key, error)
+                # Windows pending or computing, and their results until sent: bulk work waits.
+                async with self.gate.hold():
+                    until = trio.current_time() + BULK_HOLD_MAX_S
+                    while self._queue and trio.current_time() < until:
+                        batch = self._take_batch()
+                        if batch:
+                            await self._process(batch)
+                        while self._errors:
+                            key, error = self._errors.popleft()
+                            await self._send(key, error)
+                if self._queue:  # a queue that never empties still lets transfers through
+                    await trio.sleep(BULK_SLICE_S)
 
     def _take_batch(self) -> list[tuple[_Work, _Session]]:
         """Pop the next pass's windows: FIFO, one per session, within the token budget.
@@ -393,7 +408,7 @@ class StageHost:
         start = time.perf_counter()
         in_pass = {work.window.session for work, _ in batch}
         queued = len({w.window.session for w in self._queue} - in_pass)
-        self.computing = True  # bulk work on this node (serving weights) waits meanwhile
+        self.computing = True
         try:
             if self.use_thread:
                 results = await trio.to_thread.run_sync(self._compute_batch, batch)

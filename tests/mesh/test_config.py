@@ -245,6 +245,7 @@ def test_bad_values_name_the_key_and_where_it_was_set(tmp_path: Path, env: dict[
         ({"join": ("10.0.0.1:0",)}, "join", "1..65535"),
         ({"listen_host": "example.com"}, "listen_host", "not an IP address"),
         ({"memory_budget_bytes": -1}, "memory_budget_bytes", ">= 0"),
+        ({"prefetch_max_bytes": -1}, "prefetch_max_bytes", ">= 0"),
         ({"revoked_keys": ("abc",)}, "revoked_keys", "64 hex digits"),
         ({"admitted_keys": ("ff" * 32,)}, "admitted_keys", "not an Ed25519 public key"),
     ]

@@ -19,6 +19,7 @@ from protocol.config import LaneConfig
 from protocol.datagram import KIND_DATA
 from protocol.events import TerminationReason
 from protocol.packet import HEADER
+from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
 
 PSK = bytes(range(32))
 FAST_FAIL = LaneConfig(handshake_timeout_s=0.6, handshake_retry_s=0.1)
@@ -49,6 +50,38 @@ async def test_messages_flow_both_ways_byte_exact() -> None:
             assert got[s] == payloads[s::3]
         await incoming.send(7, b"reply")
         assert await lane.receive() == (7, b"reply")
+
+
+async def test_held_bulk_waits_on_every_lane_and_goes_when_released() -> None:
+    # A node computing a window holds bulk on its endpoint: a weight chunk queued meanwhile
+    # stays put (on lanes open before the hold and after it) while pipeline messages flow;
+    # released, it goes without anything else being sent.
+    (sk, _), (ck, _), (dk, _) = keypair(21), keypair(22), keypair(23)
+    async with (
+        open_endpoint(static_private=sk, psk=PSK) as server,
+        open_endpoint(static_private=ck, psk=PSK) as client,
+        open_endpoint(static_private=dk, psk=PSK) as late,
+    ):
+        early_lane = await server.connect(client.local_address, crypto_scalarmult_base(ck))
+        early_peer = await client.accept()
+        server.hold_bulk(True)
+        late_lane = await server.connect(late.local_address, crypto_scalarmult_base(dk))
+        late_peer = await late.accept()
+        chunk = random.Random(7).randbytes(300_000)
+        for lane, peer in ((early_lane, early_peer), (late_lane, late_peer)):
+            await lane.send(ARTIFACT_STREAM, chunk)
+            # A round trip on the pipeline stream, queued after the chunk: its reply comes
+            # back only after the peer read everything sent before it, chunk included were
+            # it not held.
+            await lane.send(PIPELINE_STREAM, b"window")
+            assert await peer.receive() == (PIPELINE_STREAM, b"window")
+            await peer.send(PIPELINE_STREAM, b"reply")
+            assert await lane.receive() == (PIPELINE_STREAM, b"reply")
+            assert lane.lane.pending_send_bytes >= len(chunk)  # unsent
+        server.hold_bulk(False)
+        with trio.fail_after(5):
+            for peer in (early_peer, late_peer):
+                assert await peer.receive() == (ARTIFACT_STREAM, chunk)
 
 
 async def test_sending_on_a_closing_lane_raises_lane_closed() -> None:

@@ -42,8 +42,7 @@ async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_a
     config = fetching.config
     first = store.tensor_indices(stage_tensor_names(config, 0, 2))
     second = store.tensor_indices(stage_tensor_names(config, 2, 4))
-    paused = [False]  # the holder serves no chunk while set (as while its stage computes)
-    async with artifact_nodes([holder, fetching], CONFIG, lambda: paused[0]) as (_, node):
+    async with artifact_nodes([holder, fetching], CONFIG) as (holding, node):
         service = node.service
         ended: list[bool] = []
         done = trio.Event()
@@ -69,13 +68,13 @@ async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_a
         # Some of the first stage arrives; then the plan moves while the holder is paused.
         with trio.fail_after(30):
             await first_arrived.wait()
-        paused[0] = True
-        run = service._run
-        assert run is not None
-        kept = {i for i in first if store.is_held(i)}
-        assert kept != set(first), "the first stage finished before the plan moved"
-        assert not await service.stage_ready((2, 4))
-        paused[0] = False
+        # Paused: the holder's bulk gate held, as while its stage computes a window.
+        async with holding.gate.hold():
+            run = service._run
+            assert run is not None
+            kept = {i for i in first if store.is_held(i)}
+            assert kept != set(first), "the first stage finished before the plan moved"
+            assert not await service.stage_ready((2, 4))
         with trio.fail_after(30):
             await done.wait()
 
@@ -101,3 +100,30 @@ async def test_a_stage_already_held_needs_no_fetch(tmp_path: pathlib.Path) -> No
     async with artifact_nodes([holder, holder], CONFIG) as (_, node):
         assert await node.service.stage_ready((0, 6))  # a holder of the files: nothing to do
         assert node.service.job is None and node.service.status() is None
+
+
+async def test_a_prefetch_takes_at_most_prefetch_max_bytes_of_disk(tmp_path: pathlib.Path) -> None:
+    holder = Checkpoint.open(builtin_model_dir())
+    fetching = _empty_store(tmp_path, holder)
+    store = fetching.store
+    assert store is not None
+    config = fetching.config
+    first = store.tensor_indices(stage_tensor_names(config, 0, 2))
+    second = store.tensor_indices(stage_tensor_names(config, 2, 4))
+    size = {i: store.manifest.artifacts[i].nbytes for i in first + second}
+    # Room for the first stage it would take over and about half of the second.
+    budget = sum(size[i] for i in first) + sum(size[i] for i in second) // 2
+    async with artifact_nodes([holder, fetching], CONFIG) as (_, node):
+        service = node.service
+        done = trio.Event()
+        service.on_fetch_end = lambda _ok: done.set()
+        await service.prefetch([(0, 2), (2, 4)], max_bytes=budget)
+        with trio.fail_after(30):
+            await done.wait()
+    held = store.held(first + second)
+    assert set(first) <= held  # the most likely take-over whole
+    taken = [i for i in second if i in held]
+    assert 0 < len(taken) < len(second)
+    assert taken == second[: len(taken)]  # in the order it would load them
+    assert sum(size[i] for i in held) <= budget
+    assert sum(size[i] for i in held) + size[second[len(taken)]] > budget  # nothing more fit

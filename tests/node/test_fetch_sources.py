@@ -118,3 +118,38 @@ async def test_a_fetch_resumes_from_another_holder_when_a_lane_dies(tmp_path: pa
     # What had arrived was kept: at most what the lost holder still owed is fetched twice.
     assert run.fetcher.received_bytes <= total + CONFIG.window_bytes
     assert store.held(everything) == set(everything)
+
+
+async def test_a_holder_computing_a_window_serves_no_chunk_until_its_reply_is_out(
+    tmp_path: pathlib.Path,
+) -> None:
+    good = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    everything = list(range(len(manifest.artifacts)))
+    async with artifact_nodes([good, good], CONFIG) as (holder, fetching):
+        run = _run(store, [holder.key], fetching.service._send, everything)
+        fetching.service._run = run
+        into_transfer = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:
+            if run.fetcher.received_bytes >= 1024 * 1024:
+                into_transfer.set()
+
+        assert run.meter is not None
+        run.meter.display = on_progress
+        server = holder.service.server
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.run)
+            await into_transfer.wait()
+            async with holder.gate.hold():  # a stage on the holder computes a window
+                served = server.chunks_served
+                # The fetcher's requests keep coming (what was sent before lands, and it
+                # asks for more): they wait, none is answered.
+                with trio.fail_after(10):
+                    while holder.service._requests_out.statistics().current_buffer_used < 2:  # noqa: ASYNC110 (no event: a queue's length)
+                        await trio.sleep(0.001)
+                assert server.chunks_served == served
+                assert not run.fetcher.done
+        assert run.fetcher.done  # released: the fetch completes
+    assert store.held(everything) == set(everything)

@@ -18,6 +18,7 @@ from protocol.lane import (
     TerminationReason,
 )
 from protocol.packet import parse_header
+from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 
 def send_batch(lane: Lane, rng: random.Random, count: int) -> dict[int, list[bytes]]:
@@ -170,6 +171,36 @@ def test_messages_larger_than_the_flow_control_windows_still_flow() -> None:
     lane_a.send_message(5, payload)
     net.run(until=net.now + 10.0, stop=lambda: len(net.messages("b")) == 1)
     assert net.messages("b") == [(net.established_lane("b").local_lane_id, 5, payload)]  # type: ignore[union-attr]
+
+
+def test_held_bulk_streams_wait_while_the_other_streams_flow() -> None:
+    # A node computing a window holds bulk (a weight transfer) on its lanes: the transfer's
+    # bytes wait while gossip and pipeline messages go at once; released, it completes.
+    net, lane_a, _ = pair(link=LinkProfile(delay_s=0.0005, loss=0.02), seed=3)
+    net.run(until=net.now + 1.0)  # path MTU probing is over
+    lane_b_id = net.established_lane("b").local_lane_id  # type: ignore[union-attr]
+    lane_a.hold_bulk(True)
+    assert lane_a.bulk_held
+    sent_before = lane_a.stats.bytes_sent
+    chunk = random.Random(2).randbytes(2 * 1024 * 1024)
+    window = b"w" * 65536
+    lane_a.send_message(ARTIFACT_STREAM, chunk)
+    lane_a.send_message(PIPELINE_STREAM, window)
+    lane_a.send_message(GOSSIP_STREAM, b"g" * 300)
+    net.run(until=net.now + 5.0)  # longer than a lane's idle timeouts: it stays up
+    assert sorted((s, d) for _, s, d in net.messages("b")) == [
+        (GOSSIP_STREAM, b"g" * 300),
+        (PIPELINE_STREAM, window),
+    ]
+    # While held, a sent those two (and any retransmission of them), ACKs and pings.
+    assert lane_a.stats.bytes_sent - sent_before < 3 * 65536
+    assert lane_a.pending_send_bytes >= len(chunk)
+    assert net.terminations("a") == net.terminations("b") == []
+    lane_a.hold_bulk(False)
+    net.run(until=net.now + 5.0, stop=lambda: len(net.messages("b")) == 3)
+    assert net.messages("b")[2] == (lane_b_id, ARTIFACT_STREAM, chunk)
+    net.run(until=net.now + 1.0)
+    assert lane_a.pending_send_bytes == 0
 
 
 def test_replayed_datagram_is_dropped_and_counted() -> None:
