@@ -17,6 +17,7 @@ across requests; each request starts from the book and adapts with its own EWMA.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,6 +69,13 @@ _MTP_CHEAP_FRACTION = 0.1
 # decisions are worth.
 _DECIDE_EVERY_TOKENS = 4
 _DECIDE_EVERY_MAX_TOKENS = 32
+# The spacing is capped where a token takes long: a decision (≈ 0.2 ms with a draft model's
+# candidate on this machine) may cost at most `_DECIDE_SHARE` of the plain decoding time it
+# spans. At 2 stages / 20 ms (≈ 27 ms a token) auto so re-decides every token or two, where it
+# once sat through 20-28 one-token windows of plain decoding before it looked again at a
+# draft that paid (colorsys completion); on one node (≈ 3 ms a token) the spacing stays 14+.
+_DECIDE_COST_S = 200e-6
+_DECIDE_SHARE = 0.005
 _LINK_CHANGE_FRACTION = 0.5
 # The book's EWMA weight, as a fraction of the request's `ewma_alpha`: a request adapts within
 # a few windows, the book averages over many (one request's unlucky first windows, which once
@@ -80,15 +88,20 @@ _PENDING_PER_CANDIDATE = 8
 # the draft is not the choice it is scored teacher-forced instead: every commit leaves a start
 # to score, and one pass over the log's new tokens gives the draft's own choice at each of
 # their positions, which settles every start at once (a chain that has been right drafts from
-# the log itself). That pass runs once this many tokens are new, and once `_DRAFT_SYNC_SPARSE`
-# are while its own estimate says the draft does not pay on this route (on one fast node a pass
-# costs a third of a token); every start is scored either way, later. While it is the choice,
+# the log itself). That pass runs once enough tokens are new for its measured cost to be at
+# most `_DRAFT_SCORE_SHARE` of their plain decoding time (`_DRAFT_SCORE_SHARE_IDLE` while the
+# draft's own estimate says it does not pay on this route; at most every 32 tokens): at 2
+# stages / 20 ms every token or two, on one fast node (a pass ≈ a third of a token) every 32.
+# Every start is scored either way, only later. While it is the choice,
 # its real proposal is its shadow (drafted in `propose`, so its time is charged to its own
 # windows). The sparse random shadows this replaced scored one start in 16 while the heads
 # drafted, and a request that had moved to the heads stayed there (2 stages / 20 ms prose:
 # auto 1.23x where draft-ngram made 1.39x).
-_DRAFT_SYNC_TOKENS = 4
-_DRAFT_SYNC_SPARSE = 32
+_DRAFT_SCORE_SHARE = 0.02
+_DRAFT_SCORE_SHARE_IDLE = 0.005
+_DRAFT_SYNC_MAX_TOKENS = 32
+_DRAFT_SCORE_PRIOR_S = 0.001  # a pass's seconds until one was timed
+_COST_EWMA = 0.2  # weight of the newest pass in that estimate
 # Starts waiting for the draft's teacher-forced choices (beyond these the oldest are dropped).
 _DRAFT_PENDING = 64
 # While the MTP heads run, a `draft` window pays for them too, so `draft` is weighed with their
@@ -119,6 +132,8 @@ class AcceptanceBook:
     config: SpecConfig
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)
     has_mtp: bool = False
+    # Seconds of one teacher-forced pass of the draft model over a commit's new tokens (EWMA).
+    draft_score_s: float = _DRAFT_SCORE_PRIOR_S
 
     def tracker(self, strategy: str) -> AcceptanceTracker:
         """The model-level tracker of `strategy` (created at the prior on first use)."""
@@ -475,6 +490,10 @@ class AutoProposer(AccountedProposer):
                 waiting.append(shadow)
         self._pending = waiting
 
+    def _plain_token_s(self) -> float:
+        """A token's time without speculation on the current route."""
+        return self.link.rtt_s + max(1, self.link.concurrent_sessions) * self.link.compute_s(0)
+
     def _score_draft(self) -> None:
         """Turn the starts waiting for the draft's choices into shadows once those choices
         settle them, running the draft over the log's new tokens when enough are new."""
@@ -486,14 +505,18 @@ class AutoProposer(AccountedProposer):
         if not self._tf_pending:
             return
         log = self._tokens
-        every = _DRAFT_SYNC_TOKENS if self._draft_pays else _DRAFT_SYNC_SPARSE
-        if len(log) - self._tf_synced < every:
+        share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
+        every = _tokens_for(self.book.draft_score_s, share * self._plain_token_s())
+        if len(log) - self._tf_synced < min(every, _DRAFT_SYNC_MAX_TOKENS):
             return
         since = min(start for start, _ in self._tf_pending)
         while since in self._tf and since < len(log):
             since += 1
         first, choices = self._draft.predict_log(since)
         self._tf_synced = len(log)
+        spent = self._draft.last_score_s
+        if spent is not None:
+            self.book.draft_score_s += _COST_EWMA * (spent - self.book.draft_score_s)
         for j, token in enumerate(choices):
             self._tf[first + j] = token
         eos = self._draft.draft.eos_ids
@@ -532,10 +555,14 @@ class AutoProposer(AccountedProposer):
             held_s, width = found[self.choice].s_per_token(self.config)
             if width > 0 and best_s > (1 - _MODEL_SWITCH_MARGIN) * held_s:
                 best_name = self.choice  # not clearly better: keep the one drafting now
+        cap = min(
+            _DECIDE_EVERY_MAX_TOKENS,
+            _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_token_s()),
+        )
         if best_name == self.choice:
-            self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
+            self._decide_every = min(2 * self._decide_every, cap)
         else:
-            self._decide_every = _DECIDE_EVERY_TOKENS
+            self._decide_every = min(_DECIDE_EVERY_TOKENS, cap)
         self._next_decision = len(self._tokens) + self._decide_every
         first = next(iter(found.values()), None)
         fallback = plan_of(first, self.config) if first is not None else None
@@ -573,6 +600,13 @@ class AutoProposer(AccountedProposer):
             if width > 0 and (best_name == "disabled" or per_token < best_s):
                 best_name, best_s = name, per_token
         return best_name, best_s, found
+
+
+def _tokens_for(cost_s: float, budget_per_token_s: float) -> int:
+    """The fewest tokens over which `cost_s` stays within `budget_per_token_s` a token."""
+    if budget_per_token_s <= 0:
+        return _DECIDE_EVERY_MAX_TOKENS
+    return max(1, math.ceil(cost_s / budget_per_token_s))
 
 
 def _draft_ngram_shadow(

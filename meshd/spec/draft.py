@@ -167,6 +167,9 @@ class DraftProposer(AccountedProposer):
         self._capacity = 0
         self._cached: list[int] = []  # the tokens whose KV the session holds, from position 0
         self._cost_s: float | None = None
+        # The latest `predict_log` pass's seconds (None after one that wrote the whole log,
+        # the prompt's prefill included: not what a pass over new tokens costs).
+        self.last_score_s: float | None = None
         self.last_draft_s = 0.0  # the latest proposal's time (the window loop nets it out)
         self.draft_s = 0.0  # this request's drafting time in all
         self.passes = 0  # draft forward passes of this request
@@ -237,7 +240,9 @@ class DraftProposer(AccountedProposer):
         # The row for position `since` needs the token before it written in this pass.
         same = max(0, min(same, len(context) - 1, since - 1))
         feed = context[same:]
+        started = time.perf_counter()
         rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1)
+        self.last_score_s = time.perf_counter() - started if same > 0 else None
         self.passes += 1
         del cached[same:]
         cached.extend(feed)
