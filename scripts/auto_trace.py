@@ -42,7 +42,7 @@ def _patch() -> None:
     propose = auto.AutoProposer.propose
     observe = auto.AutoProposer.observe
     set_link = auto.AutoProposer.set_link
-    forward = DraftModel.next_logits
+    forward = DraftModel.rows
 
     def traced_propose(self: auto.AutoProposer, max_tokens: int, mtp_draft: Any = ()) -> Any:
         out = propose(self, max_tokens, mtp_draft)
@@ -69,10 +69,12 @@ def _patch() -> None:
     def traced_link(self: auto.AutoProposer, link: Any) -> None:
         set_link(self, link)
 
-    def traced_forward(self: DraftModel, session: str, base_pos: int, tokens: Any) -> Any:
+    def traced_forward(
+        self: DraftModel, session: str, base_pos: int, tokens: Any, last_n: int
+    ) -> Any:
         t0 = time.perf_counter()
         try:
-            return forward(self, session, base_pos, tokens)
+            return forward(self, session, base_pos, tokens, last_n)
         finally:
             draft_time["s"] += time.perf_counter() - t0  # type: ignore[assignment]
             draft_time["passes"] += 1
@@ -80,7 +82,7 @@ def _patch() -> None:
     auto.AutoProposer.propose = traced_propose  # type: ignore[method-assign]
     auto.AutoProposer.observe = traced_observe  # type: ignore[method-assign]
     auto.AutoProposer.set_link = traced_link  # type: ignore[method-assign]
-    DraftModel.next_logits = traced_forward  # type: ignore[method-assign]
+    DraftModel.rows = traced_forward  # type: ignore[method-assign]
 
 
 async def _run(args: argparse.Namespace) -> None:

@@ -70,10 +70,11 @@ _MTP_CHEAP_FRACTION = 0.1
 _DECIDE_EVERY_TOKENS = 4
 _DECIDE_EVERY_MAX_TOKENS = 32
 # The spacing is capped where a token takes long: a decision (≈ 0.2 ms with a draft model's
-# candidate on this machine) may cost at most `_DECIDE_SHARE` of the plain decoding time it
-# spans. At 2 stages / 20 ms (≈ 27 ms a token) auto so re-decides every token or two, where it
-# once sat through 20-28 one-token windows of plain decoding before it looked again at a
-# draft that paid (colorsys completion); on one node (≈ 3 ms a token) the spacing stays 14+.
+# candidate on this machine) may cost at most `_DECIDE_SHARE` of the plain decoding time of
+# the tokens it spans. At 2 stages / 20 ms (≈ 27 ms a plain token) auto so re-decides every
+# token or two, where it once sat through 20-28 one-token windows of plain decoding before it
+# looked again at a draft that paid (colorsys completion); on one node (≈ 3 ms a token) the
+# spacing still grows to 14 and more.
 _DECIDE_COST_S = 200e-6
 _DECIDE_SHARE = 0.005
 _LINK_CHANGE_FRACTION = 0.5
@@ -88,18 +89,20 @@ _PENDING_PER_CANDIDATE = 8
 # the draft is not the choice it is scored teacher-forced instead: every commit leaves a start
 # to score, and one pass over the log's new tokens gives the draft's own choice at each of
 # their positions, which settles every start at once (a chain that has been right drafts from
-# the log itself). That pass runs once enough tokens are new for its measured cost to be at
-# most `_DRAFT_SCORE_SHARE` of their plain decoding time (`_DRAFT_SCORE_SHARE_IDLE` while the
-# draft's own estimate says it does not pay on this route; at most every 32 tokens): at 2
-# stages / 20 ms every token or two, on one fast node (a pass ≈ a third of a token) every 32.
-# Every start is scored either way, only later. While it is the choice,
+# the log itself). That pass runs once enough commits have passed for its measured cost to be
+# at most `_DRAFT_SCORE_SHARE` of their windows' time (a plain window's, as the lower bound;
+# `_DRAFT_SCORE_SHARE_IDLE` while the draft's own estimate says it does not pay on this route;
+# at least every 32 commits): at 2 stages / 20 ms every third commit, on one fast node (a pass
+# ≈ a third of a token) every 32nd. Every start is scored either way, only later. Budgeted by
+# the current plan's time per token instead, a pass came 20 one-token windows after the heads
+# had begun to fail (their plan had promised 9 tokens a window). While it is the choice,
 # its real proposal is its shadow (drafted in `propose`, so its time is charged to its own
 # windows). The sparse random shadows this replaced scored one start in 16 while the heads
 # drafted, and a request that had moved to the heads stayed there (2 stages / 20 ms prose:
 # auto 1.23x where draft-ngram made 1.39x).
-_DRAFT_SCORE_SHARE = 0.02
+_DRAFT_SCORE_SHARE = 0.015
 _DRAFT_SCORE_SHARE_IDLE = 0.005
-_DRAFT_SYNC_MAX_TOKENS = 32
+_DRAFT_SYNC_MAX_COMMITS = 32
 _DRAFT_SCORE_PRIOR_S = 0.001  # a pass's seconds until one was timed
 _COST_EWMA = 0.2  # weight of the newest pass in that estimate
 # Starts waiting for the draft's teacher-forced choices (beyond these the oldest are dropped).
@@ -112,6 +115,7 @@ _DRAFT_PENDING = 64
 # noisy lead of a few per cent once stopped the heads for good (2 stages / 20 ms prose: auto
 # 1.23x where mtp-simple made 1.73x).
 _DRAFT_OVER_HEADS_MARGIN = 0.1
+_DRAFT_OWN_SAMPLES = 16
 # `draft` and the MTP strategies both predict new text, and their estimates move together:
 # switching between them needs this margin in expected time per token. Each switch to `draft`
 # makes the draft model catch up on the tokens it has not seen, and flapping at every decision
@@ -123,6 +127,7 @@ _MODEL_SWITCH_MARGIN = 0.1
 # bench spec` at 2 stages / 20 ms (docs/speculative.md); switching to ngram-simple by stretches
 # does not replace its copies inside a window.
 _DRAFT_CANDIDATE = "draft-ngram"
+_NGRAM = ("ngram-simple", "ngram-cache")
 
 
 @dataclass
@@ -204,10 +209,10 @@ class AutoProposer(AccountedProposer):
         self._book_favours_mtp: bool | None = None
         self._drafts: dict[str, list[int]] = {}
         # The draft's teacher-forced choices by log position, the starts they will score
-        # (with prompt lookup's copy there), and the log length at the last pass.
+        # (with prompt lookup's copy there), and the commits since the last pass.
         self._tf: dict[int, int] = {}
         self._tf_pending: list[tuple[int, list[int]]] = []
-        self._tf_synced = 0
+        self._tf_commits = 0
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
         self._reason = "nothing measured yet"
@@ -287,17 +292,29 @@ class AutoProposer(AccountedProposer):
 
     def _draft_beats_heads(self) -> bool:
         """Whether `draft` has scored enough windows of this request and beats the best MTP
-        strategy by `_DRAFT_OVER_HEADS_MARGIN` by the book. The book, not this request: how
-        well a draft and the heads predict new text is the model's, and a request's estimates
-        of both dip together on a hard stretch, where their order is noise."""
+        strategy by `_DRAFT_OVER_HEADS_MARGIN`, by the book or by this request's own
+        estimates once both families have `_DRAFT_OWN_SAMPLES` of its windows. A request's
+        estimates of both dip together on a hard stretch, where their order is noise, hence
+        the margin and the samples; the book alone mixes the requests' texts (after code
+        edits it favoured the heads on every completion and prose request, which paid them
+        in every window the draft drafted)."""
         own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
-        if own < _MTP_MIN_SAMPLES or self.book.tracker(_DRAFT_CANDIDATE).samples < _MTP_MIN_SAMPLES:
+        if own < _MTP_MIN_SAMPLES:
             return False
-        best, mtp_s, _ = self._best(self.book.tracker, MTP_STRATEGIES)
-        if best == "disabled":
-            return True  # no MTP strategy pays at all
-        _, draft_s, _ = self._best(self.book.tracker, DRAFT_STRATEGIES)
-        return 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s
+        judges: list[Callable[[str], AcceptanceTracker]] = []
+        if self.book.tracker(_DRAFT_CANDIDATE).samples >= _MTP_MIN_SAMPLES:
+            judges.append(self.book.tracker)
+        heads = min(self._trackers[m].samples - self._first_samples[m] for m in MTP_STRATEGIES)
+        if min(own, heads) >= _DRAFT_OWN_SAMPLES:
+            judges.append(lambda name: self._trackers[name])
+        for tracker in judges:
+            best, mtp_s, _ = self._best(tracker, MTP_STRATEGIES)
+            if best == "disabled":
+                return True  # no MTP strategy pays at all
+            _, draft_s, _ = self._best(tracker, DRAFT_STRATEGIES)
+            if 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s:
+                return True
+        return False
 
     def _heads_cheap(self, fraction: float, width: int) -> bool:
         """Whether the MTP heads cost at most `fraction` of a window of `width` drafts."""
@@ -320,7 +337,7 @@ class AutoProposer(AccountedProposer):
             self._draft.reset(prompt)
         self._tf = {}
         self._tf_pending = []
-        self._tf_synced = len(prompt)
+        self._tf_commits = 0
         self.last_draft_s = 0.0
         self._tokens = [int(t) for t in prompt]
         self._pending = []
@@ -462,6 +479,11 @@ class AutoProposer(AccountedProposer):
             ]
             self._pending.append(_Shadow(name, start, drafts[name]))
         self._trim_pending()
+        if self.choice in _NGRAM and not drafts.get(self.choice, True):
+            # The n-gram choice has nothing to copy here: its windows are plain ones until
+            # the next decision, so that comes as soon as a decision pays against plain tokens.
+            soon = _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_s())
+            self._next_decision = min(self._next_decision, start + soon)
         return drafts
 
     def _score(self) -> None:
@@ -490,7 +512,7 @@ class AutoProposer(AccountedProposer):
                 waiting.append(shadow)
         self._pending = waiting
 
-    def _plain_token_s(self) -> float:
+    def _plain_s(self) -> float:
         """A token's time without speculation on the current route."""
         return self.link.rtt_s + max(1, self.link.concurrent_sessions) * self.link.compute_s(0)
 
@@ -505,15 +527,16 @@ class AutoProposer(AccountedProposer):
         if not self._tf_pending:
             return
         log = self._tokens
+        self._tf_commits += 1
         share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
-        every = _tokens_for(self.book.draft_score_s, share * self._plain_token_s())
-        if len(log) - self._tf_synced < min(every, _DRAFT_SYNC_MAX_TOKENS):
+        every = _tokens_for(self.book.draft_score_s, share * self._plain_s())
+        if self._tf_commits < min(every, _DRAFT_SYNC_MAX_COMMITS):
             return
         since = min(start for start, _ in self._tf_pending)
         while since in self._tf and since < len(log):
             since += 1
         first, choices = self._draft.predict_log(since)
-        self._tf_synced = len(log)
+        self._tf_commits = 0
         spent = self._draft.last_score_s
         if spent is not None:
             self.book.draft_score_s += _COST_EWMA * (spent - self.book.draft_score_s)
@@ -557,7 +580,7 @@ class AutoProposer(AccountedProposer):
                 best_name = self.choice  # not clearly better: keep the one drafting now
         cap = min(
             _DECIDE_EVERY_MAX_TOKENS,
-            _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_token_s()),
+            _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_s()),
         )
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, cap)
@@ -603,7 +626,8 @@ class AutoProposer(AccountedProposer):
 
 
 def _tokens_for(cost_s: float, budget_per_token_s: float) -> int:
-    """The fewest tokens over which `cost_s` stays within `budget_per_token_s` a token."""
+    """The fewest tokens (or commits) over which `cost_s` stays within `budget_per_token_s`
+    apiece."""
     if budget_per_token_s <= 0:
         return _DECIDE_EVERY_MAX_TOKENS
     return max(1, math.ceil(cost_s / budget_per_token_s))

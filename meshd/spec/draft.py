@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -173,6 +173,7 @@ class DraftProposer(AccountedProposer):
         self.last_draft_s = 0.0  # the latest proposal's time (the window loop nets it out)
         self.draft_s = 0.0  # this request's drafting time in all
         self.passes = 0  # draft forward passes of this request
+        self.clock: Callable[[], float] = time.perf_counter  # times its passes
 
     @property
     def draft_cost_s(self) -> float:
@@ -209,9 +210,9 @@ class DraftProposer(AccountedProposer):
         self.last_draft_s = 0.0
         if max_tokens <= 0:
             return []
-        started = time.perf_counter()
+        started = self.clock()
         drafts = self._draft([*self.tokens, *(int(t) for t in assumed)], max_tokens)
-        self._charge(time.perf_counter() - started, len(drafts))
+        self._charge(self.clock() - started, len(drafts))
         return drafts
 
     def predict_log(self, since: int) -> tuple[int, list[int]]:
@@ -240,9 +241,9 @@ class DraftProposer(AccountedProposer):
         # The row for position `since` needs the token before it written in this pass.
         same = max(0, min(same, len(context) - 1, since - 1))
         feed = context[same:]
-        started = time.perf_counter()
+        started = self.clock()
         rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1)
-        self.last_score_s = time.perf_counter() - started if same > 0 else None
+        self.last_score_s = self.clock() - started if same > 0 else None
         self.passes += 1
         del cached[same:]
         cached.extend(feed)
