@@ -109,12 +109,15 @@ _COST_EWMA = 0.2  # weight of the newest pass in that estimate
 _DRAFT_PENDING = 64
 # While the MTP heads run, a `draft` window pays for them too, so `draft` is weighed with their
 # cost like the MTP strategies. Where `draft` is the choice the heads stop only once this
-# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft` beats every MTP
-# strategy by this fraction of a token's time by the book: stopping is final, and a request's
-# estimates of the draft and of the heads dip together on hard stretches of text, where a
-# noisy lead of a few per cent once stopped the heads for good (2 stages / 20 ms prose: auto
-# 1.23x where mtp-simple made 1.73x).
-_DRAFT_OVER_HEADS_MARGIN = 0.1
+# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft`, without the
+# heads' cost, beats every MTP strategy by this fraction of a token's time, by the book or by
+# this request's own estimates once both families have `_DRAFT_OWN_SAMPLES` of its windows:
+# stopping is final, and a request's estimates of the draft and of the heads dip together on
+# hard stretches of text, where a noisy lead of a few per cent once stopped the heads for good
+# (2 stages / 20 ms prose, with a weaker draft: auto 1.23x where mtp-simple made 1.73x). The
+# book alone mixes the requests' texts: after code edits it favoured the heads in every
+# completion and prose request, which then paid them (2-4 ms) in every window of the draft.
+_DRAFT_OVER_HEADS_MARGIN = 0.05
 _DRAFT_OWN_SAMPLES = 16
 # `draft` and the MTP strategies both predict new text, and their estimates move together:
 # switching between them needs this margin in expected time per token. Each switch to `draft`
@@ -139,6 +142,8 @@ class AcceptanceBook:
     has_mtp: bool = False
     # Seconds of one teacher-forced pass of the draft model over a commit's new tokens (EWMA).
     draft_score_s: float = _DRAFT_SCORE_PRIOR_S
+    # The draft model's seconds per drafted token, as the latest request that drafted left it.
+    draft_token_s: float | None = None
 
     def tracker(self, strategy: str) -> AcceptanceTracker:
         """The model-level tracker of `strategy` (created at the prior on first use)."""
@@ -311,7 +316,7 @@ class AutoProposer(AccountedProposer):
             best, mtp_s, _ = self._best(tracker, MTP_STRATEGIES)
             if best == "disabled":
                 return True  # no MTP strategy pays at all
-            _, draft_s, _ = self._best(tracker, DRAFT_STRATEGIES)
+            _, draft_s, _ = self._best(tracker, DRAFT_STRATEGIES, heads_off=True)
             if 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s:
                 return True
         return False
@@ -393,6 +398,8 @@ class AutoProposer(AccountedProposer):
         assert self._draft is not None
         drafts = self._draft.propose(width)
         self.last_draft_s = self._draft.last_draft_s
+        if self._draft.draft_cost_s > 0:
+            self.book.draft_token_s = self._draft.draft_cost_s
         if width > 0:
             self._pending = [
                 s
@@ -416,8 +423,20 @@ class AutoProposer(AccountedProposer):
     def draft_cost_s(self) -> float:
         """The draft model's seconds per token while it is the choice (else 0)."""
         if self._draft is not None and self.choice in DRAFT_STRATEGIES:
-            return self._draft.draft_cost_s
+            return self._draft_token_s()
         return 0.0
+
+    def _draft_token_s(self) -> float:
+        """The draft model's seconds per drafted token: this request's measure, else the
+        book's (other requests'), else what a teacher-forced pass cost. Weighed at 0 until
+        it first drafted (as it was), the draft looked free beside the heads."""
+        if self._draft is None:
+            return 0.0
+        if self._draft.draft_cost_s > 0:
+            return self._draft.draft_cost_s
+        if self.book.draft_token_s is not None:
+            return self.book.draft_token_s
+        return self.book.draft_score_s
 
     def close(self) -> None:
         """The request ended: free the draft model's session."""
@@ -602,22 +621,27 @@ class AutoProposer(AccountedProposer):
             self._reason = f"{best_name} ({alphas}): {best_plan.reason}"
 
     def _best(
-        self, tracker: Callable[[str], AcceptanceTracker], among: Sequence[str] | None = None
+        self,
+        tracker: Callable[[str], AcceptanceTracker],
+        among: Sequence[str] | None = None,
+        *,
+        heads_off: bool = False,
     ) -> tuple[str, float, dict[str, Search]]:
         """The available candidate (of `among`, default all) with the least expected time per
         token by `tracker`'s estimates ("disabled" when none speculates), its time, and every
-        weighed candidate's search. Weighs each cheaply; only the winner's plan gets worded."""
+        weighed candidate's search. Weighs each cheaply; only the winner's plan gets worded.
+        `heads_off`: the draft strategies as they would be with the MTP heads stopped."""
         best_name, best_s = "disabled", 0.0
         found: dict[str, Search] = {}
         for name in self._available():
             if among is not None and name not in among:
                 continue
             heads = name in MTP_STRATEGIES or (
-                name in DRAFT_STRATEGIES and self._mtp_live and self.book.has_mtp
+                name in DRAFT_STRATEGIES and self._mtp_live and self.book.has_mtp and not heads_off
             )
             link = self.link.with_mtp_drafts() if heads else self.link
-            if name in DRAFT_STRATEGIES and self._draft is not None:
-                link = link.with_draft_cost(self._draft.draft_cost_s)
+            if name in DRAFT_STRATEGIES:
+                link = link.with_draft_cost(self._draft_token_s())
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
             per_token, width = found[name].s_per_token(self.config)
             if width > 0 and (best_name == "disabled" or per_token < best_s):

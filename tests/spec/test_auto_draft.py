@@ -198,3 +198,47 @@ def test_the_draft_is_scored_more_sparsely_where_a_token_is_quick() -> None:
         auto.close()
     assert 1 <= scoring["fast"] <= len(stream) // 30, scoring
     assert scoring["wan"] >= len(stream) // 4, scoring
+
+
+def test_a_new_request_weighs_the_draft_at_what_it_cost_before_not_as_free() -> None:
+    """Until it drafts in a request, the draft is weighed at the cost per token the book
+    keeps: one that cost 30 ms a token is no candidate on a 40 ms route however right."""
+    draft = tiny_draft(VOCAB)
+    prompt = [1, 2, 3]
+    stream = greedy_text(draft, prompt, 80)
+    picked = {}
+    for name, cost in (("cheap", 0.0002), ("dear", 0.030)):
+        book = AcceptanceBook(CONFIG)
+        teacher = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+        serve(teacher, prompt, stream, wrong_mtp)  # the book learns the draft is right
+        book.draft_token_s = cost
+        auto = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+        auto.reset(prompt)
+        picked[name] = auto.active
+        auto.close()
+    assert picked["cheap"] == "draft-ngram"
+    assert picked["dear"] != "draft-ngram", picked
+
+
+def test_a_request_the_draft_wins_stops_the_heads_though_the_book_favours_them() -> None:
+    """After requests where the heads were right and the draft wrong, the book favours the
+    heads; a request whose text is the draft's stops them by its own estimates (the heads'
+    drafts half right here), so its windows no longer pay for them."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(9)
+    book = AcceptanceBook(CONFIG)
+    for _ in range(3):
+        teacher = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+        serve(teacher, [1, 2, 3], novel(rng, 100), right_mtp)
+
+    def half_right(stream: list[int], i: int) -> list[int]:
+        return [stream[i], -1, -2] if i < len(stream) else []
+
+    prompt = [7, 8, 9]
+    auto = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+    served = serve(auto, prompt, greedy_text(draft, prompt, 240), half_right)
+    assert served.choices[-1] == "draft-ngram"
+    assert False in served.heads, served.choices
+    stopped = served.heads.index(False)
+    assert stopped <= 30, served.choices
+    assert not any(served.heads[stopped:])
