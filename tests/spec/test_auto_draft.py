@@ -65,6 +65,21 @@ class Served:
     heads: list[bool] = field(default_factory=list)  # whether the heads ran for it
 
 
+def with_draft(
+    draft: DraftModel,
+    book: AcceptanceBook | None = None,
+    link: LinkModel = WAN,
+    pass_s: float = 0.0005,
+) -> AutoProposer:
+    """`auto` with `draft`, its draft's passes timed on a virtual clock: each timed call (a
+    proposal, a scoring pass) takes `pass_s`, so what auto decides does not depend on this
+    machine's speed or load."""
+    auto = AutoProposer(CONFIG, book=book, link=link, draft=draft)
+    assert auto._draft is not None
+    auto._draft.clock = itertools.count(0.0, pass_s).__next__
+    return auto
+
+
 def serve(auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp) -> Served:
     """One request as a depth-1 coordinator runs it: each window commits the drafts that
     match `stream` plus one token; once `wants_mtp` says no, the heads stop for the request
@@ -139,7 +154,7 @@ def test_auto_scores_the_draft_with_one_pass_over_several_commits_not_a_pass_per
     draft = tiny_draft(VOCAB)
     rng = random.Random(6)
     stream = novel(rng, 150)
-    auto = AutoProposer(CONFIG, link=WAN, draft=draft)
+    auto = with_draft(draft)
     part = auto._draft
     assert isinstance(part, DraftNgram)
     served = serve(auto, [1, 2, 3], stream, right_mtp)
@@ -154,8 +169,8 @@ def test_auto_scores_the_draft_with_one_pass_over_several_commits_not_a_pass_per
 
 def test_a_request_that_moved_to_the_heads_moves_back_when_the_text_turns_to_the_draft() -> None:
     """The draft is scored at every start while the heads draft, so auto sees it pay again
-    within a few windows (with a shadow draft at one start in 16 it took 23 windows here,
-    through a stretch of ngram-simple)."""
+    within a few windows (9 here; with a shadow draft at one start in 16 it took 21, through a
+    stretch of ngram-simple)."""
     draft = tiny_draft(VOCAB)
     rng = random.Random(7)
     prompt = [1, 2, 3]
@@ -166,7 +181,7 @@ def test_a_request_that_moved_to_the_heads_moves_back_when_the_text_turns_to_the
     def mtp(stream: list[int], i: int) -> list[int]:
         return right_mtp(stream, i) if i < len(first) else wrong_mtp(stream, i)
 
-    auto = AutoProposer(CONFIG, book=AcceptanceBook(CONFIG), link=WAN, draft=draft)
+    auto = with_draft(draft, AcceptanceBook(CONFIG))
     served = serve(auto, prompt, stream, mtp)
     turned = next(w for w, start in enumerate(served.starts) if start >= len(first))
     assert served.choices[turned - 1].startswith("mtp")
@@ -184,9 +199,8 @@ def test_the_draft_is_scored_more_sparsely_where_a_token_is_quick() -> None:
     scoring = {}
     for name, rtt in (("wan", 0.040), ("fast", 0.0)):
         link = LinkModel(rtt_s=rtt, pass_fixed_s=0.0025, pass_per_token_s=0.0005, stages=1)
-        auto = AutoProposer(CONFIG, link=link, draft=draft)
+        auto = with_draft(draft, link=link)
         assert auto._draft is not None
-        auto._draft.clock = itertools.count(0.0, 0.0005).__next__  # a pass: 0.5 ms
         auto.reset([1, 2, 3])
         scoring[name] = 0
         for token in stream:
@@ -209,10 +223,10 @@ def test_a_new_request_weighs_the_draft_at_what_it_cost_before_not_as_free() -> 
     picked = {}
     for name, cost in (("cheap", 0.0002), ("dear", 0.030)):
         book = AcceptanceBook(CONFIG)
-        teacher = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+        teacher = with_draft(draft, book)
         serve(teacher, prompt, stream, wrong_mtp)  # the book learns the draft is right
         book.draft_token_s = cost
-        auto = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+        auto = with_draft(draft, book)
         auto.reset(prompt)
         picked[name] = auto.active
         auto.close()
@@ -228,14 +242,14 @@ def test_a_request_the_draft_wins_stops_the_heads_though_the_book_favours_them()
     rng = random.Random(9)
     book = AcceptanceBook(CONFIG)
     for _ in range(3):
-        teacher = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+        teacher = with_draft(draft, book)
         serve(teacher, [1, 2, 3], novel(rng, 100), right_mtp)
 
     def half_right(stream: list[int], i: int) -> list[int]:
         return [stream[i], -1, -2] if i < len(stream) else []
 
     prompt = [7, 8, 9]
-    auto = AutoProposer(CONFIG, book=book, link=WAN, draft=draft)
+    auto = with_draft(draft, book)
     served = serve(auto, prompt, greedy_text(draft, prompt, 240), half_right)
     assert served.choices[-1] == "draft-ngram"
     assert False in served.heads, served.choices
