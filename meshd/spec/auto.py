@@ -91,8 +91,8 @@ _PENDING_PER_CANDIDATE = 8
 # their positions, which settles every start at once (a chain that has been right drafts from
 # the log itself). That pass runs once enough commits have passed for its measured cost to be
 # at most `_DRAFT_SCORE_SHARE` of their windows' time (a plain window's, as the lower bound;
-# `_DRAFT_SCORE_SHARE_IDLE` while the draft's own estimate says it does not pay on this route;
-# at least every 32 commits): at 2 stages / 20 ms every third commit, on one fast node (a pass
+# `_DRAFT_SCORE_SHARE_IDLE` while neither the draft's own estimate nor the book's says it
+# pays on this route; at least every 32 commits): at 2 stages / 20 ms every third commit, on one fast node (a pass
 # ≈ a third of a token) every 32nd. Every start is scored either way, only later. Budgeted by
 # the current plan's time per token instead, a pass came 20 one-token windows after the heads
 # had begun to fail (their plan had promised 9 tokens a window). While it is the choice,
@@ -202,7 +202,7 @@ class AutoProposer(AccountedProposer):
 
             self._draft = DraftNgram(config, draft, sampling)
             self._candidates[_DRAFT_CANDIDATE] = self._draft
-        self._draft_pays = True  # by its estimate at the last decision
+        self._draft_pays = True  # by its or the book's estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = _DECIDE_EVERY_TOKENS
@@ -586,7 +586,13 @@ class AutoProposer(AccountedProposer):
         self.decisions += 1
         best_name, best_s, found = self._best(lambda name: self._trackers[name])
         if _DRAFT_CANDIDATE in found:
-            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0
+            # By the book too: on a hard stretch of text the request's estimate says no, and
+            # that is when the draft must be scored often to see it pay again (a prose request
+            # at 2 stages / 20 ms sat 11 windows in plain decoding, its draft scored every
+            # sixth); where the book says no as well, the route makes it too dear (one node).
+            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0 or (
+                self._best(self.book.tracker, (_DRAFT_CANDIDATE,))[0] == _DRAFT_CANDIDATE
+            )
         models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
         if (
             self.choice in found
