@@ -17,6 +17,7 @@ across requests; each request starts from the book and adapts with its own EWMA.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,6 +69,14 @@ _MTP_CHEAP_FRACTION = 0.1
 # decisions are worth.
 _DECIDE_EVERY_TOKENS = 4
 _DECIDE_EVERY_MAX_TOKENS = 32
+# The spacing is capped where a token takes long: a decision (≈ 0.2 ms with a draft model's
+# candidate on this machine) may cost at most `_DECIDE_SHARE` of the plain decoding time of
+# the tokens it spans. At 2 stages / 20 ms (≈ 27 ms a plain token) auto so re-decides every
+# token or two, where it once sat through 20-28 one-token windows of plain decoding before it
+# looked again at a draft that paid (colorsys completion); on one node (≈ 3 ms a token) the
+# spacing still grows to 14 and more.
+_DECIDE_COST_S = 200e-6
+_DECIDE_SHARE = 0.005
 _LINK_CHANGE_FRACTION = 0.5
 # The book's EWMA weight, as a fraction of the request's `ewma_alpha`: a request adapts within
 # a few windows, the book averages over many (one request's unlucky first windows, which once
@@ -76,22 +85,40 @@ _LINK_CHANGE_FRACTION = 0.5
 _BOOK_EWMA_FRACTION = 0.25
 # Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
 _PENDING_PER_CANDIDATE = 8
-# A draft model's shadow costs its passes (an n-gram's is a lookup): while `draft` is not the
-# choice it is shadow-drafted after one commit in this many, and in `_DRAFT_SHADOW_SPARSE`
-# while its own estimate says it does not pay on this route (on one fast node a pass of the
-# draft costs a third of a token: a shadow every commit would cost more than it could win);
-# while it is the choice, its real proposal is its shadow (drafted in `propose`, so its time
-# is charged to its own windows).
-_DRAFT_SHADOW_EVERY = 4
-_DRAFT_SHADOW_SPARSE = 16
+# A draft model's shadow would cost a pass per drafted token (an n-gram's is a lookup). While
+# the draft is not the choice it is scored teacher-forced instead: every commit leaves a start
+# to score, and one pass over the log's new tokens gives the draft's own choice at each of
+# their positions, which settles every start at once (a chain that has been right drafts from
+# the log itself). That pass runs once enough commits have passed for its measured cost to be
+# at most `_DRAFT_SCORE_SHARE` of their windows' time (a plain window's, as the lower bound;
+# `_DRAFT_SCORE_SHARE_IDLE` while neither the draft's own estimate nor the book's says it
+# pays on this route; at least every 32 commits): at 2 stages / 20 ms every third commit, on one fast node (a pass
+# ≈ a third of a token) every 32nd. Every start is scored either way, only later. Budgeted by
+# the current plan's time per token instead, a pass came 20 one-token windows after the heads
+# had begun to fail (their plan had promised 9 tokens a window). While it is the choice,
+# its real proposal is its shadow (drafted in `propose`, so its time is charged to its own
+# windows). The sparse random shadows this replaced scored one start in 16 while the heads
+# drafted, and a request that had moved to the heads stayed there (2 stages / 20 ms prose:
+# auto 1.23x where draft-ngram made 1.39x).
+_DRAFT_SCORE_SHARE = 0.015
+_DRAFT_SCORE_SHARE_IDLE = 0.005
+_DRAFT_SYNC_MAX_COMMITS = 32
+_DRAFT_SCORE_PRIOR_S = 0.001  # a pass's seconds until one was timed
+_COST_EWMA = 0.2  # weight of the newest pass in that estimate
+# Starts waiting for the draft's teacher-forced choices (beyond these the oldest are dropped).
+_DRAFT_PENDING = 64
 # While the MTP heads run, a `draft` window pays for them too, so `draft` is weighed with their
 # cost like the MTP strategies. Where `draft` is the choice the heads stop only once this
-# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft` beats every MTP
-# strategy by this fraction of a token's time by the book: stopping is final, and a request's
-# estimates of the draft and of the heads dip together on hard stretches of text, where a
-# noisy lead of a few per cent once stopped the heads for good (2 stages / 20 ms prose: auto
-# 1.23x where mtp-simple made 1.73x).
-_DRAFT_OVER_HEADS_MARGIN = 0.1
+# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft`, without the
+# heads' cost, beats every MTP strategy by this fraction of a token's time, by the book or by
+# this request's own estimates once both families have `_DRAFT_OWN_SAMPLES` of its windows:
+# stopping is final, and a request's estimates of the draft and of the heads dip together on
+# hard stretches of text, where a noisy lead of a few per cent once stopped the heads for good
+# (2 stages / 20 ms prose, with a weaker draft: auto 1.23x where mtp-simple made 1.73x). The
+# book alone mixes the requests' texts: after code edits it favoured the heads in every
+# completion and prose request, which then paid them (2-4 ms) in every window of the draft.
+_DRAFT_OVER_HEADS_MARGIN = 0.05
+_DRAFT_OWN_SAMPLES = 16
 # `draft` and the MTP strategies both predict new text, and their estimates move together:
 # switching between them needs this margin in expected time per token. Each switch to `draft`
 # makes the draft model catch up on the tokens it has not seen, and flapping at every decision
@@ -103,6 +130,7 @@ _MODEL_SWITCH_MARGIN = 0.1
 # bench spec` at 2 stages / 20 ms (docs/speculative.md); switching to ngram-simple by stretches
 # does not replace its copies inside a window.
 _DRAFT_CANDIDATE = "draft-ngram"
+_NGRAM = ("ngram-simple", "ngram-cache")
 
 
 @dataclass
@@ -112,6 +140,10 @@ class AcceptanceBook:
     config: SpecConfig
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)
     has_mtp: bool = False
+    # Seconds of one teacher-forced pass of the draft model over a commit's new tokens (EWMA).
+    draft_score_s: float = _DRAFT_SCORE_PRIOR_S
+    # The draft model's seconds per drafted token, as the latest request that drafted left it.
+    draft_token_s: float | None = None
 
     def tracker(self, strategy: str) -> AcceptanceTracker:
         """The model-level tracker of `strategy` (created at the prior on first use)."""
@@ -170,8 +202,7 @@ class AutoProposer(AccountedProposer):
 
             self._draft = DraftNgram(config, draft, sampling)
             self._candidates[_DRAFT_CANDIDATE] = self._draft
-        self._commits = 0  # observe calls of this request (spaces the draft's shadow)
-        self._draft_pays = True  # by its estimate at the last decision
+        self._draft_pays = True  # by its or the book's estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = _DECIDE_EVERY_TOKENS
@@ -182,6 +213,11 @@ class AutoProposer(AccountedProposer):
         self._decided_at = -1  # log length at the last decision
         self._book_favours_mtp: bool | None = None
         self._drafts: dict[str, list[int]] = {}
+        # The draft's teacher-forced choices by log position, the starts they will score
+        # (with prompt lookup's copy there), and the commits since the last pass.
+        self._tf: dict[int, int] = {}
+        self._tf_pending: list[tuple[int, list[int]]] = []
+        self._tf_commits = 0
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
         self._reason = "nothing measured yet"
@@ -261,17 +297,29 @@ class AutoProposer(AccountedProposer):
 
     def _draft_beats_heads(self) -> bool:
         """Whether `draft` has scored enough windows of this request and beats the best MTP
-        strategy by `_DRAFT_OVER_HEADS_MARGIN` by the book. The book, not this request: how
-        well a draft and the heads predict new text is the model's, and a request's estimates
-        of both dip together on a hard stretch, where their order is noise."""
+        strategy by `_DRAFT_OVER_HEADS_MARGIN`, by the book or by this request's own
+        estimates once both families have `_DRAFT_OWN_SAMPLES` of its windows. A request's
+        estimates of both dip together on a hard stretch, where their order is noise, hence
+        the margin and the samples; the book alone mixes the requests' texts (after code
+        edits it favoured the heads on every completion and prose request, which paid them
+        in every window the draft drafted)."""
         own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
-        if own < _MTP_MIN_SAMPLES or self.book.tracker(_DRAFT_CANDIDATE).samples < _MTP_MIN_SAMPLES:
+        if own < _MTP_MIN_SAMPLES:
             return False
-        best, mtp_s, _ = self._best(self.book.tracker, MTP_STRATEGIES)
-        if best == "disabled":
-            return True  # no MTP strategy pays at all
-        _, draft_s, _ = self._best(self.book.tracker, DRAFT_STRATEGIES)
-        return 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s
+        judges: list[Callable[[str], AcceptanceTracker]] = []
+        if self.book.tracker(_DRAFT_CANDIDATE).samples >= _MTP_MIN_SAMPLES:
+            judges.append(self.book.tracker)
+        heads = min(self._trackers[m].samples - self._first_samples[m] for m in MTP_STRATEGIES)
+        if min(own, heads) >= _DRAFT_OWN_SAMPLES:
+            judges.append(lambda name: self._trackers[name])
+        for tracker in judges:
+            best, mtp_s, _ = self._best(tracker, MTP_STRATEGIES)
+            if best == "disabled":
+                return True  # no MTP strategy pays at all
+            _, draft_s, _ = self._best(tracker, DRAFT_STRATEGIES, heads_off=True)
+            if 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s:
+                return True
+        return False
 
     def _heads_cheap(self, fraction: float, width: int) -> bool:
         """Whether the MTP heads cost at most `fraction` of a window of `width` drafts."""
@@ -292,12 +340,18 @@ class AutoProposer(AccountedProposer):
             part.reset(prompt)
         if self._draft is not None:
             self._draft.reset(prompt)
-        self._commits = 0
+        self._tf = {}
+        self._tf_pending = []
+        self._tf_commits = 0
         self.last_draft_s = 0.0
         self._tokens = [int(t) for t in prompt]
         self._pending = []
         alpha = self.config.ewma_alpha
-        self._trackers = {n: self.book.tracker(n).copy(alpha) for n in self._candidates}
+        # Warm: a request's first windows outweigh the book quickly (the book mixes the other
+        # requests' texts: after code edits it favoured the heads and n-gram copies, and a
+        # completion request's first windows went to them; auto / draft-ngram was lower in a
+        # prompt's first request than in its second in 9 of 12 pairs at 2 stages / 20 ms).
+        self._trackers = {n: self.book.tracker(n).copy(alpha, warm=True) for n in self._candidates}
         self._first_samples = {n: t.samples for n, t in self._trackers.items()}
         self._book_favours_mtp = None  # judged once per request, when needed
         self._drafts = self._shadow(())
@@ -313,10 +367,10 @@ class AutoProposer(AccountedProposer):
             part.observe(committed)
         if self._draft is not None:
             self._draft.observe(committed)
-        self._commits += 1
         self._tokens.extend(int(t) for t in committed)
         self._score()
         self._drafts = self._shadow(())
+        self._score_draft()
         if len(self._tokens) >= self._next_decision:
             self._decide()
 
@@ -348,6 +402,8 @@ class AutoProposer(AccountedProposer):
         assert self._draft is not None
         drafts = self._draft.propose(width)
         self.last_draft_s = self._draft.last_draft_s
+        if self._draft.draft_cost_s > 0:
+            self.book.draft_token_s = self._draft.draft_cost_s
         if width > 0:
             self._pending = [
                 s
@@ -371,8 +427,20 @@ class AutoProposer(AccountedProposer):
     def draft_cost_s(self) -> float:
         """The draft model's seconds per token while it is the choice (else 0)."""
         if self._draft is not None and self.choice in DRAFT_STRATEGIES:
-            return self._draft.draft_cost_s
+            return self._draft_token_s()
         return 0.0
+
+    def _draft_token_s(self) -> float:
+        """The draft model's seconds per drafted token: this request's measure, else the
+        book's (other requests'), else what a teacher-forced pass cost. Weighed at 0 until
+        it first drafted (as it was), the draft looked free beside the heads."""
+        if self._draft is None:
+            return 0.0
+        if self._draft.draft_cost_s > 0:
+            return self._draft.draft_cost_s
+        if self.book.draft_token_s is not None:
+            return self.book.draft_token_s
+        return self.book.draft_score_s
 
     def close(self) -> None:
         """The request ended: free the draft model's session."""
@@ -416,21 +484,12 @@ class AutoProposer(AccountedProposer):
         fresh_mtp = bool(mtp_draft) or bool(self._mtp.propose(self._width))
         for name in self._available():
             if name in DRAFT_STRATEGIES:
-                # Drafted in `propose` while chosen; else in one commit of a few.
-                # Sparse too while an MTP strategy drafts: the heads are the draft's rival on
-                # new text, and a shadow every few commits costs a share of each token.
-                every = (
-                    _DRAFT_SHADOW_EVERY
-                    if self._draft_pays and self.choice not in MTP_STRATEGIES
-                    else _DRAFT_SHADOW_SPARSE
-                )
-                if reuse or self.choice == name or self._commits % every:
-                    continue
-                drafts[name] = self._candidates[name].propose(self._width)
-                self._pending = [
-                    s for s in self._pending if not (s.strategy == name and s.start == start)
-                ]
-                self._pending.append(_Shadow(name, start, drafts[name]))
+                # Scored teacher-forced (`_score_draft`) while not the choice; while it is,
+                # its proposal is drafted in `propose`.
+                if not reuse and self.choice != name:
+                    copy = drafts.get("ngram-simple") or []
+                    self._tf_pending.append((start, copy))
+                    del self._tf_pending[:-_DRAFT_PENDING]
                 continue
             if reuse and name not in MTP_STRATEGIES and name in self._drafts:
                 drafts[name] = self._drafts[name]
@@ -443,6 +502,11 @@ class AutoProposer(AccountedProposer):
             ]
             self._pending.append(_Shadow(name, start, drafts[name]))
         self._trim_pending()
+        if self.choice in _NGRAM and not drafts.get(self.choice, True):
+            # The n-gram choice has nothing to copy here: its windows are plain ones until
+            # the next decision, so that comes as soon as a decision pays against plain tokens.
+            soon = _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_s())
+            self._next_decision = min(self._next_decision, start + soon)
         return drafts
 
     def _score(self) -> None:
@@ -471,6 +535,50 @@ class AutoProposer(AccountedProposer):
                 waiting.append(shadow)
         self._pending = waiting
 
+    def _plain_s(self) -> float:
+        """A token's time without speculation on the current route."""
+        return self.link.rtt_s + max(1, self.link.concurrent_sessions) * self.link.compute_s(0)
+
+    def _score_draft(self) -> None:
+        """Turn the starts waiting for the draft's choices into shadows once those choices
+        settle them, running the draft over the log's new tokens when enough are new."""
+        if self._draft is None:
+            return
+        if self.choice in DRAFT_STRATEGIES:
+            self._tf_pending.clear()  # it proposes for itself now
+            return
+        if not self._tf_pending:
+            return
+        log = self._tokens
+        self._tf_commits += 1
+        share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
+        every = _tokens_for(self.book.draft_score_s, share * self._plain_s())
+        if self._tf_commits < min(every, _DRAFT_SYNC_MAX_COMMITS):
+            return
+        since = min(start for start, _ in self._tf_pending)
+        while since in self._tf and since < len(log):
+            since += 1
+        first, choices = self._draft.predict_log(since)
+        self._tf_commits = 0
+        spent = self._draft.last_score_s
+        if spent is not None:
+            self.book.draft_score_s += _COST_EWMA * (spent - self.book.draft_score_s)
+        for j, token in enumerate(choices):
+            self._tf[first + j] = token
+        eos = self._draft.draft.eos_ids
+        waiting: list[tuple[int, list[int]]] = []
+        for start, copy in self._tf_pending:
+            drafts = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
+            if drafts is None:
+                waiting.append((start, copy))
+            else:
+                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts))
+        self._tf_pending = waiting
+        oldest = min((start for start, _ in waiting), default=len(log))
+        for position in [p for p in self._tf if p < oldest]:
+            del self._tf[position]
+        self._score()
+
     def _trim_pending(self) -> None:
         limit = _PENDING_PER_CANDIDATE * len(self._candidates)
         if len(self._pending) > limit:
@@ -482,7 +590,13 @@ class AutoProposer(AccountedProposer):
         self.decisions += 1
         best_name, best_s, found = self._best(lambda name: self._trackers[name])
         if _DRAFT_CANDIDATE in found:
-            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0
+            # By the book too: on a hard stretch of text the request's estimate says no, and
+            # that is when the draft must be scored often to see it pay again (a prose request
+            # at 2 stages / 20 ms sat 11 windows in plain decoding, its draft scored every
+            # sixth); where the book says no as well, the route makes it too dear (one node).
+            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0 or (
+                self._best(self.book.tracker, (_DRAFT_CANDIDATE,))[0] == _DRAFT_CANDIDATE
+            )
         models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
         if (
             self.choice in found
@@ -493,10 +607,14 @@ class AutoProposer(AccountedProposer):
             held_s, width = found[self.choice].s_per_token(self.config)
             if width > 0 and best_s > (1 - _MODEL_SWITCH_MARGIN) * held_s:
                 best_name = self.choice  # not clearly better: keep the one drafting now
+        cap = min(
+            _DECIDE_EVERY_MAX_TOKENS,
+            _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_s()),
+        )
         if best_name == self.choice:
-            self._decide_every = min(2 * self._decide_every, _DECIDE_EVERY_MAX_TOKENS)
+            self._decide_every = min(2 * self._decide_every, cap)
         else:
-            self._decide_every = _DECIDE_EVERY_TOKENS
+            self._decide_every = min(_DECIDE_EVERY_TOKENS, cap)
         self._next_decision = len(self._tokens) + self._decide_every
         first = next(iter(found.values()), None)
         fallback = plan_of(first, self.config) if first is not None else None
@@ -513,27 +631,77 @@ class AutoProposer(AccountedProposer):
             self._reason = f"{best_name} ({alphas}): {best_plan.reason}"
 
     def _best(
-        self, tracker: Callable[[str], AcceptanceTracker], among: Sequence[str] | None = None
+        self,
+        tracker: Callable[[str], AcceptanceTracker],
+        among: Sequence[str] | None = None,
+        *,
+        heads_off: bool = False,
     ) -> tuple[str, float, dict[str, Search]]:
         """The available candidate (of `among`, default all) with the least expected time per
         token by `tracker`'s estimates ("disabled" when none speculates), its time, and every
-        weighed candidate's search. Weighs each cheaply; only the winner's plan gets worded."""
+        weighed candidate's search. Weighs each cheaply; only the winner's plan gets worded.
+        `heads_off`: the draft strategies as they would be with the MTP heads stopped."""
         best_name, best_s = "disabled", 0.0
         found: dict[str, Search] = {}
         for name in self._available():
             if among is not None and name not in among:
                 continue
             heads = name in MTP_STRATEGIES or (
-                name in DRAFT_STRATEGIES and self._mtp_live and self.book.has_mtp
+                name in DRAFT_STRATEGIES and self._mtp_live and self.book.has_mtp and not heads_off
             )
             link = self.link.with_mtp_drafts() if heads else self.link
-            if name in DRAFT_STRATEGIES and self._draft is not None:
-                link = link.with_draft_cost(self._draft.draft_cost_s)
+            if name in DRAFT_STRATEGIES:
+                link = link.with_draft_cost(self._draft_token_s())
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
             per_token, width = found[name].s_per_token(self.config)
             if width > 0 and (best_name == "disabled" or per_token < best_s):
                 best_name, best_s = name, per_token
         return best_name, best_s, found
+
+
+def _tokens_for(cost_s: float, budget_per_token_s: float) -> int:
+    """The fewest tokens (or commits) over which `cost_s` stays within `budget_per_token_s`
+    apiece."""
+    if budget_per_token_s <= 0:
+        return _DECIDE_EVERY_MAX_TOKENS
+    return max(1, math.ceil(cost_s / budget_per_token_s))
+
+
+def _draft_ngram_shadow(
+    choices: dict[int, int],
+    log: Sequence[int],
+    start: int,
+    copy: Sequence[int],
+    width: int,
+    eos: frozenset[int],
+) -> list[int] | None:
+    """What `draft-ngram` would have proposed at `start`, as far as scoring it needs, from the
+    draft's teacher-forced `choices` by position; None while they do not settle it yet.
+
+    Prompt lookup's `copy` where it starts with the draft's first token; else the draft's
+    chain up to its first token that differs from the log (the chain drafts from the log
+    while it agrees with it), an EOS, or `width` tokens.
+    """
+    first = choices.get(start)
+    if first is None:
+        return None
+    if copy and copy[0] == first:
+        return list(copy)
+    chain: list[int] = []
+    position = start
+    while len(chain) < width:
+        token = choices.get(position)
+        if token is None or position > len(log):
+            return None
+        chain.append(token)
+        if token in eos:
+            return chain
+        if position == len(log):
+            return None  # the log does not reach this token yet
+        if log[position] != token:
+            return chain
+        position += 1
+    return chain
 
 
 def _moved(old: LinkModel, new: LinkModel) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +34,7 @@ import torch
 from meshd.spec.config import SpecConfig
 from meshd.spec.ngram import NgramSimple
 from meshd.spec.proposer import AccountedProposer
-from meshd.spec.sampling import SamplingParams, coupled_draft_token
+from meshd.spec.sampling import SamplingParams, coupled_draft_token, coupled_draft_tokens
 
 if TYPE_CHECKING:
     from meshd.model.stage import StageModel
@@ -140,10 +140,15 @@ class DraftModel:
         Target ids past the draft's vocabulary (a prefix vocabulary) are fed as id 0: they are
         the target's added tokens, which the draft never learnt.
         """
+        return self.rows(session, base_pos, tokens, 1)[-1]
+
+    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+        """Write `tokens` at `base_pos..` and return the logits rows after each of the last
+        `last_n` of them (`[last_n, V]`)."""
         ids = torch.tensor([t if t < self.vocab_size else 0 for t in tokens], dtype=torch.long)
-        out = self.stage.forward(session, base_pos, ids, logits_last_n=1)
+        out = self.stage.forward(session, base_pos, ids, logits_last_n=last_n)
         assert out.logits is not None  # the whole model: its last layer is here
-        return out.logits[-1]
+        return out.logits
 
 
 class DraftProposer(AccountedProposer):
@@ -162,9 +167,13 @@ class DraftProposer(AccountedProposer):
         self._capacity = 0
         self._cached: list[int] = []  # the tokens whose KV the session holds, from position 0
         self._cost_s: float | None = None
+        # The latest `predict_log` pass's seconds (None after one that wrote the whole log,
+        # the prompt's prefill included: not what a pass over new tokens costs).
+        self.last_score_s: float | None = None
         self.last_draft_s = 0.0  # the latest proposal's time (the window loop nets it out)
         self.draft_s = 0.0  # this request's drafting time in all
         self.passes = 0  # draft forward passes of this request
+        self.clock: Callable[[], float] = time.perf_counter  # times its passes
 
     @property
     def draft_cost_s(self) -> float:
@@ -201,10 +210,44 @@ class DraftProposer(AccountedProposer):
         self.last_draft_s = 0.0
         if max_tokens <= 0:
             return []
-        started = time.perf_counter()
+        started = self.clock()
         drafts = self._draft([*self.tokens, *(int(t) for t in assumed)], max_tokens)
-        self._charge(time.perf_counter() - started, len(drafts))
+        self._charge(self.clock() - started, len(drafts))
         return drafts
+
+    def predict_log(self, since: int) -> tuple[int, list[int]]:
+        """The draft's own choice at each position of the log from `since` on and one past
+        its end, teacher-forced: `(first, tokens)`, `tokens[j]` the draft token for position
+        `first + j` given the log before it (`first` is `since` clamped to 1..len(log)).
+
+        One pass writes the log tokens the cache does not hold yet (at least the last): the
+        draft would write them anyway before its next proposal, so scoring the draft while
+        it is not drafting costs a pass over the new tokens, not a pass per drafted token.
+        A draft chain that has been right so far drafts from the log itself, so these choices
+        settle exactly how many tokens a proposal started at any of those positions would
+        have had accepted (`auto` scores the draft with them).
+        """
+        context = self.tokens
+        if not context:
+            return 1, []
+        since = max(1, min(since, len(context)))
+        self._ensure_session(len(context) + 1)
+        cached = self._cached
+        same = 0
+        for a, b in zip(cached, context, strict=False):
+            if a != b:
+                break
+            same += 1
+        # The row for position `since` needs the token before it written in this pass.
+        same = max(0, min(same, len(context) - 1, since - 1))
+        feed = context[same:]
+        started = self.clock()
+        rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1)
+        self.last_score_s = self.clock() - started if same > 0 else None
+        self.passes += 1
+        del cached[same:]
+        cached.extend(feed)
+        return since, coupled_draft_tokens(rows, self.sampling, since)
 
     def _charge(self, seconds: float, drafted: int) -> None:
         self.last_draft_s = seconds

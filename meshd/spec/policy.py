@@ -28,6 +28,7 @@ against the baseline τ(0, 1)/1 = T(0). It speculates only when that beats the b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -256,12 +257,21 @@ class AcceptanceTracker:
         self.ewma_alpha = ewma_alpha
         self._alpha = [prior] * positions
         self.samples = 0
+        # While fewer than this many windows were folded in since `copy`, the newest weighs
+        # 1/(folded + 2) where that is more than `ewma_alpha`: the estimate copied counts as
+        # one window, not as the EWMA's whole memory.
+        self._warm_left = 0
+        self._warm_seen = 0
 
     def update(self, drafted: int, accepted: int) -> None:
         """Fold in one window: `accepted` of `drafted` drafts were accepted."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}/{drafted}")
         w = self.ewma_alpha
+        if self._warm_left > 0 and drafted:
+            w = max(w, 1.0 / (self._warm_seen + 2))
+            self._warm_seen += 1
+            self._warm_left -= 1
         alphas = self._alpha
         for j in range(min(accepted, len(alphas))):
             alphas[j] += w * (1.0 - alphas[j])
@@ -274,11 +284,14 @@ class AcceptanceTracker:
         """(α_1, α_2, …) for `PolicyInputs.acceptance`."""
         return tuple(self._alpha)
 
-    def copy(self, ewma_alpha: float | None = None) -> AcceptanceTracker:
+    def copy(self, ewma_alpha: float | None = None, *, warm: bool = False) -> AcceptanceTracker:
         """An independent tracker starting from this one's estimates (and weight, unless
-        `ewma_alpha` is given)."""
+        `ewma_alpha` is given). `warm`: its first windows weigh 1/2, 1/3, … while that is
+        more than the weight, so its own evidence outweighs the copied estimate quickly."""
         weight = self.ewma_alpha if ewma_alpha is None else ewma_alpha
         twin = AcceptanceTracker(len(self._alpha), weight, 0.0)
         twin._alpha = list(self._alpha)
         twin.samples = self.samples
+        if warm and weight > 0:
+            twin._warm_left = max(0, math.ceil(1.0 / weight) - 2)
         return twin

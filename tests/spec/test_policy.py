@@ -156,3 +156,20 @@ def test_tracker_converges_to_the_true_rate() -> None:
     for i in range(2000):
         t.update(1, 1 if i % 10 < 8 else 0)
     assert t.per_position()[0] == pytest.approx(0.8, abs=0.1)
+
+
+def test_a_warm_copy_lets_a_requests_first_windows_outweigh_the_book() -> None:
+    """The book's estimate counts as one window in a warm copy: three rejections take α₁
+    from 0.9 to a quarter of it (1/2, 1/3, 1/4 weights), where the EWMA alone keeps half of
+    it; from the fourth window on both forget at the EWMA's weight."""
+    book = AcceptanceTracker(4, 0.05, 0.9)
+    warm, cold = book.copy(0.2, warm=True), book.copy(0.2)
+    for tracker in (warm, cold):
+        for _ in range(3):
+            tracker.update(4, 0)
+    assert abs(warm.per_position()[0] - 0.9 / 4) < 1e-9
+    assert abs(cold.per_position()[0] - 0.9 * 0.8**3) < 1e-9
+    before = warm.per_position()[0]
+    warm.update(4, 0)
+    assert abs(warm.per_position()[0] - before * 0.8) < 1e-9
+    assert book.per_position()[0] == 0.9  # the book itself is untouched

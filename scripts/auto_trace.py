@@ -1,0 +1,171 @@
+"""Where `auto` loses against single strategies: a per-window trace of its choices.
+
+    python scripts/auto_trace.py                      # 2 stages, 20 ms, every bench prompt
+    python scripts/auto_trace.py --kinds completion --rounds 2
+
+Runs the bench's prompts in `meshd bench spec`'s order (a local pipeline of the built-in model
+with its shipped draft, greedy, 96 tokens, strategies interleaved, one `AcceptanceBook` per
+pipeline as the bench has), and for each `auto` request prints one line per window: the
+strategy that drafted it, whether the MTP heads still ran, drafts sent / accepted, and the
+time `auto` spent in `observe` (shadow drafting, the draft model's passes, scoring, deciding)
+before it. The summary per request: decode tok/s beside the single strategies', tokens per
+round trip, windows per strategy, the MTP heads' measured time per window, the draft model's
+passes and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from typing import Any
+
+import msgspec
+import trio
+
+from meshd.bench.spec import _BENCH_LANES, _generate
+from meshd.coord.local import open_local_pipeline
+from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
+from meshd.model.files import open_tokenizer
+from meshd.sim.workloads import workloads
+from meshd.spec import auto
+from meshd.spec.config import SpecConfig
+from meshd.spec.draft import DraftModel
+
+trace: list[dict[str, Any]] = []
+observe_s = [0.0]
+draft_time = collections.Counter[str]()
+
+
+def _patch() -> None:
+    propose = auto.AutoProposer.propose
+    observe = auto.AutoProposer.observe
+    set_link = auto.AutoProposer.set_link
+    forward = DraftModel.rows
+
+    def traced_propose(self: auto.AutoProposer, max_tokens: int, mtp_draft: Any = ()) -> Any:
+        out = propose(self, max_tokens, mtp_draft)
+        trace.append(
+            {
+                "choice": self.choice,
+                "heads": self._mtp_live,
+                "drafts": len(out),
+                "observe_ms": observe_s[0] * 1e3,
+                "mtp_ms": self.link.mtp_s * 1e3,
+                "log": len(self._tokens),
+            }
+        )
+        observe_s[0] = 0.0
+        return out
+
+    def traced_observe(self: auto.AutoProposer, committed: Any) -> None:
+        t0 = time.perf_counter()
+        observe(self, committed)
+        observe_s[0] += time.perf_counter() - t0
+        if trace:
+            trace[-1].setdefault("committed", len(committed))
+
+    def traced_link(self: auto.AutoProposer, link: Any) -> None:
+        set_link(self, link)
+
+    def traced_forward(
+        self: DraftModel, session: str, base_pos: int, tokens: Any, last_n: int
+    ) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return forward(self, session, base_pos, tokens, last_n)
+        finally:
+            draft_time["s"] += time.perf_counter() - t0  # type: ignore[assignment]
+            draft_time["passes"] += 1
+
+    auto.AutoProposer.propose = traced_propose  # type: ignore[method-assign]
+    auto.AutoProposer.observe = traced_observe  # type: ignore[method-assign]
+    auto.AutoProposer.set_link = traced_link  # type: ignore[method-assign]
+    DraftModel.rows = traced_forward  # type: ignore[method-assign]
+
+
+async def _run(args: argparse.Namespace) -> None:
+    model = str(builtin_model_dir())
+    tok = open_tokenizer(model)
+    loads = [w for w in workloads(2) if w.kind in args.kinds]
+    eos = frozenset(tok.eos_ids)
+    spec = msgspec.structs.replace(SpecConfig(), draft_model=str(builtin_draft_dir()))
+    draft = DraftModel.load(spec.draft_model)
+    strategies = args.strategies
+    async with open_local_pipeline(
+        model,
+        args.stages,
+        rtt_s=args.rtt_ms / 1000,
+        wire_dtype="f16",
+        eos_ids=eos,
+        draft=draft,
+        lane_config=_BENCH_LANES,
+    ) as pipe:
+        await _generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
+        ratios: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        for load in loads:
+            ids = tok.encode(load.prompt)
+            for rnd in range(args.rounds):
+                turn = rnd % len(strategies)
+                results = {}
+                for strategy in strategies[turn:] + strategies[:turn]:
+                    trace.clear()
+                    draft_time.clear()
+                    results[strategy] = r = await _generate(
+                        pipe, ids, args.tokens, strategy, 2, spec
+                    )
+                    if strategy == "auto":
+                        windows = list(trace)
+                        passes, dsec = draft_time["passes"], draft_time["s"]
+                    if strategy.startswith("draft"):
+                        r["passes"] = draft_time["passes"]
+                base = results["disabled"]["tok_s"]
+                print(f"\n== {load.kind} {load.name} round {rnd}")
+                for s, r in results.items():
+                    ratios[(load.kind, s)].append(r["tok_s"] / base)
+                    print(
+                        f"  {s:13} {r['tok_s']:6.1f} tok/s {r['tok_s'] / base:5.2f}x "
+                        f"tpr {r['tpr'] or 0:4.2f} stale {r['stale']}"
+                        + (f" draft passes {r['passes']}" if "passes" in r else "")
+                    )
+                by = collections.Counter(w["choice"] for w in windows)
+                heads = sum(1 for w in windows if w["heads"])
+                obs = [w["observe_ms"] for w in windows]
+                print(
+                    f"  auto windows {len(windows)}: {dict(by)}; heads on in {heads}; "
+                    f"mtp {statistics.median(w['mtp_ms'] for w in windows):.2f} ms/window; "
+                    f"observe median {statistics.median(obs):.2f} ms, sum {sum(obs):.1f} ms; "
+                    f"draft passes {passes} ({dsec * 1e3:.1f} ms)"
+                )
+                if args.verbose:
+                    line = " ".join(
+                        f"{w['choice'][:6]}{'+' if w['heads'] else ''}:{w['drafts']}"
+                        for w in windows
+                    )
+                    print("   ", line)
+        print("\nmedian ratio to disabled")
+        for (kind, s), values in ratios.items():
+            print(f"  {kind:10} {s:13} {statistics.median(values):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--rtt-ms", type=float, default=20.0)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=["edit", "completion", "prose"])
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["disabled", "ngram-simple", "mtp-simple", "draft", "draft-ngram", "auto"],
+    )
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    _patch()
+    trio.run(_run, args)
+
+
+if __name__ == "__main__":
+    main()

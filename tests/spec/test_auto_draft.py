@@ -1,0 +1,258 @@
+"""`auto` with a draft model: the draft scored teacher-forced, decisions as often as they pay.
+
+A real (tiny, random) draft model drafts. The text a request "generates" is either the draft's
+own greedy continuation (its drafts are always right) or tokens it never predicts, and the MTP
+drafts the test hands over are right or wrong, so each stretch has a clear winner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from meshd.spec import AcceptanceBook, AutoProposer, LinkModel, SpecConfig
+from meshd.spec.auto import _draft_ngram_shadow
+from meshd.spec.draft import DraftModel, DraftNgram, DraftProposer
+from meshd.spec.sampling import SamplingParams
+from tests.spec.drafts import tiny_draft
+
+VOCAB = 4096
+CONFIG = SpecConfig(strategy="auto", ngram_min=1, ngram_max=3, mtp_depth=3)
+# Two stages, 20 ms a hop; the heads cost 2 ms a window.
+WAN = LinkModel(
+    rtt_s=0.040, pass_fixed_s=0.004, pass_per_token_s=0.0005, stages=2, mtp_s=0.002,
+    mtp_measured=True,
+)  # fmt: skip
+
+Mtp = Callable[[list[int], int], list[int]]
+
+
+def right_mtp(stream: list[int], i: int) -> list[int]:
+    return stream[i : i + 3]
+
+
+def wrong_mtp(stream: list[int], i: int) -> list[int]:
+    return [-5, -6, -7]
+
+
+def greedy_text(draft: DraftModel, context: list[int], n: int) -> list[int]:
+    """The draft's own greedy continuation of `context`: every draft of it is right."""
+    session = draft.open(len(context) + n + 8)
+    try:
+        row = draft.next_logits(session, 0, context)
+        out: list[int] = []
+        for i in range(n):
+            out.append(int(row.argmax()))
+            row = draft.next_logits(session, len(context) + i, [out[-1]])
+        return out
+    finally:
+        draft.close(session)
+
+
+def novel(rng: random.Random, n: int) -> list[int]:
+    """Tokens the draft never predicts (ids past its vocabulary) and no n-gram repeats."""
+    return rng.sample(range(VOCAB, 40_000), n)
+
+
+@dataclass
+class Served:
+    choices: list[str] = field(default_factory=list)  # the strategy drafting each window
+    starts: list[int] = field(default_factory=list)  # stream index each window starts at
+    heads: list[bool] = field(default_factory=list)  # whether the heads ran for it
+
+
+def with_draft(
+    draft: DraftModel,
+    book: AcceptanceBook | None = None,
+    link: LinkModel = WAN,
+    pass_s: float = 0.0005,
+) -> AutoProposer:
+    """`auto` with `draft`, its draft's passes timed on a virtual clock: each timed call (a
+    proposal, a scoring pass) takes `pass_s`, so what auto decides does not depend on this
+    machine's speed or load."""
+    auto = AutoProposer(CONFIG, book=book, link=link, draft=draft)
+    assert auto._draft is not None
+    auto._draft.clock = itertools.count(0.0, pass_s).__next__
+    return auto
+
+
+def serve(auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp) -> Served:
+    """One request as a depth-1 coordinator runs it: each window commits the drafts that
+    match `stream` plus one token; once `wants_mtp` says no, the heads stop for the request
+    and send no more drafts."""
+    out = Served()
+    auto.reset(prompt)
+    heads, i = True, 0
+    while i < len(stream):
+        auto.set_link(WAN)
+        if heads and not auto.wants_mtp:
+            auto.stop_mtp()
+            heads = False
+        drafts = auto.propose(8, mtp(stream, i) if heads else ())
+        accepted = 0
+        while accepted < len(drafts) and i + accepted < len(stream):
+            if drafts[accepted] != stream[i + accepted]:
+                break
+            accepted += 1
+        out.choices.append(auto.active)
+        out.starts.append(i)
+        out.heads.append(heads)
+        auto.record(len(drafts), accepted)
+        committed = stream[i : i + accepted + 1]
+        auto.observe(committed)
+        i += len(committed)
+    auto.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_the_drafts_teacher_forced_choices_are_what_it_would_have_drafted(mode: str) -> None:
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(5)
+    params = SamplingParams() if mode == "greedy" else SamplingParams(temperature=0.8, seed=3)
+    log = [rng.randrange(VOCAB) for _ in range(40)]
+    scorer = DraftProposer(CONFIG, draft, params)
+    scorer.reset(log[:10])
+    choices: dict[int, int] = {}
+    for upto in (10, 14, 15, 23, 40):  # the log grows; each pass writes only the new tokens
+        scorer.observe(log[len(scorer.tokens) : upto])
+        since = max(choices, default=9) + 1
+        first, tokens = scorer.predict_log(since)
+        assert first == min(since, upto)
+        choices.update({first + j: t for j, t in enumerate(tokens)})
+    assert sorted(choices) == list(range(10, 41))
+    for position in (10, 11, 17, 30, 40):
+        own = DraftProposer(CONFIG, draft, params)
+        own.reset(log[:position])
+        assert own.propose(1) == [choices[position]]
+        own.close()
+    scorer.close()
+
+
+def test_a_draft_ngram_start_is_settled_by_the_first_disagreement_or_a_full_window() -> None:
+    log = [10, 11, 12, 13, 14, 15]
+    choices = {2: 12, 3: 13, 4: 99, 5: 15, 6: 16}
+    eos = frozenset({7})
+    # Prompt lookup's copy agrees with the draft's first token: the copy is the proposal.
+    assert _draft_ngram_shadow(choices, log, 2, [12, 50], 8, eos) == [12, 50]
+    # Else the draft's chain, to its first token that differs from the log.
+    assert _draft_ngram_shadow(choices, log, 2, [51, 12], 8, eos) == [12, 13, 99]
+    assert _draft_ngram_shadow(choices, log, 2, [], 2, eos) == [12, 13]  # a full window
+    # A chain right to the log's end is not settled until the log (and the draft) go on.
+    assert _draft_ngram_shadow(choices, log, 5, [], 8, eos) is None
+    assert _draft_ngram_shadow(choices, log, 1, [], 8, eos) is None  # not run there yet
+    assert _draft_ngram_shadow({2: 7}, log, 2, [], 8, eos) == [7]  # nothing after an EOS
+
+
+def test_auto_scores_the_draft_with_one_pass_over_several_commits_not_a_pass_per_draft() -> None:
+    """While the heads win, the draft is scored at every commit's start at the cost of one
+    pass over several new tokens, and never drafts."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(6)
+    stream = novel(rng, 150)
+    auto = with_draft(draft)
+    part = auto._draft
+    assert isinstance(part, DraftNgram)
+    served = serve(auto, [1, 2, 3], stream, right_mtp)
+    assert served.choices[-1].startswith("mtp")
+    assert "draft-ngram" not in served.choices
+    windows = len(served.choices)
+    scored = auto.estimate("draft-ngram")
+    assert scored[0] < 0.2  # it was scored, and found wrong
+    # One pass per few commits (a pass per drafted token would be 8 a commit).
+    assert 0 < part.passes < windows
+
+
+def test_a_request_that_moved_to_the_heads_moves_back_when_the_text_turns_to_the_draft() -> None:
+    """The draft is scored at every start while the heads draft, so auto sees it pay again
+    within a few windows (9 here; with a shadow draft at one start in 16 it took 21, through a
+    stretch of ngram-simple)."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(7)
+    prompt = [1, 2, 3]
+    first = novel(rng, 60)  # the heads' text
+    second = greedy_text(draft, [*prompt, *first], 120)  # then the draft's
+    stream = first + second
+
+    def mtp(stream: list[int], i: int) -> list[int]:
+        return right_mtp(stream, i) if i < len(first) else wrong_mtp(stream, i)
+
+    auto = with_draft(draft, AcceptanceBook(CONFIG))
+    served = serve(auto, prompt, stream, mtp)
+    turned = next(w for w, start in enumerate(served.starts) if start >= len(first))
+    assert served.choices[turned - 1].startswith("mtp")
+    back = served.choices.index("draft-ngram", turned)
+    assert back - turned <= 12, served.choices[turned:]
+    assert served.choices[-1] == "draft-ngram"
+
+
+def test_the_draft_is_scored_more_sparsely_where_a_token_is_quick() -> None:
+    """On one fast node the draft's teacher-forced pass waits for many commits, so scoring it
+    costs a small share of each token there too; at 40 ms a window it comes every few."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(8)
+    stream = novel(rng, 120)
+    scoring = {}
+    for name, rtt in (("wan", 0.040), ("fast", 0.0)):
+        link = LinkModel(rtt_s=rtt, pass_fixed_s=0.0025, pass_per_token_s=0.0005, stages=1)
+        auto = with_draft(draft, link=link)
+        assert auto._draft is not None
+        auto.reset([1, 2, 3])
+        scoring[name] = 0
+        for token in stream:
+            auto.set_link(link)
+            auto.propose(8)
+            before = auto._draft.passes
+            auto.observe([token])  # the scoring passes run here, drafting ones in `propose`
+            scoring[name] += auto._draft.passes - before
+        auto.close()
+    assert 1 <= scoring["fast"] <= len(stream) // 30, scoring
+    assert scoring["wan"] >= len(stream) // 4, scoring
+
+
+def test_a_new_request_weighs_the_draft_at_what_it_cost_before_not_as_free() -> None:
+    """Until it drafts in a request, the draft is weighed at the cost per token the book
+    keeps: one that cost 30 ms a token is no candidate on a 40 ms route however right."""
+    draft = tiny_draft(VOCAB)
+    prompt = [1, 2, 3]
+    stream = greedy_text(draft, prompt, 80)
+    picked = {}
+    for name, cost in (("cheap", 0.0002), ("dear", 0.030)):
+        book = AcceptanceBook(CONFIG)
+        teacher = with_draft(draft, book)
+        serve(teacher, prompt, stream, wrong_mtp)  # the book learns the draft is right
+        book.draft_token_s = cost
+        auto = with_draft(draft, book)
+        auto.reset(prompt)
+        picked[name] = auto.active
+        auto.close()
+    assert picked["cheap"] == "draft-ngram"
+    assert picked["dear"] != "draft-ngram", picked
+
+
+def test_a_request_the_draft_wins_stops_the_heads_though_the_book_favours_them() -> None:
+    """After requests where the heads were right and the draft wrong, the book favours the
+    heads; a request whose text is the draft's stops them by its own estimates (the heads'
+    drafts half right here), so its windows no longer pay for them."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(9)
+    book = AcceptanceBook(CONFIG)
+    for _ in range(3):
+        teacher = with_draft(draft, book)
+        serve(teacher, [1, 2, 3], novel(rng, 100), right_mtp)
+
+    def half_right(stream: list[int], i: int) -> list[int]:
+        return [stream[i], -1, -2] if i < len(stream) else []
+
+    prompt = [7, 8, 9]
+    auto = with_draft(draft, book)
+    served = serve(auto, prompt, greedy_text(draft, prompt, 240), half_right)
+    assert served.choices[-1] == "draft-ngram"
+    assert False in served.heads, served.choices
+    stopped = served.heads.index(False)
+    assert stopped <= 30, served.choices
+    assert not any(served.heads[stopped:])
