@@ -32,17 +32,15 @@ HOLDER_PORT = 17461
 CONFIG = FetchConfig(chunk_bytes=64 * 1024, window_bytes=256 * 1024, timeout_s=5.0)
 
 
-async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pathlib.Path) -> None:
-    path = write_gguf(builtin_model_dir(), tmp_path / "tiny-q8.gguf", "Q8_0")
-    holder = open_checkpoint(path)
-    assert isinstance(holder, GGUFCheckpoint)
-    model_id, data, manifest = holder.manifest
-    assert holder.model_id == model_id == open_manifest(data, model_id)[0]
-    assert manifest.format == "gguf"
-    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+async def _fetch_files_then_layers_2_4(
+    holder: GGUFCheckpoint, store: ModelStore
+) -> GGUFStoreCheckpoint:
+    """Over loopback lanes from a node holding `holder`: the manifest's files, then layers
+    [2, 4)'s tensors, as a planned node fetches them; the store's checkpoint after."""
+    model_id, manifest = store.model_id, store.manifest
     async with artifact_nodes([holder, holder], CONFIG) as (source, fetching):
         for wanted in (store.file_indices(), None):
-            if wanted is None:  # then one stage's tensors, as a planned node fetches them
+            if wanted is None:  # then one stage's tensors
                 stage = store_checkpoint(store)
                 assert isinstance(stage, GGUFStoreCheckpoint) and not stage.tensors
                 wanted = store.tensor_indices(stage_tensor_names(stage.config, 2, 4))
@@ -51,18 +49,35 @@ async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pat
             fetching.service._run = run
             await run.run()
     stage.refresh()
+    return stage
+
+
+def _layers_2_4(ours: GGUFStoreCheckpoint, theirs: GGUFCheckpoint) -> bool:
+    """Whether layers [2, 4) loaded from both compute the same bits (int8)."""
+    stages = [StageModel.load(c, 2, 4, quantization="int8") for c in (ours, theirs)]
+    hidden = torch.randn(4, theirs.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for s in stages:
+        s.open_session("s", 8)
+    outs = [s.forward("s", 0, hidden).hidden for s in stages]
+    return torch.equal(outs[0], outs[1])
+
+
+async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pathlib.Path) -> None:
+    path = write_gguf(builtin_model_dir(), tmp_path / "tiny-q8.gguf", "Q8_0")
+    holder = open_checkpoint(path)
+    assert isinstance(holder, GGUFCheckpoint)
+    model_id, data, manifest = holder.manifest
+    assert holder.model_id == model_id == open_manifest(data, model_id)[0]
+    assert manifest.format == "gguf"
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    stage = await _fetch_files_then_layers_2_4(holder, store)
     assert set(stage.tensors) == set(stage_tensor_names(stage.config, 2, 4))
     # The skeleton holds the header; the layers' bytes are holes (no disk).
     skeleton = stage.directory
     assert skeleton.stat().st_size >= path.stat().st_size
     assert os.stat(skeleton).st_blocks * 512 < path.stat().st_size // 2
     assert stage.config == holder.config and stage.default_quantization == "int8"
-    ours = StageModel.load(stage, 2, 4, quantization="int8")
-    theirs = StageModel.load(holder, 2, 4, quantization="int8")
-    hidden = torch.randn(4, holder.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    for s in (ours, theirs):
-        s.open_session("s", 8)
-    assert torch.equal(ours.forward("s", 0, hidden).hidden, theirs.forward("s", 0, hidden).hidden)
+    assert _layers_2_4(stage, holder)
     # The tokenizer comes from the header's metadata.
     text = "Once upon a time"
     assert open_tokenizer(skeleton).encode(text) == open_tokenizer(path).encode(text)
@@ -92,25 +107,10 @@ async def test_a_split_gguf_model_is_fetched_shard_by_shard(tmp_path: pathlib.Pa
         f"gguf.header.{k}" for k in range(2, len(shards) + 1)
     ]
     store = ModelStore(tmp_path / "cache", model_id, data, manifest)
-    async with artifact_nodes([holder, holder], CONFIG) as (source, fetching):
-        for wanted in (store.file_indices(), None):
-            if wanted is None:
-                stage = store_checkpoint(store)
-                assert isinstance(stage, GGUFStoreCheckpoint) and not stage.tensors
-                wanted = store.tensor_indices(stage_tensor_names(stage.config, 2, 4))
-            fetcher = Fetcher(model_id, manifest, wanted, CONFIG)
-            run = FetchRun(fetcher, store, fetching.service._send, lambda: [source.key])
-            fetching.service._run = run
-            await run.run()
-    stage.refresh()
+    stage = await _fetch_files_then_layers_2_4(holder, store)
     assert stage.directory.name == f"model-00001-of-{len(shards):05d}.gguf"
     assert len(list(stage.directory.parent.glob("model-*-of-*.gguf"))) == len(shards)
-    ours = StageModel.load(stage, 2, 4, quantization="int8")
-    theirs = StageModel.load(holder, 2, 4, quantization="int8")
-    hidden = torch.randn(4, holder.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    for s in (ours, theirs):
-        s.open_session("s", 8)
-    assert torch.equal(ours.forward("s", 0, hidden).hidden, theirs.forward("s", 0, hidden).hidden)
+    assert _layers_2_4(stage, holder)
     text = "Once upon a time"
     assert open_tokenizer(stage.directory).encode(text) == open_tokenizer(first).encode(text)
 
