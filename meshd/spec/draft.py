@@ -233,11 +233,7 @@ class DraftProposer(AccountedProposer):
         since = max(1, min(since, len(context)))
         self._ensure_session(len(context) + 1)
         cached = self._cached
-        same = 0
-        for a, b in zip(cached, context, strict=False):
-            if a != b:
-                break
-            same += 1
+        same = _common_prefix(cached, context)
         # The row for position `since` needs the token before it written in this pass.
         same = max(0, min(same, len(context) - 1, since - 1))
         feed = context[same:]
@@ -269,12 +265,7 @@ class DraftProposer(AccountedProposer):
         cached = self._cached
         # Reuse the longest common prefix, but always write at least the context's last token:
         # its logits are the first draft's.
-        same = 0
-        for a, b in zip(cached, context, strict=False):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(context) - 1)
+        same = min(_common_prefix(cached, context), len(context) - 1)
         feed = context[same:]
         pos = same
         out: list[int] = []
@@ -348,3 +339,10 @@ class DraftNgram(DraftProposer):
             self.copies += 1
             return copy
         return []
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (the draft cache's reusable positions)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
