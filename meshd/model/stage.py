@@ -557,6 +557,12 @@ class StageModel:
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
+        if self._kernel_layers is not None and hidden.shape[0] <= ROW_ATTENTION_MAX:
+            # Where the layers run in meshd's kernel, so does the head of a step or window: with
+            # fp32 matrices that keeps a window's rows the bits of the steps it replaces.
+            logits = self._kernel_layers.norm_linear(hidden, norm, self._head)
+            if logits is not None:
+                return logits
         return norm_linear(hidden, norm, self._dims, self._head, None).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -266,7 +266,8 @@ def test_a_batch_runs_each_window_as_it_runs_alone(tmp_path: pathlib.Path) -> No
 
 @needs_kernel
 def test_stages_the_layer_kernel_cannot_run_go_op_by_op(tmp_path: pathlib.Path) -> None:
-    # Qwen3's per-head q/k norms are not in the kernel; an fp16 cache is not either.
+    # Qwen3's per-head q/k norms are not in the kernel; an fp16 cache, or bf16 compute, are
+    # not either.
     make_checkpoint(tmp_path / "qwen3", "qwen3", seed=4)
     make_checkpoint(tmp_path / "llama", "llama", seed=4)
     qwen3 = Checkpoint.open(tmp_path / "qwen3")
@@ -274,4 +275,104 @@ def test_stages_the_layer_kernel_cannot_run_go_op_by_op(tmp_path: pathlib.Path) 
     assert StageModel.load(qwen3, 0, 4, device="cpu", quantization="int8").layer_kernel is None
     narrow = StageModel.load(llama, 0, 4, device="cpu", quantization="int8", kv_dtype=torch.float16)
     assert narrow.layer_kernel is None
-    assert StageModel.load(llama, 0, 4, device="cpu").layer_kernel is None  # fp32 matrices
+    bf16 = StageModel.load(llama, 0, 4, device="cpu", dtype=torch.bfloat16)
+    assert bf16.layer_kernel is None
+    assert StageModel.load(llama, 0, 4, device="cpu").layer_kernel == "meshd layers"
+
+
+# --- fp32 stages ---------------------------------------------------------------------------
+
+
+def _f32_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    res: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    glu: bool = False,
+) -> torch.Tensor:
+    """meshd's fp32 product of rows `x` by `w` `[in, out]` as a stage holds it (contiguous, or
+    the transposed view of `[out, in]` rows)."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    k, n = w.shape
+    transposed = w.stride(1) == 1
+    out = torch.empty(x.shape[0], n)
+    failed = kernels.f32_mm(
+        x.data_ptr(),
+        x.shape[0],
+        k,
+        w.data_ptr(),
+        w.stride(0) if transposed else w.stride(1),
+        n,
+        int(transposed),
+        out.data_ptr(),
+        None if res is None else res.data_ptr(),
+        None if norm is None else norm.data_ptr(),
+        1e-6,
+        int(glu),
+        2,
+    )
+    assert not failed
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["in-major", "out-major"])
+def test_the_fp32_kernel_multiplies_as_torch_does_and_each_row_alone(layout: str) -> None:
+    # Both layouts a stage holds, odd shapes (outputs past a 64-wide tile, inputs past a
+    # 16-wide vector), with the norm, SwiGLU and residual inside the call: torch's result to
+    # fp32 rounding, and every row's bits the same alone as in a window of 13.
+    gen = torch.Generator().manual_seed(3)
+    k, n = 300, 203
+    rows = torch.randn(n, k, generator=gen) * 0.05
+    w = rows.t().contiguous() if layout == "in-major" else rows.t()
+    x = torch.randn(13, k, generator=gen) * torch.logspace(-2, 2, 13)[:, None]
+    res = torch.randn(13, n, generator=gen)
+    norm = torch.rand(k, generator=gen) + 0.5
+    gate_up = torch.randn(13, 2 * k, generator=gen) * 3
+
+    normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm
+    gated = F.silu(gate_up[:, :k]) * gate_up[:, k:]
+    cases = [  # (rows, residual, norm, SwiGLU, what torch computes)
+        (x, None, None, False, x @ w),
+        (x, res, None, False, res + x @ w),
+        (x, None, norm, False, normed @ w),
+        (gate_up, None, None, True, gated @ w),
+    ]
+    for rows_in, residual, norm_w, glu, expected in cases:
+        got = _f32_mm(rows_in, w, residual, norm_w, glu)
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+        for i in (0, 5, 12):
+            one_res = None if residual is None else residual[i : i + 1]
+            one = _f32_mm(rows_in[i : i + 1], w, one_res, norm_w, glu)
+            assert torch.equal(one, got[i : i + 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_fp32_layers_in_one_call_agree_with_torch_and_windows_equal_steps(
+    tmp_path: pathlib.Path, family: str
+) -> None:
+    # An fp32 stage's layers in one call: logits and the cache match the op-by-op (MKL) path to
+    # fp32 rounding with the same greedy tokens; a verify window computes the bits of the
+    # decode steps it replaces, so speculation cannot change a greedy token.
+    fused, by_op = _pair(tmp_path, family, "none")
+    steps = [(12, [7]), (13, [9]), (14, [4]), (15, [31]), (16, [8]), (17, [2]), (18, [77])]
+    with torch.inference_mode():
+        for stage in (fused, by_op):
+            stage.open_session("s", 64)
+        fused.open_session("w", 64)
+        fused.forward("w", 0, torch.tensor(PROMPT))
+        step_logits = []
+        for base, ids in [(0, PROMPT), *steps]:
+            a = fused.forward("s", base, torch.tensor(ids)).logits
+            b = by_op.forward("s", base, torch.tensor(ids)).logits
+            assert a is not None and b is not None
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), float((a - b).abs().max())
+            assert torch.equal(a[-1].argmax(), b[-1].argmax())
+            step_logits.append(a[-1])
+        window = fused.forward("w", 12, torch.tensor([ids[0] for _, ids in steps])).logits
+    assert window is not None
+    assert torch.equal(window, torch.stack(step_logits[1:]))
+    kv = [stage.kv.get("s").main.kv[:, :19] for stage in (fused, by_op)]
+    assert torch.allclose(kv[0], kv[1], rtol=1e-4, atol=1e-5)

@@ -75,11 +75,13 @@ class CpuKernels:
     int4_pack: Any
     attend: Any
     layers: Any  # meshd_layers: every decoder layer of a stage in one call (`LayerArgs`)
+    f32_mm: Any  # meshd_f32_mm: the fp32 product `meshd_layers` runs for fp32 stages
     path: Path
 
 
 class MatrixArgs(ctypes.Structure):
-    """quant_mm.c's `meshd_matrix`: a packed int8 (kind 8) or int4 (kind 4) matrix."""
+    """quant_mm.c's `meshd_matrix`: a packed int8 (kind 8) or int4 (kind 4) matrix, or an fp32
+    one read as `[in][layout]` (kind 32) or `[out][layout]` (kind 33)."""
 
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -190,7 +192,7 @@ def _check_private(path: Path) -> None:
 
 def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 6:
+    if lib.meshd_int8_abi() != 7:
         raise OSError(f"{path}: unexpected kernel ABI")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     mm = lib.meshd_int8_mm
@@ -212,7 +214,11 @@ def _load(path: Path) -> CpuKernels:
     layers = lib.meshd_layers
     layers.argtypes = [p, i64, p, p, i64, p, p, p, p, ctypes.c_int, ctypes.c_int]
     layers.restype = ctypes.c_int
-    return CpuKernels(mm, pack, int4_mm, int4_pack, attend, layers, path)
+    f32_mm = lib.meshd_f32_mm
+    flag = ctypes.c_int
+    f32_mm.argtypes = [p, i64, i64, p, i64, i64, flag, p, p, p, f32, flag, flag]
+    f32_mm.restype = ctypes.c_int
+    return CpuKernels(mm, pack, int4_mm, int4_pack, attend, layers, f32_mm, path)
 
 
 def unavailable_reason() -> str | None:

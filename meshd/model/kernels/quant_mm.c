@@ -25,7 +25,7 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 6; }
+int meshd_int8_abi(void) { return 7; }
 
 /* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
  * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
@@ -356,6 +356,131 @@ int meshd_int4_mm(const float *x, int64_t m, int64_t k, const uint8_t *w, const 
     return 0;
 }
 
+/* ---- fp32: the same products for full-precision weights -----------------------------------
+ * out [m, n] = f(x) @ W^T (+ res) as meshd_int8_mm, for fp32 weights left where the stage
+ * keeps them for torch (`llama.linear_weight`): `transposed` 1 reads W^T as [k][ld] (the
+ * contiguous [in, out] copy of q/k/v and gate/up), 0 reads W as [n][ld] (the checkpoint's
+ * [out, in] rows of o and down). Every output sums its k products in one order whatever m,
+ * the thread count or the split are (one FMA chain per 16 lanes), so a row's result is the
+ * same alone or in a window; it differs from MKL's sum in the last bits. */
+
+/* Input rows per pass over a thread's columns of [k][ld]: each row's slice of the pass is one
+ * long forward stream for the prefetcher. Each thread takes one contiguous column range: with
+ * shorter chunks (8 tiles) the streams were 2 KB long and the product reached 15-17 GB/s from
+ * memory where MKL reaches 20-25 (1024 x 5632, one core; docs/model-runtime.md). */
+#define F32_KBLOCK 16
+
+/* Rows [r0, r0 + R) through input rows [k0, k1) of a [k][ld] matrix for the outputs of tile
+ * n0: acc starts from `out` unless k0 is 0. */
+static inline __attribute__((always_inline)) void f32_in_tile(
+    const float *x, int64_t k, const float *w, int64_t ld, int64_t n, const int R, int64_t r0,
+    int64_t n0, int64_t k0, int64_t k1, float *out) {
+    __m512 acc[ROWS][4];
+    __mmask16 mk[4];
+    for (int g = 0; g < 4; g++) {
+        int64_t c = n0 + 16 * g;
+        mk[g] = c >= n ? 0 : c + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 4; g++)
+            acc[r][g] = k0 == 0 ? _mm512_setzero_ps()
+                                : _mm512_maskz_loadu_ps(mk[g], out + (r0 + r) * n + n0 + 16 * g);
+    for (int64_t j = k0; j < k1; j++) {
+        const float *wr = w + j * ld + n0;
+        __m512 w0 = _mm512_maskz_loadu_ps(mk[0], wr), w1 = _mm512_maskz_loadu_ps(mk[1], wr + 16);
+        __m512 w2 = _mm512_maskz_loadu_ps(mk[2], wr + 32), w3 = _mm512_maskz_loadu_ps(mk[3], wr + 48);
+        for (int r = 0; r < R; r++) {
+            __m512 xb = _mm512_set1_ps(x[(r0 + r) * k + j]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < 4; g++)
+            _mm512_mask_storeu_ps(out + (r0 + r) * n + n0 + 16 * g, mk[g], acc[r][g]);
+}
+
+/* Rows [r0, r0 + R) against outputs [c0, c0 + 4) of an [n][ld] matrix (c0 + 4 <= n, or the
+ * last outputs one by one with C = 1). */
+static inline __attribute__((always_inline)) void f32_out_rows(
+    const float *x, int64_t k, const float *w, int64_t ld, int64_t n, const int R, const int C,
+    int64_t r0, int64_t c0, float *out) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        __mmask16 m = j + 16 <= k ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - j)) - 1);
+        __m512 wv[4];
+        for (int c = 0; c < C; c++) wv[c] = _mm512_maskz_loadu_ps(m, w + (c0 + c) * ld + j);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + (r0 + r) * k + j);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[(r0 + r) * n + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+int meshd_f32_mm(const float *x, int64_t m, int64_t k, const float *w, int64_t ld, int64_t n,
+                 int transposed, float *out, const float *res, const float *norm_weight, float eps,
+                 int glu, int threads) {
+    float *xs = NULL;
+    if (glu || norm_weight != NULL) {
+        xs = (float *)malloc((size_t)(m * k) * sizeof(float));
+        if (xs == NULL) return -1;
+        for (int64_t r = 0; r < m; r++) {
+            if (glu)
+                swiglu_row(x + r * 2 * k, k, xs + r * k);
+            else
+                rms_norm_row(x + r * k, k, norm_weight, eps, xs + r * k);
+        }
+        x = xs;
+    }
+    if (transposed) {
+        const int64_t tiles = (n + TILE - 1) / TILE, per = (tiles + threads - 1) / threads;
+        const int64_t chunks = (tiles + per - 1) / per;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t t1 = (ch + 1) * per < tiles ? (ch + 1) * per : tiles;
+            for (int64_t k0 = 0; k0 < k; k0 += F32_KBLOCK) {
+                const int64_t k1 = k0 + F32_KBLOCK < k ? k0 + F32_KBLOCK : k;
+                for (int64_t t = ch * per; t < t1; t++) {
+                    int64_t r0 = 0;
+                    for (; r0 + ROWS <= m; r0 += ROWS)
+                        f32_in_tile(x, k, w, ld, n, ROWS, r0, t * TILE, k0, k1, out);
+                    switch (m - r0) {
+                    case 3: f32_in_tile(x, k, w, ld, n, 3, r0, t * TILE, k0, k1, out); break;
+                    case 2: f32_in_tile(x, k, w, ld, n, 2, r0, t * TILE, k0, k1, out); break;
+                    case 1: f32_in_tile(x, k, w, ld, n, 1, r0, t * TILE, k0, k1, out); break;
+                    default: break;
+                    }
+                }
+            }
+        }
+    } else {
+        const int64_t quads = n / 4;
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
+        for (int64_t q = 0; q < quads; q++) {
+            int64_t r0 = 0;
+            for (; r0 + ROWS <= m; r0 += ROWS) f32_out_rows(x, k, w, ld, n, ROWS, 4, r0, 4 * q, out);
+            switch (m - r0) {
+            case 3: f32_out_rows(x, k, w, ld, n, 3, 4, r0, 4 * q, out); break;
+            case 2: f32_out_rows(x, k, w, ld, n, 2, 4, r0, 4 * q, out); break;
+            case 1: f32_out_rows(x, k, w, ld, n, 1, 4, r0, 4 * q, out); break;
+            default: break;
+            }
+        }
+        for (int64_t c = 4 * quads; c < n; c++)
+            for (int64_t r = 0; r < m; r++) f32_out_rows(x, k, w, ld, n, 1, 1, r, c, out);
+    }
+    if (res != NULL)
+        for (int64_t i = 0; i < m * n; i++) out[i] = res[i] + out[i];
+    free(xs);
+    return 0;
+}
+
 /* ---- attention of single query rows against an fp32 KV cache ----------------------------
  * Row r (of t) attends keys [lo[r], end[r]) of `kv` ([position][2 * n_kv][hd]: keys, then
  * values), head h reading kv head h / (n_heads / n_kv): out[r, h] = softmax(q.k * scale) v.
@@ -428,7 +553,9 @@ int meshd_attend(const float *q, int64_t q_stride, int64_t t, const float *kv, i
  * it would alone, so verify windows and batches stay row-exact. */
 
 typedef struct {
-    int64_t kind; /* 8: int8 (layout = padded input), 4: int4 (layout = group) */
+    /* 8: int8 (layout = padded input), 4: int4 (layout = group), 32: fp32 [k][layout] (codes
+     * W^T), 33: fp32 [n][layout] (codes W) */
+    int64_t kind;
     int64_t in, out, layout;
     const void *codes, *scales;
     const float *sums;
@@ -449,6 +576,9 @@ typedef struct {
 static int matrix_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
                      const float *res, const float *norm, float eps, int glu, float tiny,
                      int threads) {
+    if (w->kind == 32 || w->kind == 33)
+        return meshd_f32_mm(x, m, w->in, (const float *)w->codes, w->layout, w->out,
+                            w->kind == 32, out, res, norm, eps, glu, threads);
     if (w->kind == 8)
         return meshd_int8_mm(x, m, w->in, (const int8_t *)w->codes, (const float *)w->scales,
                              w->sums, w->out, w->layout, out, res, norm, eps, glu, tiny, threads);
