@@ -8,14 +8,17 @@ operations per call. `quant_mm.c` quantizes each row itself, streams weights pac
 VPDPBUSD and adds the residual in the same call: 1.27x fbgemm's products on one core, 1.39x on
 two (figures and commands in docs/model-runtime.md). No library in meshd's dependencies has
 such a kernel, which is why it is written here (docs/model-runtime.md "Why a hand-written
-kernel").
+kernel"). The same library runs every decoder layer of a CPU stage in one call
+(`meshd_layers`), for int8, int4 and fp32 matrices: torch has no fused decoder-layer call,
+and between its ~15 small operations per layer a decode step spent ~1 ms a token.
 
 The C source ships in the package and is compiled once per machine with the system's C
 compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else systemd's
 `$CACHE_DIRECTORY/kernels`, else `$XDG_CACHE_HOME/meshd/kernels`, else
 `~/.cache/meshd/kernels`, else a temporary directory),
 then loaded with ctypes, which releases the GIL for the call. Without a compiler, on another
-CPU, or with `MESHD_QUANT_KERNELS=torch`, int8 stages run fbgemm as before.
+CPU, or with `MESHD_QUANT_KERNELS=torch`, int8 stages run fbgemm and fp32 stages MKL, layer by
+layer.
 """
 
 from __future__ import annotations
@@ -241,7 +244,7 @@ def cpu_kernels() -> CpuKernels | None:
     """The kernel, compiled and loaded on first use; None where it cannot run here (logged)."""
     reason = unavailable_reason()
     if reason is not None:
-        log.info("quantized stages use torch's kernels: %s", reason)
+        log.info("stages use torch's kernels (meshd's do not run here: %s)", reason)
         return None
     # Loaded after torch, so its OpenMP library is torch's (one thread pool for both).
     assert torch.__version__
@@ -251,7 +254,7 @@ def cpu_kernels() -> CpuKernels | None:
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             log.warning("meshd's CPU kernels: could not build or load in %s: %s", directory, detail)
-    log.warning("quantized stages use torch's kernels: meshd's could not be built")
+    log.warning("stages use torch's kernels: meshd's could not be built")
     return None
 
 
