@@ -103,6 +103,14 @@ _PENDING_PER_CANDIDATE = 8
 _DRAFT_SCORE_SHARE = 0.015
 _DRAFT_SCORE_SHARE_IDLE = 0.005
 _DRAFT_SYNC_MAX_COMMITS = 32
+# The floor of one pass per `_DRAFT_SYNC_MAX_COMMITS` commits holds while the draft pays by
+# this request's or the book's estimate, or while the book has scored fewer than this many of
+# its windows. Past that, where neither says it pays (one fast node: a pass over 32 tokens ≈ a
+# plain token), the pass waits for its idle budget alone, which on one node a 96-token request
+# never reaches: the floor's passes there, the prompt's prefill in the draft included, cost
+# auto 5-7 % against `disabled` (completion and prose, with the draft never chosen). On a
+# route where a token takes long the budget still scores it every few commits.
+_DRAFT_SETTLED_SAMPLES = 64
 _DRAFT_SCORE_PRIOR_S = 0.001  # a pass's seconds until one was timed
 _COST_EWMA = 0.2  # weight of the newest pass in that estimate
 # Starts waiting for the draft's teacher-forced choices (beyond these the oldest are dropped).
@@ -553,7 +561,11 @@ class AutoProposer(AccountedProposer):
         self._tf_commits += 1
         share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
         every = _tokens_for(self.book.draft_score_s, share * self._plain_s())
-        if self._tf_commits < min(every, _DRAFT_SYNC_MAX_COMMITS):
+        if self._draft_pays or self.book.tracker(_DRAFT_CANDIDATE).samples < (
+            _DRAFT_SETTLED_SAMPLES
+        ):
+            every = min(every, _DRAFT_SYNC_MAX_COMMITS)
+        if self._tf_commits < every:
             return
         since = min(start for start, _ in self._tf_pending)
         while since in self._tf and since < len(log):

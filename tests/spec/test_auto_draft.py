@@ -80,7 +80,9 @@ def with_draft(
     return auto
 
 
-def serve(auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp) -> Served:
+def serve(
+    auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp, link: LinkModel = WAN
+) -> Served:
     """One request as a depth-1 coordinator runs it: each window commits the drafts that
     match `stream` plus one token; once `wants_mtp` says no, the heads stop for the request
     and send no more drafts."""
@@ -88,7 +90,7 @@ def serve(auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp) ->
     auto.reset(prompt)
     heads, i = True, 0
     while i < len(stream):
-        auto.set_link(WAN)
+        auto.set_link(link)
         if heads and not auto.wants_mtp:
             auto.stop_mtp()
             heads = False
@@ -256,3 +258,46 @@ def test_a_request_the_draft_wins_stops_the_heads_though_the_book_favours_them()
     stopped = served.heads.index(False)
     assert stopped <= 30, served.choices
     assert not any(served.heads[stopped:])
+
+
+def no_mtp(stream: list[int], i: int) -> list[int]:
+    return []  # a model without MTP heads
+
+
+def half_the_drafts(draft: DraftModel, prompt: list[int], n: int, seed: int) -> list[int]:
+    """Text the draft gets about half right: two tokens of its own greedy continuation, then
+    two it never predicts, and so on."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < n:
+        out += greedy_text(draft, [*prompt, *out], 2)
+        out += novel(rng, 2)
+    return out[:n]
+
+
+def test_on_one_node_where_the_draft_costs_more_than_it_saves_auto_decodes_plainly() -> None:
+    """One node (no round trip; a plain token 3 ms) and a draft whose pass costs 1.5 ms: at
+    half its drafts right, a draft window costs more than the tokens it saves. After one
+    request has taught the node's book, a request settles on plain decoding within a few
+    windows and spends under 1 % of its time scoring the draft (it had spent one pass per 32
+    commits, the prompt's prefill included: 5-7 % of a request on the built-in model). On a
+    20 ms route the same text and costs make the draft pay, and auto drafts with it."""
+    draft = tiny_draft(VOCAB)
+    prompt = [1, 2, 3]
+    one_node = LinkModel(rtt_s=0.0, pass_fixed_s=0.0025, pass_per_token_s=0.0005, stages=1)
+    pass_s = 0.0015
+    plain_s = one_node.compute_s(0)
+    for link, name in ((one_node, "one node"), (WAN, "wan")):
+        book = AcceptanceBook(CONFIG)
+        teacher = with_draft(draft, book, link, pass_s)
+        serve(teacher, prompt, half_the_drafts(draft, prompt, 120, 1), no_mtp, link)
+        auto = with_draft(draft, book, link, pass_s)
+        part = auto._draft
+        assert part is not None
+        stream = half_the_drafts(draft, prompt, 120, 2)
+        served = serve(auto, prompt, stream, no_mtp, link)
+        if name == "wan":
+            assert served.choices.count("draft-ngram") > len(served.choices) // 2, served.choices
+            continue
+        assert "draft-ngram" not in served.choices[4:], served.choices
+        assert part.passes * pass_s <= 0.01 * len(stream) * plain_s, part.passes
