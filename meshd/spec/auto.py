@@ -172,6 +172,11 @@ class _Shadow:
     start: int  # log length when drafted: drafts[i] predicts log[start + i]
     drafts: list[int]
     width: int = 0  # positions it is scored over (0: the window's); a shorter draft rejects
+    # The draft model's chain, known only as far as its teacher-forced passes have reached:
+    # more drafts may follow (its chain is right so far), so reaching its end settles nothing.
+    open: bool = False
+    credited: int = 0  # leading drafts already folded in as accepted (the log confirmed them)
+    weights: tuple[float, float] | None = None  # its weight in the request's and book's EWMA
 
 
 class AutoProposer(AccountedProposer):
@@ -518,6 +523,12 @@ class AutoProposer(AccountedProposer):
         return drafts
 
     def _score(self) -> None:
+        """Fold in what the log has shown of each shadow draft: its leading drafts as soon as
+        the log confirms them, its first wrong draft (or its end, when shorter than the
+        window) once the log reaches it. Crediting only settled drafts, a candidate right for
+        a whole window was credited a window's worth of commits late, and while auto decoded
+        plainly (a commit a window) that was 8 windows: a prose request sat 13 windows in
+        plain decoding after the draft had become right again."""
         log = self._tokens
         waiting: list[_Shadow] = []
         for shadow in self._pending:
@@ -529,10 +540,9 @@ class AutoProposer(AccountedProposer):
                     settled = True
                     break
                 matched += 1
-            if settled or matched == len(shadow.drafts):
-                width = shadow.width or self._width
-                self._trackers[shadow.strategy].update(width, matched)
-                self.book.tracker(shadow.strategy).update(width, matched)
+            width = shadow.width or self._width
+            if settled or (matched == len(shadow.drafts) and not shadow.open):
+                self._fold(shadow, matched, rejected=matched < width)
                 # News that may change the choice: decide at once, whatever the spacing.
                 # (An empty draft, no n-gram match, counts as a reject but is no news.)
                 if (shadow.strategy != self.choice and matched == self._width) or (
@@ -540,8 +550,21 @@ class AutoProposer(AccountedProposer):
                 ):
                     self._next_decision = len(log)
             else:
+                if matched > shadow.credited:
+                    self._fold(shadow, matched, rejected=False)
                 waiting.append(shadow)
         self._pending = waiting
+
+    def _fold(self, shadow: _Shadow, matched: int, *, rejected: bool) -> None:
+        """Fold `shadow`'s drafts up to `matched` (and a reject after them) into the request's
+        and the book's estimates, as one window however many calls it takes."""
+        mine, book = self._trackers[shadow.strategy], self.book.tracker(shadow.strategy)
+        if shadow.weights is None:
+            shadow.weights = (mine.open_window(), book.open_window())
+        since = shadow.credited
+        mine.fold(shadow.weights[0], matched, rejected=rejected, since=since)
+        book.fold(shadow.weights[1], matched, rejected=rejected, since=since)
+        shadow.credited = matched
 
     def _plain_s(self) -> float:
         """A token's time without speculation on the current route."""
@@ -553,9 +576,13 @@ class AutoProposer(AccountedProposer):
         if self._draft is None:
             return
         if self.choice in DRAFT_STRATEGIES:
-            self._tf_pending.clear()  # it proposes for itself now
+            # It proposes for itself now; chains no pass will extend are dropped (what the log
+            # confirmed of them stays credited).
+            self._tf_pending.clear()
+            self._pending = [s for s in self._pending if not s.open]
             return
-        if not self._tf_pending:
+        chains = [s for s in self._pending if s.open]
+        if not self._tf_pending and not chains:
             return
         log = self._tokens
         self._tf_commits += 1
@@ -567,7 +594,9 @@ class AutoProposer(AccountedProposer):
             every = min(every, _DRAFT_SYNC_MAX_COMMITS)
         if self._tf_commits < every:
             return
-        since = min(start for start, _ in self._tf_pending)
+        since = min(
+            [start for start, _ in self._tf_pending] + [s.start + len(s.drafts) for s in chains]
+        )
         while since in self._tf and since < len(log):
             since += 1
         first, choices = self._draft.predict_log(since)
@@ -578,15 +607,23 @@ class AutoProposer(AccountedProposer):
         for j, token in enumerate(choices):
             self._tf[first + j] = token
         eos = self._draft.draft.eos_ids
+        for shadow in chains:  # the passes reached further along these chains
+            found = _draft_ngram_shadow(self._tf, log, shadow.start, (), self._width, eos)
+            if found is not None:
+                shadow.drafts, shadow.open = found
         waiting: list[tuple[int, list[int]]] = []
         for start, copy in self._tf_pending:
-            drafts = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
-            if drafts is None:
+            found = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
+            if found is None:
                 waiting.append((start, copy))
             else:
-                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts))
+                drafts, more = found
+                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, open=more))
         self._tf_pending = waiting
-        oldest = min((start for start, _ in waiting), default=len(log))
+        oldest = min(
+            [start for start, _ in waiting] + [s.start for s in self._pending if s.open],
+            default=len(log),
+        )
         for position in [p for p in self._tf if p < oldest]:
             del self._tf[position]
         self._score()
@@ -686,34 +723,36 @@ def _draft_ngram_shadow(
     copy: Sequence[int],
     width: int,
     eos: frozenset[int],
-) -> list[int] | None:
+) -> tuple[list[int], bool] | None:
     """What `draft-ngram` would have proposed at `start`, as far as scoring it needs, from the
-    draft's teacher-forced `choices` by position; None while they do not settle it yet.
+    draft's teacher-forced `choices` by position, and whether more of it may follow; None
+    while its first token is not known.
 
     Prompt lookup's `copy` where it starts with the draft's first token; else the draft's
     chain up to its first token that differs from the log (the chain drafts from the log
-    while it agrees with it), an EOS, or `width` tokens.
+    while it agrees with it), an EOS, or `width` tokens. A chain right as far as the choices
+    (or the log) reach is open: the next passes continue it.
     """
     first = choices.get(start)
     if first is None:
         return None
     if copy and copy[0] == first:
-        return list(copy)
+        return list(copy), False
     chain: list[int] = []
     position = start
     while len(chain) < width:
         token = choices.get(position)
-        if token is None or position > len(log):
-            return None
+        if token is None:
+            return chain, True  # no pass has reached this position yet
         chain.append(token)
         if token in eos:
-            return chain
-        if position == len(log):
-            return None  # the log does not reach this token yet
+            return chain, False
+        if position >= len(log):
+            return chain, True  # the log does not reach this token yet
         if log[position] != token:
-            return chain
+            return chain, False
         position += 1
-    return chain
+    return chain, False
 
 
 def _moved(old: LinkModel, new: LinkModel) -> bool:

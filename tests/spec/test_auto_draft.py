@@ -140,14 +140,15 @@ def test_a_draft_ngram_start_is_settled_by_the_first_disagreement_or_a_full_wind
     choices = {2: 12, 3: 13, 4: 99, 5: 15, 6: 16}
     eos = frozenset({7})
     # Prompt lookup's copy agrees with the draft's first token: the copy is the proposal.
-    assert _draft_ngram_shadow(choices, log, 2, [12, 50], 8, eos) == [12, 50]
+    assert _draft_ngram_shadow(choices, log, 2, [12, 50], 8, eos) == ([12, 50], False)
     # Else the draft's chain, to its first token that differs from the log.
-    assert _draft_ngram_shadow(choices, log, 2, [51, 12], 8, eos) == [12, 13, 99]
-    assert _draft_ngram_shadow(choices, log, 2, [], 2, eos) == [12, 13]  # a full window
-    # A chain right to the log's end is not settled until the log (and the draft) go on.
-    assert _draft_ngram_shadow(choices, log, 5, [], 8, eos) is None
+    assert _draft_ngram_shadow(choices, log, 2, [51, 12], 8, eos) == ([12, 13, 99], False)
+    assert _draft_ngram_shadow(choices, log, 2, [], 2, eos) == ([12, 13], False)  # a full window
+    # A chain right to the log's end is known so far, and open: the log (and the draft) go on.
+    assert _draft_ngram_shadow(choices, log, 5, [], 8, eos) == ([15, 16], True)
+    assert _draft_ngram_shadow({5: 15}, log, 5, [], 8, eos) == ([15], True)  # no pass beyond
     assert _draft_ngram_shadow(choices, log, 1, [], 8, eos) is None  # not run there yet
-    assert _draft_ngram_shadow({2: 7}, log, 2, [], 8, eos) == [7]  # nothing after an EOS
+    assert _draft_ngram_shadow({2: 7}, log, 2, [], 8, eos) == ([7], False)  # nothing after EOS
 
 
 def test_auto_scores_the_draft_with_one_pass_over_several_commits_not_a_pass_per_draft() -> None:
@@ -301,3 +302,21 @@ def test_on_one_node_where_the_draft_costs_more_than_it_saves_auto_decodes_plain
             continue
         assert "draft-ngram" not in served.choices[4:], served.choices
         assert part.passes * pass_s <= 0.01 * len(stream) * plain_s, part.passes
+
+
+def test_decoding_plainly_auto_moves_to_the_draft_within_a_few_windows_of_its_text() -> None:
+    """While auto decodes plainly (a commit a window) the draft's scored starts are credited
+    as far as the log has confirmed them, not only once a whole window's worth is known: when
+    the text turns to the draft's, auto drafts with it the next window (it took 8 when a start's
+    credit waited for its full window)."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(11)
+    prompt = [1, 2, 3]
+    first = novel(rng, 40)  # nothing predicts this: plain decoding
+    stream = first + greedy_text(draft, [*prompt, *first], 100)
+    auto = with_draft(draft, AcceptanceBook(CONFIG))
+    served = serve(auto, prompt, stream, no_mtp)
+    turned = served.starts.index(len(first))
+    assert served.choices[turned - 1] == "disabled", served.choices
+    back = served.choices.index("draft-ngram", turned)
+    assert back - turned <= 3, served.choices[turned:]
