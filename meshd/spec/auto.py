@@ -102,6 +102,11 @@ _PENDING_PER_CANDIDATE = 8
 # auto 1.23x where draft-ngram made 1.39x).
 _DRAFT_SCORE_SHARE = 0.015
 _DRAFT_SCORE_SHARE_IDLE = 0.005
+# While auto decodes plainly and the book says the draft pays, every plain window may be one
+# the draft would have shortened by a third or more: its pass may cost this share. At 1.5 %
+# a 2 stages / 20 ms prose request sat 15 windows in plain decoding (a pass every 7 commits on
+# a loaded machine) after one rejected window at its start had halved the draft's estimate.
+_DRAFT_SCORE_SHARE_EAGER = 0.05
 _DRAFT_SYNC_MAX_COMMITS = 32
 # The floor of one pass per `_DRAFT_SYNC_MAX_COMMITS` commits holds while the draft pays by
 # this request's or the book's estimate, or while the book has scored fewer than this many of
@@ -216,6 +221,7 @@ class AutoProposer(AccountedProposer):
             self._draft = DraftNgram(config, draft, sampling)
             self._candidates[_DRAFT_CANDIDATE] = self._draft
         self._draft_pays = True  # by its or the book's estimate at the last decision
+        self._book_says_draft_pays = True  # by the book's estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = _DECIDE_EVERY_TOKENS
@@ -587,6 +593,8 @@ class AutoProposer(AccountedProposer):
         log = self._tokens
         self._tf_commits += 1
         share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
+        if self.choice == "disabled" and self._book_says_draft_pays:
+            share = _DRAFT_SCORE_SHARE_EAGER
         every = _tokens_for(self.book.draft_score_s, share * self._plain_s())
         if self._draft_pays or self.book.tracker(_DRAFT_CANDIDATE).samples < (
             _DRAFT_SETTLED_SAMPLES
@@ -643,8 +651,12 @@ class AutoProposer(AccountedProposer):
             # that is when the draft must be scored often to see it pay again (a prose request
             # at 2 stages / 20 ms sat 11 windows in plain decoding, its draft scored every
             # sixth); where the book says no as well, the route makes it too dear (one node).
-            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0 or (
+            self._book_says_draft_pays = (
                 self._best(self.book.tracker, (_DRAFT_CANDIDATE,))[0] == _DRAFT_CANDIDATE
+            )
+            self._draft_pays = (
+                found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0
+                or self._book_says_draft_pays
             )
         models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
         if (
