@@ -34,6 +34,7 @@ from meshd.spec.config import SpecConfig
 from meshd.spec.draft import DraftModel
 
 trace: list[dict[str, Any]] = []
+decisions: list[str] = []
 observe_s = [0.0]
 draft_time = collections.Counter[str]()
 
@@ -43,6 +44,17 @@ def _patch() -> None:
     observe = auto.AutoProposer.observe
     set_link = auto.AutoProposer.set_link
     forward = DraftModel.rows
+    decide = auto.AutoProposer._decide
+
+    def traced_decide(self: auto.AutoProposer) -> None:
+        decide(self)
+        _, _, found = self._best(lambda name: self._trackers[name])
+        times = " ".join(
+            f"{name[:8]}={found[name].s_per_token(self.config)[0] * 1e3:.1f}"
+            f"/{found[name].s_per_token(self.config)[1]}"
+            for name in found
+        )
+        decisions.append(f"@{len(self._tokens)} {self.choice[:8]}: {times}")
 
     def traced_propose(self: auto.AutoProposer, max_tokens: int, mtp_draft: Any = ()) -> Any:
         out = propose(self, max_tokens, mtp_draft)
@@ -83,6 +95,7 @@ def _patch() -> None:
     auto.AutoProposer.observe = traced_observe  # type: ignore[method-assign]
     auto.AutoProposer.set_link = traced_link  # type: ignore[method-assign]
     DraftModel.rows = traced_forward  # type: ignore[method-assign]
+    auto.AutoProposer._decide = traced_decide  # type: ignore[method-assign]
 
 
 async def _run(args: argparse.Namespace) -> None:
@@ -111,12 +124,14 @@ async def _run(args: argparse.Namespace) -> None:
                 results = {}
                 for strategy in strategies[turn:] + strategies[:turn]:
                     trace.clear()
+                    decisions.clear()
                     draft_time.clear()
                     results[strategy] = r = await _generate(
                         pipe, ids, args.tokens, strategy, 2, spec
                     )
                     if strategy == "auto":
                         windows = list(trace)
+                        decided = list(decisions)
                         passes, dsec = draft_time["passes"], draft_time["s"]
                     if strategy.startswith("draft"):
                         r["passes"] = draft_time["passes"]
@@ -144,6 +159,9 @@ async def _run(args: argparse.Namespace) -> None:
                         for w in windows
                     )
                     print("   ", line)
+                if args.decisions:
+                    for line in decided:
+                        print("     ", line)
         print("\nmedian ratio to disabled")
         for (kind, s), values in ratios.items():
             print(f"  {kind:10} {s:13} {statistics.median(values):.2f}")
@@ -162,6 +180,11 @@ def main() -> None:
         default=["disabled", "ngram-simple", "mtp-simple", "draft", "draft-ngram", "auto"],
     )
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument(
+        "--decisions",
+        action="store_true",
+        help="each decision: log length, choice, every candidate's ms/token and width",
+    )
     args = parser.parse_args()
     _patch()
     trio.run(_run, args)

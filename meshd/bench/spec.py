@@ -6,7 +6,8 @@ greedy, in rounds that repeat until `disabled` has decoded for `--min-seconds` (
 run on one fast node lasts ~0.3 s, too short to time alone on a shared machine). Reported per
 row, as medians over prompts and rounds: decode tokens/s, the ratio to `disabled` in the same
 round, accepted/drafted, tokens per verify round trip, stale windows — and whether the text
-equals `disabled`'s (speculation must never change it). `draft` and `draft-ngram` run with
+equals `disabled`'s (speculation must never change it). `auto`'s row also names the
+cell's best single strategy and gives `auto` against it, paired within each round. `draft` and `draft-ngram` run with
 `--speculative-draft-model`, on the built-in model with its shipped draft by default (and
 `auto` weighs the draft there); without a draft model they are left out. The single-stage rows also time
 `transformers` `generate()` with and without `prompt_lookup_num_tokens` on the same checkpoint.
@@ -282,7 +283,45 @@ def _aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "identical_to_disabled": all(i["identical_to_disabled"] for i in items),
             }
         )
+    _versus_best_single(rows, runs)
     return rows
+
+
+def _versus_best_single(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> None:
+    """Add to each `auto` row the cell's best single strategy (`disabled` included) by its
+    median ratio to `disabled`, and `auto` against it: the quotient of the two medians
+    (`ratio_vs_best_single`) and the median of the per-round quotients, auto's run over that
+    strategy's run of the same prompt and round (`paired_ratio_vs_best_single`, with its
+    quartiles). Runs of one round lie seconds apart, so the paired figure is spared most of
+    a shared machine's drift in load between rounds; the two medians each carry it."""
+
+    def cell(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["stages"], r["rtt_ms"], r["workload"])
+
+    for row in rows:
+        if row["strategy"] != "auto":
+            continue
+        singles = [r for r in rows if cell(r) == cell(row) and r["strategy"] != "auto"]
+        if not singles:
+            continue
+        best = max(singles, key=lambda r: r["ratio_vs_disabled"])
+        speed = {
+            (r["prompt"], r.get("round", 0)): r["decode_tok_s"]
+            for r in runs
+            if cell(r) == cell(row) and r["strategy"] == best["strategy"]
+        }
+        paired = [
+            r["decode_tok_s"] / speed[(r["prompt"], r.get("round", 0))]
+            for r in runs
+            if cell(r) == cell(row)
+            and r["strategy"] == "auto"
+            and (r["prompt"], r.get("round", 0)) in speed
+        ]
+        row["best_single"] = best["strategy"]
+        row["ratio_vs_best_single"] = round(row["ratio_vs_disabled"] / best["ratio_vs_disabled"], 3)
+        if paired:
+            row["paired_ratio_vs_best_single"] = round(statistics.median(paired), 3)
+            row["paired_ratio_vs_best_single_quartiles"] = _quartiles(paired)
 
 
 def _quartiles(values: list[float]) -> list[float]:
@@ -378,6 +417,21 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
                 spread.append(f"{kind} {q1:.2f}–{q3:.2f}× ({r['ratio_samples']} rounds)")
         if spread:
             out.append("\n`auto` ÷ `disabled` per round, quartiles: " + ", ".join(spread))
+        versus = []
+        for kind in KINDS:
+            r = _row(rows, stages, rtt, kind, "auto")
+            if r is not None and r.get("paired_ratio_vs_best_single") is not None:
+                q1, q3 = r["paired_ratio_vs_best_single_quartiles"]
+                versus.append(
+                    f"{kind} {r['ratio_vs_best_single']:.2f} / "
+                    f"{r['paired_ratio_vs_best_single']:.2f} ({q1:.2f}–{q3:.2f}, "
+                    f"{r['best_single']})"
+                )
+        if versus:
+            out.append(
+                "\n`auto` ÷ best single strategy, of the medians / paired per round "
+                "(quartiles, best): " + ", ".join(versus)
+            )
     for row in report.get("transformers", []):
         out.append(
             f"\nsingle node, {row['strategy']}, {row['workload']}: {row['decode_tok_s']:.1f} tok/s"

@@ -102,7 +102,20 @@ _PENDING_PER_CANDIDATE = 8
 # auto 1.23x where draft-ngram made 1.39x).
 _DRAFT_SCORE_SHARE = 0.015
 _DRAFT_SCORE_SHARE_IDLE = 0.005
+# While auto decodes plainly and the book says the draft pays, every plain window may be one
+# the draft would have shortened by a third or more: its pass may cost this share. At 1.5 %
+# a 2 stages / 20 ms prose request sat 15 windows in plain decoding (a pass every 7 commits on
+# a loaded machine) after one rejected window at its start had halved the draft's estimate.
+_DRAFT_SCORE_SHARE_EAGER = 0.05
 _DRAFT_SYNC_MAX_COMMITS = 32
+# The floor of one pass per `_DRAFT_SYNC_MAX_COMMITS` commits holds while the draft pays by
+# this request's or the book's estimate, or while the book has scored fewer than this many of
+# its windows. Past that, where neither says it pays (one fast node: a pass over 32 tokens ≈ a
+# plain token), the pass waits for its idle budget alone, which on one node a 96-token request
+# never reaches: the floor's passes there, the prompt's prefill in the draft included, cost
+# auto 5-7 % against `disabled` (completion and prose, with the draft never chosen). On a
+# route where a token takes long the budget still scores it every few commits.
+_DRAFT_SETTLED_SAMPLES = 64
 _DRAFT_SCORE_PRIOR_S = 0.001  # a pass's seconds until one was timed
 _COST_EWMA = 0.2  # weight of the newest pass in that estimate
 # Starts waiting for the draft's teacher-forced choices (beyond these the oldest are dropped).
@@ -164,6 +177,11 @@ class _Shadow:
     start: int  # log length when drafted: drafts[i] predicts log[start + i]
     drafts: list[int]
     width: int = 0  # positions it is scored over (0: the window's); a shorter draft rejects
+    # The draft model's chain, known only as far as its teacher-forced passes have reached:
+    # more drafts may follow (its chain is right so far), so reaching its end settles nothing.
+    open: bool = False
+    credited: int = 0  # leading drafts already folded in as accepted (the log confirmed them)
+    weights: tuple[float, float] | None = None  # its weight in the request's and book's EWMA
 
 
 class AutoProposer(AccountedProposer):
@@ -203,6 +221,7 @@ class AutoProposer(AccountedProposer):
             self._draft = DraftNgram(config, draft, sampling)
             self._candidates[_DRAFT_CANDIDATE] = self._draft
         self._draft_pays = True  # by its or the book's estimate at the last decision
+        self._book_says_draft_pays = True  # by the book's estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = _DECIDE_EVERY_TOKENS
@@ -510,6 +529,12 @@ class AutoProposer(AccountedProposer):
         return drafts
 
     def _score(self) -> None:
+        """Fold in what the log has shown of each shadow draft: its leading drafts as soon as
+        the log confirms them, its first wrong draft (or its end, when shorter than the
+        window) once the log reaches it. Crediting only settled drafts, a candidate right for
+        a whole window was credited a window's worth of commits late, and while auto decoded
+        plainly (a commit a window) that was 8 windows: a prose request sat 13 windows in
+        plain decoding after the draft had become right again."""
         log = self._tokens
         waiting: list[_Shadow] = []
         for shadow in self._pending:
@@ -521,10 +546,9 @@ class AutoProposer(AccountedProposer):
                     settled = True
                     break
                 matched += 1
-            if settled or matched == len(shadow.drafts):
-                width = shadow.width or self._width
-                self._trackers[shadow.strategy].update(width, matched)
-                self.book.tracker(shadow.strategy).update(width, matched)
+            width = shadow.width or self._width
+            if settled or (matched == len(shadow.drafts) and not shadow.open):
+                self._fold(shadow, matched, rejected=matched < width)
                 # News that may change the choice: decide at once, whatever the spacing.
                 # (An empty draft, no n-gram match, counts as a reject but is no news.)
                 if (shadow.strategy != self.choice and matched == self._width) or (
@@ -532,8 +556,21 @@ class AutoProposer(AccountedProposer):
                 ):
                     self._next_decision = len(log)
             else:
+                if matched > shadow.credited:
+                    self._fold(shadow, matched, rejected=False)
                 waiting.append(shadow)
         self._pending = waiting
+
+    def _fold(self, shadow: _Shadow, matched: int, *, rejected: bool) -> None:
+        """Fold `shadow`'s drafts up to `matched` (and a reject after them) into the request's
+        and the book's estimates, as one window however many calls it takes."""
+        mine, book = self._trackers[shadow.strategy], self.book.tracker(shadow.strategy)
+        if shadow.weights is None:
+            shadow.weights = (mine.open_window(), book.open_window())
+        since = shadow.credited
+        mine.fold(shadow.weights[0], matched, rejected=rejected, since=since)
+        book.fold(shadow.weights[1], matched, rejected=rejected, since=since)
+        shadow.credited = matched
 
     def _plain_s(self) -> float:
         """A token's time without speculation on the current route."""
@@ -545,17 +582,29 @@ class AutoProposer(AccountedProposer):
         if self._draft is None:
             return
         if self.choice in DRAFT_STRATEGIES:
-            self._tf_pending.clear()  # it proposes for itself now
+            # It proposes for itself now; chains no pass will extend are dropped (what the log
+            # confirmed of them stays credited).
+            self._tf_pending.clear()
+            self._pending = [s for s in self._pending if not s.open]
             return
-        if not self._tf_pending:
+        chains = [s for s in self._pending if s.open]
+        if not self._tf_pending and not chains:
             return
         log = self._tokens
         self._tf_commits += 1
         share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
+        if self.choice == "disabled" and self._book_says_draft_pays:
+            share = _DRAFT_SCORE_SHARE_EAGER
         every = _tokens_for(self.book.draft_score_s, share * self._plain_s())
-        if self._tf_commits < min(every, _DRAFT_SYNC_MAX_COMMITS):
+        if self._draft_pays or self.book.tracker(_DRAFT_CANDIDATE).samples < (
+            _DRAFT_SETTLED_SAMPLES
+        ):
+            every = min(every, _DRAFT_SYNC_MAX_COMMITS)
+        if self._tf_commits < every:
             return
-        since = min(start for start, _ in self._tf_pending)
+        since = min(
+            [start for start, _ in self._tf_pending] + [s.start + len(s.drafts) for s in chains]
+        )
         while since in self._tf and since < len(log):
             since += 1
         first, choices = self._draft.predict_log(since)
@@ -566,15 +615,23 @@ class AutoProposer(AccountedProposer):
         for j, token in enumerate(choices):
             self._tf[first + j] = token
         eos = self._draft.draft.eos_ids
+        for shadow in chains:  # the passes reached further along these chains
+            found = _draft_ngram_shadow(self._tf, log, shadow.start, (), self._width, eos)
+            if found is not None:
+                shadow.drafts, shadow.open = found
         waiting: list[tuple[int, list[int]]] = []
         for start, copy in self._tf_pending:
-            drafts = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
-            if drafts is None:
+            found = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
+            if found is None:
                 waiting.append((start, copy))
             else:
-                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts))
+                drafts, more = found
+                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, open=more))
         self._tf_pending = waiting
-        oldest = min((start for start, _ in waiting), default=len(log))
+        oldest = min(
+            [start for start, _ in waiting] + [s.start for s in self._pending if s.open],
+            default=len(log),
+        )
         for position in [p for p in self._tf if p < oldest]:
             del self._tf[position]
         self._score()
@@ -594,8 +651,12 @@ class AutoProposer(AccountedProposer):
             # that is when the draft must be scored often to see it pay again (a prose request
             # at 2 stages / 20 ms sat 11 windows in plain decoding, its draft scored every
             # sixth); where the book says no as well, the route makes it too dear (one node).
-            self._draft_pays = found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0 or (
+            self._book_says_draft_pays = (
                 self._best(self.book.tracker, (_DRAFT_CANDIDATE,))[0] == _DRAFT_CANDIDATE
+            )
+            self._draft_pays = (
+                found[_DRAFT_CANDIDATE].s_per_token(self.config)[1] > 0
+                or self._book_says_draft_pays
             )
         models = (*MTP_STRATEGIES, *DRAFT_STRATEGIES)
         if (
@@ -674,34 +735,36 @@ def _draft_ngram_shadow(
     copy: Sequence[int],
     width: int,
     eos: frozenset[int],
-) -> list[int] | None:
+) -> tuple[list[int], bool] | None:
     """What `draft-ngram` would have proposed at `start`, as far as scoring it needs, from the
-    draft's teacher-forced `choices` by position; None while they do not settle it yet.
+    draft's teacher-forced `choices` by position, and whether more of it may follow; None
+    while its first token is not known.
 
     Prompt lookup's `copy` where it starts with the draft's first token; else the draft's
     chain up to its first token that differs from the log (the chain drafts from the log
-    while it agrees with it), an EOS, or `width` tokens.
+    while it agrees with it), an EOS, or `width` tokens. A chain right as far as the choices
+    (or the log) reach is open: the next passes continue it.
     """
     first = choices.get(start)
     if first is None:
         return None
     if copy and copy[0] == first:
-        return list(copy)
+        return list(copy), False
     chain: list[int] = []
     position = start
     while len(chain) < width:
         token = choices.get(position)
-        if token is None or position > len(log):
-            return None
+        if token is None:
+            return chain, True  # no pass has reached this position yet
         chain.append(token)
         if token in eos:
-            return chain
-        if position == len(log):
-            return None  # the log does not reach this token yet
+            return chain, False
+        if position >= len(log):
+            return chain, True  # the log does not reach this token yet
         if log[position] != token:
-            return chain
+            return chain, False
         position += 1
-    return chain
+    return chain, False
 
 
 def _moved(old: LinkModel, new: LinkModel) -> bool:

@@ -267,18 +267,31 @@ class AcceptanceTracker:
         """Fold in one window: `accepted` of `drafted` drafts were accepted."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}/{drafted}")
+        if drafted:
+            self.fold(self.open_window(), accepted, rejected=accepted < drafted)
+
+    def open_window(self) -> float:
+        """Count one more window and return the weight its verdict folds in with (`fold`):
+        `ewma_alpha`, or more for the first windows after a warm `copy`."""
         w = self.ewma_alpha
-        if self._warm_left > 0 and drafted:
+        if self._warm_left > 0:
             w = max(w, 1.0 / (self._warm_seen + 2))
             self._warm_seen += 1
             self._warm_left -= 1
+        self.samples += 1
+        return w
+
+    def fold(self, weight: float, accepted: int, *, rejected: bool, since: int = 0) -> None:
+        """Fold in (part of) one window's verdict at `weight` (from `open_window`): drafts
+        `since`+1..`accepted` accepted, and draft `accepted`+1 rejected when `rejected`.
+        A window whose first drafts are known right before the rest is judged (a shadow draft
+        while the log grows) folds in its positions as they become known, `since` being those
+        folded already; each position is folded once, so the result is the whole verdict's."""
         alphas = self._alpha
-        for j in range(min(accepted, len(alphas))):
-            alphas[j] += w * (1.0 - alphas[j])
-        if accepted < drafted and accepted < len(alphas):
-            alphas[accepted] -= w * alphas[accepted]
-        if drafted:
-            self.samples += 1
+        for j in range(since, min(accepted, len(alphas))):
+            alphas[j] += weight * (1.0 - alphas[j])
+        if rejected and accepted < len(alphas):
+            alphas[accepted] -= weight * alphas[accepted]
 
     def per_position(self) -> tuple[float, ...]:
         """(α_1, α_2, …) for `PolicyInputs.acceptance`."""

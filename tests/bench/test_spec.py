@@ -36,9 +36,22 @@ async def test_short_runs_repeat_in_rounds_and_every_run_matches_disabled() -> N
     q1, q3 = row["ratio_quartiles"]
     assert row["ratio_samples"] == 3
     assert q1 <= row["ratio_vs_disabled"] <= q3
+    # `auto` against the cell's best single strategy, paired within each round.
+    (auto,) = [r for r in report["rows"] if r["strategy"] == "auto"]
+    singles = [r for r in report["rows"] if r["strategy"] != "auto"]
+    best = max(singles, key=lambda r: r["ratio_vs_disabled"])
+    assert auto["best_single"] == best["strategy"]
+    speed = {(r["strategy"], r["round"]): r["decode_tok_s"] for r in runs}
+    paired = sorted(speed[("auto", i)] / speed[(best["strategy"], i)] for i in range(3))
+    assert auto["paired_ratio_vs_best_single"] == pytest.approx(paired[1], abs=1e-3)
+    assert auto["paired_ratio_vs_best_single_quartiles"][0] <= paired[1]
+    assert auto["ratio_vs_best_single"] == pytest.approx(
+        auto["ratio_vs_disabled"] / best["ratio_vs_disabled"], abs=1e-3
+    )
     table = bench_spec.markdown(report, ["disabled", "ngram-simple", "auto"])
     assert "`auto` ÷ `disabled` per round, quartiles: edit " in table
     assert "(3 rounds)" in table
+    assert "`auto` ÷ best single strategy, of the medians / paired per round" in table
 
 
 def test_rounds_stop_once_disabled_has_decoded_long_enough() -> None:

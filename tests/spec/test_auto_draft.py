@@ -80,7 +80,9 @@ def with_draft(
     return auto
 
 
-def serve(auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp) -> Served:
+def serve(
+    auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp, link: LinkModel = WAN
+) -> Served:
     """One request as a depth-1 coordinator runs it: each window commits the drafts that
     match `stream` plus one token; once `wants_mtp` says no, the heads stop for the request
     and send no more drafts."""
@@ -88,7 +90,7 @@ def serve(auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp) ->
     auto.reset(prompt)
     heads, i = True, 0
     while i < len(stream):
-        auto.set_link(WAN)
+        auto.set_link(link)
         if heads and not auto.wants_mtp:
             auto.stop_mtp()
             heads = False
@@ -138,14 +140,15 @@ def test_a_draft_ngram_start_is_settled_by_the_first_disagreement_or_a_full_wind
     choices = {2: 12, 3: 13, 4: 99, 5: 15, 6: 16}
     eos = frozenset({7})
     # Prompt lookup's copy agrees with the draft's first token: the copy is the proposal.
-    assert _draft_ngram_shadow(choices, log, 2, [12, 50], 8, eos) == [12, 50]
+    assert _draft_ngram_shadow(choices, log, 2, [12, 50], 8, eos) == ([12, 50], False)
     # Else the draft's chain, to its first token that differs from the log.
-    assert _draft_ngram_shadow(choices, log, 2, [51, 12], 8, eos) == [12, 13, 99]
-    assert _draft_ngram_shadow(choices, log, 2, [], 2, eos) == [12, 13]  # a full window
-    # A chain right to the log's end is not settled until the log (and the draft) go on.
-    assert _draft_ngram_shadow(choices, log, 5, [], 8, eos) is None
+    assert _draft_ngram_shadow(choices, log, 2, [51, 12], 8, eos) == ([12, 13, 99], False)
+    assert _draft_ngram_shadow(choices, log, 2, [], 2, eos) == ([12, 13], False)  # a full window
+    # A chain right to the log's end is known so far, and open: the log (and the draft) go on.
+    assert _draft_ngram_shadow(choices, log, 5, [], 8, eos) == ([15, 16], True)
+    assert _draft_ngram_shadow({5: 15}, log, 5, [], 8, eos) == ([15], True)  # no pass beyond
     assert _draft_ngram_shadow(choices, log, 1, [], 8, eos) is None  # not run there yet
-    assert _draft_ngram_shadow({2: 7}, log, 2, [], 8, eos) == [7]  # nothing after an EOS
+    assert _draft_ngram_shadow({2: 7}, log, 2, [], 8, eos) == ([7], False)  # nothing after EOS
 
 
 def test_auto_scores_the_draft_with_one_pass_over_several_commits_not_a_pass_per_draft() -> None:
@@ -256,3 +259,64 @@ def test_a_request_the_draft_wins_stops_the_heads_though_the_book_favours_them()
     stopped = served.heads.index(False)
     assert stopped <= 30, served.choices
     assert not any(served.heads[stopped:])
+
+
+def no_mtp(stream: list[int], i: int) -> list[int]:
+    return []  # a model without MTP heads
+
+
+def half_the_drafts(draft: DraftModel, prompt: list[int], n: int, seed: int) -> list[int]:
+    """Text the draft gets about half right: two tokens of its own greedy continuation, then
+    two it never predicts, and so on."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    while len(out) < n:
+        out += greedy_text(draft, [*prompt, *out], 2)
+        out += novel(rng, 2)
+    return out[:n]
+
+
+def test_on_one_node_where_the_draft_costs_more_than_it_saves_auto_decodes_plainly() -> None:
+    """One node (no round trip; a plain token 3 ms) and a draft whose pass costs 1.5 ms: at
+    half its drafts right, a draft window costs more than the tokens it saves. After one
+    request has taught the node's book, a request settles on plain decoding within a few
+    windows and spends under 1 % of its time scoring the draft (it had spent one pass per 32
+    commits, the prompt's prefill included: 5-7 % of a request on the built-in model). On a
+    20 ms route the same text and costs make the draft pay, and auto drafts with it."""
+    draft = tiny_draft(VOCAB)
+    prompt = [1, 2, 3]
+    one_node = LinkModel(rtt_s=0.0, pass_fixed_s=0.0025, pass_per_token_s=0.0005, stages=1)
+    pass_s = 0.0015
+    plain_s = one_node.compute_s(0)
+    for link, name in ((one_node, "one node"), (WAN, "wan")):
+        book = AcceptanceBook(CONFIG)
+        teacher = with_draft(draft, book, link, pass_s)
+        serve(teacher, prompt, half_the_drafts(draft, prompt, 120, 1), no_mtp, link)
+        auto = with_draft(draft, book, link, pass_s)
+        part = auto._draft
+        assert part is not None
+        stream = half_the_drafts(draft, prompt, 120, 2)
+        served = serve(auto, prompt, stream, no_mtp, link)
+        if name == "wan":
+            assert served.choices.count("draft-ngram") > len(served.choices) // 2, served.choices
+            continue
+        assert "draft-ngram" not in served.choices[4:], served.choices
+        assert part.passes * pass_s <= 0.01 * len(stream) * plain_s, part.passes
+
+
+def test_decoding_plainly_auto_moves_to_the_draft_within_a_few_windows_of_its_text() -> None:
+    """While auto decodes plainly (a commit a window) the draft's scored starts are credited
+    as far as the log has confirmed them, not only once a whole window's worth is known: when
+    the text turns to the draft's, auto drafts with it the next window (it took 8 when a start's
+    credit waited for its full window)."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(11)
+    prompt = [1, 2, 3]
+    first = novel(rng, 40)  # nothing predicts this: plain decoding
+    stream = first + greedy_text(draft, [*prompt, *first], 100)
+    auto = with_draft(draft, AcceptanceBook(CONFIG))
+    served = serve(auto, prompt, stream, no_mtp)
+    turned = served.starts.index(len(first))
+    assert served.choices[turned - 1] == "disabled", served.choices
+    back = served.choices.index("draft-ngram", turned)
+    assert back - turned <= 3, served.choices[turned:]
