@@ -49,7 +49,7 @@ def render(status: dict[str, Any], events: int) -> None:
         f"sessions hosted {status['sessions_hosted']} "
         f"(KV {status.get('kv_used_bytes', 0) / 2**20:.1f} MiB), coordinated "
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
-        f"{status['uptime_s']:.0f} s"
+        f"{status['uptime_s']:.0f} s, {status.get('tasks', 0)} trio tasks"
     )
     fetch = status.get("fetch")
     if fetch:  # a `mesh:ID` node's last fetch: its stage's tensors, or a spare's prefetch

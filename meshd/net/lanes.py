@@ -35,6 +35,14 @@ class PeerUnreachable(Exception):
 
 
 @dataclass
+class _Attempt:
+    """One dial in progress; callers that wait on it share its outcome."""
+
+    done: trio.Event
+    error: PeerUnreachable | None = None
+
+
+@dataclass
 class LaneStats:
     """Counters for the operator."""
 
@@ -75,7 +83,7 @@ class LaneTable:
         self.addresses: dict[bytes, Address] = {}
         self.stats = LaneStats()
         self._lanes: dict[bytes, PeerLane] = {}
-        self._connecting: dict[bytes, trio.Event] = {}
+        self._connecting: dict[bytes, _Attempt] = {}
         self._nursery: trio.Nursery | None = None
 
     def lane(self, key: bytes) -> PeerLane | None:
@@ -101,7 +109,10 @@ class LaneTable:
         """An open lane to `key`, opening one if needed (PeerUnreachable on failure).
 
         Callers that need the same peer at once share one attempt: the first opens the lane
-        (`_open_lane`), the others wait for it and then take the lane it left open.
+        (`_open_lane`), the others wait for it and then take the lane it left open, or its
+        PeerUnreachable. A failure is shared, not retried by each waiter in turn: N messages
+        queued for a dead peer would otherwise cost N dials one after another (each a
+        handshake timeout plus introductions), and hold N tasks that long.
         """
         while True:
             lane = self.lane(key)
@@ -110,13 +121,18 @@ class LaneTable:
             pending = self._connecting.get(key)
             if pending is None:
                 break
-            await pending.wait()
-        done = self._connecting[key] = trio.Event()
+            await pending.done.wait()
+            if pending.error is not None and self.lane(key) is None:
+                raise PeerUnreachable(str(pending.error))
+        attempt = self._connecting[key] = _Attempt(trio.Event())
         try:
             return await self._open_lane(key)
+        except PeerUnreachable as exc:
+            attempt.error = exc
+            raise
         finally:
             del self._connecting[key]
-            done.set()
+            attempt.done.set()
 
     async def _open_lane(self, key: bytes) -> PeerLane:
         """Open a lane to `key` (none is open, no other attempt runs): dial its address."""

@@ -1,5 +1,6 @@
 """The daemon's small parts: refusing to start without a secret, systemd notify, lanes
-carrying gossip and pipeline messages side by side."""
+carrying gossip and pipeline messages side by side, callers dialing one dead peer at once
+sharing one failed attempt."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import trio.testing
 
 from meshd.mesh.identity import NodeIdentity
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import LaneTable
+from meshd.net.lanes import LaneTable, PeerUnreachable
 from meshd.node.notify import Notifier
 from protocol import gossip
+from protocol.config import LaneConfig
 from protocol.messages import Message, NodeHello
 from protocol.streams import GOSSIP_STREAM
 from tests.node.daemons import REPO
@@ -130,6 +132,39 @@ async def test_two_nodes_dialing_each_other_at_once_keep_the_same_lane() -> None
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)
         assert pa.lane(b.x25519_public) is settled and one_lane()
         nursery.cancel_scope.cancel()
+
+
+async def test_callers_dialing_a_dead_peer_at_once_share_one_failed_attempt() -> None:
+    # Gossip queues a message per round for a member that just died: each message's task
+    # waits for the lane. They must fail together when the one dial fails, not each start a
+    # dial of its own after it (N handshake timeouts in a row, N tasks held that long).
+    a, dead = NodeIdentity.generate(), NodeIdentity.generate()
+    config = LaneConfig(handshake_timeout_s=1.0)
+    failed: list[float] = []
+    async with (
+        open_endpoint(static_private=a.x25519_private, psk=b"k" * 32, lane_config=config) as ea,
+        trio.open_nursery() as nursery,
+    ):
+        table = LaneTable(ea, a.x25519_public, lambda m, k: None)
+        await nursery.start(table.run)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as black_hole:
+            black_hole.bind(("127.0.0.1", 0))  # answers nothing, as a killed node's port
+            table.addresses[dead.x25519_public] = black_hole.getsockname()
+            start = trio.current_time()
+
+            async def send() -> None:
+                try:
+                    await table.send_gossip(dead.x25519_public, gossip.Want(node_ids=[]))
+                except PeerUnreachable:
+                    failed.append(trio.current_time() - start)
+
+            async with trio.open_nursery() as senders:
+                for _ in range(4):
+                    senders.start_soon(send)
+        nursery.cancel_scope.cancel()
+    assert len(failed) == 4
+    # One handshake timeout for all four (each in turn would take four).
+    assert max(failed) < 2 * config.handshake_timeout_s, failed
 
 
 async def test_sigterm_stops_gracefully_and_a_second_one_stops_at_once() -> None:

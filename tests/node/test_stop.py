@@ -7,6 +7,10 @@ stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
 
 1. SIGKILL of the coordinator with streams open: every stage frees their sessions and KV
    within the lease, counts them in `sessions_expired`, and the next request succeeds.
+
+After every stop, crash or closed lid each surviving daemon's trio tasks return to their
+count from before the request (`wait_tasks_back`): nothing a lost peer, its lanes or its
+sessions started stays behind.
 2. SIGTERM of a middle stage mid-generation, then (the node restarted as the new spare)
    SIGKILL of the middle stage mid-generation: both give single-node greedy output, the
    SIGTERM one stalls the stream no longer than the SIGKILL one, and no stage keeps a session.
@@ -40,7 +44,7 @@ from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
-from tests.node.daemons import Daemon
+from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
 from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -189,6 +193,8 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     coordinator = mesh.daemons[COORDINATOR_ONLY]
     stages = mesh.in_plan()
     before = {d.index: _expired(d) for d in stages}
+    survivors = [d for d in mesh.alive() if d is not coordinator]
+    tasks_before = tasks_of(survivors)
     streams = [Stream(coordinator, _op(prompt, 400)) for _ in range(4)]
     wait_until(
         lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
@@ -210,6 +216,9 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     for s in streams:
         s.thread.join(30)
         assert s.error is not None  # the coordinator's socket went with it
+    # Nor any task: the sessions' and the dead coordinator's lanes' tasks end.
+    settled_s = wait_tasks_back(survivors, tasks_before)
+    print(f"coordinator SIGKILL: survivors' tasks back {settled_s:.2f} s after the sessions")
     # The operator sees them: meshctl status (JSON above, and the table) and /metrics.
     stage = stages[0]
     expired = _expired(stage)
@@ -218,6 +227,9 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     metrics = httpx.get(stage.api_url.removesuffix("/v1") + "/metrics", timeout=30).text
     line = 'meshd_stage_sessions_expired_total{cause="coordinator_lost"} '
     assert f"{line}{float(expired['coordinator_lost'])}" in metrics
+    # The task count too (the HTTP request's own tasks differ from the control socket's).
+    gauge = next(x for x in metrics.splitlines() if x.startswith("meshd_trio_tasks "))
+    assert abs(float(gauge.split()[1]) - stage.status()["tasks"]) <= 5, gauge
     # The mesh serves at once: nothing is held for the dead coordinator.
     final = list(request_lines(stages[0].socket, _op(prompt, 20), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 20)
@@ -239,6 +251,8 @@ def _stop_middle_stage(
     victim, downstream = route[1], route[2]
     coordinator = route[0]
     lapsed_before = _expired(downstream)["lease_lapsed"]
+    survivors = [d for d in mesh.alive() if d is not victim]
+    tasks_before = tasks_of(survivors)
     stream = Stream(coordinator, _op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     stopped_at = time.monotonic()
@@ -258,6 +272,8 @@ def _stop_middle_stage(
     wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
     # The stage after the stopped one was told to close: its lease never had to lapse.
     assert _expired(downstream)["lease_lapsed"] == lapsed_before
+    spares = [d for d in survivors if d not in route]
+    wait_tasks_back(survivors, tasks_before, took_stage=spares)
     return after[0] - stopped_at, max(gaps), victim
 
 
@@ -300,6 +316,8 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     mesh.ready(spares=0)
     route = mesh.in_plan()
     coordinator = route[0]
+    survivors = [d for d in mesh.alive() if d is not coordinator]
+    tasks_before = tasks_of(survivors)
     body = {
         "model": "meshd-builtin", "prompt": PROMPT, "max_tokens": 900, "temperature": 0,
         "stream": True,
@@ -350,6 +368,7 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     assert coordinator.proc.returncode == 0, coordinator.log_tail(2000)
     others = [d for d in mesh.alive() if d.index != COORDINATOR_ONLY]
     wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
+    wait_tasks_back(survivors, tasks_before, took_stage=[d for d in survivors if d not in route])
 
 
 # ---- 4. the spare dies, and a stage's lid closes ----------------------------------------------
@@ -367,6 +386,8 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     route = _plan_keys(mesh)
     spare = next(d for d in mesh.alive() if d.index != COORDINATOR_ONLY and d.key() not in route)
     expected = reference(prompt, 150)
+    survivors = [d for d in mesh.alive() if d is not spare]
+    tasks_before = tasks_of(survivors)
     stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     spare.proc.send_signal(how)
@@ -384,6 +405,7 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     )
     assert _plan_keys(mesh) == route  # a spare holds no stage: nothing was re-planned
     wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(survivors, tasks_before)
     # What it left in its state dir: its identity, the checkpoint hashes it cached, and (after
     # SIGKILL only) its control socket, which the next start replaces; it comes back as the
     # same node.
