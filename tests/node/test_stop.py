@@ -24,6 +24,9 @@ sessions started stays behind.
 5. A closed lid (SIGSTOP) on a middle stage mid-generation: the generation completes on the
    spare with the same tokens; opened again (SIGCONT), the node rejoins every view, holds no
    session, and the mesh answers with the same tokens.
+6. A closed lid on the coordinator with streams open: every stage frees their sessions and KV
+   (`coordinator_lost`); opened again, its streams end with the same tokens as ever, it
+   serves the next request at once, and no session is left anywhere.
 """
 
 from __future__ import annotations
@@ -454,3 +457,50 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_i
     final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 40), final
     wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+
+
+# ---- 6. a coordinator's lid closes mid-stream -------------------------------------------------
+
+
+def test_a_coordinator_whose_lid_closes_mid_stream_is_freed_and_wakes_without_wedging(
+    mesh: Mesh, prompt: list[int]
+) -> None:
+    mesh.ready(spares=0)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    stages = mesh.in_plan()
+    nodes = mesh.alive()
+    before = {d.index: _expired(d) for d in stages}
+    tasks_before = tasks_of(nodes)
+    expected = reference(prompt, 300)
+    streams = [Stream(coordinator, _op(prompt, len(expected))) for _ in range(2)]
+    wait_until(
+        lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
+        30,
+        "every stream's session open on every stage",
+        poll_s=0.05,
+    )
+    # Frozen, it renews no lease and answers no ping: every stage frees its sessions.
+    coordinator.proc.send_signal(signal.SIGSTOP)
+    try:
+        freed_s = wait_until(lambda: _no_sessions_left(stages), LEASE_S + 10, "sessions freed")
+        print(f"coordinator lid closed: stages freed every session {freed_s:.2f} s later")
+        for d in stages:
+            freed = sum(_expired(d).values()) - sum(before[d.index].values())
+            assert freed == len(streams), (d.name, before[d.index], _expired(d))
+    finally:
+        coordinator.proc.send_signal(signal.SIGCONT)
+    # Awake, it finds every lane dead on its side (its clock ran on while it was frozen): it
+    # dials again and re-routes its requests, which end as if nothing happened, and it serves
+    # the next one at once (it once refused every request for `suspect_hold_s`, 10 s).
+    woke = time.monotonic()
+    for s in streams:
+        final = s.final()
+        assert final.get("ok") and final["tokens"] == expected, final
+    keys = {d.key() for d in nodes}
+    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "it rejoins")
+    final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
+    assert final["ok"] and final["tokens"] == reference(prompt, 40), final
+    print(f"coordinator lid opened: streams done and a new request served in "
+          f"{time.monotonic() - woke:.2f} s")  # fmt: skip
+    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(nodes, tasks_before)
