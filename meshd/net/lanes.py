@@ -84,12 +84,19 @@ class LaneTable:
         self.stats = LaneStats()
         self._lanes: dict[bytes, PeerLane] = {}
         self._connecting: dict[bytes, _Attempt] = {}
+        self._arrivals: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
 
     def lane(self, key: bytes) -> PeerLane | None:
         """The open lane to `key`, if any."""
         lane = self._lanes.get(key)
         return lane if lane is not None and lane.is_open else None
+
+    async def wait_for_lane(self, key: bytes) -> PeerLane:
+        """The open lane to `key`, once there is one (dialed, accepted or punched by anyone)."""
+        while (lane := self.lane(key)) is None:
+            await self._arrivals.setdefault(key, trio.Event()).wait()
+        return lane
 
     @property
     def connected(self) -> dict[bytes, PeerLane]:
@@ -191,6 +198,9 @@ class LaneTable:
         self._lanes[key] = lane
         assert self._nursery is not None, "LaneTable.run() must be started first"
         self._nursery.start_soon(self._read, key, lane)
+        arrived = self._arrivals.pop(key, None)
+        if arrived is not None:
+            arrived.set()  # wakes `wait_for_lane`
         if self.on_lane_up is not None:
             self.on_lane_up(key, lane)
         return lane
