@@ -307,6 +307,15 @@ def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_bac
         return plan_now is not None and spare.key() in {s["key"] for s in plan_now}
 
     wait_until(spare_took_over, 20, "the spare to serve the killed node's place")
+    # Every node's view says the spare holds the stage (its record, sent at once on loading):
+    # from then on every planner keeps it there. Recovered before a view knew, the node could
+    # be given its stage back (a full run once saw it: both offers then looked alike).
+    taken = next(s["layers"] for s in before if s["key"] == victim.key())
+    wait_until(
+        lambda: all(d.member(spare.key())["loaded_layers"] == taken for d in nodes),
+        10,
+        "every view to show the spare holding the stage",
+    )
     moved = settled_plan(nodes)
     assert moved is not None and len(moved) == 3 and victim.key() not in {s["key"] for s in moved}
     # Only the killed node's stage moved: the spare serves its layers, the others keep theirs.
