@@ -33,6 +33,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.cli.supervisor import (
+    DaemonError,
     found_each_other,
     kill_all,
     settled_plan,
@@ -311,11 +312,16 @@ def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_bac
     # from then on every planner keeps it there. Recovered before a view knew, the node could
     # be given its stage back (a full run once saw it: both offers then looked alike).
     taken = next(s["layers"] for s in before if s["key"] == victim.key())
-    wait_until(
-        lambda: all(d.member(spare.key())["loaded_layers"] == taken for d in nodes),
-        10,
-        "every view to show the spare holding the stage",
-    )
+    seen: dict[str, Any] = {}
+
+    def every_view_knows() -> bool:
+        seen.update({d.name: d.member(spare.key())["loaded_layers"] for d in nodes})
+        return all(layers == taken for layers in seen.values())
+
+    try:
+        wait_until(every_view_knows, 10, "every view to show the spare holding the stage")
+    except DaemonError as exc:
+        raise AssertionError(f"{exc}: the spare holds, by view, {seen}; wanted {taken}") from None
     moved = settled_plan(nodes)
     assert moved is not None and len(moved) == 3 and victim.key() not in {s["key"] for s in moved}
     # Only the killed node's stage moved: the spare serves its layers, the others keep theirs.
