@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render(status: dict[str, Any], events: int) -> None:
     """A readable status with rich tables."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -49,7 +50,7 @@ def render(status: dict[str, Any], events: int) -> None:
         f"sessions hosted {status['sessions_hosted']} "
         f"(KV {status.get('kv_used_bytes', 0) / 2**20:.1f} MiB), coordinated "
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
-        f"{status['uptime_s']:.0f} s"
+        f"{status['uptime_s']:.0f} s, {status.get('tasks', 0)} trio tasks"
     )
     fetch = status.get("fetch")
     if fetch:  # a `mesh:ID` node's last fetch: its stage's tensors, or a spare's prefetch
@@ -64,10 +65,17 @@ def render(status: dict[str, Any], events: int) -> None:
     console.print(_counts("refused handshakes", status.get("handshakes_refused")))
     if isinstance(status.get("sessions_expired"), dict):  # sessions a lease ended, by cause
         console.print(_counts("expired sessions", status["sessions_expired"]))
-    members = Table(title="members")
-    columns = ("node", "key", "health", "address", "offers", "stage", "weights", "KV/token")
-    for column in (*columns, "lane", "rtt ms", "loss"):
-        members.add_column(column)
+    members = Table(
+        title="members", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
+    )
+    # The node id and key prefix are what an operator reads and types (`meshctl kill NODE`):
+    # whole, never cut. On a narrow console the other columns wrap or fold instead (a lane's
+    # packet counts grow with uptime and once pushed the key into an ellipsis).
+    members.add_column("node", min_width=16)
+    members.add_column("key", min_width=16, no_wrap=True)
+    columns = ("health", "address", "offers", "stage", "weights", "KV/token", "lane", "rtt ms")
+    for column in (*columns, "loss"):
+        members.add_column(column, overflow="fold")
     for m in status["members"]:
         loss = f"{m['packets_lost']}/{m['packets_sent']}" if m["lane_up"] else "-"
         held = m["loaded_layers"] is not None

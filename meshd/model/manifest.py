@@ -228,6 +228,7 @@ class ModelStore:
         self.directory = root / "models" / model_id
         self.tensor_dir = self.directory / "tensors"
         self.tensor_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
         path = self.directory / MANIFEST_FILE
         if not path.is_file() or path.read_bytes() != data:
             _write_atomic(path, data)
@@ -243,6 +244,18 @@ class ModelStore:
             self._verified = {i: _Verified(v[0], v[1]) for i, v in raw.items() if len(v) == 2}
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             self._verified = {}
+
+    def _remove_leftovers(self) -> None:
+        """(blocking) Delete what a process killed mid-write left: part files of artifacts
+        that were arriving and temp files of atomic writes. Nothing says which bytes of a part
+        file arrived, so a fetch begins it afresh anyway; one of an artifact the next plan
+        does not want would otherwise hold its disk for good."""
+        stale = [*self.tensor_dir.glob("*.part"), *self.directory.glob("*.part")]
+        stale += self.directory.glob("*.tmp")
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            log.info("%s: removed %d files a killed process left", self.directory, len(stale))
 
     @property
     def name(self) -> str:

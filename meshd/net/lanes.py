@@ -35,6 +35,14 @@ class PeerUnreachable(Exception):
 
 
 @dataclass
+class _Attempt:
+    """One dial in progress; callers that wait on it share its outcome."""
+
+    done: trio.Event
+    error: PeerUnreachable | None = None
+
+
+@dataclass
 class LaneStats:
     """Counters for the operator."""
 
@@ -75,13 +83,20 @@ class LaneTable:
         self.addresses: dict[bytes, Address] = {}
         self.stats = LaneStats()
         self._lanes: dict[bytes, PeerLane] = {}
-        self._connecting: dict[bytes, trio.Event] = {}
+        self._connecting: dict[bytes, _Attempt] = {}
+        self._arrivals: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
 
     def lane(self, key: bytes) -> PeerLane | None:
         """The open lane to `key`, if any."""
         lane = self._lanes.get(key)
         return lane if lane is not None and lane.is_open else None
+
+    async def wait_for_lane(self, key: bytes) -> PeerLane:
+        """The open lane to `key`, once there is one (dialed, accepted or punched by anyone)."""
+        while (lane := self.lane(key)) is None:
+            await self._arrivals.setdefault(key, trio.Event()).wait()
+        return lane
 
     @property
     def connected(self) -> dict[bytes, PeerLane]:
@@ -101,7 +116,10 @@ class LaneTable:
         """An open lane to `key`, opening one if needed (PeerUnreachable on failure).
 
         Callers that need the same peer at once share one attempt: the first opens the lane
-        (`_open_lane`), the others wait for it and then take the lane it left open.
+        (`_open_lane`), the others wait for it and then take the lane it left open, or its
+        PeerUnreachable. A failure is shared, not retried by each waiter in turn: N messages
+        queued for a dead peer would otherwise cost N dials one after another (each a
+        handshake timeout plus introductions), and hold N tasks that long.
         """
         while True:
             lane = self.lane(key)
@@ -110,13 +128,18 @@ class LaneTable:
             pending = self._connecting.get(key)
             if pending is None:
                 break
-            await pending.wait()
-        done = self._connecting[key] = trio.Event()
+            await pending.done.wait()
+            if pending.error is not None and self.lane(key) is None:
+                raise PeerUnreachable(str(pending.error))
+        attempt = self._connecting[key] = _Attempt(trio.Event())
         try:
             return await self._open_lane(key)
+        except PeerUnreachable as exc:
+            attempt.error = exc
+            raise
         finally:
             del self._connecting[key]
-            done.set()
+            attempt.done.set()
 
     async def _open_lane(self, key: bytes) -> PeerLane:
         """Open a lane to `key` (none is open, no other attempt runs): dial its address."""
@@ -175,6 +198,9 @@ class LaneTable:
         self._lanes[key] = lane
         assert self._nursery is not None, "LaneTable.run() must be started first"
         self._nursery.start_soon(self._read, key, lane)
+        arrived = self._arrivals.pop(key, None)
+        if arrived is not None:
+            arrived.set()  # wakes `wait_for_lane`
         if self.on_lane_up is not None:
             self.on_lane_up(key, lane)
         return lane

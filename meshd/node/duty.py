@@ -218,7 +218,12 @@ class Duty:
         if wanted == layers:
             return []
         if wanted is not None:
-            return [LoadStage(wanted), Note("stage-loaded", f"layers {list(wanted)}"), Publish()]
+            # Urgent: every planner keeps loaded stages where they are (sticky plans), but
+            # only once this node's record says it holds them; a node recovered meanwhile,
+            # planned against the rate-limited record, could take the stage straight back.
+            # Loads are rare (a plan change), so this cannot flood.
+            loaded = Note("stage-loaded", f"layers {list(wanted)}")
+            return [LoadStage(wanted), loaded, Publish(urgent=True)]
         if planned or self.disabled:
             return [StopStage("not in the plan"), Note("stage-stopped"), Publish()]
         return [Publish()]

@@ -134,28 +134,31 @@ class GossipDriver:
     # ---- the loop -----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Tick at each deadline, send what membership wants sent, report events."""
-        try:
-            await self._run(task_status)
-        finally:
-            # Closed: gossip a lane reader still delivers while the node shuts down is
-            # dropped, not sent from a closed nursery (a RuntimeError that failed the exit).
-            self._nursery = None
-
-    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._report_rtts)
-            task_status.started()
-            while True:
-                now = trio.current_time()
-                deadline = self.membership.next_deadline()
-                if deadline is not None and deadline <= now:
-                    self.membership.tick(now)
-                self._flush()
-                deadline = self.membership.next_deadline()
-                self._wake = trio.Event()
-                with trio.move_on_at(deadline if deadline is not None else math.inf):
-                    await self._wake.wait()
+            try:
+                nursery.start_soon(self._report_rtts)
+                task_status.started()
+                await self._loop()
+            finally:
+                # Stopping: gossip a lane reader still delivers is dropped from here on. Not
+                # after the nursery block: the nursery closes to new tasks when its last child
+                # ends, and a lane reader can run before this task resumes past the block; a
+                # send spawned then raised RuntimeError in the reader and failed the exit
+                # (a SIGTERMed stage exited with status 1).
+                self._nursery = None
+
+    async def _loop(self) -> None:
+        while True:
+            now = trio.current_time()
+            deadline = self.membership.next_deadline()
+            if deadline is not None and deadline <= now:
+                self.membership.tick(now)
+            self._flush()
+            deadline = self.membership.next_deadline()
+            self._wake = trio.Event()
+            with trio.move_on_at(deadline if deadline is not None else math.inf):
+                await self._wake.wait()
 
     def _flush(self) -> None:
         if self._nursery is None:

@@ -6,7 +6,10 @@ returns what the caller should do; nothing here reads a clock or does I/O.
 - A member whose lane died with `peer_dead` is *suspect*: left out of this node's routes for
   `suspect_hold_s`, so a request that lost it re-plans around it before membership decides.
 - Membership's verdicts end that early: a member that joins or is alive again is no longer
-  suspect. A member that died or left can never close the sessions it coordinates here, so
+  suspect. So does a new lane to it: a handshake is an answer. A node whose lid closed wakes
+  with every lane dead on its side (its clock ran on while it was frozen) and suspects every
+  peer, while its membership never saw them die; without this it refused every request for
+  `suspect_hold_s` after the lid opened. A member that died or left can never close the sessions it coordinates here, so
   the caller frees them (`MemberVerdicts.gone`).
 """
 
@@ -48,6 +51,11 @@ class Health:
             return False
         self.suspect(node_id, now)
         return True
+
+    def on_lane_up(self, node_id: bytes) -> bool:
+        """A lane to `node_id` opened (it answered a handshake): no longer suspect. True when
+        it was."""
+        return self._until.pop(node_id, None) is not None
 
     def on_member_events(self, events: Iterable[MemberEvent]) -> MemberVerdicts:
         """Apply membership's verdicts: alive again clears a suspicion, dead or left is gone."""

@@ -74,7 +74,6 @@ class NodeLanes(LaneTable):
         self.nat = NatTraversal(self, punch if punch is not None else PunchConfig())
         self.introducers = introducers
         self.paths: dict[bytes, LanePath] = {}
-        self._arrivals: dict[bytes, trio.Event] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Accept and read lanes, and serve introductions and relaying, until cancelled."""
@@ -134,6 +133,11 @@ class NodeLanes(LaneTable):
             except PeerUnreachable as exc:
                 tried.append(f"{introducer.hex()[:16]}: {exc}")
                 continue
+            if result is None:  # the peer's own lane arrived meanwhile
+                lane = self.lane(key)
+                if lane is not None:
+                    return lane
+                continue
             kind = LaneKind.PUNCHED if result.path is Path.DIRECT else LaneKind.RELAYED
             self.paths[key] = LanePath(kind, introducer, trio.current_time())
             log.info(
@@ -150,19 +154,9 @@ class NodeLanes(LaneTable):
         reasons = "; ".join(tried) or "no member to introduce us"
         raise PeerUnreachable(f"peer {key.hex()[:16]}: direct: {direct_error}; via: {reasons}")
 
-    def adopt(self, lane: PeerLane) -> PeerLane:
-        """Take a new lane (see `LaneTable.adopt`), waking dials that wait for its peer."""
-        kept = super().adopt(lane)
-        arrived = self._arrivals.pop(lane.remote_static, None)
-        if arrived is not None:
-            arrived.set()
-        return kept
-
     async def _wait_for_lane(self, key: bytes, timeout_s: float) -> PeerLane | None:
         with trio.move_on_after(timeout_s):
-            while (lane := self.lane(key)) is None:
-                await self._arrivals.setdefault(key, trio.Event()).wait()
-            return lane
+            return await self.wait_for_lane(key)
         return None
 
     def _key_at(self, addr: tuple[str, int]) -> bytes | None:

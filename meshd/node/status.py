@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 import trio
+from prometheus_client import Gauge
 
 from meshd.mesh.identity import node_id_of
 from meshd.node.fetch import FetchStatus
@@ -114,26 +115,28 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     models: list[ModelStatus]
     # The last fetch of this node's stage tensors over the mesh (`mesh:ID` nodes; None: none).
     fetch: FetchStatus | None = None
-    # Trio tasks alive in this daemon: what a lost peer or a finished session started must not
-    # stay behind (tests compare it before and after a crash).
+    # Trio tasks alive in this daemon, and by task name (the function each runs): what a lost
+    # peer or a finished session started must not stay behind (docs/operations.md).
     tasks: int = 0
+    tasks_by_name: dict[str, int] = {}
 
 
-def _trio_tasks() -> int:
-    """Every task of the running trio program (0 outside one)."""
+def trio_tasks() -> dict[str, int]:
+    """Every task of the running trio program, counted by name ({} outside one): the tree
+    from the root task down through every nursery."""
     try:
         todo = [trio.lowlevel.current_root_task()]
     except RuntimeError:
-        return 0
-    count = 0
+        return {}
+    counts: dict[str, int] = {}
     while todo:
         task = todo.pop()
         if task is None:
             continue
-        count += 1
+        counts[task.name] = counts.get(task.name, 0) + 1
         for nursery in task.child_nurseries:
             todo.extend(nursery.child_tasks)
-    return count
+    return counts
 
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
@@ -174,6 +177,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         )
     plan = node.plan
     layers = node.slot.layers
+    tasks = trio_tasks()
     status = NodeStatus(
         key=node.node_key.hex(),
         name=node.identity.node_id,
@@ -208,14 +212,16 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         handshakes_refused=dict(node.endpoint.stats.refused),
         models=model_statuses(node),
         fetch=node.artifacts.status(),
-        tasks=_trio_tasks(),
+        tasks=sum(tasks.values()),
+        tasks_by_name=tasks,
     )
     out: dict[str, Any] = msgspec.to_builtins(status)
     return out
 
 
 def export_counters(metrics: ApiMetrics, node: MeshNode) -> None:
-    """Give /metrics the counts by reason that `node_status` reports (read at each scrape)."""
+    """Give /metrics the counts by reason that `node_status` reports, and its live trio task
+    count (read at each scrape)."""
     metrics.count_by(
         "meshd_datagrams_dropped", "Received lane datagrams dropped, by reason", "reason",
         lambda: node.endpoint.stats.dropped,
@@ -229,6 +235,11 @@ def export_counters(metrics: ApiMetrics, node: MeshNode) -> None:
         "Sessions a local stage freed without an explicit close, by cause", "cause",
         lambda: node.slot.sessions_expired,
     )  # fmt: skip
+    tasks = Gauge(
+        "meshd_trio_tasks", "Trio tasks alive in the daemon (a leak shows as growth)",
+        registry=metrics.registry,
+    )  # fmt: skip
+    tasks.set_function(lambda: sum(trio_tasks().values()))
 
 
 def _remote(addr: Hashable) -> str:

@@ -1,6 +1,6 @@
 """The model id is the hash of the manifest: equal for equal files, different for one flipped
 byte, cached by (path, size, mtime) so a restart does not hash again; a store keeps only
-bytes that match."""
+bytes that match, and a process killed mid-fetch leaves nothing the next one keeps."""
 
 from __future__ import annotations
 
@@ -99,6 +99,37 @@ def test_a_store_keeps_matching_bytes_and_drops_a_changed_file(tmp_path: pathlib
     assert reopened is not None and reopened.held([index]) == set()
     assert not store.path_of(index).exists()
     assert manifest.artifacts[index].kind == ArtifactKind.TENSOR
+
+
+def test_a_store_reopened_after_a_kill_mid_fetch_drops_the_part_files(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A SIGKILL lands between `begin`/`write` and `finish`: the part files stay on disk, and
+    # the next start may be planned for other layers, which would never finish them.
+    source = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = source.manifest
+    store = ModelStore(tmp_path, model_id, data, manifest)
+    done, cut = store.tensor_indices(
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    )
+    info = source.tensors[manifest.artifacts[done].name]
+    store.begin(done)
+    store.write(done, 0, info.path.read_bytes()[info.offset : info.offset + info.nbytes])
+    assert store.finish(done)
+    store.begin(cut)
+    store.write(cut, 0, b"\x01" * 100)
+    (store.directory / "verified.msgpack.tmp").write_bytes(b"cut short")
+    files = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()}
+    assert store.part_path(cut).relative_to(tmp_path) in files
+
+    reopened = ModelStore.open_cached(tmp_path, model_id[:8])
+    assert reopened is not None
+    left = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()}
+    assert left == files - {
+        store.part_path(cut).relative_to(tmp_path),
+        (store.directory / "verified.msgpack.tmp").relative_to(tmp_path),
+    }
+    assert reopened.held([done, cut]) == {done}  # what was verified stays verified
 
 
 def test_a_manifest_naming_paths_outside_the_store_is_refused(tmp_path: pathlib.Path) -> None:

@@ -2,14 +2,22 @@
 
 Daemon N binds 127.0.0.N for lanes, API and mDNS, keeps its state under the test's tmp dir and
 declares a silent lane dead after 1.2 s; the caller's finally stops it (`kill_all`).
+`tasks_of` and `wait_tasks_back` check that a daemon's trio tasks return to a baseline.
 """
 
 from __future__ import annotations
 
 import pathlib
 import secrets
+from collections.abc import Iterable, Mapping
 
-from meshd.cli.supervisor import LoopbackDaemon, write_secret_file
+from meshd.cli.supervisor import (
+    DaemonError,
+    LoopbackDaemon,
+    ServeProcess,
+    wait_until,
+    write_secret_file,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Fresh per test run: daemons of two runs on one machine (mDNS on loopback, the same
@@ -35,3 +43,53 @@ class Daemon(LoopbackDaemon):
         lane = ("--lane-dead-after-s", "1.2")
         host = f"127.0.0.{index}"
         super().__init__(tmp, f"n{index}", host, secret_file, budget, None, extra=(*lane, *extra))
+
+
+# The tasks a loaded stage runs for as long as it is loaded (its host and its lease timer): a
+# spare that took a dead node's stage holds them on top of its count from before.
+STAGE_TASKS = {
+    "meshd.node.stage_slot.StageSlot._serve": 1,
+    "meshd.stage.host.StageHost._expire_leases": 1,
+}
+# What can keep a survivor's transient tasks up after a peer dies: the dead lane's verdict
+# (1.2 s here), a session lease, and one failed dial to the dead node by gossip, which
+# tries the address (handshake timeout 3 s), waits for the peer to dial (nat.yield_s 2 s)
+# and asks up to 3 introducers (2 s each).
+TASKS_SETTLE_S = 30.0
+
+
+def tasks_of(daemons: Iterable[ServeProcess]) -> dict[str, dict[str, int]]:
+    """Each daemon's live trio tasks, counted by task name."""
+    return {d.name: dict(d.status()["tasks_by_name"]) for d in daemons}
+
+
+def wait_tasks_back(
+    daemons: Iterable[ServeProcess],
+    before: Mapping[str, Mapping[str, int]],
+    *,
+    took_stage: Iterable[ServeProcess] = (),
+    timeout_s: float = TASKS_SETTLE_S,
+) -> float:
+    """Wait until no daemon runs more tasks of any name than it did in `before` (plus a
+    loaded stage's for those in `took_stage`); seconds it took. A per-session or per-lane task
+    that outlives its session or lane fails this, naming the task."""
+    daemons = list(daemons)
+    allowed = {d.name: dict(before[d.name]) for d in daemons}
+    for d in took_stage:
+        for name, count in STAGE_TASKS.items():
+            allowed[d.name][name] = max(allowed[d.name].get(name, 0), count)
+    grown: dict[str, dict[str, int]] = {}
+
+    def back() -> bool:
+        grown.clear()
+        for d, now in zip(daemons, tasks_of(daemons).values(), strict=True):
+            extra = {n: c - allowed[d.name].get(n, 0) for n, c in now.items()}
+            extra = {n: c for n, c in extra.items() if c > 0}
+            if extra:
+                grown[d.name] = extra
+        return not grown
+
+    try:
+        return wait_until(back, timeout_s, "every daemon's tasks back to their count from before")
+    except DaemonError as exc:
+        raise AssertionError(f"{exc}; tasks left behind: {grown}") from None

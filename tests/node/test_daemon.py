@@ -33,6 +33,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.cli.supervisor import (
+    DaemonError,
     found_each_other,
     kill_all,
     settled_plan,
@@ -49,7 +50,7 @@ from meshd.node.control_client import GenerateOp, request_lines
 from protocol.datagram import KIND_DATA, KIND_INITIATION
 from protocol.handshake import MIN_INITIATION_BYTES
 from protocol.packet import HEADER
-from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon
+from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, tasks_of, wait_tasks_back
 
 pytestmark = pytest.mark.slow
 
@@ -307,6 +308,20 @@ def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_bac
         return plan_now is not None and spare.key() in {s["key"] for s in plan_now}
 
     wait_until(spare_took_over, 20, "the spare to serve the killed node's place")
+    # Every node's view says the spare holds the stage (its record, sent at once on loading):
+    # from then on every planner keeps it there. Recovered before a view knew, the node could
+    # be given its stage back (a full run once saw it: both offers then looked alike).
+    taken = next(s["layers"] for s in before if s["key"] == victim.key())
+    seen: dict[str, Any] = {}
+
+    def every_view_knows() -> bool:
+        seen.update({d.name: d.member(spare.key())["loaded_layers"] for d in nodes})
+        return all(layers == taken for layers in seen.values())
+
+    try:
+        wait_until(every_view_knows, 10, "every view to show the spare holding the stage")
+    except DaemonError as exc:
+        raise AssertionError(f"{exc}: the spare holds, by view, {seen}; wanted {taken}") from None
     moved = settled_plan(nodes)
     assert moved is not None and len(moved) == 3 and victim.key() not in {s["key"] for s in moved}
     # Only the killed node's stage moved: the spare serves its layers, the others keep theirs.
@@ -332,16 +347,29 @@ def test_meshctl_kill_moves_the_stage_to_a_spare_and_recover_brings_the_node_bac
     assert settled_plan(nodes) == moved  # the recovered node is a spare now: nothing moves
 
 
-def _kill_mid_generation(
-    mesh: Mesh, tokenizer: Tokenizer, max_tokens: int, spares: int
-) -> tuple[Daemon, float, list[tuple[float, dict[str, Any]]], int]:
+@dataclass
+class Killed:
+    """A stage SIGKILLed mid-generation: who, when, what the stream got, and the survivors'
+    tasks from before the request."""
+
+    victim: Daemon
+    killed_at: float
+    lines: list[tuple[float, dict[str, Any]]]
+    tokens_before_kill: int
+    survivors: list[Daemon]
+    spares: list[Daemon]
+    tasks_before: dict[str, dict[str, int]]
+
+
+def _kill_mid_generation(mesh: Mesh, tokenizer: Tokenizer, max_tokens: int, spares: int) -> Killed:
     nodes = mesh.serving(spares)
     agreed = settled_plan(nodes)
     assert agreed is not None
     coordinator = mesh.coordinator()
-    victim = next(
-        d for d in nodes if d is not coordinator and d.key() in {s["key"] for s in agreed}
-    )
+    in_plan = {s["key"] for s in agreed}
+    victim = next(d for d in nodes if d is not coordinator and d.key() in in_plan)
+    survivors = [d for d in nodes if d is not victim]
+    tasks_before = tasks_of(survivors)
     op = GenerateOp(
         prompt=tokenizer.encode(PROMPT), max_tokens=max_tokens, strategy="disabled", ignore_eos=True
     )
@@ -356,29 +384,37 @@ def _kill_mid_generation(
     before = sum(len(line.get("tokens", [])) for _, line in lines if "ok" not in line)
     thread.join(60)
     assert not thread.is_alive()
-    return victim, killed_at, lines, before
+    spare_keys = {d.key() for d in survivors} - in_plan
+    spare_list = [d for d in survivors if d.key() in spare_keys]
+    return Killed(victim, killed_at, lines, before, survivors, spare_list, tasks_before)
 
 
 def test_sigkill_of_a_stage_mid_generation_recovers_on_the_spare(
     mesh: Mesh, tokenizer: Tokenizer
 ) -> None:
     max_tokens = 150
-    victim, killed_at, lines, before = _kill_mid_generation(mesh, tokenizer, max_tokens, 1)
-    final = lines[-1][1]
+    killed = _kill_mid_generation(mesh, tokenizer, max_tokens, 1)
+    victim, killed_at = killed.victim, killed.killed_at
+    final = killed.lines[-1][1]
     assert final["ok"], final
-    assert 0 < before < max_tokens, "the kill did not land mid-generation"
+    assert 0 < killed.tokens_before_kill < max_tokens, "the kill did not land mid-generation"
     assert final["tokens"] == reference(tokenizer.encode(PROMPT), max_tokens)
     detected = mesh.coordinator().first_event("lane-lost", victim.key(), killed_at)
     assert detected is not None
     print(f"stage death detected {detected - killed_at:.2f} s after SIGKILL")
     assert detected - killed_at <= 1.5
     assert mesh.coordinator().status()["recoveries"] >= 1
+    # Nothing stays behind on the survivors: the dead stage's lane, the failed route's
+    # session and the re-routed one end; the spare keeps only the stage it now serves.
+    settled_s = wait_tasks_back(killed.survivors, killed.tasks_before, took_stage=killed.spares)
+    print(f"survivors' tasks back {settled_s:.2f} s after the generation")
 
 
 def test_sigkill_without_a_spare_answers_service_unavailable_fast(
     mesh: Mesh, tokenizer: Tokenizer
 ) -> None:
-    victim, killed_at, lines, _ = _kill_mid_generation(mesh, tokenizer, 150, 0)
+    killed = _kill_mid_generation(mesh, tokenizer, 150, 0)
+    victim, killed_at, lines = killed.victim, killed.killed_at, killed.lines
     answered_at, final = lines[-1]
     assert not final["ok"] and final["code"] == "service_unavailable", final
     detected = mesh.coordinator().first_event("lane-lost", victim.key(), killed_at)

@@ -21,7 +21,12 @@ LAYERS = (2, 5)
 def _serving(now: float = 0.0) -> Duty:
     duty = Duty(drain_timeout_s=300.0)
     effects = duty.on_plan(assigned=LAYERS, planned=True, layers=None, now=now)
-    assert effects == [LoadStage(LAYERS), Note("stage-loaded", "layers [2, 5]"), Publish()]
+    # Urgent: planners keep a stage where a record says it is loaded.
+    assert effects == [
+        LoadStage(LAYERS),
+        Note("stage-loaded", "layers [2, 5]"),
+        Publish(urgent=True),
+    ]
     assert duty.mode(LAYERS) is Mode.SERVING and duty.offers_model
     return duty
 

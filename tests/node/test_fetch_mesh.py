@@ -3,7 +3,9 @@
 
 The three-stage mesh's greedy tokens equal single-process decoding of the whole model (what an
 all-local mesh answers, `test_daemon`). A fetcher whose cached tensor was corrupted finds it
-at restart, fetches it again, and still answers the same tokens.
+at restart, fetches it again, and still answers the same tokens. A fetcher SIGKILLed mid-fetch
+(the holder's link capped so the fetch lasts seconds) leaves part files; restarted on the same
+state dir it starts, finishes its stage and keeps only what a node that was never killed keeps.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started, w
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
+from meshd.model.manifest import MANIFEST_FILE, MODEL_FILES, NAME_FILE
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
@@ -31,6 +34,10 @@ pytestmark = pytest.mark.slow
 PROMPT = "def fibonacci(n):\n"
 MAX_TOKENS = 24
 HOLDER_PORT = 17431
+CAPPED_HOLDER_PORT = 17432
+# The capped holder's egress: the fetcher's stage (about 7 MB) takes seconds to arrive, long
+# enough to be killed mid-fetch.
+CAPPED_BYTES_S = 2_000_000
 SECRET = "meshd-fetch-mesh-secret-0123456789"
 
 
@@ -47,8 +54,10 @@ def mesh_parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pathl
     yield tmp, stage_budget(str(builtin_model_dir()), 3)
 
 
-def _fetcher(tmp: pathlib.Path, index: int, budget: int, model_id: str) -> Daemon:
-    join = ("--join", f"127.0.0.31:{HOLDER_PORT}", "--model", f"mesh:{model_id[:16]}")
+def _fetcher(
+    tmp: pathlib.Path, index: int, budget: int, model_id: str, holder: str = f"31:{HOLDER_PORT}"
+) -> Daemon:
+    join = ("--join", f"127.0.0.{holder}", "--model", f"mesh:{model_id[:16]}")
     return Daemon(tmp, index, secret=SECRET, budget=budget, extra=join)
 
 
@@ -154,5 +163,73 @@ def test_fetching_nodes_serve_their_stages_and_answer_like_one_process(
                 assert path.read_bytes() != corrupted[path], name
         assert _tokens(victim, prompt) == expected
         assert _tokens(daemons[0], prompt) == expected
+    finally:
+        kill_all(daemons)
+
+
+def _files(state: pathlib.Path) -> set[str]:
+    return {str(p.relative_to(state)) for p in state.rglob("*") if not p.is_dir()}
+
+
+def test_a_fetcher_killed_mid_fetch_restarts_clean_on_its_state_dir(
+    mesh_parts: tuple[pathlib.Path, int],
+) -> None:
+    tmp, _ = mesh_parts
+    checkpoint = Checkpoint.open(builtin_model_dir())
+    model_id = checkpoint.model_id
+    budget = stage_budget(str(builtin_model_dir()), 2)
+    cap = ("--emulate-bandwidth-bytes-s", str(CAPPED_BYTES_S))
+    holder = Daemon(
+        tmp,
+        34,
+        secret=SECRET,
+        budget=budget,
+        extra=("--listen-port", str(CAPPED_HOLDER_PORT), *cap),
+    )
+    fetcher = _fetcher(tmp, 35, budget, model_id, f"34:{CAPPED_HOLDER_PORT}")
+    daemons = [holder, fetcher]
+    store = fetcher.state / "models" / model_id
+    try:
+        started(daemons, timeout_s=120)
+
+        def mid_fetch() -> bool:
+            fetch = (fetcher.try_status() or {}).get("fetch")
+            arriving = fetch is not None and fetch["state"] == "fetching"
+            return arriving and 0 < fetch["done_bytes"] < fetch["total_bytes"]
+
+        wait_until(mid_fetch, 60, "the fetcher's stage half arrived", poll_s=0.05)
+        fetcher.kill()
+        fetcher.wait_stopped(float("inf"))
+        left = _files(fetcher.state)
+        parts = [name for name in left if name.endswith(".part")]
+        print(f"a fetcher SIGKILLed mid-fetch left {len(parts)} part files of {len(left)} files")
+        assert parts, left  # the kill landed mid-fetch
+
+        daemons[1] = fetcher = _fetcher(tmp, 35, budget, model_id, f"34:{CAPPED_HOLDER_PORT}")
+        started([fetcher], timeout_s=120)
+        plan = agreed_plan(daemons, timeout_s=120, stable_s=1.0)
+        assert len(plan) == 2, plan
+
+        def fetched() -> bool:
+            fetch = fetcher.status()["fetch"]
+            return fetch is not None and fetch["state"] == "done"
+
+        wait_until(fetched, 60, "the restarted fetcher's stage fetched")
+        prompt = Tokenizer.open(builtin_model_dir()).encode(PROMPT)
+        assert _tokens(fetcher, prompt) == _reference(prompt)
+        # What a node never killed holds: its identity, the model's small files, manifest,
+        # name and verified list, and whole tensors of the layers it was given (and of layers
+        # an earlier plan gave it: a cache kept on purpose); no part or temp file.
+        lo, hi = fetcher.status()["stage_layers"]
+        tensors = {f"models/{model_id}/tensors/{n}.safetensors" for n in
+                   stage_tensor_names(checkpoint.config, lo, hi)}  # fmt: skip
+        now = _files(fetcher.state)
+        assert not [n for n in now if n.endswith((".part", ".tmp"))], now
+        small = (MANIFEST_FILE, NAME_FILE, "verified.msgpack", *MODEL_FILES)
+        kept = {"identity.key", "control.sock", *(f"models/{model_id}/{n}" for n in small)}
+        assert tensors <= now, tensors - now
+        stray = {n for n in now - kept - tensors if not n.startswith("hashes/")}
+        assert all(n.startswith(f"models/{model_id}/tensors/") for n in stray), stray
+        assert store.is_dir()
     finally:
         kill_all(daemons)

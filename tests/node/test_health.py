@@ -47,6 +47,17 @@ def test_alive_again_or_rejoined_ends_a_suspicion_early() -> None:
     assert verdicts.gone == ()
 
 
+def test_a_new_lane_ends_a_suspicion_early() -> None:
+    # A node that wakes from a closed lid finds every lane dead on its side and suspects every
+    # peer; the lanes gossip opens again at once prove them alive.
+    health = Health(suspect_hold_s=10.0)
+    for node_id in (A, B):
+        assert health.on_lane_lost(node_id, PEER_DEAD, now=0.0)
+    assert health.on_lane_up(A)
+    assert health.suspects(0.5) == {B}
+    assert not health.on_lane_up(A) and not health.on_lane_up(C)  # not suspect: nothing to end
+
+
 def test_dead_or_departed_members_are_gone_and_capacity_changes_are_quiet() -> None:
     health = Health(suspect_hold_s=10.0)
     health.suspect(A, 0.0)

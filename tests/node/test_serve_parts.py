@@ -1,5 +1,6 @@
 """The daemon's small parts: refusing to start without a secret, systemd notify, lanes
-carrying gossip and pipeline messages side by side."""
+carrying gossip and pipeline messages side by side, callers dialing one dead peer at once
+sharing one failed attempt, gossip that arrives while the node stops dropped, not raised."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import trio
 import trio.testing
 
 from meshd.mesh.identity import NodeIdentity
+from meshd.mesh.membership import Membership
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import LaneTable
+from meshd.net.lanes import LaneTable, PeerUnreachable
+from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.notify import Notifier
 from protocol import gossip
+from protocol.config import LaneConfig
 from protocol.messages import Message, NodeHello
 from protocol.streams import GOSSIP_STREAM
 from tests.node.daemons import REPO
@@ -130,6 +134,75 @@ async def test_two_nodes_dialing_each_other_at_once_keep_the_same_lane() -> None
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)
         assert pa.lane(b.x25519_public) is settled and one_lane()
         nursery.cancel_scope.cancel()
+
+
+async def test_callers_dialing_a_dead_peer_at_once_share_one_failed_attempt() -> None:
+    # Gossip queues a message per round for a member that just died: each message's task
+    # waits for the lane. They must fail together when the one dial fails, not each start a
+    # dial of its own after it (N handshake timeouts in a row, N tasks held that long).
+    a, dead = NodeIdentity.generate(), NodeIdentity.generate()
+    config = LaneConfig(handshake_timeout_s=1.0)
+    failed: list[float] = []
+    async with (
+        open_endpoint(static_private=a.x25519_private, psk=b"k" * 32, lane_config=config) as ea,
+        trio.open_nursery() as nursery,
+    ):
+        table = LaneTable(ea, a.x25519_public, lambda m, k: None)
+        await nursery.start(table.run)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as black_hole:
+            black_hole.bind(("127.0.0.1", 0))  # answers nothing, as a killed node's port
+            table.addresses[dead.x25519_public] = black_hole.getsockname()
+            start = trio.current_time()
+
+            async def send() -> None:
+                try:
+                    await table.send_gossip(dead.x25519_public, gossip.Want(node_ids=[]))
+                except PeerUnreachable:
+                    failed.append(trio.current_time() - start)
+
+            async with trio.open_nursery() as senders:
+                for _ in range(4):
+                    senders.start_soon(send)
+        nursery.cancel_scope.cancel()
+    assert len(failed) == 4
+    # One handshake timeout for all four (each in turn would take four).
+    assert max(failed) < 2 * config.handshake_timeout_s, failed
+
+
+async def test_gossip_a_lane_reader_delivers_while_the_node_stops_is_dropped() -> None:
+    # At shutdown the gossip driver's nursery closes to new tasks when its last child ends,
+    # and a lane reader (still running) can deliver a Ping before the driver's task resumes:
+    # the Ack it triggers must be dropped, not spawned on the closed nursery (a RuntimeError
+    # in the reader that made a SIGTERMed daemon exit with status 1).
+    a, b = NodeIdentity.generate(), NodeIdentity.generate()
+    keys = KeyBook()
+    lane_key = keys.x_of(b.public_key)
+    ping = gossip.Ping(seq=1, updates=[])
+    async with open_endpoint(static_private=a.x25519_private, psk=b"k" * 32) as endpoint:
+        peers = LaneTable(endpoint, a.x25519_public, lambda m, k: None)
+        for _ in range(20):  # the reader lands in that gap in about half the stops
+            membership = Membership(
+                a.public_key, address="127.0.0.1:1", sign=a.sign, verify=NodeIdentity.verify,
+                now=trio.current_time(),
+            )  # fmt: skip
+            driver = GossipDriver(membership, peers, keys, lambda e: None, rtt_report_interval_s=1)
+            stopped = trio.Event()
+            scope = trio.CancelScope()
+
+            async def run_driver(
+                driver: GossipDriver, scope: trio.CancelScope, done: trio.Event
+            ) -> None:
+                with scope:
+                    await driver.run()
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_driver, driver, scope, stopped)
+                await trio.testing.wait_all_tasks_blocked()
+                scope.cancel()
+                while not stopped.is_set():  # a reader delivering at every scheduling step
+                    driver.on_gossip(ping, lane_key)
+                    await trio.lowlevel.checkpoint()
 
 
 async def test_sigterm_stops_gracefully_and_a_second_one_stops_at_once() -> None:

@@ -7,6 +7,10 @@ stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
 
 1. SIGKILL of the coordinator with streams open: every stage frees their sessions and KV
    within the lease, counts them in `sessions_expired`, and the next request succeeds.
+
+After every stop, crash or closed lid each surviving daemon's trio tasks return to their
+count from before the request (`wait_tasks_back`): nothing a lost peer, its lanes or its
+sessions started stays behind.
 2. SIGTERM of a middle stage mid-generation, then (the node restarted as the new spare)
    SIGKILL of the middle stage mid-generation: both give single-node greedy output, the
    SIGTERM one stalls the stream no longer than the SIGKILL one, and no stage keeps a session.
@@ -20,6 +24,9 @@ stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
 5. A closed lid (SIGSTOP) on a middle stage mid-generation: the generation completes on the
    spare with the same tokens; opened again (SIGCONT), the node rejoins every view, holds no
    session, and the mesh answers with the same tokens.
+6. A closed lid on the coordinator with streams open: every stage frees their sessions and KV
+   (`coordinator_lost`); opened again, its streams end with the same tokens as ever, it
+   serves the next request at once, and no session is left anywhere.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
-from tests.node.daemons import Daemon
+from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
 from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -179,6 +186,16 @@ def _expired(d: Daemon) -> dict[str, int]:
     return dict(d.status()["sessions_expired"])
 
 
+def _left_only_identity(d: Daemon, how: signal.Signals) -> None:
+    """What a stopped or killed daemon leaves in its state dir: its identity, the checkpoint
+    hashes it cached, and (after SIGKILL only) its control socket, which the next start
+    replaces. No temp, part or lock file."""
+    left = {p.name for p in d.state.iterdir()}
+    socket = {"control.sock"} if how is signal.SIGKILL else set()
+    assert left <= {"identity.key", "hashes", *socket}, left
+    assert "identity.key" in left
+
+
 # ---- 1. a coordinator crashes with streams open -----------------------------------------------
 
 
@@ -189,6 +206,8 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     coordinator = mesh.daemons[COORDINATOR_ONLY]
     stages = mesh.in_plan()
     before = {d.index: _expired(d) for d in stages}
+    survivors = [d for d in mesh.alive() if d is not coordinator]
+    tasks_before = tasks_of(survivors)
     streams = [Stream(coordinator, _op(prompt, 400)) for _ in range(4)]
     wait_until(
         lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
@@ -210,6 +229,9 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     for s in streams:
         s.thread.join(30)
         assert s.error is not None  # the coordinator's socket went with it
+    # Nor any task: the sessions' and the dead coordinator's lanes' tasks end.
+    settled_s = wait_tasks_back(survivors, tasks_before)
+    print(f"coordinator SIGKILL: survivors' tasks back {settled_s:.2f} s after the sessions")
     # The operator sees them: meshctl status (JSON above, and the table) and /metrics.
     stage = stages[0]
     expired = _expired(stage)
@@ -218,9 +240,20 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     metrics = httpx.get(stage.api_url.removesuffix("/v1") + "/metrics", timeout=30).text
     line = 'meshd_stage_sessions_expired_total{cause="coordinator_lost"} '
     assert f"{line}{float(expired['coordinator_lost'])}" in metrics
+    # The task count too (the HTTP request's own tasks differ from the control socket's).
+    gauge = next(x for x in metrics.splitlines() if x.startswith("meshd_trio_tasks "))
+    assert abs(float(gauge.split()[1]) - stage.status()["tasks"]) <= 5, gauge
     # The mesh serves at once: nothing is held for the dead coordinator.
     final = list(request_lines(stages[0].socket, _op(prompt, 20), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 20)
+    # Restarted on its state dir, it comes back as the same node and serves.
+    _left_only_identity(coordinator, signal.SIGKILL)
+    key = coordinator.key()
+    mesh.ready(spares=0)
+    back = mesh.daemons[COORDINATOR_ONLY]
+    assert back.key() == key
+    final = list(request_lines(back.socket, _op(prompt, 20), timeout_s=60))[-1]
+    assert final["ok"] and final["tokens"] == reference(prompt, 20), final
 
 
 # ---- 2. a middle stage stops: SIGTERM against SIGKILL -----------------------------------------
@@ -239,6 +272,8 @@ def _stop_middle_stage(
     victim, downstream = route[1], route[2]
     coordinator = route[0]
     lapsed_before = _expired(downstream)["lease_lapsed"]
+    survivors = [d for d in mesh.alive() if d is not victim]
+    tasks_before = tasks_of(survivors)
     stream = Stream(coordinator, _op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     stopped_at = time.monotonic()
@@ -254,10 +289,13 @@ def _stop_middle_stage(
     mesh.gone.add(victim.index)
     if how is signal.SIGTERM:
         assert victim.proc.returncode == 0, victim.log_tail(2000)
+    _left_only_identity(victim, how)
     others = [d for d in mesh.alive() if d.index != COORDINATOR_ONLY]
     wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
     # The stage after the stopped one was told to close: its lease never had to lapse.
     assert _expired(downstream)["lease_lapsed"] == lapsed_before
+    spares = [d for d in survivors if d not in route]
+    wait_tasks_back(survivors, tasks_before, took_stage=spares)
     return after[0] - stopped_at, max(gaps), victim
 
 
@@ -300,6 +338,8 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     mesh.ready(spares=0)
     route = mesh.in_plan()
     coordinator = route[0]
+    survivors = [d for d in mesh.alive() if d is not coordinator]
+    tasks_before = tasks_of(survivors)
     body = {
         "model": "meshd-builtin", "prompt": PROMPT, "max_tokens": 900, "temperature": 0,
         "stream": True,
@@ -350,6 +390,7 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     assert coordinator.proc.returncode == 0, coordinator.log_tail(2000)
     others = [d for d in mesh.alive() if d.index != COORDINATOR_ONLY]
     wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
+    wait_tasks_back(survivors, tasks_before, took_stage=[d for d in survivors if d not in route])
 
 
 # ---- 4. the spare dies, and a stage's lid closes ----------------------------------------------
@@ -367,6 +408,8 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     route = _plan_keys(mesh)
     spare = next(d for d in mesh.alive() if d.index != COORDINATOR_ONLY and d.key() not in route)
     expected = reference(prompt, 150)
+    survivors = [d for d in mesh.alive() if d is not spare]
+    tasks_before = tasks_of(survivors)
     stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     spare.proc.send_signal(how)
@@ -384,13 +427,9 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     )
     assert _plan_keys(mesh) == route  # a spare holds no stage: nothing was re-planned
     wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
-    # What it left in its state dir: its identity, the checkpoint hashes it cached, and (after
-    # SIGKILL only) its control socket, which the next start replaces; it comes back as the
-    # same node.
-    left_behind = {p.name for p in spare.state.iterdir()}
-    socket = {"control.sock"} if how is signal.SIGKILL else set()
-    assert left_behind <= {"identity.key", "hashes", *socket}, left_behind
-    assert "identity.key" in left_behind
+    wait_tasks_back(survivors, tasks_before)
+    # What it left in its state dir; it comes back as the same node.
+    _left_only_identity(spare, how)
     key = spare.key()
     mesh.ready(spares=1)
     assert mesh.daemons[spare.index].key() == key
@@ -406,6 +445,8 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_i
     route = mesh.in_plan()
     victim, coordinator = route[1], route[0]
     expected = reference(prompt, 150)
+    tasks_before = tasks_of(mesh.alive())
+    spares = [d for d in mesh.alive() if d not in route]
     stream = Stream(coordinator, _op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     victim.proc.send_signal(signal.SIGSTOP)
@@ -432,3 +473,53 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_i
     final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 40), final
     wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    # The woken node, a spare now, holds no more tasks than before; the spare that took its
+    # stage holds that stage's.
+    wait_tasks_back(mesh.alive(), tasks_before, took_stage=spares)
+
+
+# ---- 6. a coordinator's lid closes mid-stream -------------------------------------------------
+
+
+def test_a_coordinator_whose_lid_closes_mid_stream_is_freed_and_wakes_without_wedging(
+    mesh: Mesh, prompt: list[int]
+) -> None:
+    mesh.ready(spares=0)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    stages = mesh.in_plan()
+    nodes = mesh.alive()
+    before = {d.index: _expired(d) for d in stages}
+    tasks_before = tasks_of(nodes)
+    expected = reference(prompt, 200)
+    streams = [Stream(coordinator, _op(prompt, len(expected))) for _ in range(2)]
+    wait_until(
+        lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
+        30,
+        "every stream's session open on every stage",
+        poll_s=0.05,
+    )
+    # Frozen, it renews no lease and answers no ping: every stage frees its sessions.
+    coordinator.proc.send_signal(signal.SIGSTOP)
+    try:
+        freed_s = wait_until(lambda: _no_sessions_left(stages), LEASE_S + 10, "sessions freed")
+        print(f"coordinator lid closed: stages freed every session {freed_s:.2f} s later")
+        for d in stages:
+            freed = sum(_expired(d).values()) - sum(before[d.index].values())
+            assert freed == len(streams), (d.name, before[d.index], _expired(d))
+    finally:
+        coordinator.proc.send_signal(signal.SIGCONT)
+    # Awake, it finds every lane dead on its side (its clock ran on while it was frozen): it
+    # dials again and re-routes its requests, which end as if nothing happened, and it serves
+    # the next one at once (it once refused every request for `suspect_hold_s`, 10 s).
+    woke = time.monotonic()
+    for s in streams:
+        final = s.final()
+        assert final.get("ok") and final["tokens"] == expected, final
+    keys = {d.key() for d in nodes}
+    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "it rejoins")
+    final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
+    assert final["ok"] and final["tokens"] == reference(prompt, 40), final
+    print(f"coordinator lid opened: streams done and a new request served in "
+          f"{time.monotonic() - woke:.2f} s")  # fmt: skip
+    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(nodes, tasks_before)
