@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -33,7 +34,7 @@ import trio
 from meshd.bench.harness import model_dir, print_report
 from meshd.model.checkpoint import Checkpoint, expected_shapes
 from meshd.model.manifest import ModelStore
-from meshd.net.bulk import BulkGate
+from meshd.net.bulk import BulkGate, CadenceConfig
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lanes import LaneTable
 from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
@@ -64,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the fetching node's process on the last core alone, the holder's on the others "
         "(as if the fetcher were another machine, as in a mesh)",
     )
+    parser.add_argument(
+        "--quiet-ms",
+        type=float,
+        default=None,
+        help="the holder's bulk gate closes this long ahead of an expected window "
+        "(default: the daemon's; 0: only while a window computes)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -74,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes or defaults.chunk_bytes,
         window_bytes=args.window_bytes or defaults.window_bytes,
     )
+    cadence = CadenceConfig()
+    if args.quiet_ms is not None:
+        cadence = dataclasses.replace(cadence, quiet_s=args.quiet_ms / 1e3)
     fetcher_cores: tuple[int, ...] = ()
     if args.pin_cores:
         cores = sorted(os.sched_getaffinity(0))
@@ -94,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             args.pings,
             config,
             fetcher_cores,
+            cadence,
         )
     print_report(result, args.json, _print_table)
     return 0
@@ -168,6 +180,7 @@ class _Node:
 async def artifact_nodes(
     checkpoints: list[Checkpoint],
     config: FetchConfig,
+    cadence: CadenceConfig | None = None,
 ) -> AsyncIterator[list[_Node]]:
     """One node per checkpoint on loopback lanes, each serving that checkpoint's files and
     knowing every other's address (each lists all the others as sources), each with its bulk
@@ -212,8 +225,9 @@ async def artifact_nodes(
             for key, other in zip(pubs, endpoints, strict=True):
                 if key != own:
                     table.addresses[key] = other.local_address
-            gate = BulkGate()
+            gate = BulkGate(cadence)
             gate.subscribe(endpoint.hold_bulk)
+            await nursery.start(gate.run)
             service = ArtifactService(checkpoint, table, others.copy, config=config, gate=gate)
             box.append(service)
             await nursery.start(service.run)
@@ -230,6 +244,7 @@ async def _main(
     pings: int,
     config: FetchConfig,
     fetcher_cores: tuple[int, ...] = (),
+    cadence: CadenceConfig | None = None,
 ) -> dict[str, Any]:
     holder = Checkpoint.open(source)
     t0 = time.perf_counter()
@@ -238,13 +253,15 @@ async def _main(
     tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
     total = sum(manifest.artifacts[i].nbytes for i in tensors)
     samples: dict[str, list[float]] = {}
+    quiets: list[int] = []
+    missed: list[int] = []
     verify_stage = _VerifyStage()
     for r in range(rounds):
         store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
         # Alternate: the lane alone (a window's bytes there and back), then a verify window
         # through a stage of the built-in model (its forward pass on the holder).
         for kind, stage in (("lane", None), ("verify", verify_stage)):
-            async with artifact_nodes([holder, holder], config) as (server, client):
+            async with artifact_nodes([holder, holder], config, cadence) as (server, client):
                 rtts_idle, rtts_busy, mb_s = await _round(
                     server,
                     client,
@@ -257,6 +274,9 @@ async def _main(
                     stage,
                     fetcher_cores,
                 )
+                if stage is not None:
+                    quiets.append(server.gate.quiets_total)
+                    missed.append(server.gate.quiets_missed)
             shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
             store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
             samples.setdefault("fetch_mb_s", []).append(mb_s)
@@ -274,6 +294,9 @@ async def _main(
         "flow_window_bytes": config.window_bytes,
         "rounds": rounds,
         "pin_cores": bool(fetcher_cores),
+        "bulk_quiet_ms": (cadence or CadenceConfig()).quiet_s * 1e3,
+        "quiets": quiets,
+        "quiets_missed": missed,
         "per_round": samples,
     }
     return out
@@ -316,9 +339,15 @@ async def _round(
 
     async def window_rtt() -> float:
         t = time.perf_counter()
-        with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
+        try:
+          with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
             await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
             await reply_out.receive()
+        except trio.TooSlowError:
+            import sys
+            g = server.gate
+            print("DEBUG lost", time.perf_counter() - t, g._holds, g._windows, g.quiets_total, g.quiets_missed, g.holds_total, file=sys.stderr)
+            raise
         return time.perf_counter() - t
 
     await client.table.lane_to(server.key)
