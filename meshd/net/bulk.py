@@ -30,11 +30,13 @@ import trio
 class CadenceConfig:
     """How far ahead of an expected window bulk work pauses.
 
-    `quiet_s`: the gate closes this long before the earliest expected arrival of the next
-    window, and stays closed until it arrives or this long after its latest expected arrival.
-    Windows count as regular when the spread of the last `history` intervals between them
-    (upper minus lower quartile) is within `tolerance` of their median; otherwise no quiet.
-    However regular, a quiet takes at most `1 - min_open_share` of the gap between windows.
+    The gap is the time from one window's end (its result sent) to the next window's start:
+    the rest of the pipeline and the coordinator's turn, steadier than the windows' own
+    compute. `quiet_s`: the gate closes this long before the earliest usual end of the gap,
+    and stays closed until the window comes or this long after the latest usual end.
+    Windows count as regular when the spread of the last `history` gaps (upper minus lower
+    quartile) is within `tolerance` of their median; otherwise no quiet. However regular, a
+    quiet takes at most `1 - min_open_share` of the median gap: transfers keep the rest.
     """
 
     quiet_s: float = 0.0015
@@ -50,32 +52,32 @@ class CadenceConfig:
 
 
 class WindowCadence:
-    """(sans-IO) The interval between windows, and the quiet ahead of the next one.
+    """(sans-IO) The gap between windows, and the quiet ahead of the next window.
 
     Fed the start and end of every window's hold (`window_started`, `window_ended`, with
-    `now`); `quiet()` says when bulk work should pause before the next window, or None when
-    the windows so far are too few or too irregular to predict. One quiet per window: after
-    `quiet_spent` (the window did not come), none until the next window starts.
+    `now`); `quiet()` says when bulk work should pause before the next window, or None while
+    a window is on, or the gaps so far are too few or too irregular to predict. One quiet per
+    gap: after `quiet_spent` (the window did not come), none until the next window.
     """
 
     def __init__(self, config: CadenceConfig | None = None) -> None:
         self.config = config or CadenceConfig()
-        self._intervals: deque[float] = deque(maxlen=self.config.history)
-        self._holds: deque[float] = deque(maxlen=self.config.history)
-        self._last_start: float | None = None
+        self._gaps: deque[float] = deque(maxlen=self.config.history)
+        self._last_end: float | None = None
+        self._on = False
         self._spent = True
 
     def window_started(self, now: float) -> None:
         """A window's hold began (the stage took a window while idle)."""
-        if self._last_start is not None:
-            self._intervals.append(now - self._last_start)
-        self._last_start = now
+        if self._last_end is not None and not self._on:
+            self._gaps.append(now - self._last_end)
+        self._on = True
         self._spent = False
 
     def window_ended(self, now: float) -> None:
-        """The hold that began at the last `window_started` ended (its result is out)."""
-        if self._last_start is not None:
-            self._holds.append(now - self._last_start)
+        """The window's hold ended (its result is out)."""
+        self._last_end = now
+        self._on = False
 
     def quiet_spent(self) -> None:
         """The quiet ran out without a window: none more until the next window starts."""
@@ -84,20 +86,19 @@ class WindowCadence:
     def quiet(self) -> tuple[float, float] | None:
         """(start, end) of the quiet ahead of the next window, or None (no quiet now)."""
         config = self.config
-        if self._spent or self._last_start is None or len(self._intervals) < config.history:
+        if self._spent or self._on or self._last_end is None or config.quiet_s == 0:
             return None
-        if not self._holds or config.quiet_s == 0:
+        if len(self._gaps) < config.history:
             return None
-        low, mid, high = statistics.quantiles(self._intervals, n=4)
+        low, mid, high = statistics.quantiles(self._gaps, n=4)
         if high - low > config.tolerance * mid:
             return None  # irregular: the gate holds only for windows themselves
-        gap = mid - statistics.median(self._holds)
-        # The quiet spans [earliest - quiet_s, latest + quiet_s], bounded to its share of a gap.
-        span = min((high - low) + 2 * config.quiet_s, (1 - config.min_open_share) * gap)
-        if span <= 0:
-            return None
-        end = self._last_start + high + config.quiet_s
-        return end - span, end
+        bound = (1 - config.min_open_share) * mid
+        # From `quiet_s` before the earliest usual arrival to `quiet_s` after the latest; when
+        # that is more than its share of the gap, the part before the median arrival comes first.
+        start = self._last_end + mid - min(config.quiet_s + (mid - low), bound)
+        end = min(self._last_end + high + config.quiet_s, start + bound)
+        return start, end
 
 
 class BulkGate:
@@ -111,7 +112,7 @@ class BulkGate:
         self._open.set()
         self._listeners: list[Callable[[bool], None]] = []
         self.cadence = WindowCadence(cadence)
-        self._window_began = trio.Event()
+        self._windows_changed = trio.Event()  # set when a window starts or ends
         self.holds_total = 0  # times a window closed the gate (a counter for tests and status)
         self.quiets_total = 0  # quiets begun ahead of an expected window
         self.quiets_missed = 0  # of those, quiets that ran out without a window
@@ -148,7 +149,7 @@ class BulkGate:
         if self._windows == 1:
             self.holds_total += 1
             self.cadence.window_started(trio.current_time())
-            self._window_began.set()
+            self._windows_changed.set()
         self._close()
         try:
             yield
@@ -157,6 +158,7 @@ class BulkGate:
             self._windows -= 1
             if self._windows == 0:
                 self.cadence.window_ended(trio.current_time())
+                self._windows_changed.set()
             self._release()
 
     async def wait_open(self) -> None:
@@ -168,23 +170,23 @@ class BulkGate:
         """Close the gate for the quiet ahead of each expected window, until cancelled."""
         task_status.started()
         while True:
-            began = self._window_began = trio.Event()
+            changed = self._windows_changed = trio.Event()
             quiet = self.cadence.quiet()
             if quiet is None:
-                await began.wait()
+                await changed.wait()
                 continue
             start, end = quiet
             with trio.move_on_at(start):
-                await began.wait()
-            if began.is_set():
+                await changed.wait()
+            if changed.is_set():
                 continue  # the window came first (the gate closed for it)
             self.quiets_total += 1
             self._close()
             try:
                 with trio.move_on_at(end):
-                    await began.wait()
+                    await changed.wait()
             finally:
                 self._release()  # a window that came holds the gate itself
-            if not began.is_set():
+            if not changed.is_set():
                 self.quiets_missed += 1
                 self.cadence.quiet_spent()
