@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the holder's bulk gate closes this long ahead of an expected window "
         "(default: the daemon's; 0: only while a window computes)",
     )
+    parser.add_argument(
+        "--quiet-ab",
+        action="store_true",
+        help="the quiet on before every other window only; report the verify window during "
+        "the transfer with and without one (side by side in one run)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             fetcher_cores,
             cadence,
+            args.quiet_ab,
         )
     print_report(result, args.json, _print_table)
     return 0
@@ -245,6 +252,7 @@ async def _main(
     config: FetchConfig,
     fetcher_cores: tuple[int, ...] = (),
     cadence: CadenceConfig | None = None,
+    quiet_ab: bool = False,
 ) -> dict[str, Any]:
     holder = Checkpoint.open(source)
     t0 = time.perf_counter()
@@ -262,7 +270,7 @@ async def _main(
         # through a stage of the built-in model (its forward pass on the holder).
         for kind, stage in (("lane", None), ("verify", verify_stage)):
             async with artifact_nodes([holder, holder], config, cadence) as (server, client):
-                rtts_idle, rtts_busy, mb_s = await _round(
+                rtts_idle, rtts_busy, mb_s, by_arm = await _round(
                     server,
                     client,
                     store,
@@ -273,7 +281,12 @@ async def _main(
                     config,
                     stage,
                     fetcher_cores,
+                    quiet_ab,
                 )
+                for arm, rtts in by_arm.items():
+                    samples.setdefault(f"verify_rtt_busy_{arm}_ms", []).append(
+                        statistics.median(rtts) * 1e3
+                    )
                 if stage is not None:
                     quiets.append(server.gate.quiets_total)
                     missed.append(server.gate.quiets_missed)
@@ -285,6 +298,10 @@ async def _main(
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
     for kind in ("lane", "verify"):
         out[f"{kind}_rtt_ratio"] = round(out[f"{kind}_rtt_busy_ms"] / out[f"{kind}_rtt_idle_ms"], 3)
+    for arm in ("quiet", "plain"):
+        if f"verify_rtt_busy_{arm}_ms" in out:
+            ratio = out[f"verify_rtt_busy_{arm}_ms"] / out["verify_rtt_idle_ms"]
+            out[f"verify_rtt_{arm}_ratio"] = round(ratio, 3)
     out |= {
         "model_bytes": total,
         "tensors": len(tensors),
@@ -313,7 +330,10 @@ async def _round(
     config: FetchConfig,
     stage: _VerifyStage | None,
     fetcher_cores: tuple[int, ...] = (),
-) -> tuple[list[float], list[float], float]:
+    quiet_ab: bool = False,
+) -> tuple[list[float], list[float], float, dict[str, list[float]]]:
+    """Idle and busy window round trips, the fetch's MB/s, and (`quiet_ab`) the busy round
+    trips of windows after a gap with a quiet ("quiet") and without ("plain")."""
     replies: trio.MemorySendChannel[bytes]
     replies, reply_out = trio.open_memory_channel[bytes](16)
     window = b"w" * window_message_bytes
@@ -324,9 +344,14 @@ async def _round(
             return
         # A stage verifying the window, as `StageHost` does: its forward pass in a thread,
         # the node's bulk gate held from taking the window until the reply is sent.
+        cadence = server.gate.cadence
+        arm = b"q" if cadence.config.quiet_s > 0 else b"p"  # the gap just before this window
         async with server.gate.hold():
+            if quiet_ab:  # the next gap the other way (its quiet is planned as this hold ends)
+                quiet_s = quiet_on if arm == b"p" else 0.0
+                cadence.config = dataclasses.replace(cadence.config, quiet_s=quiet_s)
             await trio.to_thread.run_sync(stage.step)
-            await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+            await server.table.send_bytes(sender, PIPELINE_STREAM, arm * REPLY_BYTES)
 
     def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
         server.table._nursery.start_soon(answer, sender)  # type: ignore[union-attr]
@@ -334,14 +359,18 @@ async def _round(
     def got_reply(data: bytes, sender: bytes) -> None:
         replies.send_nowait(data)
 
+    quiet_on = server.gate.cadence.config.quiet_s
     server.table.streams[PIPELINE_STREAM] = (bytes, echo)
     client.table.streams[PIPELINE_STREAM] = (bytes, got_reply)
+
+    last_arm = [b""]
+    by_arm: dict[str, list[float]] = {"quiet": [], "plain": []}
 
     async def window_rtt() -> float:
         t = time.perf_counter()
         with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
             await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
-            await reply_out.receive()
+            last_arm[0] = (await reply_out.receive())[:1]
         return time.perf_counter() - t
 
     await client.table.lane_to(server.key)
@@ -377,6 +406,8 @@ async def _round(
             rtt = await window_rtt()
             if not parent.poll():
                 busy.append(rtt)
+                if quiet_ab and stage is not None:
+                    by_arm["quiet" if last_arm[0] == b"q" else "plain"].append(rtt)
             await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
         kind, elapsed = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
         assert kind == "done", kind
@@ -384,7 +415,7 @@ async def _round(
         await trio.to_thread.run_sync(process.join, 30)
     if not busy:
         busy = [float("nan")]
-    return idle, busy, total / elapsed / 1e6
+    return idle, busy, total / elapsed / 1e6, {k: v for k, v in by_arm.items() if v}
 
 
 def _fetch_child(
