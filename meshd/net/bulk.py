@@ -8,11 +8,12 @@ it takes a window until its result is sent; meanwhile the artifact service serve
 and every lane of the endpoint sends no bulk bytes (`Lane.hold_bulk`). The transfer runs in
 the gaps between windows.
 
-A burst sent just before a window still costs that window: the peer decrypts, hashes and
+A burst sent just before a window still costs that window: the peer decrypts, writes and
 acknowledges it while the window computes, and this node reads those ACKs and requests. Windows
-come at a cadence (a coordinator's decode loop), so the gate also learns the interval between
-windows (`WindowCadence`) and closes a little before the next one is due (a quiet), when the
-windows are regular; the transfer keeps at least `min_open_share` of every gap.
+come at a cadence (a coordinator's decode loop), so the gate also learns the gap from one
+window's end to the next one's start (`WindowCadence`) and, while the gaps are regular, closes
+a little before the next window is due (a quiet, driven by `BulkGate.run`); the transfer keeps
+at least `min_open_share` of every gap.
 """
 
 from __future__ import annotations
