@@ -293,6 +293,8 @@ async def _main(
             shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
             store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
             samples.setdefault("fetch_mb_s", []).append(mb_s)
+            if stage is not None:  # the transfer while verify windows held the gate
+                samples.setdefault("fetch_verify_mb_s", []).append(mb_s)
             samples.setdefault(f"{kind}_rtt_idle_ms", []).append(statistics.median(rtts_idle) * 1e3)
             samples.setdefault(f"{kind}_rtt_busy_ms", []).append(statistics.median(rtts_busy) * 1e3)
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
@@ -497,6 +499,7 @@ def _print_table(r: dict[str, Any]) -> None:
     if r["pin_cores"]:
         print("  fetcher on a core of its own (--pin-cores)")
     print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
+    print(f"  fetch rate, verify windows on  {r['fetch_verify_mb_s']:9.1f} MB/s")
     for kind, what in (("lane", "lane round trip"), ("verify", "verify window")):
         print(f"  {what + ', idle':29s}  {r[f'{kind}_rtt_idle_ms']:9.3f} ms")
         print(f"  {what + ', transfer':29s}  {r[f'{kind}_rtt_busy_ms']:9.3f} ms")
