@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -33,7 +34,7 @@ import trio
 from meshd.bench.harness import model_dir, print_report
 from meshd.model.checkpoint import Checkpoint, expected_shapes
 from meshd.model.manifest import ModelStore
-from meshd.net.bulk import BulkGate
+from meshd.net.bulk import BulkGate, CadenceConfig
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lanes import LaneTable
 from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
@@ -64,6 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the fetching node's process on the last core alone, the holder's on the others "
         "(as if the fetcher were another machine, as in a mesh)",
     )
+    parser.add_argument(
+        "--quiet-ms",
+        type=float,
+        default=None,
+        help="the holder's bulk gate closes this long ahead of an expected window "
+        "(default: the daemon's; 0: only while a window computes)",
+    )
+    parser.add_argument(
+        "--quiet-ab",
+        action="store_true",
+        help="the quiet on before every other window only; report the verify window during "
+        "the transfer with and without one (side by side in one run)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -74,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes or defaults.chunk_bytes,
         window_bytes=args.window_bytes or defaults.window_bytes,
     )
+    cadence = CadenceConfig()
+    if args.quiet_ms is not None:
+        cadence = dataclasses.replace(cadence, quiet_s=args.quiet_ms / 1e3)
     fetcher_cores: tuple[int, ...] = ()
     if args.pin_cores:
         cores = sorted(os.sched_getaffinity(0))
@@ -94,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
             args.pings,
             config,
             fetcher_cores,
+            cadence,
+            args.quiet_ab,
         )
     print_report(result, args.json, _print_table)
     return 0
@@ -168,6 +187,7 @@ class _Node:
 async def artifact_nodes(
     checkpoints: list[Checkpoint],
     config: FetchConfig,
+    cadence: CadenceConfig | None = None,
 ) -> AsyncIterator[list[_Node]]:
     """One node per checkpoint on loopback lanes, each serving that checkpoint's files and
     knowing every other's address (each lists all the others as sources), each with its bulk
@@ -212,8 +232,9 @@ async def artifact_nodes(
             for key, other in zip(pubs, endpoints, strict=True):
                 if key != own:
                     table.addresses[key] = other.local_address
-            gate = BulkGate()
+            gate = BulkGate(cadence)
             gate.subscribe(endpoint.hold_bulk)
+            await nursery.start(gate.run)
             service = ArtifactService(checkpoint, table, others.copy, config=config, gate=gate)
             box.append(service)
             await nursery.start(service.run)
@@ -230,6 +251,8 @@ async def _main(
     pings: int,
     config: FetchConfig,
     fetcher_cores: tuple[int, ...] = (),
+    cadence: CadenceConfig | None = None,
+    quiet_ab: bool = False,
 ) -> dict[str, Any]:
     holder = Checkpoint.open(source)
     t0 = time.perf_counter()
@@ -238,14 +261,16 @@ async def _main(
     tensors = [i for i, a in enumerate(manifest.artifacts) if a.kind == ArtifactKind.TENSOR]
     total = sum(manifest.artifacts[i].nbytes for i in tensors)
     samples: dict[str, list[float]] = {}
+    quiets: list[int] = []
+    missed: list[int] = []
     verify_stage = _VerifyStage()
     for r in range(rounds):
         store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
         # Alternate: the lane alone (a window's bytes there and back), then a verify window
         # through a stage of the built-in model (its forward pass on the holder).
         for kind, stage in (("lane", None), ("verify", verify_stage)):
-            async with artifact_nodes([holder, holder], config) as (server, client):
-                rtts_idle, rtts_busy, mb_s = await _round(
+            async with artifact_nodes([holder, holder], config, cadence) as (server, client):
+                rtts_idle, rtts_busy, mb_s, by_arm = await _round(
                     server,
                     client,
                     store,
@@ -256,15 +281,29 @@ async def _main(
                     config,
                     stage,
                     fetcher_cores,
+                    quiet_ab,
                 )
+                for arm, rtts in by_arm.items():
+                    samples.setdefault(f"verify_rtt_busy_{arm}_ms", []).append(
+                        statistics.median(rtts) * 1e3
+                    )
+                if stage is not None:
+                    quiets.append(server.gate.quiets_total)
+                    missed.append(server.gate.quiets_missed)
             shutil.rmtree(tmp / f"round{r}", ignore_errors=True)
             store = ModelStore(tmp / f"round{r}", model_id, data, manifest)
             samples.setdefault("fetch_mb_s", []).append(mb_s)
+            if stage is not None:  # the transfer while verify windows held the gate
+                samples.setdefault("fetch_verify_mb_s", []).append(mb_s)
             samples.setdefault(f"{kind}_rtt_idle_ms", []).append(statistics.median(rtts_idle) * 1e3)
             samples.setdefault(f"{kind}_rtt_busy_ms", []).append(statistics.median(rtts_busy) * 1e3)
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
     for kind in ("lane", "verify"):
         out[f"{kind}_rtt_ratio"] = round(out[f"{kind}_rtt_busy_ms"] / out[f"{kind}_rtt_idle_ms"], 3)
+    for arm in ("quiet", "plain"):
+        if f"verify_rtt_busy_{arm}_ms" in out:
+            ratio = out[f"verify_rtt_busy_{arm}_ms"] / out["verify_rtt_idle_ms"]
+            out[f"verify_rtt_{arm}_ratio"] = round(ratio, 3)
     out |= {
         "model_bytes": total,
         "tensors": len(tensors),
@@ -274,6 +313,9 @@ async def _main(
         "flow_window_bytes": config.window_bytes,
         "rounds": rounds,
         "pin_cores": bool(fetcher_cores),
+        "bulk_quiet_ms": (cadence or CadenceConfig()).quiet_s * 1e3,
+        "quiets": quiets,
+        "quiets_missed": missed,
         "per_round": samples,
     }
     return out
@@ -290,7 +332,10 @@ async def _round(
     config: FetchConfig,
     stage: _VerifyStage | None,
     fetcher_cores: tuple[int, ...] = (),
-) -> tuple[list[float], list[float], float]:
+    quiet_ab: bool = False,
+) -> tuple[list[float], list[float], float, dict[str, list[float]]]:
+    """Idle and busy window round trips, the fetch's MB/s, and (`quiet_ab`) the busy round
+    trips of windows after a gap with a quiet ("quiet") and without ("plain")."""
     replies: trio.MemorySendChannel[bytes]
     replies, reply_out = trio.open_memory_channel[bytes](16)
     window = b"w" * window_message_bytes
@@ -301,9 +346,14 @@ async def _round(
             return
         # A stage verifying the window, as `StageHost` does: its forward pass in a thread,
         # the node's bulk gate held from taking the window until the reply is sent.
+        cadence = server.gate.cadence
+        arm = b"q" if cadence.config.quiet_s > 0 else b"p"  # the gap just before this window
         async with server.gate.hold():
+            if quiet_ab:  # the next gap the other way (its quiet is planned as this hold ends)
+                quiet_s = quiet_on if arm == b"p" else 0.0
+                cadence.config = dataclasses.replace(cadence.config, quiet_s=quiet_s)
             await trio.to_thread.run_sync(stage.step)
-            await server.table.send_bytes(sender, PIPELINE_STREAM, b"r" * REPLY_BYTES)
+            await server.table.send_bytes(sender, PIPELINE_STREAM, arm * REPLY_BYTES)
 
     def echo(data: bytes, sender: bytes) -> None:  # the holder: a stage answering a window
         server.table._nursery.start_soon(answer, sender)  # type: ignore[union-attr]
@@ -311,14 +361,18 @@ async def _round(
     def got_reply(data: bytes, sender: bytes) -> None:
         replies.send_nowait(data)
 
+    quiet_on = server.gate.cadence.config.quiet_s
     server.table.streams[PIPELINE_STREAM] = (bytes, echo)
     client.table.streams[PIPELINE_STREAM] = (bytes, got_reply)
+
+    last_arm = [b""]
+    by_arm: dict[str, list[float]] = {"quiet": [], "plain": []}
 
     async def window_rtt() -> float:
         t = time.perf_counter()
         with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
             await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
-            await reply_out.receive()
+            last_arm[0] = (await reply_out.receive())[:1]
         return time.perf_counter() - t
 
     await client.table.lane_to(server.key)
@@ -354,6 +408,8 @@ async def _round(
             rtt = await window_rtt()
             if not parent.poll():
                 busy.append(rtt)
+                if quiet_ab and stage is not None:
+                    by_arm["quiet" if last_arm[0] == b"q" else "plain"].append(rtt)
             await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
         kind, elapsed = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
         assert kind == "done", kind
@@ -361,7 +417,7 @@ async def _round(
         await trio.to_thread.run_sync(process.join, 30)
     if not busy:
         busy = [float("nan")]
-    return idle, busy, total / elapsed / 1e6
+    return idle, busy, total / elapsed / 1e6, {k: v for k, v in by_arm.items() if v}
 
 
 def _fetch_child(
@@ -443,6 +499,7 @@ def _print_table(r: dict[str, Any]) -> None:
     if r["pin_cores"]:
         print("  fetcher on a core of its own (--pin-cores)")
     print(f"  fetch rate                     {r['fetch_mb_s']:9.1f} MB/s")
+    print(f"  fetch rate, verify windows on  {r['fetch_verify_mb_s']:9.1f} MB/s")
     for kind, what in (("lane", "lane round trip"), ("verify", "verify window")):
         print(f"  {what + ', idle':29s}  {r[f'{kind}_rtt_idle_ms']:9.3f} ms")
         print(f"  {what + ', transfer':29s}  {r[f'{kind}_rtt_busy_ms']:9.3f} ms")

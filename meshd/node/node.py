@@ -373,6 +373,7 @@ class MeshNode:
         """Start every part's tasks; returns once lanes, the stage slot and gossip run."""
         nursery = self._nursery
         await nursery.start(self.peers.run)
+        await nursery.start(self.bulk_gate.run)
         await nursery.start(self.artifacts.run)
         await nursery.start(self.slot.run)
         await self.models.start(nursery)
