@@ -9,8 +9,8 @@ returns what the caller should do; nothing here reads a clock or does I/O.
   suspect. So does a new lane to it: a handshake is an answer. A node whose lid closed wakes
   with every lane dead on its side (its clock ran on while it was frozen) and suspects every
   peer, while its membership never saw them die; without this it refused every request for
-  `suspect_hold_s` after the lid opened. A member that died or left can never close the sessions it coordinates here, so
-  the caller frees them (`MemberVerdicts.gone`).
+  `suspect_hold_s` after the lid opened. A member that died or left can never close the
+  sessions it coordinates here, so the caller frees them (`MemberVerdicts.gone`).
 """
 
 from __future__ import annotations
