@@ -32,16 +32,24 @@ def _empty_store(tmp: pathlib.Path, holder: Checkpoint) -> StoreCheckpoint:
     return StoreCheckpoint.over(store)
 
 
+def _two_stages(
+    tmp: pathlib.Path,
+) -> tuple[Checkpoint, StoreCheckpoint, ModelStore, list[int], list[int]]:
+    """The built-in model's holder, an empty store of it, and the artifact indices of the
+    stages [0, 2) and [2, 4)."""
+    holder = Checkpoint.open(builtin_model_dir())
+    fetching = _empty_store(tmp, holder)
+    store = fetching.store
+    assert store is not None
+    first = store.tensor_indices(stage_tensor_names(fetching.config, 0, 2))
+    second = store.tensor_indices(stage_tensor_names(fetching.config, 2, 4))
+    return holder, fetching, store, first, second
+
+
 async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_arrived(
     tmp_path: pathlib.Path,
 ) -> None:
-    holder = Checkpoint.open(builtin_model_dir())
-    fetching = _empty_store(tmp_path, holder)
-    store = fetching.store
-    assert store is not None
-    config = fetching.config
-    first = store.tensor_indices(stage_tensor_names(config, 0, 2))
-    second = store.tensor_indices(stage_tensor_names(config, 2, 4))
+    holder, fetching, store, first, second = _two_stages(tmp_path)
     async with artifact_nodes([holder, fetching], CONFIG) as (holding, node):
         service = node.service
         ended: list[bool] = []
@@ -103,13 +111,7 @@ async def test_a_stage_already_held_needs_no_fetch(tmp_path: pathlib.Path) -> No
 
 
 async def test_a_prefetch_takes_at_most_prefetch_max_bytes_of_disk(tmp_path: pathlib.Path) -> None:
-    holder = Checkpoint.open(builtin_model_dir())
-    fetching = _empty_store(tmp_path, holder)
-    store = fetching.store
-    assert store is not None
-    config = fetching.config
-    first = store.tensor_indices(stage_tensor_names(config, 0, 2))
-    second = store.tensor_indices(stage_tensor_names(config, 2, 4))
+    holder, fetching, store, first, second = _two_stages(tmp_path)
     size = {i: store.manifest.artifacts[i].nbytes for i in first + second}
     # Room for the first stage it would take over and about half of the second.
     budget = sum(size[i] for i in first) + sum(size[i] for i in second) // 2
