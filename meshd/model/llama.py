@@ -675,12 +675,9 @@ class KernelLayers:
                 return None
         return cls(kernels, layers, d, [0 if w is None else w for w in windows])
 
-    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, w: Matrix) -> torch.Tensor | None:
-        """`rms_norm(x, norm) @ w` for fp32 rows by meshd's fp32 product (one row's bits
-        whatever the rows around it), or None where `w` is not an fp32 CPU matrix."""
-        args = kernel_matrix(w)
-        if args is None or args.kind not in (32, 33) or x.dtype != torch.float32:
-            return None
+    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, args: MatrixArgs) -> torch.Tensor:
+        """`rms_norm(x, norm) @ w` for rows `x` by meshd's fp32 product (one row's bits whatever
+        the rows around it), `w` an fp32 matrix as `kernel_matrix` gives it (kind 32 or 33)."""
         rows, norm = x.contiguous(), norm.contiguous()  # held while the kernel reads them
         out = torch.empty(rows.shape[0], args.out_features)
         failed = self._f32_mm(

@@ -22,6 +22,7 @@ from meshd.model.config import ModelConfig
 from meshd.model.device import pick_device
 from meshd.model.errors import InvalidInput
 from meshd.model.governor import ThreadGovernor
+from meshd.model.kernels import MatrixArgs
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     ROW_ATTENTION_MAX,
@@ -36,6 +37,7 @@ from meshd.model.llama import (
     decoder_layer,
     decoder_layer_batch,
     decoder_layer_shapes,
+    kernel_matrix,
     linear_weight,
     norm_linear,
 )
@@ -314,6 +316,8 @@ class StageModel:
         self._embed: torch.Tensor | QuantEmbedding | None = embed
         self._norm: torch.Tensor | None = None
         self._head: Matrix | None = None  # [hidden, vocab] (`linear_weight`)
+        # An fp32 head as meshd's kernel reads it, where the layers run there (see `_logits`).
+        self._kernel_head: MatrixArgs | None = None
         self.mtp: list[MtpWeights] = []
         quantized = self.quantization != "none"
         if quantized and embed is not None:
@@ -335,6 +339,10 @@ class StageModel:
         else:
             self._head = linear_weight(head)
         del embed, head
+        if self._kernel_layers is not None:
+            args = kernel_matrix(self._head)
+            if args is not None and args.kind in (32, 33):  # quantized heads are row-exact
+                self._kernel_head = args
         mtp_names = list(mtp_shapes(config))
         self.mtp = [
             MtpWeights.from_checkpoint(
@@ -557,12 +565,11 @@ class StageModel:
 
     def _logits(self, hidden: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         assert self._head is not None
-        if self._kernel_layers is not None and hidden.shape[0] <= ROW_ATTENTION_MAX:
+        kernels, head = self._kernel_layers, self._kernel_head
+        if kernels is not None and head is not None and hidden.shape[0] <= ROW_ATTENTION_MAX:
             # Where the layers run in meshd's kernel, so does the head of a step or window: with
             # fp32 matrices that keeps a window's rows the bits of the steps it replaces.
-            logits = self._kernel_layers.norm_linear(hidden, norm, self._head)
-            if logits is not None:
-                return logits
+            return kernels.norm_linear(hidden, norm, head)
         return norm_linear(hidden, norm, self._dims, self._head, None).float()
 
     def _embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
