@@ -155,7 +155,7 @@ async def _run(args: argparse.Namespace) -> None:
                 )
                 if args.verbose:
                     line = " ".join(
-                        f"{w['choice'][:6]}{'+' if w['heads'] else ''}:{w['drafts']}"
+                        f"{w['choice'][:6]}{'+' if w['heads'] else ''}:{w['drafts']}/{w.get('committed', 1) - 1}"
                         for w in windows
                     )
                     print("   ", line)
