@@ -38,7 +38,7 @@ from meshd.spec.policy import (
 from meshd.spec.proposer import AccountedProposer, Proposer
 
 if TYPE_CHECKING:
-    from meshd.spec.draft import DraftModel, DraftNgram
+    from meshd.spec.draft import DraftModel, DraftProposer
     from meshd.spec.sampling import SamplingParams
 
 # Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
@@ -214,7 +214,7 @@ class AutoProposer(AccountedProposer):
             "mtp-cache": MtpHybrid("mtp-cache", config, mtp, cache, owns_parts=False),
         }
         # The node's draft model, where one is configured: one more candidate (and part).
-        self._draft: DraftNgram | None = None
+        self._draft: DraftProposer | None = None
         if draft is not None:
             from meshd.spec.draft import DraftNgram
 
@@ -237,10 +237,6 @@ class AutoProposer(AccountedProposer):
         self._tf: dict[int, int] = {}
         self._tf_pending: list[tuple[int, list[int]]] = []
         self._tf_commits = 0
-        # The draft's real proposals the log has not settled yet: (log length, tokens assumed
-        # after it, the model's chain after those). Each draft whose context the log confirms
-        # is the draft's own choice given the log, hence one for `_tf`.
-        self._proposals: list[tuple[int, list[int], list[int]]] = []
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
         # Candidates that pay by the last decision, best first (the choice among them).
@@ -386,7 +382,6 @@ class AutoProposer(AccountedProposer):
         self._tf = {}
         self._tf_pending = []
         self._tf_commits = 0
-        self._proposals = []
         self.last_draft_s = 0.0
         self._tokens = [int(t) for t in prompt]
         self._pending = []
@@ -412,7 +407,6 @@ class AutoProposer(AccountedProposer):
         if self._draft is not None:
             self._draft.observe(committed)
         self._tokens.extend(int(t) for t in committed)
-        self._settle_proposals()
         self._score()
         self._drafts = self._shadow(())
         self._score_draft()
@@ -446,7 +440,6 @@ class AutoProposer(AccountedProposer):
         if shadow is not None and len(shadow.drafts) >= width:
             return shadow.drafts[:width]  # drafted in the shadow at this very log
         assert self._draft is not None
-        copies = self._draft.copies
         drafts = self._draft.propose(width)
         self.last_draft_s = self._draft.last_draft_s
         if self._draft.draft_cost_s > 0:
@@ -457,80 +450,11 @@ class AutoProposer(AccountedProposer):
                 for s in self._pending
                 if not (s.strategy == _DRAFT_CANDIDATE and s.start == start)
             ]
+            self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, width))
             # Drafting for the n-gram choice (`_fallback`), this start was also left for a
             # teacher-forced pass to score: it is scored once, as this proposal.
             self._tf_pending = [(at, copy) for at, copy in self._tf_pending if at != start]
-            chain = self._note_proposal((), drafts, copied=self._draft.copies != copies)
-            if chain and drafts[-1] not in self._draft.draft.eos_ids:
-                # The model's own chain: scored over the whole `window_max_tokens`, not only
-                # the window's width. Past the window its drafts are the choices the next
-                # proposals' passes make at the log's positions (`caught_up`, then their own
-                # drafts): scored by the window's width alone, a draft that had once failed
-                # at position 5 was never tried there again, and auto drafted 3 tokens a
-                # window for the rest of a prose request (2 stages / 20 ms: 2.71 tokens a
-                # round trip, where `draft-ngram` alone drafted wider and made 2.88).
-                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, open=True))
-            else:
-                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, width))
-            self._extend_chains(close_stuck=True)
-            self._score()
         return drafts
-
-    def _note_proposal(self, assumed: Sequence[int], drafts: list[int], *, copied: bool) -> bool:
-        """Keep what a proposal of the draft's (after the log and `assumed`) tells of its
-        choices: the rows its first pass wrote, and its drafts (a copy's only where it
-        starts). Whether `drafts` are the model's own chain."""
-        assert self._draft is not None
-        self._tf.update(self._draft.caught_up)
-        if not drafts:
-            return False
-        base = len(self._tokens)
-        kept = drafts[:1] if copied else list(drafts)
-        self._proposals.append((base, list(assumed), kept))
-        self._settle_proposals()
-        return not copied
-
-    def _settle_proposals(self) -> None:
-        """Move the draft's choices the log has confirmed the context of into `_tf` (the first
-        wrong draft included: it too is the draft's choice given the log), and extend the open
-        chains with them. A proposal whose assumed tokens the log contradicts tells nothing."""
-        log = self._tokens
-        waiting: list[tuple[int, list[int], list[int]]] = []
-        for base, assumed, drafts in self._proposals:
-            seen = log[base : base + len(assumed)]
-            if seen != assumed[: len(seen)]:
-                continue
-            if len(seen) < len(assumed):
-                waiting.append((base, assumed, drafts))
-                continue
-            start = base + len(assumed)
-            for j, token in enumerate(drafts):
-                self._tf[start + j] = token
-                if start + j >= len(log):
-                    waiting.append((start + j, [token], drafts[j + 1 :]))
-                    break
-                if log[start + j] != token:
-                    break
-        self._proposals = [p for p in waiting if p[2]]
-        self._extend_chains()
-
-    def _extend_chains(self, *, close_stuck: bool = False) -> None:
-        """Walk each open chain of the draft on from `_tf` as far as it reaches (never
-        shorter than it is: a proposal's drafts past the log are in `_tf` only once the log
-        confirms them). `close_stuck` (the draft proposing, so no teacher-forced pass comes):
-        a chain whose next choice lies inside the log and is not known by now will never be,
-        and ends where it is, as far as it was right (no reject)."""
-        log = self._tokens
-        eos = self._draft.draft.eos_ids if self._draft is not None else frozenset()
-        for shadow in self._pending:
-            if not shadow.open:
-                continue
-            found = _draft_ngram_shadow(self._tf, log, shadow.start, (), self._width, eos)
-            if found is not None and len(found[0]) >= len(shadow.drafts):
-                shadow.drafts, shadow.open = found
-            if close_stuck and shadow.open and shadow.start + len(shadow.drafts) < len(log):
-                shadow.open = False
-                shadow.width = len(shadow.drafts)
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
         """The current choice's drafts after log + `assumed`."""
@@ -539,12 +463,7 @@ class AutoProposer(AccountedProposer):
         if active == "disabled":
             return []
         chosen = self._candidates[active]
-        if self._draft is not None and chosen is self._draft:
-            copies = self._draft.copies
-            drafts = self._draft.propose_after(assumed, max_tokens)
-            self._note_proposal(assumed, drafts, copied=self._draft.copies != copies)
-        else:
-            drafts = chosen.propose_after(assumed, max_tokens)
+        drafts = chosen.propose_after(assumed, max_tokens)
         self.last_draft_s = chosen.last_draft_s
         return drafts
 
@@ -689,9 +608,10 @@ class AutoProposer(AccountedProposer):
         if self._draft is None:
             return
         if self.choice in DRAFT_STRATEGIES:
-            # It proposes for itself now, and its proposals' passes extend the open chains.
+            # It proposes for itself now; chains no pass will extend are dropped (what the log
+            # confirmed of them stays credited).
             self._tf_pending.clear()
-            self._forget_tf()
+            self._pending = [s for s in self._pending if not s.open]
             return
         chains = [s for s in self._pending if s.open]
         if not self._tf_pending and not chains:
@@ -721,7 +641,10 @@ class AutoProposer(AccountedProposer):
         for j, token in enumerate(choices):
             self._tf[first + j] = token
         eos = self._draft.draft.eos_ids
-        self._extend_chains()  # the passes reached further along the open chains
+        for shadow in chains:  # the passes reached further along these chains
+            found = _draft_ngram_shadow(self._tf, log, shadow.start, (), self._width, eos)
+            if found is not None:
+                shadow.drafts, shadow.open = found
         waiting: list[tuple[int, list[int]]] = []
         for start, copy in self._tf_pending:
             found = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
@@ -731,19 +654,13 @@ class AutoProposer(AccountedProposer):
                 drafts, more = found
                 self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, open=more))
         self._tf_pending = waiting
-        self._forget_tf()
-        self._score()
-
-    def _forget_tf(self) -> None:
-        """Drop the draft's choices at positions no waiting start, chain or proposal needs."""
         oldest = min(
-            [start for start, _ in self._tf_pending]
-            + [base for base, _, _ in self._proposals]
-            + [s.start for s in self._pending if s.open],
-            default=len(self._tokens),
+            [start for start, _ in waiting] + [s.start for s in self._pending if s.open],
+            default=len(log),
         )
         for position in [p for p in self._tf if p < oldest]:
             del self._tf[position]
+        self._score()
 
     def _trim_pending(self) -> None:
         limit = _PENDING_PER_CANDIDATE * len(self._candidates)

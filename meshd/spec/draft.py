@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 _COST_EWMA = 0.2
 # Positions a draft session holds beyond what it needs now (reopened, doubled, when outgrown).
 _SESSION_SLACK = 256
-# The most rows of a proposal's first pass whose choices are kept (`caught_up`): that pass
-# writes the log's new tokens, usually the last draft and the bonus token (2 rows), more
-# after a copied window; after the prompt's prefill only its last rows are worth a head.
-_CAUGHT_UP_ROWS = 16
 
 _session_ids = itertools.count()
 
@@ -177,11 +173,6 @@ class DraftProposer(AccountedProposer):
         self.last_draft_s = 0.0  # the latest proposal's time (the window loop nets it out)
         self.draft_s = 0.0  # this request's drafting time in all
         self.passes = 0  # draft forward passes of this request
-        # The draft's own choice at the log positions the latest proposal's first pass wrote
-        # (teacher-forced, so each is what a proposal started there would have drafted
-        # there), by position: after a window whose drafts were all accepted, the choice at
-        # the bonus token's position is the draft one past the window, which `auto` scores.
-        self.caught_up: dict[int, int] = {}
         self.clock: Callable[[], float] = time.perf_counter  # times its passes
 
     @property
@@ -278,22 +269,8 @@ class DraftProposer(AccountedProposer):
         feed = context[same:]
         pos = same
         out: list[int] = []
-        self.caught_up = {}
         while len(out) < count:
-            if out:
-                row = self.draft.next_logits(self._session_id(), pos, feed)
-            else:
-                rows = self.draft.rows(
-                    self._session_id(), pos, feed, min(len(feed), _CAUGHT_UP_ROWS)
-                )
-                row = rows[-1]
-                # Row j predicts position `first + j`; only those within the log are the
-                # log's (a pipelined window's context runs on past it with assumed tokens).
-                first = pos + len(feed) - len(rows) + 1
-                choices = coupled_draft_tokens(rows[:-1], self.sampling, first)
-                self.caught_up = {
-                    first + j: t for j, t in enumerate(choices) if first + j < len(self.tokens)
-                }
+            row = self.draft.next_logits(self._session_id(), pos, feed)
             self.passes += 1
             del cached[pos:]
             cached.extend(feed)

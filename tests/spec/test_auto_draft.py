@@ -17,6 +17,7 @@ import pytest
 from meshd.spec import AcceptanceBook, AutoProposer, LinkModel, SpecConfig
 from meshd.spec.auto import _draft_ngram_shadow
 from meshd.spec.draft import DraftModel, DraftNgram, DraftProposer
+from meshd.spec.policy import PolicyInputs, choose
 from meshd.spec.sampling import SamplingParams
 from tests.spec.drafts import tiny_draft
 
@@ -320,3 +321,65 @@ def test_decoding_plainly_auto_moves_to_the_draft_within_a_few_windows_of_its_te
     assert served.choices[turned - 1] == "disabled", served.choices
     back = served.choices.index("draft-ngram", turned)
     assert back - turned <= 3, served.choices[turned:]
+
+
+def serve_planned(
+    auto: AutoProposer, prompt: list[int], stream: list[int], link: LinkModel = WAN
+) -> tuple[Served, list[int], list[str]]:
+    """One request as the window loop runs it at depth 1 without MTP heads: each window's
+    width is the plan of the active strategy's estimates (`WindowLoop._plan`). Also the
+    drafts sent per window and the decision's choice at each window."""
+    out = Served()
+    widths: list[int] = []
+    choices: list[str] = []
+    auto.reset(prompt)
+    auto.stop_mtp()
+    i = 0
+    while i < len(stream):
+        auto.set_link(link)
+        width = 0
+        if auto.active != "disabled":
+            cost = link.with_draft_cost(auto.draft_cost_s) if auto.draft_cost_s else link
+            width = choose(PolicyInputs(cost, auto.acceptance()), CONFIG).width
+        drafts = auto.propose(width)
+        accepted = 0
+        while accepted < len(drafts) and i + accepted < len(stream):
+            if drafts[accepted] != stream[i + accepted]:
+                break
+            accepted += 1
+        out.choices.append(auto.active)
+        out.starts.append(i)
+        widths.append(len(drafts))
+        choices.append(auto.choice)
+        auto.record(len(drafts), accepted)
+        committed = stream[i : i + accepted + 1]
+        auto.observe(committed)
+        i += len(committed)
+    auto.close()
+    return out, widths, choices
+
+
+def test_prompt_lookup_with_nothing_to_copy_hands_its_windows_to_the_draft() -> None:
+    """Where prompt lookup is the choice (a copied stretch) and finds nothing to copy, the
+    window drafts with the draft model, not plainly: such windows had committed one token
+    each until the next decision (8 of 47 windows of a completion request at 2 stages /
+    20 ms), where the draft's commit several."""
+    draft = tiny_draft(VOCAB)
+    rng = random.Random(12)
+    prompt = novel(rng, 60)
+    stream: list[int] = []
+    for start in (0, 20, 40):
+        stream += prompt[start : start + 16]  # a stretch prompt lookup copies
+        stream += greedy_text(draft, [*prompt, *stream], 24)  # then the draft's own text
+    book = AcceptanceBook(CONFIG)
+    serve_planned(with_draft(draft, book), prompt, stream)  # the book learns both
+    served, widths, choices = serve_planned(with_draft(draft, book), prompt, stream)
+    handed = [
+        w
+        for w, (choice, active) in enumerate(zip(choices, served.choices, strict=True))
+        if choice == "ngram-simple" and active != choice
+    ]
+    assert handed, choices  # the case arose: lookup chosen, nothing to copy
+    assert all(served.choices[w] == "draft-ngram" and widths[w] > 0 for w in handed)
+    plain = [w for w, width in enumerate(widths) if width == 0]
+    assert len(plain) <= 2, (plain, served.choices)
