@@ -414,7 +414,7 @@ class AutoProposer(AccountedProposer):
             self._decide()
 
     def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
-        """The current choice's drafts (shadow-drafting again when a new MTP draft came)."""
+        """The active strategy's drafts (shadow-drafting again when a new MTP draft came)."""
         if mtp_draft and self.config.mtp_depth > 0:
             first_mtp = not self.book.has_mtp
             self.book.has_mtp = True
@@ -457,7 +457,7 @@ class AutoProposer(AccountedProposer):
         return drafts
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
-        """The current choice's drafts after log + `assumed`."""
+        """The active strategy's drafts after log + `assumed`."""
         self.last_draft_s = 0.0
         active = self.active
         if active == "disabled":
@@ -469,7 +469,7 @@ class AutoProposer(AccountedProposer):
 
     @property
     def draft_cost_s(self) -> float:
-        """The draft model's seconds per token while it is the choice (else 0)."""
+        """The draft model's seconds per token while it drafts (else 0)."""
         if self._draft is not None and self.active in DRAFT_STRATEGIES:
             return self._draft_token_s()
         return 0.0
