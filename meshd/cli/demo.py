@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES)
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft checkpoint for the draft strategies and auto (default: the built-in "
+        "model's shipped draft when --model is not given; '' for none)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -74,6 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no daemons: run the stage nodes in this process with emulated latency",
     )
     parser.add_argument("--rtt-ms", type=float, default=5.0, help="--in-process: emulated RTT")
+
+
+def draft_dir(args: argparse.Namespace) -> str:
+    """The draft checkpoint the demo configures: `--draft-model`, else the built-in model's
+    shipped draft where the model is the built-in one ("" for none)."""
+    if args.draft_model is not None:
+        return str(args.draft_model)
+    if args.model:
+        return ""
+    from meshd.model.builtin import builtin_draft_dir
+
+    return str(builtin_draft_dir())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,7 +196,9 @@ class Demo:
         self.work = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
         self.secret_file = fresh_secret_file(self.work)
         budget = stage_budget(self.model_dir, self.args.stages)
+        self.draft_model = draft_dir(self.args)
         self.say(f"  state and logs in {self.work}; a fresh random mesh secret")
+        self.say(f"  draft model: {_draft_words(self.draft_model)}")
         self.say(
             f"  per-node memory budget {budget / 2**20:.1f} MiB: {self.args.stages} nodes "
             f"hold the model, {self.args.stages - 1} cannot"
@@ -199,7 +219,15 @@ class Demo:
             host = f"127.0.0.{self.args.first_host + i}"
             self.daemons.append(
                 LoopbackDaemon(
-                    self.work, f"n{i + 1}", host, self.secret_file, budget, self.args.model
+                    self.work,
+                    f"n{i + 1}",
+                    host,
+                    self.secret_file,
+                    budget,
+                    self.args.model,
+                    extra=("--speculative-draft-model", self.draft_model)
+                    if self.draft_model
+                    else (),
                 )
             )
             if i == self.args.stages - 1:
@@ -380,13 +408,20 @@ async def _in_process(args: argparse.Namespace) -> int:
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.files import open_checkpoint, open_tokenizer
     from meshd.spec.config import SpecConfig
+    from meshd.spec.draft import DraftModel, check_draft_tokenizer
     from protocol.messages import Sampling
 
     model_dir = args.model or str(builtin_model_dir())
     tokenizer = open_tokenizer(model_dir)
     checkpoint = open_checkpoint(model_dir)
+    draft_model = draft_dir(args)
+    draft = None
+    if draft_model:
+        check_draft_tokenizer(model_dir, draft_model)
+        draft = DraftModel.load(draft_model)
     say = print
     say(f"meshd demo — model {checkpoint.model_id[:16]} ({checkpoint.config.num_layers} layers)")
+    say(f"draft model: {_draft_words(draft_model)}")
     say(f"starting {args.stages} stage nodes on loopback, emulated RTT {args.rtt_ms:g} ms …")
     t_start = time.perf_counter()
     async with open_local_pipeline(
@@ -395,6 +430,7 @@ async def _in_process(args: argparse.Namespace) -> int:
         rtt_s=args.rtt_ms / 1000,
         wire_dtype="f16",
         eos_ids=frozenset(tokenizer.eos_ids),
+        draft=draft,
     ) as pipe:
         for i, stage in enumerate(pipe.route.stages):
             say(
@@ -416,7 +452,7 @@ async def _in_process(args: argparse.Namespace) -> int:
             prompt=ids,
             max_tokens=args.max_tokens,
             sampling=Sampling(temperature=args.temperature, seed=args.seed),
-            spec=SpecConfig(strategy=args.strategy),
+            spec=SpecConfig(strategy=args.strategy, draft_model=draft_model),
             eos_ids=frozenset(tokenizer.eos_ids),
             mtp_depth=checkpoint.config.num_mtp_layers,
         )
@@ -438,3 +474,14 @@ async def _in_process(args: argparse.Namespace) -> int:
             say(f"policy: {t.last_policy_reason}")
     say("stopped all nodes cleanly")
     return 0
+
+
+def _draft_words(path: str) -> str:
+    """How the narration names the draft checkpoint."""
+    if not path:
+        return "none (the draft strategies are off; auto weighs the others)"
+    from meshd.model.builtin import builtin_draft_dir
+
+    if Path(path).resolve() == builtin_draft_dir().resolve():
+        return f"the built-in model's shipped draft ({path})"
+    return path

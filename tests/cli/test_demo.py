@@ -61,6 +61,7 @@ def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
     assert len(re.findall(r"^  stage \d: n\d", out, re.MULTILINE)) == 3
     assert re.search(r"^  spare: n\d", out, re.MULTILINE)
     assert "tok/s" in out and "speculation:" in out
+    assert "draft model: the built-in model's shipped draft" in out  # no download
     assert "members" in out and "plan (~" in out  # meshctl status's tables
     assert "<SIGKILL n" in out
     assert re.search(r"web console: http://127\.0\.0\.\d+:\d+/ ", out)
@@ -115,3 +116,25 @@ def test_in_process_demo_streams_a_chat_over_two_stages_and_stops_cleanly() -> N
     assert answer.strip(), out  # the streamed text arrived
     assert "speculation: strategy auto" in out
     assert out.rstrip().endswith("stopped all nodes cleanly")
+
+
+def test_in_process_demo_drafts_with_the_shipped_draft_model() -> None:
+    """`--strategy draft-ngram` works out of the box: the demo configures the built-in
+    model's shipped draft, which drafts and gets part of its drafts accepted."""
+    result = subprocess.run(
+        demo_command("--in-process", "--stages", "2", "--rtt-ms", "1", "--strategy",
+                     "draft-ngram"),
+        cwd=REPO, env=demo_env(), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S,
+        check=False,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-2000:]
+    assert "draft model: the built-in model's shipped draft" in out
+    stats = re.search(
+        r"^speculation: strategy draft-ngram \(active draft-ngram\), drafted (\d+), "
+        r"accepted (\d+)",
+        out,
+        re.MULTILINE,
+    )
+    assert stats is not None, out
+    assert int(stats.group(1)) > 0 and int(stats.group(2)) > 0, stats.group(0)
