@@ -64,6 +64,8 @@ class Served:
     choices: list[str] = field(default_factory=list)  # the strategy drafting each window
     starts: list[int] = field(default_factory=list)  # stream index each window starts at
     heads: list[bool] = field(default_factory=list)  # whether the heads ran for it
+    widths: list[int] = field(default_factory=list)  # drafts it sent
+    decided: list[str] = field(default_factory=list)  # the last decision's choice
 
 
 def with_draft(
@@ -82,11 +84,18 @@ def with_draft(
 
 
 def serve(
-    auto: AutoProposer, prompt: list[int], stream: list[int], mtp: Mtp, link: LinkModel = WAN
+    auto: AutoProposer,
+    prompt: list[int],
+    stream: list[int],
+    mtp: Mtp,
+    link: LinkModel = WAN,
+    *,
+    planned: bool = False,
 ) -> Served:
     """One request as a depth-1 coordinator runs it: each window commits the drafts that
     match `stream` plus one token; once `wants_mtp` says no, the heads stop for the request
-    and send no more drafts."""
+    and send no more drafts. Each window asks for 8 drafts, or with `planned` for the width
+    the window policy plans from the active strategy's estimates (`WindowLoop._plan`)."""
     out = Served()
     auto.reset(prompt)
     heads, i = True, 0
@@ -95,7 +104,12 @@ def serve(
         if heads and not auto.wants_mtp:
             auto.stop_mtp()
             heads = False
-        drafts = auto.propose(8, mtp(stream, i) if heads else ())
+        width = 8
+        if planned:
+            cost = link.with_draft_cost(auto.draft_cost_s) if auto.draft_cost_s else link
+            on = auto.active != "disabled"
+            width = choose(PolicyInputs(cost, auto.acceptance()), CONFIG).width if on else 0
+        drafts = auto.propose(width, mtp(stream, i) if heads else ())
         accepted = 0
         while accepted < len(drafts) and i + accepted < len(stream):
             if drafts[accepted] != stream[i + accepted]:
@@ -104,6 +118,8 @@ def serve(
         out.choices.append(auto.active)
         out.starts.append(i)
         out.heads.append(heads)
+        out.widths.append(len(drafts))
+        out.decided.append(auto.choice)
         auto.record(len(drafts), accepted)
         committed = stream[i : i + accepted + 1]
         auto.observe(committed)
@@ -323,42 +339,6 @@ def test_decoding_plainly_auto_moves_to_the_draft_within_a_few_windows_of_its_te
     assert back - turned <= 3, served.choices[turned:]
 
 
-def serve_planned(
-    auto: AutoProposer, prompt: list[int], stream: list[int], link: LinkModel = WAN
-) -> tuple[Served, list[int], list[str]]:
-    """One request as the window loop runs it at depth 1 without MTP heads: each window's
-    width is the plan of the active strategy's estimates (`WindowLoop._plan`). Also the
-    drafts sent per window and the decision's choice at each window."""
-    out = Served()
-    widths: list[int] = []
-    choices: list[str] = []
-    auto.reset(prompt)
-    auto.stop_mtp()
-    i = 0
-    while i < len(stream):
-        auto.set_link(link)
-        width = 0
-        if auto.active != "disabled":
-            cost = link.with_draft_cost(auto.draft_cost_s) if auto.draft_cost_s else link
-            width = choose(PolicyInputs(cost, auto.acceptance()), CONFIG).width
-        drafts = auto.propose(width)
-        accepted = 0
-        while accepted < len(drafts) and i + accepted < len(stream):
-            if drafts[accepted] != stream[i + accepted]:
-                break
-            accepted += 1
-        out.choices.append(auto.active)
-        out.starts.append(i)
-        widths.append(len(drafts))
-        choices.append(auto.choice)
-        auto.record(len(drafts), accepted)
-        committed = stream[i : i + accepted + 1]
-        auto.observe(committed)
-        i += len(committed)
-    auto.close()
-    return out, widths, choices
-
-
 def test_prompt_lookup_with_nothing_to_copy_hands_its_windows_to_the_draft() -> None:
     """Where prompt lookup is the choice (a copied stretch) and finds nothing to copy, the
     window drafts with the draft model, not plainly: such windows had committed one token
@@ -372,14 +352,14 @@ def test_prompt_lookup_with_nothing_to_copy_hands_its_windows_to_the_draft() -> 
         stream += prompt[start : start + 16]  # a stretch prompt lookup copies
         stream += greedy_text(draft, [*prompt, *stream], 24)  # then the draft's own text
     book = AcceptanceBook(CONFIG)
-    serve_planned(with_draft(draft, book), prompt, stream)  # the book learns both
-    served, widths, choices = serve_planned(with_draft(draft, book), prompt, stream)
+    serve(with_draft(draft, book), prompt, stream, no_mtp, planned=True)  # the book learns
+    served = serve(with_draft(draft, book), prompt, stream, no_mtp, planned=True)
     handed = [
         w
-        for w, (choice, active) in enumerate(zip(choices, served.choices, strict=True))
+        for w, (choice, active) in enumerate(zip(served.decided, served.choices, strict=True))
         if choice == "ngram-simple" and active != choice
     ]
-    assert handed, choices  # the case arose: lookup chosen, nothing to copy
-    assert all(served.choices[w] == "draft-ngram" and widths[w] > 0 for w in handed)
-    plain = [w for w, width in enumerate(widths) if width == 0]
+    assert handed, served.decided  # the case arose: lookup chosen, nothing to copy
+    assert all(served.choices[w] == "draft-ngram" and served.widths[w] > 0 for w in handed)
+    plain = [w for w, width in enumerate(served.widths) if width == 0]
     assert len(plain) <= 2, (plain, served.choices)
