@@ -320,6 +320,8 @@ class FetchRun:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.bad_artifacts = 0  # artifacts whose bytes did not match and were fetched again
+        # The source list last given to the fetcher (None: give it again at the next refresh).
+        self._offered: list[bytes] | None = None
 
     async def run(self) -> None:
         """Fetch until done; FetchFailed when an artifact has no usable source left."""
@@ -334,7 +336,6 @@ class FetchRun:
         failure: str | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            last: list[bytes] | None = None
             refreshed = -1.0
             received, progressed = fetcher.received_bytes, trio.current_time()
             while not fetcher.done:
@@ -342,9 +343,9 @@ class FetchRun:
                 if now - refreshed >= SOURCE_REFRESH_S:
                     refreshed = now
                     sources = self._sources()
-                    if sources != last:
+                    if sources != self._offered:
                         fetcher.set_sources(sources)
-                        last = sources
+                        self._offered = sources
                     if self.meter is not None:
                         self.meter.state = "fetching" if sources else "waiting"
                 for effect in fetcher.poll(now):
@@ -396,8 +397,14 @@ class FetchRun:
         self._wake.set()
 
     def on_source_lost(self, source: bytes) -> None:
-        """`source`'s lane died: what it owed is asked of others."""
+        """`source`'s lane died: what it owed is asked of others. The fetcher forgets it; the
+        membership view decides whether it comes back: the next refresh offers the view's
+        list again, so a member still alive there (its lane died and it did not: a closed
+        lid on either side, a path that broke) is dialled again at once rather than after
+        `STALL_S`, and a dead one has left the view by then (a dial that fails drops it
+        until the view changes, `_apply`)."""
         self.fetcher.on_source_lost(source)
+        self._offered = None
         self._wake.set()
 
     async def _apply(self, effect: FetchEffect) -> None:
@@ -406,6 +413,8 @@ class FetchRun:
                 await self._send(effect.source, artifacts.encode(effect.request))
             except (PeerUnreachable, LaneClosedError) as exc:
                 log.info("fetch: source %s unreachable: %s", effect.source.hex()[:16], exc)
+                # Not offered again until the view changes: a member the view shows alive
+                # that cannot be dialled would stall every refresh on a dial.
                 self.fetcher.on_source_lost(effect.source)
         elif isinstance(effect, VerifyArtifact):
             assert self._nursery is not None
@@ -672,9 +681,17 @@ class ArtifactService:
                         failure = str(exc)
                     nursery.cancel_scope.cancel()
         finally:
-            self._run = None
+            self._run = None  # later replies are dropped: nothing writes into the store now
             self._next_request_id = fetcher._next_id
             meter.display = None
+            # Every part file is this run's (one run at a time) and now useless: unfinished
+            # (stopped, failed, or the daemon's graceful stop cancelling it) or retargeted
+            # away from. Shielded: a SIGTERM's cancellation must not leave them for the next
+            # start to find.
+            with trio.CancelScope(shield=True):
+                removed = await trio.to_thread.run_sync(store.remove_parts)
+            if removed:
+                log.info("fetch of %s: removed %d part files it left", current.what, removed)
             checkpoint.refresh()
         if failure is not None:
             meter.state, meter.error = "failed", failure

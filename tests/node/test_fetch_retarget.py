@@ -1,7 +1,8 @@
 """A `mesh:ID` node's fetch runs in the background over real loopback lanes: asking for a
 stage's tensors returns at once (the planning loop never waits for a transfer), and a new
 stage asked for mid-fetch retargets the transfer: what was verified stays stored, the old
-stage's other tensors are never fetched, and the new stage's arrive."""
+stage's other tensors are never fetched, and the new stage's arrive. A fetch that ends
+unfinished, stopped or cancelled, deletes its part files."""
 
 from __future__ import annotations
 
@@ -101,6 +102,45 @@ async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_a
     assert notes[1][1].startswith("layers [2, 4): retargeted")
     assert service.status() is not None and service.status().state == "done"  # type: ignore[union-attr]
     assert service.job is None
+    # The part files of the tensors retargeted away from went with the run.
+    assert not _parts(store)
+
+
+def _parts(store: ModelStore) -> list[str]:
+    return sorted(p.name for p in store.directory.rglob("*.part"))
+
+
+async def test_a_fetch_stopped_or_cancelled_mid_way_leaves_no_part_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Stopped: the plan no longer needs it. Cancelled: the daemon's graceful stop (SIGTERM)
+    # cancels every task. Either way what had not arrived whole is deleted at once (verified
+    # tensors stay); only a SIGKILL leaves parts, for the next start to delete.
+    holder, fetching, store, first, second = _two_stages(tmp_path)
+    for stop in ("stop_fetching", "cancel"):
+        async with artifact_nodes([holder, fetching], CONFIG) as (holding, node):
+            service = node.service
+            ended: list[bool] = []
+            service.on_fetch_end = ended.append
+            wanted = first if stop == "cancel" else second
+            layers = (0, 2) if stop == "cancel" else (2, 4)
+            assert not await service.stage_ready(layers)
+            with trio.fail_after(30):
+                while not (_parts(store) and any(store.is_held(i) for i in wanted)):  # noqa: ASYNC110 (files on disk: no event)
+                    await trio.sleep(0.005)
+            async with holding.gate.hold():  # paused mid-transfer
+                assert _parts(store)
+                if stop == "stop_fetching":
+                    service.stop_fetching()
+                    with trio.fail_after(10):
+                        while service._run is not None:  # noqa: ASYNC110 (no event for it)
+                            await trio.sleep(0.005)
+                    assert ended == [] and service.status().state == "stopped"  # type: ignore[union-attr]
+                    assert not _parts(store), stop
+        # Leaving `artifact_nodes` cancelled the service, as a daemon's stop does.
+        assert not _parts(store), stop
+        held = store.held(wanted)
+        assert held and held != set(wanted), stop  # verified tensors stay; the rest went
 
 
 async def test_a_stage_already_held_needs_no_fetch(tmp_path: pathlib.Path) -> None:

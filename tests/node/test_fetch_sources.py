@@ -1,6 +1,7 @@
 """Fetching over real loopback lanes from peers that serve what they hold: a peer whose file
 changed under it (its bytes no longer match the manifest) is refused and another source used;
-with no other source, the fetch fails with a clear error."""
+with no other source, the fetch fails with a clear error. A fetch whose holder's lane dies goes
+on from another holder, or from the same one on a new lane when the view still lists it."""
 
 from __future__ import annotations
 
@@ -117,6 +118,42 @@ async def test_a_fetch_resumes_from_another_holder_when_a_lane_dies(tmp_path: pa
     total = run.fetcher.total_bytes
     # What had arrived was kept: at most what the lost holder still owed is fetched twice.
     assert run.fetcher.received_bytes <= total + CONFIG.window_bytes
+    assert store.held(everything) == set(everything)
+
+
+async def test_a_fetch_dials_its_only_holder_again_when_its_lane_dies(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The lane dies, the holder does not (a closed lid, a broken path): the membership view
+    # still lists it, so the fetch dials it again and goes on; it once dropped the holder until
+    # the view changed, which it never did, and failed after STALL_S (30 s) without a chunk.
+    good = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    everything = list(range(len(manifest.artifacts)))
+    async with artifact_nodes([good, good], CONFIG) as (holder, fetching):
+        run = _run(store, [holder.key], fetching.service._send, everything)
+        fetching.service._run = run
+        into_transfer = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:
+            if run.fetcher.received_bytes >= 1024 * 1024:
+                into_transfer.set()
+
+        assert run.meter is not None
+        run.meter.display = on_progress
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.run)
+            await into_transfer.wait()
+            lane = fetching.table.lane(holder.key)
+            assert lane is not None
+            lane.close("its peer slept")  # the address stays known: it can be dialled again
+            closed_at = trio.current_time()
+        # Resumed on a new lane within a source refresh or two, not after a request timed
+        # out (nor after the stall limit).
+        assert trio.current_time() - closed_at < CONFIG.timeout_s
+        assert fetching.table.lane(holder.key) not in (None, lane)
+    assert run.fetcher.done
     assert store.held(everything) == set(everything)
 
 
