@@ -19,6 +19,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -184,12 +185,15 @@ class CappedPair:
     """A holder whose link is capped (`CAPPED_BYTES_S`) and a `mesh:ID` fetcher joining it:
     the fetcher's stage takes seconds to arrive, long enough to stop it mid-fetch."""
 
-    def __init__(self, tmp: pathlib.Path, holder_index: int, port: int) -> None:
+    def __init__(
+        self, tmp: pathlib.Path, holder_index: int, port: int, bytes_s: int = CAPPED_BYTES_S
+    ) -> None:
         self.tmp, self.port = tmp, port
         self.checkpoint = Checkpoint.open(builtin_model_dir())
         self.model_id = self.checkpoint.model_id
         self.budget = stage_budget(str(builtin_model_dir()), 2)
-        cap = ("--emulate-bandwidth-bytes-s", str(CAPPED_BYTES_S))
+        self.bytes_s = bytes_s
+        cap = ("--emulate-bandwidth-bytes-s", str(bytes_s))
         listen = ("--listen-port", str(port))
         self.holder = Daemon(
             tmp, holder_index, secret=SECRET, budget=self.budget, extra=(*listen, *cap)
@@ -204,13 +208,19 @@ class CappedPair:
         self.fetcher = _fetcher(self.tmp, self.fetcher_index, self.budget, self.model_id, holder)
         return self.fetcher
 
-    def wait_mid_fetch(self) -> None:
+    def wait_mid_fetch(self) -> dict[str, Any]:
+        """The fetcher's `fetch` status once part of its stage arrived, and not all."""
+        seen: list[dict[str, Any]] = []
+
         def mid_fetch() -> bool:
             fetch = (self.fetcher.try_status() or {}).get("fetch")
             arriving = fetch is not None and fetch["state"] == "fetching"
-            return arriving and 0 < fetch["done_bytes"] < fetch["total_bytes"]
+            if arriving and 0 < fetch["done_bytes"] < fetch["total_bytes"]:
+                seen.append(fetch)
+            return bool(seen)
 
         wait_until(mid_fetch, 60, "the fetcher's stage half arrived", poll_s=0.05)
+        return seen[0]
 
     def wait_fetched(self, what: str) -> float:
         def fetched() -> bool:
@@ -304,11 +314,13 @@ def test_a_fetcher_whose_lid_closes_mid_fetch_finishes_when_it_opens(
     # sending it; awake, the fetcher finds its lane dead or replaced, asks again what was lost
     # with it and fetches the rest of its stage.
     tmp, _ = mesh_parts
-    pair = CappedPair(tmp, 38, LID_HOLDER_PORT)
+    # Half the other tests' rate: the stage takes about 8 s, the freeze lands mid-fetch.
+    pair = CappedPair(tmp, 38, LID_HOLDER_PORT, bytes_s=CAPPED_BYTES_S // 2)
     holder, fetcher = pair.holder, pair.fetcher
     try:
         started(pair.daemons, timeout_s=120)
-        pair.wait_mid_fetch()
+        fetch = pair.wait_mid_fetch()
+        left_s = (fetch["total_bytes"] - fetch["done_bytes"]) / pair.bytes_s
         tasks_before = tasks_of(pair.daemons)
         key = fetcher.key()
         fetcher.proc.send_signal(signal.SIGSTOP)
@@ -326,14 +338,17 @@ def test_a_fetcher_whose_lid_closes_mid_fetch_finishes_when_it_opens(
         wait_until(lambda: all(d.alive_members() == keys for d in pair.daemons), 30, "rejoined")
         pair.wait_fetched("the woken fetcher's stage fetched")
         done_s = time.monotonic() - woke
-        print(f"a fetcher frozen mid-fetch: fetched {done_s:.2f} s after it woke")
+        print(
+            f"a fetcher frozen mid-fetch: fetched {done_s:.2f} s after it woke "
+            f"({left_s:.2f} s of its stage left at the capped rate)"
+        )
         # The same fetch went on, on a new lane: it never failed for want of a chunk (it
-        # once waited for STALL_S, 30 s, and began again), nor waited for a chunk's timeout
-        # (10 s) to ask again what the old lane lost. The whole stage takes about 4 s at the
-        # capped rate.
+        # once waited for STALL_S, 30 s, and began again), and took what was left at the
+        # capped rate and the seconds a rejoin takes. (What a replaced lane carried is asked
+        # again at once: test_fetch_sources.)
         events = fetcher.status()["events"]
         assert not [e for e in events if e["kind"] == "fetch-failed"], events
-        assert done_s < FetchConfig().timeout_s, done_s
+        assert done_s < left_s + FetchConfig().timeout_s / 2, (done_s, left_s)
         plan = agreed_plan(pair.daemons, timeout_s=120, stable_s=1.0)
         assert len(plan) == 2, plan
         assert fetcher.proc.poll() is None, fetcher.log_tail(2000)
