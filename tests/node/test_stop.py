@@ -399,6 +399,17 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
 # ---- 4. the spare dies, and a stage's lid closes ----------------------------------------------
 
 
+def _noted_gone_at(d: Daemon, key: str, since_unix: float) -> float:
+    """When `d` first noted member `key` suspected or dead at or after `since_unix`."""
+    return min(
+        e["at_unix_s"]
+        for e in d.status()["events"]
+        if e["node"] == key[:16]
+        and e["kind"] in ("member-suspected", "member-died")
+        and e["at_unix_s"] >= since_unix
+    )
+
+
 def _plan_keys(mesh: Mesh) -> list[str]:
     return [d.key() for d in mesh.in_plan()]
 
@@ -455,14 +466,16 @@ def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_s
     stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     spare.proc.send_signal(signal.SIGSTOP)
-    frozen_at = time.monotonic()
+    frozen_at, frozen_unix = time.monotonic(), time.time()
     try:
         left = {d.key() for d in others}
-        dropped_s = wait_until(
+        wait_until(
             lambda: all(d.alive_members() == left for d in others), 30, "the frozen spare dropped"
         )
-        # Its lanes' verdict (1.2 s) and the relays' probe (0.5 s), plus gossip and a
-        # shared machine's noise: seconds, not a suspicion timeout's tens.
+        # When each peer noted it (its own clock, not this test's polling): its lanes'
+        # verdict (1.2 s) and the relays' probe (0.5 s), plus gossip and a shared machine's
+        # noise: seconds, not a suspicion timeout's tens.
+        dropped_s = max(_noted_gone_at(d, spare.key(), frozen_unix) for d in others) - frozen_unix
         assert dropped_s <= 1.2 + 0.5 + 3.0
         final = stream.final()
         assert final.get("ok") and final["tokens"] == expected, final
