@@ -220,12 +220,16 @@ async def artifact_nodes(
             def on_lane_lost(key: bytes, _lane: object, box: list[ArtifactService] = box) -> None:
                 box[0].on_lane_lost(key)
 
+            def on_lane_up(key: bytes, _lane: object, box: list[ArtifactService] = box) -> None:
+                box[0].on_lane_up(key)
+
             table = LaneTable(
                 endpoint,
                 own,
                 dispatch,
                 streams={ARTIFACT_STREAM: (artifacts.decode, on_artifact)},
                 on_lane_lost=on_lane_lost,
+                on_lane_up=on_lane_up,
             )
             await nursery.start(table.run)
             others = [k for k in pubs if k != own]

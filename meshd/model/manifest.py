@@ -250,12 +250,22 @@ class ModelStore:
         that were arriving and temp files of atomic writes. Nothing says which bytes of a part
         file arrived, so a fetch begins it afresh anyway; one of an artifact the next plan
         does not want would otherwise hold its disk for good."""
-        stale = [*self.tensor_dir.glob("*.part"), *self.directory.glob("*.part")]
-        stale += self.directory.glob("*.tmp")
+        stale = [*self.directory.glob("*.tmp")]
         for path in stale:
             path.unlink(missing_ok=True)
-        if stale:
-            log.info("%s: removed %d files a killed process left", self.directory, len(stale))
+        removed = len(stale) + self.remove_parts()
+        if removed:
+            log.info("%s: removed %d files a killed process left", self.directory, removed)
+
+    def remove_parts(self) -> int:
+        """(blocking) Delete every part file (artifacts that began arriving and were not
+        verified); how many. Only while no fetch runs into this store: a fetch that ends
+        unfinished (stopped, failed, cancelled by a graceful stop) begins them afresh next
+        time anyway, and one retargeted away from an artifact leaves its part behind."""
+        parts = [*self.tensor_dir.glob("*.part"), *self.directory.glob("*.part")]
+        for path in parts:
+            path.unlink(missing_ok=True)
+        return len(parts)
 
     @property
     def name(self) -> str:

@@ -320,6 +320,11 @@ class FetchRun:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.bad_artifacts = 0  # artifacts whose bytes did not match and were fetched again
+        # The source list last given to the fetcher (None: give it again at the next refresh).
+        self._offered: list[bytes] | None = None
+        self._refresh_now = False
+        self._sent_to: set[bytes] = set()  # sources a request went to (over a lane)
+        self._lost: set[bytes] = set()  # sources whose lane died (not asked since)
 
     async def run(self) -> None:
         """Fetch until done; FetchFailed when an artifact has no usable source left."""
@@ -334,17 +339,16 @@ class FetchRun:
         failure: str | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            last: list[bytes] | None = None
             refreshed = -1.0
             received, progressed = fetcher.received_bytes, trio.current_time()
             while not fetcher.done:
                 now = trio.current_time()
-                if now - refreshed >= SOURCE_REFRESH_S:
-                    refreshed = now
+                if now - refreshed >= SOURCE_REFRESH_S or self._refresh_now:
+                    refreshed, self._refresh_now = now, False
                     sources = self._sources()
-                    if sources != last:
+                    if sources != self._offered:
                         fetcher.set_sources(sources)
-                        last = sources
+                        self._offered = sources
                     if self.meter is not None:
                         self.meter.state = "fetching" if sources else "waiting"
                 for effect in fetcher.poll(now):
@@ -396,17 +400,39 @@ class FetchRun:
         self._wake.set()
 
     def on_source_lost(self, source: bytes) -> None:
-        """`source`'s lane died: what it owed is asked of others."""
+        """`source`'s lane died (or could not be opened): what it owed is asked of others,
+        and it is not asked again until the view's list changes or a new lane to it opens
+        (`on_source_up`): dialling a peer that just died would hold this loop for a
+        handshake timeout."""
         self.fetcher.on_source_lost(source)
+        self._lost.add(source)
+        self._wake.set()
+
+    def on_source_up(self, source: bytes) -> None:
+        """A new lane to `source` opened. One that replaced a lane this run sent on (the
+        peer, or this node, woke from a closed lid; a path broke and healed): what was asked
+        on the old lane, and the replies it carried, are lost with it, so they are asked
+        again now, not after `timeout_s`. One to a source lost with a dead lane: offered
+        again at once (if the view still lists it), not only when the view's list changes,
+        which it never does when both ends stayed members throughout (the fetch then waited
+        `STALL_S`). A first lane (this run's own dial) changes nothing."""
+        if source not in self._sent_to and source not in self._lost:
+            return
+        self.fetcher.on_source_lost(source)
+        self._lost.discard(source)
+        self._sent_to.discard(source)
+        self._offered = None
+        self._refresh_now = True
         self._wake.set()
 
     async def _apply(self, effect: FetchEffect) -> None:
         if isinstance(effect, SendRequest):
             try:
                 await self._send(effect.source, artifacts.encode(effect.request))
+                self._sent_to.add(effect.source)
             except (PeerUnreachable, LaneClosedError) as exc:
                 log.info("fetch: source %s unreachable: %s", effect.source.hex()[:16], exc)
-                self.fetcher.on_source_lost(effect.source)
+                self.on_source_lost(effect.source)
         elif isinstance(effect, VerifyArtifact):
             assert self._nursery is not None
             self._nursery.start_soon(self._verify, effect.index)
@@ -506,6 +532,12 @@ class ArtifactService:
         if self._run is not None:
             self._run.on_source_lost(lane_key)
 
+    def on_lane_up(self, lane_key: bytes) -> None:
+        """A lane opened (or replaced one): a fetch asks that peer again what it had asked
+        on the old lane, and takes it back as a source (`FetchRun.on_source_up`)."""
+        if self._run is not None:
+            self._run.on_source_up(lane_key)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve requests, one at a time, and carry out fetch jobs, until cancelled."""
         async with trio.open_nursery() as nursery:
@@ -565,7 +597,13 @@ class ArtifactService:
         included, up to the first that would pass it (`prefetch_max_bytes`)."""
         missing = await self._missing(ranges, max_bytes) if ranges else []
         job = FetchJob("prefetch " + describe_layers(ranges), tuple(missing), prefetch=True)
-        self._want(job if missing else None)
+        if not missing and not (ranges and self._job is not None):
+            self._want(None)
+        else:
+            # With nothing missing, the job in progress is replaced by one with nothing to
+            # fetch: it ends done for these ranges (what it fetched of others goes), not
+            # `stopped` (no later re-plan would start a fetch with nothing missing).
+            self._want(job)
 
     def stop_fetching(self) -> None:
         """No fetch is wanted now: one in progress ends (what it verified stays stored)."""
@@ -644,12 +682,14 @@ class ArtifactService:
         finished = False
 
         async def follow(cancel: trio.CancelScope) -> None:
-            """Retarget the run to each job that replaces `current`; none: end it."""
+            """Retarget the run to each job that replaces `current`; none, or one with nothing
+            to fetch: end it."""
             nonlocal current
             while True:
                 changed = self._job_changed
                 new = self._job
-                if new is None:
+                if new is None or not new.indices:
+                    current = new or current
                     cancel.cancel()
                     return
                 if new != current:
@@ -672,23 +712,38 @@ class ArtifactService:
                         failure = str(exc)
                     nursery.cancel_scope.cancel()
         finally:
-            self._run = None
+            self._run = None  # later replies are dropped: nothing writes into the store now
             self._next_request_id = fetcher._next_id
             meter.display = None
+            # Every part file is this run's (one run at a time) and now useless: unfinished
+            # (stopped, failed, or the daemon's graceful stop cancelling it) or retargeted
+            # away from. Shielded: a SIGTERM's cancellation must not leave them for the next
+            # start to find.
+            with trio.CancelScope(shield=True):
+                removed = await trio.to_thread.run_sync(store.remove_parts)
+            if removed:
+                log.info("fetch of %s: removed %d part files it left", current.what, removed)
             checkpoint.refresh()
         if failure is not None:
             meter.state, meter.error = "failed", failure
             log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, failure)
             self._note("fetch-failed", failure)
             return False, current
+        total = fetcher.total_bytes
         if not finished:
-            meter.state = "stopped"
-            log.info("fetch of %s stopped: the plan no longer needs it", current.what)
-            return None, current
+            # Dropped because nothing it wants is missing (a re-plan's `_missing` saw its last
+            # tensors stored before the run heard their hashes, or it was replaced by a job
+            # with nothing to fetch): done, not stopped.
+            held = await trio.to_thread.run_sync(store.held, current.indices)
+            if not held.issuperset(current.indices):
+                meter.state = "stopped"
+                log.info("fetch of %s stopped: the plan no longer needs it", current.what)
+                return None, current
+            total = fetcher.verified_bytes if not current.indices else total
+            meter.what = current.what
         meter.state = "done"
         elapsed = time.monotonic() - t0
-        total = fetcher.total_bytes
-        meter.done_bytes = total
+        meter.done_bytes = meter.total_bytes = total
         log.info(
             "fetched %s: %.1f MB in %.2f s (%.1f MB/s), %d artifact(s) fetched again",
             current.what,

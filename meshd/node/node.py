@@ -487,6 +487,7 @@ class MeshNode:
     def _on_lane_up(self, lane_key: bytes, lane: PeerLane) -> None:
         self._nursery.start_soon(self._say_hello, lane_key, lane)
         self.gossip.on_lane_up(lane_key)
+        self.artifacts.on_lane_up(lane_key)
         node_id = self.keys.ed_of(lane_key)
         if node_id is not None and self.health.on_lane_up(node_id):
             self.request_replan()  # routes may take it again

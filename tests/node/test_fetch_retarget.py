@@ -1,7 +1,8 @@
 """A `mesh:ID` node's fetch runs in the background over real loopback lanes: asking for a
 stage's tensors returns at once (the planning loop never waits for a transfer), and a new
 stage asked for mid-fetch retargets the transfer: what was verified stays stored, the old
-stage's other tensors are never fetched, and the new stage's arrive."""
+stage's other tensors are never fetched, and the new stage's arrive. A fetch that ends
+unfinished, stopped or cancelled, deletes its part files."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pathlib
 import shutil
 
 import trio
+import trio.lowlevel
 
 from meshd.bench.fetch import artifact_nodes
 from meshd.model.builtin import builtin_model_dir
@@ -101,6 +103,45 @@ async def test_a_stage_fetch_runs_in_the_background_and_retargets_keeping_what_a
     assert notes[1][1].startswith("layers [2, 4): retargeted")
     assert service.status() is not None and service.status().state == "done"  # type: ignore[union-attr]
     assert service.job is None
+    # The part files of the tensors retargeted away from went with the run.
+    assert not _parts(store)
+
+
+def _parts(store: ModelStore) -> list[str]:
+    return sorted(p.name for p in store.directory.rglob("*.part"))
+
+
+async def test_a_fetch_stopped_or_cancelled_mid_way_leaves_no_part_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Stopped: the plan no longer needs it. Cancelled: the daemon's graceful stop (SIGTERM)
+    # cancels every task. Either way what had not arrived whole is deleted at once (verified
+    # tensors stay); only a SIGKILL leaves parts, for the next start to delete.
+    holder, fetching, store, first, second = _two_stages(tmp_path)
+    for stop in ("stop_fetching", "cancel"):
+        async with artifact_nodes([holder, fetching], CONFIG) as (holding, node):
+            service = node.service
+            ended: list[bool] = []
+            service.on_fetch_end = ended.append
+            wanted = first if stop == "cancel" else second
+            layers = (0, 2) if stop == "cancel" else (2, 4)
+            assert not await service.stage_ready(layers)
+            with trio.fail_after(30):
+                while not (_parts(store) and any(store.is_held(i) for i in wanted)):  # noqa: ASYNC110 (files on disk: no event)
+                    await trio.sleep(0.005)
+            async with holding.gate.hold():  # paused mid-transfer
+                assert _parts(store)
+                if stop == "stop_fetching":
+                    service.stop_fetching()
+                    with trio.fail_after(10):
+                        while service._run is not None:  # noqa: ASYNC110 (no event for it)
+                            await trio.sleep(0.005)
+                    assert ended == [] and service.status().state == "stopped"  # type: ignore[union-attr]
+                    assert not _parts(store), stop
+        # Leaving `artifact_nodes` cancelled the service, as a daemon's stop does.
+        assert not _parts(store), stop
+        held = store.held(wanted)
+        assert held and held != set(wanted), stop  # verified tensors stay; the rest went
 
 
 async def test_a_stage_already_held_needs_no_fetch(tmp_path: pathlib.Path) -> None:
@@ -129,3 +170,76 @@ async def test_a_prefetch_takes_at_most_prefetch_max_bytes_of_disk(tmp_path: pat
     assert taken == second[: len(taken)]  # in the order it would load them
     assert sum(size[i] for i in held) <= budget
     assert sum(size[i] for i in held) + size[second[len(taken)]] > budget  # nothing more fit
+
+
+async def test_a_prefetch_whose_new_ranges_are_all_stored_ends_done(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Mid-prefetch a re-plan narrows the spare's ranges to ones it already stores (the first
+    # range arrived first): nothing is left to fetch, so the prefetch ends done, for the new
+    # ranges. It once ended `stopped` for good (no later re-plan restarts a fetch with nothing
+    # missing), and a spare waiting to show its prefetch done waited forever.
+    holder, fetching, store, first, second = _two_stages(tmp_path)
+    async with artifact_nodes([holder, fetching], CONFIG) as (holding, node):
+        service = node.service
+        ended: list[bool] = []
+        service.on_fetch_end = ended.append
+        first_stored = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:  # told after every chunk and hash
+            if all(store.is_held(i) for i in first):
+                first_stored.set()
+
+        service.load_display = lambda _what: contextlib.nullcontext(on_progress)
+        await service.prefetch([(0, 2), (2, 4)])
+        with trio.fail_after(30):
+            await first_stored.wait()
+        async with holding.gate.hold():  # the second range still arriving
+            assert service._run is not None and not all(store.is_held(i) for i in second)
+            await service.prefetch([(0, 2)])
+            with trio.fail_after(10):
+                while service._run is not None:  # noqa: ASYNC110 (no event for it)
+                    await trio.sleep(0.005)
+        status = service.status()
+        assert status is not None
+        assert (status.state, status.what) == ("done", "prefetch layers [0, 2)"), status
+        assert status.done_bytes == status.total_bytes > 0
+        assert ended == [True] and service.job is None
+        assert not _parts(store)  # what arrived of the second range went
+
+
+async def _dropped_as_stored(tmp: pathlib.Path, holder: Checkpoint) -> str:
+    """Fetch stage [0, 1) into an empty store and drop the job (as a re-plan that finds
+    nothing missing does) as soon as every tensor it wants is stored, which the store says
+    (in the hashing thread) before the run hears it; the state the fetch ended in."""
+    fetching = _empty_store(tmp, holder)
+    store = fetching.store
+    assert store is not None
+    wanted = store.tensor_indices(stage_tensor_names(fetching.config, 0, 1))
+    async with artifact_nodes([holder, fetching], CONFIG) as (_, node):
+        service = node.service
+        ended: list[bool] = []
+        service.on_fetch_end = ended.append
+        assert not await service.stage_ready((0, 1))
+        with trio.fail_after(30):
+            # Every scheduling round: the thread's hash lands between two.
+            while not all(store.is_held(i) for i in wanted):
+                await trio.lowlevel.checkpoint()
+            service.stop_fetching()
+            while service._run is not None:  # noqa: ASYNC110 (no event for it)
+                await trio.sleep(0.005)
+        status = service.status()
+        assert status is not None
+        assert (status.state == "done") == (ended == [True]), (status, ended)
+        return status.state
+
+
+async def test_a_fetch_dropped_just_as_its_last_tensor_is_stored_ends_done(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The run has not yet seen its own last hash when the job is dropped: every tensor it
+    # wanted is stored, so it ends done, not `stopped`. Which of the two the run sees first
+    # is the scheduler's choice (trio shuffles): several rounds.
+    holder = Checkpoint.open(builtin_model_dir())
+    states = [await _dropped_as_stored(tmp_path / str(n), holder) for n in range(6)]
+    assert states == ["done"] * len(states)

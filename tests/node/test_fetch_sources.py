@@ -1,6 +1,7 @@
 """Fetching over real loopback lanes from peers that serve what they hold: a peer whose file
 changed under it (its bytes no longer match the manifest) is refused and another source used;
-with no other source, the fetch fails with a clear error."""
+with no other source, the fetch fails with a clear error. A fetch whose holder's lane dies goes
+on from another holder, or from the same one on a new lane when the view still lists it."""
 
 from __future__ import annotations
 
@@ -117,6 +118,80 @@ async def test_a_fetch_resumes_from_another_holder_when_a_lane_dies(tmp_path: pa
     total = run.fetcher.total_bytes
     # What had arrived was kept: at most what the lost holder still owed is fetched twice.
     assert run.fetcher.received_bytes <= total + CONFIG.window_bytes
+    assert store.held(everything) == set(everything)
+
+
+async def test_a_fetch_takes_its_only_holder_back_when_a_new_lane_opens(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The lane dies, the holder does not (a closed lid, a broken path): the membership view
+    # still lists it, and membership's next probe opens a new lane. The fetch goes on over
+    # it; it once dropped the holder until the view's list changed, which it never did, and
+    # failed after STALL_S (30 s) without a chunk.
+    good = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    everything = list(range(len(manifest.artifacts)))
+    async with artifact_nodes([good, good], CONFIG) as (holder, fetching):
+        run = _run(store, [holder.key], fetching.service._send, everything)
+        fetching.service._run = run
+        into_transfer = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:
+            if run.fetcher.received_bytes >= 1024 * 1024:
+                into_transfer.set()
+
+        assert run.meter is not None
+        run.meter.display = on_progress
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.run)
+            await into_transfer.wait()
+            lane = fetching.table.lane(holder.key)
+            assert lane is not None
+            lane.close("its peer slept")
+            closed_at = trio.current_time()
+            await lane.terminated()
+            await fetching.table.lane_to(holder.key)  # as membership's next probe dials it
+        # Resumed on the new lane at once, not after a request timed out (nor the stall).
+        assert trio.current_time() - closed_at < CONFIG.timeout_s
+    assert run.fetcher.done
+    assert store.held(everything) == set(everything)
+
+
+async def test_a_fetch_asks_again_what_a_replaced_lane_carried(tmp_path: pathlib.Path) -> None:
+    # The holder's lane to the fetcher died on its side only (the fetcher's lid was closed
+    # for a moment) and it dialled a new one, which replaces the fetcher's: no lane died
+    # there, yet what was asked and answered on the old lane is gone. It is asked again at
+    # once, not after a chunk's timeout.
+    good = Checkpoint.open(builtin_model_dir())
+    model_id, data, manifest = good.manifest
+    store = ModelStore(tmp_path / "cache", model_id, data, manifest)
+    everything = list(range(len(manifest.artifacts)))
+    async with artifact_nodes([good, good], CONFIG) as nodes:
+        # A lane dialled by the smaller key's side replaces one the other side dialled.
+        holder, fetching = sorted(nodes, key=lambda n: n.key)
+        run = _run(store, [holder.key], fetching.service._send, everything)
+        fetching.service._run = run
+        into_transfer = trio.Event()
+
+        def on_progress(_done: int, _total: int) -> None:
+            if run.fetcher.received_bytes >= 1024 * 1024:
+                into_transfer.set()
+
+        assert run.meter is not None
+        run.meter.display = on_progress
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.run)
+            await into_transfer.wait()
+            # Mid-transfer: requests and replies in flight on the old lane are lost with it.
+            old = fetching.table.lane(holder.key)
+            await holder.table._dial_address(fetching.key)
+            with trio.fail_after(10):
+                while fetching.table.lane(holder.key) in (None, old):  # noqa: ASYNC110 (no event for it)
+                    await trio.sleep(0.001)
+            replaced_at = trio.current_time()
+        assert trio.current_time() - replaced_at < CONFIG.timeout_s
+    assert run.fetcher.done
     assert store.held(everything) == set(everything)
 
 

@@ -21,6 +21,9 @@ sessions started stays behind.
    status 0.
 4. SIGKILL and SIGTERM of the spare mid-generation: the same tokens, the plan untouched, every
    view drops the spare, a stopped spare leaves no control socket, no stage keeps a session.
+   A closed lid on the spare mid-generation: the same tokens, every view drops it within
+   seconds, and opened again it rejoins as the spare, holding no stage, session or KV, and
+   serves a request with the same tokens.
 5. A closed lid (SIGSTOP) on a middle stage mid-generation: the generation completes on the
    spare with the same tokens; opened again (SIGCONT), the node rejoins every view, holds no
    session, and the mesh answers with the same tokens.
@@ -396,6 +399,17 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
 # ---- 4. the spare dies, and a stage's lid closes ----------------------------------------------
 
 
+def _noted_gone_at(d: Daemon, key: str, since_unix: float) -> float:
+    """When `d` first noted member `key` suspected or dead at or after `since_unix`."""
+    return min(
+        e["at_unix_s"]
+        for e in d.status()["events"]
+        if e["node"] == key[:16]
+        and e["kind"] in ("member-suspected", "member-died")
+        and e["at_unix_s"] >= since_unix
+    )
+
+
 def _plan_keys(mesh: Mesh) -> list[str]:
     return [d.key() for d in mesh.in_plan()]
 
@@ -434,6 +448,60 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     mesh.ready(spares=1)
     assert mesh.daemons[spare.index].key() == key
     assert mesh.daemons[spare.index].status()["stage_layers"] is None
+
+
+def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_spare(
+    mesh: Mesh, prompt: list[int]
+) -> None:
+    # Frozen, the spare answers no ping: every peer's lane to it goes silent, its relays
+    # cannot reach it either, and it is declared dead; the generation never touched it.
+    mesh.ready(spares=1)
+    route = _plan_keys(mesh)
+    spare = next(d for d in mesh.alive() if d.index != COORDINATOR_ONLY and d.key() not in route)
+    # Long enough (900 tokens, 3-4 s alone) to run on past the verdict on the frozen spare.
+    expected = reference(prompt, 900)
+    nodes = mesh.alive()
+    others = [d for d in nodes if d is not spare]
+    tasks_before = tasks_of(nodes)
+    stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
+    wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
+    spare.proc.send_signal(signal.SIGSTOP)
+    frozen_at, frozen_unix = time.monotonic(), time.time()
+    try:
+        left = {d.key() for d in others}
+        wait_until(
+            lambda: all(d.alive_members() == left for d in others), 30, "the frozen spare dropped"
+        )
+        # When each peer noted it (its own clock, not this test's polling): its lanes'
+        # verdict (1.2 s) and the relays' probe (0.5 s), plus gossip and a shared machine's
+        # noise: seconds, not a suspicion timeout's tens.
+        dropped_s = max(_noted_gone_at(d, spare.key(), frozen_unix) for d in others) - frozen_unix
+        assert dropped_s <= 1.2 + 0.5 + 3.0
+        final = stream.final()
+        assert final.get("ok") and final["tokens"] == expected, final
+        ended_s = stream.lines[-1][0] - frozen_at
+        assert ended_s > dropped_s  # the generation ran on across the verdict
+        print(
+            f"spare lid closed: every peer dropped it {dropped_s:.2f} s after SIGSTOP, "
+            f"the stream ended {ended_s:.2f} s after it"
+        )
+        stable = _stable_plan([d for d in others if d.index != COORDINATOR_ONLY])
+        assert [s["key"] for s in stable] == route  # a spare holds no stage: nothing re-planned
+        assert _no_sessions_left(others)
+    finally:
+        spare.proc.send_signal(signal.SIGCONT)
+    # It wakes: every view counts it alive again, as the spare it was, holding nothing.
+    keys = {d.key() for d in nodes}
+    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "it rejoins")
+    assert spare.proc.poll() is None, spare.log_tail(2000)
+    assert _plan_keys(mesh) == route
+    status = spare.status()
+    assert status["stage_layers"] is None
+    assert status["sessions_hosted"] == 0 and status["kv_used_bytes"] == 0, status
+    final = list(request_lines(spare.socket, _op(prompt, 40), timeout_s=60))[-1]
+    assert final["ok"] and final["tokens"] == reference(prompt, 40), final
+    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(nodes, tasks_before)
 
 
 def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_it_opens(
