@@ -403,12 +403,13 @@ async def _in_process(args: argparse.Namespace) -> int:
     speculative decoding, then prints tokens/s and the speculative statistics. Useful where
     spawning daemons is not (a notebook, a machine without 127.0.0.x aliases).
     """
+    from meshd.cli.serve import StartupError, check_draft_model
     from meshd.coord.local import open_local_pipeline
     from meshd.coord.pipeline import GenerationRequest
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.files import open_checkpoint, open_tokenizer
     from meshd.spec.config import SpecConfig
-    from meshd.spec.draft import DraftModel, check_draft_tokenizer
+    from meshd.spec.draft import DraftModel
     from protocol.messages import Sampling
 
     model_dir = args.model or str(builtin_model_dir())
@@ -416,10 +417,14 @@ async def _in_process(args: argparse.Namespace) -> int:
     checkpoint = open_checkpoint(model_dir)
     draft_model = draft_dir(args)
     draft = None
-    if draft_model:
-        check_draft_tokenizer(model_dir, draft_model)
-        draft = DraftModel.load(draft_model)
     say = print
+    if draft_model:
+        try:
+            check_draft_model(model_dir, draft_model)  # what `meshd serve` checks at start
+        except StartupError as exc:
+            say(f"demo failed: {exc}")
+            return 2
+        draft = DraftModel.load(draft_model)
     say(f"meshd demo — model {checkpoint.model_id[:16]} ({checkpoint.config.num_layers} layers)")
     say(f"draft model: {_draft_words(draft_model)}")
     say(f"starting {args.stages} stage nodes on loopback, emulated RTT {args.rtt_ms:g} ms …")
