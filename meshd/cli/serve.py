@@ -104,7 +104,7 @@ def check_model(model: str) -> None:
     Opening the checkpoint reads its config and the safetensors headers only (no weights).
     """
     if model.startswith("mesh:"):
-        from meshd.node.fetch import mesh_model_prefix
+        from meshd.node.bootstrap import mesh_model_prefix
 
         try:
             mesh_model_prefix(model)
@@ -216,8 +216,8 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.node.api_relay import MeshCatalog, model_catalog
+    from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
     from meshd.node.control import serve_control
-    from meshd.node.fetch import mesh_basis, mesh_model_prefix
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
     from meshd.node.node import MeshNode, NodeBasis, run_node

@@ -2,9 +2,8 @@
 
 Every node answers `ARTIFACT_STREAM` requests from the files it holds (`ArtifactServer`: a full
 checkpoint directory, or the tensors a `mesh:ID` node fetched and verified). A node started
-with `--model mesh:ID` holds no files: `bootstrap_store` fetches the manifest (whose hash is the
-id) and the small files from a `join` peer (or, with none, from the peers mDNS shows) before the
-node starts, so it knows the config and can be planned. `ArtifactService` then fetches, in the
+with `--model mesh:ID` knows its manifest and small files before it starts
+(`meshd/node/bootstrap.py`), so it can be planned. `ArtifactService` then fetches, in the
 background, exactly the tensors a planned stage needs (`stage_ready`; the stage loads when the
 fetch ends) or a spare would take over (`prefetch`, `meshd/node/prefetch.py`) from the members
 offering the model; a new job mid-fetch retargets it. The protocol and the fetch's decisions
@@ -29,15 +28,14 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
-from meshd.model.errors import MissingFile, ModelError
+from meshd.model.errors import ModelError
 from meshd.model.llama import decoder_layer_shapes
-from meshd.model.manifest import ModelStore, store_checkpoint, store_of
+from meshd.model.manifest import ModelStore, store_of
 from meshd.model.mtp import mtp_shapes
 from meshd.net.bulk import BulkGate
-from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
+from meshd.net.endpoint import LaneClosedError
 from meshd.net.lanes import LaneTable, PeerUnreachable
 from protocol import artifacts
 from protocol.artifacts import (
@@ -55,19 +53,14 @@ from protocol.artifacts import (
     VerifyArtifact,
     WriteChunk,
 )
-from protocol.errors import RemoteProtocolError
-from protocol.noise import x25519_public_from_ed25519_public
 from protocol.streams import ARTIFACT_STREAM
 
 if TYPE_CHECKING:
-    from meshd.config import NodeConfig
     from meshd.mesh.member import MemberInfo
-    from meshd.node.node import NodeBasis
     from meshd.node.stage_slot import LoadDisplay
 
 log = logging.getLogger(__name__)
 
-MESH_PREFIX = "mesh:"
 # Requests waiting to be served; beyond this a request is dropped (the asker times out and
 # asks again, maybe elsewhere): a peer cannot queue unbounded work here.
 SERVE_QUEUE = 256
@@ -75,28 +68,10 @@ PROGRESS_LOG_INTERVAL_S = 2.0
 RATE_WINDOW_S = 2.0
 # How often a running fetch looks for new sources in the membership view.
 SOURCE_REFRESH_S = 0.5
-MANIFEST_TIMEOUT_S = 5.0
-JOIN_RETRY_INITIAL_S = 0.5
-JOIN_RETRY_MAX_S = 8.0
 FETCH_RETRY_S = 2.0
 # A fetch with no chunk arriving for this long fails (and is tried again after FETCH_RETRY_S).
 STALL_S = 30.0
 SERVE_AHEAD_BYTES = 256 * 1024
-
-
-def mesh_model_prefix(model: str) -> str | None:
-    """The id prefix of a `mesh:ID` model (None: not one). ValueError if ID is malformed."""
-    if not model.startswith(MESH_PREFIX):
-        return None
-    prefix = model[len(MESH_PREFIX) :].strip().lower()
-    if not 1 <= len(prefix) <= artifacts.MODEL_ID_CHARS or any(
-        c not in "0123456789abcdef" for c in prefix
-    ):
-        raise ValueError(
-            f"model: {model!r}: give mesh:ID with ID (or a prefix of it) in hex, as "
-            "`meshctl status` prints it"
-        )
-    return prefix
 
 
 def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
@@ -764,193 +739,6 @@ class ArtifactService:
 def _kind(job: FetchJob) -> str:
     """The event a job's start is noted as (`fetch` or `prefetch`; `...ed` when it ends)."""
     return "prefetch" if job.prefetch else "fetch"
-
-
-# ---- a mesh:ID node before it starts -------------------------------------------------------
-
-
-async def bootstrap_store(
-    config: NodeConfig, identity: NodeIdentity, psk: bytes, prefix: str, root: pathlib.Path
-) -> ModelStore:
-    """The store of model `prefix`, with its manifest and small files: from the cache when
-    they are there (a restart needs no peer), else fetched from a `join` peer (retried, with
-    backoff, until one that holds the model answers)."""
-    store = await trio.to_thread.run_sync(ModelStore.open_cached, root, prefix)
-    if store is not None:
-        files = store.file_indices()
-        if await trio.to_thread.run_sync(store.held, files) == set(files):
-            return store
-    addresses = config.bootstrap_peers()
-    if not addresses and not config.mdns.enabled:  # a start-up error: one line, exit status 2
-        raise MissingFile(
-            f"mesh:{prefix} is not in the cache ({root / 'models'}): give a `join` "
-            "address of a mesh member (or enable mDNS) so its manifest can be fetched"
-        )
-    admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
-    async with open_endpoint(
-        static_private=identity.x25519_private,
-        psk=psk,
-        bind=(config.listen_host, 0),
-        admit=admit,
-        lane_config=config.lane,
-        node_public_key=identity.public_key,
-    ) as endpoint:
-        if not addresses:
-            return await _bootstrap_by_mdns(config, identity, psk, endpoint, prefix, root, store)
-        delay = JOIN_RETRY_INITIAL_S
-        while True:
-            for address in addresses:
-                with contextlib.suppress(*_BOOTSTRAP_ERRORS):
-                    return await _try_bootstrap(endpoint, address, prefix, root, store)
-            await trio.sleep(delay)
-            delay = min(delay * 2, JOIN_RETRY_MAX_S)
-
-
-_BOOTSTRAP_ERRORS = (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError)
-
-
-async def _try_bootstrap(
-    endpoint: Endpoint,
-    address: tuple[str, int],
-    prefix: str,
-    root: pathlib.Path,
-    store: ModelStore | None,
-) -> ModelStore:
-    """`_bootstrap_from`, its failure logged (and raised)."""
-    try:
-        return await _bootstrap_from(endpoint, address, prefix, root, store)
-    except _BOOTSTRAP_ERRORS as exc:
-        log.warning("model mesh:%s from %s: %s", prefix, address, exc)
-        raise
-
-
-async def _bootstrap_by_mdns(
-    config: NodeConfig,
-    identity: NodeIdentity,
-    psk: bytes,
-    endpoint: Endpoint,
-    prefix: str,
-    root: pathlib.Path,
-    store: ModelStore | None,
-) -> ModelStore:
-    """With no `join` address: ask each peer of the mesh that mDNS shows (browsing only: this
-    short-lived endpoint is not the node) until one offering the model answers; members that
-    do not hold it refuse at once. Tried again whenever a peer appears, and with backoff."""
-    from meshd.mesh.discovery import mesh_hash_for, open_discovery
-
-    log.info("model mesh:%s: looking for a member holding it by mDNS", prefix)
-    async with open_discovery(
-        node_id=identity.node_id,
-        key_fingerprint=identity.fingerprint(),
-        mesh_hash=mesh_hash_for(psk),
-        port=endpoint.local_address[1],
-        interfaces=list(config.mdns.interfaces),
-        config=config.mdns,
-        advertise=False,
-    ) as disc:
-        events = disc.peers()
-        delay = JOIN_RETRY_INITIAL_S
-        while True:
-            for peer in disc.known_peers():
-                for host in peer.addresses:
-                    with contextlib.suppress(*_BOOTSTRAP_ERRORS):
-                        return await _try_bootstrap(
-                            endpoint, (host, peer.port), prefix, root, store
-                        )
-            with trio.move_on_after(delay) as waited:
-                await events.receive()  # a peer appeared (or changed): ask again at once
-            if waited.cancelled_caught:
-                delay = min(delay * 2, JOIN_RETRY_MAX_S)
-
-
-async def _bootstrap_from(
-    endpoint: Endpoint,
-    address: tuple[str, int],
-    prefix: str,
-    root: pathlib.Path,
-    store: ModelStore | None,
-) -> ModelStore:
-    node_id = await endpoint.query_key(address)
-    lane_key = x25519_public_from_ed25519_public(node_id)
-    lane = await endpoint.connect(address, lane_key)
-    run: FetchRun | None = None
-    manifest_reply: list[ManifestReply | ArtifactRefusal] = []
-    got_manifest = trio.Event()
-
-    async def read() -> None:
-        async for stream, data in lane:
-            if stream != ARTIFACT_STREAM:
-                continue
-            try:
-                message = artifacts.decode(data)
-            except RemoteProtocolError:
-                continue
-            if isinstance(message, ManifestReply) or (
-                isinstance(message, ArtifactRefusal) and run is None
-            ):
-                manifest_reply.append(message)
-                got_manifest.set()
-            elif isinstance(message, ChunkReply | ArtifactRefusal) and run is not None:
-                run.on_reply(message, lane_key)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read)
-            if store is None:
-                await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
-                with trio.fail_after(MANIFEST_TIMEOUT_S):
-                    await got_manifest.wait()
-                reply = manifest_reply[0]
-                if isinstance(reply, ArtifactRefusal):
-                    raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
-                model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
-                store = await trio.to_thread.run_sync(
-                    lambda: ModelStore(root, model_id, reply.manifest, manifest)
-                )
-                await trio.to_thread.run_sync(store.set_name, reply.name)
-                log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
-            files = store.file_indices()
-            held = await trio.to_thread.run_sync(store.held, files)
-            missing = [i for i in files if i not in held]
-            if missing:
-
-                async def send(_source: bytes, data: bytes) -> None:
-                    await lane.send(ARTIFACT_STREAM, data)
-
-                fetcher = Fetcher(store.model_id, store.manifest, missing, first_request_id=2)
-                run = FetchRun(fetcher, store, send, lambda: [lane_key])
-                await run.run()
-            nursery.cancel_scope.cancel()
-        return store
-    finally:
-        lane.close("manifest fetched")
-
-
-async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
-    """What a `mesh:ID` node is before it opens lanes: the store's manifest and small files
-    (fetched now if not cached), and a checkpoint over the tensors it holds."""
-    from meshd.model.manifest import set_cache_dir
-    from meshd.node.node import NodeBasis
-    from protocol.handshake import psk_from_secret
-
-    identity = NodeIdentity.load_or_create(config.state_dir)
-    psk = psk_from_secret(config.read_mesh_secret())
-    root = config.model_cache_path()
-    set_cache_dir(root)
-    store = await bootstrap_store(config, identity, psk, prefix, root)
-    checkpoint = await trio.to_thread.run_sync(store_checkpoint, store)
-    # The tokenizer's files: the store's directory, or a GGUF file's skeleton (its metadata).
-    model_dir = checkpoint.directory if store.manifest.format == "gguf" else store.directory
-    basis = NodeBasis.of(
-        config,
-        identity,
-        psk,
-        str(model_dir),
-        checkpoint,
-        timing_checkpoint=store_checkpoint(store, synthetic=True),
-    )
-    # The holders' name for it, so that every node answers to one name for one model.
-    return dataclasses.replace(basis, name=store.name)
 
 
 def model_sources(

@@ -49,6 +49,19 @@ def _run(
     return FetchRun(fetcher, store, node_send, sources.copy, meter)  # type: ignore[arg-type]
 
 
+def _into_transfer(run: FetchRun, nbytes: int = 1024 * 1024) -> trio.Event:
+    """An event set once `run` has received `nbytes` (its meter is told after every chunk)."""
+    event = trio.Event()
+
+    def on_progress(_done: int, _total: int) -> None:
+        if run.fetcher.received_bytes >= nbytes:
+            event.set()
+
+    assert run.meter is not None
+    run.meter.display = on_progress
+    return event
+
+
 async def test_a_peer_serving_changed_bytes_is_refused_and_another_used(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -95,14 +108,7 @@ async def test_a_fetch_resumes_from_another_holder_when_a_lane_dies(tmp_path: pa
     async with artifact_nodes([good, good, good], CONFIG) as (first, second, fetching):
         run = _run(store, [first.key, second.key], fetching.service._send, everything)
         fetching.service._run = run
-        into_transfer = trio.Event()
-
-        def on_progress(_done: int, _total: int) -> None:  # told after every chunk
-            if run.fetcher.received_bytes >= 2 * 1024 * 1024:
-                into_transfer.set()
-
-        assert run.meter is not None
-        run.meter.display = on_progress
+        into_transfer = _into_transfer(run, 2 * 1024 * 1024)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run.run)
             await into_transfer.wait()
@@ -135,14 +141,7 @@ async def test_a_fetch_takes_its_only_holder_back_when_a_new_lane_opens(
     async with artifact_nodes([good, good], CONFIG) as (holder, fetching):
         run = _run(store, [holder.key], fetching.service._send, everything)
         fetching.service._run = run
-        into_transfer = trio.Event()
-
-        def on_progress(_done: int, _total: int) -> None:
-            if run.fetcher.received_bytes >= 1024 * 1024:
-                into_transfer.set()
-
-        assert run.meter is not None
-        run.meter.display = on_progress
+        into_transfer = _into_transfer(run)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run.run)
             await into_transfer.wait()
@@ -172,14 +171,7 @@ async def test_a_fetch_asks_again_what_a_replaced_lane_carried(tmp_path: pathlib
         holder, fetching = sorted(nodes, key=lambda n: n.key)
         run = _run(store, [holder.key], fetching.service._send, everything)
         fetching.service._run = run
-        into_transfer = trio.Event()
-
-        def on_progress(_done: int, _total: int) -> None:
-            if run.fetcher.received_bytes >= 1024 * 1024:
-                into_transfer.set()
-
-        assert run.meter is not None
-        run.meter.display = on_progress
+        into_transfer = _into_transfer(run)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run.run)
             await into_transfer.wait()
@@ -205,14 +197,7 @@ async def test_a_holder_computing_a_window_serves_no_chunk_until_its_reply_is_ou
     async with artifact_nodes([good, good], CONFIG) as (holder, fetching):
         run = _run(store, [holder.key], fetching.service._send, everything)
         fetching.service._run = run
-        into_transfer = trio.Event()
-
-        def on_progress(_done: int, _total: int) -> None:
-            if run.fetcher.received_bytes >= 1024 * 1024:
-                into_transfer.set()
-
-        assert run.meter is not None
-        run.meter.display = on_progress
+        into_transfer = _into_transfer(run)
         server = holder.service.server
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run.run)
