@@ -26,8 +26,8 @@ from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
-from meshd.spec import auto
-from meshd.spec.config import SpecConfig
+from meshd.speculative import auto
+from meshd.speculative.config import SpecConfig
 
 METHODS = ("observe", "propose", "propose_after", "set_link", "_shadow", "_score", "_decide")
 spent: dict[str, float] = collections.defaultdict(float)

@@ -29,9 +29,9 @@ from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
-from meshd.spec import auto
-from meshd.spec.config import SpecConfig
-from meshd.spec.draft import DraftModel
+from meshd.speculative import auto
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft import DraftModel
 
 trace: list[dict[str, Any]] = []
 decisions: list[str] = []

@@ -33,7 +33,7 @@ import torch
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
-from meshd.spec.sampling import (
+from meshd.speculative.sampling import (
     SamplingParams,
     coupled_draft_token,
     filtered_probs,

@@ -17,7 +17,7 @@ import timeit
 
 import torch
 
-from meshd.spec.sampling import SamplingParams, _nucleus_floor, keyed_uniform, sample_token
+from meshd.speculative.sampling import SamplingParams, _nucleus_floor, keyed_uniform, sample_token
 
 
 def inverse_cdf_token(row: torch.Tensor, params: SamplingParams, position: int) -> int:

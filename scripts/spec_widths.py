@@ -25,10 +25,10 @@ from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
-from meshd.spec import proposer
-from meshd.spec.config import SpecConfig
-from meshd.spec.draft import DraftModel
-from meshd.spec.policy import PolicyInputs, search
+from meshd.speculative import proposer
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft import DraftModel
+from meshd.speculative.policy import PolicyInputs, search
 
 verdicts: list[tuple[int, int]] = []
 

@@ -20,12 +20,12 @@ from collections import defaultdict
 import trio
 
 from meshd.bench.spec import _generate
-from meshd.coord import costs
+from meshd.coord import route_costs as costs
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 
 STRATEGIES = ("disabled", "ngram-simple", "mtp-simple", "mtp")
 

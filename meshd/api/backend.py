@@ -14,14 +14,14 @@ import pathlib
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from meshd.coord.local import LocalPipeline, open_local_pipeline
-from meshd.coord.pipeline import (
+from meshd.coord.coordinator import (
     GenerationRequest,
     GenerationResult,
     OnTokens,
     RouteFailed,
     StageOverloaded,
 )
+from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import model_name as display_name
 from meshd.model.files import open_tokenizer

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from meshd.spec.telemetry import SpecTelemetry
+from meshd.speculative.telemetry import SpecTelemetry
 
 log = logging.getLogger(__name__)
 

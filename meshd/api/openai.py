@@ -4,7 +4,7 @@ and Prometheus `/metrics`, as a Starlette app for hypercorn's trio worker.
 Request bodies are decoded with msgspec into the structs of `schemas.py` and checked by
 `prepare.py`; every failure answers in OpenAI's error shape (`errors.py`). Generations run in
 `responses.py` (streamed or whole, cancelled when the client goes away); authentication and
-request metrics are ASGI middleware (`middleware.py`).
+request metrics are ASGI middleware (`auth.py`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from meshd.api.auth import AuthMiddleware, BodyTimeoutMiddleware, MetricsMiddleware
 from meshd.api.backend import MeshBackend
 from meshd.api.console import PUBLIC_PATHS, StatusSource, console_routes
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
-from meshd.api.middleware import AuthMiddleware, BodyTimeoutMiddleware, MetricsMiddleware
 from meshd.api.prepare import prepare_chat, prepare_completion
 from meshd.api.responses import JSON, GenerationResponse
 from meshd.api.routing import (
@@ -43,7 +43,7 @@ from meshd.api.routing import (
     unknown_model,
 )
 from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import msgspec
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import ApiError, bad_request, unsupported
 from meshd.api.schemas import ChatCompletionRequest, ChatMessage, CommonFields, CompletionRequest
-from meshd.coord.pipeline import GenerationRequest
+from meshd.coord.coordinator import GenerationRequest
 from meshd.model.errors import TokenizerError
-from meshd.spec.config import SpecConfig, SpecConfigError, resolve_spec_config
+from meshd.speculative.config import SpecConfig, SpecConfigError, resolve_spec_config
 from protocol.messages import Sampling
 
 MAX_STOP_SEQUENCES = 16

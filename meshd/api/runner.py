@@ -17,7 +17,7 @@ from meshd.api.metrics import ApiMetrics
 from meshd.api.prepare import Prepared
 from meshd.api.schemas import FinishReason, Usage
 from meshd.api.textstream import TextStream
-from meshd.spec.telemetry import SpecTelemetry
+from meshd.speculative.telemetry import SpecTelemetry
 
 Emit = Callable[[str], Awaitable[None]]
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from meshd.spec.telemetry import SpecTelemetry
+from meshd.speculative.telemetry import SpecTelemetry
 
 # -- requests ---------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ from meshd.api.backend import LocalPipelineBackend, open_local_backend
 from meshd.api.openai import create_app
 from meshd.api.server import serve_api
 from meshd.bench.harness import alternate_async
-from meshd.coord.pipeline import GenerationRequest
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.coord.coordinator import GenerationRequest
+from meshd.speculative.config import STRATEGIES, SpecConfig
 from protocol.messages import Sampling
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."

@@ -24,12 +24,12 @@ from meshd.bench.harness import (
     model_dir,
     print_report,
 )
+from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import LocalPipeline, open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
 from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import workloads
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.speculative.config import STRATEGIES, SpecConfig
 
 PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of each run
 

@@ -36,7 +36,7 @@ from meshd.model.checkpoint import Checkpoint, expected_shapes
 from meshd.model.manifest import ModelStore
 from meshd.net.bulk import BulkGate, CadenceConfig
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import LaneTable
+from meshd.net.lane_table import LaneTable
 from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
 from protocol import artifacts
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher

@@ -50,11 +50,11 @@ from typing import Any
 import trio
 
 from meshd.bench.harness import add_model_option, add_quantization_option, median, model_dir
+from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import LocalPipeline, open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.speculative.config import STRATEGIES, SpecConfig
 
 TOLERANCE = 0.15  # the goal: measured within 15 % of the model
 P_GOAL_MS = 1.0  # the goal: protocol cost per hop on loopback

@@ -26,11 +26,11 @@ import msgspec
 import trio
 
 from meshd.bench.harness import add_model_option, add_quantization_option, model_dir
+from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.sim.workloads import Workload, workloads
-from meshd.spec.config import (
+from meshd.speculative.config import (
     DRAFT_STRATEGIES,
     STRATEGIES,
     SpecConfig,
@@ -38,7 +38,7 @@ from meshd.spec.config import (
     resolve_spec_config,
     spec_cli_values,
 )
-from meshd.spec.draft import DraftModel
+from meshd.speculative.draft import DraftModel
 from protocol.config import LaneConfig
 
 KINDS = ("edit", "completion", "prose")

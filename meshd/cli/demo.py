@@ -39,7 +39,7 @@ from meshd.cli.supervisor import (
     stop_all,
     wait_until,
 )
-from meshd.spec.config import STRATEGIES
+from meshd.speculative.config import STRATEGIES
 
 # A plan counts as settled once every node reports it, loaded, this long.
 STABLE_S = 0.5
@@ -404,12 +404,12 @@ async def _in_process(args: argparse.Namespace) -> int:
     spawning daemons is not (a notebook, a machine without 127.0.0.x aliases).
     """
     from meshd.cli.serve import StartupError, check_draft_model
+    from meshd.coord.coordinator import GenerationRequest
     from meshd.coord.local import open_local_pipeline
-    from meshd.coord.pipeline import GenerationRequest
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.files import open_checkpoint, open_tokenizer
-    from meshd.spec.config import SpecConfig
-    from meshd.spec.draft import DraftModel
+    from meshd.speculative.config import SpecConfig
+    from meshd.speculative.draft import DraftModel
     from protocol.messages import Sampling
 
     model_dir = args.model or str(builtin_model_dir())

@@ -147,7 +147,7 @@ def check_draft_model(model: str, draft: str) -> None:
         return
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.errors import ModelError
-    from meshd.spec.draft import DraftMismatchError, check_draft_tokenizer
+    from meshd.speculative.draft import DraftMismatchError, check_draft_tokenizer
 
     try:
         check_model(draft)

@@ -9,7 +9,7 @@ whose message starts with the field's name, and the loader adds the table and th
 
 Nested keys use `__` in the environment (`MESHD_LANE__DEAD_AFTER_S=1.0`) and `-` on the command
 line (`--lane-dead-after-s 1.0`); speculative decoding keys keep their `--speculative-*` flags
-(from `meshd.spec.config`). Environment and flag values are parsed by the field's type; lists
+(from `meshd.speculative.config`). Environment and flag values are parsed by the field's type; lists
 are comma-separated. An unknown key in the file or the environment is an error naming the key
 and where it was set. docs/configuration.md documents every key.
 """

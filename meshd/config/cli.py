@@ -21,7 +21,7 @@ from meshd.config.sources import (
     load_config,
     parse_text,
 )
-from meshd.spec.config import add_spec_arguments, spec_cli_values
+from meshd.speculative.config import add_spec_arguments, spec_cli_values
 
 
 def _dest(key: str) -> str:

@@ -27,7 +27,7 @@ from meshd.mesh.jointoken import (
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
 from meshd.plan.inputs import PlannerConfig
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
 from protocol import RemoteProtocolError
 from protocol.config import LaneConfig

@@ -20,16 +20,16 @@ import trio
 from nacl.bindings import crypto_scalarmult_base
 from nacl.utils import random as nacl_random
 
-from meshd.coord.pipeline import Coordinator
+from meshd.coord.coordinator import Coordinator
 from meshd.coord.wiring import NodeWiring
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import LaneTable
+from meshd.net.lane_table import LaneTable
 from meshd.plan.route import Route, RouteStage
-from meshd.spec.draft import DraftModel
+from meshd.speculative.draft import DraftModel
 from meshd.stage.host import StageHost
 from protocol.config import LaneConfig
 from protocol.messages import DType

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from meshd.coord.pipeline import Coordinator
+from meshd.coord.coordinator import Coordinator
 from protocol.messages import Message, StageError, VerifyReply
 
 Handler = Callable[[Message, bytes], None]

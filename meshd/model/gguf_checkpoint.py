@@ -165,8 +165,8 @@ class GGUFCheckpoint(Checkpoint):
     @functools.cached_property
     def manifest(self) -> Any:
         """(model id, bytes, manifest) of the GGUF file, or of every shard of a split model
-        (`meshd.model.gguf_store`: every tensor hashed)."""
-        from meshd.model.gguf_store import gguf_manifest
+        (`meshd.model.gguf_mesh`: every tensor hashed)."""
+        from meshd.model.gguf_mesh import gguf_manifest
 
         return gguf_manifest(self)
 

@@ -204,7 +204,7 @@ class ModelStore:
         # Names become file names: a manifest from a peer must not reach outside the store.
         for artifact in manifest.artifacts:
             if manifest.format == "gguf":
-                from meshd.model.gguf_store import check_artifact
+                from meshd.model.gguf_mesh import check_artifact
 
                 problem = check_artifact(artifact)
                 if problem is not None:
@@ -303,7 +303,7 @@ class ModelStore:
         artifact = self.manifest.artifacts[index]
         if artifact.kind == ArtifactKind.FILE:
             return self.directory / artifact.name
-        if self.manifest.format == "gguf":  # raw GGUF bytes (`meshd.model.gguf_store`)
+        if self.manifest.format == "gguf":  # raw GGUF bytes (`meshd.model.gguf_mesh`)
             return self.tensor_dir / f"{artifact.name}.bin"
         return self.tensor_dir / f"{artifact.name}.safetensors"
 
@@ -505,9 +505,9 @@ _TORCH_DTYPES: Mapping[str, Any] = {
 
 def store_checkpoint(store: ModelStore, *, synthetic: bool = False) -> Checkpoint:
     """(blocking) The checkpoint over a store (its files held): a `StoreCheckpoint`, or for a
-    GGUF manifest a `GGUFStoreCheckpoint` (`meshd.model.gguf_store`)."""
+    GGUF manifest a `GGUFStoreCheckpoint` (`meshd.model.gguf_mesh`)."""
     if store.manifest.format == "gguf":
-        from meshd.model.gguf_store import GGUFStoreCheckpoint
+        from meshd.model.gguf_mesh import GGUFStoreCheckpoint
 
         return GGUFStoreCheckpoint.over(store, synthetic=synthetic)
     return StoreCheckpoint.over(store, synthetic=synthetic)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import trio
 
 from meshd.net.endpoint import Address, LaneAddress, LaneClosedError, PeerLane
-from meshd.net.lanes import LaneTable, PeerUnreachable
+from meshd.net.lane_table import LaneTable, PeerUnreachable
 from meshd.net.relay import Relay
 from protocol import punch
 from protocol.datagram import KIND_PROBE

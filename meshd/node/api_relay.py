@@ -24,7 +24,7 @@ import trio
 
 from meshd.api.backend import MeshBackend
 from meshd.api.routing import RELAYED_HEADER, RelayCut, RelayedResponse, ServedModel
-from meshd.net.lanes import PeerUnreachable
+from meshd.net.lane_table import PeerUnreachable
 from protocol import api_relay
 from protocol.api_relay import (
     MAX_BODY_CHUNK_BYTES,

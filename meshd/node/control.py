@@ -20,7 +20,7 @@ import msgspec
 import trio
 
 from meshd.api.backend import ServiceUnavailable
-from meshd.coord.pipeline import GenerationRequest
+from meshd.coord.coordinator import GenerationRequest
 from meshd.node.control_client import (
     ControlError,
     GenerateOp,
@@ -35,7 +35,7 @@ from meshd.node.model_status import model_plans
 from meshd.node.node import MeshNode
 from meshd.node.status import node_status
 from meshd.plan import NoFeasiblePlan, explain
-from meshd.spec.config import SpecConfig, SpecConfigError
+from meshd.speculative.config import SpecConfig, SpecConfigError
 from protocol.messages import Sampling
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from meshd.model.manifest import ModelStore, store_of
 from meshd.model.mtp import mtp_shapes
 from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import LaneClosedError
-from meshd.net.lanes import LaneTable, PeerUnreachable
+from meshd.net.lane_table import LaneTable, PeerUnreachable
 from protocol import artifacts
 from protocol.artifacts import (
     ArtifactKind,
@@ -138,7 +138,7 @@ class ArtifactServer:
     @functools.cached_property
     def _gguf_files(self) -> dict[str, tuple[pathlib.Path, int, int]]:
         from meshd.model.gguf_checkpoint import GGUFCheckpoint
-        from meshd.model.gguf_store import file_locations
+        from meshd.model.gguf_mesh import file_locations
 
         assert isinstance(self.checkpoint, GGUFCheckpoint)
         return file_locations(self.checkpoint)

@@ -14,9 +14,9 @@ from meshd.mesh.discovery import DiscoveredPeer, DiscoveryConfig, mesh_hash_for,
 from meshd.mesh.identity import NodeIdentity, fingerprint_of
 from meshd.mesh.jointoken import Address
 from meshd.net.endpoint import Endpoint
-from meshd.net.lanes import PeerUnreachable
+from meshd.net.lane_table import PeerUnreachable
+from meshd.node.dialing import NodeLanes
 from meshd.node.gossip_driver import GossipDriver, KeyBook
-from meshd.node.lanes import NodeLanes
 
 log = logging.getLogger(__name__)
 

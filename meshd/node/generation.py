@@ -16,7 +16,7 @@ from dataclasses import replace
 import trio
 
 from meshd.api.backend import Overloaded, ServiceUnavailable
-from meshd.coord.pipeline import (
+from meshd.coord.coordinator import (
     GenerationRequest,
     GenerationResult,
     OnTokens,
@@ -28,7 +28,7 @@ from meshd.node.models import HeldModel
 from meshd.node.node import MeshNode
 from meshd.plan import NoFeasiblePlan
 from meshd.plan.route import Route
-from meshd.spec.telemetry import Recorder
+from meshd.speculative.telemetry import Recorder
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import trio
 from meshd.mesh.jointoken import AddressError, parse_peer_address
 from meshd.mesh.member import MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.net.lanes import LaneTable, PeerUnreachable
+from meshd.net.lane_table import LaneTable, PeerUnreachable
 from protocol import RemoteProtocolError
 from protocol.gossip import GossipMessage
 from protocol.noise import x25519_public_from_ed25519_public

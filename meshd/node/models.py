@@ -22,14 +22,14 @@ import torch
 import trio
 
 from meshd.config import ConfigError, NodeConfig
-from meshd.coord.pipeline import Coordinator, Sender
+from meshd.coord.coordinator import Coordinator, Sender
 from meshd.mesh.member import MemberInfo
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.errors import ModelError
 from meshd.model.files import model_name, open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.bulk import BulkGate
-from meshd.net.lanes import LaneTable
+from meshd.net.lane_table import LaneTable
 from meshd.node.duty import (
     CancelDrain,
     Duty,
@@ -44,7 +44,7 @@ from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.stage_slot import StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan, PlannerConfig
 from meshd.plan.route import Route
-from meshd.spec.draft import DraftMismatchError, check_draft_tokenizer
+from meshd.speculative.draft import DraftMismatchError, check_draft_tokenizer
 from protocol.gossip import ModelHolding
 from protocol.messages import (
     CloseSession,

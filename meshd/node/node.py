@@ -23,7 +23,7 @@ import torch
 import trio
 
 from meshd.config import NodeConfig
-from meshd.coord.pipeline import Coordinator
+from meshd.coord.coordinator import Coordinator
 from meshd.coord.wiring import NodeWiring
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
@@ -35,7 +35,8 @@ from meshd.model.threads import configure_threads
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
-from meshd.net.lanes import PeerUnreachable
+from meshd.net.lane_table import PeerUnreachable
+from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
 from meshd.node.duty import (
     CancelDrain,
     Duty,
@@ -51,14 +52,13 @@ from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
-from meshd.node.lanes import LaneKind, NodeLanes, pick_introducers
 from meshd.node.models import ModelFiles, ModelSet, full_model_bytes, split_budget
 from meshd.node.planning import assignment, lane_route, model_shape, plan_view
 from meshd.node.prefetch import TakeoverCache
 from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
 from meshd.plan.route import Route
-from meshd.spec.draft import DraftModel
+from meshd.speculative.draft import DraftModel
 from protocol import artifacts, gossip
 from protocol.gossip import ModelHolding
 from protocol.handshake import psk_from_secret

@@ -22,7 +22,7 @@ import trio
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import LoadProgress, StageModel
 from meshd.net.bulk import BulkGate
-from meshd.net.lanes import LaneTable
+from meshd.net.lane_table import LaneTable
 from meshd.stage.host import EXPIRY_CAUSES, StageHost, StageHostConfig
 from protocol.messages import Message, OpenSession, StageError
 

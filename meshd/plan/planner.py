@@ -1,7 +1,7 @@
 """The topology planner: which nodes serve which layers, in which order, and how fast.
 
 `plan()` is pure: model shape, node capacities and the pairwise RTT matrix in, a `Plan` out
-(or `NoFeasiblePlan` saying why). The cost model is in costs.py, the set search in
+(or `NoFeasiblePlan` saying why). The cost model is in cost_model.py, the set search in
 search.py, the stage order in order.py; docs/planner.md has the whole picture.
 
 Re-planning after a failure passes `exclude` (dead nodes) and `prefer` (the current route,
@@ -23,7 +23,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from meshd.plan.costs import Candidate, HopCosts, make_candidate, stage_bytes
+from meshd.plan.cost_model import Candidate, HopCosts, make_candidate, stage_bytes
 from meshd.plan.inputs import ModelShape, NodeCapacity, NoFeasiblePlan, PlannerConfig
 from meshd.plan.result import Alternative, Census, Hop, Plan, PlannedStage
 from meshd.plan.route import Route

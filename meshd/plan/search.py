@@ -28,7 +28,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from meshd.plan.costs import Candidate, HopCosts, compute_s, split_layers
+from meshd.plan.cost_model import Candidate, HopCosts, compute_s, split_layers
 from meshd.plan.inputs import PlannerConfig
 from meshd.plan.order import exact_path, exact_paths, heuristic_path, path_cost
 from meshd.plan.segment import Segment, SegmentPlan, SegmentResult, min_stages

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from meshd.plan.costs import Candidate, HopCosts
+from meshd.plan.cost_model import Candidate, HopCosts
 from meshd.plan.inputs import PlannerConfig
 
 # Nearest neighbours are taken around this many of the fastest and of the largest nodes.

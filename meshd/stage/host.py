@@ -44,7 +44,7 @@ import trio
 from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
-from meshd.spec.sampling import SamplingParams, verify
+from meshd.speculative.sampling import SamplingParams, verify
 from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMes
 from meshd.api.backend import open_local_backend
 from meshd.api.openai import create_app
 from meshd.api.server import serve_api
-from meshd.coord.pipeline import GenerationRequest
+from meshd.coord.coordinator import GenerationRequest
 from protocol.messages import Sampling
 from tests.api.conftest import MODEL, Served
 

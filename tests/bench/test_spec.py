@@ -10,7 +10,7 @@ import pytest
 from meshd.bench import spec as bench_spec
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.sim.workloads import workloads
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 
 
 async def test_short_runs_repeat_in_rounds_and_every_run_matches_disabled() -> None:

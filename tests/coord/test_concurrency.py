@@ -13,14 +13,14 @@ import pathlib
 import pytest
 import trio
 
+from meshd.coord.coordinator import Coordinator, GenerationRequest, StageOverloaded
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import Coordinator, GenerationRequest, StageOverloaded
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage
-from meshd.spec.config import SpecConfig
-from meshd.spec.policy import PolicyInputs, choose
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.policy import PolicyInputs, choose
 from meshd.stage.host import StageHostConfig
 from tests.model.tiny import add_mtp, make_checkpoint
 

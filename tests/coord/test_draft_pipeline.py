@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import trio
 
+from meshd.coord.coordinator import GenerationRequest, GenerationResult
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest, GenerationResult
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 from protocol.messages import Sampling
 
 MODEL = builtin_model_dir()

@@ -8,9 +8,9 @@ import pytest
 import torch
 import trio
 
+from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 from meshd.stage.wire import to_blob
 from protocol.messages import OpenSession, Rollback, Sampling, StageHidden, VerifyWindow
 from tests.model.tiny import make_checkpoint

@@ -15,12 +15,12 @@ import pytest
 import trio
 import trio.testing
 
-from meshd.coord.pipeline import Coordinator, GenerationRequest, RouteFailed
-from meshd.coord.session import Send
+from meshd.coord.coordinator import Coordinator, GenerationRequest, RouteFailed
+from meshd.coord.window_loop import Send
 from meshd.model.builtin import builtin_model_dir
 from meshd.net.endpoint import LaneClosedError
-from meshd.net.lanes import PeerUnreachable
-from meshd.spec.config import SpecConfig
+from meshd.net.lane_table import PeerUnreachable
+from meshd.speculative.config import SpecConfig
 from protocol.events import TerminationReason
 from protocol.messages import CloseSession, Message, OpenSession, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, load_stages, plain_decode

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 
-import meshd.coord.session as session_module
-from meshd.coord.costs import RouteCosts
-from meshd.coord.session import (
+import meshd.coord.window_loop as session_module
+from meshd.coord.route_costs import RouteCosts
+from meshd.coord.window_loop import (
     GenerationRequest,
     RouteFailed,
     StageOverloaded,
@@ -26,11 +26,11 @@ from meshd.coord.session import (
 )
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
-from meshd.spec.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
-from meshd.spec.draft import DraftModel
-from meshd.spec.mtp import MtpHybrid, MtpProposer
-from meshd.spec.ngram import NgramSimple
-from meshd.spec.strategies import make_proposer
+from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
+from meshd.speculative.draft import DraftModel
+from meshd.speculative.mtp import MtpHybrid, MtpProposer
+from meshd.speculative.ngram import NgramSimple
+from meshd.speculative.strategies import make_proposer
 from protocol.messages import OpenSession, Rollback, StageError, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages, plain_decode
 

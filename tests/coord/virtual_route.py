@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshd.coord.session import Send, WindowLoop
+from meshd.coord.window_loop import Send, WindowLoop
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel

@@ -11,8 +11,8 @@ import trio
 
 from meshd.bench.decode import DEFAULT_PROMPT
 from meshd.cli.main import main
+from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer

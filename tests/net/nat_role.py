@@ -29,7 +29,7 @@ import trio
 from nacl.bindings import crypto_scalarmult_base
 
 from meshd.net.endpoint import Address, open_endpoint
-from meshd.net.lanes import LaneTable
+from meshd.net.lane_table import LaneTable
 from meshd.net.punch import NatTraversal
 from protocol import punch
 from protocol.datagram import KIND_RELAY

@@ -19,7 +19,7 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
-from meshd.model.gguf_store import GGUFStoreCheckpoint
+from meshd.model.gguf_mesh import GGUFStoreCheckpoint
 from meshd.model.manifest import ModelStore, store_checkpoint
 from meshd.model.stage import StageModel
 from meshd.node.fetch import FetchRun, stage_tensor_names

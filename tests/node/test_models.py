@@ -8,17 +8,17 @@ import pathlib
 import pytest
 import torch
 
-from meshd.coord.pipeline import Coordinator
+from meshd.coord.coordinator import Coordinator
 from meshd.mesh.member import MemberInfo
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.node.models import _draft_fits, full_model_bytes, split_budget
 from meshd.node.planning import model_shape, plan_view
 from meshd.plan import NoFeasiblePlan
-from meshd.spec.config import SpecConfig
-from meshd.spec.strategies import UnknownStrategyError, make_proposer
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.strategies import UnknownStrategyError, make_proposer
 from protocol.gossip import CapacityRecord, ModelHolding, Status
-from tests.spec.test_draft import other_tokenizer
+from tests.speculative.test_draft import other_tokenizer
 
 CONTEXT = 1024
 

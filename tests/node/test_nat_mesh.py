@@ -44,9 +44,9 @@ from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import PeerUnreachable
+from meshd.net.lane_table import PeerUnreachable
 from meshd.node.control_client import GenerateOp, request_lines
-from meshd.node.lanes import LaneKind, LanePath, NodeLanes, pick_introducers
+from meshd.node.dialing import LaneKind, LanePath, NodeLanes, pick_introducers
 from protocol.config import LaneConfig
 from protocol.gossip import Status
 from protocol.handshake import psk_from_secret

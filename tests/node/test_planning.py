@@ -14,7 +14,7 @@ from meshd.model.config import ModelConfig, parse_config
 from meshd.model.stage import StageModel
 from meshd.node.planning import config_shape, model_shape, plan_view
 from meshd.plan import NodeCapacity, NoFeasiblePlan, PlannerConfig, plan
-from meshd.plan.costs import make_candidate, stage_bytes
+from meshd.plan.cost_model import make_candidate, stage_bytes
 from protocol.gossip import CapacityRecord, ModelHolding, Status
 
 CONTEXT = 256

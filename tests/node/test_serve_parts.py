@@ -17,7 +17,7 @@ import trio.testing
 from meshd.mesh.identity import NodeIdentity
 from meshd.mesh.membership import Membership
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import LaneTable, PeerUnreachable
+from meshd.net.lane_table import LaneTable, PeerUnreachable
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.notify import Notifier
 from protocol import gossip

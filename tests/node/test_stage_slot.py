@@ -12,7 +12,7 @@ from meshd.mesh.identity import NodeIdentity
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.net.endpoint import open_endpoint
-from meshd.net.lanes import LaneTable
+from meshd.net.lane_table import LaneTable
 from meshd.node.stage_slot import StageSlot
 from protocol.messages import Message, OpenSession, StageError
 

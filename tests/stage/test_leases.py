@@ -12,12 +12,12 @@ import torch
 import trio
 import trio.testing
 
+from meshd.coord.coordinator import Coordinator, GenerationRequest, RouteFailed
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import Coordinator, GenerationRequest, RouteFailed
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 from meshd.stage.host import COORDINATOR_LOST, LEASE_LAPSED, StageHost
 from meshd.stage.leases import Leases
 from protocol.messages import Message, OpenSession, SessionKeepAlive, StageError

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from meshd.model.builtin import builtin_model_dir
-from meshd.spec.config import SpecConfig
-from meshd.spec.draft import DraftModel, DraftProposer, check_draft_tokenizer
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft import DraftModel, DraftProposer, check_draft_tokenizer
 from meshd_train.cli import main
 
 

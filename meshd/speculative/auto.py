@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from meshd.spec.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
-from meshd.spec.mtp import MtpHybrid, MtpProposer
-from meshd.spec.ngram import NgramCache, NgramSimple
-from meshd.spec.policy import (
+from meshd.speculative.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
+from meshd.speculative.mtp import MtpHybrid, MtpProposer
+from meshd.speculative.ngram import NgramCache, NgramSimple
+from meshd.speculative.policy import (
     DEFAULT_LINK,
     AcceptanceTracker,
     LinkModel,
@@ -35,11 +35,11 @@ from meshd.spec.policy import (
     plan_of,
     search,
 )
-from meshd.spec.proposer import AccountedProposer, Proposer
+from meshd.speculative.proposer import AccountedProposer, Proposer
 
 if TYPE_CHECKING:
-    from meshd.spec.draft import DraftModel, DraftProposer
-    from meshd.spec.sampling import SamplingParams
+    from meshd.speculative.draft import DraftModel, DraftProposer
+    from meshd.speculative.sampling import SamplingParams
 
 # Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
 _MTP_MIN_SAMPLES = 8
@@ -216,7 +216,7 @@ class AutoProposer(AccountedProposer):
         # The node's draft model, where one is configured: one more candidate (and part).
         self._draft: DraftProposer | None = None
         if draft is not None:
-            from meshd.spec.draft import DraftNgram
+            from meshd.speculative.draft import DraftNgram
 
             self._draft = DraftNgram(config, draft, sampling)
             self._candidates[_DRAFT_CANDIDATE] = self._draft

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshd.spec import Recorder, SamplingParams, clip_drafts, sample_token, verify
-from meshd.spec.proposer import Proposer
+from meshd.speculative import Recorder, SamplingParams, clip_drafts, sample_token, verify
+from meshd.speculative.proposer import Proposer
 
 VOCAB = 32
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from meshd.spec import SamplingParams, SpecConfig, make_proposer
-from meshd.spec.config import STRATEGIES
-from tests.spec.drafts import tiny_draft, tiny_draft_dir
-from tests.spec.target import (
+from meshd.speculative import SamplingParams, SpecConfig, make_proposer
+from meshd.speculative.config import STRATEGIES
+from tests.speculative.drafts import tiny_draft, tiny_draft_dir
+from tests.speculative.target import (
     VOCAB,
     OracleDrafts,
     RandomDrafts,

@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshd.spec.config import SpecConfig
+from meshd.speculative.config import SpecConfig
 
 # Acceptance is kept below 1 so E and p stay finite-sample honest.
 _ALPHA_CAP = 0.999

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from meshd.spec import (
+from meshd.speculative import (
     LinkModel,
     PolicyInputs,
     Recorder,
@@ -15,7 +15,7 @@ from meshd.spec import (
     choose,
     make_proposer,
 )
-from tests.spec.target import Target, decode_spec
+from tests.speculative.target import Target, decode_spec
 
 
 def test_snapshot_derives_rates_from_counters() -> None:

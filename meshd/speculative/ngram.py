@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshd.spec.config import SpecConfig
-from meshd.spec.proposer import AccountedProposer
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.proposer import AccountedProposer
 
 
 class _History(AccountedProposer):

@@ -6,7 +6,7 @@ import functools
 import pathlib
 import tempfile
 
-from meshd.spec.draft import DraftModel
+from meshd.speculative.draft import DraftModel
 from tests.model.tiny import make_checkpoint
 
 _ROOT = pathlib.Path(tempfile.mkdtemp(prefix="meshd-drafts-"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from meshd.spec.policy import WindowPlan
+from meshd.speculative.policy import WindowPlan
 
 TELEMETRY_VERSION = 1
 

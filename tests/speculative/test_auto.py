@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from meshd.spec import (
+from meshd.speculative import (
     AcceptanceBook,
     AutoProposer,
     LinkModel,
@@ -13,7 +13,7 @@ from meshd.spec import (
     choose,
     make_proposer,
 )
-from meshd.spec.proposer import Proposer
+from meshd.speculative.proposer import Proposer
 
 CONFIG = SpecConfig(strategy="auto", ngram_min=1, ngram_max=3, mtp_depth=3)
 WAN = LinkModel(rtt_s=0.040, pass_fixed_s=0.004, pass_per_token_s=0.0005, stages=2)

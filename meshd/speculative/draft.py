@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshd.spec.config import SpecConfig
-from meshd.spec.ngram import NgramSimple
-from meshd.spec.proposer import AccountedProposer
-from meshd.spec.sampling import SamplingParams, coupled_draft_token, coupled_draft_tokens
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.ngram import NgramSimple
+from meshd.speculative.proposer import AccountedProposer
+from meshd.speculative.sampling import SamplingParams, coupled_draft_token, coupled_draft_tokens
 
 if TYPE_CHECKING:
     from meshd.model.stage import StageModel

@@ -17,19 +17,19 @@
 
 from __future__ import annotations
 
-from meshd.spec.auto import AcceptanceBook, AutoProposer
-from meshd.spec.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
-from meshd.spec.draft import DraftModel, DraftNgram, DraftProposer
-from meshd.spec.mtp import MtpHybrid, MtpProposer
-from meshd.spec.ngram import NgramCache, NgramSimple
-from meshd.spec.policy import DEFAULT_LINK, LinkModel
-from meshd.spec.proposer import (
+from meshd.speculative.auto import AcceptanceBook, AutoProposer
+from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
+from meshd.speculative.draft import DraftModel, DraftNgram, DraftProposer
+from meshd.speculative.mtp import MtpHybrid, MtpProposer
+from meshd.speculative.ngram import NgramCache, NgramSimple
+from meshd.speculative.policy import DEFAULT_LINK, LinkModel
+from meshd.speculative.proposer import (
     AccountedProposer,
     DisabledProposer,
     Proposer,
     ProposerStats,
 )
-from meshd.spec.sampling import SamplingParams
+from meshd.speculative.sampling import SamplingParams
 
 __all__ = [
     "AcceptanceBook",

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from meshd.spec import SamplingParams, coupled_draft_token, sample_token, verify
-from meshd.spec.sampling import (
+from meshd.speculative import SamplingParams, coupled_draft_token, sample_token, verify
+from meshd.speculative.sampling import (
     coupled_draft_tokens,
     filtered_probs,
     filtered_support,
@@ -17,7 +17,7 @@ from meshd.spec.sampling import (
     keyed_mantissas,
     position_key,
 )
-from tests.spec.test_sampling import reference_probs
+from tests.speculative.test_sampling import reference_probs
 
 # A row with a spread like a language model's: a few likely tokens, a long tail.
 ROW16 = torch.tensor(

@@ -1,6 +1,6 @@
 """The coordinator: runs requests over routes of stages, one `WindowLoop` per request.
 
-`WindowLoop` (`session.py`) decides everything about a request's windows; this module is its
+`WindowLoop` (`window_loop.py`) decides everything about a request's windows; this module is its
 trio driver: it feeds the loop each reply, lost stage, overdue timer and streamed batch of
 tokens with the time it happened, and sends what the loop returns. A send that fails because
 the lane to a stage is gone (`LANE_ERRORS`) fails the route with `RouteFailed`; any other
@@ -23,8 +23,8 @@ from typing import Protocol
 
 import trio
 
-from meshd.coord.costs import RouteCosts
-from meshd.coord.session import (
+from meshd.coord.route_costs import RouteCosts
+from meshd.coord.window_loop import (
     GenerationRequest,
     GenerationResult,
     RouteFailed,
@@ -33,15 +33,15 @@ from meshd.coord.session import (
     WindowLoop,
 )
 from meshd.net.endpoint import LaneClosedError
-from meshd.net.lanes import PeerUnreachable
+from meshd.net.lane_table import PeerUnreachable
 from meshd.plan.route import Route
-from meshd.spec.auto import AcceptanceBook
-from meshd.spec.config import SpecConfig
-from meshd.spec.draft import DraftModel
-from meshd.spec.policy import LinkModel
-from meshd.spec.proposer import Proposer
-from meshd.spec.sampling import SamplingParams
-from meshd.spec.strategies import make_proposer
+from meshd.speculative.auto import AcceptanceBook
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft import DraftModel
+from meshd.speculative.policy import LinkModel
+from meshd.speculative.proposer import Proposer
+from meshd.speculative.sampling import SamplingParams
+from meshd.speculative.strategies import make_proposer
 from protocol.messages import (
     MAX_KEEPALIVE_SESSIONS,
     CloseSession,

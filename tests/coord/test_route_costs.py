@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshd.coord.costs import RouteCosts
-from meshd.spec.config import SpecConfig
-from meshd.spec.policy import PolicyInputs, choose
+from meshd.coord.route_costs import RouteCosts
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.policy import PolicyInputs, choose
 
 MS = 1e-3
 

@@ -11,13 +11,13 @@ import pathlib
 import pytest
 import trio
 
+from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
-from meshd.coord.pipeline import GenerationRequest
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import Sampling as DecodeSampling
 from meshd.model.decode import generate
 from meshd.model.stage import StageModel
-from meshd.spec.config import STRATEGIES, SpecConfig
+from meshd.speculative.config import STRATEGIES, SpecConfig
 from protocol.messages import Sampling
 from tests.model.tiny import add_mtp, make_checkpoint
 

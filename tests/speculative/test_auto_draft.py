@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from meshd.spec import AcceptanceBook, AutoProposer, LinkModel, SpecConfig
-from meshd.spec.auto import _draft_ngram_shadow
-from meshd.spec.draft import DraftModel, DraftNgram, DraftProposer
-from meshd.spec.policy import PolicyInputs, choose
-from meshd.spec.sampling import SamplingParams
-from tests.spec.drafts import tiny_draft
+from meshd.speculative import AcceptanceBook, AutoProposer, LinkModel, SpecConfig
+from meshd.speculative.auto import _draft_ngram_shadow
+from meshd.speculative.draft import DraftModel, DraftNgram, DraftProposer
+from meshd.speculative.policy import PolicyInputs, choose
+from meshd.speculative.sampling import SamplingParams
+from tests.speculative.drafts import tiny_draft
 
 VOCAB = 4096
 CONFIG = SpecConfig(strategy="auto", ngram_min=1, ngram_max=3, mtp_depth=3)

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.spec import SpecConfig, UnknownStrategyError, make_proposer
-from meshd.spec.config import STRATEGIES
-from meshd.spec.ngram import NgramCache
-from tests.spec.drafts import tiny_draft, tiny_draft_dir
-from tests.spec.target import VOCAB
+from meshd.speculative import SpecConfig, UnknownStrategyError, make_proposer
+from meshd.speculative.config import STRATEGIES
+from meshd.speculative.ngram import NgramCache
+from tests.speculative.drafts import tiny_draft, tiny_draft_dir
+from tests.speculative.target import VOCAB
 
 WIDE = SpecConfig(ngram_min=1, ngram_max=3, ngram_cache_min_hits=1, mtp_depth=3)
 # The same with a (random) draft model configured, for the draft strategies and `auto`.

@@ -10,18 +10,18 @@ import tokenizers
 import torch
 
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
-from meshd.spec import SamplingParams, SpecConfig, make_proposer
-from meshd.spec.config import DRAFT_STRATEGIES, SpecConfigError, resolve_spec_config
-from meshd.spec.draft import (
+from meshd.speculative import SamplingParams, SpecConfig, make_proposer
+from meshd.speculative.config import DRAFT_STRATEGIES, SpecConfigError, resolve_spec_config
+from meshd.speculative.draft import (
     DraftMismatchError,
     DraftModel,
     DraftNgram,
     DraftProposer,
     check_draft_tokenizer,
 )
-from meshd.spec.policy import LinkModel, PolicyInputs, choose
-from tests.spec.drafts import tiny_draft, tiny_draft_dir
-from tests.spec.target import VOCAB, Target, decode_pipelined, decode_plain, decode_spec
+from meshd.speculative.policy import LinkModel, PolicyInputs, choose
+from tests.speculative.drafts import tiny_draft, tiny_draft_dir
+from tests.speculative.target import VOCAB, Target, decode_pipelined, decode_plain, decode_spec
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
 PARAMS = {

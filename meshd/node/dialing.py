@@ -27,7 +27,7 @@ import trio
 from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
 from meshd.net.endpoint import Endpoint, PeerLane
-from meshd.net.lanes import Dispatch, LaneTable, LaneTableOptions, PeerUnreachable
+from meshd.net.lane_table import Dispatch, LaneTable, LaneTableOptions, PeerUnreachable
 from meshd.net.punch import NatTraversal, Path
 from protocol.punch import PunchConfig, RelayPath
 

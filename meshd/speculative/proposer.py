@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshd.spec.config import MTP_STRATEGIES, SpecConfig
-from meshd.spec.policy import AcceptanceTracker, LinkModel
+from meshd.speculative.config import MTP_STRATEGIES, SpecConfig
+from meshd.speculative.policy import AcceptanceTracker, LinkModel
 
 
 @dataclass

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshd.spec.config import SpecConfig
-from meshd.spec.ngram import NgramCache, NgramSimple
-from meshd.spec.proposer import AccountedProposer
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.ngram import NgramCache, NgramSimple
+from meshd.speculative.proposer import AccountedProposer
 
 
 class MtpProposer(AccountedProposer):

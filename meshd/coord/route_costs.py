@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshd.spec.policy import LinkModel
+from meshd.speculative.policy import LinkModel
 
 # Weight of the newest window in its size's compute estimate.
 _BUCKET_EWMA = 0.2

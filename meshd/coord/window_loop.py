@@ -3,7 +3,7 @@
 `WindowLoop` owns everything a request's decoding decides: the token log, the proposer, the
 windows in flight and their epoch, rollback, acceptance accounting and the route's measured
 costs. It never reads a clock, sleeps or sends; the driver (`Coordinator.generate` in
-`pipeline.py`) feeds it events with the time they happened and sends what each returns:
+`coordinator.py`) feeds it events with the time they happened and sends what each returns:
 
 - `start(prompt, now)`: the session opens on every stage and the prompt is prefilled.
 - `on_reply(reply, now)`: a `VerifyReply` or `StageError` for this session arrived.
@@ -35,13 +35,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
-from meshd.coord.costs import RouteCosts
+from meshd.coord.route_costs import RouteCosts
 from meshd.plan.route import Route
-from meshd.spec.config import MTP_STRATEGIES, SpecConfig
-from meshd.spec.policy import LinkModel, PolicyInputs, WindowPlan, choose
-from meshd.spec.proposer import Proposer
-from meshd.spec.sampling import clip_drafts
-from meshd.spec.telemetry import Recorder, SpecTelemetry
+from meshd.speculative.config import MTP_STRATEGIES, SpecConfig
+from meshd.speculative.policy import LinkModel, PolicyInputs, WindowPlan, choose
+from meshd.speculative.proposer import Proposer
+from meshd.speculative.sampling import clip_drafts
+from meshd.speculative.telemetry import Recorder, SpecTelemetry
 from protocol.messages import (
     DType,
     Message,

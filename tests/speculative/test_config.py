@@ -7,7 +7,7 @@ import argparse
 import msgspec
 import pytest
 
-from meshd.spec import (
+from meshd.speculative import (
     SpecConfig,
     SpecConfigError,
     add_spec_arguments,
@@ -15,7 +15,7 @@ from meshd.spec import (
     resolve_spec_config,
     spec_cli_values,
 )
-from meshd.spec.config import KEYS
+from meshd.speculative.config import KEYS
 
 
 def test_precedence_request_over_cli_over_file_over_model_defaults() -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from meshd.plan import PlannerConfig
-from meshd.plan.costs import HopCosts, split_layers
+from meshd.plan.cost_model import HopCosts, split_layers
 
 
 def best_split_cost(layers: int, speeds: list[float], caps: list[int]) -> float:
