@@ -477,6 +477,7 @@ class ArtifactService:
         self.load_display = load_display
         self._note = note or (lambda _kind, _detail: None)
         self.on_fetch_end = on_fetch_end or (lambda _ok: None)
+        self._carrying = False
         # Held while this node's stage computes a window: serving chunks waits meanwhile, the
         # CPU and the GIL go to the window first.
         self.gate = gate or BulkGate()
@@ -622,11 +623,21 @@ class ArtifactService:
             if job is None:
                 await self._job_changed.wait()
                 continue
-            ok, last = await self._carry_out(job)
+            self._carrying = True
+            try:
+                ok, last = await self._carry_out(job)
+            finally:
+                self._carrying = False
             if self._job == last:
                 self._job = None
             if ok is not None:
                 self.on_fetch_end(ok)
+
+    @property
+    def carrying_out(self) -> bool:
+        """Whether a fetch is under way: until it is false, `status()` may not yet say how the
+        last one ended (it ends with thread calls after its run stops taking replies)."""
+        return self._carrying
 
     async def _carry_out(self, job: FetchJob) -> tuple[bool | None, FetchJob]:
         """Fetch `job`, following the jobs that replace it, until done (True), failed (False)
