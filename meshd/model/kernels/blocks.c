@@ -236,9 +236,22 @@ int64_t meshd_blocks_scratch_bytes(int type, int64_t k, int64_t t) {
 /* ggml's roundf: half away from zero (what quantize_row_q8_0_ref uses). */
 static inline float round_away(float v) { return roundf(v); }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* The AVX-512 tiles read two blocks per 64-byte vector in the order a nibble pair unpacks to:
+ * block b's codes 0-15, block b+1's 0-15, b's 16-31, b+1's 16-31 (an odd last block: zeros for
+ * b+1; the row's area is rounded up to 64 bytes). */
+#define PAIRED 1
+static inline int64_t code_at(int64_t b, int j) {
+    return (b >> 1) * 64 + (b & 1) * 16 + (j >> 4) * 32 + (j & 15);
+}
+#else
+static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
+#endif
+
 static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     const int64_t nb = k / QK;
     int8_t *q = (int8_t *)act;
+    if (nb & 1) memset(q + (nb - 1) * QK, 0, (size_t)(align64(k) - (nb - 1) * QK));
     float *d = (float *)(act + align64(k));
     float *s = d + nb;
     int32_t *sum = (int32_t *)(s + nb);
@@ -251,7 +264,7 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
         int32_t total = 0;
         for (int j = 0; j < QK; ++j) {
             const int v = (int)round_away(xb[j] * id);
-            q[b * QK + j] = (int8_t)v;
+            q[code_at(b, j)] = (int8_t)v;
             total += v;
         }
         d[b] = fp16(to_fp16(db));
@@ -579,6 +592,210 @@ static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int
 #endif
 }
 
+/* ---- AVX-512: two blocks per vector, tiles of rows x tokens ------------------------------------
+ * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (lanes 0-7: block b, 8-15: block b+1), so
+ * each pair costs one integer dot, one conversion, one scale multiply and one FMA per (row, token).
+ * A tile of NR rows x nt tokens decodes each weight pair once and reads each activation pair once.
+ * The per-(row, token) sequence is the same for every tile shape; an odd last block runs the same
+ * pair code with a zero second block, which adds exact zeros. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define NR_MAX 4
+
+static inline int64_t blk_bytes_q(int type) {
+    return type == T_Q4_0   ? 18
+           : type == T_Q4_1 ? 20
+           : type == T_Q5_0 ? 22
+           : type == T_Q5_1 ? 24
+                            : 34;
+}
+
+/* Element 0 of v in the lanes that sum block b's codes (0-3, 8-11), element 1 in block b+1's. */
+static inline __m512 pair_ps(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(v));
+}
+
+/* 16 bytes of nibbles -> 32 code bytes in ggml's element order (low nibbles, then high). */
+static inline __m256i nib_codes(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* Blocks b and b+1 (b+1 absent: zeros) of a row as 64 code bytes in the PAIRED order: unsigned
+ * codes for the nibble formats, Q8_0's signed bytes. */
+static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two) {
+    const int off = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    if (type == T_Q8_0) {
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + 2));
+        const __m256i c1 = two ? _mm256_loadu_si256((const __m256i *)(p + bb + 2))
+                               : _mm256_setzero_si256();
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+        return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    const __m128i n0 = _mm_loadu_si128((const __m128i *)(p + off));
+    const __m128i n1 = two ? _mm_loadu_si128((const __m128i *)(p + bb + off)) : _mm_setzero_si128();
+    const __m256i v = _mm256_set_m128i(n1, n0);
+    __m512i c = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+        _mm512_set1_epi8(0x0F));
+    if (type == T_Q5_0 || type == T_Q5_1) {
+        uint32_t h0, h1 = 0;
+        memcpy(&h0, p + off - 4, 4);
+        if (two) memcpy(&h1, p + bb + off - 4, 4);
+        const uint64_t m = (uint64_t)(h0 & 0xFFFF) | (uint64_t)(h1 & 0xFFFF) << 16 |
+                           (uint64_t)(h0 >> 16) << 32 | (uint64_t)(h1 >> 16) << 48;
+        c = _mm512_or_si512(c, _mm512_maskz_set1_epi8(m, 0x10));
+    }
+    return c;
+}
+
+static inline __attribute__((always_inline)) void tile512(int type, const uint8_t *const *wr,
+                                                         int nr, int64_t k, const uint8_t *act,
+                                                         int64_t stride, int nt, float *out,
+                                                         int64_t ldo) {
+    const int64_t nb = k / QK, bb = blk_bytes_q(type);
+    const int one = type == T_Q4_1 || type == T_Q5_1;
+    const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
+    __m512 acc[NR_MAX][NT];
+    float summs[NR_MAX][NT];
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) {
+            acc[i][r] = _mm512_setzero_ps();
+            summs[i][r] = 0.0f;
+        }
+    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m512i wv[NR_MAX];
+        __mmask64 neg[NR_MAX];
+        __m512 dw[NR_MAX];
+        float mw[NR_MAX][2] = {{0.0f}};
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *p = wr[i] + b * bb;
+            wv[i] = pair_codes(type, p, bb, two);
+            if (type == T_Q8_0) {
+                /* |w| as unsigned bytes (128 for -128: still exact) times x negated where w < 0. */
+                neg[i] = _mm512_movepi8_mask(wv[i]);
+                wv[i] = _mm512_abs_epi8(wv[i]);
+            }
+            const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
+            dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
+            if (one) {
+                mw[i][0] = fp16(rd16(p + 2));
+                mw[i][1] = two ? fp16(rd16(p + bb + 2)) : 0.0f;
+            }
+        }
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const float *d = ACT_D(a, k);
+            const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
+            const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
+                                          : _mm_load_ss(d + b));
+            __m512i init = _mm512_setzero_si512();
+            if (shift) {
+                const int32_t *sm = (const int32_t *)(d + 2 * nb);
+                const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b))
+                                       : _mm_cvtsi32_si128(sm[b]);
+                init = _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_slli_epi32(
+                        _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)),
+                        shift));
+            }
+            for (int i = 0; i < nr; ++i) {
+                __m512i p;
+                if (type == T_Q8_0)
+                    p = _mm512_dpbusd_epi32(
+                        init, wv[i], _mm512_mask_sub_epi8(x, neg[i], _mm512_setzero_si512(), x));
+                else
+                    p = _mm512_dpbusd_epi32(init, wv[i], x);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(p), acc[i][r]);
+                if (one) {
+                    const float *s = d + nb;
+                    summs[i][r] += mw[i][0] * s[b];
+                    if (two) summs[i][r] += mw[i][1] * s[b + 1];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + summs[i][r];
+}
+
+/* One function per (type, rows, tokens): each compiles to straight code for its constants. */
+typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act, int64_t stride,
+                        float *out, int64_t ldo);
+#define TILE_FN(TYPE, NRC, NTC)                                                                    \
+    static void tile_##TYPE##_##NRC##x##NTC(const uint8_t *const *wr, int64_t k,                   \
+                                            const uint8_t *act, int64_t stride, float *out,        \
+                                            int64_t ldo) {                                         \
+        tile512(TYPE, wr, NRC, k, act, stride, NTC, out, ldo);                                     \
+    }
+#define TILE_SET(TYPE)                                                                             \
+    TILE_FN(TYPE, 4, 1)                                                                            \
+    TILE_FN(TYPE, 2, 1)                                                                            \
+    TILE_FN(TYPE, 2, 2)                                                                            \
+    TILE_FN(TYPE, 2, 3)                                                                            \
+    TILE_FN(TYPE, 2, 4)                                                                            \
+    TILE_FN(TYPE, 1, 1)                                                                            \
+    TILE_FN(TYPE, 1, 2)                                                                            \
+    TILE_FN(TYPE, 1, 3)                                                                            \
+    TILE_FN(TYPE, 1, 4)                                                                            \
+    static const tile_fn tiles_##TYPE[9] = {                                                       \
+        tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,              \
+        tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,              \
+        tile_##TYPE##_1x4};
+TILE_SET(T_Q4_0)
+TILE_SET(T_Q4_1)
+TILE_SET(T_Q5_0)
+TILE_SET(T_Q5_1)
+TILE_SET(T_Q8_0)
+
+static const tile_fn *tiles_of(int type) {
+    switch (type) {
+    case T_Q4_0: return tiles_T_Q4_0;
+    case T_Q4_1: return tiles_T_Q4_1;
+    case T_Q5_0: return tiles_T_Q5_0;
+    case T_Q5_1: return tiles_T_Q5_1;
+    default: return tiles_T_Q8_0;
+    }
+}
+
+static int tiled_type(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
+}
+
+/* Rows [r0, r1) x every token through the tiles: 4 rows at a time for single tokens (independent
+ * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise. */
+static void rows_mm512(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
+                       int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
+                       float *y) {
+    const tile_fn *tiles = tiles_of(type);
+    for (int64_t j = 0; j < t; j += NT) {
+        const int nt = t - j < NT ? (int)(t - j) : NT;
+        const uint8_t *a = act + j * stride;
+        float *o = y + j * n_out;
+        int64_t n = r0;
+        const uint8_t *wr[NR_MAX];
+        if (nt == 1)
+            for (; n + 4 <= r1; n += 4) {
+                for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
+                tiles[0](wr, k, a, stride, o + n, n_out);
+            }
+        for (; n + 2 <= r1; n += 2) {
+            wr[0] = w + n * rb;
+            wr[1] = w + (n + 1) * rb;
+            tiles[nt](wr, k, a, stride, o + n, n_out);
+        }
+        for (; n < r1; ++n) {
+            wr[0] = w + n * rb;
+            tiles[4 + nt](wr, k, a, stride, o + n, n_out);
+        }
+    }
+}
+#endif
+
 /* ---- float dot products (F32, F16, BF16 weights; activations already rounded to the type) ---- */
 
 #if defined(__AVX512F__)
@@ -742,6 +959,12 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
 #pragma omp for schedule(guided)
         for (int64_t c = 0; c < chunks; ++c) {
             const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+            if (tiled_type(type)) {
+                rows_mm512(type, (const uint8_t *)w, rb, k, n_out, r0, r1, act, stride, t, y);
+                continue;
+            }
+#endif
             rows_mm(type, (const uint8_t *)w, rb, k, n_out, r0, r1, act, stride, t, y);
         }
     }
