@@ -51,6 +51,7 @@ enum {
 #define Q8K_BYTES 292
 #define NT 4    /* tokens sharing one pass over a weight row */
 #define CHUNK 16 /* output rows per unit of work between threads */
+#define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
 
 #ifdef MESHD_HAVE_K_QUANTS
 void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
@@ -233,8 +234,14 @@ int64_t meshd_blocks_scratch_bytes(int type, int64_t k, int64_t t) {
     return act_stride(type, k) * t + 64;
 }
 
-/* ggml's roundf: half away from zero (what quantize_row_q8_0_ref uses). */
-static inline float round_away(float v) { return roundf(v); }
+/* roundf(v) for |v| < 2^31 (what quantize_row_q8_0_ref uses: halves away from zero), written
+ * out so that it inlines and vectorizes instead of calling libm: v - trunc(v) is exact. */
+static inline int round_away(float v) {
+    int i = (int)v;
+    const float f = v - (float)i;
+    i += (f >= 0.5f) - (f <= -0.5f);
+    return i;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* The AVX-512 tiles read two blocks per 64-byte vector in the order a nibble pair unpacks to:
@@ -258,12 +265,13 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     for (int64_t b = 0; b < nb; ++b) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
-        for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(xb[j]));
+        /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */
+        for (int j = 0; j < QK; ++j) amax = amax > fabsf(xb[j]) ? amax : fabsf(xb[j]);
         const float db = amax / 127.0f;
         const float id = db != 0.0f ? 1.0f / db : 0.0f;
         int32_t total = 0;
         for (int j = 0; j < QK; ++j) {
-            const int v = (int)round_away(xb[j] * id);
+            const int v = round_away(xb[j] * id);
             q[code_at(b, j)] = (int8_t)v;
             total += v;
         }
@@ -346,10 +354,10 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* ---- quantized dot products -------------------------------------------------------------------
- * dot_<type>(w, nb, acts, stride, nt, out): out[r] = row w (nb blocks) · token r's act, for r < nt.
- * Each token's arithmetic is the same whatever nt is (callers pass constants, so each nt gets its
- * own unrolled copy of the same per-token sequence). */
+/* ---- quantized dot products, portable C ---------------------------------------------------------
+ * dot_<type>(w, k, acts, stride, nt, out): out[r] = row w · token r's act, for r < nt, as ggml's
+ * generic vec_dot computes it (exact int32 block sums, one fp32 multiply-add per block). The
+ * AVX2 and AVX-512 builds run the tiles below instead. */
 
 #define ACT_Q(a) ((const int8_t *)(a))
 #define ACT_D(a, k) ((const float *)((a) + align64(k)))
@@ -359,30 +367,6 @@ static inline __attribute__((always_inline)) void dot_q4_0(const uint8_t *w, int
                                                           const uint8_t *act, int64_t stride,
                                                           int nt, float *out) {
     const int64_t nb = k / QK;
-#if defined(__AVX2__)
-    __m256 acc[NT];
-    const int8_t *q[NT];
-    const float *d[NT];
-    const int32_t *sm[NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        q[r] = ACT_Q(act + r * stride);
-        d[r] = ACT_D(act + r * stride, k);
-        sm[r] = (const int32_t *)(d[r] + 2 * nb);
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 18;
-        const float dw = fp16(rd16(blk));
-        const __m256i u = nibbles32(blk + 2);
-        for (int r = 0; r < nt; ++r) {
-            /* sum (u - 8) * q = sum u * q - 8 * sum q: exact in int32. */
-            const __m256i s = _mm256_load_si256((const __m256i *)(q[r] + b * QK));
-            const __m256i p = dot_us(lane0(-8 * sm[r][b]), u, s);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    for (int r = 0; r < nt; ++r) out[r] = hsum8(acc[r]);
-#else
     for (int r = 0; r < nt; ++r) {
         const int8_t *q = ACT_Q(act + r * stride);
         const float *d = ACT_D(act + r * stride, k);
@@ -398,7 +382,6 @@ static inline __attribute__((always_inline)) void dot_q4_0(const uint8_t *w, int
         }
         out[r] = sumf;
     }
-#endif
 }
 
 /* Q4_1 (d, m; nibbles, value = d * nibble + m) · Q8_1: d*dx*sum(nibble*q) + m*s. */
@@ -406,31 +389,6 @@ static inline __attribute__((always_inline)) void dot_q4_1(const uint8_t *w, int
                                                           const uint8_t *act, int64_t stride,
                                                           int nt, float *out) {
     const int64_t nb = k / QK;
-#if defined(__AVX2__)
-    __m256 acc[NT];
-    float summs[NT];
-    const int8_t *q[NT];
-    const float *d[NT], *s[NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        summs[r] = 0.0f;
-        q[r] = ACT_Q(act + r * stride);
-        d[r] = ACT_D(act + r * stride, k);
-        s[r] = d[r] + nb;
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 20;
-        const float dw = fp16(rd16(blk)), mw = fp16(rd16(blk + 2));
-        const __m256i u = nibbles32(blk + 4);
-        for (int r = 0; r < nt; ++r) {
-            const __m256i x = _mm256_load_si256((const __m256i *)(q[r] + b * QK));
-            const __m256i p = dot_us(_mm256_setzero_si256(), u, x);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-            summs[r] += mw * s[r][b];
-        }
-    }
-    for (int r = 0; r < nt; ++r) out[r] = hsum8(acc[r]) + summs[r];
-#else
     for (int r = 0; r < nt; ++r) {
         const int8_t *q = ACT_Q(act + r * stride);
         const float *d = ACT_D(act + r * stride, k), *s = d + nb;
@@ -446,7 +404,6 @@ static inline __attribute__((always_inline)) void dot_q4_1(const uint8_t *w, int
         }
         out[r] = sumf;
     }
-#endif
 }
 
 /* Q5_0 (d; 32 fifth bits; nibbles, value = d * (5-bit code - 16)) · Q8_0. */
@@ -454,29 +411,6 @@ static inline __attribute__((always_inline)) void dot_q5_0(const uint8_t *w, int
                                                           const uint8_t *act, int64_t stride,
                                                           int nt, float *out) {
     const int64_t nb = k / QK;
-#if defined(__AVX2__)
-    __m256 acc[NT];
-    const int8_t *q[NT];
-    const float *d[NT];
-    const int32_t *sm[NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        q[r] = ACT_Q(act + r * stride);
-        d[r] = ACT_D(act + r * stride, k);
-        sm[r] = (const int32_t *)(d[r] + 2 * nb);
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 22;
-        const float dw = fp16(rd16(blk));
-        const __m256i u = _mm256_or_si256(nibbles32(blk + 6), fifth_bits(blk + 2));
-        for (int r = 0; r < nt; ++r) {
-            const __m256i x = _mm256_load_si256((const __m256i *)(q[r] + b * QK));
-            const __m256i p = dot_us(lane0(-16 * sm[r][b]), u, x);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    for (int r = 0; r < nt; ++r) out[r] = hsum8(acc[r]);
-#else
     for (int r = 0; r < nt; ++r) {
         const int8_t *q = ACT_Q(act + r * stride);
         const float *d = ACT_D(act + r * stride, k);
@@ -495,7 +429,6 @@ static inline __attribute__((always_inline)) void dot_q5_0(const uint8_t *w, int
         }
         out[r] = sumf;
     }
-#endif
 }
 
 /* Q5_1 (d, m; fifth bits; nibbles, value = d * code + m) · Q8_1. */
@@ -503,31 +436,6 @@ static inline __attribute__((always_inline)) void dot_q5_1(const uint8_t *w, int
                                                           const uint8_t *act, int64_t stride,
                                                           int nt, float *out) {
     const int64_t nb = k / QK;
-#if defined(__AVX2__)
-    __m256 acc[NT];
-    float summs[NT];
-    const int8_t *q[NT];
-    const float *d[NT], *s[NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        summs[r] = 0.0f;
-        q[r] = ACT_Q(act + r * stride);
-        d[r] = ACT_D(act + r * stride, k);
-        s[r] = d[r] + nb;
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 24;
-        const float dw = fp16(rd16(blk)), mw = fp16(rd16(blk + 2));
-        const __m256i u = _mm256_or_si256(nibbles32(blk + 8), fifth_bits(blk + 4));
-        for (int r = 0; r < nt; ++r) {
-            const __m256i x = _mm256_load_si256((const __m256i *)(q[r] + b * QK));
-            const __m256i p = dot_us(_mm256_setzero_si256(), u, x);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-            summs[r] += mw * s[r][b];
-        }
-    }
-    for (int r = 0; r < nt; ++r) out[r] = hsum8(acc[r]) + summs[r];
-#else
     for (int r = 0; r < nt; ++r) {
         const int8_t *q = ACT_Q(act + r * stride);
         const float *d = ACT_D(act + r * stride, k), *s = d + nb;
@@ -546,7 +454,6 @@ static inline __attribute__((always_inline)) void dot_q5_1(const uint8_t *w, int
         }
         out[r] = sumf;
     }
-#endif
 }
 
 /* Q8_0 (d; 32 int8) · Q8_0. */
@@ -554,29 +461,6 @@ static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int
                                                           const uint8_t *act, int64_t stride,
                                                           int nt, float *out) {
     const int64_t nb = k / QK;
-#if defined(__AVX2__)
-    __m256 acc[NT];
-    const int8_t *q[NT];
-    const float *d[NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        q[r] = ACT_Q(act + r * stride);
-        d[r] = ACT_D(act + r * stride, k);
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = w + b * 34;
-        const float dw = fp16(rd16(blk));
-        const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        /* |w| as unsigned (128 for -128, still exact) times q carrying w's sign. */
-        const __m256i aw = _mm256_sign_epi8(wq, wq);
-        for (int r = 0; r < nt; ++r) {
-            const __m256i x = _mm256_load_si256((const __m256i *)(q[r] + b * QK));
-            const __m256i p = dot_us(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, wq));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(p), acc[r]);
-        }
-    }
-    for (int r = 0; r < nt; ++r) out[r] = hsum8(acc[r]);
-#else
     for (int r = 0; r < nt; ++r) {
         const int8_t *q = ACT_Q(act + r * stride);
         const float *d = ACT_D(act + r * stride, k);
@@ -589,8 +473,84 @@ static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int
         }
         out[r] = sumf;
     }
-#endif
 }
+
+/* ---- AVX2: tiles of rows x tokens, one block per step ------------------------------------------
+ * The same tiling as the AVX-512 code with one 32-byte block per vector: a tile decodes each
+ * weight block once for all its tokens and reads each activation block once for all its rows;
+ * every (row, token) runs the same sequence whatever the tile shape. */
+#if defined(__AVX2__) && !defined(PAIRED)
+#define TILED 1
+#define NR_MAX 4
+
+static inline int64_t blk_bytes_q(int type) {
+    return type == T_Q4_0   ? 18
+           : type == T_Q4_1 ? 20
+           : type == T_Q5_0 ? 22
+           : type == T_Q5_1 ? 24
+                            : 34;
+}
+
+/* One block's 32 codes: unsigned for the nibble formats, Q8_0's signed bytes. */
+static inline __m256i blk_codes(int type, const uint8_t *p) {
+    switch (type) {
+    case T_Q4_0: return nibbles32(p + 2);
+    case T_Q4_1: return nibbles32(p + 4);
+    case T_Q5_0: return _mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2));
+    case T_Q5_1: return _mm256_or_si256(nibbles32(p + 8), fifth_bits(p + 4));
+    default: return _mm256_loadu_si256((const __m256i *)(p + 2));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile256(int type, const uint8_t *const *wr,
+                                                         int nr, int64_t k, const uint8_t *act,
+                                                         int64_t stride, int nt, float *out,
+                                                         int64_t ldo) {
+    const int64_t nb = k / QK, bb = blk_bytes_q(type);
+    const int one = type == T_Q4_1 || type == T_Q5_1;
+    const int32_t offset = type == T_Q4_0 ? -8 : type == T_Q5_0 ? -16 : 0;
+    __m256 acc[NR_MAX][NT];
+    float summs[NR_MAX][NT];
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) {
+            acc[i][r] = _mm256_setzero_ps();
+            summs[i][r] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i wv[NR_MAX], sg[NR_MAX];
+        float dw[NR_MAX], mw[NR_MAX];
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *p = wr[i] + b * bb;
+            wv[i] = blk_codes(type, p);
+            if (type == T_Q8_0) {
+                /* |w| as unsigned (128 for -128: still exact) times x carrying w's sign. */
+                sg[i] = wv[i];
+                wv[i] = _mm256_sign_epi8(wv[i], wv[i]);
+            }
+            dw[i] = fp16(rd16(p));
+            mw[i] = one ? fp16(rd16(p + 2)) : 0.0f;
+        }
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const float *d = ACT_D(a, k);
+            const __m256i x = _mm256_load_si256((const __m256i *)(ACT_Q(a) + b * QK));
+            /* sum (u + offset) * x = sum u * x + offset * sum x: exact in int32. */
+            const __m256i init =
+                offset ? lane0(offset * ((const int32_t *)(d + 2 * nb))[b]) : _mm256_setzero_si256();
+            for (int i = 0; i < nr; ++i) {
+                const __m256i xs = type == T_Q8_0 ? _mm256_sign_epi8(x, sg[i]) : x;
+                const __m256i p = dot_us(init, wv[i], xs);
+                acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * d[b]), _mm256_cvtepi32_ps(p),
+                                            acc[i][r]);
+                if (one) summs[i][r] += mw[i] * d[nb + b];
+            }
+        }
+    }
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) out[r * ldo + i] = hsum8(acc[i][r]) + summs[i][r];
+}
+#define TILE_KERNEL tile256
+#endif
 
 /* ---- AVX-512: two blocks per vector, tiles of rows x tokens ------------------------------------
  * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (lanes 0-7: block b, 8-15: block b+1), so
@@ -598,7 +558,8 @@ static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int
  * A tile of NR rows x nt tokens decodes each weight pair once and reads each activation pair once.
  * The per-(row, token) sequence is the same for every tile shape; an odd last block runs the same
  * pair code with a zero second block, which adds exact zeros. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(PAIRED)
+#define TILED 1
 #define NR_MAX 4
 
 static inline int64_t blk_bytes_q(int type) {
@@ -722,6 +683,10 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + summs[i][r];
 }
+#define TILE_KERNEL tile512
+#endif
+
+#if defined(TILED)
 
 /* One function per (type, rows, tokens): each compiles to straight code for its constants. */
 typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act, int64_t stride,
@@ -730,7 +695,7 @@ typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act,
     static void tile_##TYPE##_##NRC##x##NTC(const uint8_t *const *wr, int64_t k,                   \
                                             const uint8_t *act, int64_t stride, float *out,        \
                                             int64_t ldo) {                                         \
-        tile512(TYPE, wr, NRC, k, act, stride, NTC, out, ldo);                                     \
+        TILE_KERNEL(TYPE, wr, NRC, k, act, stride, NTC, out, ldo);                                     \
     }
 #define TILE_SET(TYPE)                                                                             \
     TILE_FN(TYPE, 4, 1)                                                                            \
@@ -768,7 +733,7 @@ static int tiled_type(int type) {
 
 /* Rows [r0, r1) x every token through the tiles: 4 rows at a time for single tokens (independent
  * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise. */
-static void rows_mm512(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
+static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
                        float *y) {
     const tile_fn *tiles = tiles_of(type);
@@ -951,21 +916,28 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
     const int64_t stride = act_stride(type, k);
     uint8_t *act = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const int64_t chunks = (n_out + CHUNK - 1) / CHUNK;
+    const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
+        /* Units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost: the activations a
+         * unit reads stay in L2 while the threads sweep the rows. */
 #pragma omp for schedule(guided)
-        for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t u = 0; u < chunks * tblocks; ++u) {
+            const int64_t c = u % chunks, j0 = u / chunks * TOKEN_BLOCK;
             const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+            const int64_t tn = t - j0 < TOKEN_BLOCK ? t - j0 : TOKEN_BLOCK;
+            const uint8_t *a = act + j0 * stride;
+            float *yb = y + j0 * n_out;
+#if defined(TILED)
             if (tiled_type(type)) {
-                rows_mm512(type, (const uint8_t *)w, rb, k, n_out, r0, r1, act, stride, t, y);
+                rows_tiled(type, (const uint8_t *)w, rb, k, n_out, r0, r1, a, stride, tn, yb);
                 continue;
             }
 #endif
-            rows_mm(type, (const uint8_t *)w, rb, k, n_out, r0, r1, act, stride, t, y);
+            rows_mm(type, (const uint8_t *)w, rb, k, n_out, r0, r1, a, stride, tn, yb);
         }
     }
     return 0;
