@@ -63,7 +63,12 @@
 #define Q8_K_QS 4
 #define Q8_K_BSUMS 260
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* The AVX-512 code also needs BW (byte and word ops) and VNNI (VPDPWSSD); without them the AVX2
+ * code runs. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                    \
+    defined(__AVX512VNNI__) && defined(__FMA__)
+#define KQ_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #define KQ_AVX2 1
 #else
 #define KQ_SCALAR 1
@@ -562,10 +567,14 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
             const __m256i q8_2 = _mm256_loadu_si256((const __m256i *)(q8 + 64));
             const __m256i q8_3 = _mm256_loadu_si256((const __m256i *)(q8 + 96));
             q8 += 128;
-            const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 0)));
-            const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 1)));
-            const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 2)));
-            const __m256i sc3 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 3)));
+            const __m256i sc0 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 0)));
+            const __m256i sc1 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 1)));
+            const __m256i sc2 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 2)));
+            const __m256i sc3 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 3)));
             is += 4;
             const __m256i p16_0 = _mm256_madd_epi16(sc0, _mm256_maddubs_epi16(q4_0, q8_0));
             const __m256i p16_1 = _mm256_madd_epi16(sc1, _mm256_maddubs_epi16(q4_1, q8_1));
@@ -581,6 +590,139 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
 }
 
 #endif /* KQ_AVX2 */
+
+#if defined(KQ_AVX512)
+
+/* The AVX-512 kernels compute the same eight int32 lanes per super-block as ggml's AVX2 ones, two
+ * 32-value chunks per instruction (chunk a in the low 256 bits, chunk b in the high), and fold
+ * the halves before the float steps, which are the AVX2 kernels'. VPMADDUBSW makes the int16
+ * products of pairs (no saturation: |q| <= 63, |q8| <= 127) and VPDPWSSD multiplies them by the
+ * chunks' scales and adds pairs into the lanes. */
+
+/* Word i of the result: scale (byte of `sc16`) number first + i / 16 (Q4_K/Q5_K: one scale per
+ * 32 values) or first + i / 8 (Q6_K: one per 16). */
+static inline __m512i spread_scales(__m512i sc16, int first, int per) {
+    __m512i idx = _mm512_set1_epi16((short)first);
+    const __m512i step = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        per == 16 ? 4 : 3);
+    idx = _mm512_add_epi16(idx, step);
+    return _mm512_permutexvar_epi16(idx, sc16);
+}
+
+static inline __m256i fold_lanes(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* 32 bytes twice: the low 256 bits as loaded, the high 256 bits shifted right by 4 in each
+ * 64-bit lane (then masked: low nibbles, high nibbles). */
+static inline __m512i nibbles_lo_hi(const uint8_t *p, __m512i m4) {
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
+}
+
+static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+
+        const __m512i sc16 = _mm512_castsi256_si512(mins_and_scales);
+        const uint8_t *q4 = w + 16;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < QK_K / 64; ++j, q4 += 32, q8 += 64) {
+            const __m512i q = nibbles_lo_hi(q4, m4);
+            const __m512i p16 = _mm512_maddubs_epi16(q, _mm512_loadu_si512(q8));
+            sumi = _mm512_dpwssd_epi32(sumi, p16, spread_scales(sc16, 2 * j, 16));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold_lanes(sumi)), acc);
+    }
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
+}
+
+static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i m16 = _mm512_set1_epi8(0x10);
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0.f;
+    for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
+        const __m128i mzero = _mm_setzero_si128();
+        const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+        summs = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs);
+
+        const __m512i sc16 = _mm512_castsi256_si512(mins_and_scales);
+        /* qh bit 2j (low half) and 2j+1 (high half) of each byte, rotated to bit 4: rotating a
+         * 64-bit lane right by (bit - 4) mod 64 moves bit `bit` of every byte to its bit 4. */
+        const __m512i hbits =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
+        const uint8_t *q5 = w + 48;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < QK_K / 64; ++j, q5 += 32, q8 += 64) {
+            const long long lo = (2 * j - 4) & 63, hi = (2 * j + 1 - 4) & 63;
+            const __m512i turn = _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo);
+            const __m512i h = _mm512_rorv_epi64(hbits, turn);
+            /* q | (h & 0x10): ternary logic A | (B & C) */
+            const __m512i q = _mm512_ternarylogic_epi64(nibbles_lo_hi(q5, m4), h, m16, 0xF8);
+            const __m512i p16 = _mm512_maddubs_epi16(q, _mm512_loadu_si512(q8));
+            sumi = _mm512_dpwssd_epi32(sumi, p16, spread_scales(sc16, 2 * j, 16));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold_lanes(sumi)), acc);
+    }
+    return hsum_float_8(acc) + summs;
+}
+
+static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i m48 = _mm512_set1_epi8(0x30);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES, y += Q8_K_BYTES) {
+        const float d = f32_at(y) * fp16_at(w + 208);
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(y + Q8_K_BSUMS));
+        const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        const __m512i sc16 = _mm512_castsi256_si512(scales_16);
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int j = 0; j < QK_K / 128; ++j, ql += 64, qh += 32, q8 += 128) {
+            /* chunks 0 and 1: low nibbles of ql[0..63], qh bits 0-1 and 2-3 rotated to bits 4-5;
+             * chunks 2 and 3: high nibbles, qh bits 4-5 and 6-7. */
+            const __m512i l = _mm512_loadu_si512(ql);
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+            const __m512i h01 =
+                _mm512_rorv_epi64(h, _mm512_set_epi64(62, 62, 62, 62, 60, 60, 60, 60));
+            const __m512i h23 = _mm512_rorv_epi64(h, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
+            const __m512i q01 = _mm512_ternarylogic_epi64(_mm512_and_si512(l, m4), h01, m48, 0xF8);
+            const __m512i q23 = _mm512_ternarylogic_epi64(
+                _mm512_and_si512(_mm512_srli_epi16(l, 4), m4), h23, m48, 0xF8);
+            const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(q8));
+            const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(q8 + 64));
+            sumi = _mm512_dpwssd_epi32(sumi, p01, spread_scales(sc16, 8 * j, 8));
+            sumi = _mm512_dpwssd_epi32(sumi, p23, spread_scales(sc16, 8 * j + 4, 8));
+        }
+        const __m256i lanes = _mm256_sub_epi32(fold_lanes(sumi), q8sclsub);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    return hsum_float_8(acc);
+}
+
+#endif /* KQ_AVX512 */
 
 /* ---- exported dot products ---------------------------------------------------------------- */
 
