@@ -260,13 +260,14 @@ static inline void mins_by_bsums(const uint8_t mins[8], const int16_t bsums[16],
     }
 }
 
-/* lanes[L] += scale * sum_{t<4} q[4L+t] * q8[4L+t] over one 32-value chunk. */
-static inline void chunk_into_lanes(const uint8_t q[32], const int8_t *q8, int32_t scale,
-                                    int32_t lanes[8]) {
+/* lanes[L] += scale * sum_{t<4} q[4L+t] * q8[4L+t] over one 32-value chunk, where the scale is
+ * s_lo for lanes 0-3 (values 0-15) and s_hi for lanes 4-7 (values 16-31). */
+static inline void chunk_into_lanes(const uint8_t q[32], const int8_t *q8, int32_t s_lo,
+                                    int32_t s_hi, int32_t lanes[8]) {
     for (int L = 0; L < 8; ++L) {
         int32_t s = 0;
         for (int t = 0; t < 4; ++t) s += q[4 * L + t] * q8[4 * L + t];
-        lanes[L] += scale * s;
+        lanes[L] += (L < 4 ? s_lo : s_hi) * s;
     }
 }
 
@@ -293,8 +294,8 @@ static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
                 lo[l] = qs[l] & 0xF;
                 hi[l] = qs[l] >> 4;
             }
-            chunk_into_lanes(lo, q8, sc[2 * j], lanes);
-            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], lanes);
+            chunk_into_lanes(lo, q8, sc[2 * j], sc[2 * j], lanes);
+            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], sc[2 * j + 1], lanes);
         }
         for (int L = 0; L < 8; ++L) acc[L] = fmaf(d, (float)lanes[L], acc[L]);
     }
@@ -326,8 +327,8 @@ static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
                 lo[l] = (uint8_t)((qs[l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
                 hi[l] = (uint8_t)((qs[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
             }
-            chunk_into_lanes(lo, q8, sc[2 * j], lanes);
-            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], lanes);
+            chunk_into_lanes(lo, q8, sc[2 * j], sc[2 * j], lanes);
+            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], sc[2 * j + 1], lanes);
         }
         for (int L = 0; L < 8; ++L) acc[L] = fmaf(d, (float)lanes[L], acc[L]);
     }
@@ -348,19 +349,17 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
         const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
         int32_t lanes[8] = {0};
         for (int j = 0; j < 2; ++j, ql += 64, qh += 32) {
+            /* chunks 0-3: low nibbles of ql[0..31], ql[32..63], then high nibbles, each with
+             * the next two bits of qh as bits 4-5 */
+            uint8_t q[4][32];
+            for (int l = 0; l < 32; ++l) {
+                q[0][l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                q[1][l] = (uint8_t)((ql[32 + l] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                q[2][l] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                q[3][l] = (uint8_t)((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
             for (int c = 0; c < 4; ++c, q8 += 32) {
-                const int s0 = sc[8 * j + 2 * c], s1 = sc[8 * j + 2 * c + 1];
-                for (int L = 0; L < 8; ++L) {
-                    int32_t s = 0;
-                    for (int t = 0; t < 4; ++t) {
-                        const int l = 4 * L + t;
-                        const int lo = (c & 1) ? ql[32 + l] : ql[l];
-                        const int q = ((c & 2) ? (lo >> 4) : (lo & 0xF)) |
-                                      (((qh[l] >> (2 * c)) & 3) << 4);
-                        s += q * q8[l];
-                    }
-                    lanes[L] += (L < 4 ? s0 : s1) * s;
-                }
+                chunk_into_lanes(q[c], q8, sc[8 * j + 2 * c], sc[8 * j + 2 * c + 1], lanes);
             }
         }
         for (int L = 0; L < 8; ++L) {
@@ -383,7 +382,8 @@ static inline float hsum_float_8(const __m256 x) {
     return _mm_cvtss_f32(res);
 }
 
-/* The 12 scale bytes of a Q4_K/Q5_K block as 16 bytes: 8 scales, then 8 mins. */
+/* The 12 scale bytes of a Q4_K/Q5_K block as 16 bytes: 8 scales, then 8 mins (ggml's
+ * kmask/utmp shuffle). */
 static inline __m128i scales_mins_k4(const uint8_t *scales) {
     const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     uint32_t utmp[4];
@@ -593,14 +593,15 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
 
 #if defined(KQ_AVX512)
 
-/* The AVX-512 kernels compute the same eight int32 lanes per super-block as ggml's AVX2 ones, two
- * 32-value chunks per instruction (chunk a in the low 256 bits, chunk b in the high), and fold
- * the halves before the float steps, which are the AVX2 kernels'. VPMADDUBSW makes the int16
- * products of pairs (no saturation: |q| <= 63, |q8| <= 127) and VPDPWSSD multiplies them by the
- * chunks' scales and adds pairs into the lanes. */
+/* The AVX-512 kernels compute the same eight int32 lanes per super-block as ggml's AVX2 ones.
+ * Q5_K and Q6_K take two 32-value chunks per instruction (one in the low 256 bits, one in the
+ * high) and fold the halves before the float steps, which are the AVX2 kernels'. VPMADDUBSW
+ * makes the int16 products of pairs (no saturation: 0 <= q <= 63, |q8| <= 127) and VPDPWSSD
+ * multiplies them by the chunks' scales and adds pairs into the lanes. Integer sums are exact,
+ * so how they are grouped cannot change a bit of the result. */
 
-/* Word i of the result: scale (byte of `sc16`) number first + i / 16 (Q4_K/Q5_K: one scale per
- * 32 values) or first + i / 8 (Q6_K: one per 16). */
+/* Word i of the result: word first + i / 16 of `sc16` (Q4_K/Q5_K: one scale per 32 values) or
+ * first + i / 8 (Q6_K: one per 16). */
 static inline __m512i spread_scales(__m512i sc16, int first, int per) {
     __m512i idx = _mm512_set1_epi16((short)first);
     const __m512i step = _mm512_srli_epi16(
@@ -622,8 +623,14 @@ static inline __m512i nibbles_lo_hi(const uint8_t *p, __m512i m4) {
     return _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
 }
 
+/* Q4_K stays at 256 bits: its 512-bit form puts every step on one port (shift, VPMADDUBSW and
+ * VPDPWSSD of zmm registers all issue on port 0) and ran no faster than ggml's AVX2 kernel;
+ * VPDPWSSD on ymm replaces that kernel's VPMADDWD + VPADDD. */
+/* A VPSHUFB control that copies 16-bit word `w` into every word. */
+static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
+
 static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
-    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
     __m128 acc_m = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
@@ -634,16 +641,27 @@ static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
         const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
         acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
 
-        const __m512i sc16 = _mm512_castsi256_si512(mins_and_scales);
+        const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
         const uint8_t *q4 = w + 16;
         const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m512i sumi = _mm512_setzero_si512();
+        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int j = 0; j < QK_K / 64; ++j, q4 += 32, q8 += 64) {
-            const __m512i q = nibbles_lo_hi(q4, m4);
-            const __m512i p16 = _mm512_maddubs_epi16(q, _mm512_loadu_si512(q8));
-            sumi = _mm512_dpwssd_epi32(sumi, p16, spread_scales(sc16, 2 * j, 16));
+            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
+            const __m256i q4l = _mm256_and_si256(q4bits, m4);
+            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+            const __m256i p16l =
+                _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
+            const __m256i p16h =
+                _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+            /* word 2j, then word 2j + 1, of the scales in every word */
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+            sumi[0] = _mm256_dpwssd_epi32(sumi[0], p16l, scale_l);
+            sumi[1] = _mm256_dpwssd_epi32(sumi[1], p16h, scale_h);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold_lanes(sumi)), acc);
+        const __m256i lanes = _mm256_add_epi32(sumi[0], sumi[1]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
     }
     acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
     acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
@@ -672,7 +690,7 @@ static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
             _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
         const uint8_t *q5 = w + 48;
         const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m512i sumi = _mm512_setzero_si512();
+        __m512i sumi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int j = 0; j < QK_K / 64; ++j, q5 += 32, q8 += 64) {
             const long long lo = (2 * j - 4) & 63, hi = (2 * j + 1 - 4) & 63;
             const __m512i turn = _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo);
@@ -680,9 +698,10 @@ static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
             /* q | (h & 0x10): ternary logic A | (B & C) */
             const __m512i q = _mm512_ternarylogic_epi64(nibbles_lo_hi(q5, m4), h, m16, 0xF8);
             const __m512i p16 = _mm512_maddubs_epi16(q, _mm512_loadu_si512(q8));
-            sumi = _mm512_dpwssd_epi32(sumi, p16, spread_scales(sc16, 2 * j, 16));
+            sumi[j & 1] = _mm512_dpwssd_epi32(sumi[j & 1], p16, spread_scales(sc16, 2 * j, 16));
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(fold_lanes(sumi)), acc);
+        const __m256i lanes = fold_lanes(_mm512_add_epi32(sumi[0], sumi[1]));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
     }
     return hsum_float_8(acc) + summs;
 }
@@ -699,7 +718,7 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
         const __m512i sc16 = _mm512_castsi256_si512(scales_16);
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m512i sumi = _mm512_setzero_si512();
+        __m512i sumi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
         for (int j = 0; j < QK_K / 128; ++j, ql += 64, qh += 32, q8 += 128) {
             /* chunks 0 and 1: low nibbles of ql[0..63], qh bits 0-1 and 2-3 rotated to bits 4-5;
              * chunks 2 and 3: high nibbles, qh bits 4-5 and 6-7. */
@@ -713,10 +732,11 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
                 _mm512_and_si512(_mm512_srli_epi16(l, 4), m4), h23, m48, 0xF8);
             const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(q8));
             const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(q8 + 64));
-            sumi = _mm512_dpwssd_epi32(sumi, p01, spread_scales(sc16, 8 * j, 8));
-            sumi = _mm512_dpwssd_epi32(sumi, p23, spread_scales(sc16, 8 * j + 4, 8));
+            sumi[0] = _mm512_dpwssd_epi32(sumi[0], p01, spread_scales(sc16, 8 * j, 8));
+            sumi[1] = _mm512_dpwssd_epi32(sumi[1], p23, spread_scales(sc16, 8 * j + 4, 8));
         }
-        const __m256i lanes = _mm256_sub_epi32(fold_lanes(sumi), q8sclsub);
+        const __m256i all = fold_lanes(_mm512_add_epi32(sumi[0], sumi[1]));
+        const __m256i lanes = _mm256_sub_epi32(all, q8sclsub);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
     }
     return hsum_float_8(acc);
