@@ -169,7 +169,7 @@ def activations(rows: int, k: int, seed: int) -> np.ndarray:
     x[:, rng.integers(0, k, size=4)] *= 20.0
     if k >= 2 * QK_K:
         x[0, QK_K : 2 * QK_K] = 0.0
-    x[-1, 7], x[-1, 3] = 50.0, -50.0
+    x[-1, 7], x[-1, 3] = 1000.0, -1000.0
     return x
 
 

@@ -593,39 +593,28 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
 
 #if defined(KQ_AVX512)
 
-/* The AVX-512 kernels compute the same eight int32 lanes per super-block as ggml's AVX2 ones.
- * Q5_K and Q6_K take two 32-value chunks per instruction (one in the low 256 bits, one in the
- * high) and fold the halves before the float steps, which are the AVX2 kernels'. VPMADDUBSW
- * makes the int16 products of pairs (no saturation: 0 <= q <= 63, |q8| <= 127) and VPDPWSSD
- * multiplies them by the chunks' scales and adds pairs into the lanes. Integer sums are exact,
- * so how they are grouped cannot change a bit of the result. */
+/* The AVX-512 build computes the same eight int32 lanes per super-block as ggml's AVX2 kernels,
+ * with VNNI's VPDPWSSD (int16 pair products times the chunk scales, added into the lanes) in
+ * place of VPMADDWD + VPADDD. Q4_K and Q5_K stay at 256 bits: at 512 their shifts, VPMADDUBSW
+ * and VPDPWSSD all issue on port 0, and they measured slower than at 256 (figures in the commit
+ * that chose this). Q6_K has more to unpack per value and gains from 512 bits: two 32-value
+ * chunks per instruction (one in each 256-bit half), folded before the float steps. VPMADDUBSW
+ * does not saturate here: 0 <= q <= 63 and |q8| <= 127. Integer sums are exact, so how they are
+ * grouped cannot change a bit of the result. */
 
-/* Word i of the result: word first + i / 16 of `sc16` (Q4_K/Q5_K: one scale per 32 values) or
- * first + i / 8 (Q6_K: one per 16). */
-static inline __m512i spread_scales(__m512i sc16, int first, int per) {
-    __m512i idx = _mm512_set1_epi16((short)first);
+/* Q6_K's 16 int16 scales spread over 32 words: word i gets scale first + i / 8. */
+static inline __m512i spread_scales(__m512i sc16, int first) {
     const __m512i step = _mm512_srli_epi16(
         _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                          13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        per == 16 ? 4 : 3);
-    idx = _mm512_add_epi16(idx, step);
-    return _mm512_permutexvar_epi16(idx, sc16);
+        3);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)first), step), sc16);
 }
 
 static inline __m256i fold_lanes(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-/* 32 bytes twice: the low 256 bits as loaded, the high 256 bits shifted right by 4 in each
- * 64-bit lane (then masked: low nibbles, high nibbles). */
-static inline __m512i nibbles_lo_hi(const uint8_t *p, __m512i m4) {
-    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
-}
-
-/* Q4_K stays at 256 bits: its 512-bit form puts every step on one port (shift, VPMADDUBSW and
- * VPDPWSSD of zmm registers all issue on port 0) and ran no faster than ggml's AVX2 kernel;
- * VPDPWSSD on ymm replaces that kernel's VPMADDWD + VPADDD. */
 /* A VPSHUFB control that copies 16-bit word `w` into every word. */
 static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
 
@@ -668,9 +657,11 @@ static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
     return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
 }
 
+/* qh bit 2j (2j+1) of each byte is shifted to bit 4 and merged with the low (high) nibbles by
+ * one ternary-logic op. */
 static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    const __m512i m16 = _mm512_set1_epi8(0x10);
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(0x10);
     __m256 acc = _mm256_setzero_ps();
     float summs = 0.f;
     for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
@@ -683,24 +674,33 @@ static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
         const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
         summs = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs);
 
-        const __m512i sc16 = _mm512_castsi256_si512(mins_and_scales);
-        /* qh bit 2j (low half) and 2j+1 (high half) of each byte, rotated to bit 4: rotating a
-         * 64-bit lane right by (bit - 4) mod 64 moves bit `bit` of every byte to its bit 4. */
-        const __m512i hbits =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
+        const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
         const uint8_t *q5 = w + 48;
         const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m512i sumi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int j = 0; j < QK_K / 64; ++j, q5 += 32, q8 += 64) {
-            const long long lo = (2 * j - 4) & 63, hi = (2 * j + 1 - 4) & 63;
-            const __m512i turn = _mm512_set_epi64(hi, hi, hi, hi, lo, lo, lo, lo);
-            const __m512i h = _mm512_rorv_epi64(hbits, turn);
-            /* q | (h & 0x10): ternary logic A | (B & C) */
-            const __m512i q = _mm512_ternarylogic_epi64(nibbles_lo_hi(q5, m4), h, m16, 0xF8);
-            const __m512i p16 = _mm512_maddubs_epi16(q, _mm512_loadu_si512(q8));
-            sumi[j & 1] = _mm512_dpwssd_epi32(sumi[j & 1], p16, spread_scales(sc16, 2 * j, 16));
+            const __m256i q5bits = _mm256_loadu_si256((const __m256i *)q5);
+            /* bit 0 (1) of each qh byte to bit 4; bits leaking in from the byte below are
+             * masked off by the 0x10 of A | (B & C) */
+            const __m256i h0 = _mm256_slli_epi16(hbits, 4);
+            const __m256i h1 = _mm256_slli_epi16(hbits, 3);
+            hbits = _mm256_srli_epi16(hbits, 2);
+            const __m256i lo = _mm256_and_si256(q5bits, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4);
+            const __m256i q5_0 = _mm256_ternarylogic_epi64(lo, h0, m16, 0xF8);
+            const __m256i q5_1 = _mm256_ternarylogic_epi64(hi, h1, m16, 0xF8);
+            const __m256i p0 =
+                _mm256_maddubs_epi16(q5_0, _mm256_loadu_si256((const __m256i *)q8));
+            const __m256i p1 =
+                _mm256_maddubs_epi16(q5_1, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+            const __m256i s0 = _mm256_shuffle_epi8(scales, word_index(2 * j));
+            const __m256i s1 = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+            sumi[0] = _mm256_dpwssd_epi32(sumi[0], p0, s0);
+            sumi[1] = _mm256_dpwssd_epi32(sumi[1], p1, s1);
         }
-        const __m256i lanes = fold_lanes(_mm512_add_epi32(sumi[0], sumi[1]));
+        const __m256i lanes = _mm256_add_epi32(sumi[0], sumi[1]);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
     }
     return hsum_float_8(acc) + summs;
@@ -732,8 +732,8 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
                 _mm512_and_si512(_mm512_srli_epi16(l, 4), m4), h23, m48, 0xF8);
             const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(q8));
             const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(q8 + 64));
-            sumi[0] = _mm512_dpwssd_epi32(sumi[0], p01, spread_scales(sc16, 8 * j, 8));
-            sumi[1] = _mm512_dpwssd_epi32(sumi[1], p23, spread_scales(sc16, 8 * j + 4, 8));
+            sumi[0] = _mm512_dpwssd_epi32(sumi[0], p01, spread_scales(sc16, 8 * j));
+            sumi[1] = _mm512_dpwssd_epi32(sumi[1], p23, spread_scales(sc16, 8 * j + 4));
         }
         const __m256i all = fold_lanes(_mm512_add_epi32(sumi[0], sumi[1]));
         const __m256i lanes = _mm256_sub_epi32(all, q8sclsub);
