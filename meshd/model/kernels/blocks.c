@@ -1,0 +1,1092 @@
+/* GGUF tensors multiplied as stored: ggml's block formats and dot products (docs/model-runtime.md,
+ * "GGUF block kernels").
+ *
+ * y[t][n] = sum_k x[t][k] * W[n][k], where W is n_out rows of k elements laid out exactly as the
+ * GGUF file stores them (ggml's blocks) and x is fp32. As in ggml, each row of x is first
+ * converted to the weight type's "vec_dot type": Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_0, Q8_1 for
+ * Q4_1/Q5_1 (whose dot needs the activation block's sum), Q8_K blocks of 256 for the K-quants,
+ * fp16 for F16, bf16 for BF16, nothing for F32. Activations are quantized with ggml's reference
+ * rule (quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d))), which is also what the
+ * `gguf` Python package computes, so the integer codes and scales are ggml's own.
+ *
+ * Rules the Python side relies on:
+ * - Every output element is computed by the same sequence of floating-point operations whatever
+ *   t, the thread count or the row's place in the batch: integer block sums are exact, each
+ *   token has its own accumulators, and the multi-token kernels run the single-token sequence
+ *   once per token (compiled with -ffp-contract=off; the FMAs written as intrinsics are in every
+ *   variant alike). A verify window's rows are therefore bit-identical to single steps.
+ * - The same source builds three ways (`avx512`, `avx2`, `portable`); the intrinsics sit inside
+ *   __AVX2__ / __AVX512F__ guards and the scalar code is the reference for any CPU.
+ * - K-quant dot products come from blocks_k.c when it is compiled in (MESHD_HAVE_K_QUANTS); without
+ *   it those types are not supported here (their rows still dequantize, for embeddings).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ggml's type ids (gguf.GGMLQuantizationType). */
+enum {
+    T_F32 = 0,
+    T_F16 = 1,
+    T_Q4_0 = 2,
+    T_Q4_1 = 3,
+    T_Q5_0 = 6,
+    T_Q5_1 = 7,
+    T_Q8_0 = 8,
+    T_Q4_K = 12,
+    T_Q5_K = 13,
+    T_Q6_K = 14,
+    T_BF16 = 30,
+};
+
+#define QK 32   /* elements per block of the non-K formats */
+#define QKK 256 /* elements per K-quant super-block */
+#define Q8K_BYTES 292
+#define NT 4    /* tokens sharing one pass over a weight row */
+#define CHUNK 16 /* output rows per unit of work between threads */
+#define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
+
+#ifdef MESHD_HAVE_K_QUANTS
+void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
+float meshd_vec_dot_q4_K_q8_K(int64_t n, const void *w, const void *x);
+float meshd_vec_dot_q5_K_q8_K(int64_t n, const void *w, const void *x);
+float meshd_vec_dot_q6_K_q8_K(int64_t n, const void *w, const void *x);
+#endif
+
+int meshd_blocks_abi(void) { return 1; }
+
+/* The ISA this copy was compiled for (the Python side checks it loaded the one it asked for). */
+const char *meshd_blocks_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
+int meshd_blocks_has_k_quants(void) {
+#ifdef MESHD_HAVE_K_QUANTS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- fp16 / bf16 (exact conversions, round to nearest even, as ggml's) ---------------------- */
+
+static inline uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ggml's GGML_COMPUTE_FP16_TO_FP32 without F16C (from the FP16 library): exact. */
+static inline float fp16_soft(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
+    return u2f(sign | (two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized)));
+}
+
+static inline float fp16(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return fp16_soft(h);
+#endif
+}
+
+/* ggml's GGML_COMPUTE_FP32_TO_FP16 without F16C: round to nearest even, NaN kept NaN. */
+static inline uint16_t to_fp16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = f2u(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = u2f((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = f2u(base);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+    const uint32_t mantissa_bits = bits & 0x00000FFFu;
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : exp_bits + mantissa_bits));
+#endif
+}
+
+static inline float bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+/* ggml_compute_fp32_to_bf16: NaN made quiet, otherwise round to nearest even. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
+}
+
+static inline uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* ---- sizes ----------------------------------------------------------------------------------- */
+
+static int64_t block_elems(int type) {
+    switch (type) {
+    case T_F32: case T_F16: case T_BF16: return 1;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return QK;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return QKK;
+    default: return 0;
+    }
+}
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case T_F32: return 4;
+    case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Bytes of one stored row of k elements; -1 for an unknown type or a k the blocks do not divide. */
+int64_t meshd_blocks_row_bytes(int type, int64_t k) {
+    const int64_t e = block_elems(type);
+    if (e == 0 || k <= 0 || k % e) return -1;
+    return k / e * block_bytes(type);
+}
+
+/* 1 where meshd_blocks_mm multiplies this type. */
+int meshd_blocks_supported(int type) {
+    switch (type) {
+    case T_F32: case T_F16: case T_BF16:
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0:
+        return 1;
+#ifdef MESHD_HAVE_K_QUANTS
+    case T_Q4_K: case T_Q5_K: case T_Q6_K:
+        return 1;
+#endif
+    default:
+        return 0;
+    }
+}
+
+/* 1 where meshd_blocks_dequantize_rows reads this type. */
+int meshd_blocks_dequantizable(int type) { return block_elems(type) != 0; }
+
+/* ---- activations ------------------------------------------------------------------------------
+ * One token's converted row ("act") in scratch, 64-byte aligned:
+ *   Q8 types: int8 q[k]; float d[nb] (the block scale as stored in fp16, widened: exact);
+ *             float s[nb] (Q8_1's fp16 s = d * sum(q), widened); int32 sum[nb] (sum(q)).
+ *   F16/BF16/F32: float v[k] (x rounded to fp16 / bf16 and widened: exact; F32: x itself).
+ *   K-quants: k / 256 block_q8_K as blocks_k.c writes them.
+ * The widened copies hold exactly the values ggml's blocks hold, in a layout that loads aligned. */
+
+enum { ACT_Q8 = 1, ACT_FLOAT = 2, ACT_Q8K = 3 };
+
+static int act_kind(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return ACT_Q8;
+    case T_F32: case T_F16: case T_BF16: return ACT_FLOAT;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return ACT_Q8K;
+    default: return 0;
+    }
+}
+
+static inline int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
+
+static int64_t act_stride(int type, int64_t k) {
+    switch (act_kind(type)) {
+    case ACT_Q8: return align64(align64(k) + 12 * (k / QK));
+    case ACT_FLOAT: return align64(4 * k);
+    case ACT_Q8K: return align64(k / QKK * Q8K_BYTES);
+    default: return 0;
+    }
+}
+
+/* Bytes of scratch meshd_blocks_mm needs for t rows of k (plus room to align it to 64). */
+int64_t meshd_blocks_scratch_bytes(int type, int64_t k, int64_t t) {
+    if (!meshd_blocks_supported(type) || meshd_blocks_row_bytes(type, k) < 0) return -1;
+    return act_stride(type, k) * t + 64;
+}
+
+/* roundf(v) for |v| < 2^31 (what quantize_row_q8_0_ref uses: halves away from zero), written
+ * out so that it inlines and vectorizes instead of calling libm: v - trunc(v) is exact. */
+static inline int round_away(float v) {
+    int i = (int)v;
+    const float f = v - (float)i;
+    i += (f >= 0.5f) - (f <= -0.5f);
+    return i;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* The AVX-512 tiles read two blocks per 64-byte vector in the order a nibble pair unpacks to:
+ * block b's codes 0-15, block b+1's 0-15, b's 16-31, b+1's 16-31 (an odd last block: zeros for
+ * b+1; the row's area is rounded up to 64 bytes). */
+#define PAIRED 1
+static inline int64_t code_at(int64_t b, int j) {
+    return (b >> 1) * 64 + (b & 1) * 16 + (j >> 4) * 32 + (j & 15);
+}
+#else
+static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
+#endif
+
+static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
+    const int64_t nb = k / QK;
+    int8_t *q = (int8_t *)act;
+    if (nb & 1) memset(q + (nb - 1) * QK, 0, (size_t)(align64(k) - (nb - 1) * QK));
+    float *d = (float *)(act + align64(k));
+    float *s = d + nb;
+    int32_t *sum = (int32_t *)(s + nb);
+    for (int64_t b = 0; b < nb; ++b) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */
+        for (int j = 0; j < QK; ++j) amax = amax > fabsf(xb[j]) ? amax : fabsf(xb[j]);
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int32_t total = 0;
+        for (int j = 0; j < QK; ++j) {
+            const int v = round_away(xb[j] * id);
+            q[code_at(b, j)] = (int8_t)v;
+            total += v;
+        }
+        d[b] = fp16(to_fp16(db));
+        /* quantize_row_q8_1_ref: s = fp16(sum * d) with the unrounded d. */
+        s[b] = fp16(to_fp16((float)total * db));
+        sum[b] = total;
+    }
+}
+
+static void convert_act(int type, const float *x, int64_t k, uint8_t *act) {
+    switch (act_kind(type)) {
+    case ACT_Q8:
+        quantize_q8(x, k, act);
+        break;
+    case ACT_FLOAT: {
+        float *v = (float *)act;
+        if (type == T_F16)
+            for (int64_t i = 0; i < k; ++i) v[i] = fp16(to_fp16(x[i]));
+        else if (type == T_BF16)
+            for (int64_t i = 0; i < k; ++i) v[i] = bf16(to_bf16(x[i]));
+        else
+            memcpy(v, x, (size_t)k * 4);
+        break;
+    }
+#ifdef MESHD_HAVE_K_QUANTS
+    case ACT_Q8K:
+        meshd_quantize_row_q8_K(x, act, k);
+        break;
+#endif
+    default:
+        break;
+    }
+}
+
+/* ---- shared SIMD helpers ---------------------------------------------------------------------- */
+
+#if defined(__AVX2__)
+/* The 32 nibbles of a 16-byte block as bytes 0..15: low nibbles are elements 0..15, high 16..31. */
+static inline __m256i nibbles32(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* 0x10 in byte j where bit j of the 32-bit word is set (Q5's fifth bits). */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t h;
+    memcpy(&h, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_set1_epi8((__mmask32)h, 0x10);
+#else
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)),
+                            _mm256_set1_epi8(0x10));
+#endif
+}
+
+/* acc + the products of unsigned bytes u (0..128) and signed bytes s, summed in fours: exact. */
+static inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    /* maddubs pairs stay below 2 * 128 * 127 < 32768: no saturation for these formats. */
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i lane0(int32_t v) { return _mm256_zextsi128_si256(_mm_cvtsi32_si128(v)); }
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* ---- quantized dot products, portable C ---------------------------------------------------------
+ * dot_<type>(w, k, acts, stride, nt, out): out[r] = row w · token r's act, for r < nt, as ggml's
+ * generic vec_dot computes it (exact int32 block sums, one fp32 multiply-add per block). The
+ * AVX2 and AVX-512 builds run the tiles below instead. */
+
+#define ACT_Q(a) ((const int8_t *)(a))
+#define ACT_D(a, k) ((const float *)((a) + align64(k)))
+
+/* Q4_0 (d; 16 bytes of nibbles, value = d * (nibble - 8)) · Q8_0. */
+static inline __attribute__((always_inline)) void dot_q4_0(const uint8_t *w, int64_t k,
+                                                          const uint8_t *act, int64_t stride,
+                                                          int nt, float *out) {
+    const int64_t nb = k / QK;
+    for (int r = 0; r < nt; ++r) {
+        const int8_t *q = ACT_Q(act + r * stride);
+        const float *d = ACT_D(act + r * stride, k);
+        float sumf = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 18;
+            int32_t sumi = 0;
+            for (int j = 0; j < QK / 2; ++j) {
+                sumi += ((blk[2 + j] & 0x0F) - 8) * q[b * QK + j];
+                sumi += ((blk[2 + j] >> 4) - 8) * q[b * QK + j + QK / 2];
+            }
+            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
+        }
+        out[r] = sumf;
+    }
+}
+
+/* Q4_1 (d, m; nibbles, value = d * nibble + m) · Q8_1: d*dx*sum(nibble*q) + m*s. */
+static inline __attribute__((always_inline)) void dot_q4_1(const uint8_t *w, int64_t k,
+                                                          const uint8_t *act, int64_t stride,
+                                                          int nt, float *out) {
+    const int64_t nb = k / QK;
+    for (int r = 0; r < nt; ++r) {
+        const int8_t *q = ACT_Q(act + r * stride);
+        const float *d = ACT_D(act + r * stride, k), *s = d + nb;
+        float sumf = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 20;
+            int32_t sumi = 0;
+            for (int j = 0; j < QK / 2; ++j) {
+                sumi += (blk[4 + j] & 0x0F) * q[b * QK + j];
+                sumi += (blk[4 + j] >> 4) * q[b * QK + j + QK / 2];
+            }
+            sumf += (fp16(rd16(blk)) * d[b]) * (float)sumi + fp16(rd16(blk + 2)) * s[b];
+        }
+        out[r] = sumf;
+    }
+}
+
+/* Q5_0 (d; 32 fifth bits; nibbles, value = d * (5-bit code - 16)) · Q8_0. */
+static inline __attribute__((always_inline)) void dot_q5_0(const uint8_t *w, int64_t k,
+                                                          const uint8_t *act, int64_t stride,
+                                                          int nt, float *out) {
+    const int64_t nb = k / QK;
+    for (int r = 0; r < nt; ++r) {
+        const int8_t *q = ACT_Q(act + r * stride);
+        const float *d = ACT_D(act + r * stride, k);
+        float sumf = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 22;
+            uint32_t h;
+            memcpy(&h, blk + 2, 4);
+            int32_t sumi = 0;
+            for (int j = 0; j < QK / 2; ++j) {
+                const int lo = (blk[6 + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
+                const int hi = (blk[6 + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+                sumi += (lo - 16) * q[b * QK + j] + (hi - 16) * q[b * QK + j + QK / 2];
+            }
+            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
+        }
+        out[r] = sumf;
+    }
+}
+
+/* Q5_1 (d, m; fifth bits; nibbles, value = d * code + m) · Q8_1. */
+static inline __attribute__((always_inline)) void dot_q5_1(const uint8_t *w, int64_t k,
+                                                          const uint8_t *act, int64_t stride,
+                                                          int nt, float *out) {
+    const int64_t nb = k / QK;
+    for (int r = 0; r < nt; ++r) {
+        const int8_t *q = ACT_Q(act + r * stride);
+        const float *d = ACT_D(act + r * stride, k), *s = d + nb;
+        float sumf = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 24;
+            uint32_t h;
+            memcpy(&h, blk + 4, 4);
+            int32_t sumi = 0;
+            for (int j = 0; j < QK / 2; ++j) {
+                const int lo = (blk[8 + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
+                const int hi = (blk[8 + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+                sumi += lo * q[b * QK + j] + hi * q[b * QK + j + QK / 2];
+            }
+            sumf += (fp16(rd16(blk)) * d[b]) * (float)sumi + fp16(rd16(blk + 2)) * s[b];
+        }
+        out[r] = sumf;
+    }
+}
+
+/* Q8_0 (d; 32 int8) · Q8_0. */
+static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int64_t k,
+                                                          const uint8_t *act, int64_t stride,
+                                                          int nt, float *out) {
+    const int64_t nb = k / QK;
+    for (int r = 0; r < nt; ++r) {
+        const int8_t *q = ACT_Q(act + r * stride);
+        const float *d = ACT_D(act + r * stride, k);
+        float sumf = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = w + b * 34;
+            int32_t sumi = 0;
+            for (int j = 0; j < QK; ++j) sumi += (int8_t)blk[2 + j] * q[b * QK + j];
+            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
+        }
+        out[r] = sumf;
+    }
+}
+
+/* ---- AVX2: tiles of rows x tokens, one block per step ------------------------------------------
+ * The same tiling as the AVX-512 code with one 32-byte block per vector: a tile decodes each
+ * weight block once for all its tokens and reads each activation block once for all its rows;
+ * every (row, token) runs the same sequence whatever the tile shape. */
+#if defined(__AVX2__) && !defined(PAIRED)
+#define TILED 1
+#define NR_MAX 4
+
+static inline int64_t blk_bytes_q(int type) {
+    return type == T_Q4_0   ? 18
+           : type == T_Q4_1 ? 20
+           : type == T_Q5_0 ? 22
+           : type == T_Q5_1 ? 24
+                            : 34;
+}
+
+/* One block's 32 codes: unsigned for the nibble formats, Q8_0's signed bytes. */
+static inline __m256i blk_codes(int type, const uint8_t *p) {
+    switch (type) {
+    case T_Q4_0: return nibbles32(p + 2);
+    case T_Q4_1: return nibbles32(p + 4);
+    case T_Q5_0: return _mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2));
+    case T_Q5_1: return _mm256_or_si256(nibbles32(p + 8), fifth_bits(p + 4));
+    default: return _mm256_loadu_si256((const __m256i *)(p + 2));
+    }
+}
+
+static inline __attribute__((always_inline)) void tile256(int type, const uint8_t *const *wr,
+                                                         int nr, int64_t k, const uint8_t *act,
+                                                         int64_t stride, int nt, float *out,
+                                                         int64_t ldo) {
+    const int64_t nb = k / QK, bb = blk_bytes_q(type);
+    const int one = type == T_Q4_1 || type == T_Q5_1;
+    const int32_t offset = type == T_Q4_0 ? -8 : type == T_Q5_0 ? -16 : 0;
+    __m256 acc[NR_MAX][NT];
+    float summs[NR_MAX][NT];
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) {
+            acc[i][r] = _mm256_setzero_ps();
+            summs[i][r] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i wv[NR_MAX], sg[NR_MAX];
+        float dw[NR_MAX], mw[NR_MAX];
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *p = wr[i] + b * bb;
+            wv[i] = blk_codes(type, p);
+            if (type == T_Q8_0) {
+                /* |w| as unsigned (128 for -128: still exact) times x carrying w's sign. */
+                sg[i] = wv[i];
+                wv[i] = _mm256_sign_epi8(wv[i], wv[i]);
+            }
+            dw[i] = fp16(rd16(p));
+            mw[i] = one ? fp16(rd16(p + 2)) : 0.0f;
+        }
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const float *d = ACT_D(a, k);
+            const __m256i x = _mm256_load_si256((const __m256i *)(ACT_Q(a) + b * QK));
+            /* sum (u + offset) * x = sum u * x + offset * sum x: exact in int32. */
+            const __m256i init =
+                offset ? lane0(offset * ((const int32_t *)(d + 2 * nb))[b]) : _mm256_setzero_si256();
+            for (int i = 0; i < nr; ++i) {
+                const __m256i xs = type == T_Q8_0 ? _mm256_sign_epi8(x, sg[i]) : x;
+                const __m256i p = dot_us(init, wv[i], xs);
+                acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(dw[i] * d[b]), _mm256_cvtepi32_ps(p),
+                                            acc[i][r]);
+                if (one) summs[i][r] += mw[i] * d[nb + b];
+            }
+        }
+    }
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) out[r * ldo + i] = hsum8(acc[i][r]) + summs[i][r];
+}
+#define TILE_KERNEL tile256
+#endif
+
+/* ---- AVX-512: two blocks per vector, tiles of rows x tokens ------------------------------------
+ * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (lanes 0-7: block b, 8-15: block b+1), so
+ * each pair costs one integer dot, one conversion, one scale multiply and one FMA per (row, token).
+ * A tile of NR rows x nt tokens decodes each weight pair once and reads each activation pair once.
+ * The per-(row, token) sequence is the same for every tile shape; an odd last block runs the same
+ * pair code with a zero second block, which adds exact zeros. */
+#if defined(PAIRED)
+#define TILED 1
+#define NR_MAX 4
+
+static inline int64_t blk_bytes_q(int type) {
+    return type == T_Q4_0   ? 18
+           : type == T_Q4_1 ? 20
+           : type == T_Q5_0 ? 22
+           : type == T_Q5_1 ? 24
+                            : 34;
+}
+
+/* Element 0 of v in the lanes that sum block b's codes (0-3, 8-11), element 1 in block b+1's. */
+static inline __m512 pair_ps(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(v));
+}
+
+/* 16 bytes of nibbles -> 32 code bytes in ggml's element order (low nibbles, then high). */
+static inline __m256i nib_codes(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* Blocks b and b+1 (b+1 absent: zeros) of a row as 64 code bytes in the PAIRED order: unsigned
+ * codes for the nibble formats, Q8_0's signed bytes. */
+static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two) {
+    const int off = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    if (type == T_Q8_0) {
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + 2));
+        const __m256i c1 = two ? _mm256_loadu_si256((const __m256i *)(p + bb + 2))
+                               : _mm256_setzero_si256();
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
+        return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    const __m128i n0 = _mm_loadu_si128((const __m128i *)(p + off));
+    const __m128i n1 = two ? _mm_loadu_si128((const __m128i *)(p + bb + off)) : _mm_setzero_si128();
+    const __m256i v = _mm256_set_m128i(n1, n0);
+    __m512i c = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+        _mm512_set1_epi8(0x0F));
+    if (type == T_Q5_0 || type == T_Q5_1) {
+        uint32_t h0, h1 = 0;
+        memcpy(&h0, p + off - 4, 4);
+        if (two) memcpy(&h1, p + bb + off - 4, 4);
+        const uint64_t m = (uint64_t)(h0 & 0xFFFF) | (uint64_t)(h1 & 0xFFFF) << 16 |
+                           (uint64_t)(h0 >> 16) << 32 | (uint64_t)(h1 >> 16) << 48;
+        c = _mm512_or_si512(c, _mm512_maskz_set1_epi8(m, 0x10));
+    }
+    return c;
+}
+
+static inline __attribute__((always_inline)) void tile512(int type, const uint8_t *const *wr,
+                                                         int nr, int64_t k, const uint8_t *act,
+                                                         int64_t stride, int nt, float *out,
+                                                         int64_t ldo) {
+    const int64_t nb = k / QK, bb = blk_bytes_q(type);
+    const int one = type == T_Q4_1 || type == T_Q5_1;
+    const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
+    __m512 acc[NR_MAX][NT];
+    float summs[NR_MAX][NT];
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) {
+            acc[i][r] = _mm512_setzero_ps();
+            summs[i][r] = 0.0f;
+        }
+    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        __m512i wv[NR_MAX];
+        __mmask64 neg[NR_MAX];
+        __m512 dw[NR_MAX];
+        float mw[NR_MAX][2] = {{0.0f}};
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *p = wr[i] + b * bb;
+            wv[i] = pair_codes(type, p, bb, two);
+            if (type == T_Q8_0) {
+                /* |w| as unsigned bytes (128 for -128: still exact) times x negated where w < 0. */
+                neg[i] = _mm512_movepi8_mask(wv[i]);
+                wv[i] = _mm512_abs_epi8(wv[i]);
+            }
+            const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
+            dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
+            if (one) {
+                mw[i][0] = fp16(rd16(p + 2));
+                mw[i][1] = two ? fp16(rd16(p + bb + 2)) : 0.0f;
+            }
+        }
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const float *d = ACT_D(a, k);
+            const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
+            const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
+                                          : _mm_load_ss(d + b));
+            __m512i init = _mm512_setzero_si512();
+            if (shift) {
+                const int32_t *sm = (const int32_t *)(d + 2 * nb);
+                const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b))
+                                       : _mm_cvtsi32_si128(sm[b]);
+                init = _mm512_sub_epi32(
+                    _mm512_setzero_si512(),
+                    _mm512_slli_epi32(
+                        _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)),
+                        shift));
+            }
+            for (int i = 0; i < nr; ++i) {
+                __m512i p;
+                if (type == T_Q8_0)
+                    p = _mm512_dpbusd_epi32(
+                        init, wv[i], _mm512_mask_sub_epi8(x, neg[i], _mm512_setzero_si512(), x));
+                else
+                    p = _mm512_dpbusd_epi32(init, wv[i], x);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(p), acc[i][r]);
+                if (one) {
+                    const float *s = d + nb;
+                    summs[i][r] += mw[i][0] * s[b];
+                    if (two) summs[i][r] += mw[i][1] * s[b + 1];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nr; ++i)
+        for (int r = 0; r < nt; ++r) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + summs[i][r];
+}
+#define TILE_KERNEL tile512
+#endif
+
+#if defined(TILED)
+
+/* One function per (type, rows, tokens): each compiles to straight code for its constants. */
+typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act, int64_t stride,
+                        float *out, int64_t ldo);
+#define TILE_FN(TYPE, NRC, NTC)                                                                    \
+    static void tile_##TYPE##_##NRC##x##NTC(const uint8_t *const *wr, int64_t k,                   \
+                                            const uint8_t *act, int64_t stride, float *out,        \
+                                            int64_t ldo) {                                         \
+        TILE_KERNEL(TYPE, wr, NRC, k, act, stride, NTC, out, ldo);                                     \
+    }
+#define TILE_SET(TYPE)                                                                             \
+    TILE_FN(TYPE, 4, 1)                                                                            \
+    TILE_FN(TYPE, 2, 1)                                                                            \
+    TILE_FN(TYPE, 2, 2)                                                                            \
+    TILE_FN(TYPE, 2, 3)                                                                            \
+    TILE_FN(TYPE, 2, 4)                                                                            \
+    TILE_FN(TYPE, 1, 1)                                                                            \
+    TILE_FN(TYPE, 1, 2)                                                                            \
+    TILE_FN(TYPE, 1, 3)                                                                            \
+    TILE_FN(TYPE, 1, 4)                                                                            \
+    static const tile_fn tiles_##TYPE[9] = {                                                       \
+        tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,              \
+        tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,              \
+        tile_##TYPE##_1x4};
+TILE_SET(T_Q4_0)
+TILE_SET(T_Q4_1)
+TILE_SET(T_Q5_0)
+TILE_SET(T_Q5_1)
+TILE_SET(T_Q8_0)
+
+static const tile_fn *tiles_of(int type) {
+    switch (type) {
+    case T_Q4_0: return tiles_T_Q4_0;
+    case T_Q4_1: return tiles_T_Q4_1;
+    case T_Q5_0: return tiles_T_Q5_0;
+    case T_Q5_1: return tiles_T_Q5_1;
+    default: return tiles_T_Q8_0;
+    }
+}
+
+static int tiled_type(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0;
+}
+
+/* Rows [r0, r1) x every token through the tiles: 4 rows at a time for single tokens (independent
+ * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise. */
+static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
+                       int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
+                       float *y) {
+    const tile_fn *tiles = tiles_of(type);
+    for (int64_t j = 0; j < t; j += NT) {
+        const int nt = t - j < NT ? (int)(t - j) : NT;
+        const uint8_t *a = act + j * stride;
+        float *o = y + j * n_out;
+        int64_t n = r0;
+        const uint8_t *wr[NR_MAX];
+        if (nt == 1)
+            for (; n + 4 <= r1; n += 4) {
+                for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
+                tiles[0](wr, k, a, stride, o + n, n_out);
+            }
+        for (; n + 2 <= r1; n += 2) {
+            wr[0] = w + n * rb;
+            wr[1] = w + (n + 1) * rb;
+            tiles[nt](wr, k, a, stride, o + n, n_out);
+        }
+        for (; n < r1; ++n) {
+            wr[0] = w + n * rb;
+            tiles[4 + nt](wr, k, a, stride, o + n, n_out);
+        }
+    }
+}
+#endif
+
+/* ---- float dot products (F32, F16, BF16 weights; activations already rounded to the type) ---- */
+
+#if defined(__AVX512F__)
+#define FW 16
+static inline __m512 load_w16(int type, const uint8_t *w, int64_t i) {
+    if (type == T_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * i)));
+    if (type == T_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 2 * i))), 16));
+    return _mm512_loadu_ps((const float *)(w + 4 * i));
+}
+#elif defined(__AVX2__)
+#define FW 8
+static inline __m256 load_w8(int type, const uint8_t *w, int64_t i) {
+    if (type == T_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * i)));
+    if (type == T_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * i))), 16));
+    return _mm256_loadu_ps((const float *)(w + 4 * i));
+}
+#else
+#define FW 16
+#endif
+
+static inline float load_w1(int type, const uint8_t *w, int64_t i) {
+    if (type == T_F16) return fp16(rd16(w + 2 * i));
+    if (type == T_BF16) return bf16(rd16(w + 2 * i));
+    float v;
+    memcpy(&v, w + 4 * i, 4);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void dot_float(int type, const uint8_t *w, int64_t k,
+                                                           const uint8_t *act, int64_t stride,
+                                                           int nt, float *out) {
+    const int64_t main = k / FW * FW;
+    float tail[NT];
+#if defined(__AVX512F__)
+    __m512 acc[NT];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < main; i += FW) {
+        const __m512 wv = load_w16(type, w, i);
+        for (int r = 0; r < nt; ++r)
+            acc[r] = _mm512_fmadd_ps(wv, _mm512_load_ps((const float *)(act + r * stride) + i),
+                                     acc[r]);
+    }
+    for (int r = 0; r < nt; ++r) tail[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__)
+    __m256 acc[NT];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < main; i += FW) {
+        const __m256 wv = load_w8(type, w, i);
+        for (int r = 0; r < nt; ++r)
+            acc[r] = _mm256_fmadd_ps(wv, _mm256_load_ps((const float *)(act + r * stride) + i),
+                                     acc[r]);
+    }
+    for (int r = 0; r < nt; ++r) tail[r] = hsum8(acc[r]);
+#else
+    /* FW independent lanes per token, summed in a fixed order: a loop compilers vectorize. */
+    float acc[NT][FW];
+    for (int r = 0; r < nt; ++r)
+        for (int l = 0; l < FW; ++l) acc[r][l] = 0.0f;
+    for (int64_t i = 0; i < main; i += FW) {
+        float wv[FW];
+        for (int l = 0; l < FW; ++l) wv[l] = load_w1(type, w, i + l);
+        for (int r = 0; r < nt; ++r) {
+            const float *x = (const float *)(act + r * stride) + i;
+            for (int l = 0; l < FW; ++l) acc[r][l] += wv[l] * x[l];
+        }
+    }
+    for (int r = 0; r < nt; ++r) {
+        float s = 0.0f;
+        for (int l = 0; l < FW; ++l) s += acc[r][l];
+        tail[r] = s;
+    }
+#endif
+    for (int64_t i = main; i < k; ++i) {
+        const float wv = load_w1(type, w, i);
+        for (int r = 0; r < nt; ++r) tail[r] += wv * ((const float *)(act + r * stride))[i];
+    }
+    for (int r = 0; r < nt; ++r) out[r] = tail[r];
+}
+
+/* ---- one weight row against nt tokens --------------------------------------------------------- */
+
+static inline __attribute__((always_inline)) void row_dot(int type, const uint8_t *w, int64_t k,
+                                                         const uint8_t *act, int64_t stride,
+                                                         int nt, float *out) {
+    switch (type) {
+    case T_Q4_0: dot_q4_0(w, k, act, stride, nt, out); break;
+    case T_Q4_1: dot_q4_1(w, k, act, stride, nt, out); break;
+    case T_Q5_0: dot_q5_0(w, k, act, stride, nt, out); break;
+    case T_Q5_1: dot_q5_1(w, k, act, stride, nt, out); break;
+    case T_Q8_0: dot_q8_0(w, k, act, stride, nt, out); break;
+    case T_F32: case T_F16: case T_BF16: dot_float(type, w, k, act, stride, nt, out); break;
+#ifdef MESHD_HAVE_K_QUANTS
+    case T_Q4_K:
+        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q4_K_q8_K(k, w, act + r * stride);
+        break;
+    case T_Q5_K:
+        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q5_K_q8_K(k, w, act + r * stride);
+        break;
+    case T_Q6_K:
+        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q6_K_q8_K(k, w, act + r * stride);
+        break;
+#endif
+    default: break;
+    }
+}
+
+/* Separate copies for each token count, so each keeps its accumulators in registers. */
+static void row_dot_1(int type, const uint8_t *w, int64_t k, const uint8_t *a, int64_t s, float *o) {
+    row_dot(type, w, k, a, s, 1, o);
+}
+static void row_dot_2(int type, const uint8_t *w, int64_t k, const uint8_t *a, int64_t s, float *o) {
+    row_dot(type, w, k, a, s, 2, o);
+}
+static void row_dot_3(int type, const uint8_t *w, int64_t k, const uint8_t *a, int64_t s, float *o) {
+    row_dot(type, w, k, a, s, 3, o);
+}
+static void row_dot_4(int type, const uint8_t *w, int64_t k, const uint8_t *a, int64_t s, float *o) {
+    row_dot(type, w, k, a, s, 4, o);
+}
+
+/* Rows [r0, r1) of W against every token: tokens in groups of NT, each group sweeping the rows
+ * (a chunk's rows stay in cache between groups). */
+static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out, int64_t r0,
+                    int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
+    float out[NT];
+    for (int64_t j = 0; j < t; j += NT) {
+        const int nt = t - j < NT ? (int)(t - j) : NT;
+        const uint8_t *a = act + j * stride;
+        for (int64_t n = r0; n < r1; ++n) {
+            const uint8_t *wr = w + n * rb;
+            switch (nt) {
+            case 1: row_dot_1(type, wr, k, a, stride, out); break;
+            case 2: row_dot_2(type, wr, k, a, stride, out); break;
+            case 3: row_dot_3(type, wr, k, a, stride, out); break;
+            default: row_dot_4(type, wr, k, a, stride, out); break;
+            }
+            for (int r = 0; r < nt; ++r) y[(j + r) * n_out + n] = out[r];
+        }
+    }
+}
+
+/* y[t][n_out] = x[t][k] · W^T on `threads` threads (1: no parallel region). Returns 0, or -1 for a
+ * type without a kernel or a k its blocks do not divide. */
+int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, const float *x,
+                            int64_t t, float *y, void *scratch, int threads) {
+    const int64_t rb = meshd_blocks_row_bytes(type, k);
+    if (!meshd_blocks_supported(type) || rb < 0 || t < 0 || n_out < 0) return -1;
+    if (t == 0 || n_out == 0) return 0;
+    const int64_t stride = act_stride(type, k);
+    uint8_t *act = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    const int64_t chunks = (n_out + CHUNK - 1) / CHUNK;
+    const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
+        /* Units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost: the activations a
+         * unit reads stay in L2 while the threads sweep the rows. */
+#pragma omp for schedule(guided)
+        for (int64_t u = 0; u < chunks * tblocks; ++u) {
+            const int64_t c = u % chunks, j0 = u / chunks * TOKEN_BLOCK;
+            const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
+            const int64_t tn = t - j0 < TOKEN_BLOCK ? t - j0 : TOKEN_BLOCK;
+            const uint8_t *a = act + j0 * stride;
+            float *yb = y + j0 * n_out;
+#if defined(TILED)
+            if (tiled_type(type)) {
+                rows_tiled(type, (const uint8_t *)w, rb, k, n_out, r0, r1, a, stride, tn, yb);
+                continue;
+            }
+#endif
+            rows_mm(type, (const uint8_t *)w, rb, k, n_out, r0, r1, a, stride, tn, yb);
+        }
+    }
+    return 0;
+}
+
+/* The same on OpenMP's default thread count for the calling thread. */
+int meshd_blocks_mm(int type, const void *w, int64_t k, int64_t n_out, const float *x, int64_t t,
+                    float *y, void *scratch) {
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    return meshd_blocks_mm_threads(type, w, k, n_out, x, t, y, scratch, threads);
+}
+
+/* ---- dequantization (ggml's dequantize_row_*: the same fp32 operations) ----------------------- */
+
+static inline void k4_scale_min(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
+    }
+}
+
+static void dequantize_row(int type, const uint8_t *w, int64_t k, float *y) {
+    const int64_t nb = k / block_elems(type);
+    switch (type) {
+    case T_F32: memcpy(y, w, (size_t)k * 4); break;
+    case T_F16: for (int64_t i = 0; i < k; ++i) y[i] = fp16(rd16(w + 2 * i)); break;
+    case T_BF16: for (int64_t i = 0; i < k; ++i) y[i] = bf16(rd16(w + 2 * i)); break;
+    case T_Q4_0:
+        for (int64_t b = 0; b < nb; ++b, y += QK) {
+            const uint8_t *p = w + b * 18;
+            const float d = fp16(rd16(p));
+            for (int j = 0; j < 16; ++j) {
+                y[j] = d * (float)((p[2 + j] & 0x0F) - 8);
+                y[j + 16] = d * (float)((p[2 + j] >> 4) - 8);
+            }
+        }
+        break;
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; ++b, y += QK) {
+            const uint8_t *p = w + b * 20;
+            const float d = fp16(rd16(p)), m = fp16(rd16(p + 2));
+            for (int j = 0; j < 16; ++j) {
+                y[j] = d * (float)(p[4 + j] & 0x0F) + m;
+                y[j + 16] = d * (float)(p[4 + j] >> 4) + m;
+            }
+        }
+        break;
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int one = type == T_Q5_1;
+        const int64_t bytes = one ? 24 : 22;
+        for (int64_t b = 0; b < nb; ++b, y += QK) {
+            const uint8_t *p = w + b * bytes;
+            const float d = fp16(rd16(p)), m = one ? fp16(rd16(p + 2)) : 0.0f;
+            uint32_t h;
+            memcpy(&h, p + 2 + 2 * one, 4);
+            const uint8_t *qs = p + 6 + 2 * one;
+            for (int j = 0; j < 16; ++j) {
+                const int lo = (qs[j] & 0x0F) | (int)(((h >> j) & 1) << 4);
+                const int hi = (qs[j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+                if (one) {
+                    y[j] = d * (float)lo + m;
+                    y[j + 16] = d * (float)hi + m;
+                } else {
+                    y[j] = d * (float)(lo - 16);
+                    y[j + 16] = d * (float)(hi - 16);
+                }
+            }
+        }
+        break;
+    }
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; ++b, y += QK) {
+            const uint8_t *p = w + b * 34;
+            const float d = fp16(rd16(p));
+            for (int j = 0; j < QK; ++j) y[j] = d * (float)(int8_t)p[2 + j];
+        }
+        break;
+    case T_Q4_K:
+    case T_Q5_K:
+        /* block_q4_K: d, dmin (fp16), scales[12], qs[128]; block_q5_K adds qh[32] before qs. */
+        for (int64_t b = 0; b < nb; ++b) {
+            const int five = type == T_Q5_K;
+            const uint8_t *p = w + b * (five ? 176 : 144);
+            const float d = fp16(rd16(p)), dmin = fp16(rd16(p + 2));
+            const uint8_t *scales = p + 4, *qh = p + 16, *q = p + (five ? 48 : 16);
+            uint8_t u1 = 1, u2 = 2;
+            for (int j = 0, is = 0; j < QKK; j += 64, is += 2, q += 32) {
+                uint8_t sc, m;
+                k4_scale_min(is, scales, &sc, &m);
+                const float d1 = d * sc, m1 = dmin * m;
+                k4_scale_min(is + 1, scales, &sc, &m);
+                const float d2 = d * sc, m2 = dmin * m;
+                for (int l = 0; l < 32; ++l) {
+                    const int hi = five && (qh[l] & u1) ? 16 : 0;
+                    *y++ = d1 * (float)((q[l] & 0xF) + hi) - m1;
+                }
+                for (int l = 0; l < 32; ++l) {
+                    const int hi = five && (qh[l] & u2) ? 16 : 0;
+                    *y++ = d2 * (float)((q[l] >> 4) + hi) - m2;
+                }
+                u1 = (uint8_t)(u1 << 2);
+                u2 = (uint8_t)(u2 << 2);
+            }
+        }
+        break;
+    case T_Q6_K:
+        /* block_q6_K: ql[128], qh[64], int8 scales[16], d (fp16). */
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *p = w + b * 210;
+            const float d = fp16(rd16(p + 208));
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            for (int n = 0; n < QKK; n += 128) {
+                for (int l = 0; l < 32; ++l) {
+                    const int is = l / 16;
+                    const int q1 = (int8_t)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = (int8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = (int8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = (int8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = d * sc[is] * q1;
+                    y[l + 32] = d * sc[is + 2] * q2;
+                    y[l + 64] = d * sc[is + 4] * q3;
+                    y[l + 96] = d * sc[is + 6] * q4;
+                }
+                y += 128;
+                ql += 64;
+                qh += 32;
+                sc += 8;
+            }
+        }
+        break;
+    default: break;
+    }
+}
+
+/* out[i][k] = row rows[i] of W (n rows), dequantized. Returns 0, or -1 for an unknown type. */
+int meshd_blocks_dequantize_rows(int type, const void *w, int64_t k, const int64_t *rows, int64_t n,
+                                 float *out) {
+    const int64_t rb = meshd_blocks_row_bytes(type, k);
+    if (rb < 0) return -1;
+    for (int64_t i = 0; i < n; ++i)
+        dequantize_row(type, (const uint8_t *)w + rows[i] * rb, k, out + i * k);
+    return 0;
+}

@@ -1,0 +1,382 @@
+"""GGUF tensors multiplied as stored: ggml's block formats, one C kernel per CPU class.
+
+A `BlockMatrix` wraps a tensor's bytes exactly as the GGUF file holds them (usually a read-only
+`np.memmap` slice: nothing is copied or converted) and multiplies fp32 activations with them the
+way ggml does: each activation row is first converted to the weight type's "vec_dot type" (Q8_0
+or Q8_1 blocks of 32, Q8_K blocks of 256, fp16, bf16), then every output is a block-by-block dot
+product. The integer codes and scales are ggml's own, so a product equals llama.cpp's to the
+rounding of fp32 accumulation (docs/model-runtime.md, "GGUF block kernels").
+
+`blocks.c` is compiled three ways from one source: `avx512` (AVX-512 F/BW/VL/VNNI), `avx2`
+(AVX2, FMA, F16C) and `portable` (plain C for any CPU). `MESHD_BLOCK_KERNELS` picks one
+(`auto`, the default, takes the best this CPU runs; naming a path the CPU cannot run is an
+error, never a silent fallback). The library is built once per machine into the same cache
+directory as meshd's other kernel (`meshd.model.kernels`), named by the hash of its sources and
+flags, and loaded with ctypes, which releases the GIL during a call. When `blocks_k.c` (the
+K-quant formats) sits beside `blocks.c` it is compiled in and Q4_K, Q5_K and Q6_K join the
+supported types; without it they have no kernel (`UnsupportedTensorType`).
+
+Every output element is computed by the same floating-point sequence whatever the batch size,
+the thread count or the row's place in the batch, so a verify window of t tokens is
+bit-identical to t single-token steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from meshd.model.kernels import _cache_dir, _check_private, _cpu_flags
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("blocks.c")
+# The K-quant formats, written separately; compiled in when present.
+_K_SOURCE = Path(__file__).with_name("blocks_k.c")
+BLOCK_KERNELS_ENV = "MESHD_BLOCK_KERNELS"
+PROCESS_ENV = (BLOCK_KERNELS_ENV,)
+# Best first: what `auto` tries in this order.
+PATHS = ("avx512", "avx2", "portable")
+CHOICES = ("auto", *PATHS)
+_COMMON_FLAGS = (
+    "-O3",
+    "-fopenmp",
+    # No multiply-add contraction chosen by the compiler: the only FMAs are the intrinsics, the
+    # same in every variant of a dot product, so results do not depend on the batch size.
+    "-ffp-contract=off",
+    "-fPIC",
+    "-shared",
+)
+_PATH_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512": (
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512vnni",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+    ),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "portable": (),
+}
+# /proc/cpuinfo flags each x86 path's instructions need.
+_NEEDS: dict[str, tuple[str, ...]] = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "portable": (),
+}
+_NON_K = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+)
+_K = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# The types with a kernel in this installation (K-quants only with blocks_k.c beside blocks.c).
+GGML_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    _NON_K + _K if _K_SOURCE.exists() else _NON_K
+)
+
+
+class UnsupportedTensorType(ValueError):
+    """A GGUF tensor type with no kernel here (callers add the tensor's name)."""
+
+
+class UnavailableKernelPath(RuntimeError):
+    """`MESHD_BLOCK_KERNELS` names a path this machine cannot run, or the kernel cannot be built."""
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """One compiled and loaded copy of blocks.c: its C entry points (ctypes functions)."""
+
+    name: str  # the ISA path: avx512, avx2 or portable
+    mm: Any  # meshd_blocks_mm_threads
+    row_bytes: Any
+    scratch_bytes: Any
+    supported: Any
+    dequantizable: Any
+    dequantize_rows: Any
+    has_k_quants: bool
+    path: Path
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def path_unavailable_reason(name: str) -> str | None:
+    """Why this CPU cannot run kernel path `name` (None: it can)."""
+    if name not in PATHS:
+        return f"unknown block kernel path {name!r} (expected one of {', '.join(PATHS)})"
+    if name == "portable":
+        return None
+    if not _is_x86():
+        return f"{name} needs an x86-64 CPU, this is {platform.machine()}"
+    missing = [f for f in _NEEDS[name] if f not in _cpu_flags()]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def runnable_paths() -> tuple[str, ...]:
+    """The kernel paths this CPU runs, best first."""
+    return tuple(p for p in PATHS if path_unavailable_reason(p) is None)
+
+
+def kernel_path() -> str:
+    """The path `MESHD_BLOCK_KERNELS` asks for (auto: the best this CPU runs); raises
+    `UnavailableKernelPath` for a path this CPU cannot run or an unknown name."""
+    choice = os.environ.get(BLOCK_KERNELS_ENV, "auto") or "auto"
+    if choice not in CHOICES:
+        raise UnavailableKernelPath(
+            f"{BLOCK_KERNELS_ENV}={choice!r}: expected one of {', '.join(CHOICES)}"
+        )
+    if choice == "auto":
+        return runnable_paths()[0]
+    reason = path_unavailable_reason(choice)
+    if reason is not None:
+        raise UnavailableKernelPath(f"{BLOCK_KERNELS_ENV}={choice}: {reason}")
+    return choice
+
+
+def _sources() -> list[Path]:
+    return [_SOURCE, _K_SOURCE] if _K_SOURCE.exists() else [_SOURCE]
+
+
+def _flags(name: str) -> tuple[str, ...]:
+    extra = ("-DMESHD_HAVE_K_QUANTS",) if _K_SOURCE.exists() else ()
+    return (*_COMMON_FLAGS, *_PATH_FLAGS[name], *extra)
+
+
+def _compile(name: str, directory: Path) -> Path:
+    """The library for path `name` in `directory`, built there first if missing.
+
+    Named by the hash of the sources and flags: a new meshd builds its own, and a machine that
+    built it once needs no compiler again."""
+    sources, flags = _sources(), _flags(name)
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(flags).encode())
+    path = directory / f"blocks-{name}-{digest.hexdigest()[:16]}.so"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(directory)
+    if path.exists():
+        _check_private(path)
+        return path
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc, or CC) to build it")
+    # Built under a temporary name and renamed: daemons starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *flags, "-o", tmp, *map(str, sources)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("compiled meshd's %s block kernels into %s", name, path)
+    return path
+
+
+def _load(name: str, path: Path) -> BlockKernels:
+    lib = ctypes.CDLL(str(path))
+    if lib.meshd_blocks_abi() != 1:
+        raise OSError(f"{path}: unexpected block kernel ABI")
+    lib.meshd_blocks_isa.restype = ctypes.c_char_p
+    if lib.meshd_blocks_isa().decode() != name:
+        raise OSError(f"{path}: built for {lib.meshd_blocks_isa().decode()}, not {name}")
+    p, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    mm = lib.meshd_blocks_mm_threads
+    mm.argtypes = [cint, p, i64, i64, p, i64, p, p, cint]
+    mm.restype = cint
+    row_bytes = lib.meshd_blocks_row_bytes
+    row_bytes.argtypes = [cint, i64]
+    row_bytes.restype = i64
+    scratch = lib.meshd_blocks_scratch_bytes
+    scratch.argtypes = [cint, i64, i64]
+    scratch.restype = i64
+    supported = lib.meshd_blocks_supported
+    supported.argtypes = [cint]
+    supported.restype = cint
+    dequantizable = lib.meshd_blocks_dequantizable
+    dequantizable.argtypes = [cint]
+    dequantizable.restype = cint
+    deq = lib.meshd_blocks_dequantize_rows
+    deq.argtypes = [cint, p, i64, p, i64, p]
+    deq.restype = cint
+    has_k = bool(lib.meshd_blocks_has_k_quants())
+    return BlockKernels(name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path)
+
+
+@functools.cache
+def _kernels(name: str) -> BlockKernels:
+    # Loaded after torch, so its OpenMP library is torch's (one thread pool for both).
+    assert torch.__version__
+    errors = []
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"meshd-kernels-{os.getuid()}"):
+        try:
+            return _load(name, _compile(name, directory))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            errors.append(f"{directory}: {detail}")
+            log.warning("meshd's %s block kernels: could not build or load: %s", name, detail)
+    raise UnavailableKernelPath(f"the {name} block kernels could not be built: {errors[-1]}")
+
+
+def block_kernels(path: str | None = None) -> BlockKernels:
+    """The loaded kernel library for `path` (None: `kernel_path()`), built on first use."""
+    name = kernel_path() if path is None else path
+    reason = path_unavailable_reason(name)
+    if reason is not None:
+        raise UnavailableKernelPath(f"block kernel path {name}: {reason}")
+    return _kernels(name)
+
+
+def supported_types(path: str | None = None) -> frozenset[GGMLQuantizationType]:
+    """The GGUF tensor types the loaded library multiplies."""
+    lib = block_kernels(path)
+    return frozenset(t for t in GGMLQuantizationType if lib.supported(int(t)))
+
+
+def _ptr(arr: np.ndarray | torch.Tensor) -> ctypes.c_void_p:
+    # A read-only memmap is fine: the C side only reads weights.
+    if isinstance(arr, torch.Tensor):
+        return ctypes.c_void_p(arr.data_ptr())
+    return ctypes.c_void_p(arr.ctypes.data)
+
+
+class BlockMatrix:
+    """An [out_features, in_features] weight matrix held as GGUF stores it (ggml shape
+    (in_features, out_features)): `out_features` rows of ggml blocks, read in place."""
+
+    def __init__(
+        self,
+        data: np.ndarray,
+        ggml_type: int | GGMLQuantizationType,
+        in_features: int,
+        out_features: int,
+        path: str | None = None,
+    ) -> None:
+        try:
+            qtype = GGMLQuantizationType(int(ggml_type))
+        except ValueError:
+            raise UnsupportedTensorType(f"unknown GGML tensor type {ggml_type}") from None
+        lib = block_kernels(path)
+        if not lib.supported(int(qtype)):
+            raise UnsupportedTensorType(
+                f"GGML type {qtype.name} has no block kernel (supported: "
+                f"{', '.join(sorted(t.name for t in supported_types(lib.name)))})"
+            )
+        row_bytes = lib.row_bytes(int(qtype), in_features)
+        if row_bytes < 0:
+            raise ValueError(f"{qtype.name} rows of {in_features} elements: not whole blocks")
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            raise TypeError("BlockMatrix data must be a numpy uint8 array of the tensor's bytes")
+        if not data.flags.c_contiguous:
+            raise ValueError("BlockMatrix data must be contiguous")
+        if data.nbytes != row_bytes * out_features:
+            raise ValueError(
+                f"{qtype.name} [{out_features}, {in_features}] holds "
+                f"{row_bytes * out_features} bytes, the buffer {data.nbytes}"
+            )
+        self.data = data
+        self.ggml_type = qtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.row_bytes = row_bytes
+        self._lib = lib
+
+    @classmethod
+    def from_reader_tensor(cls, tensor: Any, path: str | None = None) -> BlockMatrix:
+        """From a `gguf.GGUFReader` tensor (its `data` is a view of the mapped file)."""
+        shape = [int(n) for n in tensor.shape]
+        if len(shape) != 2:
+            raise ValueError(f"{tensor.name}: a matrix has two dimensions, not {shape}")
+        data = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+        try:
+            return cls(data, tensor.tensor_type, shape[0], shape[1], path)
+        except UnsupportedTensorType as exc:
+            raise UnsupportedTensorType(f"tensor {tensor.name}: {exc}") from None
+
+    @property
+    def kernel(self) -> str:
+        """The ISA path that multiplies this matrix (for reports)."""
+        return self._lib.name
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [t, in_features] fp32 · Wᵀ → [t, out_features] fp32, on torch's thread count."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(
+                f"expected fp32 [t, {self.in_features}], got {x.dtype} {list(x.shape)}"
+            )
+        x = x.contiguous()
+        t = x.shape[0]
+        y = torch.empty(t, self.out_features, dtype=torch.float32)
+        qtype = int(self.ggml_type)
+        scratch = torch.empty(
+            self._lib.scratch_bytes(qtype, self.in_features, t), dtype=torch.uint8
+        )
+        failed = self._lib.mm(
+            qtype,
+            _ptr(self.data),
+            self.in_features,
+            self.out_features,
+            _ptr(x),
+            t,
+            _ptr(y),
+            _ptr(scratch),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise RuntimeError(f"block kernel refused {self.ggml_type.name} {self.in_features}")
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape of indices) dequantized: [*ids.shape, in_features] fp32."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row ids must lie in [0, {self.out_features})")
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        self._lib.dequantize_rows(
+            int(self.ggml_type),
+            _ptr(self.data),
+            self.in_features,
+            _ptr(flat),
+            flat.numel(),
+            _ptr(out),
+        )
+        return out.reshape(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix as fp32 [out_features, in_features]."""
+        return self.rows(torch.arange(self.out_features))

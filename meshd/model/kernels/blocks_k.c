@@ -1,0 +1,759 @@
+/* meshd's kernels for ggml's K-quant block formats (Q4_K, Q5_K, Q6_K against Q8_K activations).
+ *
+ * Ported from ggml (https://github.com/ggml-org/ggml, as vendored by llama.cpp):
+ * src/ggml-quants.c (quantize_row_q8_K_ref, dequantize_row_q4_K/q5_K/q6_K),
+ * src/ggml-cpu/quants.c (the generic dot products) and src/ggml-cpu/arch/x86/quants.c (the AVX2
+ * ggml_vec_dot_q4_K_q8_K, ..._q5_K_..., ..._q6_K_...). That code is under this licence:
+ *
+ *   MIT License
+ *
+ *   Copyright (c) 2023-2026 The ggml authors
+ *
+ *   Permission is hereby granted, free of charge, to any person obtaining a copy
+ *   of this software and associated documentation files (the "Software"), to deal
+ *   in the Software without restriction, including without limitation the rights
+ *   to use, copy, modify, merge, publish, distribute, sublicense, and/or sell
+ *   copies of the Software, and to permit persons to whom the Software is
+ *   furnished to do so, subject to the following conditions:
+ *
+ *   The above copyright notice and this permission notice shall be included in all
+ *   copies or substantial portions of the Software.
+ *
+ *   THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR
+ *   IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY,
+ *   FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+ *   AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER
+ *   LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+ *   OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
+ *   SOFTWARE.
+ *
+ * One file, compiled three ways (always with -ffp-contract=off): AVX-512 (F, BW, VL, VNNI),
+ * AVX2 + FMA + F16C, and portable C for any little-endian CPU (GGUF blocks are little-endian).
+ *
+ * Rules the callers rely on:
+ * - Every path gives the SAME BITS for the same inputs. A dot product's integer part is exact,
+ *   so only its float steps can differ; all three paths run the float steps of ggml's AVX2
+ *   kernel in its order: per super-block, eight int32 lanes (lane L holds the products of
+ *   positions 4L..4L+3 of every 32-value chunk, each chunk times its sub-block scale),
+ *   converted to float and accumulated with one FMA per lane, then ggml's horizontal sum.
+ *   So the result is the one llama.cpp's x86 CPU backend computes with its AVX2 kernel (which
+ *   it also runs on AVX-512 machines: ggml has no wider K-quant kernel), on every CPU.
+ * - The result depends only on the inputs: no alignment-dependent peeling, no thread-dependent
+ *   split, so a verify window of t tokens gives what t single-token steps give.
+ * - Explicit FMAs are written as fmaf / _mm256_fmadd_ps because the file is built with
+ *   -ffp-contract=off; every other float expression is evaluated as written. Link with -lm
+ *   (the portable build calls fmaf).
+ * - Block pointers need no alignment (mapped GGUF rows of Q6_K start at 2-byte offsets).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define QK_K 256
+
+/* Byte sizes and field offsets of ggml's blocks (ggml-common.h, QK_K = 256). */
+#define Q4_K_BYTES 144 /* d, dmin (fp16), scales[12], qs[128] */
+#define Q5_K_BYTES 176 /* d, dmin (fp16), scales[12], qh[32], qs[128] */
+#define Q6_K_BYTES 210 /* ql[128], qh[64], scales[16] (int8), d (fp16) */
+#define Q8_K_BYTES 292 /* d (fp32), qs[256] (int8), bsums[16] (int16) */
+#define Q8_K_QS 4
+#define Q8_K_BSUMS 260
+
+/* The AVX-512 code also needs BW (byte and word ops) and VNNI (VPDPWSSD); without them the AVX2
+ * code runs. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                    \
+    defined(__AVX512VNNI__) && defined(__FMA__)
+#define KQ_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KQ_AVX2 1
+#else
+#define KQ_SCALAR 1
+#endif
+
+/* ---- shared helpers ----------------------------------------------------------------------- */
+
+/* fp16 -> fp32 is exact, so F16C and the integer route give the same value. */
+static inline float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1Fu;
+    const uint32_t man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0) {
+        /* zero or subnormal: man * 2^-24 is exact in fp32 */
+        const float f = (float)man * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+static inline float f32_at(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (ggml's get_scale_min_k4). */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
+    }
+}
+
+/* ggml's nearest_int: adding 1.5 * 2^23 leaves the integer in the low mantissa bits, rounded
+ * by the FPU's mode, i.e. to nearest with ties to even (|fval| <= 2^22). */
+static inline int nearest_int(float fval) {
+    const float val = fval + 12582912.f;
+    int32_t i;
+    memcpy(&i, &val, sizeof i);
+    return (i & 0x007FFFFF) - 0x00400000;
+}
+
+/* ---- Q8_K: activations --------------------------------------------------------------------- */
+
+/* x [k] -> k/256 block_q8_K. Per super-block: d = max / -127 where max is the value of largest
+ * magnitude (the first one on a tie), qs = round(x * -127 / max), bsums = sums of 16 qs.
+ *
+ * Rounding: ties to even. That is what every Q8_K quantizer of llama.cpp's x86 CPU backend runs:
+ * quantize_row_q8_K is quantize_row_q8_K_ref there (nearest_int above), and the repacked
+ * Q4_K path's ggml_quantize_mat_q8_K_4x8 rounds with _mm256_round_ps(_MM_ROUND_NEAREST). Neither
+ * uses roundf (ties away from zero), which ggml's Q8_0/Q8_1 reference quantizers do.
+ *
+ * One departure: an all-zero super-block gets bsums = 0 (ggml leaves them unwritten; its dot
+ * products multiply them by d = 0), so the output bytes depend only on the input. */
+void meshd_quantize_row_q8_K(const float *x, void *vy, int64_t k) {
+    uint8_t *y = (uint8_t *)vy;
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; i++, x += QK_K, y += Q8_K_BYTES) {
+        float max = 0.f, amax = 0.f;
+        for (int j = 0; j < QK_K; ++j) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) {
+                amax = ax;
+                max = x[j];
+            }
+        }
+        int8_t qs[QK_K];
+        int16_t bsums[QK_K / 16];
+        float d = 0.f;
+        if (amax == 0.f) {
+            memset(qs, 0, sizeof qs);
+        } else {
+            const float iscale = -127.f / max;
+            for (int j = 0; j < QK_K; ++j) {
+                const int v = nearest_int(iscale * x[j]);
+                qs[j] = (int8_t)(v < 127 ? v : 127);
+            }
+            d = 1 / iscale;
+        }
+        for (int j = 0; j < QK_K / 16; ++j) {
+            int sum = 0;
+            for (int l = 0; l < 16; ++l) sum += qs[j * 16 + l];
+            bsums[j] = (int16_t)sum;
+        }
+        memcpy(y, &d, sizeof d);
+        memcpy(y + Q8_K_QS, qs, sizeof qs);
+        memcpy(y + Q8_K_BSUMS, bsums, sizeof bsums);
+    }
+}
+
+/* ---- dequantization (ggml's dequantize_row_q*_K; fp32 multiply then subtract, as gguf-py) -- */
+
+void meshd_dequantize_row_q4_K(const void *vw, float *y, int64_t k) {
+    const uint8_t *w = (const uint8_t *)vw;
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES) {
+        const float d = fp16_at(w), min = fp16_at(w + 2);
+        const uint8_t *scales = w + 4, *q = w + 16;
+        for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, q += 32) {
+            uint8_t sc, m;
+            scale_min_k4(is + 0, scales, &sc, &m);
+            const float d1 = d * sc, m1 = min * m;
+            scale_min_k4(is + 1, scales, &sc, &m);
+            const float d2 = d * sc, m2 = min * m;
+            for (int l = 0; l < 32; ++l) *y++ = d1 * (q[l] & 0xF) - m1;
+            for (int l = 0; l < 32; ++l) *y++ = d2 * (q[l] >> 4) - m2;
+        }
+    }
+}
+
+void meshd_dequantize_row_q5_K(const void *vw, float *y, int64_t k) {
+    const uint8_t *w = (const uint8_t *)vw;
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES) {
+        const float d = fp16_at(w), min = fp16_at(w + 2);
+        const uint8_t *scales = w + 4, *qh = w + 16, *ql = w + 48;
+        uint8_t u1 = 1, u2 = 2;
+        for (int j = 0, is = 0; j < QK_K; j += 64, is += 2, ql += 32) {
+            uint8_t sc, m;
+            scale_min_k4(is + 0, scales, &sc, &m);
+            const float d1 = d * sc, m1 = min * m;
+            scale_min_k4(is + 1, scales, &sc, &m);
+            const float d2 = d * sc, m2 = min * m;
+            for (int l = 0; l < 32; ++l) *y++ = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; ++l) *y++ = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+            u1 = (uint8_t)(u1 << 2);
+            u2 = (uint8_t)(u2 << 2);
+        }
+    }
+}
+
+void meshd_dequantize_row_q6_K(const void *vw, float *y, int64_t k) {
+    const uint8_t *w = (const uint8_t *)vw;
+    const int64_t nb = k / QK_K;
+    for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES) {
+        const float d = fp16_at(w + 208);
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+            for (int l = 0; l < 32; ++l) {
+                const int is = l / 16;
+                const int q1 = ((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l + 0] = d * sc[is + 0] * q1;
+                y[l + 32] = d * sc[is + 2] * q2;
+                y[l + 64] = d * sc[is + 4] * q3;
+                y[l + 96] = d * sc[is + 6] * q4;
+            }
+        }
+    }
+}
+
+/* ---- the float steps every path shares ---------------------------------------------------- */
+
+/* ggml's hsum_float_8: (a0+a4 + a2+a6) + (a1+a5 + a3+a7), in that association. */
+static inline float hsum8(const float a[8]) {
+    const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
+    return (r0 + r2) + (r1 + r3);
+}
+
+#if defined(KQ_SCALAR)
+
+/* Sub-block sums of the mins, as the AVX2 kernels pair them: lane p = mins 2p and 2p+1 times
+ * the Q8_K sums of their 32 values. */
+static inline void mins_by_bsums(const uint8_t mins[8], const int16_t bsums[16], int32_t prod[4]) {
+    for (int p = 0; p < 4; ++p) {
+        prod[p] = mins[2 * p] * (bsums[4 * p] + bsums[4 * p + 1]) +
+                  mins[2 * p + 1] * (bsums[4 * p + 2] + bsums[4 * p + 3]);
+    }
+}
+
+/* lanes[L] += scale * sum_{t<4} q[4L+t] * q8[4L+t] over one 32-value chunk, where the scale is
+ * s_lo for lanes 0-3 (values 0-15) and s_hi for lanes 4-7 (values 16-31). */
+static inline void chunk_into_lanes(const uint8_t q[32], const int8_t *q8, int32_t s_lo,
+                                    int32_t s_hi, int32_t lanes[8]) {
+    for (int L = 0; L < 8; ++L) {
+        int32_t s = 0;
+        for (int t = 0; t < 4; ++t) s += q[4 * L + t] * q8[4 * L + t];
+        lanes[L] += (L < 4 ? s_lo : s_hi) * s;
+    }
+}
+
+static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    float acc[8] = {0}, acc_m[4] = {0};
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, w + 4, &sc[j], &mn[j]);
+        int16_t bsums[16];
+        memcpy(bsums, y + Q8_K_BSUMS, sizeof bsums);
+        int32_t prod[4];
+        mins_by_bsums(mn, bsums, prod);
+        for (int p = 0; p < 4; ++p) acc_m[p] = fmaf(dmin, (float)prod[p], acc_m[p]);
+
+        const uint8_t *qs = w + 16;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        int32_t lanes[8] = {0};
+        for (int j = 0; j < 4; ++j, qs += 32, q8 += 64) {
+            uint8_t lo[32], hi[32];
+            for (int l = 0; l < 32; ++l) {
+                lo[l] = qs[l] & 0xF;
+                hi[l] = qs[l] >> 4;
+            }
+            chunk_into_lanes(lo, q8, sc[2 * j], sc[2 * j], lanes);
+            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], sc[2 * j + 1], lanes);
+        }
+        for (int L = 0; L < 8; ++L) acc[L] = fmaf(d, (float)lanes[L], acc[L]);
+    }
+    return hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]));
+}
+
+static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    float acc[8] = {0}, summs = 0.f;
+    for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, w + 4, &sc[j], &mn[j]);
+        int16_t bsums[16];
+        memcpy(bsums, y + Q8_K_BSUMS, sizeof bsums);
+        int32_t prod[4];
+        mins_by_bsums(mn, bsums, prod);
+        /* ggml writes `summs += dmin * hsum`; llama.cpp is built as gnu11 with FMA enabled, where
+         * GCC (and clang) contract that into one FMA, so it is one here. */
+        summs = fmaf(dmin, (float)((prod[0] + prod[1]) + (prod[2] + prod[3])), summs);
+
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        int32_t lanes[8] = {0};
+        for (int j = 0; j < 4; ++j, qs += 32, q8 += 64) {
+            uint8_t lo[32], hi[32];
+            for (int l = 0; l < 32; ++l) {
+                lo[l] = (uint8_t)((qs[l] & 0xF) | (((qh[l] >> (2 * j)) & 1) << 4));
+                hi[l] = (uint8_t)((qs[l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+            }
+            chunk_into_lanes(lo, q8, sc[2 * j], sc[2 * j], lanes);
+            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], sc[2 * j + 1], lanes);
+        }
+        for (int L = 0; L < 8; ++L) acc[L] = fmaf(d, (float)lanes[L], acc[L]);
+    }
+    return hsum8(acc) + summs;
+}
+
+/* Q6_K values are taken unsigned (0..63) and 32 * sum(scale * bsum) is subtracted after, as
+ * ggml's AVX2 kernel does; the 16-value sub-blocks give lanes 0-3 and 4-7 of a chunk their own
+ * scales. */
+static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    float acc[8] = {0};
+    for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES, y += Q8_K_BYTES) {
+        const float d = f32_at(y) * fp16_at(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int16_t bsums[16];
+        memcpy(bsums, y + Q8_K_BSUMS, sizeof bsums);
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        int32_t lanes[8] = {0};
+        for (int j = 0; j < 2; ++j, ql += 64, qh += 32) {
+            /* chunks 0-3: low nibbles of ql[0..31], ql[32..63], then high nibbles, each with
+             * the next two bits of qh as bits 4-5 */
+            uint8_t q[4][32];
+            for (int l = 0; l < 32; ++l) {
+                q[0][l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                q[1][l] = (uint8_t)((ql[32 + l] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                q[2][l] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                q[3][l] = (uint8_t)((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+            for (int c = 0; c < 4; ++c, q8 += 32) {
+                chunk_into_lanes(q[c], q8, sc[8 * j + 2 * c], sc[8 * j + 2 * c + 1], lanes);
+            }
+        }
+        for (int L = 0; L < 8; ++L) {
+            lanes[L] -= 32 * (bsums[2 * L] * sc[2 * L] + bsums[2 * L + 1] * sc[2 * L + 1]);
+            acc[L] = fmaf(d, (float)lanes[L], acc[L]);
+        }
+    }
+    return hsum8(acc);
+}
+
+#endif /* KQ_SCALAR */
+
+#if defined(KQ_AVX2) || defined(KQ_AVX512)
+
+static inline float hsum_float_8(const __m256 x) {
+    __m128 res = _mm256_extractf128_ps(x, 1);
+    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
+    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+    res = _mm_add_ss(res, _mm_movehdup_ps(res));
+    return _mm_cvtss_f32(res);
+}
+
+/* The 12 scale bytes of a Q4_K/Q5_K block as 16 bytes: 8 scales, then 8 mins (ggml's
+ * kmask/utmp shuffle). */
+static inline __m128i scales_mins_k4(const uint8_t *scales) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    uint32_t utmp[4];
+    memcpy(utmp, scales, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    return _mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]);
+}
+
+/* Four lanes of mins * bsums (see mins_by_bsums) from the 16 widened scales+mins. */
+static inline __m128i mins_by_bsums_v(__m256i mins_and_scales, const uint8_t *y) {
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(y + Q8_K_BSUMS));
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
+                                       _mm256_extracti128_si256(q8sums, 1));
+    return _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
+}
+
+#endif
+
+#if defined(KQ_AVX2)
+
+static inline __m256i get_scale_shuffle_k4(int i) {
+    static const uint8_t k_shuffle[256] = {
+        0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  0,  1,
+        0,  1,  0,  1,  0,  1,  0,  1,  0,  1,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,
+        2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  2,  3,  4,  5,
+        4,  5,  4,  5,  4,  5,  4,  5,  4,  5,  4,  5,  4,  5,  4,  5,  4,  5,  4,  5,  4,  5,
+        4,  5,  4,  5,  4,  5,  4,  5,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,
+        6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  6,  7,  8,  9,  8,  9,
+        8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,  8,  9,
+        8,  9,  8,  9,  8,  9,  10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+        10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 12, 13, 12, 13, 12, 13,
+        12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13,
+        12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15,
+        14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15};
+    return _mm256_loadu_si256((const __m256i *)k_shuffle + i);
+}
+
+static inline __m128i get_scale_shuffle(int i) {
+    static const uint8_t k_shuffle[128] = {
+        0,  0,  0,  0,  0,  0,  0,  0,  1,  1,  1,  1,  1,  1,  1,  1,  2,  2,  2,  2,  2,  2,
+        2,  2,  3,  3,  3,  3,  3,  3,  3,  3,  4,  4,  4,  4,  4,  4,  4,  4,  5,  5,  5,  5,
+        5,  5,  5,  5,  6,  6,  6,  6,  6,  6,  6,  6,  7,  7,  7,  7,  7,  7,  7,  7,  8,  8,
+        8,  8,  8,  8,  8,  8,  9,  9,  9,  9,  9,  9,  9,  9,  10, 10, 10, 10, 10, 10, 10, 10,
+        11, 11, 11, 11, 11, 11, 11, 11, 12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13,
+        13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15};
+    return _mm_loadu_si128((const __m128i *)k_shuffle + i);
+}
+
+/* ggml's AVX2 ggml_vec_dot_q4_K_q8_K. */
+static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+
+        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const uint8_t *q4 = w + 16;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; ++j) {
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
+            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
+            q4 += 32;
+            const __m256i q4l = _mm256_and_si256(q4bits, m4);
+            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+            const __m256i q8l = _mm256_loadu_si256((const __m256i *)q8);
+            q8 += 32;
+            const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
+            const __m256i q8h = _mm256_loadu_si256((const __m256i *)q8);
+            q8 += 32;
+            const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
+}
+
+/* ggml's AVX2 ggml_vec_dot_q5_K_q8_K; `summs` as in the portable code. */
+static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i mone = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0.f;
+    for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
+        const __m128i mzero = _mm_setzero_si128();
+        const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+        summs = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs);
+
+        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i hmask = mone;
+        const uint8_t *q5 = w + 48;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m256i sumi = _mm256_setzero_si256();
+        int bit = 0;
+        for (int j = 0; j < QK_K / 64; ++j) {
+            const __m256i scale_0 = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
+            const __m256i scale_1 = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
+            const __m256i q5bits = _mm256_loadu_si256((const __m256i *)q5);
+            q5 += 32;
+            const __m256i q5l_0 = _mm256_and_si256(q5bits, m4);
+            const __m256i q5h_0 = _mm256_slli_epi16(
+                _mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+            const __m256i q5_0 = _mm256_add_epi8(q5l_0, q5h_0);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            const __m256i q5l_1 = _mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4);
+            const __m256i q5h_1 = _mm256_slli_epi16(
+                _mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+            const __m256i q5_1 = _mm256_add_epi8(q5l_1, q5h_1);
+            hmask = _mm256_slli_epi16(hmask, 1);
+            const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)q8);
+            q8 += 32;
+            const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)q8);
+            q8 += 32;
+            const __m256i p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, q8_0));
+            const __m256i p16_1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, q8_1));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_float_8(acc) + summs;
+}
+
+/* ggml's AVX2 ggml_vec_dot_q6_K_q8_K. */
+static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES, y += Q8_K_BYTES) {
+        const float d = f32_at(y) * fp16_at(w + 208);
+        const uint8_t *q4 = w, *qh = w + 128;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(y + Q8_K_BSUMS));
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
+        const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        __m256i sumi = _mm256_setzero_si256();
+        int is = 0;
+        for (int j = 0; j < QK_K / 128; ++j) {
+            const __m256i q4bits1 = _mm256_loadu_si256((const __m256i *)q4);
+            q4 += 32;
+            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i *)q4);
+            q4 += 32;
+            const __m256i q4bitsH = _mm256_loadu_si256((const __m256i *)qh);
+            qh += 32;
+            const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+            const __m256i q4h_1 =
+                _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+            const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+            const __m256i q4h_3 =
+                _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+            const __m256i q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+            const __m256i q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+            const __m256i q4_2 =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
+            const __m256i q4_3 =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+            const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)q8);
+            const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)(q8 + 32));
+            const __m256i q8_2 = _mm256_loadu_si256((const __m256i *)(q8 + 64));
+            const __m256i q8_3 = _mm256_loadu_si256((const __m256i *)(q8 + 96));
+            q8 += 128;
+            const __m256i sc0 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 0)));
+            const __m256i sc1 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 1)));
+            const __m256i sc2 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 2)));
+            const __m256i sc3 =
+                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 3)));
+            is += 4;
+            const __m256i p16_0 = _mm256_madd_epi16(sc0, _mm256_maddubs_epi16(q4_0, q8_0));
+            const __m256i p16_1 = _mm256_madd_epi16(sc1, _mm256_maddubs_epi16(q4_1, q8_1));
+            const __m256i p16_2 = _mm256_madd_epi16(sc2, _mm256_maddubs_epi16(q4_2, q8_2));
+            const __m256i p16_3 = _mm256_madd_epi16(sc3, _mm256_maddubs_epi16(q4_3, q8_3));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_2, p16_3));
+        }
+        sumi = _mm256_sub_epi32(sumi, q8sclsub);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_float_8(acc);
+}
+
+#endif /* KQ_AVX2 */
+
+#if defined(KQ_AVX512)
+
+/* The AVX-512 build computes the same eight int32 lanes per super-block as ggml's AVX2 kernels,
+ * with VNNI's VPDPWSSD (int16 pair products times the chunk scales, added into the lanes) in
+ * place of VPMADDWD + VPADDD. Q4_K and Q5_K stay at 256 bits: at 512 their shifts, VPMADDUBSW
+ * and VPDPWSSD all issue on port 0, and they measured slower than at 256 (figures in the commit
+ * that chose this). Q6_K has more to unpack per value and gains from 512 bits: two 32-value
+ * chunks per instruction (one in each 256-bit half), folded before the float steps. VPMADDUBSW
+ * does not saturate here: 0 <= q <= 63 and |q8| <= 127. Integer sums are exact, so how they are
+ * grouped cannot change a bit of the result. */
+
+/* Q6_K's 16 int16 scales spread over 32 words: word i gets scale first + i / 8. */
+static inline __m512i spread_scales(__m512i sc16, int first) {
+    const __m512i step = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                         13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        3);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)first), step), sc16);
+}
+
+static inline __m256i fold_lanes(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* A VPSHUFB control that copies 16-bit word `w` into every word. */
+static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
+
+static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_m = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
+        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+
+        const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        const uint8_t *q4 = w + 16;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int j = 0; j < QK_K / 64; ++j, q4 += 32, q8 += 64) {
+            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
+            const __m256i q4l = _mm256_and_si256(q4bits, m4);
+            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+            const __m256i p16l =
+                _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
+            const __m256i p16h =
+                _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+            /* word 2j, then word 2j + 1, of the scales in every word */
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+            sumi[0] = _mm256_dpwssd_epi32(sumi[0], p16l, scale_l);
+            sumi[1] = _mm256_dpwssd_epi32(sumi[1], p16h, scale_h);
+        }
+        const __m256i lanes = _mm256_add_epi32(sumi[0], sumi[1]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+    return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
+}
+
+/* qh bit 2j (2j+1) of each byte is shifted to bit 4 and merged with the low (high) nibbles by
+ * one ternary-logic op. */
+static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m16 = _mm256_set1_epi8(0x10);
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0.f;
+    for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
+        const float yd = f32_at(y);
+        const float d = yd * fp16_at(w);
+        const float dmin = -yd * fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
+        const __m128i mzero = _mm_setzero_si128();
+        const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+        summs = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs);
+
+        const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
+        const __m256i scales = _mm256_set_m128i(sc128, sc128);
+        __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
+        const uint8_t *q5 = w + 48;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int j = 0; j < QK_K / 64; ++j, q5 += 32, q8 += 64) {
+            const __m256i q5bits = _mm256_loadu_si256((const __m256i *)q5);
+            /* bit 0 (1) of each qh byte to bit 4; bits leaking in from the byte below are
+             * masked off by the 0x10 of A | (B & C) */
+            const __m256i h0 = _mm256_slli_epi16(hbits, 4);
+            const __m256i h1 = _mm256_slli_epi16(hbits, 3);
+            hbits = _mm256_srli_epi16(hbits, 2);
+            const __m256i lo = _mm256_and_si256(q5bits, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4);
+            const __m256i q5_0 = _mm256_ternarylogic_epi64(lo, h0, m16, 0xF8);
+            const __m256i q5_1 = _mm256_ternarylogic_epi64(hi, h1, m16, 0xF8);
+            const __m256i p0 =
+                _mm256_maddubs_epi16(q5_0, _mm256_loadu_si256((const __m256i *)q8));
+            const __m256i p1 =
+                _mm256_maddubs_epi16(q5_1, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+            const __m256i s0 = _mm256_shuffle_epi8(scales, word_index(2 * j));
+            const __m256i s1 = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+            sumi[0] = _mm256_dpwssd_epi32(sumi[0], p0, s0);
+            sumi[1] = _mm256_dpwssd_epi32(sumi[1], p1, s1);
+        }
+        const __m256i lanes = _mm256_add_epi32(sumi[0], sumi[1]);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    return hsum_float_8(acc) + summs;
+}
+
+static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i m48 = _mm512_set1_epi8(0x30);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES, y += Q8_K_BYTES) {
+        const float d = f32_at(y) * fp16_at(w + 208);
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(y + Q8_K_BSUMS));
+        const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+        const __m512i sc16 = _mm512_castsi256_si512(scales_16);
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
+        __m512i sumi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int j = 0; j < QK_K / 128; ++j, ql += 64, qh += 32, q8 += 128) {
+            /* chunks 0 and 1: low nibbles of ql[0..63], qh bits 0-1 and 2-3 rotated to bits 4-5;
+             * chunks 2 and 3: high nibbles, qh bits 4-5 and 6-7. */
+            const __m512i l = _mm512_loadu_si512(ql);
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh));
+            const __m512i h01 =
+                _mm512_rorv_epi64(h, _mm512_set_epi64(62, 62, 62, 62, 60, 60, 60, 60));
+            const __m512i h23 = _mm512_rorv_epi64(h, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0));
+            const __m512i q01 = _mm512_ternarylogic_epi64(_mm512_and_si512(l, m4), h01, m48, 0xF8);
+            const __m512i q23 = _mm512_ternarylogic_epi64(
+                _mm512_and_si512(_mm512_srli_epi16(l, 4), m4), h23, m48, 0xF8);
+            const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(q8));
+            const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(q8 + 64));
+            sumi[0] = _mm512_dpwssd_epi32(sumi[0], p01, spread_scales(sc16, 8 * j));
+            sumi[1] = _mm512_dpwssd_epi32(sumi[1], p23, spread_scales(sc16, 8 * j + 4));
+        }
+        const __m256i all = fold_lanes(_mm512_add_epi32(sumi[0], sumi[1]));
+        const __m256i lanes = _mm256_sub_epi32(all, q8sclsub);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    return hsum_float_8(acc);
+}
+
+#endif /* KQ_AVX512 */
+
+/* ---- exported dot products ---------------------------------------------------------------- */
+
+float meshd_vec_dot_q4_K_q8_K(int64_t n, const void *w, const void *x) {
+    return dot_q4_K(n / QK_K, (const uint8_t *)w, (const uint8_t *)x);
+}
+
+float meshd_vec_dot_q5_K_q8_K(int64_t n, const void *w, const void *x) {
+    return dot_q5_K(n / QK_K, (const uint8_t *)w, (const uint8_t *)x);
+}
+
+float meshd_vec_dot_q6_K_q8_K(int64_t n, const void *w, const void *x) {
+    return dot_q6_K(n / QK_K, (const uint8_t *)w, (const uint8_t *)x);
+}

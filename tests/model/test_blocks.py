@@ -1,0 +1,230 @@
+"""GGUF block kernels: every supported type on every kernel path this CPU runs matches ggml's
+arithmetic (gguf.quants, llama.cpp's own reference), batches are bit-identical to single
+steps, and tensors are read in place from a read-only map."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from meshd.model.kernels import blocks
+from meshd.model.kernels.blocks import (
+    BLOCK_KERNELS_ENV,
+    PATHS,
+    BlockMatrix,
+    UnavailableKernelPath,
+    UnsupportedTensorType,
+    block_kernels,
+    kernel_path,
+    path_unavailable_reason,
+    supported_types,
+)
+
+_K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+_ONE = (T.Q4_1, T.Q5_1)  # multiplied with Q8_1 activations (their dot uses the block's sum)
+_Q8_0_ACT = (T.Q4_0, T.Q5_0, T.Q8_0)
+_FLOAT = (T.F32, T.F16, T.BF16)
+_FIELDS_K = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each kernel path, forced through the environment as an operator would."""
+    reason = path_unavailable_reason(request.param)
+    if reason is not None:
+        pytest.skip(f"{request.param} does not run on this CPU: {reason}")
+    monkeypatch.setenv(BLOCK_KERNELS_ENV, request.param)
+    yield request.param
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _types() -> list[T]:
+    return sorted(blocks.GGML_TYPES, key=int)
+
+
+def _weights(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random weights of `qtype` as a GGUF file stores them (flat uint8)."""
+    if qtype in _K_TYPES:
+        # gguf.quants cannot quantize K types: random blocks with sane fp16 scales are valid.
+        size, scale_at = _FIELDS_K[qtype]
+        raw = rng.integers(0, 256, size=(n_out * k // 256, size), dtype=np.uint8)
+        for at in scale_at:
+            scale = (rng.random(raw.shape[0]) * 0.01).astype(np.float16)
+            raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+        return raw.reshape(-1)
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+
+
+def _dequantize(raw: np.ndarray, qtype: T, n_out: int, k: int) -> np.ndarray:
+    data = raw.view(np.float32) if qtype == T.F32 else raw
+    data = data.view(np.float16) if qtype == T.F16 else data
+    return gguf.quants.dequantize(data.reshape(n_out, -1), qtype).reshape(n_out, k)
+
+
+def _q8_k(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_K_ref, dequantized: blocks of 256 scaled by the signed max."""
+    b = x.reshape(-1, 256)
+    at = np.abs(b).argmax(axis=1)
+    top = b[np.arange(len(b)), at][:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(top == 0, np.float32(0), np.float32(-127) / top).astype(np.float32)
+        q = np.minimum(np.rint(iscale * b), 127).astype(np.float32)
+        d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
+    return (q * d).reshape(x.shape)
+
+
+def _reference(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.ndarray:
+    """What ggml computes, in float64: x converted to the type's vec_dot type, then a matmul with
+    the dequantized weights; the _1 formats add m * s with s rounded to fp16 as ggml stores it."""
+    t, k = x.shape
+    w = _dequantize(raw, qtype, n_out, k).astype(np.float64)
+    if qtype in _FLOAT:
+        xa = x if qtype == T.F32 else _dequantize(gguf.quants.quantize(x, qtype), qtype, t, k)
+        return xa.astype(np.float64) @ w.T
+    if qtype in _K_TYPES:
+        return _q8_k(x).astype(np.float64) @ w.T
+    xq = gguf.quants.quantize(x, T.Q8_0)
+    y = _dequantize(xq, T.Q8_0, t, k).astype(np.float64) @ w.T
+    if qtype in _ONE:
+        # Q8_1's s = fp16(d * sum(q)) with d unrounded, where d * sum(q) is what dequantizing gives.
+        blocks_x = xq.reshape(t, k // 32, 34)
+        codes = blocks_x[:, :, 2:].view(np.int8).astype(np.int32).sum(axis=2).astype(np.float32)
+        d = np.abs(x.reshape(t, k // 32, 32)).max(axis=2) / np.float32(127)
+        d16 = blocks_x[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        s = (codes * d).astype(np.float16).astype(np.float64)
+        size = 20 if qtype == T.Q4_1 else 24
+        m = raw.reshape(n_out, k // 32, size)[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+        y += (s - codes.astype(np.float64) * d16) @ m.astype(np.float64).T
+    return y
+
+
+def _bound(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.ndarray:
+    """Sum of |terms| of each output: fp32 accumulation error is a small multiple of eps of it."""
+    w = np.abs(_dequantize(raw, qtype, n_out, x.shape[1]).astype(np.float64))
+    return np.abs(x.astype(np.float64)) @ w.T
+
+
+@pytest.mark.parametrize("qtype", _types(), ids=lambda q: q.name)
+@pytest.mark.parametrize(("k", "n_out"), [(256, 64), (544, 37), (96, 19)])
+def test_every_type_computes_what_ggml_computes(path: str, qtype: T, k: int, n_out: int) -> None:
+    if qtype in _K_TYPES and k % 256:
+        pytest.skip("K-quant rows are whole 256-element blocks")
+    rng = np.random.default_rng(int(qtype) * 1000 + k)
+    raw = _weights(qtype, n_out, k, rng)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    m = BlockMatrix(raw, qtype, k, n_out)
+    assert m.kernel == path and m.nbytes == raw.nbytes
+    y = m.mm(torch.from_numpy(x)).numpy().astype(np.float64)
+    ref = _reference(raw, qtype, x, n_out)
+    err = np.abs(y - ref)
+    assert (err <= 2e-5 * _bound(raw, qtype, x, n_out) + 1e-6).all(), err.max()
+
+
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=lambda q: q.name)
+def test_float_types_take_any_row_length(path: str, qtype: T) -> None:
+    rng = np.random.default_rng(7)
+    k, n_out = 100, 23
+    raw = _weights(qtype, n_out, k, rng)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = BlockMatrix(raw, qtype, k, n_out).mm(torch.from_numpy(x)).numpy()
+    ref = _reference(raw, qtype, x, n_out)
+    assert np.allclose(y, ref, rtol=0, atol=2e-5 * _bound(raw, qtype, x, n_out).max())
+
+
+@pytest.mark.parametrize("qtype", _types(), ids=lambda q: q.name)
+def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
+    path: str, qtype: T, threads: None
+) -> None:
+    rng = np.random.default_rng(int(qtype))
+    k, n_out = 512, 45
+    m = BlockMatrix(_weights(qtype, n_out, k, rng), qtype, k, n_out)
+    x = torch.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
+    torch.set_num_threads(1)
+    singles = torch.cat([m.mm(x[i : i + 1]) for i in range(33)])
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        for t in (1, 2, 3, 7, 16, 33):
+            for start in (0, 33 - t):
+                got = m.mm(x[start : start + t])
+                assert torch.equal(got, singles[start : start + t]), (n, t, start)
+
+
+@pytest.mark.parametrize("qtype", sorted(set(blocks._NON_K + _K_TYPES), key=int), ids=str)
+def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
+    rng = np.random.default_rng(3)
+    k, n_out = 512, 9
+    raw = _weights(qtype, n_out, k, rng)
+    full = torch.from_numpy(_dequantize(raw, qtype, n_out, k).astype(np.float32))
+    lib = block_kernels()
+    ids = torch.tensor([4, 0, 8, 4], dtype=torch.int64)
+    if qtype in supported_types():
+        m = BlockMatrix(raw, qtype, k, n_out)
+        assert torch.equal(m.dequantize(), full)
+        assert torch.equal(m.rows(ids.reshape(2, 2)), full[ids].reshape(2, 2, k))
+    else:
+        # K types without their dot products still dequantize (embeddings are often Q4_K/Q6_K).
+        out = torch.empty(len(ids), k)
+        ptr = ctypes.c_void_p
+        lib.dequantize_rows(
+            int(qtype), ptr(raw.ctypes.data), k, ptr(ids.data_ptr()), len(ids), ptr(out.data_ptr())
+        )
+        assert torch.equal(out, full[ids])
+
+
+def test_a_read_only_map_of_the_file_is_used_in_place(path: str, tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    k, n_out = 256, 40
+    raw = _weights(T.Q4_0, n_out, k, rng)
+    file = tmp_path / "tensor.bin"
+    file.write_bytes(b"\0" * 96 + raw.tobytes())
+    mapped = np.memmap(file, dtype=np.uint8, mode="r", offset=96, shape=(raw.nbytes,))
+    assert not mapped.flags.writeable
+    m = BlockMatrix(mapped, T.Q4_0, k, n_out)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    assert torch.equal(m.mm(x), BlockMatrix(raw, T.Q4_0, k, n_out).mm(x))
+    assert torch.equal(m.rows(torch.tensor([39])), m.dequantize()[39:])
+
+
+def test_a_type_without_a_kernel_is_named() -> None:
+    raw = np.zeros(66, dtype=np.uint8)
+    with pytest.raises(UnsupportedTensorType, match="IQ2_XXS"):
+        BlockMatrix(raw, T.IQ2_XXS, 256, 1)
+    if T.Q4_K not in supported_types():
+        with pytest.raises(UnsupportedTensorType, match="Q4_K"):
+            BlockMatrix(np.zeros(144, dtype=np.uint8), T.Q4_K, 256, 1)
+
+
+def test_wrong_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="not whole blocks"):
+        BlockMatrix(np.zeros(18, dtype=np.uint8), T.Q4_0, 48, 1)
+    with pytest.raises(ValueError, match="bytes"):
+        BlockMatrix(np.zeros(17, dtype=np.uint8), T.Q4_0, 32, 1)
+    m = BlockMatrix(np.zeros(18, dtype=np.uint8), T.Q4_0, 32, 1)
+    with pytest.raises(ValueError, match="fp32"):
+        m.mm(torch.zeros(2, 64))
+
+
+def test_a_forced_path_the_cpu_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blocks, "_cpu_flags", lambda: {"sse2"})
+    monkeypatch.setenv(BLOCK_KERNELS_ENV, "avx512")
+    with pytest.raises(UnavailableKernelPath, match="avx512"):
+        kernel_path()
+    monkeypatch.setenv(BLOCK_KERNELS_ENV, "auto")
+    assert kernel_path() == "portable"
+    monkeypatch.setenv(BLOCK_KERNELS_ENV, "fast")
+    with pytest.raises(UnavailableKernelPath, match="fast"):
+        kernel_path()
