@@ -44,8 +44,9 @@ MAX_SECRET_FILE_BYTES = 4096
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH_BYTES = 107
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-# "auto": the checkpoint's own (`Checkpoint.default_quantization`: "none" for safetensors).
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
+# "auto": the checkpoint's own (`Checkpoint.default_quantization`: "none" for safetensors,
+# "gguf" for GGUF files: their tensors as stored, on CPU stages).
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "gguf")
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")

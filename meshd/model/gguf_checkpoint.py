@@ -129,6 +129,9 @@ class GGUFCheckpoint(Checkpoint):
     # q/k rows to un-permute (GGUF architecture `llama`): HF name -> heads.
     permuted: Mapping[str, int] = field(default_factory=dict)
     architecture: str = ""
+    # Read-only maps of the file(s), opened by the first `stored` call and kept while the
+    # checkpoint lives: the tensors a stage holds as stored are views of them.
+    _maps: dict[pathlib.Path, np.ndarray] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str]) -> GGUFCheckpoint:
@@ -210,6 +213,45 @@ class GGUFCheckpoint(Checkpoint):
                 yield name, tensor
         finally:
             maps.clear()
+
+    @property
+    def file_tensors(self) -> Mapping[str, TensorInfo]:
+        """Every runtime tensor of the file(s), held here or not (a fetching node holds some)."""
+        return self.tensors
+
+    def stored(self, name: str) -> StoredTensor:
+        """Tensor `name` as the file stores it: a read-only view of its bytes, no copy.
+
+        The view's pages are the file's (shared with the page cache): they are read when first
+        multiplied, and counted once however many processes map the file.
+        """
+        if name not in self.tensors:
+            raise MissingTensor(f"{self.directory}: tensor {name!r} is not in the checkpoint")
+        info, entry = self.tensors[name], self.entries[name]
+        if info.path not in self._maps:
+            try:
+                self._maps[info.path] = np.memmap(info.path, mode="r")
+            except (OSError, ValueError) as exc:
+                raise CorruptCheckpoint(f"{info.path}: cannot map ({exc})") from None
+        raw = self._maps[info.path][info.offset : info.offset + info.nbytes]
+        if raw.nbytes != info.nbytes:
+            raise CorruptCheckpoint(
+                f"{info.path}: truncated: tensor {entry.gguf_name} needs bytes "
+                f"[{info.offset}, {info.offset + info.nbytes}), file has {len(self._maps[info.path])}"
+            )
+        self.loaded_names.add(name)
+        return StoredTensor(entry.gguf_name, raw, entry.ggml_type, entry.type_name, info.shape)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One GGUF tensor as stored: its bytes (a view of the mapped file) and ggml type."""
+
+    gguf_name: str
+    raw: np.ndarray  # uint8, read-only
+    ggml_type: int
+    type_name: str
+    shape: tuple[int, ...]  # Hugging Face order: `[out, in]` for a matrix
 
 
 def read_gguf(path: pathlib.Path) -> GGUFReader:
@@ -614,7 +656,15 @@ def _hf_to_gguf_name(name: str) -> str:
 
 
 def _default_quantization(infos: Mapping[str, TensorInfo]) -> str:
-    """The stage quantization of the file's dominant decoder matrix type (by elements)."""
+    """`gguf`: the file's tensors as stored, the same model llama.cpp runs; `none` for a file
+    of F32 matrices only, which fp32 stages hold as they are, with their fused-layer kernel."""
+    matrices = {info.dtype for info in infos.values() if len(info.shape) == 2}
+    return "none" if matrices <= {"F32"} else "gguf"
+
+
+def converted_quantization(infos: Mapping[str, TensorInfo]) -> str:
+    """The scheme the file's dominant decoder matrix type (by elements) converts to, where its
+    blocks are not run as stored."""
     elements: dict[str, int] = {}
     for name, info in infos.items():
         if name.startswith("model.layers.") and any(f".{m}." in name for m in _MATRICES):

@@ -20,15 +20,16 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from meshd.model.checkpoint import OnTensor, TensorInfo, expected_shapes
 from meshd.model.errors import CorruptCheckpoint
-from meshd.model.gguf_checkpoint import TENSOR_TYPES, GGUFCheckpoint, read_gguf
+from meshd.model.gguf_checkpoint import TENSOR_TYPES, GGUFCheckpoint, StoredTensor, read_gguf
 from protocol.artifacts import MANIFEST_VERSION, Artifact, ArtifactKind, Manifest
 
 if TYPE_CHECKING:
@@ -187,6 +188,11 @@ class GGUFStoreCheckpoint(GGUFCheckpoint):
         checkpoint.refresh()
         return checkpoint
 
+    @property
+    def file_tensors(self) -> Mapping[str, TensorInfo]:
+        """Every tensor of the manifest's file(s), held or not."""
+        return self._known
+
     def refresh(self) -> None:
         """Take in the tensors the store verified since."""
         from meshd.model.manifest import with_verified  # manifest imports this module
@@ -217,3 +223,13 @@ class GGUFStoreCheckpoint(GGUFCheckpoint):
         generator = torch.Generator().manual_seed(0)
         for name in wanted:
             yield name, torch.randn(self._known[name].shape, generator=generator) * 0.02
+
+    def stored(self, name: str) -> StoredTensor:
+        """A held tensor as stored; with `synthetic`, zero blocks of its type and size (a block
+        kernel does the same work whatever the values, which is all a timing needs)."""
+        if not self.synthetic:
+            return super().stored(name)
+        info, entry = self._known[name], self.entries[name]
+        raw = np.zeros(info.nbytes, dtype=np.uint8)
+        raw.flags.writeable = False
+        return StoredTensor(entry.gguf_name, raw, entry.ggml_type, entry.type_name, info.shape)

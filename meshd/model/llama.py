@@ -247,6 +247,21 @@ class Dims:
 ROW_ATTENTION_MAX = 16
 
 
+def _rope_rows(name: str, t: torch.Tensor, d: Dims) -> torch.Tensor:
+    """A checkpoint tensor with q/k rows in the runtime's rotary order (others as they are)."""
+    if name.startswith(("self_attn.q_", "self_attn.k_")):
+        return interleave_rope_dims(t, d.head_dim)
+    return t
+
+
+def rope_row_order(name: str, rows: int, d: Dims) -> torch.Tensor | None:
+    """Where `interleave_rope_dims` takes each q/k row from (None for other tensors): the
+    column order of a product whose matrix keeps the checkpoint's row order."""
+    if not name.startswith(("self_attn.q_", "self_attn.k_")):
+        return None
+    return interleave_rope_dims(torch.arange(rows), d.head_dim)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One decoder layer's weights, q/k/v and gate/up fused; biases and q/k norms optional.
@@ -278,11 +293,23 @@ class LayerWeights:
         quantizer for quantized stages.
         """
 
+        def fuse(names: list[str]) -> Matrix:
+            parts = [_rope_rows(n, w[n], d) for n in names]
+            return matrix(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+        return cls.from_parts(w, d, fuse)
+
+    @classmethod
+    def from_parts(
+        cls, w: Mapping[str, torch.Tensor], d: Dims, fuse: Callable[[list[str]], Matrix]
+    ) -> LayerWeights:
+        """Build from one layer's vectors `w` (HF names relative to the layer prefix; matrices
+        may be absent) and `fuse(names)`, the operand of those checkpoint matrices side by side
+        with q/k rows in the runtime's rotary order (`interleave_rope_dims`)."""
+
         def get(name: str) -> torch.Tensor | None:
             t = w.get(name)
-            if t is not None and name.startswith(("self_attn.q_", "self_attn.k_")):
-                return interleave_rope_dims(t, d.head_dim)
-            return t
+            return None if t is None else _rope_rows(name, t, d)
 
         def fused(names: list[str]) -> torch.Tensor | None:
             parts = [get(n) for n in names]
@@ -291,23 +318,18 @@ class LayerWeights:
 
         qkv = [f"self_attn.{p}_proj" for p in "qkv"]
         gate_up = ["mlp.gate_proj", "mlp.up_proj"]
-        wqkv, w_gate_up = (
-            fused([f"{n}.weight" for n in qkv]),
-            fused([f"{n}.weight" for n in gate_up]),
-        )
-        assert wqkv is not None and w_gate_up is not None
         return cls(
             input_norm=w["input_layernorm.weight"],
-            wqkv=matrix(wqkv),
+            wqkv=fuse([f"{n}.weight" for n in qkv]),
             bqkv=fused([f"{n}.bias" for n in qkv]),
-            wo=matrix(w["self_attn.o_proj.weight"]),
+            wo=fuse(["self_attn.o_proj.weight"]),
             bo=w.get("self_attn.o_proj.bias"),
             q_norm=get("self_attn.q_norm.weight"),
             k_norm=get("self_attn.k_norm.weight"),
             post_norm=w["post_attention_layernorm.weight"],
-            w_gate_up=matrix(w_gate_up),
+            w_gate_up=fuse([f"{n}.weight" for n in gate_up]),
             b_gate_up=fused([f"{n}.bias" for n in gate_up]),
-            w_down=matrix(w["mlp.down_proj.weight"]),
+            w_down=fuse(["mlp.down_proj.weight"]),
             b_down=w.get("mlp.down_proj.bias"),
         )
 

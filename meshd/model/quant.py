@@ -40,7 +40,9 @@ from meshd.model.kernels import (
     packed_int4_bytes,
 )
 
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
+# "gguf": a GGUF file's tensors as stored, each multiplied by its block format's kernel
+# (`meshd.model.gguf_matrix`); GGUF files only.
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "gguf")
 # Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
 INT4_GROUPS: tuple[int, ...] = (64, 32)
 # fbgemm's fp32 scale, int32 zero point and int32 column offset, plus our fp32 column sum.
@@ -153,6 +155,8 @@ def row_exact(quantization: str, device: torch.device) -> bool:
     product, and not known for the CUDA or ARM kernels."""
     if device.type != "cpu":
         return False
+    if quantization == "gguf":  # every block kernel computes each row on its own
+        return True
     if quantization == "int8":
         return cpu_kernels() is not None or has_fbgemm()
     return quantization == "int4" and has_fbgemm()
@@ -594,6 +598,8 @@ def matrix_bytes(
     device_type: str = "cpu",
 ) -> int:
     """Bytes one `[in, out]` matrix holds at `quantization` (what `quantize_matrix` makes)."""
+    if quantization == "gguf":
+        raise ValueError("a gguf matrix holds its tensors' bytes in the file: ask the checkpoint")
     if quantization == "none":
         return in_features * out_features * _itemsize(dtype)
     if quantization == "int4":

@@ -20,9 +20,12 @@ import torch.nn.functional as F
 from meshd.model.checkpoint import Checkpoint, OnTensor
 from meshd.model.config import ModelConfig
 from meshd.model.device import pick_device
-from meshd.model.errors import InvalidInput
+from meshd.model.errors import InvalidInput, UnsupportedArchitecture
+from meshd.model.gguf_checkpoint import GGUFCheckpoint
+from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix
 from meshd.model.governor import ThreadGovernor
 from meshd.model.kernels import MatrixArgs
+from meshd.model.kernels.blocks import BlockMatrix, UnsupportedTensorType, supported_types
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     ROW_ATTENTION_MAX,
@@ -40,6 +43,7 @@ from meshd.model.llama import (
     kernel_matrix,
     linear_weight,
     norm_linear,
+    rope_row_order,
 )
 from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
 from meshd.model.quant import (
@@ -190,7 +194,10 @@ class StageModel:
         self.device, self.dtype = device, dtype
         self.quantization = check_quantization(quantization)
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
-        self.bytes_per_layer = layer_bytes(config, dtype, quantization, device)
+        # A `gguf` stage counts its layers once they are mapped (`_load_stored`).
+        self.bytes_per_layer = (
+            0 if quantization == "gguf" else layer_bytes(config, dtype, quantization, device)
+        )
         self._layer_windows = [config.window_for_layer(i) for i in range(layer_start, layer_end)]
         self._windows = sorted(set(self._layer_windows), key=lambda w: -1 if w is None else w)
         self._rotary = Rotary(config, device, dtype)
@@ -288,6 +295,9 @@ class StageModel:
         return names
 
     def _load_weights(self, checkpoint: Checkpoint, n_mtp: int) -> None:
+        if self.quantization == "gguf":
+            self._load_stored(checkpoint)
+            return
         config = self.config
         exact = row_exact(self.quantization, self.device)
         self._dims = Dims.of(config, self.device, exact_windows=exact)
@@ -313,7 +323,7 @@ class StageModel:
             if needs_embed
             else None
         )
-        self._embed: torch.Tensor | QuantEmbedding | None = embed
+        self._embed: torch.Tensor | QuantEmbedding | GgufEmbedding | None = embed
         self._norm: torch.Tensor | None = None
         self._head: Matrix | None = None  # [hidden, vocab] (`linear_weight`)
         # An fp32 head as meshd's kernel reads it, where the layers run there (see `_logits`).
@@ -351,6 +361,71 @@ class StageModel:
             for k in range(n_mtp)
         ]
 
+    def _load_stored(self, checkpoint: Checkpoint) -> None:
+        """Quantization `gguf`: every matrix and the embedding as the GGUF file stores them
+        (views of the mapped file, `gguf_matrix`); only norms and biases are read into memory."""
+        if not isinstance(checkpoint, GGUFCheckpoint):
+            raise ValueError(
+                f"quantization gguf runs a GGUF file's tensors as stored, and "
+                f"{checkpoint.directory} is not a GGUF file"
+            )
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"quantization gguf runs on CPU stages only; this stage is on {self.device}"
+            )
+        config = self.config
+        self._dims = Dims.of(config, self.device, exact_windows=True)
+        shapes = decoder_layer_shapes(config)
+        vectors = [name for name, shape in shapes.items() if len(shape) == 1]
+
+        def block(name: str) -> BlockMatrix:
+            t = checkpoint.stored(name)
+            try:
+                matrix = BlockMatrix(t.raw, t.ggml_type, t.shape[-1], t.shape[0])
+            except UnsupportedTensorType:
+                raise UnsupportedArchitecture(
+                    f"{checkpoint.directory}: tensor {t.gguf_name} is {t.type_name}, a GGUF type "
+                    f"meshd has no kernel for (supported: "
+                    f"{', '.join(sorted(t.name for t in supported_types()))})"
+                ) from None
+            if self._on_tensor is not None:
+                self._on_tensor(name, t.raw.nbytes)
+            return matrix
+
+        def layer(i: int) -> LayerWeights:
+            prefix = f"model.layers.{i}."
+            # q/k rows of a `llama` file are stored in the runtime's rotary order already
+            # (llama.cpp's converter permutes them so); other files' q/k products are reordered.
+            stored_order = checkpoint.architecture == "llama"
+
+            def fuse(names: list[str]) -> Matrix:
+                parts = [block(prefix + n) for n in names]
+                perms = [
+                    None if stored_order else rope_row_order(n, p.out_features, self._dims)
+                    for n, p in zip(names, parts, strict=True)
+                ]
+                return GgufMatrix(parts, perms)
+
+            return LayerWeights.from_parts(
+                self._fetch(checkpoint, prefix, vectors), self._dims, fuse
+            )
+
+        self.layers = [layer(i) for i in range(self.layer_start, self.layer_end)]
+        self._kernel_layers = None
+        self._kernel_head = None
+        self.mtp = []
+        tied = config.tie_word_embeddings
+        table = (
+            block("model.embed_tokens.weight") if self.is_first or (self.is_last and tied) else None
+        )
+        self._embed = GgufEmbedding(table) if table is not None and self.is_first else None
+        self._norm, self._head = None, None
+        if self.is_last:
+            self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
+            head = table if tied and table is not None else block("lm_head.weight")
+            self._head = GgufMatrix([head])
+        self.bytes_per_layer = max((layer.nbytes() for layer in self.layers), default=0)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this stage holds: layers, embedding, norm, head, MTP depths.
@@ -367,6 +442,10 @@ class StageModel:
             isinstance(head, torch.Tensor)
             and isinstance(embed, torch.Tensor)
             and head.data_ptr() == embed.data_ptr()
+        ) or (  # a tied GGUF head maps the embedding's bytes
+            isinstance(head, GgufMatrix)
+            and isinstance(embed, GgufEmbedding)
+            and head.parts[0] is embed.table
         )
         if head is not None and not shared:
             total += head.nbytes
@@ -586,7 +665,7 @@ class StageModel:
         ids = tokens.tolist() if tokens.device.type == "cpu" else None
         if ids is not None and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
             raise InvalidInput(f"token id outside the vocabulary [0, {self.config.vocab_size})")
-        if isinstance(self._embed, QuantEmbedding):
+        if isinstance(self._embed, QuantEmbedding | GgufEmbedding):
             return self._embed.lookup(tokens.to(self.device), self.dtype)
         return F.embedding(tokens.to(self.device), self._embed)
 

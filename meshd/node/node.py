@@ -153,6 +153,9 @@ class NodeBasis:
             if config.quantization == "auto"
             else config.quantization
         )
+        if quantization == "gguf" and device.type != "cpu" and config.quantization == "auto":
+            # The block kernels run on CPUs; elsewhere a GGUF file is converted at load.
+            quantization = "int8"
         return cls(
             identity=identity,
             psk=psk,

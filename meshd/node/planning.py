@@ -20,6 +20,8 @@ import torch
 from meshd.mesh.member import MemberInfo
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
+from meshd.model.gguf_checkpoint import GGUFCheckpoint
+from meshd.model.llama import decoder_layer_shapes
 from meshd.model.stage import kv_bytes_per_token, layer_bytes, stage_weight_bytes
 from meshd.plan import ModelShape, NodeCapacity, NoFeasiblePlan, Plan, PlannerConfig, plan
 from meshd.plan.route import Route, RouteStage
@@ -40,8 +42,59 @@ def model_shape(
     counts once loaded); KV per token is at `kv_dtype` (default: `dtype`), the last stage's
     MTP depths included (`StageModel.kv_bytes_per_token`).
     """
+    if quantization == "gguf":
+        return stored_shape(checkpoint, dtype, kv_dtype)
     return config_shape(
         checkpoint.config, checkpoint.model_id, dtype, quantization, kv_dtype, device
+    )
+
+
+def stored_shape(
+    checkpoint: Checkpoint, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> ModelShape:
+    """`model_shape` of a GGUF file run as stored: its tensors' bytes in the file.
+
+    A K-quant file mixes types across layers (Q4_K_M holds some layers' down and v matrices
+    in Q6_K), so a layer counts as the largest layer of the file: the planner never gives a
+    node more layers than fit.
+    """
+    if not isinstance(checkpoint, GGUFCheckpoint):
+        raise ValueError(f"quantization gguf runs GGUF files: {checkpoint.directory} is not one")
+    config, tensors = checkpoint.config, checkpoint.file_tensors
+    n = config.num_layers
+
+    def held(names: list[str]) -> int:
+        return sum(tensors[name].nbytes for name in names if name in tensors)
+
+    per_layer = max(
+        held([f"model.layers.{i}.{name}" for name in decoder_layer_shapes(config)])
+        for i in range(n)
+    )
+    embed = held(["model.embed_tokens.weight"])
+    tied = config.tie_word_embeddings
+
+    def extra(start: int, end: int) -> int:
+        first, last = start == 0, end == n
+        total = embed if first else 0
+        if last:
+            total += held(["model.norm.weight"])
+            total += (0 if first else embed) if tied else held(["lm_head.weight"])
+        return total
+
+    only = extra(0, n)
+    first, last = (extra(0, 1), extra(n - 1, n)) if n > 1 else (only, only)
+    return ModelShape(
+        model_id=checkpoint.model_id,
+        num_layers=n,
+        bytes_per_layer=per_layer,
+        kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, kv_dtype or dtype),
+        head_kv_bytes_per_token=kv_bytes_per_token(
+            config, config.num_mtp_layers, kv_dtype or dtype
+        ),
+        embedding_bytes=first,
+        head_bytes=last,
+        shared_bytes=max(0, first + last - only),
+        quantization="gguf",
     )
 
 

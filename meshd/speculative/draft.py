@@ -106,6 +106,10 @@ class DraftModel:
         from meshd.model.stage import StageModel
 
         checkpoint = open_checkpoint(path)
+        if quantization == "gguf" and checkpoint.default_quantization != "gguf":
+            # A draft of another format beside a GGUF target runs at its own precision: its
+            # tokens are proposals the target verifies, so they need not match any peer's.
+            quantization = checkpoint.default_quantization
         stage = StageModel.load(
             checkpoint,
             0,

@@ -76,7 +76,7 @@ async def test_a_stage_of_a_fetched_gguf_file_computes_as_the_file(tmp_path: pat
     skeleton = stage.directory
     assert skeleton.stat().st_size >= path.stat().st_size
     assert os.stat(skeleton).st_blocks * 512 < path.stat().st_size // 2
-    assert stage.config == holder.config and stage.default_quantization == "int8"
+    assert stage.config == holder.config and stage.default_quantization == "gguf"
     assert _layers_2_4(stage, holder)
     # The tokenizer comes from the header's metadata.
     text = "Once upon a time"

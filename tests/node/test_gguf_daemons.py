@@ -47,8 +47,8 @@ def test_two_daemons_serve_a_quantized_gguf_file(tmp_path: pathlib.Path) -> None
         ]
         assert all(final["ok"] for final in finals), finals
         checkpoint = open_checkpoint(model)
-        # A Q8_0 file is served at int8 by default (`quantization = "auto"`), never as fp32.
-        assert checkpoint.default_quantization == "int8"
+        # A Q8_0 file is served as stored by default (`quantization = "auto"`), never as fp32.
+        assert checkpoint.default_quantization == "gguf"
         whole = StageModel.load(
             checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="int8"
         )

@@ -1,0 +1,79 @@
+"""GGUF tensors as stored: matrices and embedding tables over the file's mapped blocks.
+
+A stage at quantization `gguf` never converts a GGUF weight: each tensor is a read-only view of
+the memory-mapped file (pages shared with the page cache), multiplied by the block kernel of its
+ggml type (`meshd.model.kernels.blocks`), which quantizes the activations per block as
+llama.cpp does. So the stage computes what llama.cpp computes on the same file, to rounding,
+and holds the file's bytes, not a copy of them.
+
+A fused operand (q/k/v, gate/up) is its GGUF tensors side by side, each with its own type (a
+Q4_K_M file stores v in Q6_K beside q and k in Q4_K). The runtime rotates adjacent pairs of q/k
+dimensions (`llama.interleave_rope_dims`); where the file stores q/k rows in Hugging Face order
+(qwen2, qwen3), the product's columns are reordered instead of the rows, which would be a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshd.model.kernels.blocks import BlockMatrix
+from meshd.model.quant import QuantMatrix
+
+
+class GgufMatrix(QuantMatrix):
+    """The `[in, out]` operand made of GGUF tensors `[out_i, in]` as stored, side by side.
+
+    `perms[i]`, where given, reorders part i's output columns (`y[:, perm]`).
+    """
+
+    kind = "gguf"
+
+    def __init__(
+        self, parts: list[BlockMatrix], perms: list[torch.Tensor | None] | None = None
+    ) -> None:
+        if not parts:
+            raise ValueError("a GGUF matrix needs at least one tensor")
+        in_features = parts[0].in_features
+        if any(p.in_features != in_features for p in parts):
+            raise ValueError("fused GGUF tensors must share their input width")
+        self.parts = parts
+        self.perms = perms if perms is not None else [None] * len(parts)
+        self.in_features = in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.nbytes = sum(p.nbytes for p in parts)
+        self.kernel = parts[0].kernel
+        self.types = tuple(p.ggml_type for p in parts)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dtype == torch.float32 else x.float()
+        rows = rows.contiguous()
+        outs = []
+        for part, perm in zip(self.parts, self.perms, strict=True):
+            y = part.mm(rows)
+            outs.append(y if perm is None else y[:, perm])
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        cols = []
+        for part, perm in zip(self.parts, self.perms, strict=True):
+            w = part.dequantize()  # [out_i, in]
+            cols.append(w if perm is None else w[perm])
+        return torch.cat(cols).t().contiguous()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class GgufEmbedding:
+    """An embedding table `[vocab, hidden]` as stored; a lookup dequantizes only its rows."""
+
+    def __init__(self, table: BlockMatrix) -> None:
+        self.table = table
+        self.nbytes = table.nbytes
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` `[T]` as `[T, hidden]` in `dtype`."""
+        rows = self.table.rows(ids.to(device="cpu", dtype=torch.int64))
+        return rows if rows.dtype == dtype else rows.to(dtype)
