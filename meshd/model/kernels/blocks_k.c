@@ -36,8 +36,11 @@
  *   kernel in its order: per super-block, eight int32 lanes (lane L holds the products of
  *   positions 4L..4L+3 of every 32-value chunk, each chunk times its sub-block scale),
  *   converted to float and accumulated with one FMA per lane, then ggml's horizontal sum.
- *   So the result is the one llama.cpp's x86 CPU backend computes with its AVX2 kernel (which
- *   it also runs on AVX-512 machines: ggml has no wider K-quant kernel), on every CPU.
+ *   So the result is the one ggml's x86 vec_dot kernels compute (also on AVX-512 machines:
+ *   ggml has no wider K-quant kernel), on every CPU. llama.cpp runs those kernels for Q5_K and
+ *   Q6_K; Q4_K weights it repacks by default (8 rows interleaved, another summation order, the
+ *   same Q8_K activations), so there the two agree to float rounding, not to the bit.
+ * - Q8_K activations are ggml's quantize_row_q8_K_ref byte for byte on every path.
  * - The result depends only on the inputs: no alignment-dependent peeling, no thread-dependent
  *   split, so a verify window of t tokens gives what t single-token steps give.
  * - Explicit FMAs are written as fmaf / _mm256_fmadd_ps because the file is built with
@@ -49,7 +52,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -312,15 +315,15 @@ void meshd_dequantize_row_q6_K(const void *vw, float *y, int64_t k) {
     }
 }
 
-/* ---- the float steps every path shares ---------------------------------------------------- */
+/* ---- dot products: portable C ------------------------------------------------------------- */
+
+#if defined(KQ_SCALAR)
 
 /* ggml's hsum_float_8: (a0+a4 + a2+a6) + (a1+a5 + a3+a7), in that association. */
 static inline float hsum8(const float a[8]) {
     const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
     return (r0 + r2) + (r1 + r3);
 }
-
-#if defined(KQ_SCALAR)
 
 /* Sub-block sums of the mins, as the AVX2 kernels pair them: lane p = mins 2p and 2p+1 times
  * the Q8_K sums of their 32 values. */
@@ -442,6 +445,8 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
 }
 
 #endif /* KQ_SCALAR */
+
+/* ---- dot products: AVX2 and AVX-512 ------------------------------------------------------- */
 
 #if defined(KQ_AVX2) || defined(KQ_AVX512)
 
