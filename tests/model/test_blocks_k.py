@@ -284,8 +284,7 @@ def _results(kn: Kernels, k: int) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("k", LENGTHS)
-def test_all_paths_give_the_same_bits(build_dir: pathlib.Path, k: int) -> None:
+def _runnable(build_dir: pathlib.Path) -> list[Kernels]:
     runnable: list[Kernels] = []
     for path in PATHS:
         try:
@@ -294,10 +293,28 @@ def test_all_paths_give_the_same_bits(build_dir: pathlib.Path, k: int) -> None:
             continue
     if len(runnable) < 2:
         pytest.skip("only one path runs on this CPU")
+    return runnable
+
+
+@pytest.mark.parametrize("k", LENGTHS)
+def test_all_paths_give_the_same_bits(build_dir: pathlib.Path, k: int) -> None:
+    runnable = _runnable(build_dir)
     first = _results(runnable[0], k)
     for other in runnable[1:]:
         for a, b in zip(first, _results(other, k), strict=True):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=other.path)
+
+
+def test_non_finite_activations_quantize_alike_on_every_path(build_dir: pathlib.Path) -> None:
+    # inf and NaN are garbage in, but the same garbage out on every path: NaN products become 0
+    # as ggml's nearest_int makes them, an all-NaN block is a zero block.
+    x = activations(1, 1536, seed=5)[0]
+    x[5], x[300], x[600], x[601] = np.inf, np.nan, -np.inf, np.nan
+    x[1024:1280] = np.nan
+    runnable = _runnable(build_dir)
+    first = runnable[0].quantize_q8_K(x).view(np.uint8)
+    for other in runnable[1:]:
+        np.testing.assert_array_equal(other.quantize_q8_K(x).view(np.uint8), first)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -36,8 +36,11 @@
  *   kernel in its order: per super-block, eight int32 lanes (lane L holds the products of
  *   positions 4L..4L+3 of every 32-value chunk, each chunk times its sub-block scale),
  *   converted to float and accumulated with one FMA per lane, then ggml's horizontal sum.
- *   So the result is the one llama.cpp's x86 CPU backend computes with its AVX2 kernel (which
- *   it also runs on AVX-512 machines: ggml has no wider K-quant kernel), on every CPU.
+ *   So the result is the one ggml's x86 vec_dot kernels compute (also on AVX-512 machines:
+ *   ggml has no wider K-quant kernel), on every CPU. llama.cpp runs those kernels for Q5_K and
+ *   Q6_K; Q4_K weights it repacks by default (8 rows interleaved, another summation order, the
+ *   same Q8_K activations), so there the two agree to float rounding, not to the bit.
+ * - Q8_K activations are ggml's quantize_row_q8_K_ref byte for byte on every path.
  * - The result depends only on the inputs: no alignment-dependent peeling, no thread-dependent
  *   split, so a verify window of t tokens gives what t single-token steps give.
  * - Explicit FMAs are written as fmaf / _mm256_fmadd_ps because the file is built with
@@ -49,7 +52,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -120,6 +123,73 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m)
     }
 }
 
+/* ---- Q8_K: activations --------------------------------------------------------------------- */
+
+/* x [k] -> k/256 block_q8_K. Per super-block: d = max / -127 where max is the value of largest
+ * magnitude (the first one on a tie), qs = round(x * -127 / max), bsums = sums of 16 qs.
+ *
+ * Rounding: ties to even. That is what every Q8_K quantizer of llama.cpp's x86 CPU backend runs:
+ * quantize_row_q8_K is quantize_row_q8_K_ref there (nearest_int below), and the repacked
+ * Q4_K path's ggml_quantize_mat_q8_K_4x8 rounds with _mm256_round_ps(_MM_ROUND_NEAREST). Neither
+ * uses roundf (ties away from zero), which ggml's Q8_0/Q8_1 reference quantizers do.
+ *
+ * One departure: an all-zero super-block gets bsums = 0 (ggml leaves them unwritten; its dot
+ * products multiply them by d = 0), so the output bytes depend only on the input. */
+#if defined(__AVX2__)
+
+/* The value of largest magnitude in x[0..255], the first on a tie (0 when all are 0): the
+ * largest |x| by VMAXPS (NaN lanes lose: VMAXPS returns its second operand when either is NaN,
+ * as `ax > amax` is false for NaN), then the first position holding it. */
+static inline float q8_K_peak(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 8) {
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), m);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    if (amax == 0.f) return 0.f;
+    const __m256 target = _mm256_set1_ps(amax);
+    for (int j = 0; j < QK_K; j += 8) {
+        const __m256 ax = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j));
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(ax, target, _CMP_EQ_OQ));
+        for (int l = 0; l < 8; ++l) {
+            if (hit & (1 << l)) return x[j + l];
+        }
+    }
+    return 0.f; /* not reached: amax is one of the |x| */
+}
+
+/* qs = round(iscale * x) (ties to even: VCVTPS2DQ in the default rounding mode, as nearest_int),
+ * at most 127, and the sums of 16. A NaN product gives 0, as nearest_int gives for the default
+ * NaN. */
+static inline void q8_K_scale(const float *x, float iscale, int8_t *qs, int16_t *bsums) {
+    const __m256 mul = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127);
+    for (int g = 0; g < QK_K / 16; ++g) {
+        __m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(x + 16 * g), mul);
+        __m256 v1 = _mm256_mul_ps(_mm256_loadu_ps(x + 16 * g + 8), mul);
+        v0 = _mm256_andnot_ps(_mm256_cmp_ps(v0, v0, _CMP_UNORD_Q), v0);
+        v1 = _mm256_andnot_ps(_mm256_cmp_ps(v1, v1, _CMP_UNORD_Q), v1);
+        const __m256i i0 = _mm256_min_epi32(_mm256_cvtps_epi32(v0), top);
+        const __m256i i1 = _mm256_min_epi32(_mm256_cvtps_epi32(v1), top);
+        /* the 16 values in order as int16, then as int8 */
+        const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+        const __m128i b =
+            _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storeu_si128((__m128i *)(qs + 16 * g), b);
+        const __m256i s = _mm256_add_epi32(i0, i1);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        bsums[g] = (int16_t)_mm_cvtsi128_si32(t);
+    }
+}
+
+#else
+
 /* ggml's nearest_int: adding 1.5 * 2^23 leaves the integer in the low mantissa bits, rounded
  * by the FPU's mode, i.e. to nearest with ties to even (|fval| <= 2^22). */
 static inline int nearest_int(float fval) {
@@ -129,47 +199,47 @@ static inline int nearest_int(float fval) {
     return (i & 0x007FFFFF) - 0x00400000;
 }
 
-/* ---- Q8_K: activations --------------------------------------------------------------------- */
+static inline float q8_K_peak(const float *x) {
+    float max = 0.f, amax = 0.f;
+    for (int j = 0; j < QK_K; ++j) {
+        const float ax = fabsf(x[j]);
+        if (ax > amax) {
+            amax = ax;
+            max = x[j];
+        }
+    }
+    return max;
+}
 
-/* x [k] -> k/256 block_q8_K. Per super-block: d = max / -127 where max is the value of largest
- * magnitude (the first one on a tie), qs = round(x * -127 / max), bsums = sums of 16 qs.
- *
- * Rounding: ties to even. That is what every Q8_K quantizer of llama.cpp's x86 CPU backend runs:
- * quantize_row_q8_K is quantize_row_q8_K_ref there (nearest_int above), and the repacked
- * Q4_K path's ggml_quantize_mat_q8_K_4x8 rounds with _mm256_round_ps(_MM_ROUND_NEAREST). Neither
- * uses roundf (ties away from zero), which ggml's Q8_0/Q8_1 reference quantizers do.
- *
- * One departure: an all-zero super-block gets bsums = 0 (ggml leaves them unwritten; its dot
- * products multiply them by d = 0), so the output bytes depend only on the input. */
+static inline void q8_K_scale(const float *x, float iscale, int8_t *qs, int16_t *bsums) {
+    for (int j = 0; j < QK_K; ++j) {
+        const int v = nearest_int(iscale * x[j]);
+        qs[j] = (int8_t)(v < 127 ? v : 127);
+    }
+    for (int j = 0; j < QK_K / 16; ++j) {
+        int sum = 0;
+        for (int l = 0; l < 16; ++l) sum += qs[j * 16 + l];
+        bsums[j] = (int16_t)sum;
+    }
+}
+
+#endif
+
 void meshd_quantize_row_q8_K(const float *x, void *vy, int64_t k) {
     uint8_t *y = (uint8_t *)vy;
     const int64_t nb = k / QK_K;
     for (int64_t i = 0; i < nb; i++, x += QK_K, y += Q8_K_BYTES) {
-        float max = 0.f, amax = 0.f;
-        for (int j = 0; j < QK_K; ++j) {
-            const float ax = fabsf(x[j]);
-            if (ax > amax) {
-                amax = ax;
-                max = x[j];
-            }
-        }
+        const float max = q8_K_peak(x);
         int8_t qs[QK_K];
         int16_t bsums[QK_K / 16];
         float d = 0.f;
-        if (amax == 0.f) {
+        if (max == 0.f) {
             memset(qs, 0, sizeof qs);
+            memset(bsums, 0, sizeof bsums);
         } else {
             const float iscale = -127.f / max;
-            for (int j = 0; j < QK_K; ++j) {
-                const int v = nearest_int(iscale * x[j]);
-                qs[j] = (int8_t)(v < 127 ? v : 127);
-            }
+            q8_K_scale(x, iscale, qs, bsums);
             d = 1 / iscale;
-        }
-        for (int j = 0; j < QK_K / 16; ++j) {
-            int sum = 0;
-            for (int l = 0; l < 16; ++l) sum += qs[j * 16 + l];
-            bsums[j] = (int16_t)sum;
         }
         memcpy(y, &d, sizeof d);
         memcpy(y + Q8_K_QS, qs, sizeof qs);
@@ -210,8 +280,12 @@ void meshd_dequantize_row_q5_K(const void *vw, float *y, int64_t k) {
             const float d1 = d * sc, m1 = min * m;
             scale_min_k4(is + 1, scales, &sc, &m);
             const float d2 = d * sc, m2 = min * m;
-            for (int l = 0; l < 32; ++l) *y++ = d1 * ((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
-            for (int l = 0; l < 32; ++l) *y++ = d2 * ((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+            for (int l = 0; l < 32; ++l) {
+                *y++ = d1 * (float)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - m1;
+            }
+            for (int l = 0; l < 32; ++l) {
+                *y++ = d2 * (float)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+            }
             u1 = (uint8_t)(u1 << 2);
             u2 = (uint8_t)(u2 << 2);
         }
@@ -232,24 +306,24 @@ void meshd_dequantize_row_q6_K(const void *vw, float *y, int64_t k) {
                 const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
                 const int q3 = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
                 const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                y[l + 0] = d * sc[is + 0] * q1;
-                y[l + 32] = d * sc[is + 2] * q2;
-                y[l + 64] = d * sc[is + 4] * q3;
-                y[l + 96] = d * sc[is + 6] * q4;
+                y[l + 0] = d * (float)sc[is + 0] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
             }
         }
     }
 }
 
-/* ---- the float steps every path shares ---------------------------------------------------- */
+/* ---- dot products: portable C ------------------------------------------------------------- */
+
+#if defined(KQ_SCALAR)
 
 /* ggml's hsum_float_8: (a0+a4 + a2+a6) + (a1+a5 + a3+a7), in that association. */
 static inline float hsum8(const float a[8]) {
     const float r0 = a[0] + a[4], r1 = a[1] + a[5], r2 = a[2] + a[6], r3 = a[3] + a[7];
     return (r0 + r2) + (r1 + r3);
 }
-
-#if defined(KQ_SCALAR)
 
 /* Sub-block sums of the mins, as the AVX2 kernels pair them: lane p = mins 2p and 2p+1 times
  * the Q8_K sums of their 32 values. */
@@ -371,6 +445,8 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
 }
 
 #endif /* KQ_SCALAR */
+
+/* ---- dot products: AVX2 and AVX-512 ------------------------------------------------------- */
 
 #if defined(KQ_AVX2) || defined(KQ_AVX512)
 
