@@ -28,6 +28,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "weights over loopback lanes: MB/s, verify-window latency idle vs during a transfer",
     ),
     "decode": ("meshd.bench.decode", "single-node decode loop vs transformers generate()"),
+    "perplexity": (
+        "meshd.bench.perplexity",
+        "perplexity and next-token argmax on text or token ids, as the daemon runs the model",
+    ),
     "threads": (
         "meshd.bench.threads",
         "decode on 1 thread, on N, and as the stage's thread governor chooses",

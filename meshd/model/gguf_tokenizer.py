@@ -47,7 +47,11 @@ _PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
     "llama-v3": (_LLAMA3_REGEX, True),
     "qwen2": (_QWEN2_REGEX, False),
     "deepseek-r1-qwen": (_QWEN2_REGEX, False),
+    # SmolLM's tokenizer.json: each digit its own piece, then GPT-2's byte-level split
+    # (llama.cpp's SMOLLM pre-type: `\p{N}`, then GPT-2's regex).
+    "smollm": (None, False),
 }
+_DIGITS_FIRST = frozenset({"smollm"})
 _SPACE = "\u2581"  # SentencePiece's visible space
 
 
@@ -139,7 +143,12 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokeniz
         tokenizers.models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
     )
     if regex is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if pre in _DIGITS_FIRST
+            else byte_level
+        )
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [

@@ -19,6 +19,19 @@ Steps (every output goes to the cache directory and is reused on the next run):
    loopback TCP proxy delaying each direction by RTT/2; meshd through its own `--rtt-ms`).
 5. GGUF rows: meshd loading the converter's files (`--model file.gguf`) where it can, and
    greedy agreement: meshd's tokens against llama.cpp's on the f32 file, same prompt ids.
+6. Quality rows (`--parts quality`): real GGUF files (`--quality-models`: paths, or names of
+   scripts/fetch_models, which fetches them), the first `--quality-tokens` ids of `--text`
+   (meshd's tokenizer for the file, `meshd bench perplexity --text`), then the same ids through
+   `meshd bench perplexity --token-ids` at each `--quality-quantizations` (default: the daemon's
+   own choice, and `none`) and through score.cpp (llama.cpp, all positions in one batch):
+   perplexity both sides, their ratio, and top-1 agreement (share of positions whose argmax
+   is the same id).
+7. ggml rows (`--parts ggml`): ggml_mm.c, one ggml_mul_mat per call at decode shapes, per-call
+   microseconds and GB/s (docs/model-runtime.md, "ggml as the kernel library: measured").
+
+`--llamacpp-build avx2` uses a second llama.cpp build without AVX-512, AVX-VNNI or AMX
+(`-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF ...`, its own
+build directory) for every part: the comparison an AVX2-only CPU would see.
 
 Rows where meshd lacks a feature say `"meshd_tok_s": null, "note": "unsupported"`.
 """
@@ -54,6 +67,8 @@ PRECISIONS = ("f32", "q8_0", "q4_0")
 # meshd's `--quantization` value measured against each llama.cpp precision.
 MESHD_QUANT = {"f32": "none", "q8_0": "int8", "q4_0": "int4"}
 MODELS = ("builtin", "large")
+FETCH_MODELS = REPO / "scripts" / "fetch_models"
+DEFAULT_TEXT = REPO / "docs" / "bench" / "prose.txt"
 
 
 @dataclass
@@ -489,6 +504,95 @@ def agreement_rows(model: Model, env: Env, threads: int) -> list[dict[str, Any]]
     return rows
 
 
+# -- quality: perplexity and top-1 on the same ids ---------------------------------------
+def _quality_model(python: str, name: str) -> pathlib.Path:
+    """A GGUF path as given, or scripts/fetch_models' cached (or fetched) file for a name."""
+    if name.endswith(".gguf"):
+        return pathlib.Path(name)
+    out = subprocess.run(
+        [python, str(FETCH_MODELS), name], capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"scripts/fetch_models {name}: {out.stderr.strip()[-500:]}")
+    return pathlib.Path(out.stdout.strip().splitlines()[-1])
+
+
+def meshd_perplexity(env: Env, gguf: pathlib.Path, *args: str) -> dict[str, Any]:
+    """One `meshd bench perplexity --model gguf ... --json` process."""
+    return _meshd_json([env.meshd, "bench", "perplexity", "--model", str(gguf), *args, "--json"])
+
+
+def top1_agreement(a: list[int], b: list[int]) -> float:
+    """The share of positions whose argmax ids are equal."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"top-1 lists of {len(a)} and {len(b)} positions")
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def quality_rows(
+    env: Env,
+    models: list[str],
+    text: pathlib.Path,
+    tokens: int,
+    quantizations: list[str],
+    threads: int,
+) -> list[dict[str, Any]]:
+    """Per model file: llama.cpp's perplexity and meshd's at each quantization, same ids."""
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        gguf = _quality_model(env.python, name)
+        first = meshd_perplexity(env, gguf, "--text", str(text), "--tokens", str(tokens))
+        ids_json = env.work / "quality" / f"{gguf.stem}.{tokens}.ids.json"
+        ids_json.parent.mkdir(parents=True, exist_ok=True)
+        ids_json.write_text(json.dumps(first["tokens"]) + "\n")
+        extra_bufts = True
+        try:
+            theirs = llamacpp.score(env.lc, gguf, ids_json, threads, extra_bufts)
+        except RuntimeError as exc:  # e.g. AMX faulting in a VM: plain CPU buffers instead
+            log(f"{gguf.name}: meshd-score failed ({str(exc).splitlines()[0]}); --no-extra-bufts")
+            extra_bufts = False
+            theirs = llamacpp.score(env.lc, gguf, ids_json, threads, extra_bufts)
+        if theirs["tokens"] != first["tokens"]:
+            raise RuntimeError(f"{gguf.name}: meshd-score scored other ids than it was given")
+        for quant in quantizations:
+            args = ["--token-ids", str(ids_json), "--threads", str(threads)]
+            if quant != "default":
+                args += ["--quantization", quant]
+            ours = meshd_perplexity(env, gguf, *args)
+            rows.append(
+                {
+                    "kind": "quality",
+                    "model": gguf.name,
+                    "sha256": _sha256(gguf),
+                    "text": str(text),
+                    "bos_added": first.get("bos_added"),
+                    "n": ours["n"],
+                    "meshd_quantization": ours["quantization"],
+                    "meshd_default": quant == "default",
+                    "meshd_ppl": ours["ppl"],
+                    "llamacpp_ppl": theirs["ppl"],
+                    "ratio": ours["ppl"] / theirs["ppl"],
+                    "top1_agreement": top1_agreement(ours["top1"], theirs["top1"]),
+                    "llamacpp_build": env.lc.build,
+                    "llamacpp_extra_bufts": extra_bufts,
+                    "ids_file": str(ids_json),
+                }
+            )
+            log(
+                f"{gguf.name}: meshd {ours['quantization']} ppl {ours['ppl']:.4f}, llama.cpp "
+                f"{theirs['ppl']:.4f}, top-1 agreement {rows[-1]['top1_agreement']:.3f}"
+            )
+    return rows
+
+
+def ggml_rows(env: Env, seconds: float) -> list[dict[str, Any]]:
+    """ggml_mm.c's per-call timings of ggml_mul_mat (one JSON row per case)."""
+    return [
+        {"kind": "ggml", "llamacpp_build": env.lc.build, **row}
+        for row in llamacpp.ggml_mm(env.lc, seconds)
+    ]
+
+
 # -- output -------------------------------------------------------------------------------
 def _fmt(x: Any) -> str:
     return "—" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
@@ -538,6 +642,33 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 f"| {r['model']} | {r['precision']}.gguf | {r['meshd_source']} | {r['tokens']} | "
                 f"{_fmt(r['identical'])} | {_fmt(r.get('tokens_until_divergence'))} | "
                 f"{_fmt(r.get('share_identical'))} | {r.get('note', '')} |"
+            )
+    quality = [r for r in rows if r["kind"] == "quality"]
+    if quality:
+        out += [
+            "",
+            "| GGUF file | ids | meshd quantization | meshd ppl | llama.cpp ppl | ratio "
+            "| top-1 agreement |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in quality:
+            default = " (default)" if r["meshd_default"] else ""
+            out.append(
+                f"| {r['model']} | {r['n']} | {r['meshd_quantization']}{default} | "
+                f"{r['meshd_ppl']:.3f} | {r['llamacpp_ppl']:.3f} | {r['ratio']:.3f} | "
+                f"{100 * r['top1_agreement']:.1f} % |"
+            )
+    mm = [r for r in rows if r["kind"] == "ggml" and "median_us" in r]
+    if mm:
+        out += [
+            "",
+            "| weight out×in | type | batch | threads | µs per call (median) | p10 µs | GB/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in mm:
+            out.append(
+                f"| {r['out']}×{r['in']} | {r['type']} | {r['batch']} | {r['threads']} | "
+                f"{r['median_us']:.1f} | {r['p10_us']:.1f} | {r['gb_s']:.1f} |"
             )
     return "\n".join(out)
 
@@ -594,6 +725,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--jobs", type=int, default=2, help="cmake build jobs (default 2)")
     p.add_argument(
+        "--llamacpp-build",
+        choices=sorted(llamacpp.BUILDS),
+        default="native",
+        help="native (-DGGML_NATIVE=ON) or avx2 (no AVX-512/AVX-VNNI/AMX), its own build dir",
+    )
+    p.add_argument(
         "--python",
         default=str(REPO / ".venv" / "bin" / "python"),
         help="meshd's Python (runs the converter too)",
@@ -617,7 +754,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="tokens per run (default 128)")
     p.add_argument("--quick", action="store_true", help="1 round of 32 tokens")
     p.add_argument(
-        "--parts", default="decode,pipeline,gguf", help="comma list of decode, pipeline, gguf"
+        "--parts",
+        default="decode,pipeline,gguf",
+        help="comma list of decode, pipeline, gguf, quality, ggml",
+    )
+    p.add_argument(
+        "--quality-models",
+        default="smollm2-135m",
+        help="quality: comma list of .gguf paths or scripts/fetch_models names",
+    )
+    p.add_argument(
+        "--text",
+        type=pathlib.Path,
+        default=DEFAULT_TEXT,
+        help="quality: the text whose first ids are scored (default docs/bench/prose.txt)",
+    )
+    p.add_argument(
+        "--quality-tokens", type=int, default=256, help="quality: ids scored (default 256)"
+    )
+    p.add_argument(
+        "--quality-quantizations",
+        default="default,none",
+        help="quality: meshd's --quantization values (default: the daemon's choice, none)",
+    )
+    p.add_argument(
+        "--ggml-seconds", type=float, default=0.4, help="ggml: seconds per case (default 0.4)"
     )
     p.add_argument("--json", action="store_true", help="print JSON rows, one per line")
     p.add_argument(
@@ -665,15 +826,34 @@ def main(argv: list[str]) -> int:
         "load_average_before": [round(x, 2) for x in load_before],
     }
     lc = llamacpp.ensure_built(
-        args.llamacpp_version, cache, args.llamacpp_dir, args.python, args.jobs
+        args.llamacpp_version,
+        cache,
+        args.llamacpp_dir,
+        args.python,
+        args.jobs,
+        args.llamacpp_build,
     )
     env = Env(lc, args.python, args.meshd, cache / "models", tokens, rounds)
     env.work.mkdir(parents=True, exist_ok=True)
-    decode_quants = meshd_quant_choices(meshd_help(env, "decode"))
-    pipeline_quants = meshd_quant_choices(meshd_help(env, "pipeline"))
     rows: list[dict[str, Any]] = []
     notes: dict[str, str] = {}
-    for name in _csv(args.models):
+    if "quality" in parts:
+        rows += quality_rows(
+            env,
+            _csv(args.quality_models),
+            args.text,
+            args.quality_tokens,
+            _csv(args.quality_quantizations),
+            max(threads),
+        )
+        _partial(args.out, head, rows)
+    if "ggml" in parts:
+        rows += ggml_rows(env, args.ggml_seconds)
+        _partial(args.out, head, rows)
+    model_parts = parts & {"decode", "pipeline", "gguf"}
+    decode_quants = meshd_quant_choices(meshd_help(env, "decode")) if model_parts else set()
+    pipeline_quants = meshd_quant_choices(meshd_help(env, "pipeline")) if model_parts else set()
+    for name in _csv(args.models) if model_parts else []:
         model = prepare_model(name, env)
         model.gguf = {p: g for p, g in model.gguf.items() if p in precisions}
         if "decode" in parts:
@@ -694,6 +874,7 @@ def main(argv: list[str]) -> int:
         "meshd_commit": _git_commit(),
         "llamacpp": f"llama-cpp-python {args.llamacpp_version} sdist, vendor/llama.cpp ({lc.commit()})",
         "llamacpp_bin_dir": str(lc.bin_dir),
+        "llamacpp_build": lc.build,
         "cpu": _cpu(),
         "cpus": os.cpu_count(),
         "tokens": tokens,

@@ -20,9 +20,36 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
 TOOLS = ("llama-bench", "llama-quantize")
+# The builds `--llamacpp-build` selects: cmake flags past the common ones, and the build
+# directory. "native" is what this CPU offers (AVX-512, VNNI, AMX where present); "avx2" is
+# what an AVX2-only x86 CPU runs (Haswell to Skylake desktops, AMD before Zen 4): no AVX-512,
+# no AVX-VNNI, no AMX.
+BUILDS: dict[str, tuple[str, list[str]]] = {
+    "native": ("build", ["-DGGML_NATIVE=ON"]),
+    "avx2": (
+        "build-avx2",
+        [
+            "-DGGML_NATIVE=OFF",
+            "-DGGML_AVX=ON",
+            "-DGGML_AVX2=ON",
+            "-DGGML_FMA=ON",
+            "-DGGML_F16C=ON",
+            "-DGGML_BMI2=ON",
+            "-DGGML_AVX_VNNI=OFF",
+            "-DGGML_AVX512=OFF",
+            "-DGGML_AVX512_VBMI=OFF",
+            "-DGGML_AVX512_VNNI=OFF",
+            "-DGGML_AVX512_BF16=OFF",
+            "-DGGML_AMX_TILE=OFF",
+            "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF",
+        ],
+    ),
+}
 CONVERTER_PRE_TOKENIZER = "gpt-2"  # meshd's byte-level BPE splits text like GPT-2's
 
 
@@ -34,6 +61,9 @@ class LlamaCpp:
     bin_dir: pathlib.Path
     rpc_server: pathlib.Path
     greedy: pathlib.Path
+    score: pathlib.Path
+    ggml_mm: pathlib.Path
+    build: str = "native"
 
     def tool(self, name: str) -> pathlib.Path:
         return self.bin_dir / name
@@ -72,8 +102,11 @@ def _source_in(directory: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def _bin_dir_in(directory: pathlib.Path) -> pathlib.Path | None:
-    for candidate in (directory / "build" / "bin", directory / "bin"):
+def _bin_dir_in(directory: pathlib.Path, build_dir: str = "build") -> pathlib.Path | None:
+    candidates = [directory / build_dir / "bin"]
+    if build_dir == "build":
+        candidates.append(directory / "bin")
+    for candidate in candidates:
         if all((candidate / t).is_file() for t in TOOLS):
             return candidate
     return None
@@ -118,9 +151,16 @@ def _fetch_source(version: str, cache: pathlib.Path, python: str) -> pathlib.Pat
 
 
 def ensure_built(
-    version: str, cache: pathlib.Path, llamacpp_dir: pathlib.Path | None, python: str, jobs: int
+    version: str,
+    cache: pathlib.Path,
+    llamacpp_dir: pathlib.Path | None,
+    python: str,
+    jobs: int,
+    build_name: str = "native",
 ) -> LlamaCpp:
-    """The llama.cpp to bench: `llamacpp_dir` as given, else the cache's, built if missing."""
+    """The llama.cpp to bench: `llamacpp_dir` as given, else the cache's, built if missing;
+    `build_name` picks the build (BUILDS: native, avx2), each in its own directory."""
+    build_dir, flags = BUILDS[build_name]
     root = llamacpp_dir or cache
     root.mkdir(parents=True, exist_ok=True)
     source = _source_in(root)
@@ -129,13 +169,13 @@ def ensure_built(
             raise SystemExit(f"--llamacpp-dir {root}: no llama.cpp source tree found")
         source = _fetch_source(version, root, python)
     rpc = _rpc_target(source)
-    bin_dir = _bin_dir_in(root)
+    bin_dir = _bin_dir_in(root, build_dir)
     if bin_dir is None or not (bin_dir / rpc).is_file():
         if llamacpp_dir is not None:
             raise SystemExit(f"--llamacpp-dir {root}: no build/bin with {', '.join(TOOLS)}, {rpc}")
-        build = root / "build"
-        build_log = root / "build.log"
-        log(f"building llama.cpp {version} in {build} (nice -n 15, -j{jobs}; ~7 min on 2 cores)")
+        build = root / build_dir
+        build_log = root / f"{build_dir}.log"
+        log(f"building llama.cpp {version} in {build} (nice -n 15, -j{jobs}; ~15 min on 2 cores)")
         run_logged(
             [
                 "nice",
@@ -147,7 +187,7 @@ def ensure_built(
                 "-B",
                 str(build),
                 "-DCMAKE_BUILD_TYPE=Release",
-                "-DGGML_NATIVE=ON",
+                *flags,
                 "-DGGML_RPC=ON",
                 "-DLLAMA_CURL=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF",
@@ -171,23 +211,32 @@ def ensure_built(
             build_log,
         )
         bin_dir = build / "bin"
-    greedy = _ensure_greedy(source, bin_dir)
-    return LlamaCpp(source=source, bin_dir=bin_dir, rpc_server=bin_dir / rpc, greedy=greedy)
+    return LlamaCpp(
+        source=source,
+        bin_dir=bin_dir,
+        rpc_server=bin_dir / rpc,
+        greedy=_ensure_tool(source, bin_dir, "greedy.cpp", "meshd-greedy"),
+        score=_ensure_tool(source, bin_dir, "score.cpp", "meshd-score"),
+        ggml_mm=_ensure_tool(source, bin_dir, "ggml_mm.c", "meshd-ggml-mm"),
+        build=build_name,
+    )
 
 
-def _ensure_greedy(source: pathlib.Path, bin_dir: pathlib.Path) -> pathlib.Path:
-    """Compile greedy.cpp against the built libllama (seconds), unless it is up to date."""
-    out = bin_dir / "meshd-greedy"
-    src = HERE / "greedy.cpp"
+def _ensure_tool(source: pathlib.Path, bin_dir: pathlib.Path, name: str, tool: str) -> pathlib.Path:
+    """Compile one of this directory's small tools (greedy.cpp, score.cpp: libllama;
+    ggml_mm.c: ggml alone) against the build's libraries (seconds), unless up to date."""
+    out = bin_dir / tool
+    src = HERE / name
     if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
         return out
     libs = ["-lllama", "-lggml", "-lggml-base"]
+    compiler = ["g++", "-O2", "-std=c++17"]
+    if name.endswith(".c"):
+        libs, compiler = ["-lggml", "-lggml-base", "-lggml-cpu"], ["gcc", "-O2", "-std=c11"]
     if not (bin_dir / "libllama.so").is_file():
-        raise RuntimeError(f"no libllama.so in {bin_dir} to link meshd-greedy against")
+        raise RuntimeError(f"no libllama.so in {bin_dir} to link {tool} against")
     cmd = [
-        "g++",
-        "-O2",
-        "-std=c++17",
+        *compiler,
         str(src),
         "-o",
         str(out),
@@ -197,7 +246,7 @@ def _ensure_greedy(source: pathlib.Path, bin_dir: pathlib.Path) -> pathlib.Path:
         *libs,
         f"-Wl,-rpath,{bin_dir}",
     ]
-    run_logged(cmd, bin_dir / "meshd-greedy.log")
+    run_logged(cmd, bin_dir / f"{tool}.log")
     return out
 
 
@@ -308,6 +357,28 @@ def greedy_tokens(
     if out.returncode != 0:
         raise RuntimeError(f"meshd-greedy failed:\n{out.stderr[-2000:]}")
     return [int(t) for t in out.stdout.strip().split(",")]
+
+
+def score(
+    lc: LlamaCpp, gguf: pathlib.Path, ids_json: pathlib.Path, threads: int, extra_bufts: bool
+) -> dict[str, Any]:
+    """score.cpp's report on the ids in `ids_json`: tokens, nll, ppl, top1 (as meshd's)."""
+    cmd = [str(lc.score), str(gguf), str(ids_json), str(threads)]
+    if not extra_bufts:
+        cmd.append("--no-extra-bufts")
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {out.returncode}):\n{out.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return report
+
+
+def ggml_mm(lc: LlamaCpp, seconds: float) -> list[dict[str, Any]]:
+    """ggml_mm.c's rows: ggml_mul_mat per-call microseconds per shape, type, batch, threads."""
+    out = subprocess.run([str(lc.ggml_mm), str(seconds)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{lc.ggml_mm} failed (rc {out.returncode}):\n{out.stderr[-2000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 def free_port() -> int:

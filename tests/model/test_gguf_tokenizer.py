@@ -139,6 +139,35 @@ def test_llama3_and_qwen2_style_byte_level_bpe_from_gguf(tmp_path: pathlib.Path,
     assert ours.eos_ids == ((1, 2) if pre == "llama-bpe" else (0, 2))
 
 
+def test_smollm_style_byte_level_bpe_splits_digits_first(tmp_path: pathlib.Path) -> None:
+    # SmolLM's tokenizer.json: every digit its own piece, then GPT-2's byte-level split.
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=1000,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([*SENTENCES, *TEXTS, "2024 1999 31337 42"] * 3, trainer)
+    src = tmp_path / "src"
+    src.mkdir()
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    ours = open_tokenizer(write_vocab_gguf(src, tmp_path / "v.gguf", "smollm"))
+    for text in [*TEXTS, "12345678 digits 3.14 in 2024"]:
+        ids = tok.encode(text).ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == tok.decode(ids, skip_special_tokens=False)
+    assert len(ours.encode("2024")) == 4
+
+
 # --- SentencePiece ("llama") -------------------------------------------------------------
 
 SENTENCES = [
