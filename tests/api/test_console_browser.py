@@ -2,7 +2,7 @@
 running 2-node mesh: the page loads, shows both members and the plan, and a chat message streams
 an answer from the mesh; against a node holding two models, it shows each model's plan. A page
 from another origin, and one reaching the API through a rebound DNS name, can neither read the
-mesh's status nor spend its compute.
+mesh's status nor spend its compute; under a name the operator allows, the console works.
 
 `scripts/setup` installs chromium and its driver where they are missing; without them this
 test fails (it does not skip): the console is part of the product.
@@ -38,6 +38,7 @@ pytestmark = pytest.mark.slow
 # Where Debian's packages put them (`apt-get install chromium chromium-driver`).
 CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
 DRIVER = "chromedriver"
+OPERATORS_NAME = "console.test"
 
 
 def browser(resolve: dict[str, str] | None = None) -> WebDriver:
@@ -73,7 +74,10 @@ def browser(resolve: dict[str, str] | None = None) -> WebDriver:
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
     tmp = tmp_path_factory.mktemp("console")
     budget = stage_budget(str(builtin_model_dir()), 2)
-    daemons = [Daemon(tmp, i, secret=SECRET, budget=budget) for i in (120, 121)]
+    # The first also answers to a name of the operator's (resolved by the browser alone).
+    named = ("--api-allowed-hosts", OPERATORS_NAME)
+    daemons = [Daemon(tmp, i, secret=SECRET, budget=budget, extra=named if i == 120 else ())
+               for i in (120, 121)]  # fmt: skip
     try:
         started(daemons)
         wait_until(lambda: settled_plan(daemons) is not None, 60, "a settled plan")
@@ -166,7 +170,7 @@ def test_a_page_from_another_origin_can_neither_read_the_mesh_nor_spend_it(
     threading.Thread(target=site.serve_forever, daemon=True).start()
     before = _api_counts(api)
     port = api.rsplit(":", 1)[1]
-    driver = browser(resolve={"rebound.example": mesh[0].host})
+    driver = browser(resolve={"rebound.example": mesh[0].host, OPERATORS_NAME: mesh[0].host})
     try:
         driver.get(f"http://127.0.0.1:{site.server_address[1]}/")
         out = WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "out").text or None)
@@ -189,6 +193,12 @@ def test_a_page_from_another_origin_can_neither_read_the_mesh_nor_spend_it(
         )
         assert status == 403
         assert _api_counts(api)["prompt tokens"] == before["prompt tokens"]
+
+        # A name in api_allowed_hosts serves the console, which reads the mesh from there.
+        driver.get(f"http://{OPERATORS_NAME}:{port}/")
+        WebDriverWait(driver, 30).until(
+            lambda d: len(d.find_elements(By.CSS_SELECTOR, "#members tbody tr")) == 2
+        )
     finally:
         driver.quit()
         site.shutdown()
