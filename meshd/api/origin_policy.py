@@ -19,6 +19,7 @@ reads the answers (the class of Ollama's CVE-2024-28224). So:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ ALLOWED_METHODS = "GET, POST"
 ALLOWED_HEADERS = ("Authorization", "Content-Type")
 EXPOSED_HEADERS = "Retry-After, retry-after-ms"
 JSON_MEDIA_TYPE = "application/json"
+# An HTTP header name (RFC 9110 token).
+_TOKEN = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")
 # Methods whose body the API never reads.
 _BODILESS = ("GET", "HEAD", "OPTIONS")
 
@@ -171,10 +174,12 @@ class OriginPolicy:
         return self.allows_host(HostPort(origin.host, origin.port), origin.scheme, seen.server)
 
     def _preflight_headers(self, origin: str, requested: str | None) -> dict[str, str]:
+        # The allowed origin's client may send the headers it asks for (the openai JS client
+        # sends its own); only header names are echoed.
         names = list(ALLOWED_HEADERS)
-        for name in (requested or "").split(","):
-            if name.strip() and name.strip().lower() not in (n.lower() for n in names):
-                names.append(name.strip())
+        for name in (n.strip() for n in (requested or "").split(",")):
+            if _TOKEN.match(name) and name.lower() not in (n.lower() for n in names):
+                names.append(name)
         return {
             "Access-Control-Allow-Origin": origin,
             "Access-Control-Allow-Methods": ALLOWED_METHODS,

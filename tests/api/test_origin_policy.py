@@ -179,6 +179,9 @@ def test_an_allowed_origin_gets_its_preflight_and_reads_the_answers(served: Serv
     assert "POST" in allowed.headers["access-control-allow-methods"]
     names = {h.strip().lower() for h in allowed.headers["access-control-allow-headers"].split(",")}
     assert {"authorization", "content-type", "x-stainless-lang"} <= names
+    odd = preflight(served.cors_url, CORS_ORIGIN, **{"Access-Control-Request-Headers": "a b, (c)"})
+    assert odd.status_code == 204
+    assert odd.headers["access-control-allow-headers"] == "Authorization, Content-Type"
     before = ran(served, served.cors_url)
     headers = {"Origin": CORS_ORIGIN, **KEY}
     answer = httpx.post(f"{served.cors_url}/chat/completions", json=CHAT, headers=headers)
