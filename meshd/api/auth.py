@@ -1,4 +1,5 @@
-"""ASGI middleware of the API: request metrics, bearer-key authentication, the body deadline."""
+"""ASGI middleware of the API: request metrics, the Host/Origin/Content-Type rules,
+bearer-key authentication, the body deadline."""
 
 from __future__ import annotations
 
@@ -11,11 +12,88 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshd.api.errors import ApiError
 from meshd.api.metrics import ApiMetrics
+from meshd.api.origin_policy import AnswerPreflight, OriginPolicy, Refuse, Seen, cors_headers
 from meshd.api.responses import CLIENT_GONE, send_error
 
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics")
+# Scope key set on a request that another node relayed over an authenticated lane: it never
+# came through a socket, and the node that took it from its client already checked it.
+IN_PROCESS = "meshd.in_process"
+
+
+class OriginMiddleware:
+    """Applies `OriginPolicy` (`origin_policy.py`): refuses a request under a foreign Host,
+    from a foreign Origin, or with a body that is not JSON; answers CORS preflights of the
+    allowed origins, and adds the CORS headers to their responses."""
+
+    def __init__(self, app: ASGIApp, policy: OriginPolicy) -> None:
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get(IN_PROCESS):
+            await self.app(scope, receive, send)
+            return
+        verdict = self.policy.decide(_seen(scope))
+        if isinstance(verdict, AnswerPreflight):
+            raw = [(k.lower().encode(), v.encode()) for k, v in verdict.headers.items()]
+            raw.append((b"content-length", b"0"))
+            await send({"type": "http.response.start", "status": 204, "headers": raw})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if verdict.cors_origin is not None:
+            extra = [(k.lower().encode(), v.encode())
+                     for k, v in cors_headers(verdict.cors_origin).items()]  # fmt: skip
+            inner = send
+
+            async def send_with_cors(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+                await inner(message)
+
+            send = send_with_cors
+        if isinstance(verdict, Refuse):
+            log.debug(
+                "refused %s %s from %s: %s",
+                scope["method"], scope["path"], _client(scope), verdict.error.message,
+            )  # fmt: skip
+            await send_error(send, verdict.error)
+            return
+        await self.app(scope, receive, send)
+
+
+def _seen(scope: Scope) -> Seen:
+    headers: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        headers.setdefault(name, value)  # the first of a repeated header
+
+    def text(name: bytes) -> str | None:
+        value = headers.get(name)
+        return value.decode("latin-1") if value is not None else None
+
+    method = scope["method"]
+    length = headers.get(b"content-length")
+    if scope.get("http_version", "1.1").startswith("1"):
+        has_body = b"transfer-encoding" in headers or length not in (None, b"0")
+    else:  # HTTP/2 frames a body without either header
+        has_body = length != b"0"
+    origin = text(b"origin")
+    return Seen(
+        method=method,
+        path=scope["path"],
+        scheme=scope.get("scheme", "http"),
+        server=scope.get("server"),
+        host=text(b"host"),
+        origin=origin,
+        content_type=text(b"content-type"),
+        has_body=has_body,
+        preflight=method == "OPTIONS"
+        and origin is not None
+        and b"access-control-request-method" in headers,
+        request_headers=text(b"access-control-request-headers"),
+    )
 
 
 class AuthMiddleware:

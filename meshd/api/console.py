@@ -5,7 +5,9 @@ CDN, no build step) polls `/v1/mesh/status` once a second and streams chat answe
 `/v1/chat/completions`. The static files hold no data, so they are served without the API key
 (a browser cannot send one when it opens a URL); everything with data, the status included,
 sits behind the key like the rest of the API, and the page asks for the key when a request
-is refused.
+is refused. Like every route, the page is served only under the API's own names, and its
+requests are accepted from its own origin only (`origin_policy.py`): the page's `fetch`es
+are same-origin and send JSON.
 """
 
 from __future__ import annotations

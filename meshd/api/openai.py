@@ -4,7 +4,8 @@ and Prometheus `/metrics`, as a Starlette app for hypercorn's trio worker.
 Request bodies are decoded with msgspec into the structs of `schemas.py` and checked by
 `prepare.py`; every failure answers in OpenAI's error shape (`errors.py`). Generations run in
 `responses.py` (streamed or whole, cancelled when the client goes away); authentication and
-request metrics are ASGI middleware (`auth.py`).
+request metrics, and the Host, Origin and Content-Type rules (`origin_policy.py`) are ASGI
+middleware (`auth.py`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from meshd.api.auth import AuthMiddleware, BodyTimeoutMiddleware, MetricsMiddleware
+from meshd.api.auth import (
+    AuthMiddleware,
+    BodyTimeoutMiddleware,
+    MetricsMiddleware,
+    OriginMiddleware,
+)
 from meshd.api.backend import MeshBackend
 from meshd.api.console import PUBLIC_PATHS, StatusSource, console_routes
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
+from meshd.api.origin_policy import OriginPolicy
 from meshd.api.prepare import prepare_chat, prepare_completion
 from meshd.api.responses import JSON, GenerationResponse
 from meshd.api.routing import (
@@ -43,6 +50,7 @@ from meshd.api.routing import (
     unknown_model,
 )
 from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from meshd.net.web_origin import parse_host, parse_origin
 from meshd.speculative.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,10 @@ class ApiConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     max_drain_bytes: int = 64 * 1024 * 1024
     # The whole body must arrive within this long after the headers (408 and close beyond).
     body_timeout_s: float = 30.0
+    # Names besides its own address and localhost under which the API answers (`name` for
+    # any port, or `name:port`), and the web origins that may call it across origins.
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -71,6 +83,20 @@ class ApiConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             raise ValueError("max_drain_bytes must be >= 0")
         if not 0 < self.body_timeout_s < math.inf:
             raise ValueError("body_timeout_s must be a positive number of seconds")
+        for field, parse in (("allowed_hosts", parse_host), ("cors_origins", parse_origin)):
+            for text in getattr(self, field):
+                try:
+                    parse(text)
+                except ValueError as exc:
+                    raise ValueError(f"{field}: {exc}") from None
+
+    def origin_policy(
+        self, *, key_required: bool, public: frozenset[str] = frozenset()
+    ) -> OriginPolicy:
+        """The Host/Origin/Content-Type rules these settings make."""
+        return OriginPolicy.from_config(
+            self.allowed_hosts, self.cors_origins, key_required=key_required, public=public
+        )
 
 
 class _State:
@@ -115,6 +141,7 @@ def create_app(
     state = _State(
         backend, spec or SpecConfig(), config or ApiConfig(), metrics or ApiMetrics(), catalog
     )
+    policy = state.config.origin_policy(key_required=bool(api_key), public=PUBLIC_PATHS)
     routes = [
         Route("/v1/models", _endpoint(state, _models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(state, _model), methods=["GET"]),
@@ -127,6 +154,7 @@ def create_app(
         routes=routes,
         middleware=[
             Middleware(MetricsMiddleware, metrics=state.metrics),
+            Middleware(OriginMiddleware, policy=policy),
             Middleware(AuthMiddleware, api_key=api_key, public=PUBLIC_PATHS),
             Middleware(BodyTimeoutMiddleware, timeout_s=state.config.body_timeout_s),
         ],

@@ -268,6 +268,8 @@ async def serve(config: NodeConfig) -> None:
             config=ApiConfig(
                 body_timeout_s=config.api_body_timeout_s,
                 max_body_bytes=config.api_max_body_bytes,
+                allowed_hosts=config.api_allowed_hosts,
+                cors_origins=config.api_cors_origins,
             ),
             metrics=metrics,
             status=lambda: node_status(node, backend),

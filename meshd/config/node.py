@@ -26,6 +26,7 @@ from meshd.mesh.jointoken import (
 )
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
+from meshd.net.web_origin import parse_host, parse_origin
 from meshd.plan.inputs import PlannerConfig
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
@@ -82,6 +83,11 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     api_body_timeout_s: float = 30.0
     # Largest request body the API accepts (413 beyond).
     api_max_body_bytes: int = 4 * 1024 * 1024
+    # Names the API also answers to besides its own address and localhost (`name` for any
+    # port, or `name:port`), and the web origins that may call it from their pages (CORS);
+    # others are refused so that no web page can drive the API (docs/api.md).
+    api_allowed_hosts: tuple[str, ...] = ()
+    api_cors_origins: tuple[str, ...] = ()
     control_socket: str = ""
     # One model, or a list: the node holds every one (meshd/node/models.py).
     model: str | tuple[str, ...] = ""
@@ -322,6 +328,22 @@ def _check_api_timeouts(c: NodeConfig) -> None:
             raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
     if c.api_max_body_bytes < 1:
         raise ConfigError("api_max_body_bytes must be >= 1", key="api_max_body_bytes")
+    for host in c.api_allowed_hosts:
+        try:
+            parse_host(host)
+        except ValueError as exc:
+            raise ConfigError(
+                f"api_allowed_hosts: {exc}; give a host name or address, or host:port",
+                key="api_allowed_hosts",
+            ) from None
+    for origin in c.api_cors_origins:
+        try:
+            parse_origin(origin)
+        except ValueError as exc:
+            raise ConfigError(
+                f"api_cors_origins: {exc}; give origins such as https://app.example.com",
+                key="api_cors_origins",
+            ) from None
 
 
 def _one_of(c: NodeConfig, a: str, b: str) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from meshd.api.auth import IN_PROCESS
 from meshd.api.backend import MeshBackend
 from meshd.api.routing import RELAYED_HEADER, RelayCut, RelayedResponse, ServedModel
 from meshd.net.lane_table import PeerUnreachable
@@ -257,6 +258,7 @@ class MeshCatalog:
             "headers": headers,
             "client": ("mesh-relay", 0),
             "server": ("mesh-relay", 0),
+            IN_PROCESS: True,
         }
         delivered = False
         finished = trio.Event()

@@ -3,8 +3,9 @@
 pytest-trio runs each async test in its own trio run, so a pipeline cannot outlive one test
 there. The shared server instead lives in a background thread with its own trio run: a
 2-stage loopback pipeline on the built-in model (real lanes, real stage hosts), served by
-four apps: open, keyed (API key required), one whose backend admits a single request at
-a time (for 429), and one with short header and body timeouts (EDGE_*_TIMEOUT_S). Tests talk to it over HTTP from plain (sync) test functions, and reach into
+five apps: open, keyed (API key required), one whose backend admits a single request at
+a time (for 429), one with short header and body timeouts (EDGE_*_TIMEOUT_S), and a keyed
+one that allows a web origin and a host name (CORS_ORIGIN, ALLOWED_HOST). Tests talk to it over HTTP from plain (sync) test functions, and reach into
 its trio run with `Served.call` / `Served.acall`.
 """
 
@@ -30,6 +31,8 @@ API_KEY = "test-key-5f1c"
 EDGE_HEADER_TIMEOUT_S = 1.0
 EDGE_BODY_TIMEOUT_S = 1.5
 MODEL = "meshd-builtin"
+CORS_ORIGIN = "https://app.example.com"
+ALLOWED_HOST = "mesh.example.com"
 T = TypeVar("T")
 
 
@@ -43,6 +46,7 @@ class Served:
     backend: LocalPipelineBackend
     token: trio.lowlevel.TrioToken
     edge_url: str = ""  # the app with short header and body timeouts
+    cors_url: str = ""  # the keyed app with CORS_ORIGIN and ALLOWED_HOST allowed
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a sync function inside the server's trio run."""
@@ -57,11 +61,11 @@ class Served:
         return self.call(lambda: [h.stats.sessions_open for h in self.backend.pipeline.hosts])
 
     def metrics(
-        self, url: str | None = None
+        self, url: str | None = None, headers: dict[str, str] | None = None
     ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of `/metrics`, keyed by (name, sorted labels)."""
         root = (url or self.url).removesuffix("/v1")
-        text = httpx.get(f"{root}/metrics", timeout=10).text
+        text = httpx.get(f"{root}/metrics", headers=headers, timeout=10).text
         return {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text)
@@ -82,6 +86,9 @@ def _serve(out: queue.Queue[Any]) -> None:
                 edge = create_app(backend, config=ApiConfig(body_timeout_s=EDGE_BODY_TIMEOUT_S))
                 serve_edge = functools.partial(serve_api, header_timeout_s=EDGE_HEADER_TIMEOUT_S)
                 addresses.append(await nursery.start(serve_edge, edge))
+                allowing = ApiConfig(allowed_hosts=(ALLOWED_HOST,), cors_origins=(CORS_ORIGIN,))
+                cors = create_app(backend, api_key=API_KEY, config=allowing)
+                addresses.append(await nursery.start(serve_api, cors))
                 out.put((addresses, backend, trio.lowlevel.current_trio_token(), stop))
                 await stop.wait()
                 nursery.cancel_scope.cancel()
@@ -103,7 +110,7 @@ def served() -> Iterator[Served]:
         raise got
     addresses, backend, token, stop = got
     try:
-        open_app, keyed_app, single_app, edge_app = addresses
+        open_app, keyed_app, single_app, edge_app, cors_app = addresses
         yield Served(
             open_app.base_url,
             keyed_app.base_url,
@@ -111,6 +118,7 @@ def served() -> Iterator[Served]:
             backend,
             token,
             edge_url=edge_app.base_url,
+            cors_url=cors_app.base_url,
         )
     finally:
         token.run_sync_soon(stop.set)

@@ -15,6 +15,7 @@ from tests.api.conftest import API_KEY, MODEL, Served
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 CHAT = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+JSON_TYPE = {"Content-Type": "application/json"}
 LONG = 200  # tokens: with ignore_eos a generation surely outlasts the test's next steps
 
 
@@ -73,7 +74,9 @@ def test_sse_framing_ends_with_done(served: Served) -> None:
 # -- errors -----------------------------------------------------------------------------
 @pytest.mark.parametrize("content", [b"{", b"", b"[1, 2]", b"\xff\xfe"])
 def test_malformed_bodies_are_400(served: Served, content: bytes) -> None:
-    response = httpx.post(f"{served.url}/chat/completions", content=content, timeout=10)
+    response = httpx.post(
+        f"{served.url}/chat/completions", content=content, headers=JSON_TYPE, timeout=10
+    )
     assert response.status_code == 400
     assert error_of(response)["type"] == "invalid_request_error"
 
@@ -160,7 +163,9 @@ def test_oversized_chunked_body_is_413(served: Served) -> None:
         for _ in range(80):
             yield b"x" * 65536  # 5 MiB without a Content-Length
 
-    response = httpx.post(f"{served.url}/completions", content=body(), timeout=30)
+    response = httpx.post(
+        f"{served.url}/completions", content=body(), headers=JSON_TYPE, timeout=30
+    )
     assert response.status_code == 413
     assert error_of(response)["code"] == "request_too_large"
 

@@ -286,6 +286,45 @@ def test_api_beyond_loopback_needs_a_key(tmp_path: Path, env: dict[str, str]) ->
         load_config({"api_key": "hunter2"}, env, None)
 
 
+def test_api_allowed_hosts_and_cors_origins_from_file_env_and_flags(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    c = load_config({}, env, None)
+    assert c.api_allowed_hosts == () and c.api_cors_origins == ()
+    file = _write(tmp_path / "m.toml", 'api_allowed_hosts = ["mesh.lan", "[fd00::2]:7392"]\n'
+                  'api_cors_origins = ["https://app.example.com"]\n')  # fmt: skip
+    c = load_config({}, env, file)
+    assert c.api_allowed_hosts == ("mesh.lan", "[fd00::2]:7392")
+    assert c.api_cors_origins == ("https://app.example.com",)
+    c = load_config({}, env | {"MESHD_API_ALLOWED_HOSTS": "a.lan,b.lan:8000"}, None)
+    assert c.api_allowed_hosts == ("a.lan", "b.lan:8000")
+    args = _parse(["--api-allowed-hosts", "proxy.example", "--api-cors-origins",
+                   "http://localhost:3000,https://app.example.com"])  # fmt: skip
+    c = load_config(config_cli_values(args), env, None)
+    assert c.api_allowed_hosts == ("proxy.example",)
+    assert c.api_cors_origins == ("http://localhost:3000", "https://app.example.com")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("api_allowed_hosts", "http://mesh.lan", "host name or address"),
+        ("api_allowed_hosts", "mesh.lan:0", "1..65535"),
+        ("api_allowed_hosts", "*.lan", "host name or address"),
+        ("api_cors_origins", "null", "not an origin"),
+        ("api_cors_origins", "app.example.com", "not an origin"),
+        ("api_cors_origins", "https://app.example.com/", "no path"),
+    ],
+)
+def test_bad_api_hosts_and_origins_name_the_key_and_source(
+    env: dict[str, str], key: str, value: str, match: str
+) -> None:
+    name = env_name(key)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config({}, env | {name: value}, None)
+    assert (err.value.key, err.value.source) == (key, f"env {name}")
+
+
 def test_mesh_secret_sources(tmp_path: Path, env: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="no mesh secret"):
         load_config({}, env, None).read_mesh_secret()
