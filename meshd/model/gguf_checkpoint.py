@@ -212,6 +212,9 @@ class GGUFCheckpoint(Checkpoint):
             maps.clear()
 
 
+_ITEM_SIZES: dict[Any, int] = {}  # numpy scalar type -> bytes, for `read_gguf`'s reader
+
+
 class _Damage(Exception):
     """What is wrong with a GGUF file, found while its header is parsed (the message)."""
 
@@ -242,15 +245,23 @@ def read_gguf(path: pathlib.Path) -> GGUFReader:
         def _get(
             self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
         ) -> np.ndarray:
-            # The reader slices past the end silently and fails later on the short result;
-            # every header field it reads must lie inside the file.
-            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            # The reader's own `_get` slices past the end silently (the short result fails
+            # later, in numpy's words): every header field it reads must lie inside the file.
+            # It also builds an array per call to learn the item size, hundreds of thousands of
+            # times for a big vocabulary; the sizes are cached here.
+            count = int(count)
+            size = _ITEM_SIZES.get(dtype)
+            if size is None:
+                size = _ITEM_SIZES.setdefault(dtype, np.dtype(dtype).itemsize)
+            end = int(offset) + size * count
             if end > len(self._plain):
                 raise _Damage(
                     f"truncated or corrupt: its GGUF header runs past the end of the file "
                     f"(needs at least {end} bytes, file has {len(self._plain)})"
                 )
-            return super()._get(offset, dtype, count, override_order)
+            arr = self._plain[offset:end].view(dtype=dtype)
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
 
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             # Tensors lie at data start + their offset; the file must hold the last byte of
