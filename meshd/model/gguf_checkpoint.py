@@ -259,7 +259,7 @@ def read_gguf(path: pathlib.Path) -> GGUFReader:
                     f"truncated or corrupt: its GGUF header runs past the end of the file "
                     f"(needs at least {end} bytes, file has {len(self._plain)})"
                 )
-            arr = self._plain[offset:end].view(dtype=dtype)
+            arr: np.ndarray = self._plain[offset:end].view(dtype=dtype)
             order = self.byte_order if override_order is None else override_order
             return arr.view(arr.dtype.newbyteorder(order))
 
