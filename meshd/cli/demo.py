@@ -95,7 +95,19 @@ def draft_dir(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo once; 0 when every phase worked."""
+    """Run the demo once; 0 when every phase worked.
+
+    A model or draft that `meshd serve` would refuse ends the demo at once with the daemon's
+    one line on stderr and exit status 2, before any daemon starts.
+    """
+    from meshd.cli.serve import EXIT_STARTUP_ERROR, StartupError, check_draft_model, check_model
+
+    try:
+        check_model(args.model or "")
+        check_draft_model(args.model or "", draft_dir(args))
+    except StartupError as exc:
+        print(f"demo failed: {exc}", file=sys.stderr, flush=True)
+        return EXIT_STARTUP_ERROR
     if args.in_process:
         import trio
 
@@ -403,7 +415,6 @@ async def _in_process(args: argparse.Namespace) -> int:
     speculative decoding, then prints tokens/s and the speculative statistics. Useful where
     spawning daemons is not (a notebook, a machine without 127.0.0.x aliases).
     """
-    from meshd.cli.serve import StartupError, check_draft_model
     from meshd.coord.coordinator import GenerationRequest
     from meshd.coord.local import open_local_pipeline
     from meshd.model.builtin import builtin_model_dir
@@ -419,11 +430,6 @@ async def _in_process(args: argparse.Namespace) -> int:
     draft = None
     say = print
     if draft_model:
-        try:
-            check_draft_model(model_dir, draft_model)  # what `meshd serve` checks at start
-        except StartupError as exc:
-            say(f"demo failed: {exc}")
-            return 2
         draft = DraftModel.load(draft_model)
     say(f"meshd demo — model {checkpoint.model_id[:16]} ({checkpoint.config.num_layers} layers)")
     say(f"draft model: {_draft_words(draft_model)}")

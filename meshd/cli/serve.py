@@ -41,20 +41,22 @@ RESPONSES_FLUSH_S = 2.0
 
 
 class StartupError(Exception):
-    """A model, config or port error at start: one line on stderr, exit status 2."""
+    """A model, config, state dir or port error at start: one line on stderr, exit status 2."""
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the config, secrets, model and ports, then serve until stopped.
 
-    Every error a restart cannot fix (config, secrets, model, a port in use) is one line on
-    stderr and exit status 2, whether the checks here find it or it surfaces while the daemon
-    starts; any other failure is logged with its traceback, exit status 1.
+    Every error a restart cannot fix (config, secrets, the state dir and identity key, model,
+    a port in use) is one line on stderr and exit status 2, whether the checks here find it or
+    it surfaces while the daemon starts; any other failure is logged with its traceback, exit
+    status 1. The cheap checks run first, so these fail within a second, before the model loads.
     """
     try:
         config = load_config_from_args(args, os.environ)
         config.read_mesh_secret()
         config.read_api_key()
+        check_state_dir(config)
         for index, model in enumerate(config.models):
             if index and model.startswith("mesh:"):
                 raise StartupError(
@@ -163,6 +165,34 @@ def check_draft_model(model: str, draft: str) -> None:
         raise StartupError(f"spec.draft_model: {exc}") from None
 
 
+def check_state_dir(config: NodeConfig) -> None:
+    """Raise StartupError unless the identity key loads (created on first run, so a full,
+    read-only or misplaced state dir shows now) and the control socket's directory is writable.
+    """
+    from meshd.mesh.identity import IdentityError, NodeIdentity
+
+    try:
+        NodeIdentity.load_or_create(config.state_dir)
+    except IdentityError as exc:
+        raise StartupError(str(exc)) from None
+    path = config.control_socket_path()
+    directory = path.parent
+    if not directory.is_dir():
+        raise StartupError(
+            f"control_socket: cannot create {path}: its directory {directory} does not exist"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        why = "is on a read-only file system" if _read_only(directory) else "is not writable"
+        raise StartupError(f"control_socket: cannot create {path}: {directory} {why}")
+
+
+def _read_only(directory: pathlib.Path) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def check_ports(config: NodeConfig) -> None:
     """Raise StartupError when the lane (UDP) or API (TCP) port cannot be bound.
 
@@ -183,15 +213,45 @@ def check_ports(config: NodeConfig) -> None:
             try:
                 sock.bind((host, port))
             except OSError as exc:
-                proto = "UDP" if kind == socket.SOCK_DGRAM else "TCP"
-                raise StartupError(
-                    f"{key}: cannot bind {proto} {host}:{port}: {exc.strerror}"
-                    + (" (another meshd running?)" if exc.errno == errno.EADDRINUSE else "")
-                ) from None
+                raise StartupError(bind_error(key, kind, host, port, exc)) from None
+
+
+def bind_error(key: str, kind: int, host: str, port: int, exc: OSError) -> str:
+    """The one line for a port the daemon cannot bind (`kind`: SOCK_DGRAM or SOCK_STREAM)."""
+    proto = "UDP" if kind == socket.SOCK_DGRAM else "TCP"
+    in_use = " (another meshd running?)" if exc.errno == errno.EADDRINUSE else ""
+    return f"{key}: cannot bind {proto} {host}:{port}: {exc.strerror or exc}{in_use}"
+
+
+@contextlib.contextmanager
+def _binding(key: str, kind: int, host: str, port: int) -> Iterator[None]:
+    """A port taken between `check_ports` and the daemon's own bind is a StartupError too.
+
+    Only the errors a bind gives are turned into one: anything else the task raises is no
+    port's fault and keeps its traceback.
+    """
+    try:
+        yield
+    except (OSError, ExceptionGroup) as exc:
+        failed = _bind_failure(exc)
+        if failed is None:
+            raise
+        raise StartupError(bind_error(key, kind, host, port, failed)) from None
+
+
+_BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL})
+
+
+def _bind_failure(exc: BaseException) -> OSError | None:
+    """The bind error in `exc` or its group (a task's error may arrive wrapped in one)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return next(filter(None, map(_bind_failure, exc.exceptions)), None)
+    return exc if isinstance(exc, OSError) and exc.errno in _BIND_ERRNOS else None
 
 
 def startup_cause(exc: BaseException) -> str | None:
     """The one-line message of an error no restart can fix, found in `exc` (or its group)."""
+    from meshd.mesh.identity import IdentityError
     from meshd.model.errors import ModelError
 
     leaves = [exc]
@@ -201,7 +261,7 @@ def startup_cause(exc: BaseException) -> str | None:
             leaves.extend(leaf.exceptions)
         elif isinstance(leaf, ModelError):
             return f"model: {leaf}"
-        elif isinstance(leaf, (ConfigError, StartupError)):
+        elif isinstance(leaf, (ConfigError, StartupError, IdentityError)):
             return str(leaf)
         elif isinstance(leaf, OSError) and leaf.errno == errno.EADDRINUSE:
             return f"cannot bind: {leaf}"
@@ -252,14 +312,21 @@ async def serve(config: NodeConfig) -> None:
         await nursery.start(_stop_on_sigterm, nursery.cancel_scope, notifier, graceful)
         # Pings start before READY: loading a big model must not look like a hang.
         nursery.start_soon(_watchdog, notifier)
-        with _startup_display(config):
+        lanes = ("listen_port", socket.SOCK_DGRAM, config.listen_host, config.listen_port)
+        with _startup_display(config), _binding(*lanes):
             node = await nursery.start(
                 functools.partial(run_node, load_display=_load_display(config)), config, basis
             )
         backend = NodeBackend(node, model_name=name)
         catalog = model_catalog(node, backend, config.read_api_key())
         await nursery.start(catalog.run)
-        await nursery.start(serve_control, node, backend, str(config.control_socket_path()))
+        control = config.control_socket_path()
+        try:
+            await nursery.start(serve_control, node, backend, str(control))
+        except OSError as exc:
+            raise StartupError(
+                f"control_socket: cannot listen on {control}: {exc.strerror}"
+            ) from None
         export_counters(metrics, node)
         app = create_app(
             backend,
@@ -276,10 +343,11 @@ async def serve(config: NodeConfig) -> None:
             catalog=catalog,
         )
         catalog.app = app
-        api = await nursery.start(
-            functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
-            app, config.api_host, config.api_port,
-        )  # fmt: skip
+        with _binding("api_port", socket.SOCK_STREAM, config.api_host, config.api_port):
+            api = await nursery.start(
+                functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
+                app, config.api_host, config.api_port,
+            )  # fmt: skip
         started.set()
         notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")
         print(

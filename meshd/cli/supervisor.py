@@ -12,6 +12,7 @@ Linux), so a killed demo, bench or test run leaves no daemons behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshd.cli.serve import EXIT_STARTUP_ERROR
 from meshd.model.files import open_checkpoint
 from meshd.node.control_client import ControlError, StatusOp, call
 
@@ -119,11 +121,19 @@ class ServeProcess:
                 self.lane_address = line.rsplit(" ", 1)[1].strip()
                 self.api_url = line.split(" api ", 1)[1].split(" ", 1)[0]
                 return time.monotonic()
-            if not line:
+            if not line:  # stdout closed: the daemon is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 break
-        raise DaemonError(
-            f"{self.name} did not start (exit status {self.proc.poll()}; log {self.log_path})"
-        )
+        status = self.proc.poll()
+        if status == EXIT_STARTUP_ERROR:  # the daemon's own one line says what to fix
+            raise DaemonError(f"{self.name} did not start: {self.last_log_line()}")
+        raise DaemonError(f"{self.name} did not start (exit status {status}; log {self.log_path})")
+
+    def last_log_line(self) -> str:
+        """The daemon's last log line (after a start-up error: its one-line message)."""
+        lines = self.log_tail(2000).strip().splitlines()
+        return lines[-1] if lines else "(empty log)"
 
     def status(self) -> dict[str, Any]:
         """The daemon's status over its control socket (DaemonError while it does not answer)."""

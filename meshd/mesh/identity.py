@@ -12,6 +12,7 @@ hash of the public key); `fingerprint()` is the full hash, for comparing keys ou
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -88,7 +89,9 @@ class NodeIdentity:
             try:
                 created = _write_new_key(path, bytes(nacl.signing.SigningKey.generate()))
             except OSError as exc:
-                raise IdentityError(f"cannot write identity key {path}: {exc}", path=path) from exc
+                raise IdentityError(
+                    f"cannot write identity key {path}: {_os_reason(exc, directory)}", path=path
+                ) from None
             if created is not None:
                 return cls(created, path=path)
             # Another process created the key between our check and our write: use theirs.
@@ -103,7 +106,9 @@ class NodeIdentity:
         except FileNotFoundError:
             raise IdentityError(f"identity key {path} does not exist", path=path) from None
         except OSError as exc:
-            raise IdentityError(f"cannot open identity key {path}: {exc}", path=path) from exc
+            raise IdentityError(
+                f"cannot open identity key {path}: {_os_reason(exc, path.parent)}", path=path
+            ) from None
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
@@ -195,11 +200,16 @@ def _make_private_dir(directory: Path) -> None:
     try:
         directory.mkdir(mode=0o700, parents=True)
     except FileExistsError:
-        return
+        if directory.is_dir():  # another process made it meanwhile
+            return
+        raise IdentityError(
+            f"state directory {directory} exists but is not a directory", path=directory
+        ) from None
     except OSError as exc:
         raise IdentityError(
-            f"cannot create state directory {directory}: {exc}", path=directory
-        ) from exc
+            f"cannot create state directory {directory}: {_os_reason(exc, directory)}",
+            path=directory,
+        ) from None
     # mkdir's mode is filtered by the umask; we want exactly 0700.
     os.chmod(directory, 0o700)
 
@@ -231,6 +241,20 @@ def _write_new_key(path: Path, seed: bytes) -> bytes | None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _os_reason(exc: OSError, directory: Path) -> str:
+    """Why a file in the state directory cannot be made or read, and what to do, in words."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{reason}: free space on the file system of {directory}"
+    if exc.errno == errno.EROFS:
+        return f"{reason}: set state_dir to a directory on a writable file system"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"{reason}: the daemon's user must own {directory} (or set state_dir)"
+    if exc.errno == errno.ENOTDIR:
+        return f"{reason}: a part of the path {directory} is a file, not a directory"
+    return reason
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -254,9 +254,21 @@ class StoredTensor:
     shape: tuple[int, ...]  # Hugging Face order: `[out, in]` for a matrix
 
 
+_ITEM_SIZES: dict[Any, int] = {}  # numpy scalar type -> bytes, for `read_gguf`'s reader
+
+
+class _Damage(Exception):
+    """What is wrong with a GGUF file, found while its header is parsed (the message)."""
+
+
 def read_gguf(path: pathlib.Path) -> GGUFReader:
-    """Parse a GGUF file's header with llama.cpp's reader; damage is a one-line error."""
-    from gguf import GGUFReader
+    """Parse a GGUF file's header with llama.cpp's reader; damage is a one-line error.
+
+    The file's magic and version are checked first, and its size against the tensor table
+    before the reader maps any tensor: a file cut short (an interrupted download or copy) says
+    "truncated: expected N bytes, file has M", not what numpy says about a short view.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
     class PlainViewReader(GGUFReader):
         # Give the reader a plain ndarray view of the map, not a `np.memmap`: it slices its map
@@ -272,10 +284,89 @@ def read_gguf(path: pathlib.Path) -> GGUFReader:
         def data(self, value: np.ndarray) -> None:
             self._plain = value.view(np.ndarray)
 
+        def _get(
+            self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+        ) -> np.ndarray:
+            # The reader's own `_get` slices past the end silently (the short result fails
+            # later, in numpy's words): every header field it reads must lie inside the file.
+            # It also builds an array per call to learn the item size, hundreds of thousands of
+            # times for a big vocabulary; the sizes are cached here.
+            count = int(count)
+            size = _ITEM_SIZES.get(dtype)
+            if size is None:
+                size = _ITEM_SIZES.setdefault(dtype, np.dtype(dtype).itemsize)
+            end = int(offset) + size * count
+            if end > len(self._plain):
+                raise _Damage(
+                    f"truncated or corrupt: its GGUF header runs past the end of the file "
+                    f"(needs at least {end} bytes, file has {len(self._plain)})"
+                )
+            arr: np.ndarray = self._plain[offset:end].view(dtype=dtype)
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            # Tensors lie at data start + their offset; the file must hold the last byte of
+            # every one before the reader shapes views of them.
+            expected = start_offs
+            for entry in fields:
+                _, name, _, dims, raw_type, offset = entry.parts
+                try:
+                    qtype = GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise _Damage(
+                        f"tensor {bytes(name).decode(errors='replace')!r} has unknown type "
+                        f"{int(raw_type[0])} (corrupt, or a type newer than this meshd's gguf "
+                        f"package)"
+                    ) from None
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                nbytes = math.prod(int(d) for d in dims) * type_size // block
+                expected = max(expected, start_offs + int(offset[0]) + nbytes)
+            if expected > len(self._plain):
+                raise _Damage(
+                    f"truncated: expected {expected} bytes, file has {len(self._plain)} "
+                    f"(copy or download it again)"
+                )
+            super()._build_tensors(start_offs, fields)
+
+    _check_magic_and_version(path)
     try:
         return PlainViewReader(path, "r")
+    except _Damage as exc:
+        raise CorruptCheckpoint(f"{path}: {exc}") from None
     except (ValueError, IndexError, KeyError, OSError) as exc:
         raise CorruptCheckpoint(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+def _check_magic_and_version(path: pathlib.Path) -> None:
+    """Raise CorruptCheckpoint unless the file starts with GGUF's magic and a version the
+    reader knows (either byte order: a big-endian file is refused once read)."""
+    from gguf import READER_SUPPORTED_VERSIONS
+
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not head:
+        raise CorruptCheckpoint(f"{path}: the file is empty, not a GGUF model")
+    if head[:4] != b"GGUF":
+        raise CorruptCheckpoint(
+            f"{path}: not a GGUF file: it starts with {head[:4]!r}, not the magic b'GGUF'"
+        )
+    if len(head) < 8:
+        raise CorruptCheckpoint(
+            f"{path}: truncated: the file has {len(head)} bytes, not even a GGUF header"
+        )
+    version = int.from_bytes(head[4:], "little")
+    if not version & 0xFFFF:
+        version = int.from_bytes(head[4:], "big")
+    if version not in READER_SUPPORTED_VERSIONS:
+        supported = ", ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+        raise CorruptCheckpoint(
+            f"{path}: GGUF version {version} is not supported (supported: {supported}): "
+            f"corrupt, or written by a newer llama.cpp"
+        )
 
 
 _SHARD_RE = re.compile(r"(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf", re.IGNORECASE)

@@ -7,10 +7,14 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import pytest
+
+from meshd.cli.supervisor import DaemonError, ServeProcess, fresh_secret_file
 from tests.node.daemons import REPO
 
 # The demo promises under 3 minutes; the test allows the same.
@@ -138,3 +142,38 @@ def test_in_process_demo_drafts_with_the_shipped_draft_model() -> None:
     )
     assert stats is not None, out
     assert int(stats.group(1)) > 0 and int(stats.group(2)) > 0, stats.group(0)
+
+
+@pytest.mark.parametrize("mode", [(), ("--in-process",)], ids=["daemons", "in-process"])
+def test_a_model_serve_would_refuse_ends_the_demo_with_its_one_line(
+    tmp_path: pathlib.Path, mode: tuple[str, ...]
+) -> None:
+    damaged = tmp_path / "model.gguf"
+    damaged.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(8))  # cut after 16 bytes
+    result = subprocess.run(
+        demo_command("--model", str(damaged), *mode), cwd=REPO, env=demo_env(),
+        capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        f"demo failed: model: {damaged}: truncated or corrupt: its GGUF header runs past the "
+        "end of the file (needs at least 24 bytes, file has 16)"
+    ]
+    assert "state and logs in" not in result.stdout  # no daemon was started
+
+
+def test_a_daemon_that_cannot_start_is_reported_with_its_one_line(tmp_path: pathlib.Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = ServeProcess(
+            tmp_path, "n1", fresh_secret_file(tmp_path),
+            ["--listen-host", "127.0.0.1", "--listen-port", "0", "--api-port", str(port)],
+        )  # fmt: skip
+        with pytest.raises(DaemonError) as exc:
+            daemon.wait_listening(time.monotonic() + 60)
+    assert str(exc.value) == (
+        f"n1 did not start: meshd serve: api_port: cannot bind TCP 127.0.0.1:{port}: "
+        "Address already in use (another meshd running?)"
+    )

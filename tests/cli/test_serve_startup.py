@@ -1,11 +1,13 @@
 """`meshd serve` start-up errors: one line on stderr and exit status 2, never a traceback.
 
 systemd's `RestartPreventExitStatus=2` (systemd/meshd.service) relies on the status: a bad
-model path or a port in use must not restart-loop. Each case runs the real command.
+model path, a damaged model file, a full or read-only state dir, a bad identity key or a port
+in use must not restart-loop. Each case runs the real command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -13,25 +15,40 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import gguf
 import pytest
 
+from meshd.mesh.identity import NodeIdentity
 from meshd.model.builtin import builtin_model_dir
+from tests.model.gguf_files import write_gguf
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SECRET = "meshd-test-secret-0123456789abcdef"
+MAIN = [sys.executable, "-m", "meshd.cli.main"]
+# `meshd serve` with its port check skipped: the daemon's own bind meets a port taken after
+# the check, as when another process takes it while the model loads.
+NO_PORT_CHECK = [
+    sys.executable, "-c",
+    "import sys, meshd.cli.serve as s; from meshd.cli.main import main; "
+    "s.check_ports = lambda config: None; sys.exit(main())",
+]  # fmt: skip
 
 
 def serve(
-    tmp: pathlib.Path, *args: str, secret_file: pathlib.Path | None = None
+    tmp: pathlib.Path,
+    *args: str,
+    secret_file: pathlib.Path | None = None,
+    state: pathlib.Path | None = None,
+    command: list[str] = MAIN,
 ) -> tuple[int, str]:
     if secret_file is None:
         secret_file = tmp / "secret"
         secret_file.write_text(SECRET)
         secret_file.chmod(0o600)
     result = subprocess.run(
-        [sys.executable, "-m", "meshd.cli.main", "serve", "--state-dir", str(tmp / "state"),
+        [*command, "serve", "--state-dir", str(state or tmp / "state"),
          "--mesh-secret-file", str(secret_file), "--listen-host", "127.0.0.1",
          "--listen-port", "0", "--api-port", "0", *args],
         cwd=REPO, env={"PATH": os.environ["PATH"], "HOME": str(tmp)},
@@ -124,6 +141,24 @@ def test_a_port_in_use_is_one_line(tmp_path: pathlib.Path, kind: str) -> None:
     assert_one_line(code, stderr, key, f"127.0.0.1:{port}", "in use")
 
 
+@pytest.mark.parametrize("kind", ["api", "lanes"])
+def test_a_port_taken_after_the_check_is_one_line_too(tmp_path: pathlib.Path, kind: str) -> None:
+    proto = socket.SOCK_STREAM if kind == "api" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET, proto) as taken:
+        taken.bind(("127.0.0.1", 0))
+        if kind == "api":
+            taken.listen()
+        port = str(taken.getsockname()[1])
+        flag = "--api-port" if kind == "api" else "--listen-port"
+        code, stderr = serve(tmp_path, flag, port, command=NO_PORT_CHECK)
+    # The daemon has logged its start by then; its error is still one line, no traceback.
+    assert code == 2 and "Traceback" not in stderr, stderr
+    *logged, last = stderr.splitlines()
+    assert all(" INFO " in line for line in logged), stderr
+    key = "api_port" if kind == "api" else "listen_port"
+    assert_one_line(code, last, key, f"127.0.0.1:{port}", "in use")
+
+
 def test_config_errors_are_one_line(tmp_path: pathlib.Path) -> None:
     config = tmp_path / "meshd.toml"
     config.write_text("api_prot = 7392\n")
@@ -147,3 +182,174 @@ def test_a_draft_model_with_another_tokenizer_is_one_line_naming_both(
     draft = checkpoint_copy(tmp_path, other_tokenizer)
     code, stderr = serve(tmp_path, "--speculative-draft-model", str(draft))
     assert_one_line(code, stderr, "spec.draft_model", "differs", str(draft), "builtin")
+
+
+# --- the state dir and the identity key --------------------------------------------------
+
+
+@contextlib.contextmanager
+def tmpfs(where: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A 64 KiB tmpfs mounted at `where` (root only: the test is skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs (a disk that fills up, a read-only one) needs root")
+    where.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(where)]
+    result = subprocess.run(mount, capture_output=True, text=True, check=False)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+def fill(directory: pathlib.Path) -> None:
+    """Write into `directory` until its file system has no space left."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, bytes(4096))
+    finally:
+        os.close(fd)
+
+
+def remount_read_only(where: pathlib.Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+
+
+def test_a_state_dir_on_a_full_disk_is_one_line(tmp_path: pathlib.Path) -> None:
+    with tmpfs(tmp_path / "disk") as disk:
+        fill(disk)
+        code, stderr = serve(tmp_path, state=disk / "state")
+    assert_one_line(code, stderr, "identity.key", "No space left on device", "free space")
+
+
+def test_a_state_dir_that_cannot_be_created_is_one_line(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    code, stderr = serve(tmp_path, state=tmp_path / "a-file" / "state")
+    assert_one_line(code, stderr, "a-file/state", "Not a directory")
+
+
+def test_a_state_dir_on_a_read_only_file_system_is_one_line(tmp_path: pathlib.Path) -> None:
+    with tmpfs(tmp_path / "disk") as disk:
+        remount_read_only(disk)
+        code, stderr = serve(tmp_path, state=disk / "state")
+    assert_one_line(code, stderr, "disk/state", "Read-only file system")
+
+
+def test_a_read_only_state_dir_that_holds_the_key_is_one_line(tmp_path: pathlib.Path) -> None:
+    # The key loads, but the control socket cannot be created next to it.
+    with tmpfs(tmp_path / "disk") as disk:
+        NodeIdentity.load_or_create(disk)
+        remount_read_only(disk)
+        code, stderr = serve(tmp_path, state=disk)
+    assert_one_line(code, stderr, "control_socket", "control.sock", "read-only file system")
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        (b"\x8f\x00garbage\xff", "JSON is malformed"),
+        (b"", "corrupt"),
+        (b'{"kind": "meshd-identity", "version": 1, "ed25519_seed": "00ff", '
+         b'"ed25519_public": "00ff"}', "seed is not 32 bytes"),
+    ],
+    ids=["garbage", "empty", "short-seed"],
+)  # fmt: skip
+def test_a_corrupt_identity_key_is_one_line_and_left_alone(
+    tmp_path: pathlib.Path, content: bytes, what: str
+) -> None:
+    key = tmp_path / "state" / "identity.key"
+    key.parent.mkdir(mode=0o700)
+    key.write_bytes(content)
+    key.chmod(0o600)
+    code, stderr = serve(tmp_path)
+    assert_one_line(code, stderr, str(key), "corrupt", what, "mv ")
+    assert key.read_bytes() == content  # never replaced: the node's identity is the operator's
+
+
+def test_an_identity_key_others_can_read_is_refused_with_the_fix(tmp_path: pathlib.Path) -> None:
+    key = NodeIdentity.load_or_create(tmp_path / "state").path
+    assert key is not None
+    key.chmod(0o644)
+    code, stderr = serve(tmp_path)
+    assert_one_line(code, stderr, str(key), "mode 0644", f"chmod 600 '{key}'")
+
+
+# --- GGUF model files --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return write_gguf(builtin_model_dir(), tmp_path_factory.mktemp("gguf") / "good.gguf", "Q8_0")
+
+
+def gguf_end(path: pathlib.Path) -> int:
+    """Where the file's last tensor ends: data start + max(offset + size) over its tensors."""
+    reader = gguf.GGUFReader(path)
+    return max(t.data_offset + t.n_bytes for t in reader.tensors)
+
+
+def test_a_truncated_gguf_file_says_how_many_bytes_are_missing(
+    tmp_path: pathlib.Path, good_gguf: pathlib.Path
+) -> None:
+    data = good_gguf.read_bytes()
+    expected, size = gguf_end(good_gguf), len(data) // 2  # an interrupted download
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:size])
+    code, stderr = serve(tmp_path, "--model", str(cut))
+    assert_one_line(
+        code, stderr, str(cut), f"truncated: expected {expected} bytes, file has {size}"
+    )
+    assert "reshape" not in stderr
+
+
+def test_a_gguf_file_cut_inside_its_header_is_one_line(
+    tmp_path: pathlib.Path, good_gguf: pathlib.Path
+) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good_gguf.read_bytes()[:5000])  # inside the vocabulary
+    code, stderr = serve(tmp_path, "--model", str(cut))
+    assert_one_line(code, stderr, str(cut), "truncated or corrupt", "file has 5000")
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: b"GGML" + d[4:], ["not a GGUF file", "b'GGML'"]),
+        (lambda d: d[:4] + (7).to_bytes(4, "little") + d[8:], ["GGUF version 7 is not supported"]),
+        (lambda d: bytes(range(256)) * 64, ["not a GGUF file"]),
+        (lambda d: b"", ["empty"]),
+    ],
+    ids=["magic", "version", "garbage", "empty"],
+)
+def test_a_gguf_file_with_a_bad_header_is_one_line(
+    tmp_path: pathlib.Path,
+    good_gguf: pathlib.Path,
+    edit: Callable[[bytes], bytes],
+    words: list[str],
+) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(edit(good_gguf.read_bytes()))
+    assert_one_line(*serve(tmp_path, "--model", str(bad)), str(bad), *words)
+
+
+def test_a_gguf_tensor_of_an_unknown_type_is_one_line(
+    tmp_path: pathlib.Path, good_gguf: pathlib.Path
+) -> None:
+    tensor = gguf.GGUFReader(good_gguf).tensors[0]
+    # Tensor info: name length, name, dimension count, dimensions, type, offset.
+    type_at = tensor.field.offset + sum(int(part.nbytes) for part in tensor.field.parts[:4])
+    data = bytearray(good_gguf.read_bytes())
+    data[type_at : type_at + 4] = (200).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    code, stderr = serve(tmp_path, "--model", str(bad))
+    assert_one_line(code, stderr, str(bad), repr(tensor.name), "unknown type 200")
+
+
+def test_a_gguf_file_of_an_unsupported_architecture_is_one_line(tmp_path: pathlib.Path) -> None:
+    other = write_gguf(builtin_model_dir(), tmp_path / "falcon.gguf", arch="falcon")
+    code, stderr = serve(tmp_path, "--model", str(other))
+    assert_one_line(code, stderr, str(other), "'falcon' is not supported")

@@ -383,11 +383,17 @@ def test_unsupported_features_are_one_line_errors(
 def test_damaged_files_are_one_line_errors(
     tmp_path: pathlib.Path, builtin_gguf: pathlib.Path
 ) -> None:
+    data = builtin_gguf.read_bytes()
+    reader = gguf.GGUFReader(builtin_gguf)
+    end = max(t.data_offset + t.n_bytes for t in reader.tensors)  # the last tensor's last byte
     truncated = tmp_path / "t.gguf"
-    truncated.write_bytes(builtin_gguf.read_bytes()[: builtin_gguf.stat().st_size // 2])
-    with pytest.raises(CorruptCheckpoint) as exc:
-        open_checkpoint(truncated)
-    one_line_error(exc, "t.gguf")
+    for size in (len(data) // 2, end - 1):
+        truncated.write_bytes(data[:size])
+        with pytest.raises(CorruptCheckpoint) as exc:
+            open_checkpoint(truncated)
+        one_line_error(exc, "t.gguf", f"truncated: expected {end} bytes, file has {size}")
+    truncated.write_bytes(data[:end])  # the padding after the last tensor is not needed
+    assert open_checkpoint(truncated).tensors.keys() == open_checkpoint(builtin_gguf).tensors.keys()
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
     with pytest.raises(CorruptCheckpoint) as exc:
