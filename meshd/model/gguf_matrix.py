@@ -14,10 +14,27 @@ dimensions (`llama.interleave_rope_dims`); where the file stores q/k rows in Hug
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from meshd.model.kernels import MatrixArgs
 from meshd.model.kernels.blocks import BlockMatrix
 from meshd.model.quant import QuantMatrix
+
+# `MatrixArgs.kind` of an operand of GGUF tensors (quant_mm.c's `meshd_matrix`, kind 64).
+BLOCKS_KIND = 64
+
+
+class BlockPartArgs(ctypes.Structure):
+    """quant_mm.c's `meshd_block_part`: one GGUF tensor of a kind-64 operand."""
+
+    _fields_ = [
+        ("type", ctypes.c_int64),
+        ("out", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        ("perm", ctypes.c_void_p),
+    ]
 
 
 class GgufMatrix(QuantMatrix):
@@ -43,6 +60,30 @@ class GgufMatrix(QuantMatrix):
         self.nbytes = sum(p.nbytes for p in parts)
         self.kernel = parts[0].kernel
         self.types = tuple(p.ggml_type for p in parts)
+        self._args: MatrixArgs | None = None
+
+    def args(self) -> MatrixArgs:
+        """This operand as `meshd_layers` reads it (kind 64): its tensors' bytes, the column
+        orders, and the block library's product; the arrays it points into live with `self`."""
+        if self._args is None:
+            perms = [None if p is None else p.to(torch.int64).contiguous() for p in self.perms]
+            self._perms = perms  # what the part arguments point into
+            self._parts = (BlockPartArgs * len(self.parts))()
+            for args, part, perm in zip(self._parts, self.parts, perms, strict=True):
+                args.type, args.out = int(part.ggml_type), part.out_features
+                args.data = part.data.ctypes.data
+                args.perm = None if perm is None else perm.data_ptr()
+            product = ctypes.cast(self.parts[0].library.mm, ctypes.c_void_p).value
+            self._args = MatrixArgs(
+                BLOCKS_KIND,
+                self.in_features,
+                self.out_features,
+                len(self.parts),
+                ctypes.addressof(self._parts),
+                product,
+                None,
+            )
+        return self._args
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dtype == torch.float32 else x.float()

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig, RopeConfig
+from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels import CpuKernels, DimsArgs, LayerArgs, MatrixArgs, cpu_kernels
 from meshd.model.quant import TINY, Matrix, QuantMatrix, VnniMatrix
 
@@ -602,7 +603,7 @@ def kernel_matrix(w: Matrix) -> MatrixArgs | None:
     """`w` as `meshd_layers` reads it, or None where it cannot: meshd's int8/int4 matrices, and
     fp32 CPU matrices in either layout `linear_weight` leaves (a contiguous `[in, out]` copy,
     or the transposed view of the checkpoint's `[out, in]` rows)."""
-    if isinstance(w, VnniMatrix):
+    if isinstance(w, VnniMatrix | GgufMatrix):
         return w.args()
     if isinstance(w, QuantMatrix) or w.dtype != torch.float32 or w.device.type != "cpu":
         return None

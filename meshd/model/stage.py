@@ -411,7 +411,11 @@ class StageModel:
             )
 
         self.layers = [layer(i) for i in range(self.layer_start, self.layer_end)]
-        self._kernel_layers = None
+        self._kernel_layers = (
+            KernelLayers.build(self.layers, self._dims, self._layer_windows, self.kv_dtype)
+            if self.dtype == torch.float32
+            else None
+        )
         self._kernel_head = None
         self.mtp = []
         tied = config.tie_word_embeddings

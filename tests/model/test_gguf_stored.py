@@ -19,6 +19,7 @@ from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_matrix import GgufMatrix
+from meshd.model.kernels import cpu_kernels
 from meshd.model.stage import StageModel
 from meshd.node.planning import model_shape
 from tests.model.gguf_files import write_gguf
@@ -104,10 +105,21 @@ def test_the_weights_are_the_files_bytes_not_a_copy(tmp_path: pathlib.Path) -> N
     assert stage.weight_bytes == held
 
 
-def test_a_verify_window_gives_the_bits_of_the_steps_it_replaces(tmp_path: pathlib.Path) -> None:
-    make_checkpoint(tmp_path / "hf", "llama", seed=6)
-    checkpoint = open_checkpoint(write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0"))
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_verify_window_gives_the_bits_of_the_steps_it_replaces(
+    tmp_path: pathlib.Path, fused: bool
+) -> None:
+    make_checkpoint(tmp_path / "hf", "qwen2", seed=6)  # biases, reordered q/k products
+    types = {"blk.1.attn_v.weight": "Q5_0"}  # a fused q/k/v of two types
+    checkpoint = open_checkpoint(
+        write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0", types=types)
+    )
     stage = load(checkpoint, "gguf")
+    # Windows run every layer in one call of meshd's C kernel where this CPU has it, else
+    # op by op; both give a row the same bits alone or in a window.
+    assert stage.layer_kernel == ("meshd layers" if cpu_kernels() is not None else None)
+    if not fused:
+        stage._kernel_layers = None
     window = logits(stage, PROMPT[:8])
     stage.open_session("s", 16)
     try:

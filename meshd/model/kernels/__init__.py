@@ -195,7 +195,7 @@ def _check_private(path: Path) -> None:
 
 def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 7:
+    if lib.meshd_int8_abi() != 8:
         raise OSError(f"{path}: unexpected kernel ABI")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     mm = lib.meshd_int8_mm

@@ -330,6 +330,11 @@ class BlockMatrix:
         return self._lib.name
 
     @property
+    def library(self) -> BlockKernels:
+        """The loaded block library that multiplies this matrix (its C entry points)."""
+        return self._lib
+
+    @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 

@@ -25,7 +25,7 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 7; }
+int meshd_int8_abi(void) { return 8; }
 
 /* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
  * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
@@ -554,12 +554,76 @@ int meshd_attend(const float *q, int64_t q_stride, int64_t t, const float *kv, i
 
 typedef struct {
     /* 8: int8 (layout = padded input), 4: int4 (layout = group), 32: fp32 [k][layout] (codes
-     * W^T), 33: fp32 [n][layout] (codes W) */
+     * W^T), 33: fp32 [n][layout] (codes W), 64: GGUF tensors as stored (codes: `layout`
+     * meshd_block_part, side by side; scales: the block library's meshd_blocks_mm_threads) */
     int64_t kind;
     int64_t in, out, layout;
     const void *codes, *scales;
     const float *sums;
 } meshd_matrix;
+
+/* One GGUF tensor [out][in] of a kind-64 operand: its ggml type and bytes as stored, and where
+ * each of its output columns comes from (perm[c]: the tensor's row; NULL: in order). */
+typedef struct {
+    int64_t type, out;
+    const void *data;
+    const int64_t *perm;
+} meshd_block_part;
+
+typedef int (*meshd_blocks_mm_fn)(int type, const void *w, int64_t k, int64_t n_out,
+                                  const float *x, int64_t t, float *y, void *scratch,
+                                  int threads);
+
+/* Scratch the block library needs for t rows of k values: at most 4 bytes a value (an F32
+ * operand's rows as they are; Q8 blocks take under 1.4) plus each row's and the buffer's
+ * 64-byte alignment. */
+static int64_t block_scratch_bytes(int64_t k, int64_t t) { return t * (4 * k + 128) + 64; }
+
+/* out [m, n] = f(x) @ W^T (+ res), f as for meshd_int8_mm, for a kind-64 operand: each part's
+ * product by the block library, its columns placed at their offset (permuted where it says). */
+static int blocks_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
+                     const float *res, const float *norm, float eps, int glu, int threads) {
+    const int64_t k = w->in, n = w->out;
+    const meshd_block_part *parts = (const meshd_block_part *)w->codes;
+    int64_t widest = 0;
+    for (int64_t p = 0; p < w->layout; p++)
+        if (parts[p].out > widest) widest = parts[p].out;
+    float *rows = (norm != NULL || glu) ? (float *)malloc((size_t)(m * k) * sizeof(float)) : NULL;
+    float *y = (float *)malloc((size_t)(m * widest) * sizeof(float));
+    void *scratch = malloc((size_t)block_scratch_bytes(k, m));
+    int failed = y == NULL || scratch == NULL || ((norm != NULL || glu) && rows == NULL);
+    const float *xin = x;
+    if (!failed && rows != NULL) {
+        for (int64_t r = 0; r < m; r++) {
+            if (glu)
+                swiglu_row(x + r * 2 * k, k, rows + r * k);
+            else
+                rms_norm_row(x + r * k, k, norm, eps, rows + r * k);
+        }
+        xin = rows;
+    }
+    const meshd_blocks_mm_fn mm = (meshd_blocks_mm_fn)w->scales;
+    int64_t col = 0;
+    for (int64_t p = 0; p < w->layout && !failed; p++) {
+        const meshd_block_part *part = parts + p;
+        failed |= mm((int)part->type, part->data, k, part->out, xin, m, y, scratch, threads) != 0;
+        if (failed) break;
+        for (int64_t r = 0; r < m; r++) {
+            const float *src = y + r * part->out;
+            float *dst = out + r * n + col;
+            const float *add = res == NULL ? NULL : res + r * n + col;
+            for (int64_t c = 0; c < part->out; c++) {
+                const float v = src[part->perm == NULL ? c : part->perm[c]];
+                dst[c] = add == NULL ? v : add[c] + v;
+            }
+        }
+        col += part->out;
+    }
+    free(rows);
+    free(y);
+    free(scratch);
+    return failed ? -1 : 0;
+}
 
 typedef struct {
     meshd_matrix qkv, o, gate_up, down;
@@ -576,6 +640,7 @@ typedef struct {
 static int matrix_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
                      const float *res, const float *norm, float eps, int glu, float tiny,
                      int threads) {
+    if (w->kind == 64) return blocks_mm(w, x, m, out, res, norm, eps, glu, threads);
     if (w->kind == 32 || w->kind == 33)
         return meshd_f32_mm(x, m, w->in, (const float *)w->codes, w->layout, w->out,
                             w->kind == 32, out, res, norm, eps, glu, threads);
