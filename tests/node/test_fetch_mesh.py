@@ -364,9 +364,8 @@ def test_a_fetcher_whose_lid_closes_mid_fetch_finishes_when_it_opens(
             f"a fetcher frozen mid-fetch: fetched {done_s:.2f} s after it woke "
             f"({left_s:.2f} s of its stage left at the capped rate)"
         )
-        # The same fetch went on, on a new lane: it never failed for want of a chunk (it
-        # once waited for STALL_S, 30 s, and began again), and took what was left at the
-        # capped rate and the seconds a rejoin takes. (What a replaced lane carried is asked
+        # The same fetch went on, on a new lane: it never failed for want of a chunk, and
+        # took what was left at the capped rate and the seconds a rejoin takes. (What a replaced lane carried is asked
         # again at once: test_fetch_sources.)
         events = fetcher.status()["events"]
         assert not [e for e in events if e["kind"] == "fetch-failed"], events
