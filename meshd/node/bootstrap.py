@@ -187,7 +187,10 @@ async def _bootstrap_from(
     manifest_reply: list[ManifestReply | ArtifactRefusal] = []
     got_manifest = trio.Event()
 
+    closed = False
+
     async def read() -> None:
+        nonlocal closed
         async for stream, data in lane:
             if stream != ARTIFACT_STREAM:
                 continue
@@ -204,41 +207,63 @@ async def _bootstrap_from(
                 run.on_reply(message, lane_key)
         # The lane closed (the peer stopped, or dropped it): this try ends now; the next one
         # dials again.
-        raise FetchFailed("the lane to the peer closed")
+        closed = True
+        nursery.cancel_scope.cancel()
 
+    async def ask(store: ModelStore | None) -> ModelStore:
+        nonlocal run
+        if store is None:
+            await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
+            with trio.move_on_after(MANIFEST_TIMEOUT_S):
+                await got_manifest.wait()
+            if not manifest_reply:
+                raise TimeoutError(
+                    f"no answer to the manifest request in {MANIFEST_TIMEOUT_S:.0f} s"
+                )
+            reply = manifest_reply[0]
+            if isinstance(reply, ArtifactRefusal):
+                raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
+            model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
+            store = await trio.to_thread.run_sync(
+                lambda: ModelStore(root, model_id, reply.manifest, manifest)
+            )
+            await trio.to_thread.run_sync(store.set_name, reply.name)
+            log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
+        files = store.file_indices()
+        held = await trio.to_thread.run_sync(store.held, files)
+        missing = [i for i in files if i not in held]
+        if missing:
+
+            async def send(_source: bytes, data: bytes) -> None:
+                await lane.send(ARTIFACT_STREAM, data)
+
+            fetcher = Fetcher(
+                store.model_id, store.manifest, missing, fetch_config, first_request_id=2
+            )
+            run = FetchRun(fetcher, store, send, lambda: [lane_key])
+            await run.run()
+        return store
+
+    # A try's failure (`_BOOTSTRAP_ERRORS`: the caller tries again) is raised out here, not
+    # from inside the nursery, where it could come wrapped in an exception group the caller
+    # does not catch (and the daemon would end with a traceback).
+    failure: Exception | None = None
+    fetched: ModelStore | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
-            if store is None:
-                await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
-                with trio.fail_after(MANIFEST_TIMEOUT_S):
-                    await got_manifest.wait()
-                reply = manifest_reply[0]
-                if isinstance(reply, ArtifactRefusal):
-                    raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
-                model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
-                store = await trio.to_thread.run_sync(
-                    lambda: ModelStore(root, model_id, reply.manifest, manifest)
-                )
-                await trio.to_thread.run_sync(store.set_name, reply.name)
-                log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
-            files = store.file_indices()
-            held = await trio.to_thread.run_sync(store.held, files)
-            missing = [i for i in files if i not in held]
-            if missing:
-
-                async def send(_source: bytes, data: bytes) -> None:
-                    await lane.send(ARTIFACT_STREAM, data)
-
-                fetcher = Fetcher(
-                    store.model_id, store.manifest, missing, fetch_config, first_request_id=2
-                )
-                run = FetchRun(fetcher, store, send, lambda: [lane_key])
-                await run.run()
+            try:
+                fetched = await ask(store)
+            except _BOOTSTRAP_ERRORS as exc:
+                failure = exc
             nursery.cancel_scope.cancel()
-        return store
     finally:
         lane.close("manifest fetched")
+    if failure is not None:
+        raise failure
+    if fetched is None or closed:
+        raise FetchFailed("the lane to the peer closed")
+    return fetched
 
 
 async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
