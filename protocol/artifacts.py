@@ -196,27 +196,36 @@ def open_manifest(data: bytes, expected: str) -> tuple[str, Manifest]:
 # ---- the fetch state machine ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class FetchConfig:
-    """How a fetch paces itself.
+class FetchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a fetch paces itself, and how long it waits for a holder (the daemon's `[fetch]`
+    table). Validated on construction (ValueError naming the field).
 
     `window_bytes` bounds the bytes requested and not yet received from one source: the flow
     control that keeps a bulk transfer from filling a lane's queues ahead of gossip and verify
     windows. `timeout_s` re-requests a chunk that did not arrive (from another source if
-    there is one); a source that times out `max_strikes` times in a row is not asked again
-    until `set_sources` names it anew.
+    there is one); a source that times out `max_strikes` times in a row is asked only one
+    chunk at a time until it answers: it may be busy (hashing or loading its file), not gone.
+    While a source is listed the fetch waits for it; with none listed for `holder_wait_s`, it
+    gives up (`Fetcher.wait`).
     """
 
     chunk_bytes: int = 256 * 1024
     window_bytes: int = 1024 * 1024
     timeout_s: float = 10.0
     max_strikes: int = 3
+    holder_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}")
         if self.window_bytes < self.chunk_bytes:
             raise ValueError("window_bytes must be at least chunk_bytes")
+        if not self.timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        if self.max_strikes < 1:
+            raise ValueError("max_strikes must be >= 1")
+        if not self.holder_wait_s > 0:
+            raise ValueError("holder_wait_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +253,28 @@ class VerifyArtifact:
 
 
 FetchEffect = SendRequest | WriteChunk | VerifyArtifact
+
+
+@dataclass(frozen=True, slots=True)
+class FetchWait:
+    """Why a fetch is not receiving now (`Fetcher.wait`): no source is listed (`holders`
+    empty), or the listed ones do not answer; since when (`since`, the caller's clock), and
+    whether it is time to give up (`give_up`: no source listed for `holder_wait_s`)."""
+
+    holders: tuple[bytes, ...]
+    since: float
+    give_up: bool
+
+    def reason(self, model_id: str, now: float) -> str:
+        """One line for the log and `meshctl status`."""
+        waited = now - self.since
+        if not self.holders:
+            return f"no member holding model {model_id[:16]} is in view for {waited:.0f} s"
+        names = ", ".join(h.hex()[:16] for h in self.holders)
+        return (
+            f"holder {names} alive but not answering for {waited:.0f} s "
+            "(still hashing or loading its file?)"
+        )
 
 
 @dataclass(slots=True)
@@ -305,6 +336,11 @@ class Fetcher:
         self._leaving: set[int] = set()
         # Empty artifacts (nothing to fetch) are verified by hashing nothing.
         self._empty = [i for i, w in self._wanted.items() if not w.missing]
+        # What `wait` reads, kept by `poll`: when bytes last arrived (or the fetch began), and
+        # since when no source has been listed.
+        self._seen_bytes = -1
+        self._progress_at = 0.0
+        self._sourceless_since: float | None = None
 
     def _chunks(self, index: int) -> list[tuple[int, int]]:
         """Artifact `index`'s chunks, last first (they are popped from the end)."""
@@ -326,6 +362,23 @@ class Fetcher:
     def outstanding_bytes(self) -> int:
         """Bytes requested and not yet received, over every source."""
         return sum(self._in_flight.values())
+
+    def wait(self, now: float) -> FetchWait | None:
+        """Why nothing arrives now (None: bytes arrived within `timeout_s`, or it is done).
+
+        With no source listed it gives up after `holder_wait_s`; while a source is listed it
+        never does: a member holding the model that is alive in the view but does not answer
+        is busy (hashing its file at first start, loading a stage), and is asked again.
+        """
+        if self.done:
+            return None
+        if self._sourceless_since is not None:
+            waited = now - self._sourceless_since
+            give_up = waited >= self.config.holder_wait_s
+            return FetchWait((), self._sourceless_since, give_up)
+        if now - self._progress_at < self.config.timeout_s:
+            return None
+        return FetchWait(tuple(self._sources), self._progress_at, False)
 
     def next_deadline(self) -> float | None:
         """When the oldest outstanding request times out (None: nothing outstanding)."""
@@ -350,6 +403,12 @@ class Fetcher:
         for i in self._empty:
             self._verifying.add(i)
         self._empty = []
+        if self.received_bytes != self._seen_bytes:
+            self._seen_bytes, self._progress_at = self.received_bytes, now
+        if self._sources:
+            self._sourceless_since = None
+        elif self._sourceless_since is None:
+            self._sourceless_since = now
         for request_id, p in list(self._pending.items()):
             if now - p.sent_at >= self.config.timeout_s:
                 self._drop(request_id)
@@ -468,9 +527,13 @@ class Fetcher:
             self._wanted[p.index].missing.append((p.offset, p.length))
 
     def _usable(self, source: bytes, wanted: _Wanted) -> bool:
-        return source not in wanted.excluded and self._strikes.get(source, 0) < (
-            self.config.max_strikes
-        )
+        """Not excluded for this artifact, and not struck out, or struck out with nothing in
+        flight: a source that keeps timing out is asked one chunk at a time until it answers
+        (it may be busy, not gone; the view drops a dead one)."""
+        if source in wanted.excluded:
+            return False
+        struck = self._strikes.get(source, 0) >= self.config.max_strikes
+        return not struck or self._in_flight.get(source, 0) == 0
 
     def _pick(self, index: int, wanted: _Wanted) -> bytes | None:
         """The usable source with a chunk's room in its window: fewest recent timeouts first,

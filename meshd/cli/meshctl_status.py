@@ -60,6 +60,7 @@ def render(status: dict[str, Any], events: int) -> None:
             f"{fetch['total_bytes'] / 1e6:.1f} MB, {fetch['rate_bytes_s'] / 1e6:.1f} MB/s, ETA "
             + (f"{eta:.0f} s" if eta is not None and fetch["state"] == "fetching" else "-")
             + (f"  [red]{fetch['error']}[/]" if fetch["error"] else "")
+            + (f"  [yellow]waiting: {fetch['waiting']}[/]" if fetch.get("waiting") else "")
         )
     console.print(_counts("dropped datagrams", status.get("datagrams_dropped")))
     console.print(_counts("refused handshakes", status.get("handshakes_refused")))

@@ -31,6 +31,7 @@ from meshd.plan.inputs import PlannerConfig
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
 from protocol import RemoteProtocolError
+from protocol.artifacts import FetchConfig
 from protocol.config import LaneConfig
 from protocol.noise import x25519_public_from_ed25519_public
 from protocol.punch import PunchConfig
@@ -127,6 +128,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     spec: SpecConfig = SpecConfig()
     planner: PlannerConfig = DAEMON_PLANNER
     stage: StageHostConfig = StageHostConfig()
+    fetch: FetchConfig = FetchConfig()
     nat: NatDialConfig = NatDialConfig()
     punch: PunchConfig = PunchConfig()
     emulate: LinkProfile | None = None

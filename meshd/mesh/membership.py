@@ -135,6 +135,13 @@ class Membership(Probing):
         probe = self._new_probe(peer, now, deadline, lane_death=was_open)
         probe.weak = not was_open
         self._send_ping_reqs(probe)
+        if was_open:
+            # And a Ping of its own, which the driver sends on a fresh lane: the lane may have
+            # died of this node's silence (a frozen process, a closed lid) while the peer lives
+            # and already declared this node dead. Without it, in a mesh with no relay the two
+            # declare each other dead and neither ever speaks to the other again; with it the
+            # peer hears from this node, tells it what it believes, and the refutation follows.
+            self._send(peer, Ping(seq=probe.seq, updates=self._piggyback(peer)))
 
     def on_rtt(self, peer: bytes, rtt_s: float, now: float) -> None:
         """A round-trip measurement to `peer` (e.g. its lane's smoothed RTT), in seconds."""

@@ -23,6 +23,11 @@ class MissingFile(ModelError):
     """A file the checkpoint needs (config, weights shard, tokenizer) does not exist."""
 
 
+class ModelUnavailable(ModelError):
+    """A `mesh:ID` model's files: no member holding them has been reachable for the
+    configured wait (`fetch.holder_wait_s`)."""
+
+
 class MissingTensor(ModelError):
     """A weight the architecture needs is absent from the checkpoint."""
 

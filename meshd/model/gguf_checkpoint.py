@@ -174,6 +174,15 @@ class GGUFCheckpoint(Checkpoint):
         return gguf_manifest(self)
 
     @functools.cached_property
+    def file_locations(self) -> dict[str, tuple[pathlib.Path, int, int]]:
+        """(blocking: parses every shard's header, seconds for a large vocabulary) Where each
+        file artifact of the manifest lies (`meshd.model.gguf_mesh.file_locations`); parsed
+        once, for the manifest and for serving."""
+        from meshd.model.gguf_mesh import file_locations
+
+        return file_locations(self)
+
+    @functools.cached_property
     def model_id(self) -> str:
         """Stable id of the file (hex, 32 chars): equal on every node holding the same file(s).
 

@@ -81,7 +81,7 @@ def gguf_manifest(checkpoint: GGUFCheckpoint) -> tuple[str, bytes, Manifest]:
     from protocol.artifacts import encode_manifest, manifest_id
 
     artifacts: list[Artifact] = []
-    for name, (path, offset, nbytes) in sorted(file_locations(checkpoint).items()):
+    for name, (path, offset, nbytes) in sorted(checkpoint.file_locations.items()):
         digest = sha256_range(path, offset, nbytes)
         artifacts.append(Artifact(ArtifactKind.FILE, name, nbytes, digest))
     names = sorted(expected_shapes(checkpoint.config))

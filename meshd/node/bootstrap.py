@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from meshd.mesh.identity import NodeIdentity, admission_policy
-from meshd.model.errors import MissingFile
+from meshd.model.errors import MissingFile, ModelUnavailable
 from meshd.model.manifest import ModelStore, store_checkpoint
 from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
 from meshd.node.fetch import FetchRun
@@ -26,6 +26,7 @@ from protocol import artifacts
 from protocol.artifacts import (
     ArtifactRefusal,
     ChunkReply,
+    FetchConfig,
     Fetcher,
     FetchFailed,
     ManifestReply,
@@ -90,13 +91,25 @@ async def bootstrap_store(
     ) as endpoint:
         if not addresses:
             return await _bootstrap_by_mdns(config, identity, psk, endpoint, prefix, root, store)
+        give_up_at = trio.current_time() + config.fetch.holder_wait_s
         delay = JOIN_RETRY_INITIAL_S
         while True:
             for address in addresses:
                 with contextlib.suppress(*_BOOTSTRAP_ERRORS):
-                    return await _try_bootstrap(endpoint, address, prefix, root, store)
+                    return await _try_bootstrap(endpoint, address, prefix, root, store, config)
+            _give_up_if_due(give_up_at, config, prefix, "no `join` peer")
             await trio.sleep(delay)
             delay = min(delay * 2, JOIN_RETRY_MAX_S)
+
+
+def _give_up_if_due(give_up_at: float, config: NodeConfig, prefix: str, who: str) -> None:
+    """ModelUnavailable (one line, exit status 2) once `fetch.holder_wait_s` passed with no
+    peer answering with the model: none holds it, or none is up."""
+    if trio.current_time() >= give_up_at:
+        raise ModelUnavailable(
+            f"mesh:{prefix}: {who} answered with the model for "
+            f"{config.fetch.holder_wait_s:.0f} s (fetch.holder_wait_s)"
+        )
 
 
 _BOOTSTRAP_ERRORS = (TimeoutError, LaneClosedError, FetchFailed, RemoteProtocolError)
@@ -108,10 +121,11 @@ async def _try_bootstrap(
     prefix: str,
     root: pathlib.Path,
     store: ModelStore | None,
+    config: NodeConfig,
 ) -> ModelStore:
     """`_bootstrap_from`, its failure logged (and raised)."""
     try:
-        return await _bootstrap_from(endpoint, address, prefix, root, store)
+        return await _bootstrap_from(endpoint, address, prefix, root, store, config.fetch)
     except _BOOTSTRAP_ERRORS as exc:
         log.warning("model mesh:%s from %s: %s", prefix, address, exc)
         raise
@@ -142,14 +156,16 @@ async def _bootstrap_by_mdns(
         advertise=False,
     ) as disc:
         events = disc.peers()
+        give_up_at = trio.current_time() + config.fetch.holder_wait_s
         delay = JOIN_RETRY_INITIAL_S
         while True:
             for peer in disc.known_peers():
                 for host in peer.addresses:
                     with contextlib.suppress(*_BOOTSTRAP_ERRORS):
                         return await _try_bootstrap(
-                            endpoint, (host, peer.port), prefix, root, store
+                            endpoint, (host, peer.port), prefix, root, store, config
                         )
+            _give_up_if_due(give_up_at, config, prefix, "no peer mDNS shows")
             with trio.move_on_after(delay) as waited:
                 await events.receive()  # a peer appeared (or changed): ask again at once
             if waited.cancelled_caught:
@@ -162,6 +178,7 @@ async def _bootstrap_from(
     prefix: str,
     root: pathlib.Path,
     store: ModelStore | None,
+    fetch_config: FetchConfig,
 ) -> ModelStore:
     node_id = await endpoint.query_key(address)
     lane_key = x25519_public_from_ed25519_public(node_id)
@@ -170,7 +187,10 @@ async def _bootstrap_from(
     manifest_reply: list[ManifestReply | ArtifactRefusal] = []
     got_manifest = trio.Event()
 
+    closed = False
+
     async def read() -> None:
+        nonlocal closed
         async for stream, data in lane:
             if stream != ARTIFACT_STREAM:
                 continue
@@ -185,38 +205,65 @@ async def _bootstrap_from(
                 got_manifest.set()
             elif isinstance(message, ChunkReply | ArtifactRefusal) and run is not None:
                 run.on_reply(message, lane_key)
+        # The lane closed (the peer stopped, or dropped it): this try ends now; the next one
+        # dials again.
+        closed = True
+        nursery.cancel_scope.cancel()
 
+    async def ask(store: ModelStore | None) -> ModelStore:
+        nonlocal run
+        if store is None:
+            await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
+            with trio.move_on_after(MANIFEST_TIMEOUT_S):
+                await got_manifest.wait()
+            if not manifest_reply:
+                raise TimeoutError(
+                    f"no answer to the manifest request in {MANIFEST_TIMEOUT_S:.0f} s"
+                )
+            reply = manifest_reply[0]
+            if isinstance(reply, ArtifactRefusal):
+                raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
+            model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
+            store = await trio.to_thread.run_sync(
+                lambda: ModelStore(root, model_id, reply.manifest, manifest)
+            )
+            await trio.to_thread.run_sync(store.set_name, reply.name)
+            log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
+        files = store.file_indices()
+        held = await trio.to_thread.run_sync(store.held, files)
+        missing = [i for i in files if i not in held]
+        if missing:
+
+            async def send(_source: bytes, data: bytes) -> None:
+                await lane.send(ARTIFACT_STREAM, data)
+
+            fetcher = Fetcher(
+                store.model_id, store.manifest, missing, fetch_config, first_request_id=2
+            )
+            run = FetchRun(fetcher, store, send, lambda: [lane_key])
+            await run.run()
+        return store
+
+    # A try's failure (`_BOOTSTRAP_ERRORS`: the caller tries again) is raised out here, not
+    # from inside the nursery, where it could come wrapped in an exception group the caller
+    # does not catch (and the daemon would end with a traceback).
+    failure: Exception | None = None
+    fetched: ModelStore | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
-            if store is None:
-                await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
-                with trio.fail_after(MANIFEST_TIMEOUT_S):
-                    await got_manifest.wait()
-                reply = manifest_reply[0]
-                if isinstance(reply, ArtifactRefusal):
-                    raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
-                model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
-                store = await trio.to_thread.run_sync(
-                    lambda: ModelStore(root, model_id, reply.manifest, manifest)
-                )
-                await trio.to_thread.run_sync(store.set_name, reply.name)
-                log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
-            files = store.file_indices()
-            held = await trio.to_thread.run_sync(store.held, files)
-            missing = [i for i in files if i not in held]
-            if missing:
-
-                async def send(_source: bytes, data: bytes) -> None:
-                    await lane.send(ARTIFACT_STREAM, data)
-
-                fetcher = Fetcher(store.model_id, store.manifest, missing, first_request_id=2)
-                run = FetchRun(fetcher, store, send, lambda: [lane_key])
-                await run.run()
+            try:
+                fetched = await ask(store)
+            except _BOOTSTRAP_ERRORS as exc:
+                failure = exc
             nursery.cancel_scope.cancel()
-        return store
     finally:
         lane.close("manifest fetched")
+    if failure is not None:
+        raise failure
+    if fetched is None or closed:
+        raise FetchFailed("the lane to the peer closed")
+    return fetched
 
 
 async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -30,7 +29,7 @@ import trio
 
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
-from meshd.model.errors import ModelError
+from meshd.model.errors import ModelError, ModelUnavailable
 from meshd.model.llama import decoder_layer_shapes
 from meshd.model.manifest import ModelStore, store_of
 from meshd.model.mtp import mtp_shapes
@@ -47,6 +46,7 @@ from protocol.artifacts import (
     FetchEffect,
     Fetcher,
     FetchFailed,
+    FetchWait,
     ManifestReply,
     ManifestRequest,
     SendRequest,
@@ -69,9 +69,13 @@ RATE_WINDOW_S = 2.0
 # How often a running fetch looks for new sources in the membership view.
 SOURCE_REFRESH_S = 0.5
 FETCH_RETRY_S = 2.0
-# A fetch with no chunk arriving for this long fails (and is tried again after FETCH_RETRY_S).
-STALL_S = 30.0
+# A fetch waiting for a holder says why in the log this often (and at once in its status).
+WAIT_LOG_INTERVAL_S = 10.0
 SERVE_AHEAD_BYTES = 256 * 1024
+
+
+class NoHolder(FetchFailed):
+    """No member holding the model has been in view for `holder_wait_s`."""
 
 
 def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
@@ -135,13 +139,21 @@ class ArtifactServer:
         info = checkpoint.tensors.get(artifact.name)
         return (info.path, info.offset, info.nbytes) if info is not None else None
 
-    @functools.cached_property
+    @property
     def _gguf_files(self) -> dict[str, tuple[pathlib.Path, int, int]]:
         from meshd.model.gguf_checkpoint import GGUFCheckpoint
-        from meshd.model.gguf_mesh import file_locations
 
         assert isinstance(self.checkpoint, GGUFCheckpoint)
-        return file_locations(self.checkpoint)
+        return self.checkpoint.file_locations
+
+    def prepare(self) -> None:
+        """(blocking) What `answer` reads before its first reply: the manifest, and a GGUF
+        holder's file locations (its shards' headers parsed: seconds for a large vocabulary).
+        Called in a worker thread before serving, so the first request never stalls the
+        node's trio loop (its lanes, gossip and pings)."""
+        table = self._table()
+        if table is not None and table[2].format == "gguf" and store_of(self.checkpoint) is None:
+            log.debug("serving %d file artifacts of a GGUF file", len(self._gguf_files))
 
     def answer(
         self, message: ManifestRequest | ChunkRequest
@@ -188,8 +200,8 @@ class FetchStatus(msgspec.Struct, frozen=True, kw_only=True):
     """A fetch as `meshctl status` shows it (`fetch` in its JSON)."""
 
     model_id: str
-    # "fetching", "done", "failed" (retrying), "waiting" (no source yet), "stopped" (the plan
-    # no longer needs it)
+    # "fetching", "done", "failed" (retrying), "waiting" (no holder in view, or the holders do
+    # not answer: `waiting` says which), "stopped" (the plan no longer needs it)
     state: str
     what: str  # e.g. "layers [0, 3)", "prefetch layers [3, 6)"
     done_bytes: int
@@ -197,6 +209,7 @@ class FetchStatus(msgspec.Struct, frozen=True, kw_only=True):
     rate_bytes_s: float
     eta_s: float | None
     error: str = ""
+    waiting: str = ""  # why it waits (state "waiting")
 
 
 class ProgressMeter:
@@ -206,6 +219,7 @@ class ProgressMeter:
         self.model_id, self.what, self.total_bytes = model_id, what, total_bytes
         self.state = "fetching"
         self.error = ""
+        self.waiting = ""
         self.done_bytes = 0
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
         self._received = 0
@@ -264,6 +278,7 @@ class ProgressMeter:
             rate_bytes_s=self.rate_bytes_s,
             eta_s=self.eta_s,
             error=self.error,
+            waiting=self.waiting if self.state == "waiting" else "",
         )
 
 
@@ -300,9 +315,12 @@ class FetchRun:
         self._refresh_now = False
         self._sent_to: set[bytes] = set()  # sources a request went to (over a lane)
         self._lost: set[bytes] = set()  # sources whose lane died (not asked since)
+        self._wait_logged: float | None = None  # when the reason it waits was last logged
 
     async def run(self) -> None:
-        """Fetch until done; FetchFailed when an artifact has no usable source left."""
+        """Fetch until done; FetchFailed when an artifact has no usable source left, NoHolder
+        (a FetchFailed) when no source has been listed for `holder_wait_s`. While a source is
+        listed it waits for it, however long, saying why (`Fetcher.wait`)."""
         fetcher = self.fetcher
         wanted = list(fetcher._wanted)
 
@@ -312,10 +330,10 @@ class FetchRun:
 
         await trio.to_thread.run_sync(begin_all)
         failure: str | None = None
+        gave_up: str | None = None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             refreshed = -1.0
-            received, progressed = fetcher.received_bytes, trio.current_time()
             while not fetcher.done:
                 now = trio.current_time()
                 if now - refreshed >= SOURCE_REFRESH_S or self._refresh_now:
@@ -324,15 +342,14 @@ class FetchRun:
                     if sources != self._offered:
                         fetcher.set_sources(sources)
                         self._offered = sources
-                    if self.meter is not None:
-                        self.meter.state = "fetching" if sources else "waiting"
                 for effect in fetcher.poll(now):
                     await self._apply(effect)
                 failure = fetcher.failure()
-                if fetcher.received_bytes != received:
-                    received, progressed = fetcher.received_bytes, now
-                elif now - progressed >= STALL_S:
-                    failure = f"no chunk arrived for {STALL_S:.0f} s (no member holding the model answers)"
+                wait = fetcher.wait(now)
+                self._show_wait(wait, now)
+                if wait is not None and wait.give_up:
+                    gave_up = wait.reason(fetcher.model_id, now)
+                    break
                 if failure is not None or fetcher.done:
                     break
                 self._wake = trio.Event()
@@ -344,8 +361,23 @@ class FetchRun:
                     await self._wake.wait()
             nursery.cancel_scope.cancel()
         self._nursery = None
-        if failure is not None:  # raised out here: not wrapped in the nursery's group
+        if gave_up is not None:  # raised out here: not wrapped in the nursery's group
+            raise NoHolder(gave_up)
+        if failure is not None:
             raise FetchFailed(failure)
+
+    def _show_wait(self, wait: FetchWait | None, now: float) -> None:
+        """The reason the fetch waits, on the meter (`meshctl status`) and in the log (when it
+        begins, and every `WAIT_LOG_INTERVAL_S`)."""
+        reason = wait.reason(self.fetcher.model_id, now) if wait is not None else ""
+        if self.meter is not None:
+            self.meter.state = "waiting" if wait is not None else "fetching"
+            self.meter.waiting = reason
+        if wait is None:
+            self._wait_logged = None
+        elif self._wait_logged is None or now - self._wait_logged >= WAIT_LOG_INTERVAL_S:
+            self._wait_logged = now
+            log.info("fetch %s: waiting: %s", self.fetcher.model_id[:16], reason)
 
     async def retarget(self, indices: list[int]) -> None:
         """Fetch `indices` from now on (`Fetcher.retarget`: what arrived of those still
@@ -389,8 +421,8 @@ class FetchRun:
         on the old lane, and the replies it carried, are lost with it, so they are asked
         again now, not after `timeout_s`. One to a source lost with a dead lane: offered
         again at once (if the view still lists it), not only when the view's list changes,
-        which it never does when both ends stayed members throughout (the fetch then waited
-        `STALL_S`). A first lane (this run's own dial) changes nothing."""
+        which it never does when both ends stayed members throughout (the fetch would wait
+        with no source meanwhile). A first lane (this run's own dial) changes nothing."""
         if source not in self._sent_to and source not in self._lost:
             return
         self.fetcher.on_source_lost(source)
@@ -523,6 +555,7 @@ class ArtifactService:
 
     async def _serve(self) -> None:
         gate = self.gate
+        await trio.to_thread.run_sync(self.server.prepare)
         async for message, sender in self._requests_out:
             # No chunk while the gate is held (a window computes here), nor while the lane
             # still holds `SERVE_AHEAD_BYTES` unsent or unacked (what is queued is encrypted
@@ -665,6 +698,7 @@ class ArtifactService:
         self._run = run
         current = job
         failure: str | None = None
+        gave_up = False
         finished = False
 
         async def follow(cancel: trio.CancelScope) -> None:
@@ -695,7 +729,7 @@ class ArtifactService:
                         await run.run()
                         finished = True
                     except FetchFailed as exc:
-                        failure = str(exc)
+                        failure, gave_up = str(exc), isinstance(exc, NoHolder)
                     nursery.cancel_scope.cancel()
         finally:
             self._run = None  # later replies are dropped: nothing writes into the store now
@@ -710,6 +744,11 @@ class ArtifactService:
             if removed:
                 log.info("fetch of %s: removed %d part files it left", current.what, removed)
             checkpoint.refresh()
+        if gave_up and not current.prefetch:
+            # Nothing to serve without the stage, and no member to fetch it from: the daemon
+            # ends (exit status 2, one line), as with a model file it cannot open.
+            meter.state, meter.error = "failed", failure or ""
+            raise ModelUnavailable(f"mesh:{store.model_id[:16]}: {failure}")
         if failure is not None:
             meter.state, meter.error = "failed", failure
             log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, failure)

@@ -295,6 +295,7 @@ class MeshNode:
             lambda: model_sources(
                 self.membership.view(), self.shape.model_id, self.node_key, self.keys.x_of
             ),
+            config=config.fetch,
             load_display=load_display,
             note=lambda kind, detail: self.note(kind, self.node_key, detail),
             gate=self.bulk_gate,

@@ -104,6 +104,9 @@ class SimNode:
     bytes_sent: int = 0
     messages_sent: int = 0
     events: list[MemberEvent] = field(default_factory=list)
+    # Stopped (SIGSTOP, a closed lid): no tick, nothing delivered, no lane opens to it; the
+    # peers whose lanes it held when it froze.
+    frozen: set[int] | None = None
 
     @property
     def node_id(self) -> bytes:
@@ -205,6 +208,28 @@ class Sim:
         for peer in list(node.lanes):
             self._lane_dies_later(peer, i)
         node.lanes.clear()
+
+    def freeze(self, i: int) -> None:
+        """Stop node i without killing it (SIGSTOP, a closed lid): it ticks and hears nothing;
+        its lanes die lane_dead_after_s later on the far side."""
+        node = self.nodes[i]
+        node.frozen = set(node.lanes)
+        for peer in list(node.lanes):
+            self._lane_dies_later(peer, i)
+
+    def thaw(self, i: int) -> None:
+        """Wake node i. Its timers run first, as a woken process's do: what it sends at once
+        goes out on lanes the far side closed meanwhile (lost); then those lanes die here, of
+        the silence it slept through."""
+        node = self.nodes[i]
+        old, node.frozen = node.frozen or set(), None
+        node.m.tick(self.now)
+        node.m.outgoing(self.now)  # on the old lanes: the far side closed them
+        for peer in old:
+            node.lanes.pop(peer, None)
+            node.m.on_lane_dead(self.nodes[peer].node_id, self.now)
+        node.tick_at = math.inf
+        self._flush(node)
 
     def block(self, i: int, j: int) -> None:
         """Cut the path between i and j (both ways); an open lane dies on both ends."""
@@ -312,8 +337,8 @@ class Sim:
             self.at(when, lambda: self._tick(node))
 
     def _tick(self, node: SimNode) -> None:
-        if node.membership is None or node.tick_at > self.now:
-            return  # superseded by an earlier tick, or the node is down
+        if node.membership is None or node.tick_at > self.now or node.frozen is not None:
+            return  # superseded by an earlier tick, or the node is down or frozen
         self._ticks_at_now += 1
         assert self._ticks_at_now < 10_000, "a node keeps asking for a tick at the same time"
         node.tick_at = math.inf
@@ -322,7 +347,9 @@ class Sim:
 
     def _route(self, src: SimNode, dst_index: int, data: bytes) -> None:
         dst = self.nodes[dst_index]
-        reachable = dst.up and frozenset((src.index, dst_index)) not in self.blocked
+        reachable = (
+            dst.up and dst.frozen is None and frozenset((src.index, dst_index)) not in self.blocked
+        )
         if self.lanes and dst_index not in src.lanes:
             if not reachable:
                 self._connect_fails_later(src, dst_index)
@@ -342,7 +369,9 @@ class Sim:
             self._flush(node)
 
     def _deliver(self, src: int, dst: SimNode, data: bytes) -> None:
-        if dst.membership is None or frozenset((src, dst.index)) in self.blocked:
+        if dst.membership is None or dst.frozen is not None:
+            return
+        if frozenset((src, dst.index)) in self.blocked:
             return
         dst.membership.on_message(self.nodes[src].node_id, decode(data), self.now)
         self._flush(dst)

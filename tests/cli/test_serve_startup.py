@@ -353,3 +353,23 @@ def test_a_gguf_file_of_an_unsupported_architecture_is_one_line(tmp_path: pathli
     other = write_gguf(builtin_model_dir(), tmp_path / "falcon.gguf", arch="falcon")
     code, stderr = serve(tmp_path, "--model", str(other))
     assert_one_line(code, stderr, str(other), "'falcon' is not supported")
+
+
+def test_a_mesh_model_no_member_holds_ends_in_one_line_after_holder_wait_s(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Nobody answers at the join address: the start-up fetch of the manifest tries again
+    # (each failed try is a log line) until fetch.holder_wait_s passed, then ends the daemon.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, stderr = serve(
+        tmp_path,
+        "--model", "mesh:0123456789abcdef", "--join", f"127.0.0.1:{port}",
+        "--fetch-holder-wait-s", "2",
+    )  # fmt: skip
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.splitlines()[-1]
+    assert last.startswith("meshd serve: model: mesh:0123456789abcdef: no `join` peer"), last
+    assert "fetch.holder_wait_s" in last, last

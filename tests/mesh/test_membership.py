@@ -194,6 +194,28 @@ def test_node_declared_dead_while_alive_comes_back() -> None:
     assert any(e.node_id == victim.node_id for _, e in sim.events_of(EventKind.ALIVE_AGAIN))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_node_frozen_past_its_death_verdict_rejoins_a_peer_with_no_relay(seed: int) -> None:
+    # Two members (no relay for indirect probes). One freezes (SIGSTOP, a closed lid) until
+    # the other declares it dead. Woken, it sends what its timers had due on lanes the other
+    # closed meanwhile (lost), then those lanes die of its silence. Its own lane-death probe
+    # pings the peer on a fresh lane, so each hears from the other: the woken one learns it
+    # was declared dead and refutes, and the peer stays alive in its view. (Without that ping,
+    # whether anything reached the peer before the lane-death verdict was down to where the
+    # probe round-robin stood: mostly not, and then neither ever spoke to the other again.)
+    sim = converged_sim(2, seed=seed)
+    sim.run_for(5.0 + seed * 0.13)  # the freeze lands at another point of the probe cycle
+    sim.freeze(1)
+    assert sim.wait_for(lambda: sim.status_seen(0, 1) is Status.DEAD, 10.0) < math.inf
+    sim.run_for(1.0)
+    sim.thaw(1)
+    took = sim.wait_for(sim.converged, timeout_s=30.0, step_s=0.01)
+    assert took <= sim.config.lane_dead_probe_s, took
+    assert sim.nodes[1].m.stats.refutations == 1
+    sim.run_for(10.0)
+    assert sim.converged()
+
+
 def test_restarted_node_rejoins_and_outranks_its_previous_life() -> None:
     sim = converged_sim(6, seed=11)
     sim.run_for(3.0)

@@ -24,6 +24,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 # 127.0.0.N addresses) never join each other's mesh.
 SECRET = "meshd-test-secret-" + secrets.token_hex(8)
 OTHER_SECRET = "another-mesh-secret-" + secrets.token_hex(8)
+# Every test daemon declares a silent lane dead after this long (`lane.dead_after_s`).
+LANE_DEAD_AFTER_S = 1.2
 
 
 class Daemon(LoopbackDaemon):
@@ -40,7 +42,7 @@ class Daemon(LoopbackDaemon):
     ) -> None:
         self.index = index
         secret_file = write_secret_file(tmp / f"n{index}.secret", secret)
-        lane = ("--lane-dead-after-s", "1.2")
+        lane = ("--lane-dead-after-s", str(LANE_DEAD_AFTER_S))
         host = f"127.0.0.{index}"
         super().__init__(tmp, f"n{index}", host, secret_file, budget, None, extra=(*lane, *extra))
 

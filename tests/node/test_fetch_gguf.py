@@ -2,16 +2,22 @@
 manifest files and one stage's tensors from a holder of the file, and that stage computes
 exactly what the same stage of the file computes, while the node holds no other layer's bytes.
 With real daemons: a holder of the GGUF file and a `mesh:ID` node answer the greedy tokens one
-process decodes from the file (served at int8, the file's Q8_0 precision)."""
+process decodes from the file (served at int8, the file's Q8_0 precision); a `mesh:ID` node
+started a second after the first start of a holder of a large file (hashing it takes seconds)
+waits for it and serves its stage."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import shutil
+import time
 
 import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from meshd.bench.fetch import artifact_nodes
 from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started
@@ -29,6 +35,7 @@ from tests.node.daemons import SECRET, Daemon
 from tests.node.test_fetch_mesh import _tokens
 
 HOLDER_PORT = 17461
+LARGE_HOLDER_PORT = 17463
 CONFIG = FetchConfig(chunk_bytes=64 * 1024, window_bytes=256 * 1024, timeout_s=5.0)
 
 
@@ -153,5 +160,91 @@ def test_mesh_id_nodes_serve_a_gguf_files_stages_like_one_process(tmp_path: path
         assert wanted <= {p.name for p in stored.iterdir()}
         models = httpx.get(f"{daemons[1].api_url}/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny-stories-q8"]
+    finally:
+        kill_all(daemons)
+
+
+def _large_model(directory: pathlib.Path) -> pathlib.Path:
+    """A GGUF file of about 235 MB (the built-in model's vocabulary, wider and deeper layers,
+    random float32 weights): hashing it takes seconds."""
+    source = builtin_model_dir()
+    directory.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    config.update(
+        hidden_size=512,
+        intermediate_size=4096,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_hidden_layers=8,
+        num_nextn_predict_layers=0,
+    )
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, directory / name)
+    hidden, inner, kv = 512, 4096, 4 * 64
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.02
+
+    weights = {
+        "model.embed_tokens.weight": weight(config["vocab_size"], hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        weights |= {
+            layer + "input_layernorm.weight": torch.ones(hidden),
+            layer + "post_attention_layernorm.weight": torch.ones(hidden),
+            layer + "self_attn.q_proj.weight": weight(hidden, hidden),
+            layer + "self_attn.k_proj.weight": weight(kv, hidden),
+            layer + "self_attn.v_proj.weight": weight(kv, hidden),
+            layer + "self_attn.o_proj.weight": weight(hidden, hidden),
+            layer + "mlp.gate_proj.weight": weight(inner, hidden),
+            layer + "mlp.up_proj.weight": weight(inner, hidden),
+            layer + "mlp.down_proj.weight": weight(hidden, inner),
+        }
+    save_file(weights, str(directory / "model.safetensors"))
+    return write_gguf(directory, directory.parent / "large.gguf", "F32")
+
+
+@pytest.mark.slow
+def test_a_fetcher_started_right_after_its_holder_waits_for_it_and_serves_its_stage(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The holder's first start hashes its file (seconds; nothing is cached in its state dir),
+    # then loads and re-plans; the fetcher, started a second after it, keeps asking all the
+    # while (its chunk timeout is short, so a holder that is busy for several of them would
+    # have been struck out), and serves its stage of the two-stage plan.
+    model = _large_model(tmp_path / "large")
+    assert model.stat().st_size > 200_000_000
+    model_id = open_checkpoint(model).model_id
+    budget = stage_budget(str(model), 2)
+    holder = Daemon(
+        tmp_path,
+        63,
+        secret=SECRET,
+        budget=budget,
+        extra=("--model", str(model), "--listen-port", str(LARGE_HOLDER_PORT)),
+    )
+    daemons = [holder]
+    try:
+        time.sleep(1.0)
+        fetch = ("--join", f"127.0.0.63:{LARGE_HOLDER_PORT}", "--model", f"mesh:{model_id[:16]}")
+        timeout = ("--fetch-timeout-s", "1")
+        daemons.append(Daemon(tmp_path, 64, secret=SECRET, budget=budget, extra=(*fetch, *timeout)))
+        started(daemons, timeout_s=60)
+        plan = agreed_plan(daemons, timeout_s=60, stable_s=1.0)
+        assert len(plan) == 2, plan
+        status = daemons[1].status()
+        assert status["fetch"]["state"] == "done", status["fetch"]
+        assert status["stage_layers"] is not None
+        events = status["events"]
+        assert not [e for e in events if e["kind"] == "fetch-failed"], events
+        prompt = open_tokenizer(model).encode("Once upon a time")
+        for d in daemons:
+            assert len(_tokens(d, prompt)) == 24, d.name
+        assert all(d.proc.poll() is None for d in daemons)
     finally:
         kill_all(daemons)

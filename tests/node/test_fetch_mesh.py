@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started, wait_until
+from meshd.mesh.membership_config import MembershipConfig
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate
@@ -35,7 +36,8 @@ from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
 from meshd.node.fetch import stage_tensor_names
 from protocol.artifacts import FetchConfig
-from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
+from protocol.config import LaneConfig
+from tests.node.daemons import LANE_DEAD_AFTER_S, Daemon, tasks_of, wait_tasks_back
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +51,16 @@ LID_HOLDER_PORT = 17434
 # enough to be killed mid-fetch.
 CAPPED_BYTES_S = 2_000_000
 SECRET = "meshd-fetch-mesh-secret-0123456789"
+# How long a member woken after its death verdict takes to rejoin, from the timers the test
+# daemons run with: its lane dies of silence (`--lane-dead-after-s`), one fresh lane's handshake,
+# the lane-death probe and a probe round for the refutation; three times that, for two daemons
+# sharing two busy cores.
+REJOIN_S = 3 * (
+    LANE_DEAD_AFTER_S
+    + LaneConfig().handshake_timeout_s
+    + MembershipConfig().lane_dead_probe_s
+    + MembershipConfig().probe_interval_s
+)
 
 
 def _reference(prompt: list[int]) -> list[int]:
@@ -333,18 +345,27 @@ def test_a_fetcher_whose_lid_closes_mid_fetch_finishes_when_it_opens(
             print(f"a fetcher frozen mid-fetch: the holder declared it dead {dead_s:.2f} s later")
         finally:
             fetcher.proc.send_signal(signal.SIGCONT)
-        woke = time.monotonic()
+        woke, woke_unix_s = time.monotonic(), time.time()
+        # Awake, its lane to the holder dies of the silence it slept through; its lane-death
+        # probe pings the holder on a fresh lane, the holder tells it it was declared dead, it
+        # refutes (`member-alive-again` on the holder), and each sees the other alive.
         keys = {d.key() for d in pair.daemons}
-        wait_until(lambda: all(d.alive_members() == keys for d in pair.daemons), 30, "rejoined")
+        wait_until(
+            lambda: holder.first_event("member-alive-again", key, woke_unix_s - 1.0) is not None,
+            REJOIN_S,
+            "the holder to hear the woken fetcher refute its death",
+        )
+        wait_until(
+            lambda: all(d.alive_members() == keys for d in pair.daemons), REJOIN_S, "rejoined"
+        )
         pair.wait_fetched("the woken fetcher's stage fetched")
         done_s = time.monotonic() - woke
         print(
             f"a fetcher frozen mid-fetch: fetched {done_s:.2f} s after it woke "
             f"({left_s:.2f} s of its stage left at the capped rate)"
         )
-        # The same fetch went on, on a new lane: it never failed for want of a chunk (it
-        # once waited for STALL_S, 30 s, and began again), and took what was left at the
-        # capped rate and the seconds a rejoin takes. (What a replaced lane carried is asked
+        # The same fetch went on, on a new lane: it never failed for want of a chunk, and
+        # took what was left at the capped rate and the seconds a rejoin takes. (What a replaced lane carried is asked
         # again at once: test_fetch_sources.)
         events = fetcher.status()["events"]
         assert not [e for e in events if e["kind"] == "fetch-failed"], events

@@ -16,6 +16,7 @@ import trio.lowlevel
 from meshd.bench.fetch import artifact_nodes
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
+from meshd.model.errors import ModelUnavailable
 from meshd.model.manifest import ModelStore, StoreCheckpoint
 from meshd.node.fetch import stage_tensor_names
 from protocol.artifacts import FetchConfig
@@ -245,3 +246,42 @@ async def test_a_fetch_dropped_just_as_its_last_tensor_is_stored_ends_done(
     holder = Checkpoint.open(builtin_model_dir())
     states = [await _dropped_as_stored(tmp_path / str(n), holder) for n in range(6)]
     assert states == ["done"] * len(states)
+
+
+async def test_a_stage_fetch_with_no_holder_in_view_waits_then_ends_the_node(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The view lists no member holding the model (the holder left, or never came): the fetch
+    # shows why it waits, and after fetch.holder_wait_s it ends the node with a ModelError,
+    # which `meshd serve` prints as one line with exit status 2.
+    holder, fetching, store, _first, _second = _two_stages(tmp_path)
+    config = FetchConfig(
+        chunk_bytes=16 * 1024, window_bytes=32 * 1024, timeout_s=5.0, holder_wait_s=1.0
+    )
+    waiting: list[str] = []
+    ended: list[BaseException] = []
+    try:
+        with trio.fail_after(30):
+            async with artifact_nodes([holder, fetching], config) as (_holding, node):
+                service = node.service
+                service.sources = list  # nobody in view holds it
+                assert not await service.stage_ready((0, 2))
+                while True:
+                    status = service.status()
+                    if status is not None and status.state == "waiting":
+                        waiting.append(status.waiting)
+                    await trio.sleep(0.05)
+    except* ModelUnavailable as group:
+        ended += _leaves(group)
+    assert waiting and waiting[0].startswith("no member holding model"), waiting
+    assert [str(e) for e in ended] == [
+        f"mesh:{store.model_id[:16]}: no member holding model {store.model_id[:16]} is in "
+        "view for 1 s"
+    ]
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions in `error`, its groups flattened."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]

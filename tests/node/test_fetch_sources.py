@@ -131,9 +131,9 @@ async def test_a_fetch_takes_its_only_holder_back_when_a_new_lane_opens(
     tmp_path: pathlib.Path,
 ) -> None:
     # The lane dies, the holder does not (a closed lid, a broken path): the membership view
-    # still lists it, and membership's next probe opens a new lane. The fetch goes on over
-    # it; it once dropped the holder until the view's list changed, which it never did, and
-    # failed after STALL_S (30 s) without a chunk.
+    # still lists it, and membership's next probe opens a new lane. The fetch takes the
+    # holder back at once and goes on over it (the view's list, unchanged, would never offer
+    # it again).
     good = Checkpoint.open(builtin_model_dir())
     model_id, data, manifest = good.manifest
     store = ModelStore(tmp_path / "cache", model_id, data, manifest)

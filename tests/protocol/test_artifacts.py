@@ -275,3 +275,62 @@ def test_an_artifact_being_hashed_when_retargeted_away_is_kept_only_if_it_matche
     assert not g.wants(0) and g.failure() is None and g.total_bytes == CHUNK
     (send,) = _requests(g.poll(0.1))
     assert send.request.index == 1
+
+
+def test_a_holder_busy_for_minutes_is_waited_for_and_asked_until_it_answers() -> None:
+    # The only holder is in view but answers nothing (hashing its file at first start, loading
+    # its stage): the fetch says so, never gives up while it is listed, keeps asking it one
+    # chunk at a time once it is struck out, and finishes when it answers.
+    manifest, blobs = _manifest([4 * CHUNK])
+    config = FetchConfig(
+        chunk_bytes=CHUNK, window_bytes=2 * CHUNK, timeout_s=1.0, max_strikes=2, holder_wait_s=30.0
+    )
+    f = Fetcher("0" * 32, manifest, [0], config)
+    f.set_sources([A])
+    assert len(_requests(f.poll(0.0))) == 2 and f.wait(0.5) is None
+    asked_late: list[SendRequest] = []
+    now = 0.0
+    while now < 120.0:  # four times holder_wait_s, in steps of a tenth of a second
+        now = round(now + 0.1, 1)
+        sent = _requests(f.poll(now))
+        if now > 2 * config.timeout_s * config.max_strikes:
+            assert len(sent) <= 1  # struck out: one chunk at a time
+        asked_late += [s for s in sent if now > 100.0]
+        wait = f.wait(now)
+        if now >= config.timeout_s:
+            assert wait is not None and wait.holders == (A,) and not wait.give_up
+            assert wait.since == 0.0
+            assert wait.reason(f.model_id, now).startswith(f"holder {A.hex()[:16]} alive but")
+    assert asked_late and f.failure() is None
+    # It answers: the fetch finishes, the wait ends.
+    pending = asked_late[-1:]
+    while not f.done:
+        assert pending, "stalled"
+        for effect in _answer(f, pending.pop(0), blobs):
+            if isinstance(effect, VerifyArtifact):
+                f.on_verified(effect.index, True)
+        now += 0.01
+        pending += _requests(f.poll(now))
+        assert f.wait(now) is None
+    assert f.verified_bytes == 4 * CHUNK
+
+
+def test_with_no_holder_in_view_the_fetch_gives_up_after_holder_wait_s() -> None:
+    manifest, _ = _manifest([CHUNK])
+    config = FetchConfig(chunk_bytes=CHUNK, window_bytes=CHUNK, timeout_s=1.0, holder_wait_s=20.0)
+    f = Fetcher("0" * 32, manifest, [0], config)
+    f.poll(5.0)  # no member holding the model is in view yet
+    wait = f.wait(15.0)
+    assert wait is not None and wait.holders == () and not wait.give_up
+    assert (
+        wait.reason(f.model_id, 15.0)
+        == "no member holding model 0000000000000000 is in view for 10 s"
+    )
+    # A holder appears and leaves again: the wait counts from when it left.
+    f.set_sources([A])
+    f.poll(16.0)
+    f.on_source_lost(A)
+    f.poll(17.0)
+    assert not f.wait(36.9).give_up  # type: ignore[union-attr]
+    wait = f.wait(37.0)
+    assert wait is not None and wait.give_up and wait.since == 17.0
