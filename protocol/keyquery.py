@@ -18,7 +18,7 @@ import hashlib
 import hmac
 
 from protocol.datagram import KIND_KEY_ANSWER, KIND_KEY_QUERY
-from protocol.errors import RemoteProtocolError
+from protocol.errors import RemoteProtocolError, UndecryptableError
 
 NONCE_BYTES = 16
 KEY_BYTES = 32
@@ -45,23 +45,25 @@ def make_query(tag_key: bytes, nonce: bytes) -> bytes:
 
 
 def answer_query(tag_key: bytes, datagram: bytes, public_key: bytes) -> bytes:
-    """The KEY_ANSWER to a valid query; RemoteProtocolError for anything else."""
+    """The KEY_ANSWER to a valid query; UndecryptableError if its tag is wrong,
+    RemoteProtocolError for anything else."""
     if len(datagram) != DATAGRAM_BYTES or datagram[0] != KIND_KEY_QUERY:
         raise RemoteProtocolError("not a key query")
     body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
     if not hmac.compare_digest(tag, _tag(tag_key, body)):
-        raise RemoteProtocolError("key query not tagged with this mesh's secret")
+        raise UndecryptableError("key query not tagged with this mesh's secret")
     nonce = datagram[HEADER : HEADER + NONCE_BYTES]
     answer = bytes([KIND_KEY_ANSWER, 0]) + bytes(4) + nonce + public_key
     return answer + _tag(tag_key, answer)
 
 
 def read_answer(tag_key: bytes, datagram: bytes) -> tuple[bytes, bytes]:
-    """(nonce, Ed25519 public key) of a valid answer; RemoteProtocolError otherwise."""
+    """(nonce, Ed25519 public key) of a valid answer; UndecryptableError if its tag is wrong,
+    RemoteProtocolError otherwise."""
     if len(datagram) != DATAGRAM_BYTES or datagram[0] != KIND_KEY_ANSWER:
         raise RemoteProtocolError("not a key answer")
     body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
     if not hmac.compare_digest(tag, _tag(tag_key, body)):
-        raise RemoteProtocolError("key answer not tagged with this mesh's secret")
+        raise UndecryptableError("key answer not tagged with this mesh's secret")
     nonce = datagram[HEADER : HEADER + NONCE_BYTES]
     return nonce, datagram[HEADER + NONCE_BYTES : HEADER + NONCE_BYTES + KEY_BYTES]

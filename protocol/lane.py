@@ -266,33 +266,35 @@ class Lane:
 
     # --- the driver's calls -----------------------------------------------------------
 
-    def receive_datagram(self, data: bytes, addr: Hashable, now: float) -> None:
-        """Take one datagram addressed to this lane.
+    def receive_datagram(self, data: bytes, addr: Hashable, now: float) -> str | None:
+        """Take one datagram addressed to this lane; the reason it was dropped, or None.
 
-        Malformed or unauthenticated bytes raise RemoteProtocolError and change nothing;
-        replays and datagrams after termination are dropped silently (and counted). A
-        protocol violation inside an authenticated packet closes the lane (an event).
+        Malformed or unauthenticated bytes raise RemoteProtocolError and change nothing.
+        Well-formed datagrams that change nothing are dropped under a reason the driver counts
+        (every dropped datagram is counted somewhere): "replayed" for a replayed or duplicated
+        DATA or RESPONSE, "lane_closed" for anything after termination. A protocol violation
+        inside an authenticated packet closes the lane (an event).
         """
         if self._state is _State.TERMINATED:
-            return
+            return "lane_closed"
         try:
             kind = peek_kind(data)
             if kind == KIND_DATA:
-                self._receive_data(data, addr, now)
-            elif kind == KIND_RESPONSE:
-                self._receive_response(data, addr, now)
-            elif kind == KIND_REFUSAL:
+                return self._receive_data(data, addr, now)
+            if kind == KIND_RESPONSE:
+                return self._receive_response(data, addr, now)
+            if kind == KIND_REFUSAL:
                 self._receive_refusal(data)
-            else:
-                raise RemoteProtocolError("a lane takes no INITIATION")
+                return None
+            raise RemoteProtocolError("a lane takes no INITIATION")
         except RemoteProtocolError:
             self._packets_dropped += 1
             raise
 
-    def _receive_response(self, data: bytes, addr: Hashable, now: float) -> None:
+    def _receive_response(self, data: bytes, addr: Hashable, now: float) -> str | None:
         if self._state is not _State.HANDSHAKE:
             if self._attempts:
-                return  # a duplicate RESPONSE after we completed: harmless
+                return "replayed"  # a duplicate RESPONSE after we completed: harmless
             raise RemoteProtocolError("RESPONSE to a responder lane")
         error: RemoteProtocolError | None = None
         for attempt in reversed(self._attempts):
@@ -307,7 +309,7 @@ class Lane:
             assert self._transport is not None
             # Confirms the lane to the responder at once, and starts the RTT estimate.
             self._transport.ping_pending = True
-            return
+            return None
         assert error is not None
         raise error
 
@@ -317,13 +319,13 @@ class Lane:
         refused = self._attempts[-1].handle_refusal(data)
         self._terminate(TerminationReason.REFUSED, str(refused))
 
-    def _receive_data(self, data: bytes, addr: Hashable, now: float) -> None:
+    def _receive_data(self, data: bytes, addr: Hashable, now: float) -> str | None:
         transport = self._transport
         if transport is None:
             raise RemoteProtocolError("DATA before the handshake completed")
         authenticated = transport.authenticate(data, now)
         if authenticated is None:
-            return  # replayed or duplicated: counted, no effect
+            return "replayed"  # replayed or duplicated: counted, no effect
         number, payload = authenticated
         self._last_recv_s = now
         if transport.newest and addr != self._addr:
@@ -333,8 +335,8 @@ class Lane:
         try:
             messages, close = transport.process(number, payload, now)
         except RemoteProtocolError as exc:
-            self._violation(str(exc), now)
-            return
+            self._violation(str(exc), now)  # taken: it closed the lane
+            return None
         if self._state is _State.ESTABLISHED:
             for stream_id, message in messages:
                 self._events.append(MessageReceived(stream_id, message))
@@ -342,6 +344,7 @@ class Lane:
             self._peer_closed(close, now)
         elif self._state is _State.CLOSING and transport.close_acked:
             self._terminate(TerminationReason.CLOSED_LOCALLY, self._close_reason)
+        return None
 
     def _peer_closed(self, close: CloseFrame, now: float) -> None:
         assert self._transport is not None

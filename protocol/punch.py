@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.datagram import KIND_PROBE, KIND_RELAY, KIND_RELAYED, MAX_DATAGRAM_BYTES
-from protocol.errors import InvalidConfig, LocalProtocolError, RemoteProtocolError
+from protocol.errors import (
+    InvalidConfig,
+    LocalProtocolError,
+    RemoteProtocolError,
+    UndecryptableError,
+)
 
 NONCE_BYTES = 16
 TAG_BYTES = 16
@@ -195,11 +200,12 @@ def probe_nonce(datagram: bytes) -> bytes:
 
 
 def verify_probe(key: bytes, datagram: bytes) -> bytes:
-    """The nonce of a genuine probe; RemoteProtocolError if its tag is wrong."""
+    """The nonce of a genuine probe; UndecryptableError if its tag is wrong (a forgery, or
+    another mesh's), RemoteProtocolError if it is not a probe."""
     nonce = probe_nonce(datagram)
     body, tag = datagram[:-TAG_BYTES], datagram[-TAG_BYTES:]
     if not hmac.compare_digest(tag, _probe_tag(key, nonce, body)):
-        raise RemoteProtocolError("probe not tagged with this mesh's secret and nonce")
+        raise UndecryptableError("probe not tagged with this mesh's secret and nonce")
     return nonce
 
 
@@ -244,6 +250,14 @@ class _Session:
     refilled_at: float
     last_used: float
     forwarded_bytes: int = 0
+
+
+# Why a relay drops a RELAY datagram (`RelayTable.route`): its session is unknown (expired, or
+# never opened: a forgery), it came from neither of the session's two ends, or it exceeds the
+# session's rate.
+RELAY_DROP_REASONS: tuple[str, ...] = (
+    "relay_unknown_session", "relay_wrong_source", "relay_over_rate",
+)  # fmt: skip
 
 
 @dataclass
@@ -295,20 +309,26 @@ class RelayTable:
 
     def forward(self, datagram: bytes, source: Address, now: float) -> tuple[bytes, Address] | None:
         """The RELAYED datagram to send for a RELAY one from `source`, or None to drop it."""
+        out = self.route(datagram, source, now)
+        return None if isinstance(out, str) else out
+
+    def route(self, datagram: bytes, source: Address, now: float) -> tuple[bytes, Address] | str:
+        """The RELAYED datagram to send for a RELAY one from `source`, or why it is dropped
+        (RELAY_DROP_REASONS), for the endpoint's counters. RemoteProtocolError if malformed."""
         session_id, inner = unwrap(datagram)
         if datagram[0] != KIND_RELAY:
             raise RemoteProtocolError("only RELAY datagrams are forwarded")
         session = self._sessions.get(session_id)
         if session is None:
             self.stats.dropped_unknown_session += 1
-            return None
+            return "relay_unknown_session"
         if source == session.ends[0]:
             destination = session.ends[1]
         elif source == session.ends[1]:
             destination = session.ends[0]
         else:
             self.stats.dropped_wrong_source += 1
-            return None
+            return "relay_wrong_source"
         cost = len(inner)
         elapsed = now - session.refilled_at
         session.tokens = min(
@@ -319,7 +339,7 @@ class RelayTable:
         if session.tokens < cost:
             # Loss, as on any congested path: the lane's recovery slows down and resends.
             self.stats.dropped_over_rate += 1
-            return None
+            return "relay_over_rate"
         session.tokens -= cost
         session.last_used = now
         session.forwarded_bytes += cost

@@ -1,14 +1,14 @@
 """Prometheus metrics of one API app, in its own registry (so tests can build many apps).
 
-The API feeds request, token, latency and speculation figures itself. The daemon feeds the
-mesh's figures through the hooks: `set_lane`, `lane_died`, `forget_lane`,
-`observe_stage_compute`, and `on_scrape` for callbacks that refresh gauges from live state
-just before each scrape (cheaper than pushing on every change).
+The API feeds request, token, latency and speculation figures itself. The daemon adds the
+mesh's figures: counters and histograms of events as they happen (`lane_died`,
+`observe_stage_compute`), and a collector of its own on `registry` that reads every gauge and
+running count from the node's state at each scrape (`meshd/node/node_metrics.py`), so a gauge
+is never stale and nothing is pushed on every change.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
@@ -37,7 +37,10 @@ class ApiMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "meshd_api_requests", "HTTP requests by route and status", ["route", "status"],
+            "meshd_api_requests",
+            "HTTP requests by route (a path of the API, or other) and status (499: the client "
+            "went away)",
+            ["route", "status"],
             registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(
@@ -48,10 +51,14 @@ class ApiMetrics:
             ["route"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
-            "meshd_api_prompt_tokens", "Prompt tokens of requests that ran", registry=r
+            "meshd_api_prompt_tokens",
+            "Prompt tokens of requests that reached the model",
+            registry=r,
         )
         self.generated_tokens = Counter(
-            "meshd_api_generated_tokens", "Tokens generated (counted as they commit)", registry=r
+            "meshd_api_generated_tokens",
+            "Tokens generated, counted as they commit (cancelled requests included)",
+            registry=r,
         )
         self.ttft = Histogram(
             "meshd_api_time_to_first_token_seconds",
@@ -60,7 +67,8 @@ class ApiMetrics:
         )  # fmt: skip
         self.tpot = Histogram(
             "meshd_api_time_per_output_token_seconds",
-            "Time between generated tokens after the first (one sample per token)",
+            "Time between generated tokens after the first (a window committing n tokens gives n "
+            "samples of its interval / n)",
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.spec_drafted = Counter(
@@ -68,11 +76,13 @@ class ApiMetrics:
             registry=r,
         )  # fmt: skip
         self.spec_accepted = Counter(
-            "meshd_spec_accepted_tokens", "Draft tokens accepted, by proposer", ["proposer"],
+            "meshd_spec_accepted_tokens",
+            "Draft tokens accepted, by proposer (acceptance = accepted / drafted)", ["proposer"],
             registry=r,
         )  # fmt: skip
         self.spec_draft_seconds = Counter(
-            "meshd_spec_draft_seconds", "Coordinator time in the draft model (draft strategies)",
+            "meshd_spec_draft_seconds",
+            "Coordinator time in its draft model (spec.draft_model; proposers draft, draft-ngram)",
             registry=r,
         )  # fmt: skip
         self.spec_acceptance = Histogram(
@@ -83,18 +93,14 @@ class ApiMetrics:
             "meshd_spec_tokens_per_round_trip", "Per request: tokens committed per verify trip",
             buckets=_TOKENS_PER_TRIP_BUCKETS, registry=r,
         )  # fmt: skip
-        self.lane_rtt = Gauge(
-            "meshd_lane_rtt_seconds", "Smoothed round-trip time of a lane", ["peer"], registry=r
-        )
-        self.lane_loss = Gauge(
-            "meshd_lane_loss_ratio", "Recent packet loss of a lane (0..1)", ["peer"], registry=r
-        )
         self.lane_deaths = Counter(
-            "meshd_lane_deaths", "Lanes declared dead, by peer", ["peer"], registry=r
-        )
+            "meshd_lane_deaths", "Lanes whose peer stopped answering, by peer (node id)",
+            ["peer"], registry=r,
+        )  # fmt: skip
         self.stage_compute = Histogram(
-            "meshd_stage_compute_seconds", "Compute time of one window on a local stage",
-            ["stage"], buckets=_LATENCY_BUCKETS_S, registry=r,
+            "meshd_stage_compute_seconds",
+            "Compute time of one forward pass (a batch of windows) of a local stage",
+            ["model", "layers"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self._scrape_hooks: list[Callable[[], None]] = []
         self._requests = 0
@@ -156,26 +162,13 @@ class ApiMetrics:
         }
 
     # -- hooks for the daemon -----------------------------------------------------------
-    def set_lane(self, peer: str, *, rtt_s: float | None, loss_ratio: float | None) -> None:
-        """The current RTT and loss of the lane to `peer` (None leaves a figure unchanged)."""
-        if rtt_s is not None:
-            self.lane_rtt.labels(peer=peer).set(rtt_s)
-        if loss_ratio is not None:
-            self.lane_loss.labels(peer=peer).set(loss_ratio)
-
     def lane_died(self, peer: str) -> None:
-        """The lane to `peer` was declared dead."""
+        """The lane to `peer` (a node id) was declared dead: its peer stopped answering."""
         self.lane_deaths.labels(peer=peer).inc()
 
-    def forget_lane(self, peer: str) -> None:
-        """Drop the gauges of a lane that is gone (its death count stays)."""
-        for gauge in (self.lane_rtt, self.lane_loss):
-            with contextlib.suppress(KeyError):
-                gauge.remove(peer)
-
-    def observe_stage_compute(self, stage: str, seconds: float) -> None:
-        """A local stage computed one window in `seconds`."""
-        self.stage_compute.labels(stage=stage).observe(seconds)
+    def observe_stage_compute(self, model: str, layers: str, seconds: float) -> None:
+        """A local stage of `model` serving `layers` (e.g. "0-4") ran one pass in `seconds`."""
+        self.stage_compute.labels(model=model, layers=layers).observe(seconds)
 
     def count_by(
         self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, int]]

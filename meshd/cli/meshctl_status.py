@@ -48,7 +48,8 @@ def render(status: dict[str, Any], events: int) -> None:
     )
     console.print(
         f"sessions hosted {status['sessions_hosted']} "
-        f"(KV {status.get('kv_used_bytes', 0) / 2**20:.1f} MiB), coordinated "
+        f"(KV {status.get('kv_used_bytes', 0) / 2**20:.1f} of "
+        f"{status.get('kv_budget_bytes', 0) / 2**20:.1f} MiB), coordinated "
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
         f"{status['uptime_s']:.0f} s, {status.get('tasks', 0)} trio tasks"
     )

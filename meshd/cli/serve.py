@@ -281,8 +281,9 @@ async def serve(config: NodeConfig) -> None:
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
     from meshd.node.node import MeshNode, NodeBasis, run_node
+    from meshd.node.node_metrics import export_metrics
     from meshd.node.shutdown import stop_gracefully
-    from meshd.node.status import export_counters, node_status
+    from meshd.node.status import node_status
 
     first, *more = config.models
     model_dir = first or str(builtin_model_dir())
@@ -327,7 +328,7 @@ async def serve(config: NodeConfig) -> None:
             raise StartupError(
                 f"control_socket: cannot listen on {control}: {exc.strerror}"
             ) from None
-        export_counters(metrics, node)
+        export_metrics(metrics, node, backend)
         app = create_app(
             backend,
             api_key=config.read_api_key(),

@@ -4,7 +4,8 @@ A thin driver over the sans-IO `protocol.lane.Lane` (in the manner of hypercorn'
 server over its protocol core): it reads datagrams, routes them to lanes by receiver lane id,
 answers initiations through one `protocol.handshake.Responder`, runs the lanes' timers, and
 writes what the lanes want sent. The same socket carries NAT traversal (meshd/net/punch.py):
-PROBE and RELAY datagrams go to handlers registered in `datagram_handlers`; RELAYED datagrams
+PROBE and RELAY datagrams go to handlers registered in `datagram_handlers` (each returns the
+reason it dropped one, or None); RELAYED datagrams
 from a registered `RelayPath` are unwrapped and routed like any other, with the path as their
 address; and whatever a lane sends to a `RelayPath` leaves wrapped for the relay.
 
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 Address = tuple[str, int]
 # What a lane may be addressed by: a socket address, or a path through a relay.
 LaneAddress = Address | punch.RelayPath
-DatagramHandler = Callable[[bytes, Address, float], None]
+# A handler of an out-of-lane kind: (datagram, source, now) -> the drop reason, or None if taken.
+DatagramHandler = Callable[[bytes, Address, float], str | None]
 # Inner kinds a relay may carry: lane traffic only (no nested relaying, probes or key queries).
 _RELAYABLE_KINDS = frozenset({KIND_INITIATION, KIND_RESPONSE, KIND_REFUSAL, KIND_DATA})
 
@@ -70,9 +72,22 @@ class LaneClosedError(Exception):
         self.detail = detail
 
 
-# Why a received datagram was dropped (`EndpointStats.dropped`): fails authentication; a
-# replay or duplicate of one already taken; addressed to no lane we have; anything else.
-DROP_REASONS: tuple[str, ...] = ("undecryptable", "replayed", "unknown_lane", "malformed")
+# Why a datagram was dropped (`EndpointStats.dropped`). Every datagram the socket takes in is
+# either used or counted under one of these, so forgeries of any kind show up:
+# - it fails authentication (a forgery, another mesh's secret, a lane's discarded key);
+# - a replay or duplicate of one already taken;
+# - addressed to no lane we have, or to a lane that has just ended;
+# - a genuine NAT probe for no punch in progress (late, or replayed after the punch);
+# - a genuine key answer to no query we are waiting on (late, or a duplicate);
+# - a key query while this endpoint has no node key to answer with;
+# - a RELAY datagram our relay refuses (`protocol.punch.RELAY_DROP_REASONS`);
+# - anything else (no known kind, a wrong length, a kind that cannot come this way);
+# and one sent datagram: a send the kernel refused (full buffer, unreachable): loss.
+DROP_REASONS: tuple[str, ...] = (
+    "undecryptable", "replayed", "unknown_lane", "lane_closed", "unknown_probe",
+    "unknown_key_answer", "key_query_unserved", *punch.RELAY_DROP_REASONS, "malformed",
+    "send_failed",
+)  # fmt: skip
 # Why an initiation meant for us (its mac1 holds) was refused (`EndpointStats.refused`).
 REFUSAL_REASONS: tuple[str, ...] = (
     "version", "not_admitted", "replayed", "clock_skew", "undecryptable", "malformed",
@@ -84,8 +99,8 @@ class EndpointStats:
     """Counters an operator can read (and metrics export).
 
     `datagrams_dropped` counts received datagrams dropped and sends the kernel refused;
-    `dropped` splits the received ones by reason (DROP_REASONS), `refused` the refused
-    handshakes (REFUSAL_REASONS; `handshakes_refused` is their sum).
+    `dropped` splits them by reason (DROP_REASONS; `datagrams_dropped` is their sum),
+    `refused` the refused handshakes (REFUSAL_REASONS; `handshakes_refused` is their sum).
     """
 
     datagrams_received: int = 0
@@ -98,7 +113,7 @@ class EndpointStats:
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))
 
     def drop(self, reason: str) -> None:
-        """One received datagram dropped, for `reason`."""
+        """One datagram dropped, for `reason`."""
         self.datagrams_dropped += 1
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
@@ -420,10 +435,9 @@ class Endpoint:
             if peer is None:
                 self.stats.drop("unknown_lane")
                 return
-            replayed = peer.lane.packets_replayed
-            peer.lane.receive_datagram(data, addr, now)
-            if peer.lane.packets_replayed != replayed:
-                self.stats.drop("replayed")
+            reason = peer.lane.receive_datagram(data, addr, now)
+            if reason is not None:
+                self.stats.drop(reason)
             self._dirty.add(peer)
         except HandshakeRejected as exc:
             self.stats.refuse(exc.refusal)
@@ -437,28 +451,33 @@ class Endpoint:
             session_id, inner = punch.unwrap(data)
             path = punch.RelayPath(addr, session_id)
             if path not in self.relay_paths:
-                raise RemoteProtocolError("relayed datagram from a relay session we never joined")
+                # A session we never joined, or one whose lane has ended: no lane of ours.
+                self.stats.drop("unknown_lane")
+                return
             self.stats.datagrams_received -= 1  # the inner datagram counts itself
             self._handle_datagram(inner, path, now)
             return
         handler = self.datagram_handlers.get(kind)
-        if handler is None:
-            self.stats.drop("malformed")
-            return
-        handler(data, addr, now)
+        reason = "malformed" if handler is None else handler(data, addr, now)
+        if reason is not None:
+            self.stats.drop(reason)
 
     def _handle_key_query(self, kind: int, data: bytes, addr: Address) -> None:
         if kind == KIND_KEY_QUERY:
             if self.node_public_key is None:
+                self.stats.drop("key_query_unserved")
                 return
             answer = keyquery.answer_query(self._key_query_tag, data, self.node_public_key)
             self._write([(answer, addr)])
             return
         nonce, key = keyquery.read_answer(self._key_query_tag, data)
         waiter = self._key_queries.get(nonce)
-        if waiter is not None:
-            with contextlib.suppress(trio.WouldBlock):
-                waiter.send_nowait(key)
+        try:
+            if waiter is None:
+                raise trio.WouldBlock
+            waiter.send_nowait(key)  # holds one: a second answer to the same query is a dup
+        except trio.WouldBlock:
+            self.stats.drop("unknown_key_answer")
 
     def _handle_initiation(self, data: bytes, addr: LaneAddress, now: float) -> None:
         lane_id = self._new_lane_id()
@@ -532,12 +551,12 @@ class Endpoint:
                 self.stats.datagrams_sent += 1
             except BlockingIOError:
                 # The kernel buffer is full: treat as loss; the lane's recovery resends.
-                self.stats.datagrams_dropped += 1
+                self.stats.drop("send_failed")
             except OSError as exc:
                 # EMSGSIZE for an oversized PMTU probe, or an unreachable peer: both are loss.
                 if exc.errno not in (errno.EMSGSIZE, errno.ECONNREFUSED, errno.ENETUNREACH):
                     log.debug("sendto %s failed: %s", addr, exc)
-                self.stats.datagrams_dropped += 1
+                self.stats.drop("send_failed")
 
     async def _receive_loop(self) -> None:
         sock = self._sock

@@ -202,15 +202,19 @@ class NatTraversal:
             del self._punches[intro.nonce]
         return state.source
 
-    def _on_probe(self, data: bytes, addr: Address, now: float) -> None:
-        state = self._punches.get(punch.probe_nonce(data))
+    def _on_probe(self, data: bytes, addr: Address, now: float) -> str | None:
+        """A PROBE datagram (the endpoint's handler): the drop reason, or None if it counted.
+
+        Its tag is checked first, so a forgery counts as undecryptable (UndecryptableError)
+        and a genuine probe for no punch in progress (late, or replayed) as unknown_probe."""
+        state = self._punches.get(punch.verify_probe(self._probe_key, data))
         if state is None:
-            return
-        punch.verify_probe(self._probe_key, data)
+            return "unknown_probe"
         self.stats.probes_received += 1
         if state.source is None:
             state.source = addr
             state.found.set()
+        return None
 
     # -- messages on the NAT stream -------------------------------------------------------
     def _on_message(self, message: punch.NatMessage, sender: bytes) -> None:

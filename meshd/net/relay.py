@@ -34,7 +34,10 @@ class Relay:
         """A relay session between two peers' observed addresses, or None when full."""
         return self.table.open_session(ends, keys, trio.current_time())
 
-    def _on_relay(self, data: bytes, addr: Address, now: float) -> None:
-        out = self.table.forward(data, addr, now)
-        if out is not None:
-            self.endpoint.send_datagram(*out)
+    def _on_relay(self, data: bytes, addr: Address, now: float) -> str | None:
+        """A RELAY datagram (the endpoint's handler): forwarded (None), or the drop reason."""
+        out = self.table.route(data, addr, now)
+        if isinstance(out, str):
+            return out
+        self.endpoint.send_datagram(*out)
+        return None

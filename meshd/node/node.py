@@ -15,7 +15,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -267,6 +267,9 @@ class MeshNode:
         self.plan: Plan | None = None
         self.plan_error = "not planned yet"
         self.health = Health(config.suspect_hold_s)
+        # Told the node id of a member whose lane died (its peer stopped answering), as it
+        # happens: the daemon's metrics count lane deaths by peer.
+        self.on_lane_death: Callable[[bytes], None] | None = None
         self.duty = Duty(config.drain_timeout_s)
         self._drain_scope: trio.CancelScope | None = None
         self._replan = trio.Event()
@@ -508,6 +511,8 @@ class MeshNode:
             # Before the coordinator hears: its retry routes around the dead node.
             if self.health.on_lane_lost(node_id, reason, trio.current_time()):
                 self.request_replan()
+                if self.on_lane_death is not None:
+                    self.on_lane_death(node_id)
         self.wiring.lane_lost(lane_key)
         self.models.lane_lost(lane_key)
         self.gossip.on_lane_dead(lane_key)

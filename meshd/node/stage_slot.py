@@ -112,6 +112,9 @@ class StageSlot:
         self._expired_before = dict.fromkeys(EXPIRY_CAUSES, 0)
         # While draining: sessions already open are served, new ones are refused.
         self.refuse_new_sessions = False
+        # Told (layers, seconds) as each forward pass of the hosted stage ends; looked up at
+        # every pass, so a listener set after the stage loaded (the daemon's metrics) hears it.
+        self.on_pass: Callable[[tuple[int, int], float], None] | None = None
 
     @property
     def layers(self) -> tuple[int, int] | None:
@@ -197,6 +200,7 @@ class StageSlot:
             config=self.host_config,
             session_lease_s=self.session_lease_s,
             gate=self.gate,
+            on_pass=lambda seconds: self._passed(layers, seconds),
         )
         running = _Running(layers, host, trio.CancelScope(), trio.Event())
         self._running = running
@@ -210,6 +214,10 @@ class StageSlot:
             model.weight_bytes,
             time.perf_counter() - t0,
         )
+
+    def _passed(self, layers: tuple[int, int], seconds: float) -> None:
+        if self.on_pass is not None:
+            self.on_pass(layers, seconds)
 
     async def _serve(self, running: _Running) -> None:
         try:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 import trio
-from prometheus_client import Gauge
 
 from meshd.mesh.identity import node_id_of
 from meshd.node.fetch import FetchStatus
@@ -18,7 +17,6 @@ from meshd.node.planning import holding_of
 from protocol.punch import RelayPath
 
 if TYPE_CHECKING:
-    from meshd.api.metrics import ApiMetrics
     from meshd.node.generation import NodeBackend
     from meshd.node.node import MeshNode
 
@@ -88,6 +86,9 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     stage_layers: list[int] | None
     sessions_hosted: int
     kv_used_bytes: int  # KV cache held by this node's stage; back to 0 when sessions close
+    # The memory budget left for KV cache once this node's stages hold their weights (what the
+    # planner sizes a stage's context against); 0 while it holds no stage.
+    kv_budget_bytes: int
     # Sessions this node's stages freed without an explicit close, since start, by cause:
     # "coordinator_lost" (its lane died, or membership declared it dead) and "lease_lapsed".
     sessions_expired: dict[str, int]
@@ -107,7 +108,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # What the lane port dropped, by reason, every reason listed (0 included): received
     # datagrams (undecryptable, replayed, unknown_lane, malformed) and handshakes refused
     # (version, not_admitted, replayed, clock_skew, undecryptable, malformed). See
-    # docs/operations.md; `export_counters` gives /metrics the same counts.
+    # docs/operations.md; /metrics has the same counts (`meshd/node/node_metrics.py`).
     datagrams_dropped: dict[str, int]
     handshakes_refused: dict[str, int]
     # Every model the mesh serves, with its plan (`meshd/node/model_status.py`); the fields
@@ -141,6 +142,12 @@ def trio_tasks() -> dict[str, int]:
 
 def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
     """The status reply for `node` (builtins, ready for JSON)."""
+    out: dict[str, Any] = msgspec.to_builtins(status_of(node, backend))
+    return out
+
+
+def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
+    """The node's view now: what `meshctl status` prints and `/metrics` exports."""
     members = []
     for key, info in sorted(node.membership.view().items()):
         holding = holding_of(info, node.shape.model_id)
@@ -190,6 +197,7 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         stage_layers=list(layers) if layers is not None else None,
         sessions_hosted=node.slot.sessions + sum(h.slot.sessions for h in node.models),
         kv_used_bytes=node.slot.kv_used_bytes + sum(h.slot.kv_used_bytes for h in node.models),
+        kv_budget_bytes=_kv_budget_bytes(node),
         sessions_expired=node.slot.sessions_expired,
         stopping=node.stopping,
         weight_bytes=node.slot.weight_bytes,
@@ -215,31 +223,15 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
         tasks=sum(tasks.values()),
         tasks_by_name=tasks,
     )
-    out: dict[str, Any] = msgspec.to_builtins(status)
-    return out
+    return status
 
 
-def export_counters(metrics: ApiMetrics, node: MeshNode) -> None:
-    """Give /metrics the counts by reason that `node_status` reports, and its live trio task
-    count (read at each scrape)."""
-    metrics.count_by(
-        "meshd_datagrams_dropped", "Received lane datagrams dropped, by reason", "reason",
-        lambda: node.endpoint.stats.dropped,
-    )  # fmt: skip
-    metrics.count_by(
-        "meshd_handshakes_refused", "Lane handshakes refused, by reason", "reason",
-        lambda: node.endpoint.stats.refused,
-    )  # fmt: skip
-    metrics.count_by(
-        "meshd_stage_sessions_expired",
-        "Sessions a local stage freed without an explicit close, by cause", "cause",
-        lambda: node.slot.sessions_expired,
-    )  # fmt: skip
-    tasks = Gauge(
-        "meshd_trio_tasks", "Trio tasks alive in the daemon (a leak shows as growth)",
-        registry=metrics.registry,
-    )  # fmt: skip
-    tasks.set_function(lambda: sum(trio_tasks().values()))
+def _kv_budget_bytes(node: MeshNode) -> int:
+    slots = [node.slot, *(h.slot for h in node.models)]
+    if all(slot.layers is None for slot in slots):
+        return 0
+    weights = sum(slot.weight_bytes for slot in slots)
+    return max(0, node.capacity().memory_budget_bytes - weights)
 
 
 def _remote(addr: Hashable) -> str:

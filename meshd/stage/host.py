@@ -34,6 +34,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -151,11 +152,13 @@ class StageHost:
         config: StageHostConfig | None = None,
         session_lease_s: float = 30.0,
         gate: BulkGate | None = None,
+        on_pass: Callable[[float], None] | None = None,
     ) -> None:
         """`session_lease_s`: a session is freed after this long without a window or
         keep-alive from its coordinator (the daemon's `session_lease_s`, which its
         coordinator's keep-alives share). `gate` is held from taking a window until its
-        result is sent: the node's bulk transfers wait meanwhile."""
+        result is sent: the node's bulk transfers wait meanwhile. `on_pass` is told the
+        seconds of each forward pass (a batch of windows) as it ends (the daemon's metrics)."""
         self.computing = False  # a forward pass runs now
         self.gate = gate or BulkGate()
         self.stage = stage
@@ -166,6 +169,7 @@ class StageHost:
         # Switchable at run time (benchmarks compare both in one process).
         self.batching = self.config.batching
         self.stats = StageHostStats()
+        self.on_pass = on_pass
         self.drafter = MtpDrafter(stage) if stage.is_last and stage.mtp else None
         # Seconds the last pass spent in the MTP heads, by session (worker thread writes, the
         # trio task reads after the pass; never both at once).
@@ -420,6 +424,8 @@ class StageHost:
         self.stats.passes += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
         self.stats.compute_s += compute_s
+        if self.on_pass is not None:
+            self.on_pass(compute_s)
         now = trio.current_time()
         for (work, session), result in zip(batch, results, strict=True):
             if work.window.session in self._sessions:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+from prometheus_client import Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.api.metrics import ApiMetrics
@@ -29,41 +31,37 @@ def test_each_app_has_its_own_registry() -> None:
     ) not in samples(b)
 
 
-def test_lane_and_stage_hooks() -> None:
+def test_lane_deaths_and_stage_passes_count_as_they_happen() -> None:
     m = ApiMetrics()
-    m.set_lane("ab12", rtt_s=0.004, loss_ratio=0.01)
-    m.set_lane("ab12", rtt_s=0.005, loss_ratio=None)  # None keeps the loss figure
     m.lane_died("ab12")
     m.lane_died("ab12")
-    m.observe_stage_compute("0", 0.003)
+    m.observe_stage_compute("builtin", "0-4", 0.003)
+    m.observe_stage_compute("builtin", "0-4", 0.020)
     got = samples(m)
-    peer = (("peer", "ab12"),)
-    assert got[("meshd_lane_rtt_seconds", peer)] == 0.005
-    assert got[("meshd_lane_loss_ratio", peer)] == 0.01
-    assert got[("meshd_lane_deaths_total", peer)] == 2
-    assert got[("meshd_stage_compute_seconds_count", (("stage", "0"),))] == 1
-    m.forget_lane("ab12")
-    m.forget_lane("never-seen")
-    got = samples(m)
-    assert ("meshd_lane_rtt_seconds", peer) not in got
-    assert got[("meshd_lane_deaths_total", peer)] == 2  # deaths stay counted
+    assert got[("meshd_lane_deaths_total", (("peer", "ab12"),))] == 2
+    stage = (("layers", "0-4"), ("model", "builtin"))
+    assert got[("meshd_stage_compute_seconds_count", stage)] == 2
+    assert got[("meshd_stage_compute_seconds_sum", stage)] == pytest.approx(0.023)
+    fast = tuple(sorted((("le", "0.005"), *stage)))
+    assert got[("meshd_stage_compute_seconds_bucket", fast)] == 1
 
 
 def test_scrape_hooks_refresh_gauges_and_a_broken_one_is_contained() -> None:
     m = ApiMetrics()
-    rtt = [0.010]
+    gauge = Gauge("meshd_test_level", "a level read at scrape time", registry=m.registry)
+    level = [0.010]
 
     def refresh() -> None:
-        m.set_lane("cd34", rtt_s=rtt[0], loss_ratio=0.0)
+        gauge.set(level[0])
 
     def broken() -> None:
         raise RuntimeError("lane table gone")
 
     m.on_scrape(broken)
     m.on_scrape(refresh)
-    assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.010
-    rtt[0] = 0.020
-    assert samples(m)[("meshd_lane_rtt_seconds", (("peer", "cd34"),))] == 0.020
+    assert samples(m)[("meshd_test_level", ())] == 0.010
+    level[0] = 0.020
+    assert samples(m)[("meshd_test_level", ())] == 0.020
 
 
 def test_counts_kept_elsewhere_are_read_at_each_scrape_by_label() -> None:

@@ -113,9 +113,9 @@ def watch_relay(endpoint: Any) -> list[bytes]:
     seen: list[bytes] = []
     forward = endpoint.datagram_handlers[KIND_RELAY]
 
-    def observe(data: bytes, addr: Address, now: float) -> None:
+    def observe(data: bytes, addr: Address, now: float) -> str | None:
         seen.append(data)
-        forward(data, addr, now)
+        return forward(data, addr, now)
 
     endpoint.datagram_handlers[KIND_RELAY] = observe
     return seen

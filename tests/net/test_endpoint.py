@@ -14,9 +14,12 @@ import trio.testing
 from nacl.bindings import crypto_scalarmult_base
 
 from meshd.net.emulator import LinkProfile
-from meshd.net.endpoint import LaneClosedError, open_endpoint
+from meshd.net.endpoint import DROP_REASONS, LaneClosedError, open_endpoint
+from meshd.net.lane_table import LaneTable
+from meshd.net.punch import NatTraversal
+from protocol import keyquery, punch
 from protocol.config import LaneConfig
-from protocol.datagram import KIND_DATA
+from protocol.datagram import KIND_DATA, KIND_RELAYED
 from protocol.events import TerminationReason
 from protocol.packet import HEADER
 from protocol.streams import ARTIFACT_STREAM, PIPELINE_STREAM
@@ -298,3 +301,43 @@ async def test_key_query_answers_mesh_members_only() -> None:
         assert await member.query_key(server.local_address) == node_key
         with pytest.raises(TimeoutError):
             await outsider.query_key(server.local_address, timeout_s=0.1, attempts=2)
+
+
+async def test_every_datagram_taken_in_is_used_or_dropped_under_a_reason() -> None:
+    """Forged and stray datagrams of every out-of-lane kind each count under their reason;
+    the reasons add up to the drop total."""
+    sk, _ = keypair(15)
+    async with open_endpoint(static_private=sk, psk=PSK) as server:
+        peers = LaneTable(server, b"\x01" * 32, lambda _message, _key: None)
+        NatTraversal(peers)  # installs the PROBE and RELAY handlers, as every node does
+        tag, foreign = keyquery.query_key(PSK), keyquery.query_key(b"\x07" * 32)
+        rng = random.Random(15)
+        query = keyquery.make_query(tag, rng.randbytes(keyquery.NONCE_BYTES))
+        genuine_probe = punch.make_probe(punch.probe_key(PSK), rng.randbytes(punch.NONCE_BYTES))
+        relay = punch.RelayPath(("127.0.0.1", 1), 77)
+        sent = {
+            "undecryptable": [
+                genuine_probe[:-1] + bytes([genuine_probe[-1] ^ 1]),  # a forged probe
+                keyquery.answer_query(
+                    foreign, keyquery.make_query(foreign, query[6:22]), bytes(32)
+                ),
+            ],
+            "unknown_probe": [genuine_probe, genuine_probe],  # no punch in progress
+            "unknown_key_answer": [keyquery.answer_query(tag, query, b"\x42" * 32)],
+            "key_query_unserved": [query],  # this endpoint has no node key to answer with
+            "relay_unknown_session": [relay.wrap(b"\x04inner")[0]],  # no session opened here
+            "unknown_lane": [bytes([KIND_RELAYED]) + relay.wrap(b"\x04inner")[0][1:]],
+            "malformed": [b"\xff" * 40],
+        }
+        total = sum(len(d) for d in sent.values())
+        with trio.socket.socket(type=trio.socket.SOCK_DGRAM) as sock:
+            for datagrams in sent.values():
+                for data in datagrams:
+                    await sock.sendto(data, server.local_address)
+            with trio.fail_after(5):
+                while server.stats.datagrams_received < total:  # noqa: ASYNC110 (a counter)
+                    await trio.sleep(0.01)
+        stats = server.stats
+        assert {r: stats.dropped[r] for r in sent} == {r: len(d) for r, d in sent.items()}
+        assert set(stats.dropped) == set(DROP_REASONS)
+        assert stats.datagrams_dropped == sum(stats.dropped.values()) == total

@@ -46,6 +46,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
+from meshd.net.endpoint import DROP_REASONS
 from meshd.node.control_client import GenerateOp, request_lines
 from protocol.datagram import KIND_DATA, KIND_INITIATION
 from protocol.handshake import MIN_INITIATION_BYTES
@@ -247,7 +248,7 @@ def test_forged_datagrams_at_a_lane_port_show_in_status_and_metrics_by_reason(
     mesh.serving(spares=None)
     target = mesh.coordinator()  # the daemon on FIRST_PORT
     before = target.status()["datagrams_dropped"]
-    assert set(before) == {"undecryptable", "replayed", "unknown_lane", "malformed"}
+    assert set(before) == set(DROP_REASONS)
     rng = random.Random(20)
     forged = {
         "malformed": [b"\xff" + rng.randbytes(40) for _ in range(5)],  # no known kind

@@ -1,6 +1,6 @@
 """The stage a node hosts refuses a session whose route expects another quantization: its
 tokens would differ from the other stages' (a node restarted with another `quantization`
-while a coordinator's view still shows the old one)."""
+while a coordinator's view still shows the old one); it tells its listener of each pass."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lane_table import LaneTable
 from meshd.node.stage_slot import StageSlot
-from protocol.messages import Message, OpenSession, StageError
+from protocol.messages import Message, OpenSession, Sampling, StageError, VerifyWindow
 
 
 def _open(session: str, coordinator: bytes, quantization: str) -> OpenSession:
@@ -81,5 +81,22 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
         slot.handle(_open("int8-route", me.x25519_public, "int8"), me.x25519_public)
         slot.handle(_open("unsaid", me.x25519_public, ""), me.x25519_public)
         assert slot.sessions == 2
+
+        # Each forward pass is told to the slot's listener (the daemon's stage metrics), set
+        # after the stage loaded.
+        passes: list[tuple[tuple[int, int], float]] = []
+        passed = trio.Event()
+
+        def on_pass(layers: tuple[int, int], seconds: float) -> None:
+            passes.append((layers, seconds))
+            passed.set()
+
+        slot.on_pass = on_pass
+        window = VerifyWindow("int8-route", 0, 1, 0, [1, 2, 3], Sampling(), sample=False)
+        slot.handle(window, me.x25519_public)
+        with trio.fail_after(20):
+            await passed.wait()
+        [(layers, seconds)] = passes
+        assert layers == (0, 6) and seconds > 0
         await slot.stop("test over")
         nursery.cancel_scope.cancel()

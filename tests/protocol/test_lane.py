@@ -441,3 +441,17 @@ def test_a_peer_that_ignores_flow_control_is_cut_off() -> None:
     assert ended_b.reason is TerminationReason.PROTOCOL_ERROR
     assert "flow control" in ended_b.detail
     assert [e.reason for e in net.terminations("a")] == [TerminationReason.CLOSED_BY_PEER]
+
+
+def test_a_datagram_that_changes_nothing_is_dropped_under_a_reason() -> None:
+    net, lane_a, lane_b = pair()
+    sent: list[bytes] = []
+    net.tap = lambda src, dst, data: sent.append(data) if src == "a" else None
+    lane_a.send_message(PIPELINE_STREAM, b"once")
+    net.run(until=net.now + 1.0, stop=lambda: bool(net.messages("b")))
+    data = next(d for d in sent if d[0] == KIND_DATA)
+    assert lane_b.receive_datagram(data, "a", net.now) == "replayed"
+    lane_a.close("done")
+    net.run(until=net.now + 5.0, stop=lambda: lane_b.is_terminated and lane_a.is_terminated)
+    assert lane_b.is_terminated
+    assert lane_b.receive_datagram(data, "a", net.now) == "lane_closed"
