@@ -2,7 +2,9 @@
 //
 //   meshd-ggml-mm [SECONDS_PER_CASE]
 //
-// For each weight shape (out x in), block type, batch (1 and 16 activation rows, f32) and
+// For each weight shape (out x in: SmolLM2-135M's FFN up/gate 1536x576 and down 576x1536, a
+// 1.5B Qwen2.5's FFN 8960x1536, and two small ones whose time is mostly the call itself),
+// block type, batch (1 and 16 activation rows, f32) and
 // thread count (1 and 2): a ggml graph holding one ggml_mul_mat(weight, x), computed with
 // ggml_graph_compute on a thread pool made once (as llama.cpp keeps one), timed call by call
 // (clock_gettime, after a warm-up) for SECONDS_PER_CASE (default 0.4 s, at least 30 calls);
@@ -148,7 +150,7 @@ static void bench(int out, int in, enum ggml_type type, int batch, int threads, 
 
 int main(int argc, char ** argv) {
     const double budget_s = argc > 1 ? atof(argv[1]) : 0.4;
-    const int shapes[][2] = {{1536, 576}, {576, 1536}, {8960, 1536}, {256, 256}};
+    const int shapes[][2] = {{1536, 576}, {576, 1536}, {8960, 1536}, {256, 256}, {64, 256}};
     const enum ggml_type types[] = {GGML_TYPE_Q4_K, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
                                     GGML_TYPE_Q4_1, GGML_TYPE_F32};
     const int batches[] = {1, 16};
