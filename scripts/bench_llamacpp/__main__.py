@@ -662,13 +662,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     if mm:
         out += [
             "",
-            "| weight out×in | type | batch | threads | µs per call (median) | p10 µs | GB/s |",
-            "|---|---|---|---|---|---|---|",
+            "| weight out×in | type | weight KB | batch | threads | hot µs/call (median) "
+            "| hot GB/s | cold µs/call (median) | cold GB/s |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mm:
             out.append(
-                f"| {r['out']}×{r['in']} | {r['type']} | {r['batch']} | {r['threads']} | "
-                f"{r['median_us']:.1f} | {r['p10_us']:.1f} | {r['gb_s']:.1f} |"
+                f"| {r['out']}×{r['in']} | {r['type']} | {r['weight_bytes'] / 1e3:.0f} | "
+                f"{r['batch']} | {r['threads']} | {r['median_us']:.1f} | {r['gb_s']:.1f} | "
+                f"{r['cold_median_us']:.1f} | {r['cold_gb_s']:.1f} |"
             )
     return "\n".join(out)
 
