@@ -554,6 +554,16 @@ def quality_rows(
             theirs = llamacpp.score(env.lc, gguf, ids_json, threads, extra_bufts)
         if theirs["tokens"] != first["tokens"]:
             raise RuntimeError(f"{gguf.name}: meshd-score scored other ids than it was given")
+        # llama.cpp under its other attention settings (no flash attention, fp32 KV): its
+        # agreement with itself is the floor of what any engine's agreement with it can show.
+        reference = llamacpp.score(
+            env.lc, gguf, ids_json, threads, extra_bufts, ("--flash-attn", "off", "--kv-f32")
+        )
+        self_agreement = top1_agreement(theirs["top1"], reference["top1"])
+        log(
+            f"{gguf.name}: llama.cpp ppl {theirs['ppl']:.4f} (default), {reference['ppl']:.4f} "
+            f"(no flash attention, fp32 KV); top-1 agreement with itself {self_agreement:.3f}"
+        )
         for quant in quantizations:
             args = ["--token-ids", str(ids_json), "--threads", str(threads)]
             if quant != "default":
@@ -573,6 +583,9 @@ def quality_rows(
                     "llamacpp_ppl": theirs["ppl"],
                     "ratio": ours["ppl"] / theirs["ppl"],
                     "top1_agreement": top1_agreement(ours["top1"], theirs["top1"]),
+                    "llamacpp_fp32_kv_ppl": reference["ppl"],
+                    "top1_agreement_fp32_kv": top1_agreement(ours["top1"], reference["top1"]),
+                    "llamacpp_self_agreement": self_agreement,
                     "llamacpp_build": env.lc.build,
                     "llamacpp_extra_bufts": extra_bufts,
                     "ids_file": str(ids_json),

@@ -360,12 +360,19 @@ def greedy_tokens(
 
 
 def score(
-    lc: LlamaCpp, gguf: pathlib.Path, ids_json: pathlib.Path, threads: int, extra_bufts: bool
+    lc: LlamaCpp,
+    gguf: pathlib.Path,
+    ids_json: pathlib.Path,
+    threads: int,
+    extra_bufts: bool,
+    settings: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """score.cpp's report on the ids in `ids_json`: tokens, nll, ppl, top1 (as meshd's)."""
+    """score.cpp's report on the ids in `ids_json`: tokens, nll, ppl, top1 (as meshd's);
+    `settings` are score.cpp's other flags (`--flash-attn off`, `--kv-f32`)."""
     cmd = [str(lc.score), str(gguf), str(ids_json), str(threads)]
     if not extra_bufts:
         cmd.append("--no-extra-bufts")
+    cmd += settings
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (rc {out.returncode}):\n{out.stderr[-2000:]}")

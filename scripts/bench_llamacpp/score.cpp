@@ -1,6 +1,6 @@
 // llama.cpp's side of `meshd bench perplexity --token-ids`: score given token ids.
 //
-//   meshd-score MODEL.gguf IDS.json THREADS [--no-extra-bufts]
+//   meshd-score MODEL.gguf IDS.json THREADS [--no-extra-bufts] [--flash-attn on|off] [--kv-f32]
 //
 // IDS.json holds a JSON list of token ids (or an object with one under "tokens", such as
 // `meshd bench perplexity --json`'s report). Every id goes through llama.cpp in one batch per
@@ -13,6 +13,9 @@
 // `--no-extra-bufts` keeps weights in plain CPU buffers (no repacking for AMX or other
 // extra buffer types): on a (virtual) machine that lists AMX but faults on its tile
 // instructions, llama.cpp's AMX kernels for batches of more than one token crash.
+// `--flash-attn on|off` and `--kv-f32` (an fp32 KV cache instead of llama.cpp's default fp16)
+// score the ids under another of llama.cpp's own settings: how far llama.cpp moves from itself
+// is the floor under which no other engine's agreement with it can be read.
 //
 // Built by scripts/bench_llamacpp against the library it built (like greedy.cpp).
 #include "llama.h"
@@ -60,8 +63,25 @@ static bool read_ids(const char * path, std::vector<llama_token> & ids) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc < 4 || argc > 5 || (argc == 5 && std::strcmp(argv[4], "--no-extra-bufts") != 0)) {
-        fprintf(stderr, "usage: %s MODEL.gguf IDS.json THREADS [--no-extra-bufts]\n", argv[0]);
+    bool extra_bufts = true, kv_f32 = false;
+    int flash_attn = -1;  // llama.cpp's default (auto)
+    bool usage = argc < 4;
+    for (int i = 4; i < argc && !usage; i++) {
+        if (std::strcmp(argv[i], "--no-extra-bufts") == 0) {
+            extra_bufts = false;
+        } else if (std::strcmp(argv[i], "--kv-f32") == 0) {
+            kv_f32 = true;
+        } else if (std::strcmp(argv[i], "--flash-attn") == 0 && i + 1 < argc) {
+            flash_attn = std::strcmp(argv[++i], "on") == 0 ? 1 : 0;
+        } else {
+            usage = true;
+        }
+    }
+    if (usage) {
+        fprintf(stderr,
+                "usage: %s MODEL.gguf IDS.json THREADS [--no-extra-bufts] [--flash-attn on|off] "
+                "[--kv-f32]\n",
+                argv[0]);
         return 2;
     }
     const int threads = std::atoi(argv[3]);
@@ -74,7 +94,7 @@ int main(int argc, char ** argv) {
     llama_backend_init();
     llama_model_params mparams = llama_model_default_params();
     mparams.n_gpu_layers = 0;
-    if (argc == 5) {
+    if (!extra_bufts) {
         mparams.use_extra_bufts = false;
     }
     llama_model * model = llama_model_load_from_file(argv[1], mparams);
@@ -100,6 +120,14 @@ int main(int argc, char ** argv) {
     cparams.n_ubatch = (uint32_t) window;
     cparams.n_threads = threads;
     cparams.n_threads_batch = threads;
+    if (flash_attn >= 0) {
+        cparams.flash_attn_type =
+            flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    }
+    if (kv_f32) {
+        cparams.type_k = GGML_TYPE_F32;
+        cparams.type_v = GGML_TYPE_F32;
+    }
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (ctx == nullptr) {
         fprintf(stderr, "unable to create a context\n");
