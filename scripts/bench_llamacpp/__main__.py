@@ -683,7 +683,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             out.append(
                 f"| {r['out']}×{r['in']} | {r['type']} | {r['weight_bytes'] / 1e3:.0f} | "
                 f"{r['batch']} | {r['threads']} | {r['median_us']:.1f} | {r['gb_s']:.1f} | "
-                f"{r['cold_median_us']:.1f} | {r['cold_gb_s']:.1f} |"
+                f"{_fmt(r.get('cold_median_us'))} | {_fmt(r.get('cold_gb_s'))} |"
             )
     return "\n".join(out)
 
