@@ -42,6 +42,7 @@ def first_answer(
     """Seconds from `meshd serve` start to its first answer, and its RSS then."""
     env = dict(os.environ)
     if tree:
+        tree = str(pathlib.Path(tree).resolve())
         env["PYTHONPATH"] = os.pathsep.join([tree, *filter(None, [env.get("PYTHONPATH")])])
     command = [
         sys.executable, "-m", "meshd.cli.main", "serve", "--model", model,
@@ -53,7 +54,10 @@ def first_answer(
     body = dict(BODY)
     t0 = time.monotonic()
     with log.open("w") as err:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        # `python -m` puts the working directory first on sys.path: run in the tree timed.
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tree or None
+        )
     try:
         while True:
             try:
