@@ -200,6 +200,7 @@ async def run_node(
         config.threads, basis.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
+    measured_at = time.perf_counter()
     compute_ns = await trio.to_thread.run_sync(
         lambda: measure_compute_ns(
             basis.timing_checkpoint or basis.checkpoint,
@@ -209,6 +210,11 @@ async def run_node(
             quantization=basis.quantization,
             kv_dtype=basis.kv_dtype,
         )
+    )
+    log.info(
+        "compute: %.2f ms per layer and token (measured in %.2f s)",
+        compute_ns / 1e6,
+        time.perf_counter() - measured_at,
     )
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with (
