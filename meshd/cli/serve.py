@@ -275,6 +275,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
+    from meshd.model.gguf_checkpoint import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
     from meshd.node.control import serve_control
@@ -293,6 +294,15 @@ async def serve(config: NodeConfig) -> None:
     else:
         basis = NodeBasis.load(config, model_dir)
     basis = with_models(config, basis, more)
+    # Every model is open: the parses of GGUF headers shared while opening them go.
+    forget_parsed()
+    log.info(
+        "model %s open (id %s, %d layers, quantization %s)",
+        basis.name or model_dir,
+        basis.shape.model_id[:16],
+        basis.checkpoint.config.num_layers,
+        basis.quantization,
+    )
     name = basis.name
     notifier = Notifier()
     started = trio.Event()

@@ -29,7 +29,13 @@ import torch
 
 from meshd.model.checkpoint import OnTensor, TensorInfo, expected_shapes
 from meshd.model.errors import CorruptCheckpoint
-from meshd.model.gguf_checkpoint import TENSOR_TYPES, GGUFCheckpoint, StoredTensor, read_gguf
+from meshd.model.gguf_checkpoint import (
+    TENSOR_TYPES,
+    GGUFCheckpoint,
+    StoredTensor,
+    parse_gguf,
+    read_gguf,
+)
 from protocol.artifacts import MANIFEST_VERSION, Artifact, ArtifactKind, Manifest
 
 if TYPE_CHECKING:
@@ -139,7 +145,9 @@ def write_skeleton(store: ModelStore) -> pathlib.Path:
         with tmp.open("wb") as out:
             out.write(header.read_bytes())
             out.truncate(header.stat().st_size + size)
-        offsets = {t.name: int(t.data_offset) for t in read_gguf(tmp).tensors}
+        # Uncached: the file changes next (tensors written in, renamed), so no later open
+        # could use this parse.
+        offsets = {t.name: int(t.data_offset) for t in parse_gguf(tmp).tensors}
         with tmp.open("r+b") as out:
             for i, artifact in enumerate(manifest.artifacts):
                 name = artifact.name.removeprefix(FILE_TENSOR_PREFIX)

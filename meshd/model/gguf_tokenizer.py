@@ -21,6 +21,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
@@ -96,9 +97,8 @@ def build_tokenizer(meta: GGUFMetadata) -> Tokenizer:
             f"{source}: tokenizer model {model!r} is not supported (supported: gpt2, llama)"
         )
     added = [
-        tokenizers.AddedToken(tok, special=t == CONTROL, normalized=False)
-        for tok, t in zip(tokens, types, strict=True)
-        if t in (CONTROL, USER_DEFINED)
+        tokenizers.AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
+        for i in np.flatnonzero(np.isin(np.asarray(types), (CONTROL, USER_DEFINED))).tolist()
     ]
     backend.add_special_tokens([a for a in added if a.special])
     backend.add_tokens([a for a in added if not a.special])
@@ -132,12 +132,11 @@ def _byte_level_bpe(meta: GGUFMetadata, tokens: list[str]) -> tokenizers.Tokeniz
         )
     regex, ignore_merges = _PRE_TOKENIZERS[pre]
     raw_merges = meta.value("tokenizer.ggml.merges") or []
-    merges: list[tuple[str, str]] = []
-    for merge in raw_merges:
-        left, sep, right = str(merge).partition(" ")
+    split = [str(merge).partition(" ") for merge in raw_merges]
+    for (_, sep, _), merge in zip(split, raw_merges, strict=True):
         if not sep:
             raise TokenizerError(f"{source}: BPE merge {merge!r} is not two tokens")
-        merges.append((left, right))
+    merges = [(left, right) for left, _, right in split]
     vocab = _vocab(tokens)
     backend = tokenizers.Tokenizer(
         tokenizers.models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
@@ -212,10 +211,9 @@ def sentencepiece_merges(
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # a duplicate text keeps its first id, as in llama.cpp
-    return vocab
+    # A duplicate text keeps its first id, as in llama.cpp: built from the last id down, the
+    # first id is written last.
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
 
 
 def _post_processor(

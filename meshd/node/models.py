@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -103,14 +104,35 @@ class ModelFiles:
     ) -> ModelFiles:
         """Open the checkpoint and tokenizer (ModelError); the node's formats apply."""
         checkpoint = open_checkpoint(model_dir)
+        tokenizer, shape = tokenizer_and_shape(
+            checkpoint, model_dir, dtype, quantization, kv_dtype, device
+        )
         return cls(
             name=display_name(model),
             model_dir=model_dir,
             checkpoint=checkpoint,
-            tokenizer=open_tokenizer(model_dir),
-            shape=model_shape(checkpoint, dtype, quantization, kv_dtype, device),
+            tokenizer=tokenizer,
+            shape=shape,
             context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
         )
+
+
+def tokenizer_and_shape(
+    checkpoint: Checkpoint,
+    model_dir: str,
+    dtype: torch.dtype,
+    quantization: str,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tokenizer, ModelShape]:
+    """(blocking) The model's tokenizer and `model_shape`, side by side: the shape's model id
+    hashes every tensor on a first start, which hashlib does without the GIL, so it runs in a
+    thread while this one builds the tokenizer (seconds each for a 150k-token vocabulary and a
+    1 GB file; docs/benchmarks.md, "Start-up")."""
+    with ThreadPoolExecutor(1, thread_name_prefix="model-id") as pool:
+        shape = pool.submit(model_shape, checkpoint, dtype, quantization, kv_dtype, device)
+        tokenizer = open_tokenizer(model_dir)
+        return tokenizer, shape.result()
 
 
 def full_model_bytes(shape: ModelShape, context_tokens: int) -> int:

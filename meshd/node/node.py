@@ -30,7 +30,7 @@ from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import device_memory_bytes, pick_device
-from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.files import open_checkpoint
 from meshd.model.threads import configure_threads
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.bulk import BulkGate
@@ -52,8 +52,14 @@ from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
-from meshd.node.models import ModelFiles, ModelSet, full_model_bytes, split_budget
-from meshd.node.planning import assignment, lane_route, model_shape, plan_view
+from meshd.node.models import (
+    ModelFiles,
+    ModelSet,
+    full_model_bytes,
+    split_budget,
+    tokenizer_and_shape,
+)
+from meshd.node.planning import assignment, lane_route, plan_view
 from meshd.node.prefetch import TakeoverCache
 from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
 from meshd.plan import ModelShape, NoFeasiblePlan, Plan
@@ -156,17 +162,20 @@ class NodeBasis:
         if quantization == "gguf" and device.type != "cpu" and config.quantization == "auto":
             # The block kernels run on CPUs; elsewhere a GGUF file is converted at load.
             quantization = "int8"
+        tokenizer, shape = tokenizer_and_shape(
+            checkpoint, model_dir, dtype, quantization, kv_dtype, device
+        )
         return cls(
             identity=identity,
             psk=psk,
             model_dir=model_dir,
             checkpoint=checkpoint,
-            tokenizer=open_tokenizer(model_dir),
+            tokenizer=tokenizer,
             device=device,
             dtype=dtype,
             kv_dtype=kv_dtype,
             quantization=quantization,
-            shape=model_shape(checkpoint, dtype, quantization, kv_dtype, device),
+            shape=shape,
             context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
             draft=(
                 DraftModel.load(config.spec.draft_model, quantization=quantization)
@@ -191,6 +200,7 @@ async def run_node(
         config.threads, basis.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
+    measured_at = time.perf_counter()
     compute_ns = await trio.to_thread.run_sync(
         lambda: measure_compute_ns(
             basis.timing_checkpoint or basis.checkpoint,
@@ -200,6 +210,11 @@ async def run_node(
             quantization=basis.quantization,
             kv_dtype=basis.kv_dtype,
         )
+    )
+    log.info(
+        "compute: %.2f ms per layer and token (measured in %.2f s)",
+        compute_ns / 1e6,
+        time.perf_counter() - measured_at,
     )
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with (

@@ -88,7 +88,8 @@ def write_gguf(
     Every 2-D weight gets `tensor_type`, unless `types` names another for its GGUF name;
     1-D tensors stay F32 as in the converter. `sliding_window` writes Mistral's window as
     `llama.attention.sliding_window` (llama.cpp's converter drops it). `metadata` adds or
-    overrides keys (value, or (value, GGUFValueType)); `arch` overrides the architecture.
+    overrides keys (value, or (value, GGUFValueType[, array item type])); `arch` overrides the
+    architecture.
     `split_max_tensors` splits the file into shards as `llama-gguf-split` does
     (`dest` stem + `-00001-of-0000N.gguf`; the first shard's path is returned).
     """
@@ -125,7 +126,7 @@ def write_gguf(
     _add_vocab(writer, src, config, pre)
     for key, value in (metadata or {}).items():
         if isinstance(value, tuple):
-            writer.add_key_value(key, value[0], value[1])
+            writer.add_key_value(key, *value)
         elif isinstance(value, str):
             writer.add_string(key, value)
         else:
