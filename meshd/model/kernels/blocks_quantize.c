@@ -128,6 +128,12 @@ static inline uint16_t fp32_to_bf16(float f) {
     return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
 }
 
+/* roundf (half away from zero), in operations the compiler vectorizes: v - truncf(v) is exact. */
+static inline float round_half_away(float v) {
+    const float t = truncf(v);
+    return fabsf(v - t) >= 0.5f ? t + copysignf(1.0f, v) : t;
+}
+
 /* ---- blocks of 32 ---------------------------------------------------------------------------- */
 
 static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
@@ -138,7 +144,7 @@ static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
         const float d = amax / ((1 << 7) - 1);
         const float id = d ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
-        for (int j = 0; j < QK; ++j) y[i].qs[j] = (int8_t)roundf(x[i * QK + j] * id);
+        for (int j = 0; j < QK; ++j) y[i].qs[j] = (int8_t)round_half_away(x[i * QK + j] * id);
     }
 }
 
@@ -319,10 +325,18 @@ static float make_qx_quants(int n, int nmax, const float *x, int8_t *L, int rmse
 
 /* Scale and minimum of x ≈ scale * L - min (L in 0..nmax) minimising the weighted error: the
  * min-max start, then nstep + 1 least-squares fits on grids stretched by rmin + rdelta * is
- * (ggml's make_qkx2_quants, what Q4_K and Q5_K use). */
+ * (ggml's make_qkx2_quants, what Q4_K and Q5_K use; n <= 32).
+ *
+ * ggml tries the candidates one after another, and a candidate that wins moves the minimum the
+ * later ones are computed from. Here the candidates from `first` on are computed together (each
+ * lane of the inner loops is one candidate, its sums accumulated over i in ggml's order, so every
+ * sum has ggml's bits); they are then taken in ggml's order, and after a winner that moved the
+ * minimum the rest are computed again from the new one. The result is ggml's, in a fraction of
+ * its time (the search is most of a K-quant model's load). */
+#define NCAND 24 /* candidates computed together: nstep + 1 <= 21 in ggml's callers */
+
 static float make_qkx2_quants(int n, int nmax, const float *x, const float *weights, uint8_t *L,
-                              float *the_min, uint8_t *Laux, float rmin, float rdelta, int nstep,
-                              int use_mad) {
+                              float *the_min, float rmin, float rdelta, int nstep) {
     float min = x[0], max = x[0];
     float sum_w = weights[0];
     float sum_x = sum_w * x[0];
@@ -346,46 +360,70 @@ static float make_qkx2_quants(int n, int nmax, const float *x, const float *weig
         int l = nearest_int(iscale * (x[i] - min));
         L[i] = (uint8_t)MAX(0, MIN(nmax, l));
         float diff = scale * L[i] + min - x[i];
-        diff = use_mad ? fabsf(diff) : diff * diff;
-        best_error += weights[i] * diff;
+        best_error += weights[i] * (diff * diff);
     }
     if (nstep < 1) {
         *the_min = -min;
         return scale;
     }
-    for (int is = 0; is <= nstep; ++is) {
-        iscale = (rmin + rdelta * is + nmax) / (max - min);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+    const int ns = MIN(nstep + 1, NCAND);
+    float isc[NCAND], sl[NCAND], sl2[NCAND], sxl[NCAND], dd[NCAND], ts[NCAND], tm[NCAND];
+    float err[NCAND];
+    float laux[32][NCAND]; /* the codes as floats (small integers: exact) */
+    int first = 0;
+    while (first < ns) {
+        const float range = max - min;
+        const int m = ns - first;
+        for (int c = 0; c < m; ++c) {
+            isc[c] = (rmin + rdelta * (first + c) + nmax) / range;
+            sl[c] = sl2[c] = sxl[c] = 0;
+        }
         for (int i = 0; i < n; ++i) {
-            int l = nearest_int(iscale * (x[i] - min));
-            l = MAX(0, MIN(nmax, l));
-            Laux[i] = (uint8_t)l;
-            float w = weights[i];
-            sum_l += w * l;
-            sum_l2 += w * l * l;
-            sum_xl += w * l * x[i];
-        }
-        float D = sum_w * sum_l2 - sum_l * sum_l;
-        if (D > 0) {
-            float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-            float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-            if (this_min > 0) {
-                this_min = 0;
-                this_scale = sum_xl / sum_l2;
-            }
-            float cur_error = 0;
-            for (int i = 0; i < n; ++i) {
-                float diff = this_scale * Laux[i] + this_min - x[i];
-                diff = use_mad ? fabsf(diff) : diff * diff;
-                cur_error += weights[i] * diff;
-            }
-            if (cur_error < best_error) {
-                for (int i = 0; i < n; ++i) L[i] = Laux[i];
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
+            const float xm = x[i] - min, w = weights[i], xi = x[i];
+            float *lc = laux[i];
+            for (int c = 0; c < m; ++c) {
+                /* nearest_int and the clamp, written out so the compiler vectorizes the loop */
+                float v = isc[c] * xm + 12582912.f;
+                int l;
+                memcpy(&l, &v, 4);
+                l = (l & 0x007fffff) - 0x00400000;
+                l = l < 0 ? 0 : l;
+                l = l > nmax ? nmax : l;
+                const float lf = (float)l;
+                lc[c] = lf;
+                sl[c] += w * lf;
+                sl2[c] += w * lf * lf;
+                sxl[c] += w * lf * xi;
             }
         }
+        for (int c = 0; c < m; ++c) {
+            dd[c] = sum_w * sl2[c] - sl[c] * sl[c];
+            float this_scale = (sum_w * sxl[c] - sum_x * sl[c]) / dd[c];
+            float this_min = (sl2[c] * sum_x - sl[c] * sxl[c]) / dd[c];
+            ts[c] = this_min > 0 ? sxl[c] / sl2[c] : this_scale;
+            tm[c] = this_min > 0 ? 0 : this_min;
+            err[c] = 0;
+        }
+        for (int i = 0; i < n; ++i) {
+            const float w = weights[i], xi = x[i];
+            const float *lc = laux[i];
+            for (int c = 0; c < m; ++c) {
+                float diff = ts[c] * lc[c] + tm[c] - xi;
+                err[c] += w * (diff * diff);
+            }
+        }
+        int moved = 0;
+        for (int c = 0; c < m && !moved; ++c) {
+            if (dd[c] > 0 && err[c] < best_error) {
+                for (int i = 0; i < n; ++i) L[i] = (uint8_t)laux[i][c];
+                best_error = err[c];
+                scale = ts[c];
+                moved = tm[c] != min;
+                min = tm[c];
+                if (moved) first += c + 1;
+            }
+        }
+        if (!moved) break;
     }
     *the_min = -min;
     return scale;
@@ -405,7 +443,6 @@ static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t
  * packing of the codes; `L` receives the 256 codes of the super-block. */
 static void k_scales(const float *x, int nmax, float rmin, int nstep, half *d_out, half *dmin_out,
                      uint8_t scales_out[12], uint8_t L[QK_K]) {
-    uint8_t Laux[32];
     float weights[32];
     float mins[QK_K / 32];
     float scales[QK_K / 32];
@@ -415,8 +452,8 @@ static void k_scales(const float *x, int nmax, float rmin, int nstep, half *d_ou
         for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
         float av_x = sqrtf(sum_x2 / 32);
         for (int l = 0; l < 32; ++l) weights[l] = av_x + fabsf(x[32 * j + l]);
-        scales[j] = make_qkx2_quants(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], Laux,
-                                     rmin, 0.1f, nstep, 0);
+        scales[j] = make_qkx2_quants(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], rmin,
+                                     0.1f, nstep);
         if (scales[j] > max_scale) max_scale = scales[j];
         if (mins[j] > max_min) max_min = mins[j];
     }
