@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
+from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels import cpu_kernels
@@ -217,6 +218,15 @@ def test_the_planner_counts_the_bytes_each_stage_holds(quantization: str) -> Non
         planned += shape.head_bytes if end == n else 0
         planned -= shape.shared_bytes if (start, end) == (0, n) else 0
         assert stage.weight_bytes == planned, (start, end)
+
+
+def test_two_block_stages_decode_the_tokens_of_one() -> None:
+    # Each stage quantizes its own layers exactly as the unsplit model does; the tied table is
+    # held by both ends (lookups first, head last).
+    checkpoint = open_checkpoint(builtin_model_dir())
+    one = load(checkpoint, "q4_k")
+    first, second = load(checkpoint, "q4_k", 0, 3), load(checkpoint, "q4_k", 3, 0)
+    assert generate([first, second], PROMPT, 12).tokens == generate([one], PROMPT, 12).tokens
 
 
 def test_a_block_quantization_runs_on_cpu_stages_only(tmp_path: pathlib.Path) -> None:
