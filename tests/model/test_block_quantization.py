@@ -173,18 +173,27 @@ def test_a_block_stage_is_the_gguf_file_of_its_bytes(
     assert torch.equal(ours, logits(stored, PROMPT))
 
 
-def test_the_builtin_model_at_q4_k_holds_k_quants_and_answers_like_fp32(
-    tmp_path: pathlib.Path,
+@pytest.mark.parametrize(
+    ("quantization", "held"),
+    [
+        # 256-wide rows in the K-quant, the 704-wide down rows in llama-quantize's fallback,
+        # the tied head/embedding in Q6_K.
+        ("q4_k", {"Q4_K", "Q5_0", "Q6_K"}),
+        ("q5_k", {"Q5_K", "Q5_1", "Q6_K"}),
+        ("q6_k", {"Q6_K", "Q8_0"}),
+    ],
+)
+def test_the_builtin_model_at_a_k_quant_holds_its_types_and_answers_like_fp32(
+    tmp_path: pathlib.Path, quantization: str, held: set[str]
 ) -> None:
     checkpoint = open_checkpoint(builtin_model_dir())
-    stage = load(checkpoint, "q4_k")
+    stage = load(checkpoint, quantization)
     types = {t.name for m in stage.weight_matrices() if isinstance(m, GgufMatrix) for t in m.types}
-    # 256-wide rows in Q4_K, the 704-wide down rows in Q5_0, the tied head/embedding in Q6_K.
-    assert types == {"Q4_K", "Q5_0", "Q6_K"}
+    assert types == held
     ours, exact = logits(stage, PROMPT), logits(load(checkpoint, "none"), PROMPT)
     assert float(F.cosine_similarity(ours, exact, dim=-1).min()) > 0.995
-    stored = load(same_bytes_as_gguf(builtin_model_dir(), tmp_path / "b.gguf", "q4_k"), "gguf")
-    assert torch.equal(ours, logits(stored, PROMPT))
+    path = same_bytes_as_gguf(builtin_model_dir(), tmp_path / "b.gguf", quantization)
+    assert torch.equal(ours, logits(load(path, "gguf"), PROMPT))
 
 
 @pytest.mark.parametrize("fused", [True, False])
