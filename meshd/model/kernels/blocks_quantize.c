@@ -128,12 +128,6 @@ static inline uint16_t fp32_to_bf16(float f) {
     return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
 }
 
-/* roundf (half away from zero), in operations the compiler vectorizes: v - truncf(v) is exact. */
-static inline float round_half_away(float v) {
-    const float t = truncf(v);
-    return fabsf(v - t) >= 0.5f ? t + copysignf(1.0f, v) : t;
-}
-
 /* ---- blocks of 32 ---------------------------------------------------------------------------- */
 
 static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
@@ -144,7 +138,7 @@ static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
         const float d = amax / ((1 << 7) - 1);
         const float id = d ? 1.0f / d : 0.0f;
         y[i].d = fp32_to_fp16(d);
-        for (int j = 0; j < QK; ++j) y[i].qs[j] = (int8_t)round_half_away(x[i * QK + j] * id);
+        for (int j = 0; j < QK; ++j) y[i].qs[j] = (int8_t)roundf(x[i * QK + j] * id);
     }
 }
 
@@ -332,7 +326,7 @@ static float make_qx_quants(int n, int nmax, const float *x, int8_t *L, int rmse
  * lane of the inner loops is one candidate, its sums accumulated over i in ggml's order, so every
  * sum has ggml's bits); they are then taken in ggml's order, and after a winner that moved the
  * minimum the rest are computed again from the new one. The result is ggml's, in a fraction of
- * its time (the search is most of a K-quant model's load: ~2.5x faster than ggml's loop). */
+ * its time (the search is most of a K-quant model's load: about 2x faster than ggml's loop). */
 #define NCAND 24 /* candidates computed together: nstep + 1 <= 21 in ggml's callers */
 
 static float make_qkx2_quants(int n, int nmax, const float *x, const float *weights, uint8_t *L,
