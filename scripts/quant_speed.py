@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Decode speed of none / int8 / int4 stages at 1 and 2 threads, side by side in one process.
+"""Decode speed of quantized stages at 1 and 2 threads, side by side in one process.
 
     python scripts/quant_speed.py --model DIR --tokens 64 --rounds 3
+    python scripts/quant_speed.py --model DIR --quantizations none int8 q8_0 int4 q4_0 q4_k
     python scripts/quant_speed.py --random-config large     # writes the 246M checkpoint first
 
 Every (quantization, threads) cell decodes the same greedy tokens once per round, cells in a
@@ -33,12 +34,17 @@ from meshd.model.stage import StageModel
 from meshd.model.threads import useful_threads
 
 
-def measure(directory: pathlib.Path, tokens: int, rounds: int, threads: list[int]) -> dict:
+def measure(
+    directory: pathlib.Path,
+    tokens: int,
+    rounds: int,
+    threads: list[int],
+    quantizations: tuple[str, ...] = ("none", "int8", "int4"),
+) -> dict:
     checkpoint = Checkpoint.open(directory)
     n = checkpoint.config.num_layers
     stages = {
-        q: StageModel.load(checkpoint, 0, n, device="cpu", quantization=q)
-        for q in ("none", "int8", "int4")
+        q: StageModel.load(checkpoint, 0, n, device="cpu", quantization=q) for q in quantizations
     }
     prompt = list(range(5, 17))
     cells = [(q, t) for q in stages for t in threads]
@@ -54,7 +60,7 @@ def measure(directory: pathlib.Path, tokens: int, rounds: int, threads: list[int
             generate([stages[q]], prompt, tokens)
             rates[(q, t)].append(tokens / (time.perf_counter() - started))
             print(f"round {r}: {q} x {t} threads {rates[(q, t)][-1]:.2f} tok/s", file=sys.stderr)
-    base = statistics.median(rates[("none", threads[0])])
+    base = statistics.median(rates[(quantizations[0], threads[0])])
     return {
         "model": str(directory),
         "tokens": tokens,
@@ -67,7 +73,9 @@ def measure(directory: pathlib.Path, tokens: int, rounds: int, threads: list[int
                 "threads_used": used[(q, t)],
                 "tok_s": round(statistics.median(rates[(q, t)]), 2),
                 "runs": [round(x, 2) for x in rates[(q, t)]],
-                "vs_fp32_1_thread": round(statistics.median(rates[(q, t)]) / base, 2),
+                f"vs_{quantizations[0]}_{threads[0]}_thread": round(
+                    statistics.median(rates[(q, t)]) / base, 2
+                ),
             }
             for q, t in cells
         ],
@@ -82,13 +90,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument(
+        "--quantizations", nargs="+", default=["none", "int8", "int4"], help="the first is the base"
+    )
     args = parser.parse_args()
+    quantizations = tuple(args.quantizations)
     if args.model is not None:
-        report = measure(args.model, args.tokens, args.rounds, args.threads)
+        report = measure(args.model, args.tokens, args.rounds, args.threads, quantizations)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             write_random_checkpoint(pathlib.Path(tmp), args.random_config)
-            report = measure(pathlib.Path(tmp), args.tokens, args.rounds, args.threads)
+            report = measure(
+                pathlib.Path(tmp), args.tokens, args.rounds, args.threads, quantizations
+            )
     print(json.dumps(report, indent=1))
     return 0
 

@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 MODEL_HELP = "checkpoint dir or .gguf (default: built-in)"
-QUANTIZATIONS = ("none", "int8", "int4")
+# What a bench quantizes a checkpoint to at load (`meshd.model.quant.QUANTIZATIONS` but gguf).
+QUANTIZATIONS = ("none", "int8", "int4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 
 
 def add_model_option(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
@@ -27,7 +28,7 @@ def add_model_option(parser: argparse.ArgumentParser, help: str = MODEL_HELP) ->
 
 
 def add_quantization_option(parser: argparse.ArgumentParser) -> None:
-    """`--quantization`: the stage weight format (none, int8, int4)."""
+    """`--quantization`: the stage weight format (none, int8, int4, or a ggml block format)."""
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,

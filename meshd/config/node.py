@@ -47,8 +47,11 @@ MAX_SECRET_FILE_BYTES = 4096
 MAX_UNIX_SOCKET_PATH_BYTES = 107
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # "auto": the checkpoint's own (`Checkpoint.default_quantization`: "none" for safetensors,
-# "gguf" for GGUF files: their tensors as stored, on CPU stages).
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "gguf")
+# "gguf" for GGUF files: their tensors as stored, on CPU stages). q8_0 ... q6_k quantize a
+# checkpoint at load into ggml's block formats (`meshd.model.quant.BLOCK_QUANTIZATIONS`).
+QUANTIZATIONS: tuple[str, ...] = (
+    "auto", "none", "int8", "int4", "gguf", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
+)  # fmt: skip
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")

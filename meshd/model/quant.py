@@ -41,8 +41,10 @@ from meshd.model.kernels import (
 )
 
 # "gguf": a GGUF file's tensors as stored, each multiplied by its block format's kernel
-# (`meshd.model.gguf_matrix`); GGUF files only.
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "gguf")
+# (`meshd.model.gguf_matrix`); GGUF files only. The block quantizations (`BLOCK_QUANTIZATIONS`)
+# quantize a checkpoint at load into the same ggml block formats and kernels.
+BLOCK_QUANTIZATIONS: tuple[str, ...] = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "gguf", *BLOCK_QUANTIZATIONS)
 # Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
 INT4_GROUPS: tuple[int, ...] = (64, 32)
 # fbgemm's fp32 scale, int32 zero point and int32 column offset, plus our fp32 column sum.
@@ -155,8 +157,8 @@ def row_exact(quantization: str, device: torch.device) -> bool:
     product, and not known for the CUDA or ARM kernels."""
     if device.type != "cpu":
         return False
-    if quantization == "gguf":  # every block kernel computes each row on its own
-        return True
+    if quantization == "gguf" or quantization in BLOCK_QUANTIZATIONS:
+        return True  # every block kernel computes each row on its own
     if quantization == "int8":
         return cpu_kernels() is not None or has_fbgemm()
     return quantization == "int4" and has_fbgemm()
@@ -602,6 +604,8 @@ def matrix_bytes(
         raise ValueError("a gguf matrix holds its tensors' bytes in the file: ask the checkpoint")
     if quantization == "none":
         return in_features * out_features * _itemsize(dtype)
+    if quantization in BLOCK_QUANTIZATIONS:
+        return out_features * block_row_bytes(block_type(quantization, in_features), in_features)
     if quantization == "int4":
         group = int4_group(in_features)
         if device_type == "cpu" and group is not None and cpu_kernels() is not None:
@@ -639,7 +643,8 @@ class QuantEmbedding:
 
 
 def embedding_bytes(vocab: int, hidden: int, quantization: str, dtype: torch.dtype) -> int:
-    """Bytes of an embedding table at `quantization` (`QuantEmbedding` when quantized)."""
+    """Bytes of an embedding table at `quantization` (`QuantEmbedding` when int8/int4; block
+    quantizations: `block_table_bytes`)."""
     if quantization == "none":
         return vocab * hidden * _itemsize(dtype)
     return vocab * hidden + 4 * vocab
@@ -652,3 +657,58 @@ def head_quantization(quantization: str) -> str:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
+
+
+# --- ggml block formats, quantized at load ------------------------------------------------
+#
+# A checkpoint at a block quantization holds what llama-quantize would write for the same
+# choice (llama_tensor_get_type, without an importance matrix), so the stage is the GGUF file
+# that tool makes, run by the same kernels as a GGUF file run as stored:
+# - matrices: the named type; a row width that K-quant super-blocks (256) do not divide takes
+#   llama-quantize's fallback (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), and a width that
+#   blocks of 32 do not divide takes F16;
+# - the head (output.weight): Q6_K for every type but q8_0 (Q8_0), as llama-quantize keeps it;
+# - the embedding: the matrices' type, except that a tied embedding is the head (one tensor, as
+#   llama-quantize gives token_embd the head's type when the file has no output.weight).
+# Unlike a Q4_K_M file, q4_k does not move some layers' v and down matrices to Q6_K: every layer
+# holds the same bytes, so the planner's per-layer figure is exact.
+
+_BLOCK_TYPE = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# (elements, bytes) of one block (ggml's type traits).
+_BLOCK_SIZE = {
+    "F32": (1, 4), "F16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
+    "Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}  # fmt: skip
+
+
+def _fits(name: str, in_features: int) -> str:
+    """`name`, or the type llama-quantize falls back to where its blocks do not divide a row."""
+    if name in _K_FALLBACK and in_features % 256:
+        name = _K_FALLBACK[name]
+    return name if in_features % _BLOCK_SIZE[name][0] == 0 else "F16"
+
+
+def block_type(quantization: str, in_features: int, role: str = "matrix") -> str:
+    """The ggml type (its name) a matrix with rows of `in_features` takes at block quantization
+    `quantization`: `role` "matrix" (a layer's), "head", or "embedding" (an untied table)."""
+    name = _BLOCK_TYPE[quantization]
+    if role == "head" and quantization != "q8_0":
+        name = "Q6_K"
+    return _fits(name, in_features)
+
+
+def block_row_bytes(type_name: str, in_features: int) -> int:
+    """Bytes of one row of `in_features` elements in ggml type `type_name`."""
+    elements, nbytes = _BLOCK_SIZE[type_name]
+    return in_features // elements * nbytes
+
+
+def block_table_bytes(vocab: int, hidden: int, quantization: str, tied: bool) -> tuple[int, int]:
+    """(embedding table, untied head) bytes at a block quantization; a tied head is the table."""
+    head = vocab * block_row_bytes(block_type(quantization, hidden, "head"), hidden)
+    if tied:
+        return head, 0
+    table = vocab * block_row_bytes(block_type(quantization, hidden, "embedding"), hidden)
+    return table, head

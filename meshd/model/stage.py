@@ -8,6 +8,7 @@ stages computes exactly what the unsplit model computes.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from meshd.model.checkpoint import Checkpoint, OnTensor
 from meshd.model.config import ModelConfig
@@ -25,7 +27,12 @@ from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix
 from meshd.model.governor import ThreadGovernor
 from meshd.model.kernels import MatrixArgs
-from meshd.model.kernels.blocks import BlockMatrix, UnsupportedTensorType, supported_types
+from meshd.model.kernels.blocks import (
+    BlockMatrix,
+    UnsupportedTensorType,
+    quantize_rows,
+    supported_types,
+)
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     ROW_ATTENTION_MAX,
@@ -47,8 +54,11 @@ from meshd.model.llama import (
 )
 from meshd.model.mtp import MtpWeights, mtp_hidden, mtp_shapes
 from meshd.model.quant import (
+    BLOCK_QUANTIZATIONS,
     Matrix,
     QuantEmbedding,
+    block_table_bytes,
+    block_type,
     check_quantization,
     embedding_bytes,
     head_quantization,
@@ -126,8 +136,9 @@ def stage_weight_bytes(
     """Bytes the stage `[layer_start, layer_end)` holds once loaded: `StageModel.weight_bytes`.
 
     Layers, plus the embedding on the first stage and the final norm, head and MTP depths on
-    the last (`StageModel` says which stage holds what). Quantized stages keep the embedding as
-    int8 rows and quantize the head (int8 for int4 stages too).
+    the last (`StageModel` says which stage holds what). int8/int4 stages keep the embedding as
+    int8 rows and quantize the head (int8 for int4 stages too); block quantizations hold both in
+    ggml block formats (`quant.block_type`), a tied head and the embedding as one table.
     """
     check_quantization(quantization)
     device_type = torch.device(device).type
@@ -142,6 +153,12 @@ def stage_weight_bytes(
             total += vocab * h * item
         if is_last and not tied:
             total += vocab * h * item
+    elif quantization in BLOCK_QUANTIZATIONS:
+        # The table is held where tokens are looked up, and on the last stage as a tied head.
+        table, head = block_table_bytes(vocab, h, quantization, config.tie_word_embeddings)
+        if is_first or n_mtp > 0 or (is_last and config.tie_word_embeddings):
+            total += table
+        total += head if is_last else 0
     else:
         if is_first or n_mtp > 0:
             total += embedding_bytes(vocab, h, quantization, dtype)
@@ -235,7 +252,9 @@ class StageModel:
         """Materialise only this stage's weights on `device` (auto-picked when None).
 
         `quantization` "int8" or "int4" quantizes the matrices as each layer loads (the
-        checkpoint's own precision is read one layer at a time); "none" keeps `dtype`.
+        checkpoint's own precision is read one layer at a time); "q8_0", "q4_0", "q4_k", "q5_k"
+        and "q6_k" quantize them into ggml's block formats (CPU stages), run by the kernels of a
+        GGUF file's tensors; "gguf" runs a GGUF file's tensors as stored; "none" keeps `dtype`.
         `kv_dtype` is the KV cache's element type (default: `dtype`; float16 or bfloat16 halve
         an fp32 stage's KV bytes). `progress(done_bytes, total_bytes)` is called after each
         tensor is read, from the loading thread; None (the default) costs nothing.
@@ -272,6 +291,8 @@ class StageModel:
         """How a checkpoint matrix `[out, in]` becomes an operand at `quantization`."""
         if quantization == "none":
             return linear_weight
+        if quantization in BLOCK_QUANTIZATIONS:
+            return functools.partial(_block_matrix, quantization=quantization, role="matrix")
 
         def quantize(w: torch.Tensor) -> Matrix:
             return quantize_matrix(w, quantization, self.device, self.dtype)
@@ -298,6 +319,12 @@ class StageModel:
         if self.quantization == "gguf":
             self._load_stored(checkpoint)
             return
+        blocks = self.quantization in BLOCK_QUANTIZATIONS
+        if blocks and self.device.type != "cpu":
+            raise ValueError(
+                f"quantization {self.quantization} runs on CPU stages only (ggml's block "
+                f"kernels); this stage is on {self.device}"
+            )
         config = self.config
         exact = row_exact(self.quantization, self.device)
         self._dims = Dims.of(config, self.device, exact_windows=exact)
@@ -330,25 +357,32 @@ class StageModel:
         self._kernel_head: MatrixArgs | None = None
         self.mtp: list[MtpWeights] = []
         quantized = self.quantization != "none"
-        if quantized and embed is not None:
+        if blocks:
+            self._block_table_and_head(checkpoint, embed, n_mtp)
+            embed = None
+        elif quantized and embed is not None:
             # int8 rows, looked up where this stage takes tokens (first stage, MTP).
             lookups = self.is_first or n_mtp > 0
             self._embed = QuantEmbedding(embed, self.device) if lookups else None
         if not self.is_last:
             return
         self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
-        head = embed if tied else self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
-        assert head is not None
-        if quantized:
-            self._head = self._matrix(head_quantization(self.quantization))(head)
-        elif tied:
-            # One tensor serves both: the head in its matmul layout, lookups reading its columns
-            # (a lookup touches T rows; the head streams the whole matrix every token).
-            self._head = linear_weight(head)
-            self._embed = self._head.t()
-        else:
-            self._head = linear_weight(head)
-        del embed, head
+        if not blocks:  # (a block quantization's head is built with its table)
+            head = embed if tied else self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
+            assert head is not None
+            if quantized:
+                self._head = self._matrix(head_quantization(self.quantization))(head)
+            elif tied:
+                # One tensor serves both: the head in its matmul layout, lookups reading its
+                # columns (a lookup touches T rows; the head streams the whole matrix every
+                # token).
+                self._head = linear_weight(head)
+                self._embed = self._head.t()
+            else:
+                self._head = linear_weight(head)
+            del head
+        del embed
+        assert self._head is not None
         if self._kernel_layers is not None:
             args = kernel_matrix(self._head)
             if args is not None and args.kind in (32, 33):  # quantized heads are row-exact
@@ -360,6 +394,34 @@ class StageModel:
             )
             for k in range(n_mtp)
         ]
+
+    def _block_table_and_head(
+        self, checkpoint: Checkpoint, embed: torch.Tensor | None, n_mtp: int
+    ) -> None:
+        """A block quantization's embedding and head, as a GGUF file at that type holds them
+        (`quant.block_type`): a tied head is the table itself, quantized as the head."""
+        table = None
+        if embed is not None:
+            role = "head" if self.config.tie_word_embeddings else "embedding"
+            table = _block_matrix(embed, self.quantization, role).parts[0]
+
+        def untied_head() -> BlockMatrix:
+            head = self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
+            return _block_matrix(head, self.quantization, "head").parts[0]
+
+        self._blocks_table_and_head(table, untied_head, self.is_first or n_mtp > 0)
+
+    def _blocks_table_and_head(
+        self, table: BlockMatrix | None, untied_head: Callable[[], BlockMatrix], lookups: bool
+    ) -> None:
+        """The embedding (where this stage looks tokens up) and the head (last stage) of a stage
+        of ggml blocks, whether a GGUF file's or quantized at load: a tied head multiplies the
+        embedding table's own bytes (counted once, `weight_bytes`)."""
+        self._embed = GgufEmbedding(table) if table is not None and lookups else None
+        self._head = None
+        if self.is_last:
+            tied = self.config.tie_word_embeddings
+            self._head = GgufMatrix([table if tied and table is not None else untied_head()])
 
     def _load_stored(self, checkpoint: Checkpoint) -> None:
         """Quantization `gguf`: every matrix and the embedding as the GGUF file stores them
@@ -422,12 +484,10 @@ class StageModel:
         table = (
             block("model.embed_tokens.weight") if self.is_first or (self.is_last and tied) else None
         )
-        self._embed = GgufEmbedding(table) if table is not None and self.is_first else None
-        self._norm, self._head = None, None
+        self._blocks_table_and_head(table, lambda: block("lm_head.weight"), self.is_first)
+        self._norm = None
         if self.is_last:
             self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
-            head = table if tied and table is not None else block("lm_head.weight")
-            self._head = GgufMatrix([head])
         self.bytes_per_layer = max((layer.nbytes() for layer in self.layers), default=0)
 
     @property
@@ -681,6 +741,15 @@ class StageModel:
         if not hidden.is_floating_point():
             raise InvalidInput(f"hidden states must be floating point, got {hidden.dtype}")
         return hidden.to(device=self.device, dtype=self.dtype)
+
+
+def _block_matrix(w: torch.Tensor, quantization: str, role: str) -> GgufMatrix:
+    """Checkpoint matrix `w` `[out, in]` quantized into the ggml block type `quantization` gives
+    it in `role` (`quant.block_type`): one tensor's bytes, as a GGUF file of that type holds."""
+    out_features, in_features = w.shape
+    qtype = GGMLQuantizationType[block_type(quantization, in_features, role)]
+    data = quantize_rows(w, qtype)
+    return GgufMatrix([BlockMatrix(data, qtype, in_features, out_features)])
 
 
 def _progress_counter(

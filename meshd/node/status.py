@@ -78,7 +78,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     name: str
     model_id: str
-    quantization: str  # how this node holds the weights ("none", "int8", "int4")
+    quantization: str  # how this node holds the weights ("none", "int8", "q4_k", ...)
     kv_dtype: str  # the KV cache's element type
     threads: int  # torch threads this node computes with
     disabled: bool

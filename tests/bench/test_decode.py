@@ -85,6 +85,7 @@ def test_a_quantized_gguf_file_is_benched_at_its_own_quantization(
     args = ["bench", "decode", "--model", str(model), "--json", "--tokens", "4", "--rounds", "1"]
     assert main([*args, "--no-transformers"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["quantization"] == "int8"  # never dequantized to fp32 behind the user's back
-    # Where meshd's kernels run, an int8 stage with an fp32 cache runs its layers in one call.
+    # As stored, never dequantized to fp32 behind the user's back.
+    assert report["quantization"] == "gguf"
+    # Where meshd's kernels run, a gguf stage with an fp32 cache runs its layers in one call.
     assert report["layer_kernel"] == ("meshd layers" if unavailable_reason() is None else None)

@@ -237,7 +237,7 @@ def test_bad_values_name_the_key_and_where_it_was_set(tmp_path: Path, env: dict[
         ({"spec.window_max_tokens": 100}, "spec.window_max_tokens", r"0\.\.64"),
         ({"device": "gpu"}, "device", "cuda:N"),
         ({"dtype": "int4"}, "dtype", "bfloat16"),
-        ({"quantization": "q4_0"}, "quantization", "auto, none, int8, int4"),
+        ({"quantization": "q3_k"}, "quantization", "auto, none, int8, int4"),
         ({"kv_dtype": "int8"}, "kv_dtype", "float16"),
         ({"threads": -1}, "threads", ">= 0"),
         ({"log_format": "xml"}, "log_format", "json"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import gguf
@@ -82,6 +82,7 @@ def write_gguf(
     metadata: Mapping[str, Any] | None = None,
     arch: str | None = None,
     split_max_tensors: int = 0,
+    quantize: Callable[[np.ndarray, Q], np.ndarray] | None = None,
 ) -> pathlib.Path:
     """Convert checkpoint directory `src` to GGUF file `dest`; return `dest`.
 
@@ -92,6 +93,8 @@ def write_gguf(
     architecture.
     `split_max_tensors` splits the file into shards as `llama-gguf-split` does
     (`dest` stem + `-00001-of-0000N.gguf`; the first shard's path is returned).
+    `quantize(rows, type)`, where given, writes every matrix of a block type instead of
+    `gguf.quants` and the packers below (meshd's own quantizer, ggml's reference rules).
     """
     config = json.loads((src / "config.json").read_text())
     family = config["model_type"]
@@ -145,7 +148,7 @@ def write_gguf(
             data = permute(data, heads, kv_heads)
         target = gguf_name(name)
         chosen = (types or {}).get(target, tensor_type) if data.ndim == 2 else "F32"
-        _add(writer, target, data, chosen)
+        _add(writer, target, data, chosen, quantize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -158,9 +161,18 @@ def _tensor_order(name: str) -> tuple[int, str]:
     return (int(parts[2]) if parts[1] == "layers" else -1, name)
 
 
-def _add(writer: gguf.GGUFWriter, name: str, data: np.ndarray, tensor_type: str) -> None:
+def _add(
+    writer: gguf.GGUFWriter,
+    name: str,
+    data: np.ndarray,
+    tensor_type: str,
+    quantize: Callable[[np.ndarray, Q], np.ndarray] | None = None,
+) -> None:
     qtype = Q[tensor_type]
-    if qtype == Q.F32:
+    if quantize is not None and qtype not in (Q.F32, Q.F16):
+        blocks = quantize(data, qtype).reshape(data.shape[0], -1)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
+    elif qtype == Q.F32:
         writer.add_tensor(name, data.astype(np.float32))
     elif qtype == Q.F16:
         writer.add_tensor(name, data.astype(np.float16))

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("blocks.c")
 # The K-quant formats, written separately; compiled in when present.
 _K_SOURCE = Path(__file__).with_name("blocks_k.c")
+# ggml's reference quantizers (fp32 rows into blocks), for checkpoints quantized at load.
+_QUANTIZE_SOURCE = Path(__file__).with_name("blocks_quantize.c")
 BLOCK_KERNELS_ENV = "MESHD_BLOCK_KERNELS"
 PROCESS_ENV = (BLOCK_KERNELS_ENV,)
 # Best first: what `auto` tries in this order.
@@ -118,6 +120,8 @@ class BlockKernels:
     dequantize_rows: Any
     has_k_quants: bool
     path: Path
+    quantize_rows: Any  # meshd_blocks_quantize_rows (blocks_quantize.c)
+    quantizable: Any
 
 
 def _is_x86() -> bool:
@@ -158,7 +162,8 @@ def kernel_path() -> str:
 
 
 def _sources() -> list[Path]:
-    return [_SOURCE, _K_SOURCE] if _K_SOURCE.exists() else [_SOURCE]
+    k_quants = [_K_SOURCE] if _K_SOURCE.exists() else []
+    return [_SOURCE, *k_quants, _QUANTIZE_SOURCE]
 
 
 def _flags(name: str) -> tuple[str, ...]:
@@ -231,7 +236,16 @@ def _load(name: str, path: Path) -> BlockKernels:
     deq.argtypes = [cint, p, i64, p, i64, p]
     deq.restype = cint
     has_k = bool(lib.meshd_blocks_has_k_quants())
-    return BlockKernels(name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path)
+    quantize = lib.meshd_blocks_quantize_rows
+    quantize.argtypes = [cint, p, i64, i64, p, cint]
+    quantize.restype = cint
+    quantizable = lib.meshd_blocks_quantizable
+    quantizable.argtypes = [cint]
+    quantizable.restype = cint
+    return BlockKernels(
+        name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path, quantize,
+        quantizable,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -385,3 +399,29 @@ class BlockMatrix:
     def dequantize(self) -> torch.Tensor:
         """The whole matrix as fp32 [out_features, in_features]."""
         return self.rows(torch.arange(self.out_features))
+
+
+def quantize_rows(
+    w: torch.Tensor, ggml_type: int | GGMLQuantizationType, path: str | None = None
+) -> np.ndarray:
+    """`w` fp32 `[out, in]` as `out` rows of `ggml_type`'s blocks: the bytes a GGUF file of that
+    type stores (ggml's reference quantizers, what llama-quantize writes without an importance
+    matrix; blocks_quantize.c), rows quantized in parallel on torch's thread count."""
+    qtype = GGMLQuantizationType(int(ggml_type))
+    lib = block_kernels(path)
+    if not lib.quantizable(int(qtype)):
+        raise UnsupportedTensorType(f"meshd does not quantize into GGML type {qtype.name}")
+    if w.dim() != 2:
+        raise ValueError(f"expected a matrix [out, in], got {list(w.shape)}")
+    rows = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    out_features, in_features = rows.shape
+    row_bytes = lib.row_bytes(int(qtype), in_features)
+    if row_bytes < 0:
+        raise ValueError(f"{qtype.name} rows of {in_features} elements: not whole blocks")
+    data = np.empty(out_features * row_bytes, dtype=np.uint8)
+    failed = lib.quantize_rows(
+        int(qtype), _ptr(rows), out_features, in_features, _ptr(data), torch.get_num_threads()
+    )
+    if failed:
+        raise ValueError(f"cannot quantize [{out_features}, {in_features}] as {qtype.name}")
+    return data
