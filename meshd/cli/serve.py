@@ -281,6 +281,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
     from meshd.node.node import MeshNode, NodeBasis, run_node
+    from meshd.node.prefix_status import export_prefix_metrics
     from meshd.node.shutdown import stop_gracefully
     from meshd.node.status import export_counters, node_status
 
@@ -328,6 +329,7 @@ async def serve(config: NodeConfig) -> None:
                 f"control_socket: cannot listen on {control}: {exc.strerror}"
             ) from None
         export_counters(metrics, node)
+        export_prefix_metrics(metrics, node)
         app = create_app(
             backend,
             api_key=config.read_api_key(),

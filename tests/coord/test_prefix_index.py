@@ -48,7 +48,7 @@ def test_a_hit_leaves_at_least_one_token_and_needs_a_whole_block() -> None:
     prompt = tokens(200)
     index.record(7, KeepPlan(tuple(prompt), exact=192))
     assert index.lookup(prompt) == PrefixHit(7, 199, 192)  # the same prompt again
-    assert index.lookup(prompt[: BLOCK_TOKENS - 1] + [5]) is None
+    assert index.lookup([*prompt[: BLOCK_TOKENS - 1], 5]) is None
     assert index.lookup(tokens(200, 1)) is None  # nothing in common
 
 
