@@ -129,20 +129,23 @@ class PrefixIndex:
         """What a session that ended normally should leave behind (None: nothing worth it).
 
         `kv_tokens` are the tokens whose KV every stage holds at positions [0, len): the
-        prompt's `prompt_len`, then the committed ones run so far. `hit` is the prefix it
+        prompt's `prompt_len`, then the committed ones run so far. With exact reuse only the
+        exact positions are kept (no other position would ever be reused). `hit` is the prefix it
         opened from (None when it prefilled in full). Positions before the hit's exact ones,
         and whole prompt chunks after an exact, chunk-aligned hit, were computed as a cold run
         computes them.
         """
         tokens = tuple(kv_tokens)
-        if len(tokens) < BLOCK_TOKENS:
-            return None
         chunk = self.chunk_tokens
         if hit is None or (hit.exact == hit.positions and hit.positions % chunk == 0):
             exact = prompt_len // chunk * chunk
         else:
             exact = hit.exact // chunk * chunk
         exact = min(exact, len(tokens))
+        if self.exact:
+            tokens = tokens[:exact]  # the rest would never be reused
+        if len(tokens) < (chunk if self.exact else BLOCK_TOKENS):
+            return None
         replaces = 0
         if hit is not None:
             old = self._entries.get(hit.entry)

@@ -34,6 +34,7 @@ def test_exact_lookup_reuses_whole_prompt_chunks_of_the_longest_match() -> None:
     # A prompt of 300 tokens that ran 20 more: positions of whole prompt chunks are exact.
     plan = index.plan_keep(long + tokens(20, 9000), len(long), None)
     assert plan is not None and plan.exact == 256
+    assert len(plan.tokens) == 256  # exact reuse keeps no position it would never reuse
     index.record(2, plan)
     hit = index.lookup([*long, *tokens(50, 7000)])
     assert hit == PrefixHit(2, 256, 256)
