@@ -55,16 +55,15 @@ async def turn(
         mtp_depth=pipe.checkpoint.config.num_mtp_layers,
     )
     result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
-    while any(h.sessions for h in pipe.hosts):  # the close (and keep) reached every stage
+    # Until the close (and keep) reached every stage.
+    while any(h.sessions for h in pipe.hosts):  # noqa: ASYNC110
         await trio.sleep(0.005)
     return result, first[0] if first else float("nan")
 
 
-async def main(args: argparse.Namespace) -> None:
-    model = pathlib.Path(args.model).expanduser() if args.model else builtin_model_dir()
+async def main(args: argparse.Namespace, model: pathlib.Path, system: str) -> None:
     tokenizer = open_tokenizer(model)
     eos = frozenset(tokenizer.eos_ids)
-    system = SYSTEM_SOURCE.read_text()[: args.system_chars]
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     quantization = "gguf" if model.suffix == ".gguf" else "none"
     async with open_local_pipeline(
@@ -103,4 +102,6 @@ if __name__ == "__main__":
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
     parser.add_argument("--loose", action="store_true", help="reuse decoded positions too")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
-    trio.run(main, parser.parse_args())
+    parsed = parser.parse_args()
+    path = pathlib.Path(parsed.model).expanduser() if parsed.model else builtin_model_dir()
+    trio.run(main, parsed, path, SYSTEM_SOURCE.read_text()[: parsed.system_chars])
