@@ -71,6 +71,7 @@ async def main(args: argparse.Namespace, model: pathlib.Path, system: str) -> No
     ) as pipe:
         pipe.coordinator.prefill_chunk_tokens = args.chunk
         pipe.coordinator.prefix_exact = not args.loose
+        pipe.coordinator.reply_timeout_s = 600.0  # a cold prefill on a loaded machine
         print(f"model {model.name}, {args.stages} stage(s), chunk {args.chunk}, "
               f"{'loose' if args.loose else 'exact'} reuse")  # fmt: skip
         print("turn prompt cached  ttft_on  ttft_off  ratio  same")

@@ -8,7 +8,8 @@ coordinators and its stages. Stage counts start again when the stage is reloaded
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -16,11 +17,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from meshd.coord.coordinator import Coordinator
+from meshd.model.kvcache import KVCache
 from meshd.node.stage_slot import StageSlot
 
 if TYPE_CHECKING:
     from meshd.api.metrics import ApiMetrics
     from meshd.node.node import MeshNode
+
+log = logging.getLogger(__name__)
 
 
 class PrefixCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,8 +57,14 @@ def _slots(node: MeshNode) -> list[StageSlot]:
 
 def prefix_cache_status(node: MeshNode) -> PrefixCacheStatus:
     """The node's prefix-cache counters now."""
-    counters = [c.prefix_counters for c in _coordinators(node)]
-    caches = [slot.kv_cache for slot in _slots(node)]
+    return collect_status(_coordinators(node), [slot.kv_cache for slot in _slots(node)])
+
+
+def collect_status(
+    coordinators: Iterable[Coordinator], caches: Iterable[KVCache | None]
+) -> PrefixCacheStatus:
+    """The sum of these coordinators' and stages' counters (None: a slot with no stage)."""
+    counters = [c.prefix_counters for c in coordinators]
     kv = [cache for cache in caches if cache is not None]
     return PrefixCacheStatus(
         lookups=sum(c.lookups for c in counters),
@@ -102,10 +112,10 @@ _GAUGES = (
 
 
 class _PrefixCollector(Collector):
-    """The families above, read from the node at each scrape."""
+    """The families above, read at each scrape."""
 
-    def __init__(self, node: MeshNode) -> None:
-        self._node = node
+    def __init__(self, read: Callable[[], PrefixCacheStatus]) -> None:
+        self._read = read
 
     def describe(self) -> Iterator[Metric]:
         """The families without samples (so registering does not read yet)."""
@@ -116,7 +126,11 @@ class _PrefixCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """The families with the counts as they are now."""
-        status = prefix_cache_status(self._node)
+        try:
+            status = self._read()
+        except Exception:  # a broken reader must not take the metrics page down
+            log.exception("prefix cache counters could not be read")
+            return
         for name, documentation, field in _COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(status, field))
         for name, documentation, field in _GAUGES:
@@ -124,5 +138,10 @@ class _PrefixCollector(Collector):
 
 
 def export_prefix_metrics(metrics: ApiMetrics, node: MeshNode) -> None:
-    """Give /metrics the prefix cache's counters and gauges (read at each scrape)."""
-    metrics.registry.register(_PrefixCollector(node))
+    """Give /metrics the node's prefix-cache counters and gauges (read at each scrape)."""
+    register_prefix_metrics(metrics, lambda: prefix_cache_status(node))
+
+
+def register_prefix_metrics(metrics: ApiMetrics, read: Callable[[], PrefixCacheStatus]) -> None:
+    """Export what `read()` returns at each scrape as the `meshd_prefix_cache_*` families."""
+    metrics.registry.register(_PrefixCollector(read))
