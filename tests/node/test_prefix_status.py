@@ -13,7 +13,7 @@ from meshd.cli.meshctl_status import _prefix_line
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
-from meshd.node.prefix_status import collect_status, register_prefix_metrics
+from meshd.node.prefix_status import PrefixCacheStatus, collect_status, register_prefix_metrics
 
 
 async def test_counters_after_a_hit_reach_status_and_metrics() -> None:
@@ -21,7 +21,7 @@ async def test_counters_after_a_hit_reach_status_and_metrics() -> None:
     prompt = [rng.randrange(10, 2000) for _ in range(300)]
     async with open_local_pipeline(builtin_model_dir(), 2) as pipe:
 
-        def read() -> object:
+        def read() -> PrefixCacheStatus:
             return collect_status([pipe.coordinator], [h.stage.kv for h in pipe.hosts])
 
         async def ignore(tokens: list[int]) -> None:
@@ -36,7 +36,7 @@ async def test_counters_after_a_hit_reach_status_and_metrics() -> None:
                     await trio.sleep(0.01)
         status = read()
         metrics = ApiMetrics()
-        register_prefix_metrics(metrics, read)  # type: ignore[arg-type]
+        register_prefix_metrics(metrics, read)
         text = metrics.render()[0].decode()
     fields = msgspec.to_builtins(status)
     assert (fields["lookups"], fields["hits"], fields["reused_tokens"]) == (2, 1, 256)
