@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshd.coord.coordinator import Coordinator
 from meshd.coord.prefix_index import BLOCK_TOKENS, KeepPlan, PrefixHit, PrefixIndex
 from meshd.coord.route_costs import RouteCosts
 from meshd.coord.window_loop import GenerationRequest, RouteFailed, WindowLoop
@@ -158,3 +159,24 @@ def test_an_older_stage_gap_error_on_a_hit_window_is_a_miss_other_errors_fail() 
     assert any(isinstance(m, Rollback) for _, m in loop.on_reply(gap, now=0.1))
     with pytest.raises(RouteFailed):
         loop.on_reply(StageError("s", "InvalidInput", "bad"), now=0.2)
+
+
+class _NoNetwork:
+    """The coordinator's sender, never used by what these tests call."""
+
+    async def send(self, key: bytes, message: object, stream: int = 1) -> None:
+        raise AssertionError("no message is sent here")
+
+
+def test_the_coordinator_prefers_the_route_holding_the_longest_prefix() -> None:
+    coordinator = Coordinator(_NoNetwork(), b"c" * 32, prefill_chunk_tokens=CHUNK)
+    other = Route("m", (RouteStage(b"x" * 32, 0, 6),))
+    prompt = tokens(300)
+    assert coordinator.prefer_route([ROUTE, other], prompt) is ROUTE  # none holds any
+    index = coordinator.prefix_index(other)
+    index.record(1, index.plan_keep(prompt, len(prompt), None) or pytest.fail())
+    assert coordinator.cached_prefix(other, [*prompt, 5]) == 256
+    assert coordinator.prefer_route([ROUTE, other], [*prompt, 5]) is other
+    # A lost node's routes forget what their stages held.
+    coordinator.peer_lost(b"x" * 32)
+    assert coordinator.prefer_route([ROUTE, other], [*prompt, 5]) is ROUTE
