@@ -121,7 +121,7 @@ class Coordinator:
         sender: Sender,
         own_key: bytes,
         *,
-        prefill_chunk_tokens: int = 256,
+        prefill_chunk_tokens: int = 128,
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
         session_lease_s: float = 30.0,

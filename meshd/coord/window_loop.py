@@ -151,7 +151,7 @@ class WindowLoop:
         coordinator_key: bytes,
         link: Callable[[], LinkModel] | None = None,
         observe_load: Callable[[int], None] | None = None,
-        prefill_chunk_tokens: int = 256,
+        prefill_chunk_tokens: int = 128,
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
         prefix: PrefixHit | None = None,

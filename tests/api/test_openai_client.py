@@ -245,7 +245,7 @@ def test_turn_two_reports_cached_tokens_and_computes_only_the_rest(served: Serve
     usage = second.usage
     assert usage is not None and usage.prompt_tokens_details is not None
     cached = usage.prompt_tokens_details.cached_tokens or 0
-    assert cached >= 512 and cached % 256 == 0
+    assert cached >= 512 and cached % 128 == 0  # whole prefill chunks
     after = served.call(lambda: [h.stats.tokens_computed for h in hosts])
     assert [a - b for a, b in zip(after, computed, strict=True)] == [
         usage.prompt_tokens - cached
