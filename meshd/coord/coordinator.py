@@ -75,6 +75,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Routes whose prefix index the coordinator keeps (each holds at most 64 entries' tokens).
+MAX_PREFIX_ROUTES = 8
 # How long closing a session may wait on one stage (a dead one must not hold up the others).
 CLOSE_TIMEOUT_S = 2.0
 # What sending to a stage raises when its lane is gone, closing or cannot be opened: the
@@ -176,11 +178,13 @@ class Coordinator:
     # -- prefix cache ----------------------------------------------------------------------
     def prefix_index(self, route: Route) -> PrefixIndex:
         """The prefixes `route`'s stages were asked to keep."""
-        found = self._prefixes.get(route)
+        found = self._prefixes.pop(route, None)
         if found is None:
-            found = self._prefixes[route] = PrefixIndex(
-                chunk_tokens=self.prefill_chunk_tokens, exact=self.prefix_exact
-            )
+            found = PrefixIndex(chunk_tokens=self.prefill_chunk_tokens, exact=self.prefix_exact)
+            while len(self._prefixes) >= MAX_PREFIX_ROUTES:
+                # Plans change: the route used least recently is the one least likely to return.
+                del self._prefixes[next(iter(self._prefixes))]
+        self._prefixes[route] = found  # most recently used last
         return found
 
     def forget_prefixes(self, node_key: bytes | None = None) -> None:
