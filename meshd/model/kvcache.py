@@ -202,7 +202,8 @@ class KVCache:
                     f"{self.device} ({str(exc).splitlines()[0]})"
                 ) from None
             self.clear_entries()  # the device is full: the cache gives way to the session
-            source = None
+            if prefix is not None:
+                self.cache_stats.misses += 1
             return self.open(session_id, max_positions)
         reused = 0
         if source is not None and prefix is not None:
