@@ -24,6 +24,12 @@ MAX_WINDOW_TOKENS = 8192
 MAX_SESSION_ID_CHARS = 64
 # Sessions one keep-alive may renew (a coordinator with more sends several).
 MAX_KEEPALIVE_SESSIONS = 1024
+# Prefix-cache entry ids are chosen by coordinators at random in 1..MAX_ENTRY_ID (0: none).
+MAX_ENTRY_ID = 2**63 - 1
+# A stage's answer to an open whose prefix entry it lacks (`StageError.code`), and the epoch it
+# opens that session at, so the windows sent for the hit (epoch 0) are dropped as stale.
+PREFIX_MISS = "prefix_miss"
+PREFIX_MISS_EPOCH = 1
 
 DType = Literal["f32", "f16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
@@ -98,12 +104,31 @@ class OpenSession(msgspec.Struct, frozen=True, tag="open"):
     # The quantization the route's stages hold the model at ("": not checked). A node holding
     # another answers StageError(code="wrong_quantization"): its tokens would differ.
     quantization: str = ""
+    # Prefix cache: start the session with the KV of positions [0, prefix_positions) copied
+    # from the stage's cache entry `prefix_entry` (0: start empty). The prefill then begins at
+    # prefix_positions. A stage that no longer holds the entry (or not that many positions)
+    # opens the session empty at epoch 1, so it drops the epoch-0 windows sent for the hit,
+    # and answers StageError(code="prefix_miss"); the coordinator then rolls every stage to
+    # epoch 1 and prefills from position 0.
+    prefix_entry: int = 0
+    prefix_positions: int = 0
 
 
 class CloseSession(msgspec.Struct, frozen=True, tag="close"):
-    """Coordinator → every stage: free the session's KV."""
+    """Coordinator → every stage: free the session's KV.
+
+    With `keep_entry` (non-zero), the stage first keeps the KV of positions [0, keep_positions)
+    as prefix-cache entry `keep_entry`, if it holds that many positions and its memory budget
+    has room (live sessions always come first; older entries are evicted least recently used
+    first). `replaces` names an entry the new one covers (the same tokens and more): the stage
+    drops it once the new entry is kept. Keeping is best effort and never answered: a later
+    open that finds no entry answers `prefix_miss`.
+    """
 
     session: str
+    keep_entry: int = 0
+    keep_positions: int = 0
+    replaces: int = 0
 
 
 class SessionKeepAlive(msgspec.Struct, frozen=True, tag="keepalive"):
@@ -250,6 +275,14 @@ def _check_session(session: str) -> None:
         raise RemoteProtocolError("session id must be 1..64 characters")
 
 
+def _check_entry(entry: int, positions: int, what: str) -> None:
+    """An entry id and its positions: both zero, or an id in range with positions >= 1."""
+    if not 0 <= entry <= MAX_ENTRY_ID or not 0 <= positions <= 2**31:
+        raise RemoteProtocolError(f"{what}: prefix entry or positions out of range")
+    if (entry == 0) != (positions == 0):
+        raise RemoteProtocolError(f"{what}: a prefix entry needs positions, and positions one")
+
+
 def _check_window(w: VerifyWindow) -> None:
     _check_session(w.session)
     if not 0 < len(w.tokens) <= MAX_WINDOW_TOKENS:
@@ -279,6 +312,14 @@ def _check(message: Message) -> None:
             raise RemoteProtocolError("open: max_positions, stage_index, mtp_depth out of range")
         if message.layer_start < -1 or message.layer_end < message.layer_start:
             raise RemoteProtocolError("open: bad expected layer range")
+        _check_entry(message.prefix_entry, message.prefix_positions, "open")
+        if message.prefix_positions >= message.max_positions:
+            raise RemoteProtocolError("open: a prefix must leave room for the prompt's rest")
+    elif isinstance(message, CloseSession):
+        _check_session(message.session)
+        _check_entry(message.keep_entry, message.keep_positions, "close")
+        if not 0 <= message.replaces <= MAX_ENTRY_ID:
+            raise RemoteProtocolError("close: replaced entry id out of range")
     elif isinstance(message, NodeHello):
         if len(message.node_key) != 32:
             raise RemoteProtocolError("hello: a node key is 32 bytes")

@@ -15,7 +15,7 @@ from meshd.api.backend import MeshBackend, Overloaded, ServiceUnavailable
 from meshd.api.errors import from_backend
 from meshd.api.metrics import ApiMetrics
 from meshd.api.prepare import Prepared
-from meshd.api.schemas import FinishReason, Usage
+from meshd.api.schemas import FinishReason, PromptTokensDetails, Usage
 from meshd.api.textstream import TextStream
 from meshd.speculative.telemetry import SpecTelemetry
 
@@ -75,5 +75,10 @@ async def run_generation(
     metrics.speculation(result.telemetry)
     finish: FinishReason = "stop" if text.stopped or result.finish_reason == "stop" else "length"
     completion = text.tokens_used
-    usage = Usage(prepared.prompt_tokens, completion, prepared.prompt_tokens + completion)
+    usage = Usage(
+        prepared.prompt_tokens,
+        completion,
+        prepared.prompt_tokens + completion,
+        PromptTokensDetails(result.cached_tokens),
+    )
     return Outcome(finish, usage, result.telemetry)

@@ -116,12 +116,20 @@ class CompletionRequest(CommonFields, frozen=True, kw_only=True):
 # -- responses --------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    """Of the prompt's tokens, how many the stages took from their prefix cache (as OpenAI
+    reports prompt caching)."""
+
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct, frozen=True):
     """Token counts of one request."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class MeshdInfo(msgspec.Struct, frozen=True):

@@ -67,6 +67,9 @@ def render(status: dict[str, Any], events: int) -> None:
     console.print(_counts("refused handshakes", status.get("handshakes_refused")))
     if isinstance(status.get("sessions_expired"), dict):  # sessions a lease ended, by cause
         console.print(_counts("expired sessions", status["sessions_expired"]))
+    prefix = status.get("prefix_cache")
+    if isinstance(prefix, dict):
+        console.print(_prefix_line(prefix))
     members = Table(
         title="members", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
     )
@@ -169,3 +172,15 @@ def _mib(n: int) -> str:
 
 def _layers(layers: list[int] | None) -> str:
     return "-" if layers is None else f"[{layers[0]}, {layers[1]})"
+
+
+def _prefix_line(p: dict[str, Any]) -> str:
+    """The prefix cache in one line: what this node's requests reused, what its stage holds."""
+    looked = p.get("prompt_tokens", 0)
+    share = f" ({p.get('reused_tokens', 0) / looked:.0%} of prompt tokens)" if looked else ""
+    return (
+        f"prefix cache: {p.get('hits', 0)}/{p.get('lookups', 0)} requests hit, "
+        f"{p.get('reused_tokens', 0)} tokens reused{share}, {p.get('misses', 0)} misses; "
+        f"stage holds {p.get('entries', 0)} entries ({_mib(p.get('bytes_held', 0))}), "
+        f"{p.get('evictions', 0)} evicted"
+    )

@@ -283,6 +283,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.node.models import with_models
     from meshd.node.node import MeshNode, NodeBasis, run_node
     from meshd.node.node_metrics import export_metrics
+    from meshd.node.prefix_status import export_prefix_metrics
     from meshd.node.shutdown import stop_gracefully
     from meshd.node.status import node_status
 
@@ -339,6 +340,7 @@ async def serve(config: NodeConfig) -> None:
                 f"control_socket: cannot listen on {control}: {exc.strerror}"
             ) from None
         export_metrics(metrics, node, backend)
+        export_prefix_metrics(metrics, node)
         app = create_app(
             backend,
             api_key=config.read_api_key(),

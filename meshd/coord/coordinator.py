@@ -10,6 +10,12 @@ Stages hold a session only while its lease lasts (`meshd/stage/leases.py`): `kee
 every open session's lease on each of its stages every third of `session_lease_s`, and every
 way a request ends (done, client gone, error, cancelled) closes the session on every stage of
 its route it can still reach; the stages free what it cannot reach when they lose it.
+
+Prefix cache: each route has a `PrefixIndex` of what its stages were asked to keep. A request
+looks its prompt up there (the longest reusable prefix) and opens from it; a request that ends
+normally asks every stage to keep its KV as a new entry when it closes. A route that failed
+forgets its index (a recovered stage holds nothing: the next request prefills in full), and so
+does every route through a node whose lane died.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
+from meshd.coord.prefix_index import KeepPlan, PrefixCounters, PrefixHit, PrefixIndex
 from meshd.coord.route_costs import RouteCosts
 from meshd.coord.window_loop import (
     GenerationRequest,
@@ -43,6 +50,7 @@ from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import SamplingParams
 from meshd.speculative.strategies import make_proposer
 from protocol.messages import (
+    MAX_ENTRY_ID,
     MAX_KEEPALIVE_SESSIONS,
     CloseSession,
     DType,
@@ -67,6 +75,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Routes whose prefix index the coordinator keeps (each holds at most 64 entries' tokens).
+MAX_PREFIX_ROUTES = 8
 # How long closing a session may wait on one stage (a dead one must not hold up the others).
 CLOSE_TIMEOUT_S = 2.0
 # What sending to a stage raises when its lane is gone, closing or cannot be opened: the
@@ -101,6 +111,8 @@ class _Live:
     # Stage nodes the session's OpenSession has been sent to: only those get keep-alives (a
     # keep-alive overtaking the open would be answered "session_expired").
     opened: set[bytes] = field(default_factory=set)
+    # What the stages keep when the session closes (set once it ended normally).
+    keep: tuple[int, KeepPlan] | None = None
 
 
 class Coordinator:
@@ -111,15 +123,19 @@ class Coordinator:
         sender: Sender,
         own_key: bytes,
         *,
-        prefill_chunk_tokens: int = 256,
+        prefill_chunk_tokens: int = 128,
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
         session_lease_s: float = 30.0,
         draft: DraftModel | None = None,
         draft_quantization: str = "none",
+        prefix_cache: bool = True,
+        prefix_exact: bool = True,
     ) -> None:
         """`draft` is the node's draft model, loaded at start (`spec.draft_model`); a request
-        naming another draft path loads it here once, at `draft_quantization`."""
+        naming another draft path loads it here once, at `draft_quantization`.
+        `prefix_cache`: reuse and keep prompt prefixes on the stages; `prefix_exact`: reuse
+        only positions a cold run computes with the same bits (`prefix_index.py`)."""
         self.sender = sender
         self._drafts: dict[str, DraftModel] = {} if draft is None else {draft.path: draft}
         # False where the node's draft does not fit this coordinator's model (another
@@ -135,6 +151,10 @@ class Coordinator:
         self._costs: dict[tuple[bytes, ...], RouteCosts] = {}
         self._load: dict[tuple[bytes, ...], float] = {}
         self._books: dict[tuple[str, tuple[object, ...]], AcceptanceBook] = {}
+        self.prefix_cache = prefix_cache
+        self.prefix_exact = prefix_exact
+        self._prefixes: dict[Route, PrefixIndex] = {}
+        self.prefix_counters = PrefixCounters()
 
     @property
     def sessions_in_flight(self) -> int:
@@ -153,6 +173,40 @@ class Coordinator:
         for live in self._live.values():
             if key in live.route.keys:
                 live.replies.send_nowait(_StageLost(key))
+        self.forget_prefixes(key)
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def prefix_index(self, route: Route) -> PrefixIndex:
+        """The prefixes `route`'s stages were asked to keep."""
+        found = self._prefixes.pop(route, None)
+        if found is None:
+            found = PrefixIndex(chunk_tokens=self.prefill_chunk_tokens, exact=self.prefix_exact)
+            while len(self._prefixes) >= MAX_PREFIX_ROUTES:
+                # Plans change: the route used least recently is the one least likely to return.
+                del self._prefixes[next(iter(self._prefixes))]
+        self._prefixes[route] = found  # most recently used last
+        return found
+
+    def forget_prefixes(self, node_key: bytes | None = None) -> None:
+        """Forget the prefixes of every route through `node_key` (None: of every route)."""
+        for route in list(self._prefixes):
+            if node_key is None or node_key in route.keys:
+                del self._prefixes[route]
+
+    def cached_prefix(self, route: Route, prompt: Sequence[int]) -> int:
+        """Prompt positions `route`'s stages would serve from their cache (0: none known)."""
+        if not self.prefix_cache or route not in self._prefixes:
+            return 0
+        hit = self._prefixes[route].lookup(prompt)
+        return 0 if hit is None else hit.positions
+
+    def prefer_route(self, routes: Sequence[Route], prompt: Sequence[int]) -> Route:
+        """Of `routes` (best first by the planner), the one whose stages hold the longest
+        reusable prefix of `prompt`; the first where none holds any."""
+        if not routes:
+            raise ValueError("no route to choose from")
+        best = max(range(len(routes)), key=lambda i: (self.cached_prefix(routes[i], prompt), -i))
+        return routes[best]
 
     async def generate(
         self, route: Route, request: GenerationRequest, on_tokens: OnTokens
@@ -166,11 +220,16 @@ class Coordinator:
         self._live[live.session] = live
         try:
             return await self._drive(live, request, on_tokens)
+        except RouteFailed:
+            # What this route's stages kept is no longer known (a stage may be re-planned).
+            self._prefixes.pop(route, None)
+            live.keep = None
+            raise
         finally:
             del self._live[live.session]
             # Shielded: a cancelled request (client gone, shutdown) closes its session too.
             with trio.CancelScope(shield=True):
-                await self.close_session(live.session, route)
+                await self.close_session(live.session, route, live.keep)
 
     async def _drive(
         self, live: _Live, request: GenerationRequest, on_tokens: OnTokens
@@ -200,6 +259,14 @@ class Coordinator:
         self, live: _Live, request: GenerationRequest, on_tokens: OnTokens, proposer: Proposer
     ) -> GenerationResult:
         route = live.route
+        hit: PrefixHit | None = None
+        index: PrefixIndex | None = None
+        if self.prefix_cache:
+            index = self.prefix_index(route)
+            hit = index.lookup(request.prompt)
+            counters = self.prefix_counters
+            counters.lookups += 1
+            counters.prompt_tokens += len(request.prompt)
         loop = WindowLoop(
             session=live.session,
             route=route,
@@ -212,6 +279,7 @@ class Coordinator:
             prefill_chunk_tokens=self.prefill_chunk_tokens,
             wire_dtype=self.wire_dtype,
             reply_timeout_s=self.reply_timeout_s,
+            prefix=hit,
         )
         await self._send_all(live, loop, loop.start(request.prompt, trio.current_time()))
         while not loop.done:
@@ -231,7 +299,28 @@ class Coordinator:
             if tokens:
                 stop = await on_tokens(tokens) is False
                 await self._send_all(live, loop, loop.on_streamed(trio.current_time(), stop=stop))
+        if index is not None:
+            self._after_prefix(index, loop, hit, live)
         return loop.result()
+
+    def _after_prefix(
+        self, index: PrefixIndex, loop: WindowLoop, hit: PrefixHit | None, live: _Live
+    ) -> None:
+        """Count what the hit saved and plan what the stages keep at the close."""
+        counters = self.prefix_counters
+        if hit is not None and loop.prefix_missed:
+            counters.misses += 1
+            index.forget(hit.entry)  # at least one stage no longer holds it
+        served = loop.prefix
+        if served is not None:
+            counters.hits += 1
+            counters.reused_tokens += served.positions
+        plan = index.plan_keep(loop.kv_tokens, loop.prompt_len, served)
+        if plan is not None:
+            entry_id = secrets.randbelow(MAX_ENTRY_ID) + 1
+            index.record(entry_id, plan)
+            counters.kept += 1
+            live.keep = (entry_id, plan)
 
     async def _send_all(self, live: _Live, loop: WindowLoop, sends: list[Send]) -> None:
         for key, message in sends:
@@ -242,18 +331,25 @@ class Coordinator:
             if isinstance(message, OpenSession):
                 live.opened.add(key)
 
-    async def close_session(self, session: str, route: Route) -> None:
+    async def close_session(
+        self, session: str, route: Route, keep: tuple[int, KeepPlan] | None = None
+    ) -> None:
         """Close `session` on every stage of `route` at once, each bounded by CLOSE_TIMEOUT_S.
 
         In parallel, so a stage that died (or whose lane is closing) cannot keep the close from
         the stages after it; a stage it cannot reach frees the session when it loses this node
-        or when the lease lapses.
+        or when the lease lapses. `keep` = (entry id, plan): each stage first keeps the KV of
+        the plan's tokens as that prefix-cache entry.
         """
+        close = CloseSession(session)
+        if keep is not None:
+            entry_id, plan = keep
+            close = CloseSession(session, entry_id, len(plan.tokens), plan.replaces)
 
         async def close_on(key: bytes) -> None:
             with trio.move_on_after(CLOSE_TIMEOUT_S):
                 try:
-                    await self.sender.send(key, CloseSession(session))
+                    await self.sender.send(key, close)
                 except LANE_ERRORS as exc:  # the node may be gone; its KV went with it
                     log.debug("close on %s failed: %s", key.hex()[:16], exc)
                 except Exception:  # a bug, logged: it must not hide why the request ended

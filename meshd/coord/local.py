@@ -30,7 +30,7 @@ from meshd.net.endpoint import open_endpoint
 from meshd.net.lane_table import LaneTable
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.draft import DraftModel
-from meshd.stage.host import StageHost
+from meshd.stage.host import StageHost, StageHostConfig
 from protocol.config import LaneConfig
 from protocol.messages import DType
 
@@ -84,6 +84,8 @@ async def open_local_pipeline(
     quantization: str = "none",
     draft: DraftModel | None = None,
     lane_config: LaneConfig | None = None,
+    stage_config: StageHostConfig | None = None,
+    kv_budget_bytes: int | None = None,
 ) -> AsyncIterator[LocalPipeline]:
     """Start `stages` stage nodes on loopback and a coordinator on the first one.
 
@@ -93,7 +95,8 @@ async def open_local_pipeline(
     (docs/model-runtime.md, "Threads"). `torch_threads=None` leaves torch's setting alone.
     `draft`: the coordinator's draft model, loaded before the lanes open (a load inside the
     event loop can outlast the lanes' `dead_after_s` on a loaded machine). `lane_config`: every
-    lane's settings (default `LaneConfig()`).
+    lane's settings (default `LaneConfig()`). `stage_config`: every stage host's settings
+    (default `StageHostConfig()`); `kv_budget_bytes`: each stage's KV memory budget (None: none).
     Stages free a session
     after `session_lease_s` without a window or keep-alive; the coordinator renews its
     sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
@@ -117,7 +120,13 @@ async def open_local_pipeline(
         ]
         for index, (lo, hi) in enumerate(ranges):
             stage = StageModel.load(
-                checkpoint, lo, hi, device="cpu", dtype=dtype, quantization=quantization
+                checkpoint,
+                lo,
+                hi,
+                device="cpu",
+                dtype=dtype,
+                quantization=quantization,
+                kv_budget_bytes=kv_budget_bytes,
             )
             wiring = NodeWiring()
             peers = LaneTable(
@@ -132,6 +141,7 @@ async def open_local_pipeline(
                 eos_ids=eos_ids,
                 use_thread=use_thread,
                 session_lease_s=session_lease_s,
+                config=stage_config,
             )
             wiring.stage = host
             if index == 0:

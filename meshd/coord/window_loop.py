@@ -23,6 +23,14 @@ every stage to drop older work (`Rollback`), and costs at most one extra round t
 an older epoch are stale and ignored. KV is positional, so nothing on the stages needs undoing.
 Randomness is keyed by seed and position, so the last stage samples statelessly.
 
+Prefix cache: with a `prefix` hit (`prefix_index.py`), the session opens on every stage from the
+cache entry's first p positions and the prefill sends only positions p.. . The prefill's chunks
+are always cut at multiples of `prefill_chunk_tokens` from position 0, so a chunk is the same
+window whichever request computes it. A stage that no longer holds the entry opens the session
+empty at epoch 1 and answers `prefix_miss` (a stage of an older release answers the hit's first
+window with a gap error instead): the loop then rolls every stage to epoch 1 and prefills from
+position 0. Either way the request never fails because of the cache.
+
 Costs: each reply's round trip and stage timings go to the route's `RouteCosts`; the time from
 a reply that left nothing in flight to the next window's send (streaming, proposing, planning)
 is the coordinator's turnaround, which every window pays, so it is charged too.
@@ -35,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NoReturn
 
+from meshd.coord.prefix_index import PrefixHit
 from meshd.coord.route_costs import RouteCosts
 from meshd.plan.route import Route
 from meshd.speculative.config import MTP_STRATEGIES, SpecConfig
@@ -43,6 +52,8 @@ from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import clip_drafts
 from meshd.speculative.telemetry import Recorder, SpecTelemetry
 from protocol.messages import (
+    PREFIX_MISS,
+    PREFIX_MISS_EPOCH,
     DType,
     Message,
     OpenSession,
@@ -100,6 +111,8 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str  # "stop" (EOS or asked to stop) or "length"
     telemetry: SpecTelemetry
+    # Prompt positions taken from the stages' prefix cache instead of being prefilled.
+    cached_tokens: int = 0
 
 
 class Send(NamedTuple):
@@ -138,12 +151,15 @@ class WindowLoop:
         coordinator_key: bytes,
         link: Callable[[], LinkModel] | None = None,
         observe_load: Callable[[int], None] | None = None,
-        prefill_chunk_tokens: int = 256,
+        prefill_chunk_tokens: int = 128,
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
+        prefix: PrefixHit | None = None,
     ) -> None:
         """`link` is the policy's view of the route when a window is planned (default: the
-        route's own costs at load 1); `observe_load` gets the stage load each reply reports."""
+        route's own costs at load 1); `observe_load` gets the stage load each reply reports.
+        `prefix`: open from this prefix-cache entry (see the module docstring); the session
+        then runs without MTP heads (their KV is not kept)."""
         self.session = session
         self.route = route
         self.request = request
@@ -156,7 +172,12 @@ class WindowLoop:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.wire_dtype = wire_dtype
         self.reply_timeout_s = reply_timeout_s
-        use_mtp = request.mtp_depth > 0 and proposer.uses_mtp
+        # The hit until every stage has served it (the prefill's reply), or None.
+        self.prefix = prefix
+        self.prefix_missed = False  # a stage could not serve the hit: prefilled in full
+        self._hit_windows: set[int] = set()  # prefill windows sent for the hit
+        self._prompt: list[int] = []
+        use_mtp = request.mtp_depth > 0 and proposer.uses_mtp and prefix is None
         # MTP depths the last stage runs per window; 0 once the proposer stops wanting them.
         self.mtp_tokens = min(request.mtp_depth, self.spec.mtp_depth) if use_mtp else 0
         self.recorder = Recorder(self.spec.strategy)
@@ -209,9 +230,29 @@ class WindowLoop:
             return self._deadline
         return None
 
+    @property
+    def prompt_len(self) -> int:
+        """Tokens of the prompt."""
+        return self._prompt_len
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """Tokens whose KV every stage holds at positions [0, len) once the loop is done: the
+        prompt and the committed tokens run so far (the last one sampled was never run; an EOS
+        was, after the last visible token)."""
+        tokens = [*self._prompt, *self._committed]
+        return tokens if self._eos else tokens[:-1]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt positions served from the prefix cache (0 without a hit, or after a miss)."""
+        return 0 if self.prefix is None else self.prefix.positions
+
     def result(self) -> GenerationResult:
         """What came out (the tokens so far while the loop is not done)."""
-        return GenerationResult(self.committed, self.finish_reason, self.recorder.snapshot())
+        return GenerationResult(
+            self.committed, self.finish_reason, self.recorder.snapshot(), self.cached_tokens
+        )
 
     # -- events --------------------------------------------------------------------------
     def start(self, prompt: Sequence[int], now: float) -> list[Send]:
@@ -221,15 +262,31 @@ class WindowLoop:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
+        if self.prefix is not None and not 0 < self.prefix.positions < len(prompt):
+            raise ValueError("a prefix hit must leave at least one prompt token to compute")
+        self._prompt = prompt
         self._prompt_len = len(prompt)
         out = self._open(len(prompt))
         self.proposer.reset(prompt)
+        if self.prefix is not None:
+            self.proposer.stop_mtp()
         self._phase = "prefill"
         self._prefill_start = now
-        chunk = self.prefill_chunk_tokens
+        start = 0 if self.prefix is None else self.prefix.positions
+        out += self._prefill(start)
+        if self.prefix is not None:
+            self._hit_windows = {m.window_id for _, m in out if isinstance(m, VerifyWindow)}
+        self._deadline = now + self.reply_timeout_s
+        return out
+
+    def _prefill(self, start: int) -> list[Send]:
+        """The prompt from `start`, in chunks cut at multiples of `prefill_chunk_tokens`."""
+        prompt, chunk = self._prompt, self.prefill_chunk_tokens
         first_key = self.route.keys[0]
-        for lo in range(0, len(prompt), chunk):
-            hi = min(len(prompt), lo + chunk)
+        out: list[Send] = []
+        lo = start
+        while lo < len(prompt):
+            hi = min(len(prompt), (lo // chunk + 1) * chunk)
             self._prefill_id = self._window_id()
             window = VerifyWindow(
                 session=self.session,
@@ -243,6 +300,17 @@ class WindowLoop:
                 mtp_tokens=self.mtp_tokens,
             )
             out.append(Send(first_key, window))
+            lo = hi
+        return out
+
+    def _prefix_missed(self, now: float) -> list[Send]:
+        """A stage cannot serve the hit: every stage to epoch 1, and the whole prompt again."""
+        self.prefix = None
+        self.prefix_missed = True
+        self.epoch = max(self.epoch, PREFIX_MISS_EPOCH)
+        out = [Send(key, Rollback(self.session, self.epoch)) for key in self.route.keys]
+        out += self._prefill(0)
+        self._prefill_start = now
         self._deadline = now + self.reply_timeout_s
         return out
 
@@ -253,6 +321,13 @@ class WindowLoop:
         if self._to_stream:
             raise RuntimeError("stream tokens_to_stream and call on_streamed first")
         if isinstance(reply, StageError):
+            hit_window = reply.window_id in self._hit_windows
+            if reply.code == PREFIX_MISS or hit_window:
+                # A miss (or an older stage's gap error on a window sent for the hit).
+                if self.prefix is not None and self._phase == "prefill":
+                    return self._prefix_missed(now)
+                if reply.code == PREFIX_MISS or self.prefix_missed:
+                    return []  # another stage's answer to the same miss
             text = f"stage error {reply.code}: {reply.message}"
             if reply.code == "overloaded":
                 self._fail(StageOverloaded(text, reply.retry_after_s, self._committed))
@@ -264,6 +339,7 @@ class WindowLoop:
             if reply.window_id != self._prefill_id:
                 return []
             self.recorder.prefill(self._prompt_len, now - self._prefill_start)
+            self._hit_windows = set()  # every stage served the hit
             self._mtp_draft = list(reply.mtp_draft)
             self._phase = "decode"
             self._decode_start = now
@@ -312,6 +388,8 @@ class WindowLoop:
                 layer_start=stage.layer_start,
                 layer_end=stage.layer_end,
                 quantization=route.quantization,
+                prefix_entry=0 if self.prefix is None else self.prefix.entry,
+                prefix_positions=0 if self.prefix is None else self.prefix.positions,
             )
             out.append(Send(stage.node_key, message))
         return out

@@ -8,10 +8,20 @@ positions already written (`valid_len`).
 
 A session holds one *group* for the stage's decoder layers and, on the last stage, one group
 per MTP depth (each depth has its own sequence of positions).
+
+Prefix cache: when a session closes, the coordinator may ask to keep the KV of its first n
+positions (the decoder layers' group only) as an *entry*, named by an id the coordinator
+chose. A later session may open from an entry: its first p <= n positions are copied in and
+its windows start at p. Entries live within `cache_limit_bytes` and within the stage's KV
+budget together with the sessions; sessions always win: an open that needs room evicts
+entries, least recently used first, and an entry that does not fit is not kept. Nothing ever
+waits for the cache or fails because of it: an entry that is gone is a miss, and the session
+opens empty.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -92,40 +102,191 @@ class KVLayout:
         return 2 * (self.n_layers + self.n_mtp) * self.kv_heads * self.head_dim * itemsize
 
 
-class KVCache:
-    """Sessions' positional caches on one stage, within an optional memory budget."""
+@dataclass(eq=False)
+class PrefixEntry:
+    """A kept prefix: the decoder layers' KV of positions [0, positions)."""
 
-    def __init__(self, layout: KVLayout, device: torch.device, budget_bytes: int | None) -> None:
+    kv: torch.Tensor  # [n_layers, positions, 2 * kv_heads, head_dim]
+
+    @property
+    def positions(self) -> int:
+        """Positions held."""
+        return int(self.kv.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass
+class PrefixCacheStats:
+    """What the prefix cache did on this stage (for status, metrics and tests)."""
+
+    hits: int = 0  # sessions opened from an entry
+    misses: int = 0  # sessions that asked for an entry this stage no longer had
+    reused_tokens: int = 0  # positions copied from entries instead of computed
+    kept: int = 0  # entries kept at a session's close
+    not_kept: int = 0  # entries asked for that did not fit (or had too few positions)
+    evictions: int = 0  # entries evicted to make room (least recently used first)
+
+
+class KVCache:
+    """Sessions' positional caches on one stage, within an optional memory budget, and the
+    prefix-cache entries kept from closed sessions (see the module docstring)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        device: torch.device,
+        budget_bytes: int | None,
+        cache_limit_bytes: int = 0,
+    ) -> None:
+        """`cache_limit_bytes`: bytes prefix-cache entries may hold at most (0: keep none)."""
         self.layout = layout
         self.device = device
         self.budget_bytes = budget_bytes
+        self.cache_limit_bytes = cache_limit_bytes
         self._sessions: dict[str, SessionKV] = {}
         self.used_bytes = 0
+        # Least recently used first.
+        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.cache_bytes = 0
+        self.cache_stats = PrefixCacheStats()
 
-    def open(self, session_id: str, max_positions: int) -> None:
-        """Allocate a session's cache for up to `max_positions` positions."""
+    @property
+    def entries(self) -> int:
+        """Prefix-cache entries held."""
+        return len(self._entries)
+
+    def entry_positions(self, entry_id: int) -> int:
+        """Positions entry `entry_id` holds (0: not held)."""
+        entry = self._entries.get(entry_id)
+        return 0 if entry is None else entry.positions
+
+    def open(
+        self, session_id: str, max_positions: int, *, prefix: tuple[int, int] | None = None
+    ) -> int:
+        """Allocate a session's cache for up to `max_positions` positions.
+
+        `prefix` = (entry id, p): start with the entry's first p positions. Returns the
+        positions taken from the entry: p on a hit, 0 without a prefix or on a miss (the
+        entry is gone or shorter, or memory for the session needs its bytes).
+        """
         if session_id in self._sessions:
             raise SessionError(f"session {session_id!r} is already open")
         if max_positions < 1:
             raise SessionError(f"session {session_id!r}: max_positions must be >= 1")
         nbytes = self.layout.bytes_per_token * max_positions
-        if self.budget_bytes is not None and self.used_bytes + nbytes > self.budget_bytes:
+        source: PrefixEntry | None = None
+        if prefix is not None:
+            found = self._entries.get(prefix[0])
+            if found is not None and 0 < prefix[1] <= min(found.positions, max_positions):
+                source = found
+        self._make_room(nbytes, spare=source)
+        if source is not None and not self._fits(nbytes):
+            self._make_room(nbytes, spare=None)  # the session comes first: the entry goes too
+            source = source if prefix is not None and prefix[0] in self._entries else None
+        if not self._fits(nbytes):
             raise KVBudgetExceeded(
                 f"session {session_id!r} needs {nbytes} bytes of KV cache for {max_positions} "
                 f"positions; {self.used_bytes} of {self.budget_bytes} bytes are in use"
             )
-        lay = self.layout
         try:
-            main = self._group(lay.n_layers, max_positions)
-            mtp = [self._group(1, max_positions) for _ in range(lay.n_mtp)]
+            main, mtp = self._allocate(max_positions)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
-            # With no budget set, the device itself is the budget.
-            raise KVBudgetExceeded(
-                f"session {session_id!r}: cannot allocate {nbytes} bytes of KV cache on "
-                f"{self.device} ({str(exc).splitlines()[0]})"
-            ) from None
+            if not self._entries:
+                # With no budget set, the device itself is the budget.
+                raise KVBudgetExceeded(
+                    f"session {session_id!r}: cannot allocate {nbytes} bytes of KV cache on "
+                    f"{self.device} ({str(exc).splitlines()[0]})"
+                ) from None
+            self.clear_entries()  # the device is full: the cache gives way to the session
+            if prefix is not None:
+                self.cache_stats.misses += 1
+            return self.open(session_id, max_positions)
+        reused = 0
+        if source is not None and prefix is not None:
+            reused = prefix[1]
+            main.kv[:, :reused].copy_(source.kv[:, :reused])
+            main.valid_len = reused
+            self._entries.move_to_end(prefix[0])
+            self.cache_stats.hits += 1
+            self.cache_stats.reused_tokens += reused
+        elif prefix is not None:
+            self.cache_stats.misses += 1
         self._sessions[session_id] = SessionKV(main, mtp, nbytes)
         self.used_bytes += nbytes
+        return reused
+
+    def _allocate(self, max_positions: int) -> tuple[KVGroup, list[KVGroup]]:
+        lay = self.layout
+        main = self._group(lay.n_layers, max_positions)
+        return main, [self._group(1, max_positions) for _ in range(lay.n_mtp)]
+
+    def _fits(self, nbytes: int, *, freeing: int = 0) -> bool:
+        if self.budget_bytes is None:
+            return True
+        return self.used_bytes - freeing + self.cache_bytes + nbytes <= self.budget_bytes
+
+    def _make_room(self, nbytes: int, spare: PrefixEntry | None, *, freeing: int = 0) -> None:
+        """Evict entries, least recently used first (never `spare`), until `nbytes` fit."""
+        for entry_id, entry in list(self._entries.items()):
+            if self._fits(nbytes, freeing=freeing):
+                return
+            if entry is not spare:
+                self._drop(entry_id)
+                self.cache_stats.evictions += 1
+
+    def keep(self, session_id: str, entry_id: int, positions: int, replaces: int = 0) -> bool:
+        """Keep the open session's first `positions` positions as entry `entry_id` (its KV is
+        about to be freed: its bytes count as free). False when it holds fewer positions or
+        the entry does not fit the cache's limit and the budget beside the live sessions."""
+        session = self.get(session_id)
+        main = session.main
+        per_position = main.kv[:, :1].numel() * main.kv.element_size()
+        nbytes = per_position * positions
+        if (
+            entry_id <= 0
+            or not 0 < positions <= main.valid_len
+            or nbytes > self.cache_limit_bytes
+            or not self._fits(nbytes, freeing=session.nbytes + self.cache_bytes)
+        ):
+            self.cache_stats.not_kept += 1
+            return False
+        if entry_id in self._entries:
+            self._drop(entry_id)
+        for old_id in list(self._entries):
+            if self.cache_bytes + nbytes <= self.cache_limit_bytes:
+                break
+            self._drop(old_id)
+            self.cache_stats.evictions += 1
+        self._make_room(nbytes, spare=None, freeing=session.nbytes)
+        self._entries[entry_id] = PrefixEntry(main.kv[:, :positions].clone())
+        self.cache_bytes += nbytes
+        self.cache_stats.kept += 1
+        if replaces and replaces != entry_id:
+            self.drop_entry(replaces)
+        return True
+
+    def drop_entry(self, entry_id: int) -> bool:
+        """Free entry `entry_id`; False if it was not held."""
+        if entry_id not in self._entries:
+            return False
+        self._drop(entry_id)
+        return True
+
+    def _drop(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self.cache_bytes -= entry.nbytes
+
+    def clear_entries(self) -> int:
+        """Free every entry (counted as evictions); how many there were."""
+        count = len(self._entries)
+        for entry_id in list(self._entries):
+            self._drop(entry_id)
+        self.cache_stats.evictions += count
+        return count
 
     def _group(self, n: int, max_positions: int) -> KVGroup:
         lay = self.layout

@@ -528,13 +528,18 @@ class StageModel:
         matrices = [m for layer in self.layers for m in layer.matrices()]
         return matrices + ([self._head] if self._head is not None else [])
 
-    def open_session(self, session_id: str, max_positions: int) -> None:
-        """Allocate KV for a session (`KVBudgetExceeded` past the budget)."""
-        self.kv.open(session_id, max_positions)
+    def open_session(
+        self, session_id: str, max_positions: int, *, prefix: tuple[int, int] | None = None
+    ) -> int:
+        """Allocate KV for a session (`KVBudgetExceeded` past the budget); with `prefix` =
+        (entry id, p), start from the prefix-cache entry's first p positions. Returns the
+        positions reused (`KVCache.open`)."""
+        reused = self.kv.open(session_id, max_positions, prefix=prefix)
         config = self.config
         self._scratch[session_id] = StepScratch.allocate(
             self._dims, config.intermediate_size, self.dtype, self.device
         )
+        return reused
 
     def close_session(self, session_id: str) -> None:
         """Free a session's KV (no-op if it is not open)."""

@@ -20,6 +20,7 @@ import torch
 import trio
 
 from meshd.model.checkpoint import Checkpoint
+from meshd.model.kvcache import KVCache
 from meshd.model.stage import LoadProgress, StageModel
 from meshd.net.bulk import BulkGate
 from meshd.net.lane_table import LaneTable
@@ -140,6 +141,11 @@ class StageSlot:
         """`coordinator` (a lane key) is gone: free its sessions here."""
         if self._running is not None:
             self._running.host.free_coordinator(coordinator)
+
+    @property
+    def kv_cache(self) -> KVCache | None:
+        """The current stage's KV cache, with its prefix-cache entries (None: no stage)."""
+        return self._running.host.stage.kv if self._running else None
 
     @property
     def kv_used_bytes(self) -> int:

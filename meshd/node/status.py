@@ -14,6 +14,7 @@ from meshd.mesh.identity import node_id_of
 from meshd.node.fetch import FetchStatus
 from meshd.node.model_status import ModelStatus, StageStatus, model_statuses, plan_stages
 from meshd.node.planning import holding_of
+from meshd.node.prefix_status import PrefixCacheStatus, prefix_cache_status
 from protocol.punch import RelayPath
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # peer or a finished session started must not stay behind (docs/operations.md).
     tasks: int = 0
     tasks_by_name: dict[str, int] = {}
+    # The prefix cache's counters (`meshd/node/prefix_status.py`).
+    prefix_cache: PrefixCacheStatus | None = None
 
 
 def trio_tasks() -> dict[str, int]:
@@ -222,6 +225,7 @@ def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
         fetch=node.artifacts.status(),
         tasks=sum(tasks.values()),
         tasks_by_name=tasks,
+        prefix_cache=prefix_cache_status(node),
     )
     return status
 

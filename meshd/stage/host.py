@@ -19,6 +19,12 @@ membership declared it dead: `free_coordinator`), or when its lease lapses: `ses
 without a window, rollback or `SessionKeepAlive` for it (`meshd/stage/leases.py`). Sessions freed
 without a close are counted by cause in `stats.sessions_expired`.
 
+Prefix cache: a `CloseSession` may ask the stage to keep the session's first positions as a
+cache entry, and an `OpenSession` may start from one (`meshd/model/kvcache.py` holds them,
+within `prefix_cache_bytes` and the KV budget, live sessions first). An open whose entry is gone
+opens empty at epoch 1 (its epoch-0 windows, sent for the hit, are dropped as stale before any
+compute) and answers `StageError(code="prefix_miss")`, so the coordinator prefills in full.
+
 Admission: a new session is refused with `StageError(code="overloaded", retry_after_s=…)` when
 the stage holds `max_sessions`, has `max_queued_windows` waiting, or its KV memory is full. The
 windows of admitted sessions are never dropped (that would stall their generations).
@@ -50,6 +56,8 @@ from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
 from protocol.messages import (
+    PREFIX_MISS,
+    PREFIX_MISS_EPOCH,
     CloseSession,
     Message,
     OpenSession,
@@ -83,11 +91,16 @@ class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_sessions: int = 64
     max_queued_windows: int = 256
     overload_retry_after_s: float = 1.0
+    # Bytes of prefix-cache entries (KV kept from finished sessions) the stage may hold; they
+    # also count against the KV budget, where live sessions evict them. 0: keep none.
+    prefix_cache_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_sessions", "max_queued_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0")
         if not 0 < self.overload_retry_after_s < math.inf:
             raise ValueError("overload_retry_after_s must be a positive number of seconds")
 
@@ -114,6 +127,7 @@ class StageHostStats:
     """What the host did (for status, metrics and tests)."""
 
     windows_computed: int = 0
+    tokens_computed: int = 0  # rows of the windows computed (prefill and decode)
     windows_stale: int = 0
     errors: int = 0
     compute_s: float = 0.0
@@ -170,6 +184,7 @@ class StageHost:
         self.batching = self.config.batching
         self.stats = StageHostStats()
         self.on_pass = on_pass
+        stage.kv.cache_limit_bytes = self.config.prefix_cache_bytes
         self.drafter = MtpDrafter(stage) if stage.is_last and stage.mtp else None
         # Seconds the last pass spent in the MTP heads, by session (worker thread writes, the
         # trio task reads after the pass; never both at once).
@@ -211,6 +226,10 @@ class StageHost:
         if isinstance(message, OpenSession):
             self._open(message, sender_key)
         elif isinstance(message, CloseSession):
+            if message.keep_entry and message.session in self._sessions:
+                self.stage.kv.keep(
+                    message.session, message.keep_entry, message.keep_positions, message.replaces
+                )
             self._close(message.session)
         elif isinstance(message, SessionKeepAlive):
             self._keep_alive(message, sender_key)
@@ -258,8 +277,12 @@ class StageHost:
         if busy:
             self._refuse(message, busy)
             return
+        prefix = None
+        if message.prefix_entry and not (self.drafter is not None and message.mtp_depth > 0):
+            # (A session with MTP heads needs their KV and hidden rows too: never a hit.)
+            prefix = (message.prefix_entry, message.prefix_positions)
         try:
-            self.stage.open_session(message.session, message.max_positions)
+            reused = self.stage.open_session(message.session, message.max_positions, prefix=prefix)
         except KVBudgetExceeded as exc:
             if self._fits_when_empty(message.max_positions):
                 self._refuse(message, str(exc))  # memory frees as other sessions close
@@ -271,7 +294,19 @@ class StageHost:
             return
         if self.drafter is not None and message.mtp_depth > 0:
             self.drafter.open(message.session)
-        self._sessions[message.session] = _Session(message)
+        session = self._sessions[message.session] = _Session(message)
+        if message.prefix_entry and not reused:
+            if prefix is None:
+                self.stage.kv.cache_stats.misses += 1
+            session.epoch = PREFIX_MISS_EPOCH
+            miss = StageError(
+                message.session,
+                PREFIX_MISS,
+                f"this stage no longer holds {message.prefix_positions} positions of prefix "
+                f"entry {message.prefix_entry}",
+            )
+            self._errors.append((message.coordinator, miss))
+            self._ready.set()
         self.stats.sessions_open = len(self._sessions)
         self.leases.touch(message.session, trio.current_time())
         self._empty = trio.Event()
@@ -312,9 +347,10 @@ class StageHost:
         return found
 
     def close_all(self) -> None:
-        """Free every session (the stage is being stopped)."""
+        """Free every session and prefix-cache entry (the stage is being stopped)."""
         for session_id in list(self._sessions):
             self._close(session_id)
+        self.stage.kv.clear_entries()
 
     def free_coordinator(self, coordinator: bytes) -> list[str]:
         """Free every session of `coordinator` (its lane died, or it was declared dead)."""
@@ -451,6 +487,7 @@ class StageHost:
             await self._send(info.coordinator, error)
             return
         self.stats.windows_computed += 1
+        self.stats.tokens_computed += len(window.tokens)
         timings = [*(work.hidden.timings if work.hidden else []), timing]
         if isinstance(result, torch.Tensor):
             assert info.next_hop is not None

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.api.metrics import ApiMetrics
 from meshd.node.node_metrics import NodeCollector
+from meshd.node.prefix_status import PrefixCacheStatus, register_prefix_metrics
 from meshd.speculative.telemetry import ProposerCounts, SpecTelemetry
 from tests.node.statuses import a_status
 
@@ -27,6 +28,11 @@ def daemon_metrics() -> ApiMetrics:
     """The daemon's registry with every family fed once."""
     m = ApiMetrics()
     m.registry.register(NodeCollector(a_status))
+    prefix = PrefixCacheStatus(
+        lookups=2, hits=1, reused_tokens=128, misses=0, prompt_tokens=300, entries=1,
+        bytes_held=4096, evictions=0, stage_hits=1, stage_reused_tokens=128, stage_misses=0,
+    )  # fmt: skip
+    register_prefix_metrics(m, lambda: prefix)
     m.request_started()
     m.request_done("/v1/chat/completions", 200, 0.2)
     m.prompt_tokens.inc(5)

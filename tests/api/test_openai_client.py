@@ -216,3 +216,50 @@ async def test_async_client_runs_inside_trio() -> None:
         assert whole.usage is not None and whole.usage.completion_tokens >= 1
         await c.close()
         nursery.cancel_scope.cancel()
+
+
+# A system prompt of several prefill chunks: turn 2 of the chat repeats it, and turn 1's reply.
+LONG_SYSTEM = (
+    "You are a careful assistant for a small team that maintains a Python service. "
+    "Answer briefly, name the module you mean, and prefer standard-library solutions. "
+) * 12
+
+
+def test_turn_two_reports_cached_tokens_and_computes_only_the_rest(served: Served) -> None:
+    tokenizer = served.backend.tokenizer
+    hosts = served.backend.pipeline.hosts
+    c = client(served.url)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": LONG_SYSTEM},
+        {"role": "user", "content": "How do I read a JSON file?"},
+    ]
+    first = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens > 512
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And how do I write one back?"},
+    ]
+    computed = served.call(lambda: [h.stats.tokens_computed for h in hosts])
+    # One token: the stages compute the prompt's uncached positions and nothing else.
+    second = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    usage = second.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= 512 and cached % 128 == 0  # whole prefill chunks
+    after = served.call(lambda: [h.stats.tokens_computed for h in hosts])
+    assert [a - b for a, b in zip(after, computed, strict=True)] == [
+        usage.prompt_tokens - cached
+    ] * 2
+    assert usage.prompt_tokens - cached <= 0.5 * usage.prompt_tokens
+
+    warm = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
+    # The one-token request kept this prompt's own whole chunks: now those are reused.
+    assert warm.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens // 128 * 128
+    coordinator = served.backend.pipeline.coordinator
+    coordinator.prefix_cache = False
+    try:
+        cold = reference(served, tokenizer.encode_chat(messages), 24)
+    finally:
+        coordinator.prefix_cache = True
+    assert warm.choices[0].message.content == tokenizer.decode(cold, skip_special_tokens=True)

@@ -242,6 +242,40 @@ def test_generation_equals_single_node_greedy(mesh: Mesh, tokenizer: Tokenizer) 
     assert reply.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_a_repeated_prompt_is_served_from_every_stage_prefix_cache(
+    mesh: Mesh, tokenizer: Tokenizer
+) -> None:
+    mesh.serving(spares=None)
+    target = mesh.coordinator()
+    api = target.api_url
+    # Random words: no other test of the module sends this prefix.
+    rng = random.Random(31)
+    text = " ".join(f"w{rng.randrange(10_000)}" for _ in range(150))
+    prompt = tokenizer.encode(text)
+    assert len(prompt) > 300
+    body = {"model": "meshd-builtin", "prompt": text, "max_tokens": 8, "temperature": 0}
+    replies = []
+    for _ in range(2):
+        reply = httpx.post(f"{api}/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        replies.append(reply.json())
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    assert cached[0] == 0 and cached[1] == replies[1]["usage"]["prompt_tokens"] // 128 * 128
+    # The hit answers what the cold request answered.
+    assert replies[1]["choices"][0]["text"] == replies[0]["choices"][0]["text"]
+    status = json.loads(meshctl("status", "--json", "--socket", target.socket))
+    assert status["prefix_cache"]["hits"] >= 1
+    assert status["prefix_cache"]["reused_tokens"] >= cached[1]
+    root = api.removesuffix("/v1")
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(httpx.get(f"{root}/metrics").text)
+        for s in family.samples
+    }
+    assert samples["meshd_prefix_cache_hits_total"] >= 1
+    assert "prefix cache:" in meshctl("status", "--socket", target.socket)
+
+
 def test_forged_datagrams_at_a_lane_port_show_in_status_and_metrics_by_reason(
     mesh: Mesh,
 ) -> None:

@@ -213,6 +213,14 @@ def test_every_exported_family_is_set_after_a_request_and_a_kill(
         "meshd_stage_sessions_expired_total": lambda s: set(by(s, "cause")) == set(EXPIRY_CAUSES),
         "meshd_trio_tasks": lambda s: value(s) > 10,
         "meshd_stage_compute_seconds": lambda s: count(s) > 0 and MODEL in by(s, "model"),
+        # Every request looks its prompt up; the two differ, so nothing need be reused.
+        "meshd_prefix_cache_lookups_total": lambda s: value(s) >= 2,
+        "meshd_prefix_cache_hits_total": lambda s: value(s) >= 0,
+        "meshd_prefix_cache_reused_tokens_total": lambda s: value(s) >= 0,
+        "meshd_prefix_cache_misses_total": lambda s: value(s) >= 0,
+        "meshd_prefix_cache_evictions_total": lambda s: value(s) >= 0,
+        "meshd_prefix_cache_bytes": lambda s: value(s) >= 0,
+        "meshd_prefix_cache_entries": lambda s: value(s) >= 0,
     }
     documented = {row.split("`")[1] for row in documented_table().splitlines()[2:]}
     assert set(got) == documented, "every family documented, and exported by the daemon"

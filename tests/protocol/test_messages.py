@@ -55,6 +55,16 @@ EXAMPLES = [
     ),
     StageError(session="s1", code="kv_budget", message="no room"),
     SessionKeepAlive(sessions=["s1", "s2"]),
+    OpenSession(
+        session="s2",
+        model_id="m",
+        max_positions=512,
+        stage_index=0,
+        coordinator=b"k" * 32,
+        prefix_entry=2**63 - 1,
+        prefix_positions=256,
+    ),
+    CloseSession(session="s2", keep_entry=9, keep_positions=300, replaces=4),
 ]
 
 
@@ -76,6 +86,23 @@ def test_keep_alive_limits_are_enforced() -> None:
         raw = msgspec.msgpack.encode(bad)
         with pytest.raises(RemoteProtocolError):
             decode(raw)
+
+
+def test_prefix_cache_fields_are_checked() -> None:
+    base = OpenSession(session="s", model_id="m", max_positions=64, stage_index=0, coordinator=b"")
+    for bad in (
+        msgspec.structs.replace(base, prefix_entry=3),  # an entry needs positions
+        msgspec.structs.replace(base, prefix_positions=3),  # positions need an entry
+        msgspec.structs.replace(base, prefix_entry=-1, prefix_positions=3),
+        msgspec.structs.replace(base, prefix_entry=3, prefix_positions=64),  # nothing left
+        CloseSession("s", keep_entry=2**63, keep_positions=3),
+        CloseSession("s", keep_entry=5),
+        CloseSession("s", replaces=-2),
+    ):
+        with pytest.raises(LocalProtocolError):
+            encode(bad)
+        with pytest.raises(RemoteProtocolError):
+            decode(msgspec.msgpack.encode(bad))
 
 
 def test_reply_keeps_target_token_and_mtp_draft_apart() -> None:
