@@ -91,6 +91,17 @@ class GenerationRequest:
     spec: SpecConfig = field(default_factory=SpecConfig)
     eos_ids: frozenset[int] = frozenset()
     mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
+    # Where `prompt` holds tokens an earlier attempt generated (a recovery): from this position
+    # on they are fed in windows of at most `REPLAY_WINDOW_TOKENS`, as decoding first fed them
+    # (None: every token is the client's prompt).
+    replay_from: int | None = None
+
+
+# A CPU stage computes each row of a window of at most this many tokens to the bits it gives
+# that row alone (`meshd.model.llama.ROW_ATTENTION_MAX`); longer prefill windows differ in the
+# last bits, which quantized activations can grow into a different greedy token. Replaying a
+# recovery's generated tokens in such windows rebuilds the KV the undisturbed run had.
+REPLAY_WINDOW_TOKENS = 16
 
 
 @dataclass
@@ -226,10 +237,8 @@ class WindowLoop:
         self.proposer.reset(prompt)
         self._phase = "prefill"
         self._prefill_start = now
-        chunk = self.prefill_chunk_tokens
         first_key = self.route.keys[0]
-        for lo in range(0, len(prompt), chunk):
-            hi = min(len(prompt), lo + chunk)
+        for lo, hi in self._prefill_windows(len(prompt)):
             self._prefill_id = self._window_id()
             window = VerifyWindow(
                 session=self.session,
@@ -245,6 +254,18 @@ class WindowLoop:
             out.append(Send(first_key, window))
         self._deadline = now + self.reply_timeout_s
         return out
+
+    def _prefill_windows(self, length: int) -> list[tuple[int, int]]:
+        """The prompt's windows: the client's prompt in chunks of `prefill_chunk_tokens` (as
+        every attempt chunks it), then any replayed tokens in windows of at most
+        `REPLAY_WINDOW_TOKENS`, so their KV gets the bits decoding gave it."""
+        replay_from = self.request.replay_from
+        own = length if replay_from is None else min(max(replay_from, 1), length)
+        chunk = self.prefill_chunk_tokens
+        windows = [(lo, min(own, lo + chunk)) for lo in range(0, own, chunk)]
+        step = REPLAY_WINDOW_TOKENS
+        windows += [(lo, min(length, lo + step)) for lo in range(own, length, step)]
+        return windows
 
     def on_reply(self, reply: VerifyReply | StageError, now: float) -> list[Send]:
         """A reply or error from the route's last stage (replies of older epochs: ignored)."""
