@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="draft checkpoint for the draft strategies and auto (default: the built-in "
-        "model's shipped draft when --model is not given; '' for none)",
+        "model's shipped draft when the model is the built-in one, else none; '' for none)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
