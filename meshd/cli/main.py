@@ -14,7 +14,7 @@ from typing import NoReturn
 
 # name -> (module, help). Each module exposes `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("meshd.cli.demo", "run the local mesh demo on the built-in model"),
+    "demo": ("meshd.cli.demo", "run the local mesh demo on a real 135M model (SmolLM2)"),
     "serve": ("meshd.cli.serve", "run the daemon"),
     "version": ("meshd.cli.version", "print the version"),
 }

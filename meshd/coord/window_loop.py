@@ -102,6 +102,17 @@ class GenerationRequest:
     spec: SpecConfig = field(default_factory=SpecConfig)
     eos_ids: frozenset[int] = frozenset()
     mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
+    # Where `prompt` holds tokens an earlier attempt generated (a recovery): from this position
+    # on they are fed in windows of at most `REPLAY_WINDOW_TOKENS`, as decoding first fed them
+    # (None: every token is the client's prompt).
+    replay_from: int | None = None
+
+
+# A CPU stage computes each row of a window of at most this many tokens to the bits it gives
+# that row alone (`meshd.model.llama.ROW_ATTENTION_MAX`); longer prefill windows differ in the
+# last bits, which quantized activations can grow into a different greedy token. Replaying a
+# recovery's generated tokens in such windows rebuilds the KV the undisturbed run had.
+REPLAY_WINDOW_TOKENS = 16
 
 
 @dataclass
@@ -281,12 +292,10 @@ class WindowLoop:
 
     def _prefill(self, start: int) -> list[Send]:
         """The prompt from `start`, in chunks cut at multiples of `prefill_chunk_tokens`."""
-        prompt, chunk = self._prompt, self.prefill_chunk_tokens
+        prompt = self._prompt
         first_key = self.route.keys[0]
         out: list[Send] = []
-        lo = start
-        while lo < len(prompt):
-            hi = min(len(prompt), (lo // chunk + 1) * chunk)
+        for lo, hi in self._prefill_windows(len(prompt), start):
             self._prefill_id = self._window_id()
             window = VerifyWindow(
                 session=self.session,
@@ -300,7 +309,6 @@ class WindowLoop:
                 mtp_tokens=self.mtp_tokens,
             )
             out.append(Send(first_key, window))
-            lo = hi
         return out
 
     def _prefix_missed(self, now: float) -> list[Send]:
@@ -313,6 +321,27 @@ class WindowLoop:
         self._prefill_start = now
         self._deadline = now + self.reply_timeout_s
         return out
+
+    def _prefill_windows(self, length: int, start: int = 0) -> list[tuple[int, int]]:
+        """The prompt's windows from position `start`: the client's prompt in chunks cut at
+        multiples of `prefill_chunk_tokens` from 0 (as every attempt cuts it, so a cached
+        prefix's positions hold the bits a cold run gives them), then any replayed tokens in
+        windows of at most `REPLAY_WINDOW_TOKENS`, so their KV gets the bits decoding gave it."""
+        replay_from = self.request.replay_from
+        own = length if replay_from is None else min(max(replay_from, 1), length)
+        chunk = self.prefill_chunk_tokens
+        windows = [
+            (max(lo, start), min(own, lo + chunk))
+            for lo in range(0, own, chunk)
+            if lo + chunk > start
+        ]
+        step = REPLAY_WINDOW_TOKENS
+        windows += [
+            (max(lo, start), min(length, lo + step))
+            for lo in range(own, length, step)
+            if lo + step > start
+        ]
+        return [(lo, hi) for lo, hi in windows if hi > lo]
 
     def on_reply(self, reply: VerifyReply | StageError, now: float) -> list[Send]:
         """A reply or error from the route's last stage (replies of older epochs: ignored)."""

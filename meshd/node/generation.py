@@ -4,8 +4,10 @@ The node coordinates its own requests over the current plan's route. When the ro
 (a stage's lane died, a stage was stopped, or a stage does not hold the layers the route
 expects yet), the request keeps what it committed, re-plans without the lost node and
 continues on the new route: it re-prefills prompt + committed tokens and generates the rest.
-Stages write KV by absolute position and the last stage samples keyed by seed and position,
-so the continuation is the same as an undisturbed run's, greedy or seeded.
+Stages write KV by absolute position and the last stage samples keyed by seed and position;
+the committed tokens are re-fed in windows a CPU stage computes to the bits decoding gave them
+(`GenerationRequest.replay_from`), so the continuation is the same as an undisturbed run's,
+greedy or seeded.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class NodeBackend:
                 request,
                 prompt=[*request.prompt, *committed],
                 max_tokens=request.max_tokens - len(committed),
+                replay_from=len(request.prompt) if committed else None,
             )
             try:
                 result = await self.coordinator.generate(route, attempt, on_tokens)

