@@ -24,6 +24,8 @@ MAX_WINDOW_TOKENS = 8192
 MAX_SESSION_ID_CHARS = 64
 # Sessions one keep-alive may renew (a coordinator with more sends several).
 MAX_KEEPALIVE_SESSIONS = 1024
+# Most alternatives a window may ask the last stage to report per token (OpenAI allows 20).
+MAX_TOP_LOGPROBS = 20
 
 DType = Literal["f32", "f16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
@@ -142,6 +144,18 @@ class VerifyWindow(msgspec.Struct, frozen=True, tag="window"):
     n_draft: int = 0
     sample: bool = True
     mtp_tokens: int = 0
+    # -1: no log-probs (the last stage computes none). n >= 0: the reply carries, for each
+    # token it commits, that token's log-prob and the n most likely ids with theirs.
+    logprobs: int = -1
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One committed token's log-prob under the model's own distribution (log-softmax of the
+    logits row that chose it, before temperature and filters), and the most likely ids."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class StageHidden(msgspec.Struct, frozen=True, tag="hidden"):
@@ -167,6 +181,9 @@ class VerifyReply(msgspec.Struct, frozen=True, tag="reply"):
     next_token: int
     mtp_draft: list[int]
     stage_timings: list[StageTiming]
+    # One entry per committed token (accepted drafts, then next_token) when the window asked
+    # for log-probs; empty otherwise.
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
 
 
 class StageError(msgspec.Struct, frozen=True, tag="error"):
@@ -260,6 +277,8 @@ def _check_window(w: VerifyWindow) -> None:
         raise RemoteProtocolError("negative position, epoch, window id or mtp count")
     if any(t < 0 for t in w.tokens):
         raise RemoteProtocolError("negative token id")
+    if not -1 <= w.logprobs <= MAX_TOP_LOGPROBS:
+        raise RemoteProtocolError(f"logprobs must be -1..{MAX_TOP_LOGPROBS}")
     s = w.sampling
     if not (s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
         raise RemoteProtocolError("sampling parameters out of range")

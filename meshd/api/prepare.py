@@ -16,6 +16,7 @@ import msgspec
 
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import ApiError, bad_request, unsupported
+from meshd.api.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_TEXT_LOGPROBS
 from meshd.api.schemas import ChatCompletionRequest, ChatMessage, CommonFields, CompletionRequest
 from meshd.coord.coordinator import GenerationRequest
 from meshd.model.errors import TokenizerError
@@ -64,7 +65,7 @@ def prepare_chat(
 ) -> Prepared:
     """Check a chat request and render its prompt with the model's chat template."""
     check_model(body.model, backend)
-    _refuse_common(body, chat=True)
+    _refuse_common(body)
     _refuse_chat(body)
     if not body.messages:
         raise bad_request("messages must hold at least one message", param="messages")
@@ -82,7 +83,7 @@ def prepare_completion(
 ) -> Prepared:
     """Check a text completion request and tokenize its prompt."""
     check_model(body.model, backend)
-    _refuse_common(body, chat=False)
+    _refuse_common(body)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1")
     if body.echo not in (None, False):
@@ -107,6 +108,7 @@ def _prepared(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
     options = body.meshd
+    logprobs = _logprobs(body)
     generation = GenerationRequest(
         prompt=prompt,
         max_tokens=_fit_context(
@@ -119,6 +121,7 @@ def _prepared(
         spec=_spec(spec_base, options.speculative if options else None),
         eos_ids=frozenset() if options and options.ignore_eos else _eos(backend),
         mtp_depth=backend.mtp_depth,
+        logprobs=logprobs,
     )
     return Prepared(
         kind=kind,
@@ -135,6 +138,36 @@ def _eos(backend: MeshBackend) -> frozenset[int]:
 
 
 # -- parameters -------------------------------------------------------------------------
+def _logprobs(body: CommonFields) -> int:
+    """Alternatives to report per token, or -1 for no log-probs (chat: `logprobs` true with
+    `top_logprobs`; completions: `logprobs` is the count)."""
+    value = body.logprobs
+    if isinstance(body, ChatCompletionRequest):
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("logprobs must be true or false", param="logprobs")
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be within 0..{MAX_CHAT_TOP_LOGPROBS}",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        if not value:
+            if top:
+                raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+            return -1
+        return top or 0
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not 0 <= value <= MAX_TEXT_LOGPROBS:
+        raise bad_request(
+            f"logprobs must be an integer within 0..{MAX_TEXT_LOGPROBS}",
+            param="logprobs",
+            code="invalid_value",
+        )
+    return value
+
+
 def _max_tokens(max_tokens: int | None, max_completion_tokens: int | None) -> int | None:
     both = max_tokens is not None and max_completion_tokens is not None
     if both and max_tokens != max_completion_tokens:
@@ -273,7 +306,7 @@ def _completion_prompt(prompt: str | list[Any], backend: MeshBackend) -> list[in
 
 
 # -- refusals ---------------------------------------------------------------------------
-def _refuse_common(body: CommonFields, *, chat: bool) -> None:
+def _refuse_common(body: CommonFields) -> None:
     if body.n not in (None, 1):
         raise unsupported("n", "n > 1 (several choices per request)")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -281,13 +314,9 @@ def _refuse_common(body: CommonFields, *, chat: bool) -> None:
             raise unsupported(name, "a non-zero penalty")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit bias")
-    if body.logprobs not in ((None, False) if chat else (None,)):
-        raise unsupported("logprobs", "returning log probabilities")
 
 
 def _refuse_chat(body: ChatCompletionRequest) -> None:
-    if body.top_logprobs not in (None, 0):
-        raise unsupported("top_logprobs", "returning log probabilities")
     fmt = body.response_format
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise unsupported("response_format", "a response format other than text")

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshd.api.backend import MeshBackend, Overloaded, ServiceUnavailable
 from meshd.api.errors import from_backend
+from meshd.api.logprobs import Scored
 from meshd.api.metrics import ApiMetrics
 from meshd.api.prepare import Prepared
 from meshd.api.schemas import FinishReason, Usage
 from meshd.api.textstream import TextStream
 from meshd.speculative.telemetry import SpecTelemetry
+from protocol.messages import TokenLogprobs
 
-Emit = Callable[[str], Awaitable[None]]
+# Text released, and the tokens that went into it with their log-probs (when asked for).
+Emit = Callable[[str, list[Scored]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ async def run_generation(
     """
     text = TextStream(backend.tokenizer, prepared.stops)
     last_s: float | None = None
+    pending: list[TokenLogprobs] = []  # the coordinator's log-probs of the next batch
+    generation = prepared.generation
+    if generation.logprobs >= 0:
+        generation = replace(generation, on_logprobs=pending.extend)
 
     async def on_tokens(tokens: list[int]) -> bool:
         nonlocal last_s
@@ -60,18 +67,23 @@ async def run_generation(
                 metrics.tpot.observe(per_token)
         last_s = now
         metrics.generated_tokens.inc(len(tokens))
+        before = text.tokens_used
         delta = text.push(tokens)
-        if delta:
-            await emit(delta)
+        # Only the tokens that went into the text (a stop sequence ends it) are reported.
+        used = text.tokens_used - before
+        scored = list(zip(tokens[:used], pending[:used], strict=False)) if pending else []
+        pending.clear()
+        if delta or scored:
+            await emit(delta, scored)
         return not text.stopped
 
     try:
-        result = await backend.generate(prepared.generation, on_tokens)
+        result = await backend.generate(generation, on_tokens)
     except (Overloaded, ServiceUnavailable) as exc:
         raise from_backend(exc) from exc
     tail = text.finish()
     if tail:
-        await emit(tail)
+        await emit(tail, [])
     metrics.speculation(result.telemetry)
     finish: FinishReason = "stop" if text.stopped or result.finish_reason == "stop" else "length"
     completion = text.tokens_used

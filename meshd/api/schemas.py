@@ -14,6 +14,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from meshd.api.logprobs import ChatLogprobs, TextLogprobs
 from meshd.speculative.telemetry import SpecTelemetry
 
 # -- requests ---------------------------------------------------------------------------
@@ -74,7 +75,8 @@ class CommonFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    logprobs: Any = None
+    # Chat: a bool (with `top_logprobs` 0..20); completions: the number of alternatives 0..5.
+    logprobs: bool | int | None = None
 
 
 class ChatCompletionRequest(CommonFields, frozen=True, kw_only=True):
@@ -89,8 +91,8 @@ class ChatCompletionRequest(CommonFields, frozen=True, kw_only=True):
     parallel_tool_calls: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    top_logprobs: int | None = None
     # Refused unless they ask for the default.
-    top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -163,7 +165,7 @@ class ChatChoice(msgspec.Struct, frozen=True):
     message: AssistantMessage
     finish_reason: FinishReason
     index: int = 0
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,7 +194,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True):
     delta: ChatDelta
     finish_reason: FinishReason | None = None
     index: int = 0
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,7 +216,7 @@ class TextChoice(msgspec.Struct, frozen=True):
     text: str
     finish_reason: FinishReason | None = None
     index: int = 0
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

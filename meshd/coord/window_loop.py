@@ -49,6 +49,7 @@ from protocol.messages import (
     Rollback,
     Sampling,
     StageError,
+    TokenLogprobs,
     VerifyReply,
     VerifyWindow,
 )
@@ -91,6 +92,12 @@ class GenerationRequest:
     spec: SpecConfig = field(default_factory=SpecConfig)
     eos_ids: frozenset[int] = frozenset()
     mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
+    # -1: no log-probs. n >= 0: each generated token's log-prob and its n likeliest
+    # alternatives come back with it (`WindowLoop.logprobs_to_stream`, `GenerationResult`).
+    logprobs: int = -1
+    # Called with the log-probs of each batch of tokens just before the driver streams them
+    # (one per token, in order), so a recovered request's batches keep coming to one place.
+    on_logprobs: Callable[[list[TokenLogprobs]], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -100,6 +107,8 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str  # "stop" (EOS or asked to stop) or "length"
     telemetry: SpecTelemetry
+    # One per token when the request asked for log-probs; empty otherwise.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Send(NamedTuple):
@@ -166,6 +175,7 @@ class WindowLoop:
         self._prompt_len = 0
         self._next_window_id = 0
         self._committed: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
         self._last_token = -1
         self._in_flight: deque[_Window] = deque()
         self._mtp_draft: list[int] = []
@@ -177,6 +187,7 @@ class WindowLoop:
         self._deadline: float | None = None
         # Committed tokens the driver has yet to stream, and what the loop does once it has.
         self._to_stream: list[int] = []
+        self._logprobs_to_stream: list[TokenLogprobs] = []
         self._eos = False
         self._after_reply = False  # the commit came from a decode reply (not the prefill)
         self._rejected = False  # that reply disproved the windows still in flight
@@ -198,6 +209,11 @@ class WindowLoop:
         return list(self._to_stream)
 
     @property
+    def logprobs_to_stream(self) -> list[TokenLogprobs]:
+        """The log-probs of `tokens_to_stream`, one each (empty unless the request asked)."""
+        return list(self._logprobs_to_stream)
+
+    @property
     def windows_in_flight(self) -> int:
         """Verify windows sent and not yet answered in the current epoch."""
         return len(self._in_flight)
@@ -211,7 +227,9 @@ class WindowLoop:
 
     def result(self) -> GenerationResult:
         """What came out (the tokens so far while the loop is not done)."""
-        return GenerationResult(self.committed, self.finish_reason, self.recorder.snapshot())
+        return GenerationResult(
+            self.committed, self.finish_reason, self.recorder.snapshot(), list(self._logprobs)
+        )
 
     # -- events --------------------------------------------------------------------------
     def start(self, prompt: Sequence[int], now: float) -> list[Send]:
@@ -241,6 +259,7 @@ class WindowLoop:
                 n_draft=0,
                 sample=hi == len(prompt),
                 mtp_tokens=self.mtp_tokens,
+                logprobs=self.request.logprobs if hi == len(prompt) else -1,
             )
             out.append(Send(first_key, window))
         self._deadline = now + self.reply_timeout_s
@@ -268,7 +287,8 @@ class WindowLoop:
             self._phase = "decode"
             self._decode_start = now
             self._after_reply = False
-            return self._commit([reply.next_token], reply.next_token, now)
+            self._check_logprobs(reply, 1)
+            return self._commit([reply.next_token], reply.next_token, now, reply.logprobs)
         return self._on_verdict(reply, now)
 
     def on_streamed(self, now: float, *, stop: bool = False) -> list[Send]:
@@ -276,6 +296,7 @@ class WindowLoop:
         if not self._to_stream:
             raise RuntimeError("nothing was waiting to be streamed")
         self._to_stream = []
+        self._logprobs_to_stream = []
         self._deadline = now + self.reply_timeout_s
         return self._settle(now, stop)
 
@@ -347,6 +368,7 @@ class WindowLoop:
                 RouteFailed(f"reply accepts {accepted} of {w.n_draft} drafts", self._committed)
             )
         new = [*w.tokens[1 : 1 + accepted], reply.next_token]
+        self._check_logprobs(reply, len(new))
         self.proposer.record(w.n_draft, accepted)
         self.recorder.verdict(
             self.proposer.active,
@@ -361,17 +383,32 @@ class WindowLoop:
         self._rejected = bool(self._in_flight) and (
             accepted < w.n_draft or reply.next_token != self._in_flight[0].tokens[0]
         )
-        return self._commit(new, reply.next_token, now)
+        return self._commit(new, reply.next_token, now, reply.logprobs)
 
-    def _commit(self, tokens: list[int], last: int, now: float) -> list[Send]:
+    def _check_logprobs(self, reply: VerifyReply, committed: int) -> None:
+        expected = committed if self.request.logprobs >= 0 else 0
+        if len(reply.logprobs) != expected:
+            self._fail(
+                RouteFailed(
+                    f"reply carries {len(reply.logprobs)} log-probs for {expected}",
+                    self._committed,
+                )
+            )
+
+    def _commit(
+        self, tokens: list[int], last: int, now: float, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[Send]:
         """Add tokens to the log; hold back what follows until the visible ones are streamed."""
         self._last_token = last
         self._eos = last in self.request.eos_ids
         visible = tokens[:-1] if self._eos else tokens
         self._committed.extend(visible)
+        kept = list(logprobs[: len(visible)])
+        self._logprobs.extend(kept)
         self.proposer.observe(tokens)
         if visible:
             self._to_stream = list(visible)
+            self._logprobs_to_stream = kept
             return []
         return self._settle(now, stop=False)
 
@@ -480,6 +517,7 @@ class WindowLoop:
             sampling=self.request.sampling,
             n_draft=w.n_draft,
             mtp_tokens=self.mtp_tokens,
+            logprobs=self.request.logprobs,
         )
         self._in_flight.append(w)
         self.recorder.window_sent()

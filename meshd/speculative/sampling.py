@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from protocol.messages import TokenLogprobs
+
 _MASK64 = (1 << 64) - 1
 # Candidates examined first when finding the top-p nucleus (then 8x more, until found).
 _NUCLEUS_FIRST_LOOK = 256
@@ -297,6 +299,26 @@ def _walk(drafts: list[int], choice: Callable[[int], int], eos_ids: frozenset[in
             return Verdict(j, target, [*drafts[:j], target], target in eos_ids)
     bonus = choice(len(drafts))
     return Verdict(len(drafts), bonus, [*drafts, bonus], bonus in eos_ids)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Each token's log-prob under its row's raw distribution, with the `top` most likely ids.
+
+    `rows` is `[len(tokens), V]`, row j the logits that chose `tokens[j]`. The distribution is
+    the model's own (log-softmax of the logits, before temperature, top-k/top-p and any grammar
+    mask), as OpenAI reports it, so the numbers do not depend on how the token was drawn.
+    """
+    logp = torch.log_softmax(rows.detach().to(device="cpu", dtype=torch.float32), -1)
+    chosen = logp.gather(-1, torch.tensor([[int(t)] for t in tokens], dtype=torch.int64))
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.shape[-1]), -1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in tokens]
+    return [
+        TokenLogprobs(float(c), i, v)
+        for c, i, v in zip(chosen.squeeze(-1).tolist(), top_ids, top_values, strict=True)
+    ]
 
 
 def clip_drafts(drafts: Sequence[int], remaining_tokens: int) -> list[int]:

@@ -86,7 +86,9 @@ def test_malformed_bodies_are_400(served: Served, content: bytes) -> None:
     [
         ({"foo": 1}, "foo", "unknown_parameter"),
         ({"max_tokens": "many"}, "max_tokens", "invalid_value"),
-        ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+        ({"top_logprobs": 2}, "top_logprobs", None),
+        ({"logprobs": 3}, "logprobs", None),
         ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"temperature": 3}, "temperature", "invalid_value"),
