@@ -147,6 +147,10 @@ class VerifyWindow(msgspec.Struct, frozen=True, tag="window"):
     # -1: no log-probs (the last stage computes none). n >= 0: the reply carries, for each
     # token it commits, that token's log-prob and the n most likely ids with theirs.
     logprobs: int = -1
+    # A grammar's allowed tokens for each row that chooses a token (n_draft + 1 rows): rows of
+    # little-endian 32-bit words, bit i of word j allowing token 32·j + i, zlib-compressed.
+    # Empty: no grammar (the last stage masks nothing).
+    mask: bytes = b""
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import msgspec
+import trio
 
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import ApiError, bad_request, unsupported
@@ -21,6 +22,12 @@ from meshd.api.schemas import ChatCompletionRequest, ChatMessage, CommonFields, 
 from meshd.coord.coordinator import GenerationRequest
 from meshd.model.errors import TokenizerError
 from meshd.speculative.config import SpecConfig, SpecConfigError, resolve_spec_config
+from meshd.speculative.grammar import (
+    Constraint,
+    GrammarError,
+    grammar_tokenizer,
+    json_schema_grammar,
+)
 from protocol.messages import Sampling
 
 MAX_STOP_SEQUENCES = 16
@@ -42,6 +49,9 @@ class Prepared:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # The grammar the output must follow (structured output), compiled for the model's
+    # tokenizer by `with_grammar`; None: unconstrained.
+    grammar: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -75,7 +85,25 @@ def prepare_chat(
     except TokenizerError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
     limit = _max_tokens(body.max_tokens, body.max_completion_tokens)
-    return _prepared("chat", body, prompt, limit, backend, spec_base)
+    prepared = _prepared("chat", body, prompt, limit, backend, spec_base)
+    return replace(prepared, grammar=_response_format(body.response_format))
+
+
+async def with_grammar(prepared: Prepared, backend: MeshBackend) -> Prepared:
+    """`prepared` with its grammar's matcher attached to the generation (built in a worker
+    thread: the first use of a tokenizer takes seconds for a large vocabulary)."""
+    if prepared.grammar is None:
+        return prepared
+    grammar = prepared.grammar
+
+    def build() -> Constraint:
+        return Constraint(grammar_tokenizer(backend.tokenizer), grammar)
+
+    try:
+        constraint = await trio.to_thread.run_sync(build)
+    except GrammarError as exc:
+        raise bad_request(f"cannot enforce this format: {exc}", param="response_format") from None
+    return replace(prepared, generation=replace(prepared.generation, grammar=constraint))
 
 
 def prepare_completion(
@@ -138,6 +166,42 @@ def _eos(backend: MeshBackend) -> frozenset[int]:
 
 
 # -- parameters -------------------------------------------------------------------------
+def _response_format(fmt: Any) -> str | None:
+    """The grammar `response_format` asks for: none for text, any JSON object for
+    `json_object`, the schema's JSON for `json_schema` (`strict` refuses schema keywords the
+    engine cannot enforce; without it they are ignored)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return json_schema_grammar(None)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise bad_request(
+                    "response_format.json_schema must be an object with a name",
+                    param="response_format.json_schema",
+                )
+            schema = spec.get("schema", {})
+            strict = spec.get("strict")
+            if not isinstance(schema, dict) or not isinstance(strict, bool | None):
+                raise bad_request(
+                    "response_format.json_schema: schema must be an object, strict a boolean",
+                    param="response_format.json_schema",
+                )
+            return json_schema_grammar(schema, strict=bool(strict))
+    except GrammarError as exc:
+        raise bad_request(
+            f"cannot enforce this JSON schema: {exc}",
+            param="response_format.json_schema.schema",
+            code="invalid_value",
+        ) from None
+    raise unsupported("response_format", f"a response format of type {kind!r}")
+
+
 def _logprobs(body: CommonFields) -> int:
     """Alternatives to report per token, or -1 for no log-probs (chat: `logprobs` true with
     `top_logprobs`; completions: `logprobs` is the count)."""
@@ -317,9 +381,6 @@ def _refuse_common(body: CommonFields) -> None:
 
 
 def _refuse_chat(body: ChatCompletionRequest) -> None:
-    fmt = body.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise unsupported("response_format", "a response format other than text")
     if body.tools not in (None, []):
         raise unsupported("tools", "tool calling")
     if body.functions not in (None, []):

@@ -38,6 +38,7 @@ from typing import NamedTuple, NoReturn
 from meshd.coord.route_costs import RouteCosts
 from meshd.plan.route import Route
 from meshd.speculative.config import MTP_STRATEGIES, SpecConfig
+from meshd.speculative.grammar import Constraint
 from meshd.speculative.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import clip_drafts
@@ -98,6 +99,10 @@ class GenerationRequest:
     # Called with the log-probs of each batch of tokens just before the driver streams them
     # (one per token, in order), so a recovered request's batches keep coming to one place.
     on_logprobs: Callable[[list[TokenLogprobs]], None] | None = field(default=None, compare=False)
+    # Structured output: the grammar every generated token must follow. Stateful: it stays at
+    # the committed tokens' state, so a recovery's next attempt continues where this one
+    # stopped. A completed grammar ends the generation.
+    grammar: Constraint | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -125,6 +130,8 @@ class _Window:
     tokens: list[int]
     n_draft: int
     sent_s: float
+    # The grammar's masks for the window's choosing rows (empty: no grammar).
+    mask: bytes = b""
     # Coordinator time drafting (a draft model) between `sent_s` and the window's real send:
     # not network, so it is taken out of the round trip the route's costs see.
     draft_s: float = 0.0
@@ -246,6 +253,7 @@ class WindowLoop:
         self._prefill_start = now
         chunk = self.prefill_chunk_tokens
         first_key = self.route.keys[0]
+        first_mask = self._masks((), (), ())
         for lo in range(0, len(prompt), chunk):
             hi = min(len(prompt), lo + chunk)
             self._prefill_id = self._window_id()
@@ -260,6 +268,7 @@ class WindowLoop:
                 sample=hi == len(prompt),
                 mtp_tokens=self.mtp_tokens,
                 logprobs=self.request.logprobs if hi == len(prompt) else -1,
+                mask=first_mask[1] if hi == len(prompt) else b"",
             )
             out.append(Send(first_key, window))
         self._deadline = now + self.reply_timeout_s
@@ -403,6 +412,8 @@ class WindowLoop:
         self._eos = last in self.request.eos_ids
         visible = tokens[:-1] if self._eos else tokens
         self._committed.extend(visible)
+        if self.request.grammar is not None:
+            self.request.grammar.commit(tokens)
         kept = list(logprobs[: len(visible)])
         self._logprobs.extend(kept)
         self.proposer.observe(tokens)
@@ -414,8 +425,10 @@ class WindowLoop:
 
     def _settle(self, now: float, stop: bool) -> list[Send]:
         """After a commit was streamed: finish, or roll back what it disproved and fill."""
-        done = self._eos or stop or len(self._committed) >= self.request.max_tokens
-        if self._eos or stop:
+        grammar = self.request.grammar
+        complete = grammar is not None and grammar.stopped
+        done = self._eos or stop or complete or len(self._committed) >= self.request.max_tokens
+        if self._eos or stop or complete:
             self.finish_reason = "stop"
         out: list[Send] = []
         if self._after_reply and self._in_flight:
@@ -480,7 +493,11 @@ class WindowLoop:
                 # Even at width 0 the proposer sees the MTP draft, so `auto` keeps scoring
                 # MTP strategies while it is not speculating.
                 drafts = self.proposer.propose(plan.width, self._mtp_draft)
-                tokens = [self._last_token, *clip_drafts(drafts, remaining)]
+                clipped = clip_drafts(drafts, remaining)
+                kept, mask = self._masks((), (), clipped)
+                if kept < 0:
+                    break  # the grammar is complete: nothing more to choose
+                tokens = [self._last_token, *clipped[:kept]]
             else:
                 # Everything in flight is assumed right: the oldest window's drafts, then
                 # each later window's guessed bonus token and its drafts.
@@ -492,17 +509,32 @@ class WindowLoop:
                     break  # no guess for the bonus token: wait for the reply instead
                 prev = self._in_flight[-1]
                 base = prev.base_pos + len(prev.tokens)
-                tokens = [guess[0], *clip_drafts(guess[1:], remaining)]
+                clipped = clip_drafts(guess[1:], remaining)
+                kept, mask = self._masks(assumed, guess[:1], clipped)
+                if kept < 0:
+                    break  # the grammar refuses the guess: wait for the reply instead
+                tokens = [guess[0], *clipped[:kept]]
             spent = self.proposer.last_draft_s
             if spent > 0:
                 drafting += spent
                 self.recorder.draft(spent, len(tokens) - 1)
-            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, now)
+            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, now, mask)
             sent.append(window)
             out.append(self._send_window(window))
         for window in sent:
             window.draft_s = drafting
         return out
+
+    def _masks(
+        self, assumed: Sequence[int], head: Sequence[int], drafts: Sequence[int]
+    ) -> tuple[int, bytes]:
+        """The drafts the grammar allows and the window's masks (`Constraint.window_masks`);
+        all drafts and no masks without a grammar; (-1, b"") when no window can be right."""
+        grammar = self.request.grammar
+        if grammar is None:
+            return len(drafts), b""
+        found = grammar.window_masks(assumed, head, drafts)
+        return (-1, b"") if found is None else found
 
     def _send_window(self, w: _Window) -> Send:
         if self._idle_since is not None and not self._in_flight:
@@ -518,6 +550,7 @@ class WindowLoop:
             n_draft=w.n_draft,
             mtp_tokens=self.mtp_tokens,
             logprobs=self.request.logprobs,
+            mask=w.mask,
         )
         self._in_flight.append(w)
         self.recorder.window_sent()

@@ -80,6 +80,10 @@ class Tokenizer:
         """Every token string and its id, added tokens included."""
         return dict(self._backend.get_vocab(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizers`' JSON (what grammar engines read)."""
+        return str(self._backend.to_str())
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the post-processor's BOS etc. when `add_special_tokens`)."""
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -44,7 +44,7 @@ import trio
 from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
-from meshd.speculative.sampling import SamplingParams, token_logprobs, verify
+from meshd.speculative.sampling import SamplingParams, token_logprobs, unpack_masks, verify
 from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
@@ -561,7 +561,13 @@ def window_verdict(
     assert out.logits is not None
     s = w.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
-    verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, eos_ids)
+    allowed = None
+    if w.mask:
+        try:
+            allowed = unpack_masks(w.mask, w.n_draft + 1, out.logits.shape[-1])
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+    verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, eos_ids, allowed)
     logprobs: list[TokenLogprobs] = []
     if w.logprobs >= 0:
         # Rows aligned to the window's end (see `verify`): the first needed row chose the

@@ -89,7 +89,7 @@ def test_malformed_bodies_are_400(served: Served, content: bytes) -> None:
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
         ({"top_logprobs": 2}, "top_logprobs", None),
         ({"logprobs": 3}, "logprobs", None),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"response_format": {"type": "regex"}}, "response_format", "unsupported_parameter"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"temperature": 3}, "temperature", "invalid_value"),
         ({"seed": 1 << 64}, "seed", "invalid_value"),
