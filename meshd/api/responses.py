@@ -43,8 +43,10 @@ from meshd.api.schemas import (
     ChatCompletionChunk,
     ChatDelta,
     Completion,
+    FunctionDelta,
     MeshdInfo,
     TextChoice,
+    ToolCallDelta,
 )
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,12 @@ class GenerationResponse(Response):
         info = MeshdInfo(outcome.telemetry)
         body: ChatCompletion | Completion
         if self.prepared.kind == "chat":
-            choice = ChatChoice(
-                AssistantMessage(text), outcome.finish_reason, logprobs=self._chat_lp(scored)
+            message = (
+                AssistantMessage(text or None, tool_calls=outcome.tool_calls)
+                if outcome.tool_calls
+                else AssistantMessage(text)
             )
+            choice = ChatChoice(message, outcome.finish_reason, logprobs=self._chat_lp(scored))
             body = ChatCompletion(
                 id=self.id, created=self.created, model=self.prepared.model, choices=[choice],
                 usage=outcome.usage, meshd=info,
@@ -224,6 +229,14 @@ class GenerationResponse(Response):
                 await sse.event(
                     self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
                 )
+            for index, call in enumerate(outcome.tool_calls):
+                piece = ToolCallDelta(
+                    index,
+                    FunctionDelta(call.function.name, call.function.arguments),
+                    id=call.id,
+                    type="function",
+                )
+                await sse.event(self._chat_chunk(ChatDelta(tool_calls=[piece]), usage=usage_field))
             final: ChatCompletionChunk | Completion = self._chat_chunk(
                 ChatDelta(), outcome.finish_reason, usage=usage_field, meshd=info
             )

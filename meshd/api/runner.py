@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from meshd.api.backend import MeshBackend, Overloaded, ServiceUnavailable
 from meshd.api.errors import from_backend
@@ -18,6 +18,7 @@ from meshd.api.metrics import ApiMetrics
 from meshd.api.prepare import Prepared
 from meshd.api.schemas import FinishReason, Usage
 from meshd.api.textstream import TextStream
+from meshd.api.tools import CallReader, ToolCall
 from meshd.speculative.telemetry import SpecTelemetry
 from protocol.messages import TokenLogprobs
 
@@ -32,6 +33,7 @@ class Outcome:
     finish_reason: FinishReason
     usage: Usage
     telemetry: SpecTelemetry
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 async def run_generation(
@@ -48,6 +50,8 @@ async def run_generation(
     Raises `ApiError` (429/503) when the backend is overloaded or cannot serve.
     """
     text = TextStream(backend.tokenizer, prepared.stops)
+    # With tools, what is sent is the prose before any call; the calls come at the end.
+    reader = CallReader(backend.tokenizer, prepared.tools.family) if prepared.tools else None
     last_s: float | None = None
     pending: list[TokenLogprobs] = []  # the coordinator's log-probs of the next batch
     generation = prepared.generation
@@ -71,6 +75,8 @@ async def run_generation(
         delta = text.push(tokens)
         # Only the tokens that went into the text (a stop sequence ends it) are reported.
         used = text.tokens_used - before
+        if reader is not None:
+            delta = reader.push(tokens[:used])
         scored = list(zip(tokens[:used], pending[:used], strict=False)) if pending else []
         pending.clear()
         if delta or scored:
@@ -82,10 +88,15 @@ async def run_generation(
     except (Overloaded, ServiceUnavailable) as exc:
         raise from_backend(exc) from exc
     tail = text.finish()
+    calls: list[ToolCall] = []
+    if reader is not None:
+        tail, calls = reader.finish()
     if tail:
         await emit(tail, [])
     metrics.speculation(result.telemetry)
     finish: FinishReason = "stop" if text.stopped or result.finish_reason == "stop" else "length"
+    if calls:
+        finish = "tool_calls"
     completion = text.tokens_used
     usage = Usage(prepared.prompt_tokens, completion, prepared.prompt_tokens + completion)
-    return Outcome(finish, usage, result.telemetry)
+    return Outcome(finish, usage, result.telemetry, calls)

@@ -93,22 +93,39 @@ class Constraint:
     recovery's attempts overlapping (they do not: each starts after the last has failed).
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+    def __init__(
+        self, tokenizer: llguidance.LLTokenizer, grammar: str, *, trigger: int | None = None
+    ) -> None:
+        """`trigger`: a token id before which nothing is constrained (a tool call's opening
+        marker when the model may also answer in prose); the grammar then describes what
+        follows it. None: the grammar holds from the first token."""
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
+        self._trigger = trigger
+        self._active = trigger is None
+        # The mask of a row the grammar does not constrain (yet): every token allowed.
+        self._free = b"\xff" * len(self._matcher.compute_bitmask())
         self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (its trigger, if any, has been committed)."""
+        return self._active
 
     @property
     def stopped(self) -> bool:
         """The grammar is complete and the end-of-sequence token was consumed (or nothing more
         is allowed): generation must end."""
-        return bool(self._matcher.is_stopped())
+        return self._active and bool(self._matcher.is_stopped())
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance over committed tokens (each one was chosen from a masked row)."""
         with self._lock:
             for token in tokens:
+                if not self._active:
+                    self._active = int(token) == self._trigger
+                    continue
                 if self._matcher.is_stopped():
                     return  # past the end: nothing further is constrained
                 if not self._matcher.consume_token(int(token)):
@@ -130,29 +147,40 @@ class Constraint:
         """
         with self._lock:
             m = self._matcher
+            active = self._active
             consumed = 0
+
+            def step(token: int) -> bool:
+                nonlocal active, consumed
+                if not active:
+                    active = int(token) == self._trigger
+                    return True
+                if not self._allows(token):
+                    return False
+                m.consume_token(int(token))
+                consumed += 1
+                return True
+
             try:
                 for token in (*assumed, *head):
-                    if not self._allows(token):
+                    if not step(token):
                         return None
-                    m.consume_token(int(token))
-                    consumed += 1
-                if m.is_stopped():
+                if active and m.is_stopped():
                     return None
-                rows = [m.compute_bitmask()]
+                rows = [m.compute_bitmask() if active else self._free]
                 kept = 0
                 for draft in drafts:
-                    if not self._allows(draft):
+                    before = consumed
+                    if not step(draft):
                         break
-                    m.consume_token(int(draft))
-                    if m.is_stopped():
+                    if active and m.is_stopped():
                         # An end-of-sequence draft: the target chooses that token itself, as
                         # the window's next token; no row can follow it.
-                        m.rollback(1)
+                        m.rollback(consumed - before)
+                        consumed = before
                         break
-                    consumed += 1
                     kept += 1
-                    rows.append(m.compute_bitmask())
+                    rows.append(m.compute_bitmask() if active else self._free)
                 return kept, pack_masks(rows)
             finally:
                 if consumed:
