@@ -51,7 +51,9 @@ async def run_generation(
     """
     text = TextStream(backend.tokenizer, prepared.stops)
     # With tools, what is sent is the prose before any call; the calls come at the end.
-    reader = CallReader(backend.tokenizer, prepared.tools.family) if prepared.tools else None
+    plan = prepared.tools
+    names = [f["name"] for f in plan.functions] if plan else []
+    reader = CallReader(backend.tokenizer, plan.family, names) if plan else None
     last_s: float | None = None
     pending: list[TokenLogprobs] = []  # the coordinator's log-probs of the next batch
     generation = prepared.generation

@@ -105,32 +105,40 @@ class Family:
             lark = f"start: body\nbody: {body}\n"
         return check_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, names: Sequence[str] = ()) -> tuple[str | None, list[ToolCall]]:
         """What the model wrote → (prose before the calls, calls); no calls if they do not
-        parse (the text is then the answer as written)."""
+        parse (the text is then the answer as written).
+
+        Models of marker families sometimes write a call as bare JSON, without the marker
+        (Qwen2.5-Coder does): a reply that is nothing but JSON calls naming offered functions
+        (`names`) is read as calls too.
+        """
         try:
+            if self.marker is not None and self.marker not in text:
+                return (None, self._bare(text, names)) if names else (text, [])
             if self.name == "hermes":
                 start = text.find("<tool_call>")
-                if start < 0:
-                    return text, []
                 blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], re.S)
                 calls = [self._call(json.loads(b)) for b in blocks]
                 return text[:start].strip() or None, calls
             if self.name == "mistral":
                 start = text.find("[TOOL_CALLS]")
-                if start < 0:
-                    return text, []
                 found = json.loads(text[start + len("[TOOL_CALLS]") :])
                 found = found if isinstance(found, list) else [found]
                 return text[:start].strip() or None, [self._call(c) for c in found]
-            stripped = text.replace("<|python_tag|>", "").strip()
-            if not stripped.startswith(("{", "[")):
-                return text, []
-            found = json.loads(stripped)
-            found = found if isinstance(found, list) else [found]
-            return None, [self._call(c) for c in found]
+            return None, self._bare(text.replace("<|python_tag|>", ""), names)
         except (ValueError, KeyError, TypeError):
             return text, []
+
+    def _bare(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        stripped = text.strip()
+        if not stripped.startswith(("{", "[")):
+            raise ValueError("not a JSON call")
+        found = json.loads(stripped)
+        calls = [self._call(c) for c in (found if isinstance(found, list) else [found])]
+        if not calls or (names and any(c.function.name not in names for c in calls)):
+            raise ValueError("not calls of the offered functions")
+        return calls
 
     def _call(self, value: Any) -> ToolCall:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -209,34 +217,42 @@ class CallReader:
     """Reads a reply that may hold calls, as it streams.
 
     Prose before the family's marker streams as it comes (the marker itself is held back
-    until it is sure); from the marker on, everything is held and parsed at the end. A family
-    with no marker (a bare JSON call) holds the whole reply. Special tokens stay in the text
-    read here: some families' markers are special tokens.
+    until it is sure); from the marker on, everything is held and parsed at the end. A reply
+    that opens with JSON is held whole too: a family without a marker writes its calls so, and
+    models of the others sometimes do. Special tokens stay in the text read here: some
+    families' markers are special tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, family: Family) -> None:
+    def __init__(self, tokenizer: Tokenizer, family: Family, names: Sequence[str]) -> None:
         self._tokenizer = tokenizer
         self._family = family
+        self._names = tuple(names)
         self._tokens: list[int] = []
         marker = family.marker
-        self._prose = (
-            TextStream(tokenizer, (marker,), skip_special_tokens=False) if marker else None
-        )
+        stops = (marker,) if marker else ()
+        self._prose = TextStream(tokenizer, stops, skip_special_tokens=False)
+        self._opening = ""  # prose held until its first visible character shows
+        self._streaming = False
         self._sent: list[str] = []
 
     def push(self, tokens: Sequence[int]) -> str:
         """Add generated tokens; return the prose they release."""
         self._tokens.extend(tokens)
-        if self._prose is None:
-            return ""
         text = self._prose.push(tokens)
+        if not self._streaming:
+            self._opening += text
+            head = self._opening.lstrip()
+            if not head or head.startswith(("{", "[")) or self._family.marker is None:
+                return ""
+            self._streaming = True
+            text, self._opening = self._opening, ""
         self._sent.append(text)
         return text
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest of the text to send (none when the reply held calls) and the calls."""
         raw = self._tokenizer.decode(self._tokens, skip_special_tokens=False)
-        _, calls = self._family.parse(raw)
+        _, calls = self._family.parse(raw, self._names)
         if calls:
             return "", calls
         sent = "".join(self._sent)

@@ -115,8 +115,8 @@ class Constraint:
 
     @property
     def stopped(self) -> bool:
-        """The grammar is complete and the end-of-sequence token was consumed (or nothing more
-        is allowed): generation must end."""
+        """The grammar is complete (nothing but end-of-sequence may follow) or its
+        end-of-sequence token was consumed: generation must end."""
         return self._active and bool(self._matcher.is_stopped())
 
     def commit(self, tokens: Sequence[int]) -> None:
@@ -141,7 +141,8 @@ class Constraint:
         `assumed` are tokens of windows still in flight, taken as committed (a pipelined
         window); `head` the window's context tokens not yet committed (its first token, when
         pipelined; empty otherwise). Returns how many of `drafts` the grammar allows in a row
-        (the window keeps only those) and the packed masks of `kept + 1` rows; None when the
+        (the window keeps only those) and the packed masks of `kept + 1` rows (empty when the
+        trigger is not reached, so no row is constrained); None when the
         assumed tokens or the head break the grammar (that window cannot be right: send none).
         The matcher is back at the committed state on return.
         """
@@ -181,7 +182,9 @@ class Constraint:
                         break
                     kept += 1
                     rows.append(m.compute_bitmask() if active else self._free)
-                return kept, pack_masks(rows)
+                if active:
+                    return kept, pack_masks(rows)
+                return kept, b""  # no row constrained (before the trigger): no masks at all
             finally:
                 if consumed:
                     m.rollback(consumed)

@@ -208,13 +208,17 @@ def test_each_family_parses_its_own_format() -> None:
         ("a", {"x": 1}),
         ("b", {}),
     ]
-    _, calls = LLAMA3.parse('<|python_tag|>{"name": "a", "parameters": {"x": 2}}')
+    _, calls = LLAMA3.parse('<|python_tag|>{"name": "a", "parameters": {"x": 2}}', ["a"])
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("a", {"x": 2})]
     _, calls = MISTRAL.parse(
         '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 3}}, {"name": "b", "arguments": {}}]'
     )
     assert [c.function.name for c in calls] == ["a", "b"]
     assert HERMES.parse("no calls here") == ("no calls here", [])
+    # A marker family's model writing a bare JSON call of an offered function.
+    _, calls = HERMES.parse('{"name": "a", "arguments": {"x": 4}}', ["a"])
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("a", {"x": 4})]
+    assert HERMES.parse('{"name": "zz", "arguments": {}}', ["a"])[1] == []
     assert LLAMA3.parse("{not json") == ("{not json", [])
     assert family_of("{% if tools %}<tool_call>{% endif %}") is HERMES
     assert family_of("{{ '[TOOL_CALLS]' }} {{ tools }}") is MISTRAL
