@@ -109,9 +109,9 @@ class Family:
         """What the model wrote → (prose before the calls, calls); no calls if they do not
         parse (the text is then the answer as written).
 
-        Models of marker families sometimes write a call as bare JSON, without the marker
-        (Qwen2.5-Coder does): a reply that is nothing but JSON calls naming offered functions
-        (`names`) is read as calls too.
+        Models of marker families sometimes write a call as bare JSON, without the marker,
+        even in a markdown code block (Qwen2.5-Coder does): a reply that is nothing but JSON
+        calls naming offered functions (`names`) is read as calls too.
         """
         try:
             if self.marker is not None and self.marker not in text:
@@ -132,6 +132,9 @@ class Family:
 
     def _bare(self, text: str, names: Sequence[str]) -> list[ToolCall]:
         stripped = text.strip()
+        fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", stripped, re.S)
+        if fenced:  # a call in a markdown code block, as small models like to write it
+            stripped = fenced.group(1)
         if not stripped.startswith(("{", "[")):
             raise ValueError("not a JSON call")
         found = json.loads(stripped)
@@ -242,7 +245,7 @@ class CallReader:
         if not self._streaming:
             self._opening += text
             head = self._opening.lstrip()
-            if not head or head.startswith(("{", "[")) or self._family.marker is None:
+            if _may_open_json(head) or self._family.marker is None:
                 return ""
             self._streaming = True
             text, self._opening = self._opening, ""
@@ -257,3 +260,10 @@ class CallReader:
             return "", calls
         sent = "".join(self._sent)
         return (raw[len(sent) :] if raw.startswith(sent) else ""), []
+
+
+def _may_open_json(head: str) -> bool:
+    # Held back while the reply may still turn out to be a bare JSON call: nothing visible
+    # yet, a JSON opener, or (a prefix of) a ```json fence.
+    fence = "```json"
+    return not head or head.startswith(("{", "[", fence)) or fence.startswith(head)

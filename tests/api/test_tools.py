@@ -219,6 +219,8 @@ def test_each_family_parses_its_own_format() -> None:
     _, calls = HERMES.parse('{"name": "a", "arguments": {"x": 4}}', ["a"])
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("a", {"x": 4})]
     assert HERMES.parse('{"name": "zz", "arguments": {}}', ["a"])[1] == []
+    _, calls = HERMES.parse('```json\n{"name": "a", "arguments": {}}\n```', ["a"])
+    assert [c.function.name for c in calls] == ["a"]
     assert LLAMA3.parse("{not json") == ("{not json", [])
     assert family_of("{% if tools %}<tool_call>{% endif %}") is HERMES
     assert family_of("{{ '[TOOL_CALLS]' }} {{ tools }}") is MISTRAL
