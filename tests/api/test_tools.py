@@ -21,8 +21,10 @@ import trio
 from meshd.api.backend import open_local_backend
 from meshd.api.openai import create_app
 from meshd.api.server import serve_api
-from meshd.api.tools import HERMES, LLAMA3, MISTRAL, family_of
+from meshd.api.tools import HERMES, LLAMA3, MISTRAL, Family, family_of
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.tokenizer import Tokenizer
+from meshd.speculative.grammar import Constraint, GrammarError, grammar_tokenizer
 from tests.api.conftest import MODEL, Served
 from tests.api.test_openai_client import client
 from tests.model.tiny import make_checkpoint
@@ -226,3 +228,25 @@ def test_each_family_parses_its_own_format() -> None:
     assert family_of("{{ '[TOOL_CALLS]' }} {{ tools }}") is MISTRAL
     assert family_of("{{ '<|python_tag|>' }} {{ tools }}") is LLAMA3
     assert family_of("{{ messages }}") is None
+
+
+@pytest.mark.parametrize(
+    "family,text",
+    [
+        (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
+        (LLAMA3, '{"name": "get_time", "parameters": {"zone": "PST"}}'),
+        (MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius", "days": 2}}]'),
+    ],
+)  # fmt: skip
+def test_each_familys_grammar_takes_its_calls_and_refuses_others(family: Family, text: str) -> None:
+    tokenizer = Tokenizer.open(builtin_model_dir())
+    functions = [t["function"] for t in TOOLS]
+    grammar = family.grammar(functions, True, tokenizer, after_marker=False)
+    ok = Constraint(grammar_tokenizer(tokenizer), grammar)
+    ok.commit(tokenizer.encode(text, add_special_tokens=False))
+    assert ok.stopped or ok.window_masks([], [], []) is not None
+    _, calls = family.parse(text, ["get_time", "get_weather"])
+    assert calls and all(c.function.name in SCHEMAS for c in calls)
+    bad = Constraint(grammar_tokenizer(tokenizer), grammar)
+    with pytest.raises(GrammarError):
+        bad.commit(tokenizer.encode(text.replace("get_time", "get_tame"), add_special_tokens=False))
