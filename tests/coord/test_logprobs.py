@@ -86,11 +86,11 @@ def test_top_1_is_the_chosen_token_at_temperature_0() -> None:
         assert lp.logprob <= 0.0
 
 
-def test_no_logprobs_unless_asked() -> None:
+def test_no_logprobs_and_no_masks_unless_asked() -> None:
     tokens, logprobs, net = run("ngram-simple", Sampling(), -1)
     assert len(tokens) == N and logprobs == []
     windows = [m for _, m in net.sent if isinstance(m, VerifyWindow)]
-    assert all(w.logprobs == -1 for w in windows)
+    assert all(w.logprobs == -1 and w.mask == b"" for w in windows)
 
 
 def test_a_count_of_zero_gives_each_tokens_logprob_without_alternatives() -> None:
