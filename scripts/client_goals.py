@@ -166,9 +166,9 @@ def _streamed_calls(stream: Any) -> tuple[list[dict[str, str]], str | None]:
     return [parts[i] for i in sorted(parts)], finish
 
 
-def tools_goal(client: openai.OpenAI, model: str) -> dict[str, Any]:
+def tools_goal(client: openai.OpenAI, model: str, first: int = 0) -> dict[str, Any]:
     rows = []
-    for kind, messages, choice, parallel in TOOL_PROMPTS:
+    for kind, messages, choice, parallel in TOOL_PROMPTS[first:]:
         kwargs = dict(model=model, messages=messages, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, temperature=0, max_tokens=200)  # fmt: skip
         started = time.perf_counter()
         whole = client.chat.completions.create(**kwargs)
@@ -294,6 +294,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=DEFAULT)
     parser.add_argument("--only", choices=["tools", "json"])
+    parser.add_argument("--first-prompt", type=int, default=0, help="skip the tool prompts before")
     args = parser.parse_args()
     out: queue.Queue[Any] = queue.Queue()
     threading.Thread(target=_serve, args=(args.model, out), daemon=True).start()
@@ -301,7 +302,7 @@ def main() -> None:
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     result: dict[str, Any] = {"model": os.path.basename(args.model)}
     if args.only in (None, "tools"):
-        result["tools"] = tools_goal(client, model)
+        result["tools"] = tools_goal(client, model, args.first_prompt)
     if args.only in (None, "json"):
         result["json"] = json_goal(client, model)
     token.run_sync_soon(stop.set)

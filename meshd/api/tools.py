@@ -88,7 +88,7 @@ class Family:
         """The Lark grammar of the calls (from their marker, or from just after it)."""
         body = lark_json_rule(self.call_schema(tools))
         if self.name == "hermes":
-            close = '"\\n</tool_call>"'
+            close = f'"\\n" {_literal(tokenizer, "</tool_call>")}'
             more = f'("\\n" {_literal(tokenizer, "<tool_call>")} "\\n" body {close})'
             first = f'"\\n" body {close}'
             if not after_marker:

@@ -57,6 +57,12 @@ def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     )
 
 
+@functools.lru_cache(maxsize=4)
+def special_tokens(tokenizer: llguidance.LLTokenizer) -> tuple[int, ...]:
+    """The engine's special tokens (end-of-sequence, chat markers: a few dozen)."""
+    return tuple(i for i in range(tokenizer.vocab_size) if tokenizer.is_special_token(i))
+
+
 def json_schema_grammar(schema: Mapping[str, Any] | None, *, strict: bool = True) -> str:
     """The grammar of JSON text valid for `schema` (None: any JSON object).
 
@@ -103,6 +109,7 @@ class Constraint:
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
         self._trigger = trigger
+        self._special = special_tokens(tokenizer)
         self._active = trigger is None
         # The mask of a row the grammar does not constrain (yet): every token allowed.
         self._free = b"\xff" * len(self._matcher.compute_bitmask())
@@ -168,7 +175,7 @@ class Constraint:
                         return None
                 if active and m.is_stopped():
                     return None
-                rows = [m.compute_bitmask() if active else self._free]
+                rows = [self._row() if active else self._free]
                 kept = 0
                 for draft in drafts:
                     before = consumed
@@ -181,13 +188,24 @@ class Constraint:
                         consumed = before
                         break
                     kept += 1
-                    rows.append(m.compute_bitmask() if active else self._free)
+                    rows.append(self._row() if active else self._free)
                 if active:
                     return kept, pack_masks(rows)
                 return kept, b""  # no row constrained (before the trigger): no masks at all
             finally:
                 if consumed:
                     m.rollback(consumed)
+
+    def _row(self) -> bytes:
+        # llguidance's mask may allow a special token whose text the grammar expects as
+        # plain bytes (Qwen2.5's `</tool_call>`), which it then refuses to consume: such bits
+        # are cleared, so a mask never allows a token the matcher would refuse.
+        row = bytearray(self._matcher.compute_bitmask())
+        for token in self._special:
+            byte, bit = divmod(token, 8)
+            if row[byte] >> bit & 1 and self._matcher.validate_tokens([token]) != 1:
+                row[byte] &= ~(1 << bit) & 0xFF
+        return bytes(row)
 
     def _allows(self, token: int) -> bool:
         # Checked before consuming: a refused token would leave the matcher in its error

@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+import tokenizers
 import trio
 
 from meshd.api.backend import open_local_backend
@@ -104,10 +105,13 @@ def tiny_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     directory = tmp_path_factory.mktemp("tiny-tools")
     builtin = builtin_model_dir()
     config = json.loads((builtin / "tokenizer_config.json").read_text())
-    make_checkpoint(directory, vocab_size=4096, max_position_embeddings=1024)
-    for name in ("tokenizer.json", "generation_config.json"):
-        if (builtin / name).is_file():
-            shutil.copy(builtin / name, directory / name)
+    if (builtin / "generation_config.json").is_file():
+        shutil.copy(builtin / "generation_config.json", directory / "generation_config.json")
+    # The call markers as special tokens, as in Qwen2.5: the grammar must name them by id.
+    backend = tokenizers.Tokenizer.from_file(str(builtin / "tokenizer.json"))
+    backend.add_special_tokens(["<tool_call>", "</tool_call>"])
+    backend.save(str(directory / "tokenizer.json"))
+    make_checkpoint(directory, vocab_size=backend.get_vocab_size(), max_position_embeddings=1024)
     config["chat_template"] = HERMES_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     out: queue.Queue[Any] = queue.Queue()
