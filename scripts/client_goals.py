@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import queue
+import statistics
 import threading
 import time
 from typing import Any
@@ -242,58 +243,72 @@ def json_goal(client: openai.OpenAI, model: str) -> dict[str, Any]:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-    # Speed: the same request with and without a schema, speculation off, fixed length.
-    speed = {}
-    ask = [{"role": "user", "content": "Describe a person as JSON with name, age and hobbies."}]
-    fmt = {
-        "type": "json_schema",
-        "json_schema": {
-            "name": "p",
-            "schema": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "age": {"type": "integer"},
-                    "hobbies": {"type": "array", "items": {"type": "string"}},
-                },
-                "required": ["name", "age", "hobbies"],
-            },
-        },
-    }
-    for label, extra in (("plain", {}), ("schema", {"response_format": fmt}), ("plain2", {})):
-        started = time.perf_counter()
-        got = client.chat.completions.create(
-            model=model,
-            messages=ask,
-            max_tokens=64,
-            temperature=0,
-            extra_body={
-                "meshd": {"ignore_eos": label != "schema", "speculative": {"strategy": "disabled"}}
-            },
-            **extra,
-        )  # type: ignore[call-overload]
-        tokens = got.usage.completion_tokens if got.usage else 0
-        speed[label] = {
-            "tokens": tokens,
-            "seconds": round(time.perf_counter() - started, 2),
-            "meshd": (got.model_extra or {})
-            .get("meshd", {})
-            .get("speculative", {})
-            .get("decode_tokens_per_s"),
-        }
     return {
         "answers": len(rows),
         "valid": sum(r["valid"] for r in rows),
         "spec_equals_plain": sum(r["spec_equals_plain"] for r in rows),
-        "speed": speed,
         "rows": rows,
     }
+
+
+def speed_goal(client: openai.OpenAI, model: str, rounds: int = 3) -> dict[str, Any]:
+    """Decode speed (the telemetry's decode tokens/s, prefill excluded) of one request with
+    and without a schema, speculation off, alternating rounds; medians."""
+    samples: dict[str, list[float]] = {"plain": [], "schema": []}
+    for _ in range(rounds):
+        speed: dict[str, Any] = {}
+        ask = [{"role": "user", "content": "Describe a person as JSON with name, age and hobbies."}]
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "p",
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "age": {"type": "integer"},
+                        "hobbies": {"type": "array", "items": {"type": "string"}},
+                    },
+                    "required": ["name", "age", "hobbies"],
+                },
+            },
+        }
+        for label, extra in (("plain", {}), ("schema", {"response_format": fmt}), ("plain2", {})):
+            started = time.perf_counter()
+            got = client.chat.completions.create(
+                model=model,
+                messages=ask,
+                max_tokens=64,
+                temperature=0,
+                extra_body={
+                    "meshd": {
+                        "ignore_eos": label != "schema",
+                        "speculative": {"strategy": "disabled"},
+                    }
+                },
+                **extra,
+            )  # type: ignore[call-overload]
+            tokens = got.usage.completion_tokens if got.usage else 0
+            speed[label] = {
+                "tokens": tokens,
+                "seconds": round(time.perf_counter() - started, 2),
+                "meshd": (got.model_extra or {})
+                .get("meshd", {})
+                .get("speculative", {})
+                .get("decode_tok_per_s"),
+            }
+        for label in ("plain", "schema"):
+            if speed[label]["meshd"]:
+                samples[label].append(speed[label]["meshd"])
+    medians = {k: statistics.median(v) for k, v in samples.items() if v}
+    ratio = medians["schema"] / medians["plain"] if len(medians) == 2 else None
+    return {"decode_tok_per_s": samples, "median": medians, "schema_over_plain": ratio}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default=DEFAULT)
-    parser.add_argument("--only", choices=["tools", "json"])
+    parser.add_argument("--only", choices=["tools", "json", "speed"])
     parser.add_argument("--first-prompt", type=int, default=0, help="skip the tool prompts before")
     args = parser.parse_args()
     out: queue.Queue[Any] = queue.Queue()
@@ -305,6 +320,8 @@ def main() -> None:
         result["tools"] = tools_goal(client, model, args.first_prompt)
     if args.only in (None, "json"):
         result["json"] = json_goal(client, model)
+    if args.only in (None, "speed"):
+        result["speed"] = speed_goal(client, model)
     token.run_sync_soon(stop.set)
     print(json.dumps(result, indent=1))
 
