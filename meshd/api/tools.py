@@ -93,7 +93,12 @@ class Family:
             first = f'"\\n" body {close}'
             if not after_marker:
                 first = f"{_literal(tokenizer, '<tool_call>')} {first}"
-            lark = f"start: {first} {more + '*' if parallel else ''}\nbody: {body}\n"
+            # A newline may end the calls too: models write one after `</tool_call>` before
+            # their end token, and a newline that could only open another call would force
+            # one more call after every call.
+            repeat = more + "*" if parallel else ""
+            lark = f'start: {first} {repeat} "\\n"?\nbody: {body}\n'
+
         elif self.name == "mistral":
             items = self.call_schema(tools)
             array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
@@ -118,8 +123,11 @@ class Family:
                 return (None, self._bare(text, names)) if names else (text, [])
             if self.name == "hermes":
                 start = text.find("<tool_call>")
-                blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], re.S)
-                calls = [self._call(json.loads(b)) for b in blocks]
+                blocks = re.findall(r"<tool_call>(.*?)(</tool_call>|$)", text[start:], re.S)
+                # A last block cut off by max_tokens is dropped when whole calls precede it.
+                if len(blocks) > 1 and not blocks[-1][1]:
+                    blocks = blocks[:-1]
+                calls = [self._call(json.loads(b)) for b, _ in blocks]
                 return text[:start].strip() or None, calls
             if self.name == "mistral":
                 start = text.find("[TOOL_CALLS]")
@@ -137,8 +145,11 @@ class Family:
             stripped = fenced.group(1)
         if not stripped.startswith(("{", "[")):
             raise ValueError("not a JSON call")
-        found = json.loads(stripped)
-        calls = [self._call(c) for c in (found if isinstance(found, list) else [found])]
+        calls = [
+            self._call(c)
+            for value in _json_values(stripped)
+            for c in (value if isinstance(value, list) else [value])
+        ]
         if not calls or (names and any(c.function.name not in names for c in calls)):
             raise ValueError("not calls of the offered functions")
         return calls
@@ -267,3 +278,22 @@ def _may_open_json(head: str) -> bool:
     # yet, a JSON opener, or (a prefix of) a ```json fence.
     fence = "```json"
     return not head or head.startswith(("{", "[", fence)) or fence.startswith(head)
+
+
+def _json_values(text: str) -> list[Any]:
+    """JSON values one after another (calls a model wrote on separate lines); a last one cut
+    off by max_tokens is dropped when whole ones precede it."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    at = 0
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            if values:
+                break
+            raise
+        values.append(value)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    return values

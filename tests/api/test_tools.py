@@ -227,6 +227,15 @@ def test_each_family_parses_its_own_format() -> None:
     assert HERMES.parse('{"name": "zz", "arguments": {}}', ["a"])[1] == []
     _, calls = HERMES.parse('```json\n{"name": "a", "arguments": {}}\n```', ["a"])
     assert [c.function.name for c in calls] == ["a"]
+    # Calls one per line, the last cut off by max_tokens; and a cut-off last block.
+    _, calls = HERMES.parse(
+        '{"name": "a", "arguments": {}}\n{"name": "a", "arguments": {}}\n{"na', ["a"]
+    )
+    assert [c.function.name for c in calls] == ["a", "a"]
+    _, calls = HERMES.parse(
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"na'
+    )
+    assert [c.function.name for c in calls] == ["a"]
     assert LLAMA3.parse("{not json") == ("{not json", [])
     assert family_of("{% if tools %}<tool_call>{% endif %}") is HERMES
     assert family_of("{{ '[TOOL_CALLS]' }} {{ tools }}") is MISTRAL
