@@ -30,6 +30,8 @@ MAX_ENTRY_ID = 2**63 - 1
 # opens that session at, so the windows sent for the hit (epoch 0) are dropped as stale.
 PREFIX_MISS = "prefix_miss"
 PREFIX_MISS_EPOCH = 1
+# Most alternatives a window may ask the last stage to report per token (OpenAI allows 20).
+MAX_TOP_LOGPROBS = 20
 
 DType = Literal["f32", "f16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
@@ -167,6 +169,22 @@ class VerifyWindow(msgspec.Struct, frozen=True, tag="window"):
     n_draft: int = 0
     sample: bool = True
     mtp_tokens: int = 0
+    # -1: no log-probs (the last stage computes none). n >= 0: the reply carries, for each
+    # token it commits, that token's log-prob and the n most likely ids with theirs.
+    logprobs: int = -1
+    # A grammar's allowed tokens for each row that chooses a token (n_draft + 1 rows): rows of
+    # little-endian 32-bit words, bit i of word j allowing token 32·j + i, zlib-compressed.
+    # Empty: no grammar (the last stage masks nothing).
+    mask: bytes = b""
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One committed token's log-prob under the model's own distribution (log-softmax of the
+    logits row that chose it, before temperature and filters), and the most likely ids."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 class StageHidden(msgspec.Struct, frozen=True, tag="hidden"):
@@ -192,6 +210,9 @@ class VerifyReply(msgspec.Struct, frozen=True, tag="reply"):
     next_token: int
     mtp_draft: list[int]
     stage_timings: list[StageTiming]
+    # One entry per committed token (accepted drafts, then next_token) when the window asked
+    # for log-probs; empty otherwise.
+    logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
 
 
 class StageError(msgspec.Struct, frozen=True, tag="error"):
@@ -293,6 +314,8 @@ def _check_window(w: VerifyWindow) -> None:
         raise RemoteProtocolError("negative position, epoch, window id or mtp count")
     if any(t < 0 for t in w.tokens):
         raise RemoteProtocolError("negative token id")
+    if not -1 <= w.logprobs <= MAX_TOP_LOGPROBS:
+        raise RemoteProtocolError(f"logprobs must be -1..{MAX_TOP_LOGPROBS}")
     s = w.sampling
     if not (s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
         raise RemoteProtocolError("sampling parameters out of range")

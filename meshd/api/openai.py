@@ -37,7 +37,7 @@ from meshd.api.console import PUBLIC_PATHS, StatusSource, console_routes
 from meshd.api.errors import SERVER_ERROR, ApiError, bad_request, from_validation
 from meshd.api.metrics import ApiMetrics
 from meshd.api.origin_policy import OriginPolicy
-from meshd.api.prepare import prepare_chat, prepare_completion
+from meshd.api.prepare import prepare_chat, prepare_completion, with_grammar
 from meshd.api.responses import JSON, GenerationResponse
 from meshd.api.routing import (
     RELAYED_HEADER,
@@ -206,7 +206,7 @@ async def _chat(state: _State, request: Request) -> Response:
     if backend is None:
         return await _relay(state, request, body.model, raw)
     body = msgspec.structs.replace(body, model=backend.model_name)  # an alias names it too
-    prepared = prepare_chat(body, backend, state.spec)
+    prepared = await with_grammar(prepare_chat(body, backend, state.spec), backend)
     return GenerationResponse(backend, state.metrics, prepared, arrived_s)
 
 

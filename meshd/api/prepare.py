@@ -7,26 +7,42 @@ how the `meshd` extension's speculative settings are layered over the node's.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import msgspec
+import trio
 
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import ApiError, bad_request, unsupported
+from meshd.api.logprobs import MAX_CHAT_TOP_LOGPROBS, MAX_TEXT_LOGPROBS
 from meshd.api.schemas import ChatCompletionRequest, ChatMessage, CommonFields, CompletionRequest
+from meshd.api.tools import ToolPlan, family_of
 from meshd.coord.coordinator import GenerationRequest
 from meshd.model.errors import TokenizerError
 from meshd.speculative.config import SpecConfig, SpecConfigError, resolve_spec_config
+from meshd.speculative.grammar import (
+    Constraint,
+    GrammarError,
+    grammar_tokenizer,
+    json_schema_grammar,
+)
 from protocol.messages import Sampling
 
 MAX_STOP_SEQUENCES = 16
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SEED_MASK = (1 << 64) - 1
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 Kind = Literal["chat", "text"]
 
@@ -41,6 +57,12 @@ class Prepared:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # The grammar the output must follow (structured output), compiled for the model's
+    # tokenizer by `with_grammar`; None: unconstrained.
+    grammar: str | None = None
+    # Tool calls: how the reply is read for calls and what grammar forces them; None: the
+    # reply is text.
+    tools: ToolPlan | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -64,17 +86,54 @@ def prepare_chat(
 ) -> Prepared:
     """Check a chat request and render its prompt with the model's chat template."""
     check_model(body.model, backend)
-    _refuse_common(body, chat=True)
+    _refuse_common(body)
     _refuse_chat(body)
     if not body.messages:
         raise bad_request("messages must hold at least one message", param="messages")
-    messages = [_message(i, m) for i, m in enumerate(body.messages)]
+    calls = {c.id: c.function.name for m in body.messages for c in m.tool_calls or ()}
+    messages = [_message(i, m, calls) for i, m in enumerate(body.messages)]
+    tools = [msgspec.to_builtins(t) for t in body.tools or ()]
+    plan = _tool_plan(body, backend)
     try:
-        prompt = backend.tokenizer.encode_chat(messages)
+        prompt = backend.tokenizer.encode_chat(messages, tools=tools or None)
     except TokenizerError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
     limit = _max_tokens(body.max_tokens, body.max_completion_tokens)
-    return _prepared("chat", body, prompt, limit, backend, spec_base)
+    prepared = _prepared("chat", body, prompt, limit, backend, spec_base)
+    grammar = _response_format(body.response_format)
+    if grammar is not None and plan is not None:
+        raise bad_request(
+            "response_format and tool calls cannot both constrain one reply; set tool_choice "
+            "to none or drop response_format",
+            param="response_format",
+        )
+    return replace(prepared, grammar=grammar, tools=plan)
+
+
+async def with_grammar(prepared: Prepared, backend: MeshBackend) -> Prepared:
+    """`prepared` with its grammar's matcher attached to the generation (built in a worker
+    thread: the first use of a tokenizer takes seconds for a large vocabulary)."""
+    if prepared.grammar is None and prepared.tools is None:
+        return prepared
+    json_grammar, plan = prepared.grammar, prepared.tools
+    tokenizer = backend.tokenizer
+
+    def build() -> Constraint | None:
+        if json_grammar is not None:
+            return Constraint(grammar_tokenizer(tokenizer), json_grammar)
+        assert plan is not None
+        found = plan.grammar(tokenizer)
+        if found is None:
+            return None
+        grammar, trigger = found
+        return Constraint(grammar_tokenizer(tokenizer), grammar, trigger=trigger)
+
+    try:
+        constraint = await trio.to_thread.run_sync(build)
+    except GrammarError as exc:
+        param = "response_format" if json_grammar is not None else "tools"
+        raise bad_request(f"cannot enforce this format: {exc}", param=param) from None
+    return replace(prepared, generation=replace(prepared.generation, grammar=constraint))
 
 
 def prepare_completion(
@@ -82,7 +141,7 @@ def prepare_completion(
 ) -> Prepared:
     """Check a text completion request and tokenize its prompt."""
     check_model(body.model, backend)
-    _refuse_common(body, chat=False)
+    _refuse_common(body)
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of > 1")
     if body.echo not in (None, False):
@@ -107,6 +166,7 @@ def _prepared(
             "stream_options is only allowed when stream is true", param="stream_options"
         )
     options = body.meshd
+    logprobs = _logprobs(body)
     generation = GenerationRequest(
         prompt=prompt,
         max_tokens=_fit_context(
@@ -119,6 +179,7 @@ def _prepared(
         spec=_spec(spec_base, options.speculative if options else None),
         eos_ids=frozenset() if options and options.ignore_eos else _eos(backend),
         mtp_depth=backend.mtp_depth,
+        logprobs=logprobs,
     )
     return Prepared(
         kind=kind,
@@ -135,6 +196,115 @@ def _eos(backend: MeshBackend) -> frozenset[int]:
 
 
 # -- parameters -------------------------------------------------------------------------
+def _tool_plan(body: ChatCompletionRequest, backend: MeshBackend) -> ToolPlan | None:
+    """How the reply is read for calls: None when there are no tools or tool_choice is none
+    (the tools are still shown to the model, as OpenAI does)."""
+    tools = body.tools or []
+    choice = body.tool_choice
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise unsupported(f"tools[{i}].type", f"tools of type {tool.type!r}")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct function names", param="tools")
+    family = family_of(backend.tokenizer.chat_template)
+    if family is None:
+        raise unsupported(
+            "tools", "tool calling with this model (its chat template does not render tools)"
+        )
+    functions = [msgspec.to_builtins(t.function) for t in tools]
+    if choice in (None, "auto", "required"):
+        forced = choice == "required"
+    elif choice == "none":
+        return None
+    elif (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and choice["function"].get("name") in names
+    ):
+        forced = True
+        functions = [f for f in functions if f["name"] == choice["function"]["name"]]
+    else:
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": <one of tools>}}',
+            param="tool_choice",
+        )
+    parallel = body.parallel_tool_calls is not False
+    return ToolPlan(family, tuple(functions), parallel, forced)
+
+
+def _response_format(fmt: Any) -> str | None:
+    """The grammar `response_format` asks for: none for text, any JSON object for
+    `json_object`, the schema's JSON for `json_schema` (`strict` refuses schema keywords the
+    engine cannot enforce; without it they are ignored)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return json_schema_grammar(None)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise bad_request(
+                    "response_format.json_schema must be an object with a name",
+                    param="response_format.json_schema",
+                )
+            schema = spec.get("schema", {})
+            strict = spec.get("strict")
+            if not isinstance(schema, dict) or not isinstance(strict, bool | None):
+                raise bad_request(
+                    "response_format.json_schema: schema must be an object, strict a boolean",
+                    param="response_format.json_schema",
+                )
+            return json_schema_grammar(schema, strict=bool(strict))
+    except GrammarError as exc:
+        raise bad_request(
+            f"cannot enforce this JSON schema: {exc}",
+            param="response_format.json_schema.schema",
+            code="invalid_value",
+        ) from None
+    raise unsupported("response_format", f"a response format of type {kind!r}")
+
+
+def _logprobs(body: CommonFields) -> int:
+    """Alternatives to report per token, or -1 for no log-probs (chat: `logprobs` true with
+    `top_logprobs`; completions: `logprobs` is the count)."""
+    value = body.logprobs
+    if isinstance(body, ChatCompletionRequest):
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("logprobs must be true or false", param="logprobs")
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be within 0..{MAX_CHAT_TOP_LOGPROBS}",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        if not value:
+            if top:
+                raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+            return -1
+        return top or 0
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not 0 <= value <= MAX_TEXT_LOGPROBS:
+        raise bad_request(
+            f"logprobs must be an integer within 0..{MAX_TEXT_LOGPROBS}",
+            param="logprobs",
+            code="invalid_value",
+        )
+    return value
+
+
 def _max_tokens(max_tokens: int | None, max_completion_tokens: int | None) -> int | None:
     both = max_tokens is not None and max_completion_tokens is not None
     if both and max_tokens != max_completion_tokens:
@@ -221,18 +391,19 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 # -- prompts ----------------------------------------------------------------------------
-def _message(index: int, message: ChatMessage) -> dict[str, str]:
+def _message(index: int, message: ChatMessage, calls: Mapping[str, str]) -> dict[str, Any]:
+    """One message as chat templates take it: OpenAI's shape, with a call's arguments as an
+    object (what templates serialise with `tojson`) and a tool result's function name."""
     where = f"messages[{index}]"
-    for field in ("tool_calls", "tool_call_id", "function_call"):
-        if getattr(message, field) is not None:
-            raise unsupported(f"{where}.{field}", "tool and function calling")
+    if message.function_call is not None:
+        raise unsupported(f"{where}.function_call", "the deprecated function calling API")
     role = _ROLES.get(message.role)
     if role is None:
-        if message.role in ("tool", "function"):
-            raise unsupported(f"{where}.role", f"the {message.role!r} role (tool calling)")
+        if message.role == "function":
+            raise unsupported(f"{where}.role", "the 'function' role (use 'tool')")
         raise bad_request(
-            f"{where}.role: unknown role {message.role!r}; use system, developer, user or "
-            f"assistant",
+            f"{where}.role: unknown role {message.role!r}; use system, developer, user, "
+            f"assistant or tool",
             param=f"{where}.role",
         )
     content = message.content
@@ -247,7 +418,41 @@ def _message(index: int, message: ChatMessage) -> dict[str, str]:
                 raise unsupported(f"{where}.content[{j}]", f"content of type {part.type!r}")
             texts.append(part.text)
         content = "\n".join(texts)
-    return {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    if message.tool_calls:
+        if role != "assistant":
+            raise bad_request(
+                f"{where}.tool_calls: only assistant messages hold calls",
+                param=f"{where}.tool_calls",
+            )
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function)},
+            }
+            for call in message.tool_calls
+        ]
+    if role == "tool":
+        if message.tool_call_id is None:
+            raise bad_request(
+                f"{where}.tool_call_id is required for a tool message",
+                param=f"{where}.tool_call_id",
+            )
+        out["tool_call_id"] = message.tool_call_id
+        out["name"] = message.name or calls.get(message.tool_call_id, "")
+    elif message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(function: Any) -> Any:
+    # Templates (HF's convention) serialise arguments themselves; a string that is not JSON
+    # is passed on as written.
+    try:
+        return json.loads(function.arguments)
+    except ValueError:
+        return function.arguments
 
 
 def _completion_prompt(prompt: str | list[Any], backend: MeshBackend) -> list[int]:
@@ -273,7 +478,7 @@ def _completion_prompt(prompt: str | list[Any], backend: MeshBackend) -> list[in
 
 
 # -- refusals ---------------------------------------------------------------------------
-def _refuse_common(body: CommonFields, *, chat: bool) -> None:
+def _refuse_common(body: CommonFields) -> None:
     if body.n not in (None, 1):
         raise unsupported("n", "n > 1 (several choices per request)")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -281,24 +486,13 @@ def _refuse_common(body: CommonFields, *, chat: bool) -> None:
             raise unsupported(name, "a non-zero penalty")
     if body.logit_bias:
         raise unsupported("logit_bias", "logit bias")
-    if body.logprobs not in ((None, False) if chat else (None,)):
-        raise unsupported("logprobs", "returning log probabilities")
 
 
 def _refuse_chat(body: ChatCompletionRequest) -> None:
-    if body.top_logprobs not in (None, 0):
-        raise unsupported("top_logprobs", "returning log probabilities")
-    fmt = body.response_format
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise unsupported("response_format", "a response format other than text")
-    if body.tools not in (None, []):
-        raise unsupported("tools", "tool calling")
     if body.functions not in (None, []):
-        raise unsupported("functions", "function calling")
-    if body.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling")
+        raise unsupported("functions", "the deprecated function calling API (use tools)")
     if body.function_call not in (None, "none"):
-        raise unsupported("function_call", "function calling")
+        raise unsupported("function_call", "the deprecated function calling API (use tools)")
     if body.modalities not in (None, ["text"]):
         raise unsupported("modalities", "output other than text")
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):

@@ -24,6 +24,14 @@ from starlette.types import Message, Receive, Scope, Send
 
 from meshd.api.backend import MeshBackend
 from meshd.api.errors import SERVER_ERROR, ApiError
+from meshd.api.logprobs import (
+    ChatLogprobs,
+    Scored,
+    TextLogprobs,
+    chat_logprobs,
+    text_logprobs,
+    token_bytes,
+)
 from meshd.api.metrics import ApiMetrics
 from meshd.api.prepare import Prepared
 from meshd.api.runner import Outcome, run_generation
@@ -35,8 +43,10 @@ from meshd.api.schemas import (
     ChatCompletionChunk,
     ChatDelta,
     Completion,
+    FunctionDelta,
     MeshdInfo,
     TextChoice,
+    ToolCallDelta,
 )
 
 log = logging.getLogger(__name__)
@@ -88,16 +98,18 @@ class GenerationResponse(Response):
         if error is not None:
             raise error
 
-    async def _run(self, emit: Callable[[str], Awaitable[None]]) -> Outcome:
+    async def _run(self, emit: Callable[[str, list[Scored]], Awaitable[None]]) -> Outcome:
         return await run_generation(
             self.backend, self.prepared, self.metrics, emit, arrived_s=self.arrived_s
         )
 
     async def _whole(self, send: Send) -> None:
         pieces: list[str] = []
+        scored: list[Scored] = []
 
-        async def collect(text: str) -> None:
+        async def collect(text: str, tokens: list[Scored]) -> None:
             pieces.append(text)
+            scored.extend(tokens)
 
         try:
             outcome = await self._run(collect)
@@ -108,7 +120,12 @@ class GenerationResponse(Response):
         info = MeshdInfo(outcome.telemetry)
         body: ChatCompletion | Completion
         if self.prepared.kind == "chat":
-            choice = ChatChoice(AssistantMessage(text), outcome.finish_reason)
+            message = (
+                AssistantMessage(text or None, tool_calls=outcome.tool_calls)
+                if outcome.tool_calls
+                else AssistantMessage(text)
+            )
+            choice = ChatChoice(message, outcome.finish_reason, logprobs=self._chat_lp(scored))
             body = ChatCompletion(
                 id=self.id, created=self.created, model=self.prepared.model, choices=[choice],
                 usage=outcome.usage, meshd=info,
@@ -116,7 +133,10 @@ class GenerationResponse(Response):
         else:
             body = Completion(
                 id=self.id, created=self.created, model=self.prepared.model,
-                choices=[TextChoice(text, outcome.finish_reason)], usage=outcome.usage, meshd=info,
+                choices=[
+                    TextChoice(text, outcome.finish_reason, logprobs=self._text_lp(scored, 0))
+                ],
+                usage=outcome.usage, meshd=info,
             )  # fmt: skip
         await send_whole(send, 200, msgspec.json.encode(body), {})
 
@@ -124,12 +144,12 @@ class GenerationResponse(Response):
         sse = _EventSender(send)
         # Text goes through a channel to a writer task, so the decode loop never waits on
         # the socket; a writer that falls behind sends what piled up as one event.
-        texts_in, texts_out = trio.open_memory_channel[str](math.inf)
+        texts_in, texts_out = trio.open_memory_channel[tuple[str, list[Scored]]](math.inf)
         outcome: Outcome | None = None
         failure: Exception | None = None
 
-        async def emit(text: str) -> None:
-            texts_in.send_nowait(text)
+        async def emit(text: str, scored: list[Scored]) -> None:
+            texts_in.send_nowait((text, scored))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write_deltas, sse, texts_out)
@@ -157,25 +177,44 @@ class GenerationResponse(Response):
         assert outcome is not None
         await self._finish_stream(sse, outcome)
 
-    async def _write_deltas(self, sse: _EventSender, texts: trio.MemoryReceiveChannel[str]) -> None:
+    async def _write_deltas(
+        self, sse: _EventSender, texts: trio.MemoryReceiveChannel[tuple[str, list[Scored]]]
+    ) -> None:
         chat = self.prepared.kind == "chat"
         usage = self._usage_field()
-        async for text in texts:
+        offset = 0  # characters sent so far (completions' text_offset)
+        async for text, first in texts:
             pieces = [text]
+            scored = list(first)
             with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
                 while True:
-                    pieces.append(texts.receive_nowait())
+                    more, more_scored = texts.receive_nowait()
+                    pieces.append(more)
+                    scored.extend(more_scored)
             delta = "".join(pieces)
             if chat and not sse.started:
                 await sse.event(
                     self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage)
                 )
             chunk = (
-                self._chat_chunk(ChatDelta(content=delta), usage=usage)
+                self._chat_chunk(
+                    ChatDelta(content=delta), usage=usage, logprobs=self._chat_lp(scored)
+                )
                 if chat
-                else self._text_chunk(delta, usage=usage)
+                else self._text_chunk(delta, usage=usage, logprobs=self._text_lp(scored, offset))
             )
+            offset += len(delta)
             await sse.event(chunk)
+
+    def _chat_lp(self, scored: list[Scored]) -> ChatLogprobs | None:
+        if self.prepared.generation.logprobs < 0:
+            return None
+        return chat_logprobs(scored, token_bytes(self.backend.tokenizer))
+
+    def _text_lp(self, scored: list[Scored], offset: int) -> TextLogprobs | None:
+        if self.prepared.generation.logprobs < 0:
+            return None
+        return text_logprobs(scored, token_bytes(self.backend.tokenizer), offset)
 
     def _usage_field(self) -> msgspec.UnsetType | None:
         """Chunks carry `"usage": null` when a usage chunk will follow, else no usage key."""
@@ -190,6 +229,14 @@ class GenerationResponse(Response):
                 await sse.event(
                     self._chat_chunk(ChatDelta(role="assistant", content=""), usage=usage_field)
                 )
+            for index, call in enumerate(outcome.tool_calls):
+                piece = ToolCallDelta(
+                    index,
+                    FunctionDelta(call.function.name, call.function.arguments),
+                    id=call.id,
+                    type="function",
+                )
+                await sse.event(self._chat_chunk(ChatDelta(tool_calls=[piece]), usage=usage_field))
             final: ChatCompletionChunk | Completion = self._chat_chunk(
                 ChatDelta(), outcome.finish_reason, usage=usage_field, meshd=info
             )
@@ -210,10 +257,11 @@ class GenerationResponse(Response):
         *,
         usage: Any = msgspec.UNSET,
         meshd: Any = msgspec.UNSET,
+        logprobs: ChatLogprobs | None = None,
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.prepared.model,
-            choices=[ChatChunkChoice(delta, finish)], usage=usage, meshd=meshd,
+            choices=[ChatChunkChoice(delta, finish, logprobs=logprobs)], usage=usage, meshd=meshd,
         )  # fmt: skip
 
     def _text_chunk(
@@ -223,10 +271,11 @@ class GenerationResponse(Response):
         *,
         usage: Any = msgspec.UNSET,
         meshd: Any = msgspec.UNSET,
+        logprobs: TextLogprobs | None = None,
     ) -> Completion:
         return Completion(
             id=self.id, created=self.created, model=self.prepared.model,
-            choices=[TextChoice(text, finish)], usage=usage, meshd=meshd,
+            choices=[TextChoice(text, finish, logprobs=logprobs)], usage=usage, meshd=meshd,
         )  # fmt: skip
 
     def _chat_usage(self, outcome: Outcome) -> ChatCompletionChunk:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from meshd.api.logprobs import ChatLogprobs, TextLogprobs
+from meshd.api.tools import ToolCall
 from meshd.speculative.telemetry import SpecTelemetry
 
 # -- requests ---------------------------------------------------------------------------
@@ -42,15 +44,46 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, frozen=True):
+    """The function an earlier assistant message called, arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, frozen=True):
+    """A call in an earlier assistant message (`messages[].tool_calls`)."""
+
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
+class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A function the model may call: its name, description and JSON-schema parameters."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One entry of `tools` (only `function` tools exist in chat completions)."""
+
+    type: str
+    function: FunctionDef
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One message of a chat."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Declared to refuse by name: meshd does not do tool calling.
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # Declared to refuse by name: the deprecated `functions` API.
     function_call: Any = None
     refusal: Any = None
 
@@ -74,7 +107,8 @@ class CommonFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
-    logprobs: Any = None
+    # Chat: a bool (with `top_logprobs` 0..20); completions: the number of alternatives 0..5.
+    logprobs: bool | int | None = None
 
 
 class ChatCompletionRequest(CommonFields, frozen=True, kw_only=True):
@@ -86,14 +120,16 @@ class ChatCompletionRequest(CommonFields, frozen=True, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    # Refused unless they ask for the default.
-    top_logprobs: Any = None
+    top_logprobs: int | None = None
+    # Checked in prepare.py: text, json_object or json_schema.
     response_format: Any = None
-    tools: Any = None
+    tools: list[ToolDef] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": …}}.
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Refused unless they ask for the default.
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -155,14 +191,15 @@ class ModelList(msgspec.Struct, frozen=True):
     object: str = "list"
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class AssistantMessage(msgspec.Struct, frozen=True):
-    """The generated message."""
+    """The generated message: text, or (with tools) calls and any text before them."""
 
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, frozen=True):
@@ -171,7 +208,7 @@ class ChatChoice(msgspec.Struct, frozen=True):
     message: AssistantMessage
     finish_reason: FinishReason
     index: int = 0
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,11 +224,28 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(msgspec.Struct, frozen=True):
+    """A streamed call's function: its name in the call's first chunk, arguments after."""
+
+    name: str | UnsetType = UNSET
+    arguments: str = ""
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A piece of a streamed call (`delta.tool_calls[]`); `index` says which call."""
+
+    index: int
+    function: FunctionDelta
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class ChatDelta(msgspec.Struct, frozen=True):
     """What one chunk adds to the message."""
 
     content: str | UnsetType = UNSET
     role: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):
@@ -200,7 +254,7 @@ class ChatChunkChoice(msgspec.Struct, frozen=True):
     delta: ChatDelta
     finish_reason: FinishReason | None = None
     index: int = 0
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -222,7 +276,7 @@ class TextChoice(msgspec.Struct, frozen=True):
     text: str
     finish_reason: FinishReason | None = None
     index: int = 0
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

@@ -63,8 +63,10 @@ class TextStream:
     including the one that completed a stop sequence (what the client is billed for).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()) -> None:
-        self._decoder = tokenizer.stream(skip_special_tokens=True)
+    def __init__(
+        self, tokenizer: Tokenizer, stops: Sequence[str] = (), *, skip_special_tokens: bool = True
+    ) -> None:
+        self._decoder = tokenizer.stream(skip_special_tokens=skip_special_tokens)
         self._stops = StopScanner(stops)
         self.tokens_used = 0
 

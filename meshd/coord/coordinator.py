@@ -297,6 +297,8 @@ class Coordinator:
             await self._send_all(live, loop, sends)
             tokens = loop.tokens_to_stream
             if tokens:
+                if request.on_logprobs is not None:
+                    request.on_logprobs(loop.logprobs_to_stream)
                 stop = await on_tokens(tokens) is False
                 await self._send_all(live, loop, loop.on_streamed(trio.current_time(), stop=stop))
         if index is not None:

@@ -47,6 +47,7 @@ from meshd.coord.prefix_index import PrefixHit
 from meshd.coord.route_costs import RouteCosts
 from meshd.plan.route import Route
 from meshd.speculative.config import MTP_STRATEGIES, SpecConfig
+from meshd.speculative.grammar import Constraint
 from meshd.speculative.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import clip_drafts
@@ -60,6 +61,7 @@ from protocol.messages import (
     Rollback,
     Sampling,
     StageError,
+    TokenLogprobs,
     VerifyReply,
     VerifyWindow,
 )
@@ -102,6 +104,16 @@ class GenerationRequest:
     spec: SpecConfig = field(default_factory=SpecConfig)
     eos_ids: frozenset[int] = frozenset()
     mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
+    # -1: no log-probs. n >= 0: each generated token's log-prob and its n likeliest
+    # alternatives come back with it (`WindowLoop.logprobs_to_stream`, `GenerationResult`).
+    logprobs: int = -1
+    # Called with the log-probs of each batch of tokens just before the driver streams them
+    # (one per token, in order), so a recovered request's batches keep coming to one place.
+    on_logprobs: Callable[[list[TokenLogprobs]], None] | None = field(default=None, compare=False)
+    # Structured output: the grammar every generated token must follow. Stateful: it stays at
+    # the committed tokens' state, so a recovery's next attempt continues where this one
+    # stopped. A completed grammar ends the generation.
+    grammar: Constraint | None = field(default=None, compare=False)
     # Where `prompt` holds tokens an earlier attempt generated (a recovery): from this position
     # on they are fed in windows of at most `REPLAY_WINDOW_TOKENS`, as decoding first fed them
     # (None: every token is the client's prompt).
@@ -124,6 +136,8 @@ class GenerationResult:
     telemetry: SpecTelemetry
     # Prompt positions taken from the stages' prefix cache instead of being prefilled.
     cached_tokens: int = 0
+    # One per token when the request asked for log-probs; empty otherwise.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Send(NamedTuple):
@@ -140,6 +154,8 @@ class _Window:
     tokens: list[int]
     n_draft: int
     sent_s: float
+    # The grammar's masks for the window's choosing rows (empty: no grammar).
+    mask: bytes = b""
     # Coordinator time drafting (a draft model) between `sent_s` and the window's real send:
     # not network, so it is taken out of the round trip the route's costs see.
     draft_s: float = 0.0
@@ -198,6 +214,7 @@ class WindowLoop:
         self._prompt_len = 0
         self._next_window_id = 0
         self._committed: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
         self._last_token = -1
         self._in_flight: deque[_Window] = deque()
         self._mtp_draft: list[int] = []
@@ -209,6 +226,7 @@ class WindowLoop:
         self._deadline: float | None = None
         # Committed tokens the driver has yet to stream, and what the loop does once it has.
         self._to_stream: list[int] = []
+        self._logprobs_to_stream: list[TokenLogprobs] = []
         self._eos = False
         self._after_reply = False  # the commit came from a decode reply (not the prefill)
         self._rejected = False  # that reply disproved the windows still in flight
@@ -228,6 +246,11 @@ class WindowLoop:
     def tokens_to_stream(self) -> list[int]:
         """Committed tokens the driver must stream, then call `on_streamed` (empty: none)."""
         return list(self._to_stream)
+
+    @property
+    def logprobs_to_stream(self) -> list[TokenLogprobs]:
+        """The log-probs of `tokens_to_stream`, one each (empty unless the request asked)."""
+        return list(self._logprobs_to_stream)
 
     @property
     def windows_in_flight(self) -> int:
@@ -262,7 +285,11 @@ class WindowLoop:
     def result(self) -> GenerationResult:
         """What came out (the tokens so far while the loop is not done)."""
         return GenerationResult(
-            self.committed, self.finish_reason, self.recorder.snapshot(), self.cached_tokens
+            self.committed,
+            self.finish_reason,
+            self.recorder.snapshot(),
+            cached_tokens=self.cached_tokens,
+            logprobs=list(self._logprobs),
         )
 
     # -- events --------------------------------------------------------------------------
@@ -295,6 +322,7 @@ class WindowLoop:
         prompt = self._prompt
         first_key = self.route.keys[0]
         out: list[Send] = []
+        first_mask = self._masks((), (), ())
         for lo, hi in self._prefill_windows(len(prompt), start):
             self._prefill_id = self._window_id()
             window = VerifyWindow(
@@ -307,6 +335,8 @@ class WindowLoop:
                 n_draft=0,
                 sample=hi == len(prompt),
                 mtp_tokens=self.mtp_tokens,
+                logprobs=self.request.logprobs if hi == len(prompt) else -1,
+                mask=first_mask[1] if hi == len(prompt) else b"",
             )
             out.append(Send(first_key, window))
         return out
@@ -373,7 +403,8 @@ class WindowLoop:
             self._phase = "decode"
             self._decode_start = now
             self._after_reply = False
-            return self._commit([reply.next_token], reply.next_token, now)
+            self._check_logprobs(reply, 1)
+            return self._commit([reply.next_token], reply.next_token, now, reply.logprobs)
         return self._on_verdict(reply, now)
 
     def on_streamed(self, now: float, *, stop: bool = False) -> list[Send]:
@@ -381,6 +412,7 @@ class WindowLoop:
         if not self._to_stream:
             raise RuntimeError("nothing was waiting to be streamed")
         self._to_stream = []
+        self._logprobs_to_stream = []
         self._deadline = now + self.reply_timeout_s
         return self._settle(now, stop)
 
@@ -454,6 +486,7 @@ class WindowLoop:
                 RouteFailed(f"reply accepts {accepted} of {w.n_draft} drafts", self._committed)
             )
         new = [*w.tokens[1 : 1 + accepted], reply.next_token]
+        self._check_logprobs(reply, len(new))
         self.proposer.record(w.n_draft, accepted)
         self.recorder.verdict(
             self.proposer.active,
@@ -468,24 +501,43 @@ class WindowLoop:
         self._rejected = bool(self._in_flight) and (
             accepted < w.n_draft or reply.next_token != self._in_flight[0].tokens[0]
         )
-        return self._commit(new, reply.next_token, now)
+        return self._commit(new, reply.next_token, now, reply.logprobs)
 
-    def _commit(self, tokens: list[int], last: int, now: float) -> list[Send]:
+    def _check_logprobs(self, reply: VerifyReply, committed: int) -> None:
+        expected = committed if self.request.logprobs >= 0 else 0
+        if len(reply.logprobs) != expected:
+            self._fail(
+                RouteFailed(
+                    f"reply carries {len(reply.logprobs)} log-probs for {expected}",
+                    self._committed,
+                )
+            )
+
+    def _commit(
+        self, tokens: list[int], last: int, now: float, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[Send]:
         """Add tokens to the log; hold back what follows until the visible ones are streamed."""
         self._last_token = last
         self._eos = last in self.request.eos_ids
         visible = tokens[:-1] if self._eos else tokens
         self._committed.extend(visible)
+        if self.request.grammar is not None:
+            self.request.grammar.commit(tokens)
+        kept = list(logprobs[: len(visible)])
+        self._logprobs.extend(kept)
         self.proposer.observe(tokens)
         if visible:
             self._to_stream = list(visible)
+            self._logprobs_to_stream = kept
             return []
         return self._settle(now, stop=False)
 
     def _settle(self, now: float, stop: bool) -> list[Send]:
         """After a commit was streamed: finish, or roll back what it disproved and fill."""
-        done = self._eos or stop or len(self._committed) >= self.request.max_tokens
-        if self._eos or stop:
+        grammar = self.request.grammar
+        complete = grammar is not None and grammar.stopped
+        done = self._eos or stop or complete or len(self._committed) >= self.request.max_tokens
+        if self._eos or stop or complete:
             self.finish_reason = "stop"
         out: list[Send] = []
         if self._after_reply and self._in_flight:
@@ -550,7 +602,11 @@ class WindowLoop:
                 # Even at width 0 the proposer sees the MTP draft, so `auto` keeps scoring
                 # MTP strategies while it is not speculating.
                 drafts = self.proposer.propose(plan.width, self._mtp_draft)
-                tokens = [self._last_token, *clip_drafts(drafts, remaining)]
+                clipped = clip_drafts(drafts, remaining)
+                kept, mask = self._masks((), (), clipped)
+                if kept < 0:
+                    break  # the grammar is complete: nothing more to choose
+                tokens = [self._last_token, *clipped[:kept]]
             else:
                 # Everything in flight is assumed right: the oldest window's drafts, then
                 # each later window's guessed bonus token and its drafts.
@@ -562,17 +618,32 @@ class WindowLoop:
                     break  # no guess for the bonus token: wait for the reply instead
                 prev = self._in_flight[-1]
                 base = prev.base_pos + len(prev.tokens)
-                tokens = [guess[0], *clip_drafts(guess[1:], remaining)]
+                clipped = clip_drafts(guess[1:], remaining)
+                kept, mask = self._masks(assumed, guess[:1], clipped)
+                if kept < 0:
+                    break  # the grammar refuses the guess: wait for the reply instead
+                tokens = [guess[0], *clipped[:kept]]
             spent = self.proposer.last_draft_s
             if spent > 0:
                 drafting += spent
                 self.recorder.draft(spent, len(tokens) - 1)
-            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, now)
+            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, now, mask)
             sent.append(window)
             out.append(self._send_window(window))
         for window in sent:
             window.draft_s = drafting
         return out
+
+    def _masks(
+        self, assumed: Sequence[int], head: Sequence[int], drafts: Sequence[int]
+    ) -> tuple[int, bytes]:
+        """The drafts the grammar allows and the window's masks (`Constraint.window_masks`);
+        all drafts and no masks without a grammar; (-1, b"") when no window can be right."""
+        grammar = self.request.grammar
+        if grammar is None:
+            return len(drafts), b""
+        found = grammar.window_masks(assumed, head, drafts)
+        return (-1, b"") if found is None else found
 
     def _send_window(self, w: _Window) -> Send:
         if self._idle_since is not None and not self._in_flight:
@@ -587,6 +658,8 @@ class WindowLoop:
             sampling=self.request.sampling,
             n_draft=w.n_draft,
             mtp_tokens=self.mtp_tokens,
+            logprobs=self.request.logprobs,
+            mask=w.mask,
         )
         self._in_flight.append(w)
         self.recorder.window_sent()

@@ -80,6 +80,10 @@ class Tokenizer:
         """Every token string and its id, added tokens included."""
         return dict(self._backend.get_vocab(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The whole tokenizer as `tokenizers`' JSON (what grammar engines read)."""
+        return str(self._backend.to_str())
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the post-processor's BOS etc. when `add_special_tokens`)."""
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -98,9 +102,13 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """The chat template applied to `messages` (like HF `apply_chat_template(tokenize=False)`)."""
+        """The chat template applied to `messages` (like HF `apply_chat_template(tokenize=False)`).
+
+        `tools` (OpenAI's `{"type": "function", "function": {…}}` entries) is the template's
+        `tools` variable, rendered as the model's authors wrote it."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template (tokenizer_config.json)")
         if self._compiled is None:
@@ -108,7 +116,7 @@ class Tokenizer:
         try:
             return self._compiled.render(
                 messages=[dict(m) for m in messages],
-                tools=None,
+                tools=[dict(t) for t in tools] if tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **(self.special_tokens | template_kwargs),
@@ -121,11 +129,12 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Ids of the rendered chat (the template supplies any BOS, as in HF)."""
         text = self.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
         )
         return self.encode(text, add_special_tokens=False)
 

@@ -17,11 +17,14 @@ over the draft's distribution q, which equals the target's sample whenever q is 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
 import torch
+
+from protocol.messages import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 # Candidates examined first when finding the top-p nucleus (then 8x more, until found).
@@ -257,6 +260,31 @@ class Verdict:
     eos: bool
 
 
+def unpack_masks(packed: bytes, rows: int, vocab: int) -> torch.Tensor:
+    """A window's grammar masks (`grammar.pack_masks`) as a bool tensor `[rows, vocab]`.
+
+    Ids beyond the packed words are not allowed; ValueError for data that is not `rows` rows
+    of whole 32-bit words (decompressed at most to what a `vocab`-wide mask needs, so a
+    hostile blob cannot balloon).
+    """
+    words = vocab // 32 + 1  # engines may round up by a whole word
+    limit = rows * words * 4
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(packed, limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"grammar mask: {exc}") from None
+    if not inflater.eof or len(raw) > limit or len(raw) % (rows * 4):
+        raise ValueError(f"grammar mask: {len(raw)} bytes is not {rows} rows of 32-bit words")
+    have = len(raw) // (rows * 4)
+    packed_words = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(rows, have)
+    bits = (packed_words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    width = min(vocab, have * 32)
+    allowed[:, :width] = bits.view(rows, have * 32)[:, :width].bool()
+    return allowed
+
+
 def verify(
     logits: torch.Tensor,
     window_tokens: Sequence[int],
@@ -264,6 +292,7 @@ def verify(
     base_pos: int,
     params: SamplingParams,
     eos_ids: frozenset[int] = frozenset(),
+    allowed: torch.Tensor | None = None,
 ) -> Verdict:
     """Accept drafts while each equals the target's choice at its position.
 
@@ -271,6 +300,9 @@ def verify(
     drafts. `logits` is `[T, V]` with rows aligned to the end of the window: when T equals the
     window length, row i is for position base_pos+i (it predicts position base_pos+i+1); a
     prefill window may pass only its last row(s). At least `n_draft + 1` rows are needed.
+    `allowed` (`[n_draft + 1, V]` bools, a grammar's masks) restricts each choosing row to its
+    allowed tokens before anything else: the choice is then the one plain decoding under the
+    grammar would make.
     """
     length = len(window_tokens)
     rows = logits.shape[0]
@@ -283,6 +315,8 @@ def verify(
     # Absolute position predicted by row first_row (the last context token's row).
     first_pos = base_pos + length - n_draft
     needed = logits[first_row:]
+    if allowed is not None:
+        needed = needed.masked_fill(~allowed.to(needed.device), float("-inf"))
     if params.greedy:
         choices = needed.argmax(-1).tolist()  # one vectorised pass over all needed rows
         return _walk(drafts, lambda j: int(choices[j]), eos_ids)
@@ -297,6 +331,26 @@ def _walk(drafts: list[int], choice: Callable[[int], int], eos_ids: frozenset[in
             return Verdict(j, target, [*drafts[:j], target], target in eos_ids)
     bonus = choice(len(drafts))
     return Verdict(len(drafts), bonus, [*drafts, bonus], bonus in eos_ids)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Each token's log-prob under its row's raw distribution, with the `top` most likely ids.
+
+    `rows` is `[len(tokens), V]`, row j the logits that chose `tokens[j]`. The distribution is
+    the model's own (log-softmax of the logits, before temperature, top-k/top-p and any grammar
+    mask), as OpenAI reports it, so the numbers do not depend on how the token was drawn.
+    """
+    logp = torch.log_softmax(rows.detach().to(device="cpu", dtype=torch.float32), -1)
+    chosen = logp.gather(-1, torch.tensor([[int(t)] for t in tokens], dtype=torch.int64))
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.shape[-1]), -1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in tokens]
+    return [
+        TokenLogprobs(float(c), i, v)
+        for c, i, v in zip(chosen.squeeze(-1).tolist(), top_ids, top_values, strict=True)
+    ]
 
 
 def clip_drafts(drafts: Sequence[int], remaining_tokens: int) -> list[int]:

@@ -51,7 +51,7 @@ import trio
 from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
-from meshd.speculative.sampling import SamplingParams, verify
+from meshd.speculative.sampling import SamplingParams, token_logprobs, unpack_masks, verify
 from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
@@ -66,6 +66,7 @@ from protocol.messages import (
     StageError,
     StageHidden,
     StageTiming,
+    TokenLogprobs,
     VerifyReply,
     VerifyWindow,
 )
@@ -149,8 +150,10 @@ class _Work:
 
 
 # What computing one window gives: hidden states for the next stage, the last stage's verdict
-# (accepted drafts, next token, MTP drafts), nothing (a prefill chunk), or its own error.
-_Result = torch.Tensor | tuple[int, int, list[int]] | None | ModelError
+# (accepted drafts, next token, MTP drafts, log-probs when asked), nothing (a prefill chunk),
+# or its own error.
+_Verdict = tuple[int, int, list[int], list[TokenLogprobs]]
+_Result = torch.Tensor | _Verdict | None | ModelError
 
 
 class StageHost:
@@ -494,7 +497,7 @@ class StageHost:
             blob = to_blob(result, info.wire_dtype)
             await self._send(info.next_hop, StageHidden(window, blob, timings))
         elif result is not None:
-            accepted, next_token, drafts = result
+            accepted, next_token, drafts, logprobs = result
             reply = VerifyReply(
                 session=window.session,
                 window_id=window.window_id,
@@ -503,6 +506,7 @@ class StageHost:
                 next_token=next_token,
                 mtp_draft=drafts,
                 stage_timings=timings,
+                logprobs=logprobs,
             )
             await self._send(info.coordinator, reply)
 
@@ -560,7 +564,7 @@ class StageHost:
 
     def _finish(
         self, info: OpenSession, w: VerifyWindow, out: StageOutput
-    ) -> torch.Tensor | tuple[int, int, list[int]] | None:
+    ) -> torch.Tensor | _Verdict | None:
         """After the pass: hidden states to pass on, or the last stage's verdict and drafts."""
         if not self.stage.is_last:
             return out.hidden
@@ -585,7 +589,7 @@ class StageHost:
 
 def window_verdict(
     w: VerifyWindow, out: StageOutput, eos_ids: frozenset[int], drafter: MtpDrafter | None
-) -> tuple[tuple[int, int, list[int]] | None, float]:
+) -> tuple[_Verdict | None, float]:
     """The last stage's answer to a window it computed, and the MTP heads' seconds.
 
     A sampled window gets its verdict (accepted drafts, next token) and, with `drafter`, the
@@ -600,7 +604,20 @@ def window_verdict(
     assert out.logits is not None
     s = w.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
-    verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, eos_ids)
+    allowed = None
+    if w.mask:
+        try:
+            allowed = unpack_masks(w.mask, w.n_draft + 1, out.logits.shape[-1])
+        except ValueError as exc:
+            raise ModelError(str(exc)) from None
+    verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, eos_ids, allowed)
+    logprobs: list[TokenLogprobs] = []
+    if w.logprobs >= 0:
+        # Rows aligned to the window's end (see `verify`): the first needed row chose the
+        # first draft, and each committed token has its own row.
+        first = out.logits.shape[0] - w.n_draft - 1
+        rows = out.logits[first : first + len(verdict.committed)]
+        logprobs = token_logprobs(rows, verdict.committed, w.logprobs)
     drafts: list[int] = []
     mtp_s = 0.0
     if drafter is not None:
@@ -610,4 +627,4 @@ def window_verdict(
             w.session, w.base_pos, known, out.hidden, verdict.next_token, w.mtp_tokens
         )
         mtp_s = time.perf_counter() - started
-    return (verdict.accepted_len, verdict.next_token, drafts), mtp_s
+    return (verdict.accepted_len, verdict.next_token, drafts, logprobs), mtp_s

@@ -161,7 +161,7 @@ class VirtualRoute:
         result, _ = window_verdict(w, out, self.eos_ids, self.drafter if drafting else None)
         if result is None:
             return None
-        accepted_len, next_token, drafts = result
+        accepted_len, next_token, drafts, logprobs = result
         timings = [StageTiming(i, 0.0, self.compute_s) for i in range(len(self.stages))]
         return VerifyReply(
             session=w.session,
@@ -171,6 +171,7 @@ class VirtualRoute:
             next_token=next_token,
             mtp_draft=drafts,
             stage_timings=timings,
+            logprobs=logprobs,
         )
 
 
