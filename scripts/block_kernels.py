@@ -13,6 +13,7 @@ median over a round's calls.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -31,7 +32,7 @@ SHAPES = ((576, 1536), (1536, 576), (2048, 8192))  # (in_features, out_features)
 def _timed(fn: Callable[[], object], budget_s: float) -> float:
     """Median seconds per call over about `budget_s` of calls (at least 5)."""
     fn()
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < 5 or time.perf_counter() - start < budget_s:
         t0 = time.perf_counter()
@@ -59,13 +60,13 @@ def main() -> None:
         x = torch.from_numpy(rng.standard_normal((args.tokens, k)).astype(np.float32))
         wt = torch.from_numpy(w)
         cands: dict[tuple[str, str], tuple[Callable[[], object], int]] = {
-            ("torch", "F32"): (lambda wt=wt, x=x: torch.nn.functional.linear(x, wt), w.nbytes)
+            ("torch", "F32"): (functools.partial(torch.nn.functional.linear, x, wt), w.nbytes)
         }
         for qtype in types:
             raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
             for path in runnable_paths():
                 m = BlockMatrix(raw, qtype, k, n, path=path)
-                cands[(path, qtype.name)] = (lambda m=m, x=x: m.mm(x), m.nbytes)
+                cands[(path, qtype.name)] = (functools.partial(m.mm, x), m.nbytes)
         for threads in (int(v) for v in args.threads.split(",")):
             torch.set_num_threads(threads)
             per: dict[tuple[str, str], list[float]] = {key: [] for key in cands}

@@ -62,7 +62,7 @@ def _weights(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> np.ndarr
         size, scale_at = _FIELDS_K[qtype]
         raw = rng.integers(0, 256, size=(n_out * k // 256, size), dtype=np.uint8)
         for at in scale_at:
-            scale = (rng.random(raw.shape[0]) * 0.01).astype(np.float16)
+            scale = (rng.random(raw.shape[0]) * np.float32(0.01)).astype(np.float16)
             raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
         return raw.reshape(-1)
     w = rng.standard_normal((n_out, k)).astype(np.float32)
@@ -84,7 +84,7 @@ def _q8_k(x: np.ndarray) -> np.ndarray:
         iscale = np.where(top == 0, np.float32(0), np.float32(-127) / top).astype(np.float32)
         q = np.minimum(np.rint(iscale * b), 127).astype(np.float32)
         d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
-    return (q * d).reshape(x.shape)
+    return np.asarray((q * d).reshape(x.shape))
 
 
 def _reference(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.ndarray:
@@ -163,7 +163,7 @@ def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
                 assert torch.equal(got, singles[start : start + t]), (n, t, start)
 
 
-@pytest.mark.parametrize("qtype", sorted(set(blocks._NON_K + _K_TYPES), key=int), ids=str)
+@pytest.mark.parametrize("qtype", sorted(set(blocks._NON_K + _K_TYPES)), ids=str)
 def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
     rng = np.random.default_rng(3)
     k, n_out = 512, 9

@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,18 @@ def supported_types(path: str | None = None) -> frozenset[GGMLQuantizationType]:
     return frozenset(t for t in GGMLQuantizationType if lib.supported(int(t)))
 
 
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> int:
+    """The address of this thread's scratch buffer of at least `nbytes` (grown, never shrunk:
+    one product runs at a time per thread, and activations of a step are small)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return int(buf.data_ptr())
+
+
 def _ptr(arr: np.ndarray | torch.Tensor) -> ctypes.c_void_p:
     # A read-only memmap is fine: the C side only reads weights.
     if isinstance(arr, torch.Tensor):
@@ -311,6 +324,11 @@ class BlockMatrix:
         self.out_features = out_features
         self.row_bytes = row_bytes
         self._lib = lib
+        # Kept as plain ints: a decode step calls mm a few hundred times, and building ctypes
+        # objects (or numpy's .ctypes) per call costs more than a small product.
+        self._type = int(qtype)
+        self._w = int(data.ctypes.data)
+        self._scratch_per_token = lib.scratch_bytes(self._type, in_features, 1) - 64
 
     @classmethod
     def from_reader_tensor(cls, tensor: Any, path: str | None = None) -> BlockMatrix:
@@ -339,22 +357,19 @@ class BlockMatrix:
             raise ValueError(
                 f"expected fp32 [t, {self.in_features}], got {x.dtype} {list(x.shape)}"
             )
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
         t = x.shape[0]
         y = torch.empty(t, self.out_features, dtype=torch.float32)
-        qtype = int(self.ggml_type)
-        scratch = torch.empty(
-            self._lib.scratch_bytes(qtype, self.in_features, t), dtype=torch.uint8
-        )
         failed = self._lib.mm(
-            qtype,
-            _ptr(self.data),
+            self._type,
+            self._w,
             self.in_features,
             self.out_features,
-            _ptr(x),
+            x.data_ptr(),
             t,
-            _ptr(y),
-            _ptr(scratch),
+            y.data_ptr(),
+            _scratch(self._scratch_per_token * t + 64),
             torch.get_num_threads(),
         )
         if failed:
