@@ -619,11 +619,11 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     __m512 acc[NR_MAX][NT];
-    float summs[NR_MAX][NT];
+    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 0, b+1 in lane 1 */
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) {
             acc[i][r] = _mm512_setzero_ps();
-            summs[i][r] = 0.0f;
+            summs[i][r] = _mm_setzero_ps();
         }
     const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -631,7 +631,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
         __m512i wv[NR_MAX];
         __mmask64 neg[NR_MAX];
         __m512 dw[NR_MAX];
-        float mw[NR_MAX][2] = {{0.0f}};
+        __m128 mw[NR_MAX];
         for (int i = 0; i < nr; ++i) {
             const uint8_t *p = wr[i] + b * bb;
             wv[i] = pair_codes(type, p, bb, two);
@@ -640,11 +640,18 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                 neg[i] = _mm512_movepi8_mask(wv[i]);
                 wv[i] = _mm512_abs_epi8(wv[i]);
             }
-            const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
-            dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
             if (one) {
-                mw[i][0] = fp16(rd16(p + 2));
-                mw[i][1] = two ? fp16(rd16(p + bb + 2)) : 0.0f;
+                /* d and m of both blocks in one conversion: [d_b, m_b, d_b1, m_b1]. */
+                uint32_t dm0, dm1 = 0;
+                memcpy(&dm0, p, 4);
+                if (two) memcpy(&dm1, p + bb, 4);
+                const __m128 v = _mm_cvtph_ps(_mm_set_epi32(0, 0, (int)dm1, (int)dm0));
+                dw[i] = pair_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 2, 0)));
+                mw[i] = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 3, 1));
+            } else {
+                const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
+                dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
+                mw[i] = _mm_setzero_ps();
             }
         }
         for (int r = 0; r < nt; ++r) {
@@ -653,6 +660,9 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
+            const __m128 s2 = !one ? _mm_setzero_ps()
+                              : two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
+                                    : _mm_load_ss(d + nb + b);
             __m512i init = _mm512_setzero_si512();
             if (shift) {
                 const int32_t *sm = (const int32_t *)(d + 2 * nb);
@@ -672,16 +682,16 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                 else
                     p = _mm512_dpbusd_epi32(init, wv[i], x);
                 acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(p), acc[i][r]);
-                if (one) {
-                    const float *s = d + nb;
-                    summs[i][r] += mw[i][0] * s[b];
-                    if (two) summs[i][r] += mw[i][1] * s[b + 1];
-                }
+                if (one) summs[i][r] = _mm_fmadd_ps(mw[i], s2, summs[i][r]);
             }
         }
     }
     for (int i = 0; i < nr; ++i)
-        for (int r = 0; r < nt; ++r) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + summs[i][r];
+        for (int r = 0; r < nt; ++r) {
+            const __m128 m = summs[i][r];
+            const float ms = _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+            out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + ms;
+        }
 }
 #define TILE_KERNEL tile512
 #endif
@@ -793,31 +803,63 @@ static inline float load_w1(int type, const uint8_t *w, int64_t i) {
     return v;
 }
 
+/* NACC accumulators per token, NACC vectors per step (one FMA chain would wait on its latency);
+ * they are summed in a fixed order, the same for every token count. */
 static inline __attribute__((always_inline)) void dot_float(int type, const uint8_t *w, int64_t k,
                                                            const uint8_t *act, int64_t stride,
                                                            int nt, float *out) {
     const int64_t main = k / FW * FW;
     float tail[NT];
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
-    __m512 acc[NT];
-    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < main; i += FW) {
-        const __m512 wv = load_w16(type, w, i);
-        for (int r = 0; r < nt; ++r)
-            acc[r] = _mm512_fmadd_ps(wv, _mm512_load_ps((const float *)(act + r * stride) + i),
-                                     acc[r]);
+#define NACC 4
+#define VF __m512
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VLOAD _mm512_load_ps
+#define VW load_w16
+#define VSUM _mm512_reduce_add_ps
+#else
+#define NACC 2
+#define VF __m256
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+#define VLOAD _mm256_load_ps
+#define VW load_w8
+#define VSUM hsum8
+#endif
+    const int64_t wide = k / (NACC * FW) * (NACC * FW);
+    VF acc[NT][NACC];
+    for (int r = 0; r < nt; ++r)
+        for (int c = 0; c < NACC; ++c) acc[r][c] = VZERO();
+    for (int64_t i = 0; i < wide; i += NACC * FW) {
+        VF wv[NACC];
+        for (int c = 0; c < NACC; ++c) wv[c] = VW(type, w, i + c * FW);
+        for (int r = 0; r < nt; ++r) {
+            const float *x = (const float *)(act + r * stride) + i;
+            for (int c = 0; c < NACC; ++c) acc[r][c] = VFMA(wv[c], VLOAD(x + c * FW), acc[r][c]);
+        }
     }
-    for (int r = 0; r < nt; ++r) tail[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__)
-    __m256 acc[NT];
-    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < main; i += FW) {
-        const __m256 wv = load_w8(type, w, i);
+    for (int64_t i = wide; i < main; i += FW) {
+        const VF wv = VW(type, w, i);
         for (int r = 0; r < nt; ++r)
-            acc[r] = _mm256_fmadd_ps(wv, _mm256_load_ps((const float *)(act + r * stride) + i),
-                                     acc[r]);
+            acc[r][0] = VFMA(wv, VLOAD((const float *)(act + r * stride) + i), acc[r][0]);
     }
-    for (int r = 0; r < nt; ++r) tail[r] = hsum8(acc[r]);
+    for (int r = 0; r < nt; ++r) {
+        VF total = acc[r][0];
+        for (int c = 1; c < NACC; ++c) total = VADD(total, acc[r][c]);
+        tail[r] = VSUM(total);
+    }
+#undef NACC
+#undef VF
+#undef VZERO
+#undef VFMA
+#undef VADD
+#undef VLOAD
+#undef VW
+#undef VSUM
 #else
     /* FW independent lanes per token, summed in a fixed order: a loop compilers vectorize. */
     float acc[NT][FW];
