@@ -717,10 +717,11 @@ typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act,
     TILE_FN(TYPE, 1, 2)                                                                            \
     TILE_FN(TYPE, 1, 3)                                                                            \
     TILE_FN(TYPE, 1, 4)                                                                            \
-    static const tile_fn tiles_##TYPE[9] = {                                                       \
+    TILE_FN(TYPE, 4, 4)                                                                            \
+    static const tile_fn tiles_##TYPE[10] = {                                                      \
         tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,              \
         tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,              \
-        tile_##TYPE##_1x4};
+        tile_##TYPE##_1x4, tile_##TYPE##_4x4};
 TILE_SET(T_Q4_0)
 TILE_SET(T_Q4_1)
 TILE_SET(T_Q5_0)
@@ -743,6 +744,11 @@ static int tiled_type(int type) {
 
 /* Rows [r0, r1) x every token through the tiles: 4 rows at a time for single tokens (independent
  * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise. */
+#if defined(PAIRED)
+#define WIDE_TILES 1
+#else
+#define WIDE_TILES 0
+#endif
 static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
                        float *y) {
@@ -753,10 +759,11 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         float *o = y + j * n_out;
         int64_t n = r0;
         const uint8_t *wr[NR_MAX];
-        if (nt == 1)
+        /* 4 x 4 tiles only where 32 vector registers hold their accumulators (AVX-512). */
+        if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
-                tiles[0](wr, k, a, stride, o + n, n_out);
+                tiles[nt == 1 ? 0 : 9](wr, k, a, stride, o + n, n_out);
             }
         for (; n + 2 <= r1; n += 2) {
             wr[0] = w + n * rb;
