@@ -152,13 +152,14 @@ def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
     rng = np.random.default_rng(int(qtype))
     k, n_out = 512, 45
     m = BlockMatrix(_weights(qtype, n_out, k, rng), qtype, k, n_out)
-    x = torch.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
+    # 70 tokens cross the kernel's 64-token units of work.
+    x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
     torch.set_num_threads(1)
-    singles = torch.cat([m.mm(x[i : i + 1]) for i in range(33)])
+    singles = torch.cat([m.mm(x[i : i + 1]) for i in range(70)])
     for n in (1, 2):
         torch.set_num_threads(n)
-        for t in (1, 2, 3, 7, 16, 33):
-            for start in (0, 33 - t):
+        for t in (1, 2, 3, 7, 16, 33, 70):
+            for start in (0, 70 - t):
                 got = m.mm(x[start : start + t])
                 assert torch.equal(got, singles[start : start + t]), (n, t, start)
 
