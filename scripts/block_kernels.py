@@ -91,15 +91,15 @@ class Ggml:
         return call, y
 
 
-def _timed(fn: Callable[[], object], budget_s: float) -> float:
+def _timed(fn: Callable[[], object], budget_s: float, clock: Callable[[], float]) -> float:
     """Median seconds per call over about `budget_s` of calls (at least 5)."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 5 or time.perf_counter() - start < budget_s:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -111,10 +111,23 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_0,Q8_0")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES))
+    ap.add_argument("--paths", default=",".join(runnable_paths()), help="kernel paths to run")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: the calling thread's CPU time (1 thread only; on a shared machine it leaves "
+        "out the time another tenant holds the core)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ggml", type=Path, help="a llama.cpp build's directory of libggml*.so")
     args = ap.parse_args()
     types = [GGMLQuantizationType[name] for name in args.types.split(",")]
+    paths = [p for p in args.paths.split(",") if p]
+    thread_counts = [int(v) for v in args.threads.split(",")]
+    if args.clock == "cpu" and thread_counts != [1]:
+        ap.error("--clock cpu measures one thread: pass --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
     ggml = Ggml(args.ggml) if args.ggml else None
@@ -129,23 +142,23 @@ def main() -> None:
         }
         for qtype in types:
             raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
-            for path in runnable_paths():
+            for path in paths:
                 m = BlockMatrix(raw, qtype, k, n, path=path)
                 cands[(path, qtype.name)] = (functools.partial(m.mm, x), m.nbytes)
             if ggml is not None:
                 call, y = ggml.matmul(raw, int(qtype), k, n, x.numpy())
                 call()
-                for path in runnable_paths():
+                for path in paths:
                     ours = BlockMatrix(raw, qtype, k, n, path=path).mm(x).numpy()
                     diff = float(np.abs(ours - y).max() / np.abs(y).max())
                     agreement[(f"{k}x{n}", qtype.name, path)] = diff
                 cands[("ggml", qtype.name)] = (call, raw.nbytes)
-        for threads in (int(v) for v in args.threads.split(",")):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             per: dict[tuple[str, str], list[float]] = {key: [] for key in cands}
             for _ in range(args.rounds):
                 for key, (fn, _nbytes) in cands.items():
-                    per[key].append(_timed(fn, args.budget))
+                    per[key].append(_timed(fn, args.budget, clock))
             for (kernel, tname), times in per.items():
                 sec = statistics.median(times)
                 nbytes = cands[(kernel, tname)][1]

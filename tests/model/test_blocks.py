@@ -14,6 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from meshd.config.sources import load_config
 from meshd.model.kernels import blocks
 from meshd.model.kernels.blocks import (
     BLOCK_KERNELS_ENV,
@@ -217,6 +218,12 @@ def test_wrong_sizes_are_refused() -> None:
     m = BlockMatrix(np.zeros(18, dtype=np.uint8), T.Q4_0, 32, 1)
     with pytest.raises(ValueError, match="fp32"):
         m.mm(torch.zeros(2, 64))
+
+
+def test_the_daemon_config_leaves_the_kernel_choice_to_the_process(tmp_path: Path) -> None:
+    # MESHD_* variables are config keys unless they are the process's kernel choices.
+    env = {"HOME": str(tmp_path), BLOCK_KERNELS_ENV: "avx2"}
+    assert load_config({}, env, None)
 
 
 def test_a_forced_path_the_cpu_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from meshd.model.kernels import BLOCK_KERNELS_ENV as BLOCK_KERNELS_ENV
 from meshd.model.kernels import _cache_dir, _check_private, _cpu_flags
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("blocks.c")
 # The K-quant formats, written separately; compiled in when present.
 _K_SOURCE = Path(__file__).with_name("blocks_k.c")
-BLOCK_KERNELS_ENV = "MESHD_BLOCK_KERNELS"
-PROCESS_ENV = (BLOCK_KERNELS_ENV,)
 # Best first: what `auto` tries in this order.
 PATHS = ("avx512", "avx2", "portable")
 CHOICES = ("auto", *PATHS)
