@@ -187,6 +187,22 @@ def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
         assert torch.equal(out, full[ids])
 
 
+@pytest.mark.skipif(
+    path_unavailable_reason("avx2") is not None or "avx_vnni" not in blocks._cpu_flags(),
+    reason="needs a CPU with AVX2 and AVX-VNNI (the avx2 path's two builds)",
+)
+def test_avx2_with_and_without_avx_vnni_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    k, n_out = 544, 21
+    x = torch.from_numpy(rng.standard_normal((6, k)).astype(np.float32))
+    weights = {q: _weights(q, n_out, k, rng) for q in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)}
+    vnni = {q: BlockMatrix(raw, q, k, n_out, path="avx2").mm(x) for q, raw in weights.items()}
+    flags = blocks._cpu_flags() - {"avx_vnni"}
+    monkeypatch.setattr(blocks, "_cpu_flags", lambda: flags)
+    for q, raw in weights.items():
+        assert torch.equal(BlockMatrix(raw, q, k, n_out, path="avx2").mm(x), vnni[q]), q.name
+
+
 def test_a_read_only_map_of_the_file_is_used_in_place(path: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     k, n_out = 256, 40

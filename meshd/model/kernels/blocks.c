@@ -16,7 +16,8 @@
  *   once per token (compiled with -ffp-contract=off; the FMAs written as intrinsics are in every
  *   variant alike). A verify window's rows are therefore bit-identical to single steps.
  * - The same source builds three ways (`avx512`, `avx2`, `portable`); the intrinsics sit inside
- *   __AVX2__ / __AVX512F__ guards and the scalar code is the reference for any CPU.
+ *   __AVX2__ / __AVX512F__ guards and the scalar code is the reference for any CPU. The avx2
+ *   build adds AVX-VNNI (VPDPBUSD on 256 bits) where the CPU has it: the same exact int32 sums.
  * - K-quant dot products come from blocks_k.c when it is compiled in (MESHD_HAVE_K_QUANTS); without
  *   it those types are not supported here (their rows still dequantize, for embeddings).
  */
@@ -337,6 +338,8 @@ static inline __m256i fifth_bits(const uint8_t *p) {
 static inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
     /* maddubs pairs stay below 2 * 128 * 127 < 32768: no saturation for these formats. */
     const __m256i pairs = _mm256_maddubs_epi16(u, s);

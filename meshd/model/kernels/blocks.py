@@ -8,7 +8,7 @@ product. The integer codes and scales are ggml's own, so a product equals llama.
 rounding of fp32 accumulation (docs/model-runtime.md, "GGUF block kernels").
 
 `blocks.c` is compiled three ways from one source: `avx512` (AVX-512 F/BW/VL/VNNI), `avx2`
-(AVX2, FMA, F16C) and `portable` (plain C for any CPU). `MESHD_BLOCK_KERNELS` picks one
+(AVX2, FMA, F16C, and AVX-VNNI where the CPU has it) and `portable` (plain C for any CPU). `MESHD_BLOCK_KERNELS` picks one
 (`auto`, the default, takes the best this CPU runs; naming a path the CPU cannot run is an
 error, never a silent fallback). The library is built once per machine into the same cache
 directory as meshd's other kernel (`meshd.model.kernels`), named by the hash of its sources and
@@ -42,7 +42,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from meshd.model.kernels import BLOCK_KERNELS_ENV as BLOCK_KERNELS_ENV
-from meshd.model.kernels import _cache_dir, _check_private, _cpu_flags
+from meshd.model.kernels import _cache_dir, _check_private
+from meshd.model.kernels import _cpu_flags as _cpu_flags  # tests replace it
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +164,19 @@ def _sources() -> list[Path]:
 
 def _flags(name: str) -> tuple[str, ...]:
     extra = ("-DMESHD_HAVE_K_QUANTS",) if _K_SOURCE.exists() else ()
+    # AVX-VNNI (256-bit VPDPBUSD without AVX-512: Alder Lake and later, Zen 5) where the CPU has
+    # it; it gives the same exact integer sums as the VPMADDUBSW sequence it replaces.
+    if name == "avx2" and "avx_vnni" in _cpu_flags():
+        extra = (*extra, "-mavxvnni")
     return (*_COMMON_FLAGS, *_PATH_FLAGS[name], *extra)
 
 
-def _compile(name: str, directory: Path) -> Path:
+def _compile(name: str, flags: tuple[str, ...], directory: Path) -> Path:
     """The library for path `name` in `directory`, built there first if missing.
 
     Named by the hash of the sources and flags: a new meshd builds its own, and a machine that
     built it once needs no compiler again."""
-    sources, flags = _sources(), _flags(name)
+    sources = _sources()
     digest = hashlib.sha256()
     for src in sources:
         digest.update(src.read_bytes())
@@ -235,13 +240,13 @@ def _load(name: str, path: Path) -> BlockKernels:
 
 
 @functools.cache
-def _kernels(name: str) -> BlockKernels:
+def _kernels(name: str, flags: tuple[str, ...]) -> BlockKernels:
     # Loaded after torch, so its OpenMP library is torch's (one thread pool for both).
     assert torch.__version__
     errors = []
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"meshd-kernels-{os.getuid()}"):
         try:
-            return _load(name, _compile(name, directory))
+            return _load(name, _compile(name, flags, directory))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             errors.append(f"{directory}: {detail}")
@@ -255,7 +260,7 @@ def block_kernels(path: str | None = None) -> BlockKernels:
     reason = path_unavailable_reason(name)
     if reason is not None:
         raise UnavailableKernelPath(f"block kernel path {name}: {reason}")
-    return _kernels(name)
+    return _kernels(name, _flags(name))
 
 
 def supported_types(path: str | None = None) -> frozenset[GGMLQuantizationType]:
