@@ -357,125 +357,60 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* ---- quantized dot products, portable C ---------------------------------------------------------
- * dot_<type>(w, k, acts, stride, nt, out): out[r] = row w · token r's act, for r < nt, as ggml's
- * generic vec_dot computes it (exact int32 block sums, one fp32 multiply-add per block). The
- * AVX2 and AVX-512 builds run the tiles below instead. */
+/* ---- quantized dot products, portable C -----------------------------------------------------
+ * The AVX2 and AVX-512 builds run the tiles below instead. */
 
 #define ACT_Q(a) ((const int8_t *)(a))
 #define ACT_D(a, k) ((const float *)((a) + align64(k)))
 
-/* Q4_0 (d; 16 bytes of nibbles, value = d * (nibble - 8)) · Q8_0. */
-static inline __attribute__((always_inline)) void dot_q4_0(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k);
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 18;
-            int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                sumi += ((blk[2 + j] & 0x0F) - 8) * q[b * QK + j];
-                sumi += ((blk[2 + j] >> 4) - 8) * q[b * QK + j + QK / 2];
-            }
-            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
-        }
-        out[r] = sumf;
+/* Block `p` of a Q type as 32 signed codes (Q4_0/Q5_0 with their offset of 8/16 removed), its
+ * scale d and its offset m (the _1 formats; 0 otherwise). Written as plain loops over bytes so
+ * that compilers vectorize them. */
+static inline __attribute__((always_inline)) const int8_t *codes_of(int type, const uint8_t *p,
+                                                                    int8_t *c, float *d,
+                                                                    float *m) {
+    *d = fp16(rd16(p));
+    *m = type == T_Q4_1 || type == T_Q5_1 ? fp16(rd16(p + 2)) : 0.0f;
+    if (type == T_Q8_0) return (const int8_t *)(p + 2); /* Q8_0's codes as stored */
+    const int off = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    const int bias = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+    uint32_t h = 0;
+    if (type == T_Q5_0 || type == T_Q5_1) memcpy(&h, p + off - 4, 4);
+    for (int j = 0; j < QK / 2; ++j) {
+        const int lo = (p[off + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
+        const int hi = (p[off + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+        c[j] = (int8_t)(lo - bias);
+        c[j + QK / 2] = (int8_t)(hi - bias);
     }
+    return c;
 }
 
-/* Q4_1 (d, m; nibbles, value = d * nibble + m) · Q8_1: d*dx*sum(nibble*q) + m*s. */
-static inline __attribute__((always_inline)) void dot_q4_1(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k), *s = d + nb;
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 20;
+/* Row w of a Q type · nt tokens' Q8 activations, as ggml's generic vec_dot computes it: an exact
+ * int32 sum per block, then sumf += sumi * (d_w * d_x) (+ m_w * s_x for the _1 formats). */
+static inline __attribute__((always_inline)) void dot_q(int type, const uint8_t *w, int64_t k,
+                                                       const uint8_t *act, int64_t stride,
+                                                       int nt, float *out) {
+    const int64_t nb = k / QK, bb = type == T_Q4_0   ? 18
+                                    : type == T_Q4_1 ? 20
+                                    : type == T_Q5_0 ? 22
+                                    : type == T_Q5_1 ? 24
+                                                     : 34;
+    float sumf[NT];
+    for (int r = 0; r < nt; ++r) sumf[r] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int8_t buf[QK];
+        float dw, mw;
+        const int8_t *c = codes_of(type, w + b * bb, buf, &dw, &mw);
+        for (int r = 0; r < nt; ++r) {
+            const int8_t *q = ACT_Q(act + r * stride) + b * QK;
+            const float *d = ACT_D(act + r * stride, k);
             int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                sumi += (blk[4 + j] & 0x0F) * q[b * QK + j];
-                sumi += (blk[4 + j] >> 4) * q[b * QK + j + QK / 2];
-            }
-            sumf += (fp16(rd16(blk)) * d[b]) * (float)sumi + fp16(rd16(blk + 2)) * s[b];
+            for (int j = 0; j < QK; ++j) sumi += c[j] * q[j];
+            sumf[r] += (float)sumi * (dw * d[b]);
+            if (type == T_Q4_1 || type == T_Q5_1) sumf[r] += mw * d[nb + b];
         }
-        out[r] = sumf;
     }
-}
-
-/* Q5_0 (d; 32 fifth bits; nibbles, value = d * (5-bit code - 16)) · Q8_0. */
-static inline __attribute__((always_inline)) void dot_q5_0(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k);
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 22;
-            uint32_t h;
-            memcpy(&h, blk + 2, 4);
-            int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                const int lo = (blk[6 + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
-                const int hi = (blk[6 + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
-                sumi += (lo - 16) * q[b * QK + j] + (hi - 16) * q[b * QK + j + QK / 2];
-            }
-            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
-        }
-        out[r] = sumf;
-    }
-}
-
-/* Q5_1 (d, m; fifth bits; nibbles, value = d * code + m) · Q8_1. */
-static inline __attribute__((always_inline)) void dot_q5_1(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k), *s = d + nb;
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 24;
-            uint32_t h;
-            memcpy(&h, blk + 4, 4);
-            int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                const int lo = (blk[8 + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
-                const int hi = (blk[8 + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
-                sumi += lo * q[b * QK + j] + hi * q[b * QK + j + QK / 2];
-            }
-            sumf += (fp16(rd16(blk)) * d[b]) * (float)sumi + fp16(rd16(blk + 2)) * s[b];
-        }
-        out[r] = sumf;
-    }
-}
-
-/* Q8_0 (d; 32 int8) · Q8_0. */
-static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k);
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 34;
-            int32_t sumi = 0;
-            for (int j = 0; j < QK; ++j) sumi += (int8_t)blk[2 + j] * q[b * QK + j];
-            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
-        }
-        out[r] = sumf;
-    }
+    for (int r = 0; r < nt; ++r) out[r] = sumf[r];
 }
 
 /* ---- AVX2: tiles of rows x tokens, one block per step ------------------------------------------
@@ -902,11 +837,11 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
                                                          const uint8_t *act, int64_t stride,
                                                          int nt, float *out) {
     switch (type) {
-    case T_Q4_0: dot_q4_0(w, k, act, stride, nt, out); break;
-    case T_Q4_1: dot_q4_1(w, k, act, stride, nt, out); break;
-    case T_Q5_0: dot_q5_0(w, k, act, stride, nt, out); break;
-    case T_Q5_1: dot_q5_1(w, k, act, stride, nt, out); break;
-    case T_Q8_0: dot_q8_0(w, k, act, stride, nt, out); break;
+    case T_Q4_0: dot_q(T_Q4_0, w, k, act, stride, nt, out); break;
+    case T_Q4_1: dot_q(T_Q4_1, w, k, act, stride, nt, out); break;
+    case T_Q5_0: dot_q(T_Q5_0, w, k, act, stride, nt, out); break;
+    case T_Q5_1: dot_q(T_Q5_1, w, k, act, stride, nt, out); break;
+    case T_Q8_0: dot_q(T_Q8_0, w, k, act, stride, nt, out); break;
     case T_F32: case T_F16: case T_BF16: dot_float(type, w, k, act, stride, nt, out); break;
 #ifdef MESHD_HAVE_K_QUANTS
     case T_Q4_K:
