@@ -8,9 +8,9 @@ product. The integer codes and scales are ggml's own, so a product equals llama.
 rounding of fp32 accumulation (docs/model-runtime.md, "GGUF block kernels").
 
 `blocks.c` is compiled three ways from one source: `avx512` (AVX-512 F/BW/VL/VNNI), `avx2`
-(AVX2, FMA, F16C, and AVX-VNNI where the CPU has it) and `portable` (plain C for any CPU). `MESHD_BLOCK_KERNELS` picks one
-(`auto`, the default, takes the best this CPU runs; naming a path the CPU cannot run is an
-error, never a silent fallback). The library is built once per machine into the same cache
+(AVX2, FMA, F16C, and AVX-VNNI where the CPU has it) and `portable` (plain C for any CPU).
+`MESHD_BLOCK_KERNELS` picks one (`auto`, the default, takes the best this CPU runs; naming a
+path the CPU cannot run is an error, never a silent fallback). The library is built once per machine into the same cache
 directory as meshd's other kernel (`meshd.model.kernels`), named by the hash of its sources and
 flags, and loaded with ctypes, which releases the GIL during a call. When `blocks_k.c` (the
 K-quant formats) sits beside `blocks.c` it is compiled in and Q4_K, Q5_K and Q6_K join the
