@@ -204,6 +204,25 @@ def test_avx2_with_and_without_avx_vnni_give_the_same_bits(monkeypatch: pytest.M
         assert torch.equal(BlockMatrix(raw, q, k, n_out, path="avx2").mm(x), vnni[q]), q.name
 
 
+def test_the_c_entry_point_without_a_thread_count_computes_the_same(path: str) -> None:
+    # meshd_blocks_mm: the C API for callers outside Python (OpenMP's own thread count).
+    rng = np.random.default_rng(17)
+    k, n_out, t = 256, 33, 5
+    raw = _weights(T.Q4_0, n_out, k, rng)
+    x = torch.from_numpy(rng.standard_normal((t, k)).astype(np.float32))
+    lib = ctypes.CDLL(str(block_kernels().path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.meshd_blocks_scratch_bytes.argtypes = [ctypes.c_int, i64, i64]
+    lib.meshd_blocks_scratch_bytes.restype = i64
+    lib.meshd_blocks_mm.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p]
+    scratch = np.empty(lib.meshd_blocks_scratch_bytes(int(T.Q4_0), k, t), dtype=np.uint8)
+    y = torch.empty(t, n_out)
+    lib.meshd_blocks_mm(
+        int(T.Q4_0), raw.ctypes.data, k, n_out, x.data_ptr(), t, y.data_ptr(), scratch.ctypes.data
+    )
+    assert torch.equal(y, BlockMatrix(raw, T.Q4_0, k, n_out).mm(x))
+
+
 def test_a_read_only_map_of_the_file_is_used_in_place(path: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     k, n_out = 256, 40
