@@ -8,12 +8,14 @@ import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import gguf.quants
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from meshd.config.sources import load_config
 from meshd.model.kernels import blocks
 from meshd.model.kernels.blocks import (
     BLOCK_KERNELS_ENV,
@@ -62,7 +64,7 @@ def _weights(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> np.ndarr
         size, scale_at = _FIELDS_K[qtype]
         raw = rng.integers(0, 256, size=(n_out * k // 256, size), dtype=np.uint8)
         for at in scale_at:
-            scale = (rng.random(raw.shape[0]) * 0.01).astype(np.float16)
+            scale = (rng.random(raw.shape[0]) * np.float32(0.01)).astype(np.float16)
             raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
         return raw.reshape(-1)
     w = rng.standard_normal((n_out, k)).astype(np.float32)
@@ -84,7 +86,7 @@ def _q8_k(x: np.ndarray) -> np.ndarray:
         iscale = np.where(top == 0, np.float32(0), np.float32(-127) / top).astype(np.float32)
         q = np.minimum(np.rint(iscale * b), 127).astype(np.float32)
         d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
-    return (q * d).reshape(x.shape)
+    return np.asarray((q * d).reshape(x.shape))
 
 
 def _reference(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.ndarray:
@@ -152,18 +154,19 @@ def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
     rng = np.random.default_rng(int(qtype))
     k, n_out = 512, 45
     m = BlockMatrix(_weights(qtype, n_out, k, rng), qtype, k, n_out)
-    x = torch.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
+    # 70 tokens cross the kernel's 64-token units of work.
+    x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
     torch.set_num_threads(1)
-    singles = torch.cat([m.mm(x[i : i + 1]) for i in range(33)])
+    singles = torch.cat([m.mm(x[i : i + 1]) for i in range(70)])
     for n in (1, 2):
         torch.set_num_threads(n)
-        for t in (1, 2, 3, 7, 16, 33):
-            for start in (0, 33 - t):
+        for t in (1, 2, 3, 7, 16, 33, 70):
+            for start in (0, 70 - t):
                 got = m.mm(x[start : start + t])
                 assert torch.equal(got, singles[start : start + t]), (n, t, start)
 
 
-@pytest.mark.parametrize("qtype", sorted(set(blocks._NON_K + _K_TYPES), key=int), ids=str)
+@pytest.mark.parametrize("qtype", sorted(set(blocks._NON_K + _K_TYPES)), ids=str)
 def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
     rng = np.random.default_rng(3)
     k, n_out = 512, 9
@@ -185,6 +188,41 @@ def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
         assert torch.equal(out, full[ids])
 
 
+@pytest.mark.skipif(
+    path_unavailable_reason("avx2") is not None or "avx_vnni" not in blocks._cpu_flags(),
+    reason="needs a CPU with AVX2 and AVX-VNNI (the avx2 path's two builds)",
+)
+def test_avx2_with_and_without_avx_vnni_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    k, n_out = 544, 21
+    x = torch.from_numpy(rng.standard_normal((6, k)).astype(np.float32))
+    weights = {q: _weights(q, n_out, k, rng) for q in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)}
+    vnni = {q: BlockMatrix(raw, q, k, n_out, path="avx2").mm(x) for q, raw in weights.items()}
+    flags = blocks._cpu_flags() - {"avx_vnni"}
+    monkeypatch.setattr(blocks, "_cpu_flags", lambda: flags)
+    for q, raw in weights.items():
+        assert torch.equal(BlockMatrix(raw, q, k, n_out, path="avx2").mm(x), vnni[q]), q.name
+
+
+def test_the_c_entry_point_without_a_thread_count_computes_the_same(path: str) -> None:
+    # meshd_blocks_mm: the C API for callers outside Python (OpenMP's own thread count).
+    rng = np.random.default_rng(17)
+    k, n_out, t = 256, 33, 5
+    raw = _weights(T.Q4_0, n_out, k, rng)
+    x = torch.from_numpy(rng.standard_normal((t, k)).astype(np.float32))
+    lib = ctypes.CDLL(str(block_kernels().path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.meshd_blocks_scratch_bytes.argtypes = [ctypes.c_int, i64, i64]
+    lib.meshd_blocks_scratch_bytes.restype = i64
+    lib.meshd_blocks_mm.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, p]
+    scratch = np.empty(lib.meshd_blocks_scratch_bytes(int(T.Q4_0), k, t), dtype=np.uint8)
+    y = torch.empty(t, n_out)
+    lib.meshd_blocks_mm(
+        int(T.Q4_0), raw.ctypes.data, k, n_out, x.data_ptr(), t, y.data_ptr(), scratch.ctypes.data
+    )
+    assert torch.equal(y, BlockMatrix(raw, T.Q4_0, k, n_out).mm(x))
+
+
 def test_a_read_only_map_of_the_file_is_used_in_place(path: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     k, n_out = 256, 40
@@ -197,6 +235,24 @@ def test_a_read_only_map_of_the_file_is_used_in_place(path: str, tmp_path: Path)
     x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
     assert torch.equal(m.mm(x), BlockMatrix(raw, T.Q4_0, k, n_out).mm(x))
     assert torch.equal(m.rows(torch.tensor([39])), m.dequantize()[39:])
+
+
+def test_a_tensor_of_a_gguf_file_is_multiplied_where_the_reader_maps_it(tmp_path: Path) -> None:
+    rng = np.random.default_rng(13)
+    k, n_out = 320, 24
+    raw = _weights(T.Q5_1, n_out, k, rng)
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(n_out, -1), raw_dtype=T.Q5_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf.GGUFReader(tmp_path / "m.gguf").tensors[0]
+    m = BlockMatrix.from_reader_tensor(tensor)
+    assert (m.in_features, m.out_features) == (k, n_out)
+    assert not m.data.flags.writeable and m.data.base is not None  # a view of the map, no copy
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+    assert torch.equal(m.mm(x), BlockMatrix(raw, T.Q5_1, k, n_out).mm(x))
 
 
 def test_a_type_without_a_kernel_is_named() -> None:
@@ -216,6 +272,12 @@ def test_wrong_sizes_are_refused() -> None:
     m = BlockMatrix(np.zeros(18, dtype=np.uint8), T.Q4_0, 32, 1)
     with pytest.raises(ValueError, match="fp32"):
         m.mm(torch.zeros(2, 64))
+
+
+def test_the_daemon_config_leaves_the_kernel_choice_to_the_process(tmp_path: Path) -> None:
+    # MESHD_* variables are config keys unless they are the process's kernel choices.
+    env = {"HOME": str(tmp_path), BLOCK_KERNELS_ENV: "avx2"}
+    assert load_config({}, env, None)
 
 
 def test_a_forced_path_the_cpu_cannot_run_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,7 +62,9 @@ QUAD = 4
 # Environment variables of the process, not config keys (the config loader skips them).
 KERNELS_ENV = "MESHD_QUANT_KERNELS"
 KERNEL_DIR_ENV = "MESHD_KERNEL_DIR"
-PROCESS_ENV = (KERNELS_ENV, KERNEL_DIR_ENV)
+# The GGUF block kernels' path (meshd.model.kernels.blocks), named here with the others.
+BLOCK_KERNELS_ENV = "MESHD_BLOCK_KERNELS"
+PROCESS_ENV = (KERNELS_ENV, KERNEL_DIR_ENV, BLOCK_KERNELS_ENV)
 # What `MESHD_QUANT_KERNELS` may say: `auto` (these kernels where they run) or `torch`
 # (torch's: fbgemm for int8, int4pack for int4).
 CHOICES = ("auto", "torch")

@@ -16,7 +16,8 @@
  *   once per token (compiled with -ffp-contract=off; the FMAs written as intrinsics are in every
  *   variant alike). A verify window's rows are therefore bit-identical to single steps.
  * - The same source builds three ways (`avx512`, `avx2`, `portable`); the intrinsics sit inside
- *   __AVX2__ / __AVX512F__ guards and the scalar code is the reference for any CPU.
+ *   __AVX2__ / __AVX512F__ guards and the scalar code is the reference for any CPU. The avx2
+ *   build adds AVX-VNNI (VPDPBUSD on 256 bits) where the CPU has it: the same exact int32 sums.
  * - K-quant dot products come from blocks_k.c when it is compiled in (MESHD_HAVE_K_QUANTS); without
  *   it those types are not supported here (their rows still dequantize, for embeddings).
  */
@@ -337,6 +338,8 @@ static inline __m256i fifth_bits(const uint8_t *p) {
 static inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
     /* maddubs pairs stay below 2 * 128 * 127 < 32768: no saturation for these formats. */
     const __m256i pairs = _mm256_maddubs_epi16(u, s);
@@ -354,125 +357,60 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* ---- quantized dot products, portable C ---------------------------------------------------------
- * dot_<type>(w, k, acts, stride, nt, out): out[r] = row w · token r's act, for r < nt, as ggml's
- * generic vec_dot computes it (exact int32 block sums, one fp32 multiply-add per block). The
- * AVX2 and AVX-512 builds run the tiles below instead. */
+/* ---- quantized dot products, portable C -----------------------------------------------------
+ * The AVX2 and AVX-512 builds run the tiles below instead. */
 
 #define ACT_Q(a) ((const int8_t *)(a))
 #define ACT_D(a, k) ((const float *)((a) + align64(k)))
 
-/* Q4_0 (d; 16 bytes of nibbles, value = d * (nibble - 8)) · Q8_0. */
-static inline __attribute__((always_inline)) void dot_q4_0(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k);
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 18;
-            int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                sumi += ((blk[2 + j] & 0x0F) - 8) * q[b * QK + j];
-                sumi += ((blk[2 + j] >> 4) - 8) * q[b * QK + j + QK / 2];
-            }
-            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
-        }
-        out[r] = sumf;
+/* Block `p` of a Q type as 32 signed codes (Q4_0/Q5_0 with their offset of 8/16 removed), its
+ * scale d and its offset m (the _1 formats; 0 otherwise). Written as plain loops over bytes so
+ * that compilers vectorize them. */
+static inline __attribute__((always_inline)) const int8_t *codes_of(int type, const uint8_t *p,
+                                                                    int8_t *c, float *d,
+                                                                    float *m) {
+    *d = fp16(rd16(p));
+    *m = type == T_Q4_1 || type == T_Q5_1 ? fp16(rd16(p + 2)) : 0.0f;
+    if (type == T_Q8_0) return (const int8_t *)(p + 2); /* Q8_0's codes as stored */
+    const int off = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    const int bias = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+    uint32_t h = 0;
+    if (type == T_Q5_0 || type == T_Q5_1) memcpy(&h, p + off - 4, 4);
+    for (int j = 0; j < QK / 2; ++j) {
+        const int lo = (p[off + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
+        const int hi = (p[off + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
+        c[j] = (int8_t)(lo - bias);
+        c[j + QK / 2] = (int8_t)(hi - bias);
     }
+    return c;
 }
 
-/* Q4_1 (d, m; nibbles, value = d * nibble + m) · Q8_1: d*dx*sum(nibble*q) + m*s. */
-static inline __attribute__((always_inline)) void dot_q4_1(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k), *s = d + nb;
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 20;
+/* Row w of a Q type · nt tokens' Q8 activations, as ggml's generic vec_dot computes it: an exact
+ * int32 sum per block, then sumf += sumi * (d_w * d_x) (+ m_w * s_x for the _1 formats). */
+static inline __attribute__((always_inline)) void dot_q(int type, const uint8_t *w, int64_t k,
+                                                       const uint8_t *act, int64_t stride,
+                                                       int nt, float *out) {
+    const int64_t nb = k / QK, bb = type == T_Q4_0   ? 18
+                                    : type == T_Q4_1 ? 20
+                                    : type == T_Q5_0 ? 22
+                                    : type == T_Q5_1 ? 24
+                                                     : 34;
+    float sumf[NT];
+    for (int r = 0; r < nt; ++r) sumf[r] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        int8_t buf[QK];
+        float dw, mw;
+        const int8_t *c = codes_of(type, w + b * bb, buf, &dw, &mw);
+        for (int r = 0; r < nt; ++r) {
+            const int8_t *q = ACT_Q(act + r * stride) + b * QK;
+            const float *d = ACT_D(act + r * stride, k);
             int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                sumi += (blk[4 + j] & 0x0F) * q[b * QK + j];
-                sumi += (blk[4 + j] >> 4) * q[b * QK + j + QK / 2];
-            }
-            sumf += (fp16(rd16(blk)) * d[b]) * (float)sumi + fp16(rd16(blk + 2)) * s[b];
+            for (int j = 0; j < QK; ++j) sumi += c[j] * q[j];
+            sumf[r] += (float)sumi * (dw * d[b]);
+            if (type == T_Q4_1 || type == T_Q5_1) sumf[r] += mw * d[nb + b];
         }
-        out[r] = sumf;
     }
-}
-
-/* Q5_0 (d; 32 fifth bits; nibbles, value = d * (5-bit code - 16)) · Q8_0. */
-static inline __attribute__((always_inline)) void dot_q5_0(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k);
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 22;
-            uint32_t h;
-            memcpy(&h, blk + 2, 4);
-            int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                const int lo = (blk[6 + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
-                const int hi = (blk[6 + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
-                sumi += (lo - 16) * q[b * QK + j] + (hi - 16) * q[b * QK + j + QK / 2];
-            }
-            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
-        }
-        out[r] = sumf;
-    }
-}
-
-/* Q5_1 (d, m; fifth bits; nibbles, value = d * code + m) · Q8_1. */
-static inline __attribute__((always_inline)) void dot_q5_1(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k), *s = d + nb;
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 24;
-            uint32_t h;
-            memcpy(&h, blk + 4, 4);
-            int32_t sumi = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                const int lo = (blk[8 + j] & 0x0F) | (int)(((h >> j) & 1) << 4);
-                const int hi = (blk[8 + j] >> 4) | (int)(((h >> (j + 16)) & 1) << 4);
-                sumi += lo * q[b * QK + j] + hi * q[b * QK + j + QK / 2];
-            }
-            sumf += (fp16(rd16(blk)) * d[b]) * (float)sumi + fp16(rd16(blk + 2)) * s[b];
-        }
-        out[r] = sumf;
-    }
-}
-
-/* Q8_0 (d; 32 int8) · Q8_0. */
-static inline __attribute__((always_inline)) void dot_q8_0(const uint8_t *w, int64_t k,
-                                                          const uint8_t *act, int64_t stride,
-                                                          int nt, float *out) {
-    const int64_t nb = k / QK;
-    for (int r = 0; r < nt; ++r) {
-        const int8_t *q = ACT_Q(act + r * stride);
-        const float *d = ACT_D(act + r * stride, k);
-        float sumf = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = w + b * 34;
-            int32_t sumi = 0;
-            for (int j = 0; j < QK; ++j) sumi += (int8_t)blk[2 + j] * q[b * QK + j];
-            sumf += (float)sumi * (fp16(rd16(blk)) * d[b]);
-        }
-        out[r] = sumf;
-    }
+    for (int r = 0; r < nt; ++r) out[r] = sumf[r];
 }
 
 /* ---- AVX2: tiles of rows x tokens, one block per step ------------------------------------------
@@ -619,11 +557,11 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     __m512 acc[NR_MAX][NT];
-    float summs[NR_MAX][NT];
+    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 0, b+1 in lane 1 */
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) {
             acc[i][r] = _mm512_setzero_ps();
-            summs[i][r] = 0.0f;
+            summs[i][r] = _mm_setzero_ps();
         }
     const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -631,7 +569,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
         __m512i wv[NR_MAX];
         __mmask64 neg[NR_MAX];
         __m512 dw[NR_MAX];
-        float mw[NR_MAX][2] = {{0.0f}};
+        __m128 mw[NR_MAX];
         for (int i = 0; i < nr; ++i) {
             const uint8_t *p = wr[i] + b * bb;
             wv[i] = pair_codes(type, p, bb, two);
@@ -640,11 +578,18 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                 neg[i] = _mm512_movepi8_mask(wv[i]);
                 wv[i] = _mm512_abs_epi8(wv[i]);
             }
-            const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
-            dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
             if (one) {
-                mw[i][0] = fp16(rd16(p + 2));
-                mw[i][1] = two ? fp16(rd16(p + bb + 2)) : 0.0f;
+                /* d and m of both blocks in one conversion: [d_b, m_b, d_b1, m_b1]. */
+                uint32_t dm0, dm1 = 0;
+                memcpy(&dm0, p, 4);
+                if (two) memcpy(&dm1, p + bb, 4);
+                const __m128 v = _mm_cvtph_ps(_mm_set_epi32(0, 0, (int)dm1, (int)dm0));
+                dw[i] = pair_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 2, 0)));
+                mw[i] = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 3, 1));
+            } else {
+                const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
+                dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
+                mw[i] = _mm_setzero_ps();
             }
         }
         for (int r = 0; r < nt; ++r) {
@@ -653,6 +598,9 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
+            const __m128 s2 = !one ? _mm_setzero_ps()
+                              : two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
+                                    : _mm_load_ss(d + nb + b);
             __m512i init = _mm512_setzero_si512();
             if (shift) {
                 const int32_t *sm = (const int32_t *)(d + 2 * nb);
@@ -672,16 +620,16 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                 else
                     p = _mm512_dpbusd_epi32(init, wv[i], x);
                 acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(p), acc[i][r]);
-                if (one) {
-                    const float *s = d + nb;
-                    summs[i][r] += mw[i][0] * s[b];
-                    if (two) summs[i][r] += mw[i][1] * s[b + 1];
-                }
+                if (one) summs[i][r] = _mm_fmadd_ps(mw[i], s2, summs[i][r]);
             }
         }
     }
     for (int i = 0; i < nr; ++i)
-        for (int r = 0; r < nt; ++r) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + summs[i][r];
+        for (int r = 0; r < nt; ++r) {
+            const __m128 m = summs[i][r];
+            const float ms = _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+            out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + ms;
+        }
 }
 #define TILE_KERNEL tile512
 #endif
@@ -707,10 +655,11 @@ typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act,
     TILE_FN(TYPE, 1, 2)                                                                            \
     TILE_FN(TYPE, 1, 3)                                                                            \
     TILE_FN(TYPE, 1, 4)                                                                            \
-    static const tile_fn tiles_##TYPE[9] = {                                                       \
+    TILE_FN(TYPE, 4, 4)                                                                            \
+    static const tile_fn tiles_##TYPE[10] = {                                                      \
         tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,              \
         tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,              \
-        tile_##TYPE##_1x4};
+        tile_##TYPE##_1x4, tile_##TYPE##_4x4};
 TILE_SET(T_Q4_0)
 TILE_SET(T_Q4_1)
 TILE_SET(T_Q5_0)
@@ -733,6 +682,11 @@ static int tiled_type(int type) {
 
 /* Rows [r0, r1) x every token through the tiles: 4 rows at a time for single tokens (independent
  * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise. */
+#if defined(PAIRED)
+#define WIDE_TILES 1
+#else
+#define WIDE_TILES 0
+#endif
 static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
                        float *y) {
@@ -743,10 +697,11 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         float *o = y + j * n_out;
         int64_t n = r0;
         const uint8_t *wr[NR_MAX];
-        if (nt == 1)
+        /* 4 x 4 tiles only where 32 vector registers hold their accumulators (AVX-512). */
+        if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
-                tiles[0](wr, k, a, stride, o + n, n_out);
+                tiles[nt == 1 ? 0 : 9](wr, k, a, stride, o + n, n_out);
             }
         for (; n + 2 <= r1; n += 2) {
             wr[0] = w + n * rb;
@@ -793,31 +748,63 @@ static inline float load_w1(int type, const uint8_t *w, int64_t i) {
     return v;
 }
 
+/* NACC accumulators per token, NACC vectors per step (one FMA chain would wait on its latency);
+ * they are summed in a fixed order, the same for every token count. */
 static inline __attribute__((always_inline)) void dot_float(int type, const uint8_t *w, int64_t k,
                                                            const uint8_t *act, int64_t stride,
                                                            int nt, float *out) {
     const int64_t main = k / FW * FW;
     float tail[NT];
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
-    __m512 acc[NT];
-    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < main; i += FW) {
-        const __m512 wv = load_w16(type, w, i);
-        for (int r = 0; r < nt; ++r)
-            acc[r] = _mm512_fmadd_ps(wv, _mm512_load_ps((const float *)(act + r * stride) + i),
-                                     acc[r]);
+#define NACC 4
+#define VF __m512
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#define VLOAD _mm512_load_ps
+#define VW load_w16
+#define VSUM _mm512_reduce_add_ps
+#else
+#define NACC 2
+#define VF __m256
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+#define VLOAD _mm256_load_ps
+#define VW load_w8
+#define VSUM hsum8
+#endif
+    const int64_t wide = k / (NACC * FW) * (NACC * FW);
+    VF acc[NT][NACC];
+    for (int r = 0; r < nt; ++r)
+        for (int c = 0; c < NACC; ++c) acc[r][c] = VZERO();
+    for (int64_t i = 0; i < wide; i += NACC * FW) {
+        VF wv[NACC];
+        for (int c = 0; c < NACC; ++c) wv[c] = VW(type, w, i + c * FW);
+        for (int r = 0; r < nt; ++r) {
+            const float *x = (const float *)(act + r * stride) + i;
+            for (int c = 0; c < NACC; ++c) acc[r][c] = VFMA(wv[c], VLOAD(x + c * FW), acc[r][c]);
+        }
     }
-    for (int r = 0; r < nt; ++r) tail[r] = _mm512_reduce_add_ps(acc[r]);
-#elif defined(__AVX2__)
-    __m256 acc[NT];
-    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < main; i += FW) {
-        const __m256 wv = load_w8(type, w, i);
+    for (int64_t i = wide; i < main; i += FW) {
+        const VF wv = VW(type, w, i);
         for (int r = 0; r < nt; ++r)
-            acc[r] = _mm256_fmadd_ps(wv, _mm256_load_ps((const float *)(act + r * stride) + i),
-                                     acc[r]);
+            acc[r][0] = VFMA(wv, VLOAD((const float *)(act + r * stride) + i), acc[r][0]);
     }
-    for (int r = 0; r < nt; ++r) tail[r] = hsum8(acc[r]);
+    for (int r = 0; r < nt; ++r) {
+        VF total = acc[r][0];
+        for (int c = 1; c < NACC; ++c) total = VADD(total, acc[r][c]);
+        tail[r] = VSUM(total);
+    }
+#undef NACC
+#undef VF
+#undef VZERO
+#undef VFMA
+#undef VADD
+#undef VLOAD
+#undef VW
+#undef VSUM
 #else
     /* FW independent lanes per token, summed in a fixed order: a loop compilers vectorize. */
     float acc[NT][FW];
@@ -850,11 +837,11 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
                                                          const uint8_t *act, int64_t stride,
                                                          int nt, float *out) {
     switch (type) {
-    case T_Q4_0: dot_q4_0(w, k, act, stride, nt, out); break;
-    case T_Q4_1: dot_q4_1(w, k, act, stride, nt, out); break;
-    case T_Q5_0: dot_q5_0(w, k, act, stride, nt, out); break;
-    case T_Q5_1: dot_q5_1(w, k, act, stride, nt, out); break;
-    case T_Q8_0: dot_q8_0(w, k, act, stride, nt, out); break;
+    case T_Q4_0: dot_q(T_Q4_0, w, k, act, stride, nt, out); break;
+    case T_Q4_1: dot_q(T_Q4_1, w, k, act, stride, nt, out); break;
+    case T_Q5_0: dot_q(T_Q5_0, w, k, act, stride, nt, out); break;
+    case T_Q5_1: dot_q(T_Q5_1, w, k, act, stride, nt, out); break;
+    case T_Q8_0: dot_q(T_Q8_0, w, k, act, stride, nt, out); break;
     case T_F32: case T_F16: case T_BF16: dot_float(type, w, k, act, stride, nt, out); break;
 #ifdef MESHD_HAVE_K_QUANTS
     case T_Q4_K:

@@ -8,9 +8,9 @@ product. The integer codes and scales are ggml's own, so a product equals llama.
 rounding of fp32 accumulation (docs/model-runtime.md, "GGUF block kernels").
 
 `blocks.c` is compiled three ways from one source: `avx512` (AVX-512 F/BW/VL/VNNI), `avx2`
-(AVX2, FMA, F16C) and `portable` (plain C for any CPU). `MESHD_BLOCK_KERNELS` picks one
-(`auto`, the default, takes the best this CPU runs; naming a path the CPU cannot run is an
-error, never a silent fallback). The library is built once per machine into the same cache
+(AVX2, FMA, F16C, and AVX-VNNI where the CPU has it) and `portable` (plain C for any CPU).
+`MESHD_BLOCK_KERNELS` picks one (`auto`, the default, takes the best this CPU runs; naming a
+path the CPU cannot run is an error, never a silent fallback). The library is built once per machine into the same cache
 directory as meshd's other kernel (`meshd.model.kernels`), named by the hash of its sources and
 flags, and loaded with ctypes, which releases the GIL during a call. When `blocks_k.c` (the
 K-quant formats) sits beside `blocks.c` it is compiled in and Q4_K, Q5_K and Q6_K join the
@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from meshd.model.kernels import _cache_dir, _check_private, _cpu_flags
+from meshd.model.kernels import BLOCK_KERNELS_ENV as BLOCK_KERNELS_ENV
+from meshd.model.kernels import _cache_dir, _check_private
+from meshd.model.kernels import _cpu_flags as _cpu_flags  # tests replace it
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,6 @@ _SOURCE = Path(__file__).with_name("blocks.c")
 _K_SOURCE = Path(__file__).with_name("blocks_k.c")
 # ggml's reference quantizers (fp32 rows into blocks), for checkpoints quantized at load.
 _QUANTIZE_SOURCE = Path(__file__).with_name("blocks_quantize.c")
-BLOCK_KERNELS_ENV = "MESHD_BLOCK_KERNELS"
-PROCESS_ENV = (BLOCK_KERNELS_ENV,)
 # Best first: what `auto` tries in this order.
 PATHS = ("avx512", "avx2", "portable")
 CHOICES = ("auto", *PATHS)
@@ -168,15 +169,19 @@ def _sources() -> list[Path]:
 
 def _flags(name: str) -> tuple[str, ...]:
     extra = ("-DMESHD_HAVE_K_QUANTS",) if _K_SOURCE.exists() else ()
+    # AVX-VNNI (256-bit VPDPBUSD without AVX-512: Alder Lake and later, Zen 5) where the CPU has
+    # it; it gives the same exact integer sums as the VPMADDUBSW sequence it replaces.
+    if name == "avx2" and "avx_vnni" in _cpu_flags():
+        extra = (*extra, "-mavxvnni")
     return (*_COMMON_FLAGS, *_PATH_FLAGS[name], *extra)
 
 
-def _compile(name: str, directory: Path) -> Path:
+def _compile(name: str, flags: tuple[str, ...], directory: Path) -> Path:
     """The library for path `name` in `directory`, built there first if missing.
 
     Named by the hash of the sources and flags: a new meshd builds its own, and a machine that
     built it once needs no compiler again."""
-    sources, flags = _sources(), _flags(name)
+    sources = _sources()
     digest = hashlib.sha256()
     for src in sources:
         digest.update(src.read_bytes())
@@ -249,13 +254,13 @@ def _load(name: str, path: Path) -> BlockKernels:
 
 
 @functools.cache
-def _kernels(name: str) -> BlockKernels:
+def _kernels(name: str, flags: tuple[str, ...]) -> BlockKernels:
     # Loaded after torch, so its OpenMP library is torch's (one thread pool for both).
     assert torch.__version__
     errors = []
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"meshd-kernels-{os.getuid()}"):
         try:
-            return _load(name, _compile(name, directory))
+            return _load(name, _compile(name, flags, directory))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             errors.append(f"{directory}: {detail}")
@@ -269,13 +274,25 @@ def block_kernels(path: str | None = None) -> BlockKernels:
     reason = path_unavailable_reason(name)
     if reason is not None:
         raise UnavailableKernelPath(f"block kernel path {name}: {reason}")
-    return _kernels(name)
+    return _kernels(name, _flags(name))
 
 
 def supported_types(path: str | None = None) -> frozenset[GGMLQuantizationType]:
     """The GGUF tensor types the loaded library multiplies."""
     lib = block_kernels(path)
     return frozenset(t for t in GGMLQuantizationType if lib.supported(int(t)))
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> int:
+    """The address of this thread's scratch buffer of at least `nbytes` (grown, never shrunk:
+    one product runs at a time per thread, and activations of a step are small)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.scratch = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return int(buf.data_ptr())
 
 
 def _ptr(arr: np.ndarray | torch.Tensor) -> ctypes.c_void_p:
@@ -325,6 +342,11 @@ class BlockMatrix:
         self.out_features = out_features
         self.row_bytes = row_bytes
         self._lib = lib
+        # Kept as plain ints: a decode step calls mm a few hundred times, and building ctypes
+        # objects (or numpy's .ctypes) per call costs more than a small product.
+        self._type = int(qtype)
+        self._w = int(data.ctypes.data)
+        self._scratch_per_token = lib.scratch_bytes(self._type, in_features, 1) - 64
 
     @classmethod
     def from_reader_tensor(cls, tensor: Any, path: str | None = None) -> BlockMatrix:
@@ -358,22 +380,19 @@ class BlockMatrix:
             raise ValueError(
                 f"expected fp32 [t, {self.in_features}], got {x.dtype} {list(x.shape)}"
             )
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
         t = x.shape[0]
         y = torch.empty(t, self.out_features, dtype=torch.float32)
-        qtype = int(self.ggml_type)
-        scratch = torch.empty(
-            self._lib.scratch_bytes(qtype, self.in_features, t), dtype=torch.uint8
-        )
         failed = self._lib.mm(
-            qtype,
-            _ptr(self.data),
+            self._type,
+            self._w,
             self.in_features,
             self.out_features,
-            _ptr(x),
+            x.data_ptr(),
             t,
-            _ptr(y),
-            _ptr(scratch),
+            y.data_ptr(),
+            _scratch(self._scratch_per_token * t + 64),
             torch.get_num_threads(),
         )
         if failed:
