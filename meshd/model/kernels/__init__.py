@@ -153,13 +153,24 @@ def _cache_dir() -> Path:
 
 
 def _compile(directory: Path) -> Path:
-    """The compiled library in `directory` (built there first if missing); raises on failure.
+    """The compiled library in `directory` (built there first if missing); raises on failure."""
+    return build_library("quant_mm", [_SOURCE], _FLAGS, directory, timeout_s=120)
 
-    Named by the source's and flags' hash: a new meshd builds its own, and a machine that
+
+def build_library(
+    stem: str, sources: list[Path], flags: tuple[str, ...], directory: Path, timeout_s: float
+) -> Path:
+    """`sources` compiled with `flags` into `directory` as `STEM-HASH.so` (built there first if
+    missing); raises on failure.
+
+    Named by the sources' and flags' hash: a new meshd builds its own, and a machine that
     built it once needs no compiler again.
     """
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = directory / f"quant_mm-{key}.so"
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(flags).encode())
+    path = directory / f"{stem}-{digest.hexdigest()[:16]}.so"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_private(directory)
     if path.exists():
@@ -173,17 +184,17 @@ def _compile(directory: Path) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            [cc, *flags, "-o", tmp, *map(str, sources)],
             capture_output=True,
             text=True,
             check=True,
-            timeout=120,
+            timeout=timeout_s,
         )
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("compiled meshd's CPU kernels into %s", path)
+    log.info("compiled %s into %s", stem, path)
     return path
 
 

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -42,7 +40,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from meshd.model.kernels import BLOCK_KERNELS_ENV as BLOCK_KERNELS_ENV
-from meshd.model.kernels import _cache_dir, _check_private
+from meshd.model.kernels import _cache_dir, build_library
 from meshd.model.kernels import _cpu_flags as _cpu_flags  # tests replace it
 
 log = logging.getLogger(__name__)
@@ -177,41 +175,8 @@ def _flags(name: str) -> tuple[str, ...]:
 
 
 def _compile(name: str, flags: tuple[str, ...], directory: Path) -> Path:
-    """The library for path `name` in `directory`, built there first if missing.
-
-    Named by the hash of the sources and flags: a new meshd builds its own, and a machine that
-    built it once needs no compiler again."""
-    sources = _sources()
-    digest = hashlib.sha256()
-    for src in sources:
-        digest.update(src.read_bytes())
-    digest.update(" ".join(flags).encode())
-    path = directory / f"blocks-{name}-{digest.hexdigest()[:16]}.so"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_private(directory)
-    if path.exists():
-        _check_private(path)
-        return path
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler (cc, or CC) to build it")
-    # Built under a temporary name and renamed: daemons starting together never load half a file.
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *flags, "-o", tmp, *map(str, sources)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        )
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("compiled meshd's %s block kernels into %s", name, path)
-    return path
+    """The library for path `name` in `directory`, built there first if missing."""
+    return build_library(f"blocks-{name}", _sources(), flags, directory, timeout_s=300)
 
 
 def _load(name: str, path: Path) -> BlockKernels:
