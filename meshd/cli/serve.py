@@ -304,7 +304,6 @@ async def serve(config: NodeConfig) -> None:
         basis.checkpoint.config.num_layers,
         basis.quantization,
     )
-    name = basis.name
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode
@@ -329,7 +328,7 @@ async def serve(config: NodeConfig) -> None:
             node = await nursery.start(
                 functools.partial(run_node, load_display=_load_display(config)), config, basis
             )
-        backend = NodeBackend(node, model_name=name)
+        backend = NodeBackend(node, node.models[0])
         catalog = model_catalog(node, backend, config.read_api_key())
         await nursery.start(catalog.run)
         control = config.control_socket_path()

@@ -196,10 +196,8 @@ def export_metrics(metrics: ApiMetrics, node: MeshNode, backend: NodeBackend) ->
     happen."""
     metrics.registry.register(NodeCollector(lambda: status_of(node, backend)))
     node.on_lane_death = lambda node_id: metrics.lane_died(node_id_of(node_id))
-    slots = [(node.basis.name or node.shape.model_id[:16], node.slot)]
-    slots += [(held.files.name or held.model_id[:16], held.slot) for held in node.models]
-    for name, slot in slots:
-        slot.on_pass = _stage_observer(metrics, name)
+    for model in node.models:
+        model.slot.on_pass = _stage_observer(metrics, model.files.name or model.model_id[:16])
 
 
 def _stage_observer(metrics: ApiMetrics, model: str) -> Callable[[tuple[int, int], float], None]:
