@@ -277,11 +277,12 @@ async def serve(config: NodeConfig) -> None:
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.gguf_checkpoint import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
+    from meshd.node.basis import NodeBasis
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
-    from meshd.node.node import MeshNode, NodeBasis, run_node
+    from meshd.node.node import MeshNode, run_node
     from meshd.node.node_metrics import export_metrics
     from meshd.node.prefix_status import export_prefix_metrics
     from meshd.node.shutdown import stop_gracefully

@@ -38,7 +38,7 @@ from protocol.streams import ARTIFACT_STREAM
 
 if TYPE_CHECKING:
     from meshd.config import NodeConfig
-    from meshd.node.node import NodeBasis
+    from meshd.node.basis import NodeBasis
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     """What a `mesh:ID` node is before it opens lanes: the store's manifest and small files
     (fetched now if not cached), and a checkpoint over the tensors it holds."""
     from meshd.model.manifest import set_cache_dir
-    from meshd.node.node import NodeBasis
+    from meshd.node.basis import NodeBasis
     from protocol.handshake import psk_from_secret
 
     identity = NodeIdentity.load_or_create(config.state_dir)

@@ -25,7 +25,7 @@ from meshd.plan import ModelShape
 from meshd.speculative.draft import DraftMismatchError, check_draft_tokenizer
 
 if TYPE_CHECKING:
-    from meshd.node.node import NodeBasis
+    from meshd.node.basis import NodeBasis
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,14 @@
 """`MeshNode`: one daemon's parts, composed; `run_node` opens the lanes and starts them.
 
 Lanes (endpoint + lane table), membership (driven over the gossip stream), discovery (mDNS
-and `--join`, each peer's node key learned by an authenticated key query), leaderless
-planning (re-run, debounced, whenever the view changes), the stage this node is assigned, and
-a coordinator for the requests this node receives (`NodeBackend`). Messages reach the parts
-through `NodeWiring` (shared with the in-process local pipeline); which members to route
-around is `Health`'s to decide, and what the stage is for (serving, spare, draining, killed,
-stopping) is `Duty`'s. Both are sans-IO; `MeshNode` only carries out what they return.
+and `--join`, each peer's node key learned by an authenticated key query), the artifact
+service (weights served to peers, and fetched for a `mesh:ID` model), and leaderless planning
+(re-run, debounced, whenever the view changes). Each model the node holds is a `HeldModel`
+(`meshd/node/held_model.py`): its plan, the stage this node is assigned, and a coordinator for
+the requests this node receives (`NodeBackend`); pipeline messages reach them through
+`held_model.dispatch`. Which members to route around is `Health`'s to decide, and what a stage
+is for (serving, spare, draining, killed, stopping) is its `Duty`'s. Both are sans-IO; the node
+and its models only carry out what they return.
 """
 
 from __future__ import annotations
@@ -19,36 +21,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import trio
 
 from meshd.config import NodeConfig
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.model.checkpoint import Checkpoint
-from meshd.model.device import device_memory_bytes, pick_device
-from meshd.model.files import open_checkpoint
+from meshd.model.device import device_memory_bytes
 from meshd.model.threads import configure_threads
-from meshd.model.tokenizer import Tokenizer
 from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.net.lane_table import PeerUnreachable
+from meshd.node.basis import NodeBasis
 from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
 from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
 from meshd.node.held_model import HeldModel, NodeShared, dispatch
-from meshd.node.models import ModelFiles, full_model_bytes, split_budget, tokenizer_and_shape
+from meshd.node.models import ModelFiles, full_model_bytes, split_budget
 from meshd.node.planning import assignment
 from meshd.node.prefetch import TakeoverCache
 from meshd.node.stage_slot import LoadDisplay, measure_compute_ns
-from meshd.plan import ModelShape
 from meshd.plan.route import Route
-from meshd.speculative.draft import DraftModel
 from protocol import artifacts, gossip
-from protocol.handshake import psk_from_secret
 from protocol.messages import (
     CloseSession,
     Message,
@@ -60,7 +56,6 @@ from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EVENT_LOG = 200
 # Pacing of the daemon's own loops. These follow from how the parts work, not from a
 # deployment, so they are not configuration:
@@ -81,104 +76,6 @@ class NodeEvent:
     kind: str
     node_id: str
     detail: str = ""
-
-
-@dataclass(frozen=True)
-class NodeBasis:
-    """What a node is before it opens lanes: its identity, the mesh key, and the model it
-    serves (files, device, formats, and the planner's view of it)."""
-
-    identity: NodeIdentity
-    psk: bytes
-    model_dir: str
-    checkpoint: Checkpoint
-    tokenizer: Tokenizer
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    # What this node offers: (model id, quantization). It plans with, and serves stages of,
-    # the nodes offering the same quantization (docs/planner.md, "Quantization").
-    quantization: str
-    shape: ModelShape
-    context_tokens: int
-    # The coordinator's draft model (`spec.draft_model`), at the node's quantization.
-    draft: DraftModel | None = None
-    # What the API calls the model, and the node's further models (`meshd/node/models.py`).
-    name: str = ""
-    extras: tuple[ModelFiles, ...] = ()
-    # What compute is measured on, when not `checkpoint` (a `mesh:ID` node: random weights of
-    # the model's shapes, before it fetched any).
-    timing_checkpoint: Checkpoint | None = None
-
-    @property
-    def models(self) -> tuple[ModelFiles, ...]:
-        """Every model the node holds, its first (`--model`'s first) first."""
-        first = ModelFiles(
-            name=self.name,
-            model_dir=self.model_dir,
-            checkpoint=self.checkpoint,
-            tokenizer=self.tokenizer,
-            shape=self.shape,
-            context_tokens=self.context_tokens,
-            timing_checkpoint=self.timing_checkpoint,
-        )
-        return (first, *self.extras)
-
-    @classmethod
-    def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
-        """Read the identity, the mesh secret and the model's files (ConfigError, ModelError)."""
-        from meshd.model.manifest import set_cache_dir
-
-        set_cache_dir(config.model_cache_path())
-        identity = NodeIdentity.load_or_create(config.state_dir)
-        psk = psk_from_secret(config.read_mesh_secret())
-        return cls.of(config, identity, psk, model_dir, open_checkpoint(model_dir))
-
-    @classmethod
-    def of(
-        cls,
-        config: NodeConfig,
-        identity: NodeIdentity,
-        psk: bytes,
-        model_dir: str,
-        checkpoint: Checkpoint,
-        *,
-        timing_checkpoint: Checkpoint | None = None,
-    ) -> NodeBasis:
-        """The basis over an opened checkpoint (its tokenizer files are in `model_dir`)."""
-        device = pick_device(None if config.device == "auto" else config.device)
-        dtype = _DTYPES.get(config.dtype, torch.float32)
-        kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
-        quantization = (
-            checkpoint.default_quantization
-            if config.quantization == "auto"
-            else config.quantization
-        )
-        if quantization == "gguf" and device.type != "cpu" and config.quantization == "auto":
-            # The block kernels run on CPUs; elsewhere a GGUF file is converted at load.
-            quantization = "int8"
-        tokenizer, shape = tokenizer_and_shape(
-            checkpoint, model_dir, dtype, quantization, kv_dtype, device
-        )
-        return cls(
-            identity=identity,
-            psk=psk,
-            model_dir=model_dir,
-            checkpoint=checkpoint,
-            tokenizer=tokenizer,
-            device=device,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            quantization=quantization,
-            shape=shape,
-            context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
-            draft=(
-                DraftModel.load(config.spec.draft_model, quantization=quantization)
-                if config.spec.draft_model
-                else None
-            ),
-            timing_checkpoint=timing_checkpoint,
-        )
 
 
 async def run_node(

@@ -10,8 +10,9 @@ import trio
 
 from meshd.config import load_config
 from meshd.model.builtin import builtin_model_dir
+from meshd.node.basis import NodeBasis
 from meshd.node.duty import Mode
-from meshd.node.node import MeshNode, NodeBasis, run_node
+from meshd.node.node import MeshNode, run_node
 from tests.node.daemons import SECRET
 
 
