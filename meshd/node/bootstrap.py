@@ -21,7 +21,7 @@ from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.model.errors import MissingFile, ModelUnavailable
 from meshd.model.manifest import ModelStore, store_checkpoint
 from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
-from meshd.node.fetch import FetchRun
+from meshd.node.fetch_run import FetchRun
 from protocol import artifacts
 from protocol.artifacts import (
     ArtifactRefusal,

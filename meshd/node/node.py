@@ -199,19 +199,7 @@ class MeshNode:
         # `--model`'s first may be `mesh:ID`).
         self.models[0].stage_ready = self.artifacts.stage_ready
         self.takeover = TakeoverCache()
-        self.membership = Membership(
-            self.node_key,
-            address=self.lane_address,
-            sign=self.identity.sign,
-            verify=NodeIdentity.verify,
-            now=now,
-            capacity=self.capacity(),
-            config=config.membership,
-            seed=int.from_bytes(self.node_key[:8], "big"),
-            # A restart outranks its previous life's words at once.
-            incarnation=int(time.time()),
-            record_version=int(time.time()),
-        )
+        self.membership = self._membership(now)
         self.gossip = GossipDriver(
             self.membership,
             self.peers,
@@ -227,6 +215,21 @@ class MeshNode:
             identity=self.identity,
             psk=basis.psk,
             mdns=config.mdns,
+        )
+
+    def _membership(self, now: float) -> Membership:
+        return Membership(
+            self.node_key,
+            address=self.lane_address,
+            sign=self.identity.sign,
+            verify=NodeIdentity.verify,
+            now=now,
+            capacity=self.capacity(),
+            config=self.config.membership,
+            seed=int.from_bytes(self.node_key[:8], "big"),
+            # A restart outranks its previous life's words at once.
+            incarnation=int(time.time()),
+            record_version=int(time.time()),
         )
 
     def _hold_models(

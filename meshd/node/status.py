@@ -17,7 +17,7 @@ import torch
 import trio
 
 from meshd.mesh.identity import node_id_of
-from meshd.node.fetch import FetchStatus
+from meshd.node.fetch_run import FetchStatus
 from meshd.node.planning import holding_of
 from meshd.node.prefix_status import PrefixCacheStatus, prefix_cache_status
 from meshd.plan import Plan, explain

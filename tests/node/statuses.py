@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshd.net.endpoint import DROP_REASONS, REFUSAL_REASONS
-from meshd.node.fetch import FetchStatus
+from meshd.node.fetch_run import FetchStatus
 from meshd.node.status import MemberStatus, ModelStatus, NatStatus, NodeStatus, StageStatus
 
 
