@@ -306,43 +306,10 @@ class ArtifactService:
         run = FetchRun(fetcher, store, self._send, self.sources, meter)
         self._note(_kind(job), f"{job.what}: {len(missing)} tensors, {total / 1e6:.1f} MB")
         t0 = time.monotonic()
-        display = self.load_display or (lambda _what: contextlib.nullcontext(None))
         self._run = run
-        current = job
-        failure: str | None = None
-        gave_up = False
-        finished = False
-
-        async def follow(cancel: trio.CancelScope) -> None:
-            """Retarget the run to each job that replaces `current`; none, or one with nothing
-            to fetch: end it."""
-            nonlocal current
-            while True:
-                changed = self._job_changed
-                new = self._job
-                if new is None or not new.indices:
-                    current = new or current
-                    cancel.cancel()
-                    return
-                if new != current:
-                    await run.retarget(list(new.indices))
-                    meter.what, meter.total_bytes = new.what, fetcher.total_bytes
-                    self._note(_kind(new), f"{new.what}: retargeted, what arrived is kept")
-                    current = new
-                    continue
-                await changed.wait()
-
+        outcome = _Outcome(job)
         try:
-            with display(f"{'pre' if job.prefetch else ''}fetching {job.what}") as bar:
-                meter.display = bar
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(follow, nursery.cancel_scope)
-                    try:
-                        await run.run()
-                        finished = True
-                    except FetchFailed as exc:
-                        failure, gave_up = str(exc), isinstance(exc, NoHolder)
-                    nursery.cancel_scope.cancel()
+            await self._follow(run, meter, outcome)
         finally:
             self._run = None  # later replies are dropped: nothing writes into the store now
             self._next_request_id = fetcher._next_id
@@ -354,9 +321,52 @@ class ArtifactService:
             with trio.CancelScope(shield=True):
                 removed = await trio.to_thread.run_sync(store.remove_parts)
             if removed:
-                log.info("fetch of %s: removed %d part files it left", current.what, removed)
+                log.info(
+                    "fetch of %s: removed %d part files it left", outcome.current.what, removed
+                )
             checkpoint.refresh()
-        if gave_up and not current.prefetch:
+        return await self._ended(outcome, run, meter, time.monotonic() - t0)
+
+    async def _follow(self, run: FetchRun, meter: ProgressMeter, outcome: _Outcome) -> None:
+        """Run `run`, retargeting it to each job that replaces `outcome.current`; none, or one
+        with nothing to fetch, ends it. `outcome` says how it ended."""
+        fetcher = run.fetcher
+
+        async def follow(cancel: trio.CancelScope) -> None:
+            while True:
+                changed = self._job_changed
+                new = self._job
+                if new is None or not new.indices:
+                    outcome.current = new or outcome.current
+                    cancel.cancel()
+                    return
+                if new != outcome.current:
+                    await run.retarget(list(new.indices))
+                    meter.what, meter.total_bytes = new.what, fetcher.total_bytes
+                    self._note(_kind(new), f"{new.what}: retargeted, what arrived is kept")
+                    outcome.current = new
+                    continue
+                await changed.wait()
+
+        job = outcome.current
+        display = self.load_display or (lambda _what: contextlib.nullcontext(None))
+        with display(f"{'pre' if job.prefetch else ''}fetching {job.what}") as bar:
+            meter.display = bar
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, nursery.cancel_scope)
+                try:
+                    await run.run()
+                    outcome.finished = True
+                except FetchFailed as exc:
+                    outcome.failure, outcome.gave_up = str(exc), isinstance(exc, NoHolder)
+                nursery.cancel_scope.cancel()
+
+    async def _ended(
+        self, outcome: _Outcome, run: FetchRun, meter: ProgressMeter, elapsed: float
+    ) -> tuple[bool | None, FetchJob]:
+        """How a run that ended as `outcome` says so: on the meter, in the log and events."""
+        current, failure, store = outcome.current, outcome.failure, run.store
+        if outcome.gave_up and not current.prefetch:
             # Nothing to serve without the stage, and no member to fetch it from: the daemon
             # ends (exit status 2, one line), as with a model file it cannot open.
             meter.state, meter.error = "failed", failure or ""
@@ -366,8 +376,8 @@ class ArtifactService:
             log.error("fetch failed (retrying in %.0f s): %s", FETCH_RETRY_S, failure)
             self._note("fetch-failed", failure)
             return False, current
-        total = fetcher.total_bytes
-        if not finished:
+        total = run.fetcher.total_bytes
+        if not outcome.finished:
             # Dropped because nothing it wants is missing (a re-plan's `_missing` saw its last
             # tensors stored before the run heard their hashes, or it was replaced by a job
             # with nothing to fetch): done, not stopped.
@@ -376,10 +386,9 @@ class ArtifactService:
                 meter.state = "stopped"
                 log.info("fetch of %s stopped: the plan no longer needs it", current.what)
                 return None, current
-            total = fetcher.verified_bytes if not current.indices else total
+            total = run.fetcher.verified_bytes if not current.indices else total
             meter.what = current.what
         meter.state = "done"
-        elapsed = time.monotonic() - t0
         meter.done_bytes = meter.total_bytes = total
         log.info(
             "fetched %s: %.1f MB in %.2f s (%.1f MB/s), %d artifact(s) fetched again",
@@ -396,6 +405,16 @@ class ArtifactService:
 
     async def _send(self, source: bytes, data: bytes) -> None:
         await self.peers.send_bytes(source, ARTIFACT_STREAM, data)
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How a fetch run ended: the job it last followed, and finished, failed or dropped."""
+
+    current: FetchJob
+    finished: bool = False
+    failure: str | None = None
+    gave_up: bool = False  # no member holding the model came into view (`NoHolder`)
 
 
 def _kind(job: FetchJob) -> str:
