@@ -298,13 +298,14 @@ async def serve(config: NodeConfig) -> None:
     basis = with_models(config, basis, more)
     # Every model is open: the parses of GGUF headers shared while opening them go.
     forget_parsed()
-    log.info(
-        "model %s open (id %s, %d layers, quantization %s)",
-        basis.name or model_dir,
-        basis.shape.model_id[:16],
-        basis.checkpoint.config.num_layers,
-        basis.quantization,
-    )
+    for files in basis.models:
+        log.info(
+            "model %s open (id %s, %d layers, quantization %s)",
+            files.name or files.model_dir,
+            files.shape.model_id[:16],
+            files.checkpoint.config.num_layers,
+            basis.quantization,
+        )
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode

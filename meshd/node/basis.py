@@ -12,9 +12,7 @@ from meshd.mesh.identity import NodeIdentity
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import pick_device
 from meshd.model.files import open_checkpoint
-from meshd.model.tokenizer import Tokenizer
-from meshd.node.models import ModelFiles, tokenizer_and_shape
-from meshd.plan import ModelShape
+from meshd.node.models import ModelFiles
 from meshd.speculative.draft import DraftModel
 from protocol.handshake import psk_from_secret
 
@@ -24,44 +22,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True)
 class NodeBasis:
     """What a node is before it opens lanes: its identity, the mesh key, its device and
-    formats, and the models it holds: the first's files in these fields, the others in
-    `extras` (`models` lists them all alike, for the running node)."""
+    formats, and the models it holds (`models`, `--model`'s first first)."""
 
     identity: NodeIdentity
     psk: bytes
-    model_dir: str
-    checkpoint: Checkpoint
-    tokenizer: Tokenizer
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
     # What this node offers: (model id, quantization). It plans with, and serves stages of,
     # the nodes offering the same quantization (docs/planner.md, "Quantization").
     quantization: str
-    shape: ModelShape
-    context_tokens: int
-    # The coordinator's draft model (`spec.draft_model`), at the node's quantization.
+    models: tuple[ModelFiles, ...]
+    # The coordinators' draft model (`spec.draft_model`), at the node's quantization.
     draft: DraftModel | None = None
-    # What the API calls the first model, and the node's further models (`with_models`).
-    name: str = ""
-    extras: tuple[ModelFiles, ...] = ()
-    # What compute is measured on, when not `checkpoint` (a `mesh:ID` node: random weights of
-    # the model's shapes, before it fetched any).
-    timing_checkpoint: Checkpoint | None = None
-
-    @property
-    def models(self) -> tuple[ModelFiles, ...]:
-        """Every model the node holds, its first (`--model`'s first) first."""
-        first = ModelFiles(
-            name=self.name,
-            model_dir=self.model_dir,
-            checkpoint=self.checkpoint,
-            tokenizer=self.tokenizer,
-            shape=self.shape,
-            context_tokens=self.context_tokens,
-            timing_checkpoint=self.timing_checkpoint,
-        )
-        return (first, *self.extras)
 
     @classmethod
     def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
@@ -82,9 +55,11 @@ class NodeBasis:
         model_dir: str,
         checkpoint: Checkpoint,
         *,
+        name: str = "",
         timing_checkpoint: Checkpoint | None = None,
     ) -> NodeBasis:
-        """The basis over an opened checkpoint (its tokenizer files are in `model_dir`)."""
+        """The basis over an opened checkpoint, its one model so far, called `name` (its
+        tokenizer files are in `model_dir`; compute is measured on `timing_checkpoint`)."""
         device = pick_device(None if config.device == "auto" else config.device)
         dtype = _DTYPES.get(config.dtype, torch.float32)
         kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
@@ -96,25 +71,28 @@ class NodeBasis:
         if quantization == "gguf" and device.type != "cpu" and config.quantization == "auto":
             # The block kernels run on CPUs; elsewhere a GGUF file is converted at load.
             quantization = "int8"
-        tokenizer, shape = tokenizer_and_shape(
-            checkpoint, model_dir, dtype, quantization, kv_dtype, device
-        )
-        return cls(
-            identity=identity,
-            psk=psk,
-            model_dir=model_dir,
-            checkpoint=checkpoint,
-            tokenizer=tokenizer,
+        first = ModelFiles.of(
+            config,
+            name,
+            model_dir,
+            checkpoint,
             device=device,
             dtype=dtype,
             kv_dtype=kv_dtype,
             quantization=quantization,
-            shape=shape,
-            context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
+            timing_checkpoint=timing_checkpoint,
+        )
+        return cls(
+            identity=identity,
+            psk=psk,
+            device=device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            quantization=quantization,
+            models=(first,),
             draft=(
                 DraftModel.load(config.spec.draft_model, quantization=quantization)
                 if config.spec.draft_model
                 else None
             ),
-            timing_checkpoint=timing_checkpoint,
         )

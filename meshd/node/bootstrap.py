@@ -10,7 +10,6 @@ background, by `meshd/node/fetch.py`'s `ArtifactService`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import pathlib
 from typing import TYPE_CHECKING
@@ -295,13 +294,13 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     checkpoint = await trio.to_thread.run_sync(store_checkpoint, store)
     # The tokenizer's files: the store's directory, or a GGUF file's skeleton (its metadata).
     model_dir = checkpoint.directory if store.manifest.format == "gguf" else store.directory
-    basis = NodeBasis.of(
+    return NodeBasis.of(
         config,
         identity,
         psk,
         str(model_dir),
         checkpoint,
+        # The holders' name for it, so that every node answers to one name for one model.
+        name=store.name,
         timing_checkpoint=store_checkpoint(store, synthetic=True),
     )
-    # The holders' name for it, so that every node answers to one name for one model.
-    return dataclasses.replace(basis, name=store.name)

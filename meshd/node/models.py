@@ -67,19 +67,48 @@ class ModelFiles:
         kv_dtype: torch.dtype,
         quantization: str,
     ) -> ModelFiles:
-        """Open the checkpoint and tokenizer (ModelError); the node's formats apply."""
-        checkpoint = open_checkpoint(model_dir)
+        """Open the checkpoint and tokenizer (ModelError); the node's formats apply, and
+        whether the node's draft drafts for it is checked (`_draft_fits`)."""
+        return cls.of(
+            config,
+            display_name(model),
+            model_dir,
+            open_checkpoint(model_dir),
+            device=device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            quantization=quantization,
+            draft_fits=_draft_fits(config.spec.draft_model, model_dir),
+        )
+
+    @classmethod
+    def of(
+        cls,
+        config: NodeConfig,
+        name: str,
+        model_dir: str,
+        checkpoint: Checkpoint,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        quantization: str,
+        draft_fits: bool = True,
+        timing_checkpoint: Checkpoint | None = None,
+    ) -> ModelFiles:
+        """The model over an opened checkpoint (its tokenizer files are in `model_dir`)."""
         tokenizer, shape = tokenizer_and_shape(
             checkpoint, model_dir, dtype, quantization, kv_dtype, device
         )
         return cls(
-            name=display_name(model),
+            name=name,
             model_dir=model_dir,
             checkpoint=checkpoint,
             tokenizer=tokenizer,
             shape=shape,
             context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
-            draft_fits=_draft_fits(config.spec.draft_model, model_dir),
+            draft_fits=draft_fits,
+            timing_checkpoint=timing_checkpoint,
         )
 
 
@@ -118,8 +147,8 @@ def split_budget(budget: int, needs: Sequence[int]) -> list[int]:
 
 
 def with_models(config: NodeConfig, basis: NodeBasis, more: Sequence[str]) -> NodeBasis:
-    """`basis` named, and holding `more` models after its first (ModelError), each opened with
-    the node's device, formats and quantization."""
+    """`basis` with its first model named, and holding `more` models after it (ModelError),
+    each opened with the node's device, formats and quantization."""
     from meshd.model.builtin import builtin_model_dir
 
     extras = tuple(
@@ -134,11 +163,13 @@ def with_models(config: NodeConfig, basis: NodeBasis, more: Sequence[str]) -> No
         )
         for model in more
     )
-    ids = [basis.shape.model_id, *(f.shape.model_id for f in extras)]
+    first = basis.models[0]
+    models = (first, *extras)
+    ids = [f.shape.model_id for f in models]
     if len(set(ids)) != len(ids):
         raise ConfigError("model: two of the models listed are the same checkpoint", key="model")
-    name = basis.name or display_name(config.models[0])  # a `mesh:ID` node: the holders' name
-    return dataclasses.replace(basis, name=name, extras=extras)
+    name = first.name or display_name(config.models[0])  # a `mesh:ID` node: the holders' name
+    return dataclasses.replace(basis, models=(dataclasses.replace(first, name=name), *extras))
 
 
 def _draft_fits(draft: str, model_dir: str) -> bool:

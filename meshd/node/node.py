@@ -88,8 +88,10 @@ async def run_node(
     """Measure compute, open the lanes, build the node and serve until cancelled; the node is
     passed to `task_status.started` once every part runs."""
     started_unix_s = time.time()
+    # As many threads as the largest model gains from (a small one computes on one).
+    largest = max(basis.models, key=lambda f: f.checkpoint.config.hidden_size)
     threads = configure_threads(
-        config.threads, basis.checkpoint.config, basis.dtype, basis.quantization
+        config.threads, largest.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
     measured_at = time.perf_counter()

@@ -44,7 +44,7 @@ async def test_parts_take_their_tables_and_duty_drives_the_stage(tmp_path: pathl
         None,
     )
     basis = NodeBasis.load(config, str(builtin_model_dir()))
-    layers = (0, basis.shape.num_layers)
+    layers = (0, basis.models[0].shape.num_layers)
     async with trio.open_nursery() as nursery:
         node: MeshNode = await nursery.start(run_node, config, basis)
         assert node.models[0].slot.host_config.max_sessions == 3
