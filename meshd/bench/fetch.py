@@ -37,7 +37,8 @@ from meshd.model.manifest import ModelStore
 from meshd.net.bulk import BulkGate, CadenceConfig
 from meshd.net.endpoint import open_endpoint
 from meshd.net.lane_table import LaneTable
-from meshd.node.fetch import ArtifactService, FetchRun, ProgressMeter
+from meshd.node.fetch import ArtifactService
+from meshd.node.fetch_run import FetchRun, ProgressMeter
 from protocol import artifacts
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher
 from protocol.messages import Message

@@ -277,11 +277,12 @@ async def serve(config: NodeConfig) -> None:
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.gguf_checkpoint import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
+    from meshd.node.basis import NodeBasis
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
     from meshd.node.models import with_models
-    from meshd.node.node import MeshNode, NodeBasis, run_node
+    from meshd.node.node import MeshNode, run_node
     from meshd.node.node_metrics import export_metrics
     from meshd.node.prefix_status import export_prefix_metrics
     from meshd.node.shutdown import stop_gracefully
@@ -297,14 +298,14 @@ async def serve(config: NodeConfig) -> None:
     basis = with_models(config, basis, more)
     # Every model is open: the parses of GGUF headers shared while opening them go.
     forget_parsed()
-    log.info(
-        "model %s open (id %s, %d layers, quantization %s)",
-        basis.name or model_dir,
-        basis.shape.model_id[:16],
-        basis.checkpoint.config.num_layers,
-        basis.quantization,
-    )
-    name = basis.name
+    for files in basis.models:
+        log.info(
+            "model %s open (id %s, %d layers, quantization %s)",
+            files.name or files.model_dir,
+            files.shape.model_id[:16],
+            files.checkpoint.config.num_layers,
+            basis.quantization,
+        )
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode
@@ -329,7 +330,7 @@ async def serve(config: NodeConfig) -> None:
             node = await nursery.start(
                 functools.partial(run_node, load_display=_load_display(config)), config, basis
             )
-        backend = NodeBackend(node, model_name=name)
+        backend = NodeBackend(node, node.models[0])
         catalog = model_catalog(node, backend, config.read_api_key())
         await nursery.start(catalog.run)
         control = config.control_socket_path()

@@ -1,7 +1,7 @@
 """An in-process pipeline on loopback: real lanes, real stage hosts, one coordinator.
 
 Each node is a UDP endpoint with a lane table; stage nodes host a `StageModel`. Messages
-reach each node's parts through `NodeWiring`, as in the daemon. The coordinator lives on the
+reach each node's parts through `NodeWiring` (one coordinator, one stage). The coordinator lives on the
 first stage's node (as a daemon receiving a request would when it
 hosts stage 0). Latency between nodes is emulated in userspace on every endpoint's send path
 (`rtt_s / 2` each way), since this kernel has no netem. Used by tests and benchmarks.

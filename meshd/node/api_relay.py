@@ -304,7 +304,7 @@ def model_catalog(node: MeshNode, first: NodeBackend, api_key: str | None) -> Me
     model it holds."""
     from meshd.node.generation import NodeBackend
 
-    more = [NodeBackend(node, model_name=h.files.name, held=h) for h in node.models]
+    more = [NodeBackend(node, model) for model in node.models[1:]]
     return MeshCatalog(node, [first, *more], api_key)
 
 

@@ -10,7 +10,6 @@ background, by `meshd/node/fetch.py`'s `ArtifactService`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import pathlib
 from typing import TYPE_CHECKING
@@ -20,8 +19,8 @@ import trio
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.model.errors import MissingFile, ModelUnavailable
 from meshd.model.manifest import ModelStore, store_checkpoint
-from meshd.net.endpoint import Endpoint, LaneClosedError, open_endpoint
-from meshd.node.fetch import FetchRun
+from meshd.net.endpoint import Endpoint, LaneClosedError, PeerLane, open_endpoint
+from meshd.node.fetch_run import FetchRun
 from protocol import artifacts
 from protocol.artifacts import (
     ArtifactRefusal,
@@ -38,7 +37,7 @@ from protocol.streams import ARTIFACT_STREAM
 
 if TYPE_CHECKING:
     from meshd.config import NodeConfig
-    from meshd.node.node import NodeBasis
+    from meshd.node.basis import NodeBasis
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +171,73 @@ async def _bootstrap_by_mdns(
                 delay = min(delay * 2, JOIN_RETRY_MAX_S)
 
 
+class _BootstrapLane:
+    """One try at a `join` peer over one lane: the manifest (unless the cache has it), then
+    the small files this node does not hold."""
+
+    def __init__(self, lane: PeerLane, lane_key: bytes, prefix: str) -> None:
+        self.lane, self.lane_key, self.prefix = lane, lane_key, prefix
+        self.run: FetchRun | None = None
+        self.manifest_reply: list[ManifestReply | ArtifactRefusal] = []
+        self.got_manifest = trio.Event()
+        self.closed = False
+
+    async def read(self, cancel: trio.CancelScope) -> None:
+        """Hand the lane's artifact replies on, until the lane closes (then `cancel`)."""
+        async for stream, data in self.lane:
+            if stream != ARTIFACT_STREAM:
+                continue
+            try:
+                message = artifacts.decode(data)
+            except RemoteProtocolError:
+                continue
+            if isinstance(message, ManifestReply) or (
+                isinstance(message, ArtifactRefusal) and self.run is None
+            ):
+                self.manifest_reply.append(message)
+                self.got_manifest.set()
+            elif isinstance(message, ChunkReply | ArtifactRefusal) and self.run is not None:
+                self.run.on_reply(message, self.lane_key)
+        # The lane closed (the peer stopped, or dropped it): this try ends now; the next one
+        # dials again.
+        self.closed = True
+        cancel.cancel()
+
+    async def manifest(self, root: pathlib.Path, address: tuple[str, int]) -> ModelStore:
+        """Ask for the manifest and open the store it describes."""
+        prefix = self.prefix
+        await self.lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
+        with trio.move_on_after(MANIFEST_TIMEOUT_S):
+            await self.got_manifest.wait()
+        if not self.manifest_reply:
+            raise TimeoutError(f"no answer to the manifest request in {MANIFEST_TIMEOUT_S:.0f} s")
+        reply = self.manifest_reply[0]
+        if isinstance(reply, ArtifactRefusal):
+            raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
+        model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
+        store = await trio.to_thread.run_sync(
+            lambda: ModelStore(root, model_id, reply.manifest, manifest)
+        )
+        await trio.to_thread.run_sync(store.set_name, reply.name)
+        log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
+        return store
+
+    async def fetch_files(self, store: ModelStore, fetch_config: FetchConfig) -> None:
+        """Fetch the store's small files this node does not hold."""
+        files = store.file_indices()
+        held = await trio.to_thread.run_sync(store.held, files)
+        missing = [i for i in files if i not in held]
+        if not missing:
+            return
+
+        async def send(_source: bytes, data: bytes) -> None:
+            await self.lane.send(ARTIFACT_STREAM, data)
+
+        fetcher = Fetcher(store.model_id, store.manifest, missing, fetch_config, first_request_id=2)
+        self.run = FetchRun(fetcher, store, send, lambda: [self.lane_key])
+        await self.run.run()
+
+
 async def _bootstrap_from(
     endpoint: Endpoint,
     address: tuple[str, int],
@@ -183,65 +249,12 @@ async def _bootstrap_from(
     node_id = await endpoint.query_key(address)
     lane_key = x25519_public_from_ed25519_public(node_id)
     lane = await endpoint.connect(address, lane_key)
-    run: FetchRun | None = None
-    manifest_reply: list[ManifestReply | ArtifactRefusal] = []
-    got_manifest = trio.Event()
-
-    closed = False
-
-    async def read() -> None:
-        nonlocal closed
-        async for stream, data in lane:
-            if stream != ARTIFACT_STREAM:
-                continue
-            try:
-                message = artifacts.decode(data)
-            except RemoteProtocolError:
-                continue
-            if isinstance(message, ManifestReply) or (
-                isinstance(message, ArtifactRefusal) and run is None
-            ):
-                manifest_reply.append(message)
-                got_manifest.set()
-            elif isinstance(message, ChunkReply | ArtifactRefusal) and run is not None:
-                run.on_reply(message, lane_key)
-        # The lane closed (the peer stopped, or dropped it): this try ends now; the next one
-        # dials again.
-        closed = True
-        nursery.cancel_scope.cancel()
+    peer = _BootstrapLane(lane, lane_key, prefix)
 
     async def ask(store: ModelStore | None) -> ModelStore:
-        nonlocal run
         if store is None:
-            await lane.send(ARTIFACT_STREAM, artifacts.encode(ManifestRequest(1, prefix)))
-            with trio.move_on_after(MANIFEST_TIMEOUT_S):
-                await got_manifest.wait()
-            if not manifest_reply:
-                raise TimeoutError(
-                    f"no answer to the manifest request in {MANIFEST_TIMEOUT_S:.0f} s"
-                )
-            reply = manifest_reply[0]
-            if isinstance(reply, ArtifactRefusal):
-                raise FetchFailed(f"the peer does not hold it ({reply.code}: {reply.detail})")
-            model_id, manifest = artifacts.open_manifest(reply.manifest, prefix)
-            store = await trio.to_thread.run_sync(
-                lambda: ModelStore(root, model_id, reply.manifest, manifest)
-            )
-            await trio.to_thread.run_sync(store.set_name, reply.name)
-            log.info("model mesh:%s is %s (manifest from %s)", prefix, model_id, address)
-        files = store.file_indices()
-        held = await trio.to_thread.run_sync(store.held, files)
-        missing = [i for i in files if i not in held]
-        if missing:
-
-            async def send(_source: bytes, data: bytes) -> None:
-                await lane.send(ARTIFACT_STREAM, data)
-
-            fetcher = Fetcher(
-                store.model_id, store.manifest, missing, fetch_config, first_request_id=2
-            )
-            run = FetchRun(fetcher, store, send, lambda: [lane_key])
-            await run.run()
+            store = await peer.manifest(root, address)
+        await peer.fetch_files(store, fetch_config)
         return store
 
     # A try's failure (`_BOOTSTRAP_ERRORS`: the caller tries again) is raised out here, not
@@ -251,7 +264,7 @@ async def _bootstrap_from(
     fetched: ModelStore | None = None
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(read)
+            nursery.start_soon(peer.read, nursery.cancel_scope)
             try:
                 fetched = await ask(store)
             except _BOOTSTRAP_ERRORS as exc:
@@ -261,7 +274,7 @@ async def _bootstrap_from(
         lane.close("manifest fetched")
     if failure is not None:
         raise failure
-    if fetched is None or closed:
+    if fetched is None or peer.closed:
         raise FetchFailed("the lane to the peer closed")
     return fetched
 
@@ -270,7 +283,7 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     """What a `mesh:ID` node is before it opens lanes: the store's manifest and small files
     (fetched now if not cached), and a checkpoint over the tensors it holds."""
     from meshd.model.manifest import set_cache_dir
-    from meshd.node.node import NodeBasis
+    from meshd.node.basis import NodeBasis
     from protocol.handshake import psk_from_secret
 
     identity = NodeIdentity.load_or_create(config.state_dir)
@@ -281,13 +294,13 @@ async def mesh_basis(config: NodeConfig, prefix: str) -> NodeBasis:
     checkpoint = await trio.to_thread.run_sync(store_checkpoint, store)
     # The tokenizer's files: the store's directory, or a GGUF file's skeleton (its metadata).
     model_dir = checkpoint.directory if store.manifest.format == "gguf" else store.directory
-    basis = NodeBasis.of(
+    return NodeBasis.of(
         config,
         identity,
         psk,
         str(model_dir),
         checkpoint,
+        # The holders' name for it, so that every node answers to one name for one model.
+        name=store.name,
         timing_checkpoint=store_checkpoint(store, synthetic=True),
     )
-    # The holders' name for it, so that every node answers to one name for one model.
-    return dataclasses.replace(basis, name=store.name)

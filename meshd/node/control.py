@@ -31,9 +31,8 @@ from meshd.node.control_client import (
     StatusOp,
 )
 from meshd.node.generation import NodeBackend
-from meshd.node.model_status import model_plans
 from meshd.node.node import MeshNode
-from meshd.node.status import node_status
+from meshd.node.status import model_plans, node_status
 from meshd.plan import NoFeasiblePlan, explain
 from meshd.speculative.config import SpecConfig, SpecConfigError
 from protocol.messages import Sampling
@@ -126,10 +125,11 @@ async def _handle(
         return {"status": node_status(node, backend)}
     if isinstance(op, PlanOp):
         models = model_plans(node)  # every model's; "plan"/"error": this node's first
-        if node.plan is None:
-            return {"plan": None, "error": node.plan_error, "models": models}
+        first = node.models[0]
+        if first.plan is None:
+            return {"plan": None, "error": first.plan_error, "models": models}
         names = {k: k.hex()[:16] for k in node.membership.view()}
-        return {"plan": explain(node.plan, names=names), "error": "", "models": models}
+        return {"plan": explain(first.plan, names=names), "error": "", "models": models}
     if isinstance(op, KillOp):
         target = resolve_node(node, op.node)
         await node.send_command(target, "kill", op.drain)

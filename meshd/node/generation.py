@@ -26,7 +26,7 @@ from meshd.coord.coordinator import (
     StageOverloaded,
 )
 from meshd.model.tokenizer import Tokenizer
-from meshd.node.models import HeldModel
+from meshd.node.held_model import HeldModel
 from meshd.node.node import MeshNode
 from meshd.plan import NoFeasiblePlan
 from meshd.plan.route import Route
@@ -43,21 +43,17 @@ RETRY_INTERVAL_S = 0.1
 
 
 class NodeBackend:
-    """`meshd.api.backend.MeshBackend` on a running `MeshNode`: its first model, or `held`,
-    one of its further models (`meshd/node/models.py`)."""
+    """`meshd.api.backend.MeshBackend` on a running `MeshNode`: one of the models it holds."""
 
-    def __init__(self, node: MeshNode, *, model_name: str, held: HeldModel | None = None) -> None:
+    def __init__(self, node: MeshNode, model: HeldModel) -> None:
         self.node = node
-        self.model_name = model_name
-        self.held = held
-        self.model_id = held.model_id if held is not None else node.shape.model_id
-        self.tokenizer: Tokenizer = held.files.tokenizer if held is not None else node.tokenizer
-        checkpoint = held.files.checkpoint if held is not None else node.checkpoint
-        self.mtp_depth = checkpoint.config.num_mtp_layers
-        self.max_context_tokens = (
-            held.files.context_tokens if held is not None else node.context_tokens
-        )
-        self.coordinator = held.coordinator if held is not None else node.coordinator
+        self.model = model
+        self.model_name = model.files.name
+        self.model_id = model.model_id
+        self.tokenizer: Tokenizer = model.files.tokenizer
+        self.mtp_depth = model.files.checkpoint.config.num_mtp_layers
+        self.max_context_tokens = model.files.context_tokens
+        self.coordinator = model.coordinator
         self.recoveries = 0
         # One cancel scope per generation running, so a stop can end them (`abort_all`).
         self._running: set[trio.CancelScope] = set()
@@ -141,15 +137,7 @@ class NodeBackend:
             return result
 
     def _route(self) -> Route:
-        if self.held is None:
-            return self.node.route()
-        node = self.node
-        return node.models.route(
-            self.held,
-            node.membership.view(),
-            node.membership.rtt_matrix(),
-            node.health.suspects(trio.current_time()),
-        )
+        return self.node.route(self.model)
 
     def _on_failure(self, exc: RouteFailed) -> None:
         node_id = self.node.keys.ed_of(exc.node_key) if exc.node_key else None

@@ -1,12 +1,14 @@
 """`MeshNode`: one daemon's parts, composed; `run_node` opens the lanes and starts them.
 
 Lanes (endpoint + lane table), membership (driven over the gossip stream), discovery (mDNS
-and `--join`, each peer's node key learned by an authenticated key query), leaderless
-planning (re-run, debounced, whenever the view changes), the stage this node is assigned, and
-a coordinator for the requests this node receives (`NodeBackend`). Messages reach the parts
-through `NodeWiring` (shared with the in-process local pipeline); which members to route
-around is `Health`'s to decide, and what the stage is for (serving, spare, draining, killed,
-stopping) is `Duty`'s. Both are sans-IO; `MeshNode` only carries out what they return.
+and `--join`, each peer's node key learned by an authenticated key query), the artifact
+service (weights served to peers, and fetched for a `mesh:ID` model), and leaderless planning
+(re-run, debounced, whenever the view changes). Each model the node holds is a `HeldModel`
+(`meshd/node/held_model.py`): its plan, the stage this node is assigned, and a coordinator for
+the requests this node receives (`NodeBackend`); pipeline messages reach them through
+`held_model.dispatch`. Which members to route around is `Health`'s to decide, and what a stage
+is for (serving, spare, draining, killed, stopping) is its `Duty`'s. Both are sans-IO; the node
+and its models only carry out what they return.
 """
 
 from __future__ import annotations
@@ -15,59 +17,34 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import trio
 
 from meshd.config import NodeConfig
-from meshd.coord.coordinator import Coordinator
-from meshd.coord.wiring import NodeWiring
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
-from meshd.model.checkpoint import Checkpoint
-from meshd.model.device import device_memory_bytes, pick_device
-from meshd.model.files import open_checkpoint
+from meshd.model.device import device_memory_bytes
 from meshd.model.threads import configure_threads
-from meshd.model.tokenizer import Tokenizer
 from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
 from meshd.net.lane_table import PeerUnreachable
+from meshd.node.basis import NodeBasis
 from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
-from meshd.node.duty import (
-    CancelDrain,
-    Duty,
-    Effect,
-    Ignored,
-    LoadStage,
-    Note,
-    Publish,
-    StartDrain,
-    StopStage,
-)
 from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
-from meshd.node.models import (
-    ModelFiles,
-    ModelSet,
-    full_model_bytes,
-    split_budget,
-    tokenizer_and_shape,
-)
-from meshd.node.planning import assignment, lane_route, plan_view
+from meshd.node.held_model import HeldModel, NodeShared, dispatch
+from meshd.node.models import ModelFiles, full_model_bytes, split_budget
+from meshd.node.planning import assignment
 from meshd.node.prefetch import TakeoverCache
-from meshd.node.stage_slot import LoadDisplay, StageSlot, measure_compute_ns
-from meshd.plan import ModelShape, NoFeasiblePlan, Plan
+from meshd.node.stage_slot import LoadDisplay, measure_compute_ns
 from meshd.plan.route import Route
-from meshd.speculative.draft import DraftModel
 from protocol import artifacts, gossip
-from protocol.gossip import ModelHolding
-from protocol.handshake import psk_from_secret
 from protocol.messages import (
     CloseSession,
     Message,
@@ -79,7 +56,6 @@ from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EVENT_LOG = 200
 # Pacing of the daemon's own loops. These follow from how the parts work, not from a
 # deployment, so they are not configuration:
@@ -102,90 +78,6 @@ class NodeEvent:
     detail: str = ""
 
 
-@dataclass(frozen=True)
-class NodeBasis:
-    """What a node is before it opens lanes: its identity, the mesh key, and the model it
-    serves (files, device, formats, and the planner's view of it)."""
-
-    identity: NodeIdentity
-    psk: bytes
-    model_dir: str
-    checkpoint: Checkpoint
-    tokenizer: Tokenizer
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    # What this node offers: (model id, quantization). It plans with, and serves stages of,
-    # the nodes offering the same quantization (docs/planner.md, "Quantization").
-    quantization: str
-    shape: ModelShape
-    context_tokens: int
-    # The coordinator's draft model (`spec.draft_model`), at the node's quantization.
-    draft: DraftModel | None = None
-    # What the API calls the model, and the node's further models (`meshd/node/models.py`).
-    name: str = ""
-    extras: tuple[ModelFiles, ...] = ()
-    # What compute is measured on, when not `checkpoint` (a `mesh:ID` node: random weights of
-    # the model's shapes, before it fetched any).
-    timing_checkpoint: Checkpoint | None = None
-
-    @classmethod
-    def load(cls, config: NodeConfig, model_dir: str) -> NodeBasis:
-        """Read the identity, the mesh secret and the model's files (ConfigError, ModelError)."""
-        from meshd.model.manifest import set_cache_dir
-
-        set_cache_dir(config.model_cache_path())
-        identity = NodeIdentity.load_or_create(config.state_dir)
-        psk = psk_from_secret(config.read_mesh_secret())
-        return cls.of(config, identity, psk, model_dir, open_checkpoint(model_dir))
-
-    @classmethod
-    def of(
-        cls,
-        config: NodeConfig,
-        identity: NodeIdentity,
-        psk: bytes,
-        model_dir: str,
-        checkpoint: Checkpoint,
-        *,
-        timing_checkpoint: Checkpoint | None = None,
-    ) -> NodeBasis:
-        """The basis over an opened checkpoint (its tokenizer files are in `model_dir`)."""
-        device = pick_device(None if config.device == "auto" else config.device)
-        dtype = _DTYPES.get(config.dtype, torch.float32)
-        kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
-        quantization = (
-            checkpoint.default_quantization
-            if config.quantization == "auto"
-            else config.quantization
-        )
-        if quantization == "gguf" and device.type != "cpu" and config.quantization == "auto":
-            # The block kernels run on CPUs; elsewhere a GGUF file is converted at load.
-            quantization = "int8"
-        tokenizer, shape = tokenizer_and_shape(
-            checkpoint, model_dir, dtype, quantization, kv_dtype, device
-        )
-        return cls(
-            identity=identity,
-            psk=psk,
-            model_dir=model_dir,
-            checkpoint=checkpoint,
-            tokenizer=tokenizer,
-            device=device,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            quantization=quantization,
-            shape=shape,
-            context_tokens=config.context_tokens or checkpoint.config.max_position_embeddings,
-            draft=(
-                DraftModel.load(config.spec.draft_model, quantization=quantization)
-                if config.spec.draft_model
-                else None
-            ),
-            timing_checkpoint=timing_checkpoint,
-        )
-
-
 async def run_node(
     config: NodeConfig,
     basis: NodeBasis,
@@ -196,24 +88,17 @@ async def run_node(
     """Measure compute, open the lanes, build the node and serve until cancelled; the node is
     passed to `task_status.started` once every part runs."""
     started_unix_s = time.time()
+    # As many threads as the largest model gains from (a small one computes on one).
+    largest = max(basis.models, key=lambda f: f.checkpoint.config.hidden_size)
     threads = configure_threads(
-        config.threads, basis.checkpoint.config, basis.dtype, basis.quantization
+        config.threads, largest.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
     measured_at = time.perf_counter()
-    compute_ns = await trio.to_thread.run_sync(
-        lambda: measure_compute_ns(
-            basis.timing_checkpoint or basis.checkpoint,
-            basis.device,
-            basis.dtype,
-            WARMUP_PASSES,
-            quantization=basis.quantization,
-            kv_dtype=basis.kv_dtype,
-        )
-    )
+    compute_ns = [await _measure(basis, files) for files in basis.models]
     log.info(
-        "compute: %.2f ms per layer and token (measured in %.2f s)",
-        compute_ns / 1e6,
+        "compute: %s ms per layer and token (measured in %.2f s)",
+        ", ".join(f"{ns / 1e6:.2f}" for ns in compute_ns),
         time.perf_counter() - measured_at,
     )
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
@@ -244,9 +129,24 @@ async def run_node(
         await trio.sleep_forever()
 
 
+async def _measure(basis: NodeBasis, files: ModelFiles) -> int:
+    """A model's compute per layer and token, in ns, on the node's device and formats."""
+    return await trio.to_thread.run_sync(
+        lambda: measure_compute_ns(
+            files.timing_checkpoint or files.checkpoint,
+            basis.device,
+            basis.dtype,
+            WARMUP_PASSES,
+            quantization=basis.quantization,
+            kv_dtype=basis.kv_dtype,
+        )
+    )
+
+
 class MeshNode:
     """A meshd daemon's parts, composed over an open endpoint; `start` runs them in
-    `nursery`."""
+    `nursery`. It keeps the lanes, membership and gossip, discovery, the artifact service and
+    the planning loop; each model it holds is a `HeldModel` (`models`, the first first)."""
 
     def __init__(
         self,
@@ -255,7 +155,7 @@ class MeshNode:
         endpoint: Endpoint,
         nursery: trio.Nursery,
         *,
-        compute_ns: int,
+        compute_ns: Sequence[int],
         now: float,
         started_unix_s: float,
         load_display: LoadDisplay | None = None,
@@ -263,32 +163,21 @@ class MeshNode:
         self.config = config
         self.basis = basis
         self.identity = basis.identity
-        self.psk = basis.psk
-        self.model_dir = basis.model_dir
-        self.checkpoint = basis.checkpoint
-        self.tokenizer = basis.tokenizer
-        self.device = basis.device
-        self.dtype = basis.dtype
-        self.kv_dtype = basis.kv_dtype
-        self.quantization = basis.quantization
-        self.shape = basis.shape
-        self.context_tokens = basis.context_tokens
-        self.compute_ns = compute_ns
         self.endpoint = endpoint
         self._nursery = nursery
         self.started_unix_s = started_unix_s
         self.keys = KeyBook()
         self.events: collections.deque[NodeEvent] = collections.deque(maxlen=_EVENT_LOG)
-        self.plan: Plan | None = None
-        self.plan_error = "not planned yet"
         self.health = Health(config.suspect_hold_s)
         # Told the node id of a member whose lane died (its peer stopped answering), as it
         # happens: the daemon's metrics count lane deaths by peer.
         self.on_lane_death: Callable[[bytes], None] | None = None
-        self.duty = Duty(config.drain_timeout_s)
-        self._drain_scope: trio.CancelScope | None = None
         self._replan = trio.Event()
         self._plan_changed = trio.Event()
+        self._handlers: dict[type[Message], Callable[[Message, bytes], None]] = {
+            NodeHello: self._on_hello,
+            StageCommand: self._on_command,
+        }
         self.peers = NodeLanes(
             endpoint,
             self.identity.x25519_public,
@@ -306,74 +195,13 @@ class MeshNode:
         # Held while a stage here computes a window: weight transfers wait (meshd/net/bulk.py).
         self.bulk_gate = BulkGate()
         self.bulk_gate.subscribe(endpoint.hold_bulk)
-        # Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage.
-        self.artifacts = ArtifactService(
-            self.checkpoint,
-            self.peers,
-            lambda: model_sources(
-                self.membership.view(), self.shape.model_id, self.node_key, self.keys.x_of
-            ),
-            config=config.fetch,
-            load_display=load_display,
-            note=lambda kind, detail: self.note(kind, self.node_key, detail),
-            gate=self.bulk_gate,
-            name=basis.name,
-            on_fetch_end=self._on_fetch_end,
-        )
+        self.models = self._hold_models(compute_ns, load_display)
+        self.artifacts = self._artifact_service(load_display)
+        # The artifact service fetches one model's tensors over the mesh: the first's (only
+        # `--model`'s first may be `mesh:ID`).
+        self.models[0].stage_ready = self.artifacts.stage_ready
         self.takeover = TakeoverCache()
-        self.coordinator = Coordinator(
-            _RouteSender(self),
-            self.identity.x25519_public,
-            wire_dtype="f32",
-            session_lease_s=config.session_lease_s,
-            draft=basis.draft,
-            draft_quantization=self.quantization,
-        )
-        self.slot = StageSlot(
-            self.checkpoint,
-            self.peers,
-            device=self.device,
-            dtype=self.dtype,
-            eos_ids=frozenset(self.tokenizer.eos_ids),
-            load_display=load_display,
-            host_config=config.stage,
-            session_lease_s=config.session_lease_s,
-            quantization=self.quantization,
-            kv_dtype=self.kv_dtype,
-            gate=self.bulk_gate,
-        )
-        self.models = ModelSet(
-            basis.extras,
-            self.peers,
-            _RouteSender(self),
-            self.identity.x25519_public,
-            config,
-            device=self.device,
-            dtype=self.dtype,
-            kv_dtype=self.kv_dtype,
-            quantization=self.quantization,
-            note=lambda kind, detail: self.note(kind, self.node_key, detail),
-            publish=self.publish_capacity,
-            gate=self.bulk_gate,
-        )
-        self.wiring = NodeWiring(
-            coordinator=self.coordinator,
-            stage=self.slot,
-            handlers={NodeHello: self._on_hello, StageCommand: self._on_command},
-        )
-        self.membership = Membership(
-            self.node_key,
-            address=self.lane_address,
-            sign=self.identity.sign,
-            verify=NodeIdentity.verify,
-            now=now,
-            capacity=self.capacity(),
-            config=config.membership,
-            seed=int.from_bytes(self.node_key[:8], "big"),
-            # A restart outranks its previous life's words at once.
-            incarnation=int(time.time()),
-            record_version=int(time.time()),
-        )
+        self.membership = self._membership(now)
         self.gossip = GossipDriver(
             self.membership,
             self.peers,
@@ -387,20 +215,77 @@ class MeshNode:
             self.keys,
             self.gossip,
             identity=self.identity,
-            psk=self.psk,
+            psk=basis.psk,
             mdns=config.mdns,
         )
 
+    def _membership(self, now: float) -> Membership:
+        return Membership(
+            self.node_key,
+            address=self.lane_address,
+            sign=self.identity.sign,
+            verify=NodeIdentity.verify,
+            now=now,
+            capacity=self.capacity(),
+            config=self.config.membership,
+            seed=int.from_bytes(self.node_key[:8], "big"),
+            # A restart outranks its previous life's words at once.
+            incarnation=int(time.time()),
+            record_version=int(time.time()),
+        )
+
+    def _hold_models(
+        self, compute_ns: Sequence[int], load_display: LoadDisplay | None
+    ) -> list[HeldModel]:
+        basis = self.basis
+        shared = NodeShared(
+            config=self.config,
+            peers=self.peers,
+            sender=_RouteSender(self),
+            own_key=self.identity.x25519_public,
+            nursery=self._nursery,
+            device=basis.device,
+            dtype=basis.dtype,
+            kv_dtype=basis.kv_dtype,
+            quantization=basis.quantization,
+            note=lambda kind, detail: self.note(kind, self.node_key, detail),
+            publish=lambda urgent: self.publish_capacity(urgent=urgent),
+            gate=self.bulk_gate,
+            draft=basis.draft,
+            load_display=load_display,
+        )
+        several = len(basis.models) > 1
+        return [
+            HeldModel(files, shared, compute_ns=ns, label=files.name if several else "")
+            for files, ns in zip(basis.models, compute_ns, strict=True)
+        ]
+
+    def _artifact_service(self, load_display: LoadDisplay | None) -> ArtifactService:
+        """Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage."""
+        files = self.models[0].files
+        return ArtifactService(
+            files.checkpoint,
+            self.peers,
+            lambda: model_sources(
+                self.membership.view(), files.shape.model_id, self.node_key, self.keys.x_of
+            ),
+            config=self.config.fetch,
+            load_display=load_display,
+            note=lambda kind, detail: self.note(kind, self.node_key, detail),
+            gate=self.bulk_gate,
+            name=files.name,
+            on_fetch_end=self._on_fetch_end,
+        )
+
     async def start(self) -> None:
-        """Start every part's tasks; returns once lanes, the stage slot and gossip run."""
+        """Start every part's tasks; returns once lanes, the stage slots and gossip run."""
         nursery = self._nursery
         await nursery.start(self.peers.run)
         await nursery.start(self.bulk_gate.run)
         await nursery.start(self.artifacts.run)
-        await nursery.start(self.slot.run)
-        await self.models.start(nursery)
+        for model in self.models:
+            await model.start()
         await nursery.start(self.gossip.run)
-        nursery.start_soon(self.coordinator.keep_alive)
         nursery.start_soon(self._plan_loop)
         self.request_replan()  # a lone node serves alone until others join
         for address in self.config.bootstrap_peers():
@@ -417,17 +302,17 @@ class MeshNode:
     @property
     def disabled(self) -> bool:
         """Killed by the operator (or stopped): hosts nothing, offers nothing."""
-        return self.duty.disabled
+        return all(model.duty.disabled for model in self.models)
 
     @property
     def draining(self) -> bool:
         """A drain or a stop is in progress."""
-        return self.duty.draining
+        return any(model.duty.draining for model in self.models)
 
     @property
     def stopping(self) -> bool:
         """SIGTERM: no new requests or sessions; see `meshd/node/shutdown.py`."""
-        return self.duty.stopping
+        return any(model.duty.stopping for model in self.models)
 
     def note(self, kind: str, node_id: bytes | str = b"", detail: str = "") -> None:
         """Add to the event log `meshctl status` shows."""
@@ -442,42 +327,18 @@ class MeshNode:
         return "" if host in ("0.0.0.0", "::") else f"{host}:{port}"
 
     def capacity(self) -> LocalCapacity:
-        """What this node offers now (the signed record's contents)."""
-        budget = self.config.memory_budget_bytes or device_memory_bytes(self.device)
-        models: tuple[ModelHolding, ...] = ()
-        if self.duty.offers_model:
-            layers = self.slot.layers
-            lo, hi = layers if layers is not None else (0, self.shape.num_layers)
-            holding = ModelHolding(
-                self.shape.model_id,
-                lo,
-                hi,
-                layers is not None,
-                self.compute_ns,
-                quantization=self.quantization,
-                weight_bytes=self.slot.weight_bytes if layers is not None else 0,
-                kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
-                name=self.basis.name,
-            )
-            models = (holding,)
-        models = self._share_budget(budget, (*models, *self.models.holdings()))
-        sessions = self.slot.sessions + self.models.sessions
-        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
-
-    def _share_budget(
-        self, budget: int, holdings: tuple[ModelHolding, ...]
-    ) -> tuple[ModelHolding, ...]:
-        """With several models, each offered holds its share of the budget (`split_budget`)."""
-        if len(holdings) < 2:
-            return holdings
-        needs = {self.shape.model_id: full_model_bytes(self.shape, self.context_tokens)}
-        for held in self.models:
-            needs[held.model_id] = full_model_bytes(held.files.shape, held.files.context_tokens)
-        shares = split_budget(budget, [needs[h.model_id] for h in holdings])
-        return tuple(
-            msgspec.structs.replace(h, memory_budget_bytes=share)
-            for h, share in zip(holdings, shares, strict=True)
+        """What this node offers now (the signed record's contents): each model offered,
+        with its share of the memory budget (`split_budget`)."""
+        budget = self.config.memory_budget_bytes or device_memory_bytes(self.basis.device)
+        offered = [(m, h) for m in self.models if (h := m.holding()) is not None]
+        needs = [full_model_bytes(m.files.shape, m.files.context_tokens) for m, _ in offered]
+        shares = split_budget(budget, needs)
+        models = tuple(
+            msgspec.structs.replace(h, memory_budget_bytes=share) if len(offered) > 1 else h
+            for (_, h), share in zip(offered, shares, strict=True)
         )
+        sessions = sum(model.slot.sessions for model in self.models)
+        return LocalCapacity(memory_budget_bytes=budget, models=models, sessions=sessions)
 
     def publish_capacity(self, *, urgent: bool = False) -> None:
         """Re-sign our record if what we offer changed (membership rate-limits it, unless
@@ -488,9 +349,11 @@ class MeshNode:
 
     # ---- lanes and messages ---------------------------------------------------------------
     def _dispatch(self, message: Message, lane_key: bytes) -> None:
-        rest = self.models.dispatch(message, lane_key)  # the further models' part
-        if rest is not None:
-            self.wiring.dispatch(rest, lane_key)
+        handler = self._handlers.get(type(message))
+        if handler is not None:
+            handler(message, lane_key)
+        else:
+            dispatch(self.models, message, lane_key)
 
     def _on_hello(self, message: Message, lane_key: bytes) -> None:
         assert isinstance(message, NodeHello)
@@ -523,13 +386,14 @@ class MeshNode:
         if node_id is not None:
             reason = lane.termination.reason.name.lower() if lane.termination else "closed"
             self.note("lane-lost", node_id, reason)
-            # Before the coordinator hears: its retry routes around the dead node.
+            # Before the coordinators hear: their retries route around the dead node.
             if self.health.on_lane_lost(node_id, reason, trio.current_time()):
                 self.request_replan()
                 if self.on_lane_death is not None:
                     self.on_lane_death(node_id)
-        self.wiring.lane_lost(lane_key)
-        self.models.lane_lost(lane_key)
+        for model in self.models:  # fail what waits on the lane, free what it left here
+            model.coordinator.peer_lost(lane_key)
+            model.slot.free_coordinator(lane_key)
         self.gossip.on_lane_dead(lane_key)
         self.artifacts.on_lane_lost(lane_key)
 
@@ -543,8 +407,8 @@ class MeshNode:
         for kind, node_id in verdicts.notes:
             self.note(kind, node_id)
         for node_id in verdicts.gone:
-            self.slot.free_coordinator(self.keys.x_of(node_id))
-            self.models.free_coordinator(self.keys.x_of(node_id))
+            for model in self.models:
+                model.slot.free_coordinator(self.keys.x_of(node_id))
         self.request_replan()
 
     def _introducers_for(self, target: bytes) -> list[bytes]:
@@ -573,64 +437,39 @@ class MeshNode:
             self._replan = trio.Event()
             await self._replan_once()
 
-    def _plan_now(self, exclude: Iterable[bytes] = ()) -> Plan:
-        return plan_view(
-            self.membership.view(),
-            self.shape,
-            self.membership.rtt_matrix(),
-            context_tokens=self.context_tokens,
-            exclude=frozenset(exclude),
-            config=self.config.planner,
-        )
-
     async def _replan_once(self) -> None:
-        try:
-            new = self._plan_now()
-            error = ""
-        except NoFeasiblePlan as exc:
-            new, error = None, str(exc)
-        old_route = self.plan.route if self.plan is not None else None
-        self.plan, self.plan_error = new, error
-        if (new.route if new is not None else None) != old_route:
-            self.note("plan", self.node_key, _describe(new) if new is not None else error)
-        await self._carry_out(
-            self.duty.on_plan(
-                assigned=assignment(new, self.node_key) if new is not None else None,
-                planned=new is not None,
-                layers=self.slot.layers,
-                now=trio.current_time(),
-            )
-        )
-        await self._steer_fetch(new)
-        view, rtt = self.membership.view(), self.membership.rtt_matrix()
-        await self.models.replan(view, rtt, self.node_key, trio.current_time())
+        for model in self.models:
+            view, rtt = self.membership.view(), self.membership.rtt_matrix()
+            await model.replan(view, rtt, self.node_key, trio.current_time())
+        await self._steer_fetch(self.models[0])
         self._plan_changed.set()
         self._plan_changed = trio.Event()
 
-    async def _steer_fetch(self, new: Plan | None) -> None:
-        """A `mesh:ID` node's background fetch after a re-plan: a stage still to load keeps
+    async def _steer_fetch(self, model: HeldModel) -> None:
+        """A `mesh:ID` model's background fetch after a re-plan: a stage still to load keeps
         its fetch (`ArtifactService.stage_ready` started it); a spare prefetches the layers it
         would take over (`prefetch` key, `meshd/node/prefetch.py`); otherwise none. With no
         plan at all, whatever runs goes on (like the stage, kept for a later plan)."""
+        new = model.plan
         if new is None or not self.artifacts.fetches:
             return
         assigned = assignment(new, self.node_key)
-        if not self.duty.offers_model:
+        if not model.duty.offers_model:
             self.artifacts.stop_fetching()
         elif assigned is not None:
-            if assigned == self.slot.layers:
+            if assigned == model.slot.layers:
                 self.artifacts.stop_fetching()
-        elif self.config.prefetch and self.slot.layers is None:
+        elif self.config.prefetch and model.slot.layers is None:
             view, rtt = self.membership.view(), self.membership.rtt_matrix()  # fresh copies
             # One plan per stage: in a thread, so a large mesh's planning never stalls lanes.
             ranges = await trio.to_thread.run_sync(
                 lambda: self.takeover.ranges(
                     view,
-                    self.shape,
+                    model.files.shape,
                     rtt,
                     new,
                     self.node_key,
-                    context_tokens=self.context_tokens,
+                    context_tokens=model.files.context_tokens,
                     config=self.config.planner,
                 )
             )
@@ -650,89 +489,36 @@ class MeshNode:
         await trio.sleep(delay_s)
         self.request_replan()
 
-    def route(self) -> Route:
-        """The route this node coordinates its requests over now (NoFeasiblePlan if none)."""
-        return lane_route(self._plan_now(exclude=self.health.suspects(trio.current_time())))
+    def route(self, model: HeldModel) -> Route:
+        """The route this node coordinates `model`'s requests over now, around the members
+        it suspects (NoFeasiblePlan if none)."""
+        suspects = self.health.suspects(trio.current_time())
+        return model.route(self.membership.view(), self.membership.rtt_matrix(), suspects)
 
     async def wait_plan_change(self, timeout_s: float) -> None:
         """Return after the next re-plan, or after `timeout_s`."""
         with trio.move_on_after(timeout_s):
             await self._plan_changed.wait()
 
-    # ---- operator commands and the stage's duty ----------------------------------------
+    # ---- operator commands -------------------------------------------------------------
     async def apply_command(self, action: str, drain: bool) -> None:
-        """kill: stop hosting (after the sessions end with `drain`); recover: host again."""
-        now = trio.current_time()
-        if action == "kill":
-            effects = self.duty.kill(
-                drain=drain, layers=self.slot.layers, sessions=self.slot.sessions, now=now
-            )
-        else:
-            effects = self.duty.recover(now)
-        if any(isinstance(e, Ignored) for e in effects):
-            log.info("ignoring %s: this node is stopping", action)
-        await self._carry_out(effects)
-        await self.models.apply_command(action, drain, now)
+        """kill: stop hosting every model (after the sessions end with `drain`); recover:
+        host again."""
+        for model in self.models:
+            await model.apply_command(action, drain, trio.current_time())
 
     def begin_stop(self) -> None:
-        """SIGTERM: admit nothing new and stop offering the model, so every plan (and every
-        new request, anywhere) moves to a spare at once, while the stage keeps serving the
-        sessions it has; `finish_stop` ends it."""
-        effects = self.duty.begin_stop(sessions=self.slot.sessions, now=trio.current_time())
-        for effect in effects:  # nothing here waits: no stage stops or loads
-            assert not isinstance(effect, StopStage | LoadStage)
-            self._carry_out_now(effect)
-        self.models.begin_stop(trio.current_time())
+        """SIGTERM: admit nothing new and stop offering the models, so every plan (and every
+        new request, anywhere) moves to a spare at once, while the stages keep serving the
+        sessions they have; `finish_stop` ends it."""
+        for model in self.models:
+            model.begin_stop(trio.current_time())
 
     async def finish_stop(self) -> None:
-        """Stop the stage: sessions still open get `stage_stopped`, and their coordinators
+        """Stop the stages: sessions still open get `stage_stopped`, and their coordinators
         continue on the spare (loaded since `begin_stop`)."""
-        await self._carry_out(
-            self.duty.finish_stop(sessions=self.slot.sessions, now=trio.current_time())
-        )
-        await self.models.finish_stop(trio.current_time())
-
-    async def _carry_out(self, effects: list[Effect]) -> None:
-        for effect in effects:
-            if isinstance(effect, StopStage):
-                self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
-                await self.slot.stop(effect.reason)
-            elif isinstance(effect, LoadStage):
-                # A `mesh:ID` node fetches its stage's tensors first, in the background: the
-                # fetch's end re-plans, and the stage loads then (`_on_fetch_end`).
-                if await self.artifacts.stage_ready(effect.layers):
-                    await self.slot.load(effect.layers)
-                else:  # nothing changed yet: no note, nothing to publish
-                    return
-            else:
-                self._carry_out_now(effect)
-
-    def _carry_out_now(self, effect: Effect) -> None:
-        self.slot.refuse_new_sessions = self.duty.refuses_new_sessions
-        if isinstance(effect, Note):
-            self.note(effect.kind, self.node_key, effect.detail)
-        elif isinstance(effect, Publish):
-            self.publish_capacity(urgent=effect.urgent)
-        elif isinstance(effect, StartDrain):
-            # Made here, not in the task: a CancelDrain before the task runs still reaches it.
-            self._drain_scope = trio.CancelScope()
-            self._nursery.start_soon(self._drain, effect.deadline, self._drain_scope)
-        elif isinstance(effect, CancelDrain) and self._drain_scope is not None:
-            self._drain_scope.cancel()
-            self._drain_scope = None
-
-    async def _drain(self, deadline: float, scope: trio.CancelScope) -> None:
-        """Wait for the draining stage's sessions to end (or the deadline), then tell `duty`."""
-        with scope:
-            with trio.move_on_at(deadline) as waited:
-                await self.slot.drain()
-            if self._drain_scope is scope:
-                self._drain_scope = None
-            now = trio.current_time()
-            timed_out = waited.cancelled_caught
-            effects = self.duty.on_timer(now) if timed_out else self.duty.on_drained(now)
-        if not scope.cancelled_caught:
-            await self._carry_out(effects)
+        for model in self.models:
+            await model.finish_stop(trio.current_time())
 
     async def send_command(self, node_id: bytes, action: str, drain: bool) -> None:
         """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""
@@ -767,10 +553,3 @@ class _RouteSender:
             if isinstance(message, CloseSession | SessionKeepAlive):
                 raise PeerUnreachable(f"no lane to {key.hex()[:16]}: nothing to close there")
         await peers.send(key, message, stream)
-
-
-def _describe(p: Plan) -> str:
-    return (
-        ", ".join(f"{s.node_key.hex()[:8]}[{s.layer_start},{s.layer_end})" for s in p.stages)
-        + f" {p.quantization} ~{p.predicted_s_per_token * 1000:.2f} ms/token"
-    )

@@ -44,14 +44,27 @@ FETCH_STATES: tuple[str, ...] = ("none", "waiting", "fetching", "done", "failed"
 
 def node_families(status: NodeStatus) -> list[Metric]:
     """The metric families of the node's state in `status` (see the module's docstring)."""
-    families: list[Metric] = []
+    families = _Families()
+    _mesh_families(families, status)
+    _load_families(families, status)
+    _fetch_families(families, status)
+    _drop_families(families, status)
+    return families.out
 
-    def gauge(name: str, documentation: str, value: float) -> None:
+
+class _Families:
+    """Metric families as they are added: one value, or one per label value."""
+
+    def __init__(self) -> None:
+        self.out: list[Metric] = []
+
+    def gauge(self, name: str, documentation: str, value: float) -> None:
         family = GaugeMetricFamily(name, documentation)
         family.add_metric([], value)
-        families.append(family)
+        self.out.append(family)
 
     def by(
+        self,
         kind: type[GaugeMetricFamily | CounterMetricFamily],
         name: str,
         documentation: str,
@@ -61,12 +74,15 @@ def node_families(status: NodeStatus) -> list[Metric]:
         family = kind(name, documentation, labels=[label])
         for key, value in values.items():
             family.add_metric([key], value)
-        families.append(family)
+        self.out.append(family)
 
+
+def _mesh_families(f: _Families, status: NodeStatus) -> None:
+    """Members by health, and each lane's round trip and loss."""
     health = dict.fromkeys(MEMBER_HEALTH, 0.0)
     for member in status.members:
         health[member.status] = health.get(member.status, 0.0) + 1
-    by(
+    f.by(
         GaugeMetricFamily,
         "meshd_members",
         "Members in this node's view (itself included), by health",
@@ -74,40 +90,44 @@ def node_families(status: NodeStatus) -> list[Metric]:
         health,
     )
     lanes = [m for m in status.members if m.lane_up]
-    by(
+    f.by(
         GaugeMetricFamily,
         "meshd_lane_rtt_seconds",
         "Smoothed round-trip time of the lane to a member, by peer (node id)",
         "peer",
         {m.name: m.rtt_ms / 1000 for m in lanes if m.rtt_ms is not None},
     )
-    by(
+    f.by(
         GaugeMetricFamily,
         "meshd_lane_loss_ratio",
         "Packets lost / packets sent on the lane to a member since it opened (0..1), by peer",
         "peer",
         {m.name: m.packets_lost / m.packets_sent if m.packets_sent else 0.0 for m in lanes},
     )
-    gauge("meshd_sessions_hosted", "Sessions open on this node's stages", status.sessions_hosted)
-    gauge(
+
+
+def _load_families(f: _Families, status: NodeStatus) -> None:
+    """Sessions, KV cache, and each model's plan."""
+    f.gauge("meshd_sessions_hosted", "Sessions open on this node's stages", status.sessions_hosted)
+    f.gauge(
         "meshd_sessions_coordinated",
         "Sessions this node coordinates now",
         status.sessions_coordinated,
     )
-    gauge("meshd_kv_used_bytes", "KV cache bytes this node's stages hold", status.kv_used_bytes)
-    gauge(
+    f.gauge("meshd_kv_used_bytes", "KV cache bytes this node's stages hold", status.kv_used_bytes)
+    f.gauge(
         "meshd_kv_budget_bytes",
         "Memory budget left for KV cache once this node's stages hold their weights (0: no stage)",
         status.kv_budget_bytes,
     )
-    by(
+    f.by(
         GaugeMetricFamily,
         "meshd_plan_stages",
         "Stages of each model's plan (0: no plan), by model",
         "model",
         {_model(m.name, m.model_id): len(m.plan) for m in status.models},
     )
-    by(
+    f.by(
         GaugeMetricFamily,
         "meshd_plan_predicted_seconds_per_token",
         "The planner's predicted time per generated token of each plan this node makes, by model",
@@ -118,51 +138,58 @@ def node_families(status: NodeStatus) -> list[Metric]:
             if m.predicted_ms_per_token is not None
         },
     )
+
+
+def _fetch_families(f: _Families, status: NodeStatus) -> None:
+    """The last stage fetch's bytes and state."""
     fetch = status.fetch
-    gauge(
+    f.gauge(
         "meshd_fetch_done_bytes",
         "Bytes of the last stage fetch stored and verified",
         fetch.done_bytes if fetch is not None else 0,
     )
-    gauge(
+    f.gauge(
         "meshd_fetch_total_bytes",
         "Bytes the last stage fetch needs in all",
         fetch.total_bytes if fetch is not None else 0,
     )
     state = fetch.state if fetch is not None else "none"
     states = {s: float(s == state) for s in (*FETCH_STATES, state)}
-    by(
+    f.by(
         GaugeMetricFamily,
         "meshd_fetch_state",
         "The last stage fetch's state: 1 for the state it is in, 0 for the others",
         "state",
         states,
     )
-    by(
+
+
+def _drop_families(f: _Families, status: NodeStatus) -> None:
+    """What the lane port dropped and refused, sessions freed unclosed, tasks alive."""
+    f.by(
         CounterMetricFamily,
         "meshd_datagrams_dropped",
         "Datagrams the lane port dropped, by reason",
         "reason",
         dict(status.datagrams_dropped),
     )
-    by(
+    f.by(
         CounterMetricFamily,
         "meshd_handshakes_refused",
         "Lane handshakes refused, by reason",
         "reason",
         dict(status.handshakes_refused),
     )
-    by(
+    f.by(
         CounterMetricFamily,
         "meshd_stage_sessions_expired",
         "Sessions a local stage freed without an explicit close, by cause",
         "cause",
         dict(status.sessions_expired),
     )
-    gauge(
+    f.gauge(
         "meshd_trio_tasks", "Trio tasks alive in the daemon (a leak shows as growth)", status.tasks
     )
-    return families
 
 
 def _model(name: str, model_id: str) -> str:
@@ -196,10 +223,8 @@ def export_metrics(metrics: ApiMetrics, node: MeshNode, backend: NodeBackend) ->
     happen."""
     metrics.registry.register(NodeCollector(lambda: status_of(node, backend)))
     node.on_lane_death = lambda node_id: metrics.lane_died(node_id_of(node_id))
-    slots = [(node.basis.name or node.shape.model_id[:16], node.slot)]
-    slots += [(held.files.name or held.model_id[:16], held.slot) for held in node.models]
-    for name, slot in slots:
-        slot.on_pass = _stage_observer(metrics, name)
+    for model in node.models:
+        model.slot.on_pass = _stage_observer(metrics, model.files.name or model.model_id[:16])
 
 
 def _stage_observer(metrics: ApiMetrics, model: str) -> Callable[[tuple[int, int], float], None]:

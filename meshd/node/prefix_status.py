@@ -48,11 +48,11 @@ class PrefixCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _coordinators(node: MeshNode) -> list[Coordinator]:
-    return [node.coordinator, *(held.coordinator for held in node.models)]
+    return [model.coordinator for model in node.models]
 
 
 def _slots(node: MeshNode) -> list[StageSlot]:
-    return [node.slot, *(held.slot for held in node.models)]
+    return [model.slot for model in node.models]
 
 
 def prefix_cache_status(node: MeshNode) -> PrefixCacheStatus:

@@ -49,5 +49,6 @@ async def stop_gracefully(node: MeshNode, backend: Generations, timeout_s: float
         )
         await backend.abort_all()
     with trio.move_on_at(deadline):
-        await node.slot.drain()
+        for model in node.models:
+            await model.slot.drain()
     await node.finish_stop()

@@ -1,4 +1,10 @@
-"""What `meshctl status` shows: the node's view as typed, JSON-ready values."""
+"""What `meshctl status` and `meshctl plan` show: the node's view as typed, JSON-ready values.
+
+Every model the mesh serves is listed with its plan (`ModelStatus`). A model this node holds is
+planned here (its plan, the stage it hosts here, its sessions). A model only other members hold
+is shown as they report it: the stages their signed records say they have loaded, in layer
+order (this node cannot plan a model it has no shape of).
+"""
 
 from __future__ import annotations
 
@@ -11,14 +17,15 @@ import torch
 import trio
 
 from meshd.mesh.identity import node_id_of
-from meshd.node.fetch import FetchStatus
-from meshd.node.model_status import ModelStatus, StageStatus, model_statuses, plan_stages
+from meshd.node.fetch_run import FetchStatus
 from meshd.node.planning import holding_of
 from meshd.node.prefix_status import PrefixCacheStatus, prefix_cache_status
+from meshd.plan import Plan, explain
 from protocol.punch import RelayPath
 
 if TYPE_CHECKING:
     from meshd.node.generation import NodeBackend
+    from meshd.node.held_model import HeldModel
     from meshd.node.node import MeshNode
 
 
@@ -112,7 +119,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     # docs/operations.md; /metrics has the same counts (`meshd/node/node_metrics.py`).
     datagrams_dropped: dict[str, int]
     handshakes_refused: dict[str, int]
-    # Every model the mesh serves, with its plan (`meshd/node/model_status.py`); the fields
+    # Every model the mesh serves, with its plan (`ModelStatus`); the fields
     # above are about this node's first model, except sessions_hosted and kv_used_bytes (all).
     models: list[ModelStatus]
     # The last fetch of this node's stage tensors over the mesh (`mesh:ID` nodes; None: none).
@@ -123,6 +130,131 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     tasks_by_name: dict[str, int] = {}
     # The prefix cache's counters (`meshd/node/prefix_status.py`).
     prefix_cache: PrefixCacheStatus | None = None
+
+
+class StageStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One stage of a plan, with the bytes the planner counts for it."""
+
+    key: str
+    layers: list[int]
+    weight_bytes: int
+    memory_bytes: int  # weights plus KV for the plan's context (as reported: weights only)
+
+
+class ModelStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One model the mesh serves, and its plan."""
+
+    name: str
+    model_id: str
+    held: bool  # this node holds the model's files (and plans and coordinates it)
+    stage_layers: list[int] | None  # the layers this node serves of it
+    sessions_hosted: int
+    kv_used_bytes: int
+    holders: list[str]  # node keys (hex) of the healthy members offering it
+    plan: list[StageStatus]
+    plan_quantization: str | None
+    plan_error: str
+    predicted_ms_per_token: float | None
+
+
+def plan_stages(plan: Plan | None) -> list[StageStatus]:
+    return [
+        StageStatus(
+            key=s.node_key.hex(),
+            layers=[s.layer_start, s.layer_end],
+            weight_bytes=s.weight_bytes,
+            memory_bytes=s.memory_bytes,
+        )
+        for s in (plan.stages if plan is not None else ())
+    ]
+
+
+def _held(node: MeshNode, model: HeldModel) -> ModelStatus:
+    layers, plan = model.slot.layers, model.plan
+    return ModelStatus(
+        name=model.files.name,
+        model_id=model.model_id,
+        held=True,
+        stage_layers=list(layers) if layers is not None else None,
+        sessions_hosted=model.slot.sessions,
+        kv_used_bytes=model.slot.kv_used_bytes,
+        holders=_holders(node, model.model_id),
+        plan=plan_stages(plan),
+        plan_quantization=plan.quantization if plan is not None else None,
+        plan_error=model.plan_error,
+        predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,
+    )
+
+
+def _holders(node: MeshNode, model_id: str) -> list[str]:
+    out = []
+    for key, info in sorted(node.membership.view().items()):
+        models = info.capacity.models if info.healthy and info.capacity is not None else []
+        if any(h.model_id == model_id for h in models):
+            out.append(key.hex())
+    return out
+
+
+def model_statuses(node: MeshNode) -> list[ModelStatus]:
+    """Every model the mesh serves: this node's, in order, then the rest by id."""
+    out = [_held(node, model) for model in node.models]
+    known = {m.model_id for m in out}
+    reported: dict[str, tuple[str, list[StageStatus], str | None]] = {}
+    for key, info in sorted(node.membership.view().items()):
+        if not info.healthy or info.capacity is None:
+            continue
+        for h in info.capacity.models:
+            if h.model_id in known:
+                continue
+            name, stages, quantization = reported.setdefault(h.model_id, (h.name, [], None))
+            if h.loaded:
+                stages.append(
+                    StageStatus(
+                        key=key.hex(),
+                        layers=[h.layer_start, h.layer_end],
+                        weight_bytes=h.weight_bytes,
+                        memory_bytes=h.weight_bytes,
+                    )
+                )
+                reported[h.model_id] = (name or h.name, stages, h.quantization)
+    for model_id, (name, stages, quantization) in sorted(reported.items()):
+        stages.sort(key=lambda s: s.layers)
+        out.append(
+            ModelStatus(
+                name=name or model_id,
+                model_id=model_id,
+                held=False,
+                stage_layers=None,
+                sessions_hosted=0,
+                kv_used_bytes=0,
+                holders=_holders(node, model_id),
+                plan=stages,
+                plan_quantization=quantization,
+                plan_error="" if stages else "no member reports a loaded stage of it",
+                predicted_ms_per_token=None,
+            )
+        )
+    return out
+
+
+def model_plans(node: MeshNode) -> list[dict[str, Any]]:
+    """`meshctl plan`'s reply per model: the explanation of each plan this node makes, and
+    for a model it does not hold, the stages its holders report."""
+    names = {k: k.hex()[:16] for k in node.membership.view()}
+    out: list[dict[str, Any]] = []
+    plans = {m.model_id: (m.plan, m.plan_error) for m in node.models}
+    for m in model_statuses(node):
+        if m.model_id in plans:
+            plan, error = plans[m.model_id]
+            text = explain(plan, names=names) if plan is not None else None
+        else:
+            stages = ", ".join(f"{s.key[:16]} [{s.layers[0]}, {s.layers[1]})" for s in m.plan)
+            text = (
+                f"held elsewhere; stages as reported by their nodes: {stages}" if stages else None
+            )
+            error = m.plan_error
+        out.append({"name": m.name, "model_id": m.model_id, "plan": text, "error": error})
+    return out
 
 
 def trio_tasks() -> dict[str, int]:
@@ -149,11 +281,11 @@ def node_status(node: MeshNode, backend: NodeBackend) -> dict[str, Any]:
     return out
 
 
-def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
-    """The node's view now: what `meshctl status` prints and `/metrics` exports."""
+def _members(node: MeshNode) -> list[MemberStatus]:
+    """Every member as this node sees it; what each offers of this node's first model."""
     members = []
     for key, info in sorted(node.membership.view().items()):
-        holding = holding_of(info, node.shape.model_id)
+        holding = holding_of(info, node.models[0].model_id)
         lane = node.peers.lane(node.keys.x_of(key)) if key != node.node_key else None
         stats = lane.lane.stats if lane is not None else None
         path = node.peers.path_of(node.keys.x_of(key)) if lane is not None else None
@@ -185,34 +317,40 @@ def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
                 packets_sent=stats.packets_sent if stats else 0,
             )
         )
-    plan = node.plan
-    layers = node.slot.layers
+    return members
+
+
+def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
+    """The node's view now: what `meshctl status` prints and `/metrics` exports. Its stage
+    and plan fields are about the node's first model; the counts add up every model's."""
+    first = node.models[0]
+    plan = first.plan
+    layers = first.slot.layers
     tasks = trio_tasks()
     status = NodeStatus(
         key=node.node_key.hex(),
         name=node.identity.node_id,
-        model_id=node.shape.model_id,
-        quantization=node.quantization,
-        kv_dtype=str(node.kv_dtype).removeprefix("torch."),
+        model_id=first.model_id,
+        quantization=node.basis.quantization,
+        kv_dtype=str(node.basis.kv_dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         disabled=node.disabled,
         draining=node.draining,
         stage_layers=list(layers) if layers is not None else None,
-        sessions_hosted=node.slot.sessions + sum(h.slot.sessions for h in node.models),
-        kv_used_bytes=node.slot.kv_used_bytes + sum(h.slot.kv_used_bytes for h in node.models),
+        sessions_hosted=sum(m.slot.sessions for m in node.models),
+        kv_used_bytes=sum(m.slot.kv_used_bytes for m in node.models),
         kv_budget_bytes=_kv_budget_bytes(node),
-        sessions_expired=node.slot.sessions_expired,
+        sessions_expired=first.slot.sessions_expired,
         stopping=node.stopping,
-        weight_bytes=node.slot.weight_bytes,
-        kv_bytes_per_token=node.slot.kv_bytes_per_token,
-        sessions_coordinated=node.coordinator.sessions_in_flight
-        + sum(h.coordinator.sessions_in_flight for h in node.models),
+        weight_bytes=first.slot.weight_bytes,
+        kv_bytes_per_token=first.slot.kv_bytes_per_token,
+        sessions_coordinated=sum(m.coordinator.sessions_in_flight for m in node.models),
         recoveries=backend.recoveries,
         uptime_s=time.time() - node.started_unix_s,
-        members=members,
+        members=_members(node),
         plan=plan_stages(plan),
         plan_quantization=plan.quantization if plan is not None else None,
-        plan_error=node.plan_error,
+        plan_error=first.plan_error,
         predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,
         events=[
             EventStatus(at_unix_s=e.at_unix_s, kind=e.kind, node=e.node_id, detail=e.detail)
@@ -231,7 +369,7 @@ def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
 
 
 def _kv_budget_bytes(node: MeshNode) -> int:
-    slots = [node.slot, *(h.slot for h in node.models)]
+    slots = [m.slot for m in node.models]
     if all(slot.layers is None for slot in slots):
         return 0
     weights = sum(slot.weight_bytes for slot in slots)

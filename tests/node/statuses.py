@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from meshd.net.endpoint import DROP_REASONS, REFUSAL_REASONS
-from meshd.node.fetch import FetchStatus
-from meshd.node.model_status import ModelStatus, StageStatus
-from meshd.node.status import MemberStatus, NatStatus, NodeStatus
+from meshd.node.fetch_run import FetchStatus
+from meshd.node.status import MemberStatus, ModelStatus, NatStatus, NodeStatus, StageStatus
 
 
 def member(name: str, status: str, *, lane: bool, rtt_ms: float | None = None,

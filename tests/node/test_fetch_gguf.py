@@ -28,7 +28,8 @@ from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_mesh import GGUFStoreCheckpoint
 from meshd.model.manifest import ModelStore, store_checkpoint
 from meshd.model.stage import StageModel
-from meshd.node.fetch import FetchRun, stage_tensor_names
+from meshd.node.fetch import stage_tensor_names
+from meshd.node.fetch_run import FetchRun
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, open_manifest
 from tests.model.gguf_files import write_gguf
 from tests.node.daemons import SECRET, Daemon

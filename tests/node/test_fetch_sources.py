@@ -15,7 +15,7 @@ from meshd.bench.fetch import artifact_nodes
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.manifest import ModelStore, StoreCheckpoint
-from meshd.node.fetch import FetchRun, ProgressMeter
+from meshd.node.fetch_run import FetchRun, ProgressMeter
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, FetchFailed
 
 CONFIG = FetchConfig(chunk_bytes=64 * 1024, window_bytes=256 * 1024, timeout_s=5.0)

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.api.metrics import ApiMetrics
 from meshd.net.endpoint import DROP_REASONS
-from meshd.node.fetch import FetchStatus
+from meshd.node.fetch_run import FetchStatus
 from meshd.node.node_metrics import FETCH_STATES, MEMBER_HEALTH, NodeCollector, node_families
 from meshd.node.status import NodeStatus
 from meshd.stage.host import EXPIRY_CAUSES

@@ -10,8 +10,9 @@ import trio
 
 from meshd.config import load_config
 from meshd.model.builtin import builtin_model_dir
+from meshd.node.basis import NodeBasis
 from meshd.node.duty import Mode
-from meshd.node.node import MeshNode, NodeBasis, run_node
+from meshd.node.node import MeshNode, run_node
 from tests.node.daemons import SECRET
 
 
@@ -43,37 +44,37 @@ async def test_parts_take_their_tables_and_duty_drives_the_stage(tmp_path: pathl
         None,
     )
     basis = NodeBasis.load(config, str(builtin_model_dir()))
-    layers = (0, basis.shape.num_layers)
+    layers = (0, basis.models[0].shape.num_layers)
     async with trio.open_nursery() as nursery:
         node: MeshNode = await nursery.start(run_node, config, basis)
-        assert node.slot.host_config.max_sessions == 3
+        assert node.models[0].slot.host_config.max_sessions == 3
         assert node.peers.nat_config.yield_s == 0.5 and node.peers.nat.config.open_ttl == 4
         assert node.membership.config.dead_retention_s == 90.0
         assert node.lane_address.startswith("127.0.0.1:")
 
         # A lone node plans itself alone and loads every layer.
-        await _wait(node, lambda: node.slot.layers == layers)
-        assert node.duty.mode(node.slot.layers) is Mode.SERVING
+        await _wait(node, lambda: node.models[0].slot.layers == layers)
+        assert node.models[0].duty.mode(node.models[0].slot.layers) is Mode.SERVING
         assert node.capacity().models and node.capacity().models[0].loaded
 
         # kill --drain with no session open: the drain ends at once and the stage stops.
         await node.apply_command("kill", True)
         await _wait(node, lambda: node.disabled)
-        assert node.slot.layers is None and not node.draining
-        assert not node.capacity().models and not node.slot.refuse_new_sessions
+        assert node.models[0].slot.layers is None and not node.draining
+        assert not node.capacity().models and not node.models[0].slot.refuse_new_sessions
         assert [e.detail for e in node.events if e.kind == "killed"] == ["drained"]
 
         # recover: the node offers the model again (its record is re-signed at membership's
         # pace), and a plan made after that loads its stage. A lone node hears no membership
         # events to re-plan on, so the test asks for the re-plans a peer's news would cause.
         await node.apply_command("recover", False)
-        await _wait(node, lambda: node.slot.layers == layers, replan=True)
+        await _wait(node, lambda: node.models[0].slot.layers == layers, replan=True)
         assert not node.disabled and node.capacity().models
 
         # kill at once: the stage stops now, and no plan brings it back until recover.
         await node.apply_command("kill", False)
-        assert node.slot.layers is None and node.disabled
+        assert node.models[0].slot.layers is None and node.disabled
         node.request_replan()
         await node.wait_plan_change(10.0)
-        assert node.slot.layers is None
+        assert node.models[0].slot.layers is None
         nursery.cancel_scope.cancel()
