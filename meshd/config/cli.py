@@ -125,8 +125,10 @@ def render(config: NodeConfig, *, as_json: bool = False) -> str:
     """The config as TOML (or JSON), secrets replaced by "<redacted>" (`meshd config show`)."""
     data: dict[str, Any] = msgspec.to_builtins(config)
     for key in SECRET_KEYS:
-        if data[key]:
-            data[key] = "<redacted>"
+        table, _, name = key.rpartition(".")
+        holder = data[table] if table else data
+        if holder[name]:
+            holder[name] = "<redacted>"
     if as_json:
         return msgspec.json.format(msgspec.json.encode(data), indent=2).decode() + "\n"
     lines: list[str] = []

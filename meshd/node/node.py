@@ -304,7 +304,7 @@ class MeshNode:
             introducers=self._introducers_for,
         )
         # Held while a stage here computes a window: weight transfers wait (meshd/net/bulk.py).
-        self.bulk_gate = BulkGate()
+        self.bulk_gate = BulkGate(config.bulk)
         self.bulk_gate.subscribe(endpoint.hold_bulk)
         # Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage.
         self.artifacts = ArtifactService(
