@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from meshd.bench.spec import _generate
+from meshd.bench.spec import generate
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
@@ -55,14 +55,14 @@ async def _run(stages: int, prompt: str, tokens: int) -> None:
     eos = frozenset(tok.eos_ids)
     async with open_local_pipeline(model, stages, rtt_s=0.0, wire_dtype="f16", eos_ids=eos) as pipe:
         spec = SpecConfig()
-        await _generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
+        await generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
         for other in loads:
-            await _generate(pipe, tok.encode(other.prompt), tokens, "auto", 2, spec)
+            await generate(pipe, tok.encode(other.prompt), tokens, "auto", 2, spec)
         ids = tok.encode(load.prompt)
         spent.clear()
         calls.clear()
-        with_auto = await _generate(pipe, ids, tokens, "auto", 2, spec)
-        plain = await _generate(pipe, ids, tokens, "disabled", 2, spec)
+        with_auto = await generate(pipe, ids, tokens, "auto", 2, spec)
+        plain = await generate(pipe, ids, tokens, "disabled", 2, spec)
     print(
         f"{stages} stage(s), {load.kind} {load.name}, {tokens} tokens: decode "
         f"auto {with_auto['decode_s'] * 1e3:.1f} ms (tokens per round trip "

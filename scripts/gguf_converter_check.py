@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from meshd.bench.single_node import generate  # noqa: E402
 from meshd.model.builtin import builtin_model_dir  # noqa: E402
-from meshd.model.decode import generate  # noqa: E402
 from meshd.model.files import open_checkpoint, open_tokenizer  # noqa: E402
 from meshd.model.stage import StageModel  # noqa: E402
 

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from meshd.bench.harness import alternate, print_report
+from meshd.bench.reference import transformers_model
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import expected_shapes
-from meshd.model.decode import generate
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
 from meshd.model.quant import QUANTIZATIONS, QuantMatrix, in_features, matmul
-from meshd.model.reference import transformers_model
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
 

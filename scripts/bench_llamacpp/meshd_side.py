@@ -74,8 +74,8 @@ def greedy(model: pathlib.Path, n: int, threads: int, ids: list[int]) -> list[in
     """meshd's greedy tokens after `ids`, fp32, all layers in one stage (as `bench decode`)."""
     import torch
 
+    from meshd.bench.single_node import generate
     from meshd.model.checkpoint import Checkpoint
-    from meshd.model.decode import generate
     from meshd.model.stage import StageModel
 
     torch.set_num_threads(threads)

@@ -13,10 +13,10 @@ import pathlib
 import pytest
 import trio
 
+from meshd.bench.single_node import generate
 from meshd.coord.coordinator import Coordinator, GenerationRequest, StageOverloaded
 from meshd.coord.local import open_local_pipeline
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig

@@ -11,11 +11,11 @@ import pathlib
 import pytest
 import trio
 
+from meshd.bench.single_node import Sampling as DecodeSampling
+from meshd.bench.single_node import generate
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import Sampling as DecodeSampling
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.speculative.config import STRATEGIES, SpecConfig
 from protocol.messages import Sampling

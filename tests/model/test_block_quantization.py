@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels import cpu_kernels

@@ -7,9 +7,9 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.single_node import Sampler, Sampling, generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import Sampler, Sampling, generate
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.stage import StageModel
 from tests.model.tiny import make_checkpoint

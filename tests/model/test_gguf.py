@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.errors import (
     CorruptCheckpoint,
     MissingFile,

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.bench.single_node import generate
 from meshd.coord.window_loop import REPLAY_WINDOW_TOKENS
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_matrix import GgufMatrix

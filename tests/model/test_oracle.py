@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.single_node import generate
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from tests.model.tiny import FAMILIES, make_checkpoint
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from meshd.bench.decode import RANDOM_CONFIGS
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import parse_config
-from meshd.model.decode import generate
 from meshd.model.kernels import cpu_kernels, unavailable_reason
 from meshd.model.quant import (
     Int4Cpu,

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import torch
 
+from meshd.bench.single_node import generate
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.errors import InvalidInput, KVBudgetExceeded, SessionError
 from meshd.model.stage import StageModel, kv_bytes_per_token, layer_bytes
 from tests.model.tiny import make_checkpoint

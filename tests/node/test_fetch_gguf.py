@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from meshd.bench.fetch import artifact_nodes
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_mesh import GGUFStoreCheckpoint

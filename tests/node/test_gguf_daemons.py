@@ -9,9 +9,9 @@ import httpx
 import pytest
 import torch
 
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 from meshd.node.control_client import GenerateOp, request_lines
