@@ -121,7 +121,7 @@ def builtin_report(new_tokens: int) -> dict[str, dict[str, float]]:
 
 @torch.inference_mode()
 def family_report() -> dict[str, dict[str, float]]:
-    from tests.model.tiny import make_checkpoint
+    from meshd.bench.checkpoints import make_checkpoint
 
     rows: dict[str, dict[str, float]] = {}
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))

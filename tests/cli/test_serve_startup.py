@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 import gguf
 import pytest
 
+from meshd.bench.gguf_writer import write_gguf
 from meshd.mesh.identity import NodeIdentity
 from meshd.model.builtin import builtin_model_dir
-from tests.model.gguf_files import write_gguf
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SECRET = "meshd-test-secret-0123456789abcdef"

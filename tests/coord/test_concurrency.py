@@ -13,6 +13,7 @@ import pathlib
 import pytest
 import trio
 
+from meshd.bench.checkpoints import add_mtp, make_checkpoint
 from meshd.bench.single_node import generate
 from meshd.coord.coordinator import Coordinator, GenerationRequest, StageOverloaded
 from meshd.coord.local import open_local_pipeline
@@ -22,7 +23,6 @@ from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.policy import PolicyInputs, choose
 from meshd.stage.host import StageHostConfig
-from tests.model.tiny import add_mtp, make_checkpoint
 
 LAYERS = 3
 TOKENS = 16

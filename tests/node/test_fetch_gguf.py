@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from meshd.bench.fetch import artifact_nodes
+from meshd.bench.gguf_writer import write_gguf
 from meshd.bench.single_node import generate
 from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started
 from meshd.model.builtin import builtin_model_dir
@@ -30,7 +31,6 @@ from meshd.model.manifest import ModelStore, store_checkpoint
 from meshd.model.stage import StageModel
 from meshd.node.fetch import FetchRun, stage_tensor_names
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, open_manifest
-from tests.model.gguf_files import write_gguf
 from tests.node.daemons import SECRET, Daemon
 from tests.node.test_fetch_mesh import _tokens
 
