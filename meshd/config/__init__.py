@@ -29,6 +29,7 @@ from meshd.config.node import (
     NodeConfig,
 )
 from meshd.config.sources import (
+    FLAT_ALIASES,
     KEY_TYPES,
     KEYS,
     TABLES,
@@ -46,6 +47,7 @@ __all__ = [
     "CONFIG_FILE_ENV",
     "DEFAULT_API_PORT",
     "DEFAULT_LANE_PORT",
+    "FLAT_ALIASES",
     "KEYS",
     "KEY_TYPES",
     "SECRET_KEYS",

@@ -648,3 +648,29 @@ def test_docs_toml_examples_load(tmp_path: Path) -> None:
     for i, block in enumerate(blocks):
         config = load_config({}, {"HOME": str(tmp_path)}, _write(tmp_path / f"{i}.toml", block))
         assert isinstance(config, NodeConfig)
+
+
+# --- meshd config show ------------------------------------------------------------------------
+
+
+def test_config_show_prints_what_serve_would_run_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshd.cli.main import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MESHD_LANE__DEAD_AFTER_S", "2.5")
+    key = "api-key-for-tests-0123456789"
+    file = _write(tmp_path / "m.toml", f'api_port = 8000\n[api]\nkey = "{key}"\n')
+    assert main(["config", "show", "--config", str(file), "--api-host", "0.0.0.0"]) == 0
+    shown = capsys.readouterr().out
+    assert key not in shown and 'key = "<redacted>"' in shown
+    loaded = tomllib.loads(shown)
+    assert loaded["api"]["port"] == 8000 and loaded["api"]["host"] == "0.0.0.0"
+    assert loaded["lane"]["dead_after_s"] == 2.5
+    assert main(["config", "show", "--json", "--config", str(file)]) == 0
+    assert json.loads(capsys.readouterr().out)["api"]["port"] == 8000
+    both = _write(tmp_path / "both.toml", "api_port = 1\n[api]\nport = 2\n")
+    assert main(["config", "show", "--config", str(both)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "api.port is set twice" in err and str(both) in err
