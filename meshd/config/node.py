@@ -30,6 +30,7 @@ from meshd.net.emulator import LinkProfile
 from meshd.plan.inputs import PlannerConfig
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
+from meshd.stage.leases import SESSION_LEASE_S
 from protocol import RemoteProtocolError
 from protocol.artifacts import FetchConfig
 from protocol.config import LaneConfig
@@ -103,7 +104,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     drain_timeout_s: float = 300.0
     # A stage frees a session after this long without a window or keep-alive from its
     # coordinator (coordinators renew their sessions every third of it).
-    session_lease_s: float = 30.0
+    session_lease_s: float = SESSION_LEASE_S
     # SIGTERM: how long in-flight requests may run on before they are ended with an error.
     graceful_timeout_s: float = 30.0
     # Largest context (prompt + completion) the planner sizes KV for; 0 = the model's own.

@@ -632,6 +632,20 @@ def test_docs_list_every_key_and_nothing_else() -> None:
     assert sorted(rows) == sorted(KEYS)
 
 
+def test_docs_list_each_key_under_its_table() -> None:
+    heading = ""
+    for line in DOCS.read_text().splitlines():
+        if line.startswith("### "):
+            heading = line
+        match = _ROW.match(line)
+        if match:
+            table = match.group(1).rpartition(".")[0]
+            if table:
+                assert f"`[{table}]`" in heading, (match.group(1), heading)
+            else:
+                assert "`[" not in heading, (match.group(1), heading)
+
+
 def test_docs_defaults_and_names_match_the_code() -> None:
     for key, (default, names, _what) in _doc_rows().items():
         assert re.findall(r"`([^`]+)`", names)[:2] == [env_name(key), flag_name(key)], key
