@@ -42,11 +42,13 @@ if [[ ! -f /etc/meshd/meshd.toml ]]; then
 # state_dir is unset: the daemon uses $STATE_DIRECTORY = /var/lib/meshd.
 listen_host = "0.0.0.0"
 listen_port = 7391
-api_host = "127.0.0.1"
-api_port = 7392
 log_format = "json"
 # model = "/srv/models/Llama-3.2-1B-Instruct"   # default: the built-in model
 # join = ["192.168.1.20:7391"]                  # when mDNS cannot see the others
+
+[api]
+host = "127.0.0.1"
+port = 7392
 
 [mdns]
 # interfaces = ["192.168.1.20"]                 # default: every non-loopback interface

@@ -6,22 +6,28 @@
 Opens a local pipeline of the built-in model (RTT 0), teaches the model's `AcceptanceBook`
 with one `auto` request per bench prompt (as `meshd bench spec` does within a cell), then runs
 the chosen prompt once with `auto` and once with `disabled`, and prints the time spent in
-`AutoProposer`'s methods (shadow drafting, scoring, deciding, the n-gram indexes fed by
-`observe`) next to the two decode times.
+`AutoProposer`'s methods (the `Proposer` interface: `observe` holds shadow drafting, scoring,
+deciding and the n-gram indexes) next to the two decode times. `--profile` runs the `auto`
+request a second time under cProfile and lists the functions of `meshd.speculative` by their
+own time (the profiler slows them, so only the shares mean something).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
+import os
+import pathlib
+import pstats
 import time
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from meshd.bench.spec import _generate
+from meshd.bench.spec import generate
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_tokenizer
@@ -29,7 +35,8 @@ from meshd.sim.workloads import workloads
 from meshd.speculative import auto
 from meshd.speculative.config import SpecConfig
 
-METHODS = ("observe", "propose", "propose_after", "set_link", "_shadow", "_score", "_decide")
+# The proposer interface the coordinator calls (`meshd.speculative.proposer.Proposer`).
+METHODS = ("observe", "propose", "propose_after", "set_link")
 spent: dict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()
 
@@ -47,7 +54,21 @@ def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-async def _run(stages: int, prompt: str, tokens: int) -> None:
+def _print_profile(profile: cProfile.Profile, top: int = 15) -> None:
+    """The functions of meshd.speculative by their own time in the profiled request."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = [
+        (own, calls, f"{pathlib.Path(file).name}:{line} {name}")
+        for (file, line, name), (_cc, calls, own, _cum, _callers) in stats.items()
+        if f"meshd{os.sep}speculative{os.sep}" in file
+    ]
+    total = sum(own for own, _, _ in rows)
+    print(f"  under cProfile, meshd.speculative's own time {total * 1e3:.1f} ms; the top {top}:")
+    for own, calls, where in sorted(rows, reverse=True)[:top]:
+        print(f"    {where:44} {calls:6} calls {own / total:6.1%}")
+
+
+async def _run(stages: int, prompt: str, tokens: int, profile: bool) -> None:
     model = str(builtin_model_dir())
     tok = open_tokenizer(model)
     loads = workloads(2)
@@ -55,14 +76,20 @@ async def _run(stages: int, prompt: str, tokens: int) -> None:
     eos = frozenset(tok.eos_ids)
     async with open_local_pipeline(model, stages, rtt_s=0.0, wire_dtype="f16", eos_ids=eos) as pipe:
         spec = SpecConfig()
-        await _generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
+        await generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
         for other in loads:
-            await _generate(pipe, tok.encode(other.prompt), tokens, "auto", 2, spec)
+            await generate(pipe, tok.encode(other.prompt), tokens, "auto", 2, spec)
         ids = tok.encode(load.prompt)
         spent.clear()
         calls.clear()
-        with_auto = await _generate(pipe, ids, tokens, "auto", 2, spec)
-        plain = await _generate(pipe, ids, tokens, "disabled", 2, spec)
+        with_auto = await generate(pipe, ids, tokens, "auto", 2, spec)
+        plain = await generate(pipe, ids, tokens, "disabled", 2, spec)
+        timed, counted = dict(spent), dict(calls)
+        profiler = cProfile.Profile()
+        if profile:
+            profiler.enable()
+            await generate(pipe, ids, tokens, "auto", 2, spec)
+            profiler.disable()
     print(
         f"{stages} stage(s), {load.kind} {load.name}, {tokens} tokens: decode "
         f"auto {with_auto['decode_s'] * 1e3:.1f} ms (tokens per round trip "
@@ -70,14 +97,16 @@ async def _run(stages: int, prompt: str, tokens: int) -> None:
         f"{plain['decode_s'] * 1e3:.1f} ms"
     )
     for name in METHODS:
-        if calls[name]:
-            print(f"  {name:14} {calls[name]:4} calls {spent[name] * 1e3:7.2f} ms")
-    outer = sum(spent[n] for n in ("observe", "propose", "propose_after", "set_link"))
+        if counted.get(name):
+            print(f"  {name:14} {counted[name]:4} calls {timed[name] * 1e3:7.2f} ms")
+    outer = sum(timed.get(n, 0.0) for n in METHODS)
     print(
-        f"  auto's methods in all (observe includes _shadow, _score, _decide): "
+        f"  auto's methods in all: "
         f"{outer * 1e3:.2f} ms, {outer / tokens * 1e6:.0f} us per token, "
         f"{outer / with_auto['decode_s']:.1%} of auto's decode time"
     )
+    if profile:
+        _print_profile(profiler)
 
 
 def main() -> None:
@@ -85,10 +114,11 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--prompt", default="heapq", help="a bench prompt's name")
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--profile", action="store_true", help="and where in auto the time goes")
     args = parser.parse_args()
     for name in METHODS:
         setattr(auto.AutoProposer, name, _timed(name, getattr(auto.AutoProposer, name)))
-    trio.run(_run, args.stages, args.prompt, args.tokens)
+    trio.run(_run, args.stages, args.prompt, args.tokens, args.profile)
 
 
 if __name__ == "__main__":

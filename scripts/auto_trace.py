@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import trio
 
-from meshd.bench.spec import _BENCH_LANES, _generate
+from meshd.bench.spec import BENCH_LANES, generate
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.files import open_tokenizer
@@ -113,9 +113,9 @@ async def _run(args: argparse.Namespace) -> None:
         wire_dtype="f16",
         eos_ids=eos,
         draft=draft,
-        lane_config=_BENCH_LANES,
+        lane_config=BENCH_LANES,
     ) as pipe:
-        await _generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
+        await generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
         ratios: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
         for load in loads:
             ids = tok.encode(load.prompt)
@@ -126,7 +126,7 @@ async def _run(args: argparse.Namespace) -> None:
                     trace.clear()
                     decisions.clear()
                     draft_time.clear()
-                    results[strategy] = r = await _generate(
+                    results[strategy] = r = await generate(
                         pipe, ids, args.tokens, strategy, 2, spec
                     )
                     if strategy == "auto":

@@ -36,8 +36,11 @@ from safetensors.torch import load_file, save_file
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from meshd.bench.checkpoints import make_checkpoint  # noqa: E402
+from meshd.bench.gguf_writer import write_sentencepiece_gguf, write_vocab_gguf  # noqa: E402
+from meshd.bench.single_node import generate  # noqa: E402
+from meshd.bench.tokenizer_dirs import SP_TEXTS, byte_level_dir, sentencepiece_dir  # noqa: E402
 from meshd.model.builtin import builtin_model_dir  # noqa: E402
-from meshd.model.decode import generate  # noqa: E402
 from meshd.model.files import open_checkpoint, open_tokenizer  # noqa: E402
 from meshd.model.stage import StageModel  # noqa: E402
 
@@ -104,8 +107,6 @@ def main() -> int:
 
 
 def prepare(work: pathlib.Path) -> None:
-    from tests.model.tiny import make_checkpoint
-
     builtin = work / "builtin"
     shutil.rmtree(builtin, ignore_errors=True)
     shutil.copytree(builtin_model_dir(), builtin)
@@ -245,8 +246,6 @@ def _agreement(a: list[list[int]], b: list[list[int] | None]) -> dict[str, float
 
 
 def tokenizers_vs_llama_cpp(work: pathlib.Path, bin_dir: pathlib.Path) -> None:
-    import tests.model.test_gguf_tokenizer as sp_test
-
     env = dict(os.environ, LD_LIBRARY_PATH=str(bin_dir))
 
     def llama_ids(path: pathlib.Path, text: str) -> list[int]:
@@ -261,8 +260,6 @@ def tokenizers_vs_llama_cpp(work: pathlib.Path, bin_dir: pathlib.Path) -> None:
     ours = open_tokenizer(builtin)
     differ = [t for t in TEXTS if ours.encode(t) != llama_ids(builtin, t)]
     print(json.dumps({"tokenizer": "gpt2 (built-in)", "texts": len(TEXTS), "differ": differ}))
-    from tests.model.gguf_files import write_vocab_gguf
-
     lines = [
         line.strip()
         for doc in sorted((REPO / "docs").glob("*.md"))
@@ -271,15 +268,15 @@ def tokenizers_vs_llama_cpp(work: pathlib.Path, bin_dir: pathlib.Path) -> None:
     ]
     sample = [t for t in lines[::10] + TEXTS if t]
     for pre in ("llama-bpe", "qwen2"):
-        src = sp_test.byte_level_dir(work / pre, pre, lines, vocab_size=3000)
+        src = byte_level_dir(work / pre, pre, lines, vocab_size=3000)
         path = write_vocab_gguf(src, work / f"{pre}.gguf", pre)
         bpe = open_tokenizer(path)
         differ = [t for t in sample if bpe.encode(t) != llama_ids(path, t)]
         print(json.dumps({"tokenizer": f"gpt2 + {pre}", "texts": len(sample), "differ": differ}))
-    src = sp_test.sentencepiece_dir(work / "sentencepiece", lines, vocab_size=3000)
-    path = sp_test.write_sentencepiece_gguf(src, work / "sentencepiece.gguf")
+    src = sentencepiece_dir(work / "sentencepiece", lines, vocab_size=3000)
+    path = write_sentencepiece_gguf(src, work / "sentencepiece.gguf")
     sp = open_tokenizer(path)
-    sample = [t for t in lines[::10] + sp_test.SP_TEXTS if t]
+    sample = [t for t in lines[::10] + SP_TEXTS if t]
     differ = [t for t in sample if sp.encode(t) != llama_ids(path, t)]
     print(
         json.dumps(

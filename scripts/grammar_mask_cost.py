@@ -92,7 +92,7 @@ def measure(label: str, tok: Tokenizer, vocab: int) -> None:
     )
     # llguidance
     t0 = time.perf_counter()
-    lltok = llguidance.LLTokenizer(tok._backend.to_str(), n_vocab=vocab)
+    lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=vocab)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA)

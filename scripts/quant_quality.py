@@ -32,9 +32,9 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from meshd.bench.single_node import generate  # noqa: E402
 from meshd.model.builtin import builtin_model_dir  # noqa: E402
 from meshd.model.checkpoint import Checkpoint  # noqa: E402
-from meshd.model.decode import generate  # noqa: E402
 from meshd.model.stage import StageModel  # noqa: E402
 
 VARIANTS: dict[str, dict[str, object]] = {
@@ -121,7 +121,7 @@ def builtin_report(new_tokens: int) -> dict[str, dict[str, float]]:
 
 @torch.inference_mode()
 def family_report() -> dict[str, dict[str, float]]:
-    from tests.model.tiny import make_checkpoint
+    from meshd.bench.checkpoints import make_checkpoint
 
     rows: dict[str, dict[str, float]] = {}
     ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(5))

@@ -28,8 +28,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from meshd.bench.decode import write_random_checkpoint
+from meshd.bench.single_node import generate
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.model.threads import useful_threads
 

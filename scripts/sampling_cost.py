@@ -17,7 +17,7 @@ import timeit
 
 import torch
 
-from meshd.speculative.sampling import SamplingParams, _nucleus_floor, keyed_uniform, sample_token
+from meshd.speculative.sampling import SamplingParams, keyed_uniform, nucleus_floor, sample_token
 
 
 def inverse_cdf_token(row: torch.Tensor, params: SamplingParams, position: int) -> int:
@@ -30,7 +30,7 @@ def inverse_cdf_token(row: torch.Tensor, params: SamplingParams, position: int) 
         scores = scores.masked_fill(scores < kth, -torch.inf)
     probs = torch.softmax(scores, -1)
     if params.top_p < 1.0:
-        probs = probs.masked_fill(probs < _nucleus_floor(probs, params.top_p), 0.0)
+        probs = probs.masked_fill(probs < nucleus_floor(probs, params.top_p), 0.0)
     cdf = probs.cumsum(-1)
     target = keyed_uniform(params.seed, position) * float(cdf[-1])
     index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True))

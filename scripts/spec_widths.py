@@ -20,7 +20,7 @@ import statistics
 import msgspec
 import trio
 
-from meshd.bench.spec import _BENCH_LANES, _generate
+from meshd.bench.spec import BENCH_LANES, generate
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.files import open_tokenizer
@@ -69,10 +69,10 @@ async def _run(args: argparse.Namespace) -> None:
         wire_dtype="f16",
         eos_ids=frozenset(tok.eos_ids),
         draft=draft,
-        lane_config=_BENCH_LANES,
+        lane_config=BENCH_LANES,
     ) as pipe:
         loads = [w for w in workloads(2) if w.kind in args.kinds]
-        await _generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, base)
+        await generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, base)
         for load in loads:
             ids = tok.encode(load.prompt)
             speeds: dict[tuple[int, ...], list[float]] = {}
@@ -84,7 +84,7 @@ async def _run(args: argparse.Namespace) -> None:
                         base, window_min_tokens=k, window_max_tokens=k, max_pipeline_depth=d
                     )
                     verdicts.clear()
-                    r = await _generate(pipe, ids, args.tokens, args.strategy, 2, spec)
+                    r = await generate(pipe, ids, args.tokens, args.strategy, 2, spec)
                     speeds.setdefault((k, d), []).append(r["tok_s"])
                     if r["draft_s_per_token"]:
                         costs.append(r["draft_s_per_token"])

@@ -197,8 +197,8 @@ def main() -> None:
     signals = [signal.Signals[name] for name in args.signals.split(",") if name]
     import torch
 
+    from meshd.bench.single_node import generate
     from meshd.model.checkpoint import Checkpoint
-    from meshd.model.decode import generate
     from meshd.model.stage import StageModel
 
     torch.set_num_threads(1)

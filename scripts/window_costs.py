@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import trio
 
-from meshd.bench.spec import _generate
+from meshd.bench.spec import generate
 from meshd.coord import route_costs as costs
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
@@ -56,7 +56,7 @@ async def _measure(model_dir: str, stages: int, tokens: int) -> dict[str, list[f
         for load in workloads(2):
             ids = tok.encode(load.prompt)
             for strategy in STRATEGIES:
-                await _generate(pipe, ids, tokens, strategy, 2, SpecConfig())
+                await generate(pipe, ids, tokens, strategy, 2, SpecConfig())
     costs.RouteCosts.observe = observe  # type: ignore[method-assign]
     return samples
 

@@ -11,7 +11,6 @@ middleware (`auth.py`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -50,7 +49,7 @@ from meshd.api.routing import (
     unknown_model,
 )
 from meshd.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from meshd.net.web_origin import parse_host, parse_origin
+from meshd.config.tables import ApiConfig
 from meshd.speculative.config import SpecConfig
 
 log = logging.getLogger(__name__)
@@ -58,45 +57,6 @@ log = logging.getLogger(__name__)
 EVENT_STREAM = "text/event-stream"
 
 T = TypeVar("T")
-
-
-class ApiConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Limits of the HTTP layer (the daemon sets them from its `api_*` keys). Validated on
-    construction (ValueError naming the field)."""
-
-    # Largest request body accepted (413 beyond).
-    max_body_bytes: int = 4 * 1024 * 1024
-    # A refused oversized body is still read (and dropped) up to this much, so that the client
-    # finishes sending and can read the 413 instead of a reset connection.
-    max_drain_bytes: int = 64 * 1024 * 1024
-    # The whole body must arrive within this long after the headers (408 and close beyond).
-    body_timeout_s: float = 30.0
-    # Names besides its own address and localhost under which the API answers (`name` for
-    # any port, or `name:port`), and the web origins that may call it across origins.
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origins: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1:
-            raise ValueError("max_body_bytes must be >= 1")
-        if self.max_drain_bytes < 0:
-            raise ValueError("max_drain_bytes must be >= 0")
-        if not 0 < self.body_timeout_s < math.inf:
-            raise ValueError("body_timeout_s must be a positive number of seconds")
-        for field, parse in (("allowed_hosts", parse_host), ("cors_origins", parse_origin)):
-            for text in getattr(self, field):
-                try:
-                    parse(text)
-                except ValueError as exc:
-                    raise ValueError(f"{field}: {exc}") from None
-
-    def origin_policy(
-        self, *, key_required: bool, public: frozenset[str] = frozenset()
-    ) -> OriginPolicy:
-        """The Host/Origin/Content-Type rules these settings make."""
-        return OriginPolicy.from_config(
-            self.allowed_hosts, self.cors_origins, key_required=key_required, public=public
-        )
 
 
 class _State:
@@ -141,7 +101,12 @@ def create_app(
     state = _State(
         backend, spec or SpecConfig(), config or ApiConfig(), metrics or ApiMetrics(), catalog
     )
-    policy = state.config.origin_policy(key_required=bool(api_key), public=PUBLIC_PATHS)
+    policy = OriginPolicy.from_config(
+        state.config.allowed_hosts,
+        state.config.cors_origins,
+        key_required=bool(api_key),
+        public=PUBLIC_PATHS,
+    )
     routes = [
         Route("/v1/models", _endpoint(state, _models), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(state, _model), methods=["GET"]),

@@ -17,6 +17,11 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from starlette.applications import Starlette
 
+from meshd.config.tables import ApiConfig
+
+# The defaults of `[api]` (serve_api's own default timeout is the table's).
+_API = ApiConfig()
+
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +68,7 @@ async def serve_api(
     port: int = 0,
     *,
     graceful_timeout_s: float = 3.0,
-    header_timeout_s: float = 10.0,
+    header_timeout_s: float = _API.header_timeout_s,
     task_status: trio.TaskStatus[BoundAddress] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on host:port until cancelled; `task_status.started(BoundAddress)`.

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 from meshd.bench.harness import alternate, print_report
+from meshd.bench.reference import transformers_model
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import expected_shapes
-from meshd.model.decode import generate
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
 from meshd.model.quant import QUANTIZATIONS, QuantMatrix, in_features, matmul
-from meshd.model.reference import transformers_model
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
 
@@ -175,7 +175,7 @@ def bench(
         quantization=settings.quantization,
         kv_dtype=settings.kv_dtype,
     )
-    prompt = _prompt_ids(directory, settings.prompt, checkpoint.config.vocab_size)
+    prompt = prompt_ids(directory, settings.prompt, checkpoint.config.vocab_size)
 
     def ours() -> list[int]:
         return generate([stage], prompt, settings.tokens).tokens
@@ -326,7 +326,8 @@ def _transformers() -> Any:
     return module
 
 
-def _prompt_ids(directory: pathlib.Path, text: str, vocab_size: int) -> list[int]:
+def prompt_ids(directory: pathlib.Path, text: str, vocab_size: int) -> list[int]:
+    """`text` by the model's tokenizer, or a fixed pseudo-random prompt where it has none."""
     if is_gguf(directory) or (directory / "tokenizer.json").is_file():
         try:
             ids = open_tokenizer(directory).encode(text)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -29,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
 from meshd.bench.harness import model_dir, print_report
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cadence = CadenceConfig()
     if args.quiet_ms is not None:
-        cadence = dataclasses.replace(cadence, quiet_s=args.quiet_ms / 1e3)
+        cadence = msgspec.structs.replace(cadence, quiet_s=args.quiet_ms / 1e3)
     fetcher_cores: tuple[int, ...] = ()
     if args.pin_cores:
         cores = sorted(os.sched_getaffinity(0))
@@ -356,7 +356,7 @@ async def _round(
         async with server.gate.hold():
             if quiet_ab:  # the next gap the other way (its quiet is planned as this hold ends)
                 quiet_s = quiet_on if arm == b"p" else 0.0
-                cadence.config = dataclasses.replace(cadence.config, quiet_s=quiet_s)
+                cadence.config = msgspec.structs.replace(cadence.config, quiet_s=quiet_s)
             await trio.to_thread.run_sync(stage.step)
             await server.table.send_bytes(sender, PIPELINE_STREAM, arm * REPLY_BYTES)
 

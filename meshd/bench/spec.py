@@ -45,7 +45,7 @@ KINDS = ("edit", "completion", "prose")
 # The pipeline's lanes are loopback between tasks of this one process: one goes quiet only when
 # the process is starved of CPU (a shared machine under `nice`), which must not end the bench
 # with a lost route (it did, at the default 1.5 s).
-_BENCH_LANES = LaneConfig(dead_after_s=30.0)
+BENCH_LANES = LaneConfig(dead_after_s=30.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,11 +169,11 @@ async def _matrix(
                 eos_ids=eos,
                 quantization=quantization,
                 draft=draft,
-                lane_config=_BENCH_LANES,
+                lane_config=BENCH_LANES,
             ) as pipe:
                 # Warm-up: lanes open, threads start, caches fill.
                 warm = tokenizer.encode(loads[0].prompt)
-                await _generate(pipe, warm, 8, "disabled", mtp_depth, settings)
+                await generate(pipe, warm, 8, "disabled", mtp_depth, settings)
                 for load in loads:
                     ids = tokenizer.encode(load.prompt)
                     done, disabled_s = 0, 0.0
@@ -183,7 +183,7 @@ async def _matrix(
                         turn = done % len(strategies)
                         results = {}
                         for strategy in strategies[turn:] + strategies[:turn]:
-                            results[strategy] = await _generate(
+                            results[strategy] = await generate(
                                 pipe, ids, tokens, strategy, mtp_depth, settings
                             )
                         base = results["disabled"]
@@ -221,9 +221,12 @@ def _runs(
     ]
 
 
-async def _generate(
+async def generate(
     pipe: Any, ids: list[int], n: int, strategy: str, mtp: int, spec: SpecConfig | None = None
 ) -> dict[str, Any]:
+    """One greedy request of exactly `n` tokens through a local pipeline with `strategy` (the
+    other speculative keys from `spec`): its tokens, decode time and speed, and the
+    speculation counters, as the bench's cells record them."""
     out: list[int] = []
 
     async def on_tokens(t: list[int]) -> None:
@@ -335,7 +338,7 @@ def _quartiles(values: list[float]) -> list[float]:
 def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> list[dict[str, Any]]:
     import torch
 
-    from meshd.model.reference import transformers_model
+    from meshd.bench.reference import transformers_model
 
     model = transformers_model(model_dir, torch.float32)  # a directory or a GGUF file
     tok = open_tokenizer(model_dir)

@@ -18,7 +18,7 @@ import torch
 
 from meshd.bench.decode import RANDOM_CONFIGS, _checkpoint_dir
 from meshd.bench.harness import alternate, print_report
-from meshd.model.decode import generate
+from meshd.bench.single_node import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.quant import QUANTIZATIONS
 from meshd.model.stage import StageModel

@@ -16,6 +16,7 @@ from typing import NoReturn
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("meshd.cli.demo", "run the local mesh demo on a real 135M model (SmolLM2)"),
     "serve": ("meshd.cli.serve", "run the daemon"),
+    "config": ("meshd.cli.config_show", "show the configuration `serve` would run with"),
     "version": ("meshd.cli.version", "print the version"),
 }
 

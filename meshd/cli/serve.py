@@ -201,7 +201,7 @@ def check_ports(config: NodeConfig) -> None:
     """
     wanted = (
         ("listen_port", config.listen_host, config.listen_port, socket.SOCK_DGRAM),
-        ("api_port", config.api_host, config.api_port, socket.SOCK_STREAM),
+        ("api_port", config.api.host, config.api.port, socket.SOCK_STREAM),
     )
     for key, host, port, kind in wanted:
         if port == 0:
@@ -272,7 +272,7 @@ async def serve(config: NodeConfig) -> None:
     """Run one daemon until cancelled."""
     # Imported here so `meshd --help` and config errors stay fast (torch is heavy).
     from meshd.api.metrics import ApiMetrics
-    from meshd.api.openai import ApiConfig, create_app
+    from meshd.api.openai import create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
     from meshd.model.gguf_checkpoint import forget_parsed
@@ -346,21 +346,16 @@ async def serve(config: NodeConfig) -> None:
             backend,
             api_key=config.read_api_key(),
             spec=config.spec,
-            config=ApiConfig(
-                body_timeout_s=config.api_body_timeout_s,
-                max_body_bytes=config.api_max_body_bytes,
-                allowed_hosts=config.api_allowed_hosts,
-                cors_origins=config.api_cors_origins,
-            ),
+            config=config.api,
             metrics=metrics,
             status=lambda: node_status(node, backend),
             catalog=catalog,
         )
         catalog.app = app
-        with _binding("api_port", socket.SOCK_STREAM, config.api_host, config.api_port):
+        with _binding("api_port", socket.SOCK_STREAM, config.api.host, config.api.port):
             api = await nursery.start(
-                functools.partial(serve_api, header_timeout_s=config.api_header_timeout_s),
-                app, config.api_host, config.api_port,
+                functools.partial(serve_api, header_timeout_s=config.api.header_timeout_s),
+                app, config.api.host, config.api.port,
             )  # fmt: skip
         started.set()
         notifier.send(READY="1", STATUS=f"node {node.identity.node_id} serving on {api.base_url}")

@@ -1,7 +1,7 @@
 """The daemon's typed configuration: sources, precedence, validation and rendering.
 
-Every key is a field of `NodeConfig` or of one of its tables (`mdns`, `membership`, `lane`,
-`spec`, `planner`, `stage`, `nat`, `punch`, `emulate`); each table is the typed config of the
+Every key is a field of `NodeConfig` or of one of its tables (`api`, `mdns`, `membership`,
+`lane`, `spec`, `planner`, `stage`, `fetch`, `bulk`, `nat`, `punch`, `emulate`); each table is the typed config of the
 component it tunes. Every config struct validates one way: `__post_init__` raises a ValueError
 whose message starts with the field's name, and the loader adds the table and the source. A key may be set at four levels; the later one wins:
 
@@ -23,13 +23,13 @@ from meshd.config.cli import (
 )
 from meshd.config.node import (
     CONFIG_FILE_ENV,
-    DEFAULT_API_PORT,
     DEFAULT_LANE_PORT,
     SECRET_KEYS,
     ConfigError,
     NodeConfig,
 )
 from meshd.config.sources import (
+    FLAT_ALIASES,
     KEY_TYPES,
     KEYS,
     TABLES,
@@ -41,17 +41,18 @@ from meshd.config.sources import (
     load_config_sources,
     parse_text,
 )
-from meshd.config.tables import DAEMON_PLANNER, NatDialConfig
+from meshd.config.tables import DEFAULT_API_PORT, ApiConfig, NatDialConfig
 
 __all__ = [
     "CONFIG_FILE_ENV",
-    "DAEMON_PLANNER",
     "DEFAULT_API_PORT",
     "DEFAULT_LANE_PORT",
+    "FLAT_ALIASES",
     "KEYS",
     "KEY_TYPES",
     "SECRET_KEYS",
     "TABLES",
+    "ApiConfig",
     "ConfigError",
     "LoadedConfig",
     "NatDialConfig",

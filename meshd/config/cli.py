@@ -13,6 +13,7 @@ import msgspec
 
 from meshd.config.node import CONFIG_FILE_ENV, SECRET_KEYS, NodeConfig
 from meshd.config.sources import (
+    FLAT_ALIASES,
     KEY_TYPES,
     KEYS,
     TABLES,
@@ -41,10 +42,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for key, type_ in KEY_TYPES.items():
         if key.startswith("spec."):
             continue
+        flat = [env_name(alias) for alias, k in FLAT_ALIASES.items() if k == key]
         kwargs: dict[str, Any] = {
             "dest": _dest(key),
             "default": argparse.SUPPRESS,
-            "help": f"env {env_name(key)}",
+            "help": f"env {' or '.join([env_name(key), *flat])}",
         }
         if type_ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -125,8 +127,10 @@ def render(config: NodeConfig, *, as_json: bool = False) -> str:
     """The config as TOML (or JSON), secrets replaced by "<redacted>" (`meshd config show`)."""
     data: dict[str, Any] = msgspec.to_builtins(config)
     for key in SECRET_KEYS:
-        if data[key]:
-            data[key] = "<redacted>"
+        table, _, name = key.rpartition(".")
+        holder = data[table] if table else data
+        if holder[name]:
+            holder[name] = "<redacted>"
     if as_json:
         return msgspec.json.format(msgspec.json.encode(data), indent=2).decode() + "\n"
     lines: list[str] = []

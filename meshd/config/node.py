@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from meshd.config.tables import DAEMON_PLANNER, NatDialConfig
+from meshd.config.tables import ApiConfig, NatDialConfig
 from meshd.mesh.discovery import DiscoveryConfig
 from meshd.mesh.jointoken import (
     MIN_SECRET_CHARS,
@@ -25,11 +25,12 @@ from meshd.mesh.jointoken import (
     parse_peer_address,
 )
 from meshd.mesh.membership_config import MembershipConfig
+from meshd.net.bulk import CadenceConfig
 from meshd.net.emulator import LinkProfile
-from meshd.net.web_origin import parse_host, parse_origin
 from meshd.plan.inputs import PlannerConfig
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
+from meshd.stage.leases import SESSION_LEASE_S
 from protocol import RemoteProtocolError
 from protocol.artifacts import FetchConfig
 from protocol.config import LaneConfig
@@ -37,11 +38,10 @@ from protocol.noise import x25519_public_from_ed25519_public
 from protocol.punch import PunchConfig
 
 DEFAULT_LANE_PORT = 7391
-DEFAULT_API_PORT = 7392
 ENV_PREFIX = "MESHD_"
 # Names the config file; it is not a key, so the unknown-variable check skips it.
 CONFIG_FILE_ENV = "MESHD_CONFIG"
-SECRET_KEYS: tuple[str, ...] = ("mesh_secret", "api_key", "join_token")
+SECRET_KEYS: tuple[str, ...] = ("mesh_secret", "api.key", "join_token")
 MAX_SECRET_FILE_BYTES = 4096
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH_BYTES = 107
@@ -77,21 +77,6 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     join_token: str = ""
     listen_host: str = "0.0.0.0"
     listen_port: int = DEFAULT_LANE_PORT
-    api_host: str = "127.0.0.1"
-    api_port: int = DEFAULT_API_PORT
-    api_key: str = ""
-    api_key_file: str = ""
-    # The HTTP edge (seconds): complete request headers, and a whole request body, must
-    # arrive within these, or the connection is closed (a body too slow gets 408 first).
-    api_header_timeout_s: float = 10.0
-    api_body_timeout_s: float = 30.0
-    # Largest request body the API accepts (413 beyond).
-    api_max_body_bytes: int = 4 * 1024 * 1024
-    # Names the API also answers to besides its own address and localhost (`name` for any
-    # port, or `name:port`), and the web origins that may call it from their pages (CORS);
-    # others are refused so that no web page can drive the API (docs/api.md).
-    api_allowed_hosts: tuple[str, ...] = ()
-    api_cors_origins: tuple[str, ...] = ()
     control_socket: str = ""
     # One model, or a list: the node holds every one (meshd/node/models.py).
     model: str | tuple[str, ...] = ""
@@ -119,19 +104,21 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     drain_timeout_s: float = 300.0
     # A stage frees a session after this long without a window or keep-alive from its
     # coordinator (coordinators renew their sessions every third of it).
-    session_lease_s: float = 30.0
+    session_lease_s: float = SESSION_LEASE_S
     # SIGTERM: how long in-flight requests may run on before they are ended with an error.
     graceful_timeout_s: float = 30.0
     # Largest context (prompt + completion) the planner sizes KV for; 0 = the model's own.
     context_tokens: int = 0
     # The component tables (docs/configuration.md has a section for each).
+    api: ApiConfig = ApiConfig()
     mdns: DiscoveryConfig = DiscoveryConfig()
     membership: MembershipConfig = MembershipConfig()
     lane: LaneConfig = LaneConfig()
     spec: SpecConfig = SpecConfig()
-    planner: PlannerConfig = DAEMON_PLANNER
+    planner: PlannerConfig = PlannerConfig()
     stage: StageHostConfig = StageHostConfig()
     fetch: FetchConfig = FetchConfig()
+    bulk: CadenceConfig = CadenceConfig()
     nat: NatDialConfig = NatDialConfig()
     punch: PunchConfig = PunchConfig()
     emulate: LinkProfile | None = None
@@ -141,7 +128,6 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         _check_secrets(self)
         _check_compute(self)
         _check_timers(self)
-        _check_api_timeouts(self)
         for key in ("admitted_keys", "revoked_keys"):
             for hex_key in getattr(self, key):
                 _check_public_key(key, hex_key)
@@ -160,11 +146,6 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     def models(self) -> tuple[str, ...]:
         """The models this node holds, the first first ("" = the built-in model)."""
         return (self.model,) if isinstance(self.model, str) else self.model
-
-    @property
-    def api_is_loopback(self) -> bool:
-        """True when the API listens on loopback only (then no API key is required)."""
-        return _is_loopback(self.api_host)
 
     def model_cache_path(self) -> Path:
         """The root of fetched models and tensor-hash caches (`model_cache_dir` or `state_dir`)."""
@@ -188,11 +169,11 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         )
 
     def read_api_key(self) -> str | None:
-        """The API key from `api_key` or `api_key_file`, or None when the API is open."""
-        if self.api_key:
-            return self.api_key
-        if self.api_key_file:
-            return _read_secret_file(self.api_key_file, "api_key_file")
+        """The API key from `api.key` or `api.key_file`, or None when the API is open."""
+        if self.api.key:
+            return self.api.key
+        if self.api.key_file:
+            return _read_secret_file(self.api.key_file, "api.key_file")
         return None
 
     def bootstrap_peers(self) -> list[Address]:
@@ -220,16 +201,8 @@ def _check_network(c: NodeConfig) -> None:
         raise ConfigError(
             f"listen_host {c.listen_host!r} is not an IP address", key="listen_host"
         ) from None
-    if c.api_host != "localhost":
-        try:
-            ipaddress.ip_address(c.api_host)
-        except ValueError:
-            raise ConfigError(
-                f"api_host {c.api_host!r} is not an IP address or localhost", key="api_host"
-            ) from None
-    for key in ("listen_port", "api_port"):
-        if not 0 <= getattr(c, key) <= 65535:
-            raise ConfigError(f"{key} must be in 0..65535 (0 = any free port)", key=key)
+    if not 0 <= c.listen_port <= 65535:
+        raise ConfigError("listen_port must be in 0..65535 (0 = any free port)", key="listen_port")
     socket_bytes = len(os.fsencode(c.control_socket_path()))
     if socket_bytes > MAX_UNIX_SOCKET_PATH_BYTES:
         raise ConfigError(
@@ -246,19 +219,11 @@ def _check_network(c: NodeConfig) -> None:
 
 def _check_secrets(c: NodeConfig) -> None:
     _one_of(c, "mesh_secret", "mesh_secret_file")
-    _one_of(c, "api_key", "api_key_file")
-    for key in ("mesh_secret", "api_key"):
-        if getattr(c, key) and len(getattr(c, key)) < MIN_SECRET_CHARS:
-            raise ConfigError(
-                f"{key} is too short: use at least {MIN_SECRET_CHARS} characters "
-                f"(e.g. the output of `openssl rand -base64 32`)",
-                key=key,
-            )
-    if not c.api_is_loopback and not (c.api_key or c.api_key_file):
+    if c.mesh_secret and len(c.mesh_secret) < MIN_SECRET_CHARS:
         raise ConfigError(
-            f"api_host {c.api_host} is not a loopback address, so the API would be open to the "
-            f"network: set api_key (or api_key_file), or bind api_host to 127.0.0.1",
-            key="api_key",
+            f"mesh_secret is too short: use at least {MIN_SECRET_CHARS} characters "
+            f"(e.g. the output of `openssl rand -base64 32`)",
+            key="mesh_secret",
         )
     if c.join_token:
         try:
@@ -326,31 +291,6 @@ def _check_timers(c: NodeConfig) -> None:
             raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
 
 
-def _check_api_timeouts(c: NodeConfig) -> None:
-    for key in ("api_header_timeout_s", "api_body_timeout_s"):
-        value = getattr(c, key)
-        if not 0 < value < math.inf:
-            raise ConfigError(f"{key} must be a positive number of seconds, got {value}", key=key)
-    if c.api_max_body_bytes < 1:
-        raise ConfigError("api_max_body_bytes must be >= 1", key="api_max_body_bytes")
-    for host in c.api_allowed_hosts:
-        try:
-            parse_host(host)
-        except ValueError as exc:
-            raise ConfigError(
-                f"api_allowed_hosts: {exc}; give a host name or address, or host:port",
-                key="api_allowed_hosts",
-            ) from None
-    for origin in c.api_cors_origins:
-        try:
-            parse_origin(origin)
-        except ValueError as exc:
-            raise ConfigError(
-                f"api_cors_origins: {exc}; give origins such as https://app.example.com",
-                key="api_cors_origins",
-            ) from None
-
-
 def _one_of(c: NodeConfig, a: str, b: str) -> None:
     if getattr(c, a) and getattr(c, b):
         raise ConfigError(f"set {a} or {b}, not both", key=b)
@@ -370,15 +310,6 @@ def _check_public_key(key: str, hex_key: str) -> None:
         raise ConfigError(
             f"{key}: {hex_key!r} is not an Ed25519 public key (64 hex digits)", key=key
         ) from None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _read_secret_file(path: str, key: str) -> str:

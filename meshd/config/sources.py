@@ -22,7 +22,6 @@ import msgspec
 from meshd.config.node import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, NodeConfig
 from meshd.mesh.jointoken import JoinTokenError, parse_join_token
 from meshd.model.kernels import PROCESS_ENV
-from meshd.speculative.config import SpecConfigError, resolve_spec_config
 from meshd.speculative.config import flag_name as spec_flag_name
 
 
@@ -55,6 +54,11 @@ def _key_types() -> dict[str, Any]:
 
 KEY_TYPES: dict[str, Any] = _key_types()
 KEYS: tuple[str, ...] = tuple(KEY_TYPES)
+# The `[api]` table's keys are also accepted flat at the top level (`api_port`, env
+# MESHD_API_PORT), the spelling of the configs written before the table: flat → dotted.
+FLAT_ALIASES: dict[str, str] = {
+    "api_" + k.removeprefix("api."): k for k in KEYS if k.startswith("api.")
+}
 
 
 def env_name(key: str) -> str:
@@ -64,7 +68,7 @@ def env_name(key: str) -> str:
 
 def flag_name(key: str) -> str:
     """The command-line flag of a key: `lane.dead_after_s` → `--lane-dead-after-s`."""
-    if key.startswith("spec."):
+    if key.startswith("spec.") and key in KEY_TYPES:
         return spec_flag_name(key.removeprefix("spec."))
     return "--" + key.replace(".", "-").replace("_", "-")
 
@@ -109,7 +113,7 @@ def parse_text(text: str, type_: Any) -> Any:
     raise TypeError(f"no text form for {type_!r}")
 
 
-Level = dict[str, tuple[Any, str]]  # dotted key -> (value, source)
+Level = dict[str, tuple[Any, str, str]]  # dotted key -> (value, source, spelling there)
 _T = typing.TypeVar("_T")
 
 
@@ -130,12 +134,27 @@ def _file_level(path: str | os.PathLike[str]) -> Level:
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} must be a table ([{key}])", key=key, source=source)
             for sub, sub_value in value.items():
-                _known(f"{key}.{sub}", source)
-                level[f"{key}.{sub}"] = (sub_value, source)
+                _put(level, f"{key}.{sub}", sub_value, source, spelled=f"[{key}] {sub}")
         else:
-            _known(key, source)
-            level[key] = (value, source)
+            _put(level, key, value, source, spelled=key)
     return level
+
+
+def _put(level: Level, key: str, value: Any, source: str, *, spelled: str) -> None:
+    """Set `key` (dotted, or a flat alias) in one level; `spelled` is how the source wrote it.
+
+    One level may spell a key one way only: `api_port` and `[api] port` together are an error.
+    """
+    canonical = FLAT_ALIASES.get(key, key)
+    _known(canonical, source)
+    if canonical in level:
+        raise ConfigError(
+            f"{canonical} is set twice in one place, as {level[canonical][2]} and as {spelled}: "
+            f"keep one",
+            key=canonical,
+            source=source,
+        )
+    level[canonical] = (value, source, spelled)
 
 
 def _env_level(env: Mapping[str, str]) -> Level:
@@ -149,11 +168,13 @@ def _env_level(env: Mapping[str, str]) -> Level:
             raise ConfigError(
                 f"{key} is a table: set its keys as {name}__<KEY>", key=key, source=source
             )
-        _known(key, source)
+        canonical = FLAT_ALIASES.get(key, key)
+        _known(canonical, source)
         try:
-            level[key] = (parse_text(text, KEY_TYPES[key]), source)
+            value = parse_text(text, KEY_TYPES[canonical])
         except ValueError as exc:
-            raise ConfigError(f"{key}: {exc}", key=key, source=source) from None
+            raise ConfigError(f"{canonical}: {exc}", key=canonical, source=source) from None
+        _put(level, key, value, source, spelled=name)
     return level
 
 
@@ -162,12 +183,16 @@ def _flag_level(values: Mapping[str, Any]) -> Level:
     for key, value in values.items():
         if isinstance(value, Mapping) and key in TABLES:
             for sub, sub_value in value.items():
-                level[f"{key}.{sub}"] = (sub_value, f"flag {flag_name(f'{key}.{sub}')}")
+                _put_flag(level, f"{key}.{sub}", sub_value)
         else:
-            level[key] = (value, f"flag {flag_name(key)}")
-    for key, (_, source) in level.items():
-        _known(key, source)
+            _put_flag(level, key, value)
     return level
+
+
+def _put_flag(level: Level, key: str, value: Any) -> None:
+    canonical = FLAT_ALIASES.get(key, key)
+    source = f"flag {flag_name(canonical)}"
+    _put(level, key, value, source, spelled=key)
 
 
 def _known(key: str, source: str) -> None:
@@ -181,6 +206,8 @@ def _known(key: str, source: str) -> None:
             source=source,
         )
     known = [k.rpartition(".")[2] for k in KEYS if k.rpartition(".")[0] == table]
+    if not table:
+        known += FLAT_ALIASES
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     where = f" in [{table}]" if table else ""
@@ -250,8 +277,8 @@ def load_config_sources(
         merged.update(_file_level(file))
     merged.update(_env_level(env))
     merged.update(_flag_level(argv_values))
-    values = {k: v for k, (v, _) in merged.items()}
-    origins = {k: s for k, (_, s) in merged.items()}
+    values = {k: v for k, (v, _, _) in merged.items()}
+    origins = {k: s for k, (_, s, _) in merged.items()}
     config = _build(values, origins, env)
     if config.join_token:
         try:
@@ -291,22 +318,11 @@ def _build(values: dict[str, Any], origins: dict[str, str], env: Mapping[str, st
             top[key] = os.path.expanduser(top[key])
     if isinstance(top["state_dir"], str) and not top.get("control_socket"):
         top["control_socket"] = os.path.join(top["state_dir"], "control.sock")
-    file_spec, cli_spec = _spec_levels(values, origins)
-    try:
-        top["spec"] = resolve_spec_config({}, file_spec, cli_spec, {})
-    except SpecConfigError as exc:
-        # resolve_spec_config names its own levels; we name the exact source instead.
-        message = re.sub(r" \(set in [^)]*\)$", "", str(exc))
-        message = message.replace("speculative config: ", "spec.")
-        key = f"spec.{exc.key}"
-        raise ConfigError(message, key=key, source=_blame(key, message, origins)) from None
     defaults = NodeConfig(state_dir="/")
     for table, type_ in TABLES.items():
-        if table == "spec":
-            continue
         sub = {k.partition(".")[2]: v for k, v in values.items() if k.startswith(table + ".")}
-        # A table's unset keys keep NodeConfig's default for the table (the daemon's planner
-        # defaults differ from PlannerConfig's own); a table that is not set at all stays so.
+        # A table's unset keys keep their defaults; a table with no default (`emulate`) that
+        # is not set at all stays unset.
         default = getattr(defaults, table)
         if sub or default is not None:
             base = msgspec.structs.asdict(default) if default is not None else {}
@@ -321,9 +337,15 @@ def _convert(data: dict[str, Any], type_: type[_T], table: str, origins: dict[st
     except msgspec.ValidationError as exc:
         cause = exc.__cause__
         message = str(cause) if cause is not None else str(exc)
-        key = getattr(cause, "key", None) or _key_in(message, table)
+        field = getattr(cause, "key", None)
+        key = f"{table}.{field}" if field and table else field or _key_in(message, table)
     message = re.sub(r" - at `\$[^`]*`$", "", message)
-    if key and not message.startswith(key):
+    # A table's checks name the field (`dead_after_s must be ...`): the error names the
+    # dotted key (`lane.dead_after_s must be ...`).
+    name = key.removeprefix(f"{table}.") if table else key
+    if table and re.match(rf"{re.escape(name)}\b", message):
+        message = key + message[len(name) :]
+    elif key and not message.startswith(key):
         message = f"{key}: {message}"
     raise ConfigError(message, key=key, source=_blame(key, message, origins)) from None
 

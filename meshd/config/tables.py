@@ -1,5 +1,4 @@
-"""The tables of `NodeConfig` that have no home in a component: NAT dialing and the daemon's
-own planner defaults.
+"""The tables of `NodeConfig` that have no home in a component: the HTTP API and NAT dialing.
 
 Every table of the tree is a msgspec Struct validated one way: `__post_init__` raises a
 ValueError whose message starts with the field's name, and the loader
@@ -8,11 +7,15 @@ ValueError whose message starts with the field's name, and the loader
 
 from __future__ import annotations
 
+import ipaddress
 import math
 
 import msgspec
 
-from meshd.plan.inputs import PlannerConfig
+from meshd.mesh.jointoken import MIN_SECRET_CHARS
+from meshd.net.web_origin import parse_host, parse_origin
+
+DEFAULT_API_PORT = 7392
 
 
 class NatDialConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -35,11 +38,88 @@ class NatDialConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError("max_introducers must be >= 1")
 
 
-# The daemon's planner differs from `PlannerConfig`'s defaults (which simulations and
-# benchmarks use) in two rules:
-# - a pair not measured yet is assumed 10 ms apart (the first plan is made before any pair is
-#   measured);
-# - plans are sticky (reuse tolerance infinite): a membership change moves only the stages it
-#   took away. Predictions of a small model on a busy machine swing by more than 80 % with
-#   round-trip noise, and every move reloads a stage and fails the sessions on it.
-DAEMON_PLANNER = PlannerConfig(unknown_rtt_s=0.01, reuse_tolerance_fraction=math.inf)
+class ApiConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The OpenAI-compatible HTTP API: where it listens, its key, and the limits of its HTTP
+    edge (the `[api]` table; each key is also accepted flat at the top level, `api_port`)."""
+
+    # Loopback by default: beyond it the API needs a key.
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_API_PORT
+    # The key clients send as `Authorization: Bearer KEY` ("" with no key_file = no key).
+    key: str = ""
+    key_file: str = ""
+    # Complete request headers, and a whole request body, must arrive within these (seconds),
+    # or the connection is closed (a body too slow gets 408 first).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Largest request body accepted (413 beyond).
+    max_body_bytes: int = 4 * 1024 * 1024
+    # A refused oversized body is still read (and dropped) up to this much, so that the client
+    # finishes sending and can read the 413 instead of a reset connection.
+    max_drain_bytes: int = 64 * 1024 * 1024
+    # Names the API also answers to besides its own address and localhost (`name` for any
+    # port, or `name:port`), and the web origins that may call it from their pages (CORS);
+    # others are refused so that no web page can drive the API (docs/api.md).
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.host != "localhost":
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ValueError(f"host {self.host!r} is not an IP address or localhost") from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in 0..65535 (0 = any free port)")
+        if self.key and self.key_file:
+            raise ValueError("key_file and key are both set: set one")
+        if self.key and len(self.key) < MIN_SECRET_CHARS:
+            raise ValueError(
+                f"key is too short: use at least {MIN_SECRET_CHARS} characters "
+                f"(e.g. the output of `openssl rand -base64 32`)"
+            )
+        if not self.is_loopback and not (self.key or self.key_file):
+            raise ValueError(
+                f"key (or key_file) must be set: host {self.host} is not a loopback address, "
+                f"so the API would be open to the network; or bind host to 127.0.0.1"
+            )
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
+        if self.max_drain_bytes < 0:
+            raise ValueError("max_drain_bytes must be >= 0")
+        for host in self.allowed_hosts:
+            try:
+                parse_host(host)
+            except ValueError as exc:
+                raise ValueError(
+                    f"allowed_hosts: {exc}; give a host name or address, or host:port"
+                ) from None
+        for origin in self.cors_origins:
+            try:
+                parse_origin(origin)
+            except ValueError as exc:
+                raise ValueError(
+                    f"cors_origins: {exc}; give origins such as https://app.example.com"
+                ) from None
+
+    def __repr__(self) -> str:
+        # Configs end up in logs and tracebacks: never show the key there.
+        fields = ", ".join(
+            f"{f}={'<redacted>' if f == 'key' and self.key else repr(getattr(self, f))}"
+            for f in self.__struct_fields__
+        )
+        return f"ApiConfig({fields})"
+
+    @property
+    def is_loopback(self) -> bool:
+        """True when the API listens on loopback only (then no key is required)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False

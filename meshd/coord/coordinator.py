@@ -49,6 +49,7 @@ from meshd.speculative.policy import LinkModel
 from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import SamplingParams
 from meshd.speculative.strategies import make_proposer
+from meshd.stage.leases import SESSION_LEASE_S
 from protocol.messages import (
     MAX_ENTRY_ID,
     MAX_KEEPALIVE_SESSIONS,
@@ -126,7 +127,7 @@ class Coordinator:
         prefill_chunk_tokens: int = 128,
         wire_dtype: DType = "f16",
         reply_timeout_s: float = 30.0,
-        session_lease_s: float = 30.0,
+        session_lease_s: float = SESSION_LEASE_S,
         draft: DraftModel | None = None,
         draft_quantization: str = "none",
         prefix_cache: bool = True,

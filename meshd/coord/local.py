@@ -31,6 +31,7 @@ from meshd.net.lane_table import LaneTable
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.draft import DraftModel
 from meshd.stage.host import StageHost, StageHostConfig
+from meshd.stage.leases import SESSION_LEASE_S
 from protocol.config import LaneConfig
 from protocol.messages import DType
 
@@ -79,7 +80,7 @@ async def open_local_pipeline(
     split: Sequence[tuple[int, int]] | None = None,
     use_thread: bool = True,
     torch_threads: int | None = 1,
-    session_lease_s: float = 30.0,
+    session_lease_s: float = SESSION_LEASE_S,
     keep_alive: bool = True,
     quantization: str = "none",
     draft: DraftModel | None = None,

@@ -19,17 +19,17 @@ at least `min_open_share` of every gap.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
+import msgspec
 import trio
 
 
-@dataclass(frozen=True, slots=True)
-class CadenceConfig:
-    """How far ahead of an expected window bulk work pauses.
+class CadenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How far ahead of an expected window bulk work pauses (the daemon's `[bulk]` table).
 
     The gap is the time from one window's end (its result sent) to the next window's start:
     the rest of the pipeline and the coordinator's turn, steadier than the windows' own
@@ -46,8 +46,12 @@ class CadenceConfig:
     min_open_share: float = 0.6
 
     def __post_init__(self) -> None:
-        if self.quiet_s < 0 or self.history < 4 or self.tolerance < 0:
-            raise ValueError("quiet_s and tolerance must be >= 0, history >= 4")
+        if not 0 <= self.quiet_s < math.inf:
+            raise ValueError("quiet_s must be >= 0 seconds")
+        if self.history < 4:
+            raise ValueError("history must be >= 4")
+        if not 0 <= self.tolerance < math.inf:
+            raise ValueError("tolerance must be >= 0")
         if not 0 < self.min_open_share <= 1:
             raise ValueError("min_open_share must be in (0, 1]")
 

@@ -193,7 +193,7 @@ class MeshNode:
             introducers=self._introducers_for,
         )
         # Held while a stage here computes a window: weight transfers wait (meshd/net/bulk.py).
-        self.bulk_gate = BulkGate()
+        self.bulk_gate = BulkGate(config.bulk)
         self.bulk_gate.subscribe(endpoint.hold_bulk)
         self.models = self._hold_models(compute_ns, load_display)
         self.artifacts = self._artifact_service(load_display)

@@ -25,6 +25,7 @@ from meshd.model.stage import LoadProgress, StageModel
 from meshd.net.bulk import BulkGate
 from meshd.net.lane_table import LaneTable
 from meshd.stage.host import EXPIRY_CAUSES, StageHost, StageHostConfig
+from meshd.stage.leases import SESSION_LEASE_S
 from protocol.messages import Message, OpenSession, StageError
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class StageSlot:
         eos_ids: frozenset[int],
         load_display: LoadDisplay | None = None,
         host_config: StageHostConfig | None = None,
-        session_lease_s: float = 30.0,
+        session_lease_s: float = SESSION_LEASE_S,
         quantization: str = "none",
         kv_dtype: torch.dtype | None = None,
         gate: BulkGate | None = None,

@@ -6,6 +6,7 @@ budget, measured compute speed, health, current load); the RTT matrix from lane 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -19,8 +20,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
     # Protocol cost P of one network hop: encode, encrypt, send, receive, decrypt, decode.
     hop_cost_s: float = 0.0005
-    # Round trip assumed for a pair never measured: pessimistic, so measured paths win.
-    unknown_rtt_s: float = 0.25
+    # Round trip assumed for a pair not measured yet (the first plan is made before any pair
+    # is measured): a LAN's, so that the first plan may use every node.
+    unknown_rtt_s: float = 0.01
     # Share of each node's reported memory kept free (allocator slack, activations).
     memory_margin_fraction: float = 0.10
     # Bytes kept free on every node on top of the margin.
@@ -34,7 +36,10 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # Nodes whose speeds differ by less than this share split their layers by capacity.
     speed_tie_fraction: float = 0.05
     # A plan that reloads fewer layers wins if it is at most this share slower than the best.
-    reuse_tolerance_fraction: float = 0.10
+    # Infinite (plans are sticky): a membership change moves only the stages it took away,
+    # since every move reloads a stage and fails the sessions on it, and predictions of a
+    # small model on a busy machine swing more than any finite share with round-trip noise.
+    reuse_tolerance_fraction: float = math.inf
     # Candidates kept for the set search after pre-filtering (per criterion, see search.py).
     pool_per_criterion: int = 10
     # Below this many node sets of one size, every set is tried (exact for small meshes).

@@ -30,6 +30,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from meshd.mesh.membership import LocalCapacity, MemberEvent, Membership, MembershipConfig
+from protocol.config import LaneConfig
 from protocol.gossip import GossipMessage, Status, decode, encode
 
 
@@ -133,7 +134,7 @@ class Sim:
         link: Paths | None = None,
         config: MembershipConfig | None = None,
         lanes: bool = True,
-        lane_dead_after_s: float = 1.5,
+        lane_dead_after_s: float = LaneConfig().dead_after_s,
         shared_verify_cache: bool = False,
         connect_timeout_s: float = 3.0,
     ) -> None:

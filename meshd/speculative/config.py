@@ -37,7 +37,8 @@ LEVELS: tuple[str, ...] = ("model defaults", "config file", "CLI", "request")
 
 
 class SpecConfigError(ValueError):
-    """A speculative-decoding key is unknown, mistyped or out of range.
+    """A speculative-decoding key is unknown, mistyped or out of range. `SpecConfig`'s own
+    checks start the message with the key, as every table of the daemon's config does.
 
     `key` names the offending key; `level` names where it was set ("request", "CLI",
     "config file", "model defaults" or "built-in default" for cross-field checks on defaults).
@@ -85,20 +86,19 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
             rule.check(key, getattr(self, key))
         if self.window_min_tokens > self.window_max_tokens:
             raise SpecConfigError(
-                f"speculative config: window_min_tokens ({self.window_min_tokens}) must not "
+                f"window_min_tokens ({self.window_min_tokens}) must not "
                 f"exceed window_max_tokens ({self.window_max_tokens})",
                 key="window_min_tokens",
             )
         if self.strategy in DRAFT_STRATEGIES and not self.draft_model:
             raise SpecConfigError(
-                f"speculative config: strategy {self.strategy!r} needs a draft model, and "
+                f"strategy {self.strategy!r} needs a draft model, and "
                 f"this node has none (spec.draft_model / --speculative-draft-model)",
                 key="strategy",
             )
         if self.ngram_min > self.ngram_max:
             raise SpecConfigError(
-                f"speculative config: ngram_min ({self.ngram_min}) must not exceed "
-                f"ngram_max ({self.ngram_max})",
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})",
                 key="ngram_min",
             )
 
@@ -120,14 +120,12 @@ class Rule:
             ok_type = True
         if not ok_type:
             raise SpecConfigError(
-                f"speculative config: {key} must be {self.kind.__name__}, "
-                f"got {type(value).__name__} {value!r}",
+                f"{key} must be {self.kind.__name__}, got {type(value).__name__} {value!r}",
                 key=key,
             )
         if self.choices and value not in self.choices:
             raise SpecConfigError(
-                f"speculative config: {key} = {value!r} is unknown; "
-                f"allowed: {', '.join(self.choices)}",
+                f"{key} = {value!r} is unknown; allowed: {', '.join(self.choices)}",
                 key=key,
             )
         if self.low is None or self.high is None:
@@ -135,8 +133,7 @@ class Rule:
         number = float(value)  # type: ignore[arg-type]
         if not self.low <= number <= self.high:
             raise SpecConfigError(
-                f"speculative config: {key} = {value!r} is out of range; "
-                f"allowed {_fmt(self.low)}..{_fmt(self.high)}",
+                f"{key} = {value!r} is out of range; allowed {_fmt(self.low)}..{_fmt(self.high)}",
                 key=key,
             )
 
@@ -181,7 +178,7 @@ def resolve_spec_config(
         for key, value in values.items():
             if level == "request" and key in NODE_ONLY_KEYS:
                 raise SpecConfigError(
-                    f"speculative config: {key} is the node's setting (spec.{key}, "
+                    f"{key} is the node's setting (spec.{key}, "
                     f"{flag_name(key)}); a request cannot set it",
                     key=key,
                     level=level,
@@ -196,7 +193,9 @@ def resolve_spec_config(
             try:
                 RULES[key].check(key, value)
             except SpecConfigError as err:
-                raise SpecConfigError(f"{err} (set in {level})", key=key, level=level) from None
+                raise SpecConfigError(
+                    f"speculative config: {err} (set in {level})", key=key, level=level
+                ) from None
             merged[key] = float(value) if RULES[key].kind is float else value
             origin[key] = level
     try:
@@ -204,7 +203,9 @@ def resolve_spec_config(
     except SpecConfigError as err:
         # Cross-field checks: blame the highest level that set either side.
         level = origin.get(err.key, "built-in default")
-        raise SpecConfigError(f"{err} (set in {level})", key=err.key, level=level) from None
+        raise SpecConfigError(
+            f"speculative config: {err} (set in {level})", key=err.key, level=level
+        ) from None
 
 
 def flag_name(key: str) -> str:

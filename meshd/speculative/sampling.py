@@ -125,13 +125,13 @@ def filtered_support(
         scores = row.to(torch.float64) / params.temperature
     if params.top_p < 1.0:
         probs = torch.softmax(scores, -1)
-        kept = (probs >= _nucleus_floor(probs, params.top_p)).nonzero().squeeze(-1)
+        kept = (probs >= nucleus_floor(probs, params.top_p)).nonzero().squeeze(-1)
         ids = kept if ids is None else ids[kept]
         scores = scores[kept]
     return ids, scores
 
 
-def _nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """The probability of the least likely token top-p keeps (a 0-d tensor)."""
     vocab = probs.shape[-1]
     # The nucleus is usually small: look at the best few hundred before sorting everything.

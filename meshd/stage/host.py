@@ -52,7 +52,7 @@ from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
 from meshd.speculative.sampling import SamplingParams, token_logprobs, unpack_masks, verify
-from meshd.stage.leases import Leases
+from meshd.stage.leases import SESSION_LEASE_S, Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
 from protocol.messages import (
@@ -167,7 +167,7 @@ class StageHost:
         eos_ids: frozenset[int] = frozenset(),
         use_thread: bool = True,
         config: StageHostConfig | None = None,
-        session_lease_s: float = 30.0,
+        session_lease_s: float = SESSION_LEASE_S,
         gate: BulkGate | None = None,
         on_pass: Callable[[float], None] | None = None,
     ) -> None:

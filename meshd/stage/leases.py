@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import math
 
+# A stage frees a session after this long without a window or keep-alive from its coordinator
+# (the daemon's `session_lease_s`; coordinators renew their sessions every third of it).
+SESSION_LEASE_S = 30.0
+
 
 class Leases:
     """Lease deadlines by session id."""

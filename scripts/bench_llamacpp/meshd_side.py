@@ -63,19 +63,19 @@ def write_large(out: pathlib.Path) -> dict[str, Any]:
 
 
 def prompt(model_dir: pathlib.Path) -> list[int]:
-    from meshd.bench.decode import DEFAULT_PROMPT, _prompt_ids
+    from meshd.bench.decode import DEFAULT_PROMPT, prompt_ids
     from meshd.model.checkpoint import Checkpoint
 
     config = Checkpoint.open(model_dir).config
-    return list(_prompt_ids(model_dir, DEFAULT_PROMPT, config.vocab_size))
+    return list(prompt_ids(model_dir, DEFAULT_PROMPT, config.vocab_size))
 
 
 def greedy(model: pathlib.Path, n: int, threads: int, ids: list[int]) -> list[int]:
     """meshd's greedy tokens after `ids`, fp32, all layers in one stage (as `bench decode`)."""
     import torch
 
+    from meshd.bench.single_node import generate
     from meshd.model.checkpoint import Checkpoint
-    from meshd.model.decode import generate
     from meshd.model.stage import StageModel
 
     torch.set_num_threads(threads)

@@ -13,9 +13,9 @@ from meshd.api.backend import open_local_backend
 from meshd.api.openai import create_app
 from meshd.api.routing import LocalModels
 from meshd.api.server import serve_api
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from tests.node.test_several_models import second_checkpoint

@@ -23,12 +23,12 @@ from meshd.api.backend import open_local_backend
 from meshd.api.openai import create_app
 from meshd.api.server import serve_api
 from meshd.api.tools import HERMES, LLAMA3, MISTRAL, Family, family_of
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.grammar import Constraint, GrammarError, grammar_tokenizer
 from tests.api.conftest import MODEL, Served
 from tests.api.test_openai_client import client
-from tests.model.tiny import make_checkpoint
 
 TINY = "tiny-tools"
 HERMES_TEMPLATE = """

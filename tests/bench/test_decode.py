@@ -8,14 +8,14 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.bench.decode import RANDOM_CONFIGS
+from meshd.bench.gguf_writer import write_gguf
 from meshd.cli.main import main
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.config import parse_config
 from meshd.model.kernels import unavailable_reason
 from meshd.model.stage import stage_weight_bytes
-from tests.model.gguf_files import write_gguf
-from tests.model.tiny import make_checkpoint
 
 
 def test_bench_decode_json_on_a_random_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:

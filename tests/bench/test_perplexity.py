@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from meshd.bench.gguf_writer import write_gguf
 from meshd.bench.perplexity import score
 from meshd.cli.main import main
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
-from tests.model.gguf_files import write_gguf
 
 PROSE = (
     "The river ran low that summer, and the children of the village walked along its bed "

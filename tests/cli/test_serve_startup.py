@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 import gguf
 import pytest
 
+from meshd.bench.gguf_writer import write_gguf
 from meshd.mesh.identity import NodeIdentity
 from meshd.model.builtin import builtin_model_dir
-from tests.model.gguf_files import write_gguf
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SECRET = "meshd-test-secret-0123456789abcdef"
@@ -124,7 +124,7 @@ def test_an_unreadable_secret_file_is_one_line(tmp_path: pathlib.Path) -> None:
     code, stderr = serve(tmp_path, secret_file=tmp_path / "a-directory")
     assert_one_line(code, stderr, "mesh_secret_file", "cannot read")
     code, stderr = serve(tmp_path, "--api-key-file", str(tmp_path / "missing.key"))
-    assert_one_line(code, stderr, "api_key_file", "cannot read")
+    assert_one_line(code, stderr, "api.key_file", "cannot read")
 
 
 @pytest.mark.parametrize("kind", ["api", "lanes"])
@@ -164,7 +164,7 @@ def test_config_errors_are_one_line(tmp_path: pathlib.Path) -> None:
     config.write_text("api_prot = 7392\n")
     assert_one_line(*serve(tmp_path, "--config", str(config)), "unknown key 'api_prot'")
     code, stderr = serve(tmp_path, "--api-body-timeout-s", "0")
-    assert_one_line(code, stderr, "api_body_timeout_s must be a positive number")
+    assert_one_line(code, stderr, "api.body_timeout_s must be a positive number")
     code, stderr = serve(tmp_path, "--api-prot", "7392")
     assert_one_line(code, stderr, "unrecognized arguments: --api-prot", prefix="meshd: error: ")
 

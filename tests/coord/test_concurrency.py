@@ -13,16 +13,16 @@ import pathlib
 import pytest
 import trio
 
+from meshd.bench.checkpoints import add_mtp, make_checkpoint
+from meshd.bench.single_node import generate
 from meshd.coord.coordinator import Coordinator, GenerationRequest, StageOverloaded
 from meshd.coord.local import open_local_pipeline
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.policy import PolicyInputs, choose
 from meshd.stage.host import StageHostConfig
-from tests.model.tiny import add_mtp, make_checkpoint
 
 LAYERS = 3
 TOKENS = 16

@@ -11,15 +11,15 @@ import pathlib
 import pytest
 import trio
 
+from meshd.bench.checkpoints import add_mtp, make_checkpoint
+from meshd.bench.single_node import Sampling as DecodeSampling
+from meshd.bench.single_node import generate
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import Sampling as DecodeSampling
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.speculative.config import STRATEGIES, SpecConfig
 from protocol.messages import Sampling
-from tests.model.tiny import add_mtp, make_checkpoint
 
 LAYERS = 3
 REPEATING = [5, 6, 7, 8, 9, 10, 11, 12] * 4  # a prompt that repeats itself

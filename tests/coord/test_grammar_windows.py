@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.coord.route_costs import RouteCosts
 from meshd.coord.window_loop import GenerationRequest, WindowLoop
 from meshd.model.tokenizer import Tokenizer
@@ -25,7 +26,6 @@ from meshd.speculative.strategies import make_proposer
 from protocol.messages import Sampling, VerifyWindow
 from tests.coord.test_window_loop import DRAFT, MODEL, TWO_STAGES, shipped_draft
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages
-from tests.model.tiny import make_checkpoint
 
 TOKENIZER = Tokenizer.open(MODEL)
 SCHEMAS: list[dict[str, Any]] = [

@@ -12,11 +12,11 @@ import pytest
 import torch
 import trio
 
+from meshd.bench.single_node import generate
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.quant import has_fbgemm
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer

@@ -8,12 +8,12 @@ import pytest
 import torch
 import trio
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.speculative.config import SpecConfig
 from meshd.stage.wire import to_blob
 from protocol.messages import OpenSession, Rollback, Sampling, StageHidden, VerifyWindow
-from tests.model.tiny import make_checkpoint
 
 
 @pytest.fixture(scope="module")

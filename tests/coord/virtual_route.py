@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from meshd.bench.single_node import generate
 from meshd.coord.window_loop import Send, WindowLoop
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage
 from meshd.stage.host import window_verdict

@@ -26,7 +26,7 @@ def test_lan_node_config_loads_with_the_secret_from_the_home_dir(
     config = load_config({}, env, str(EXAMPLES / "lan-node.toml"))
     assert config.read_mesh_secret() == "lan-mesh-secret-0123456789abcdef"
     assert config.listen_host == "192.168.1.20" and config.mdns.interfaces == ("192.168.1.20",)
-    assert config.api_is_loopback and config.log_format == "json"
+    assert config.api.is_loopback and config.log_format == "json"
     assert str(config.control_socket_path()) == f"{tmp_path}/.local/state/meshd/control.sock"
 
 
@@ -42,7 +42,7 @@ def test_the_install_script_parses_and_writes_a_config_that_loads(tmp_path: path
     config = load_config({}, env, str(path))
     assert config.state_dir == "/var/lib/meshd"
     assert str(config.control_socket_path()) == "/var/lib/meshd/control.sock"
-    assert config.read_mesh_secret() == "s" * 32 and config.api_is_loopback
+    assert config.read_mesh_secret() == "s" * 32 and config.api.is_loopback
 
 
 def test_every_shell_example_parses() -> None:

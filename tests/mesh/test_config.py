@@ -83,20 +83,20 @@ def test_precedence_default_file_env_flags(tmp_path: Path, env: dict[str, str]) 
     flags = {"api_port": 8200, "lane.dead_after_s": 4.0, "spec.window_max_tokens": 3}
     loaded = load_config_sources(flags, env, file)
     c = loaded.config
-    assert c.api_port == 8200  # flag > env > file
+    assert c.api.port == 8200  # flag > env > file
     assert c.listen_port == 8101  # env > file
     assert c.log_level == "debug"  # file > default
-    assert c.api_host == "127.0.0.1"  # default
+    assert c.api.host == "127.0.0.1"  # default
     assert c.lane.dead_after_s == 4.0  # nested flag
     assert c.lane.ping_interval_s == 0.5  # the rest of the file's [lane] table stays
     assert c.lane.handshake_timeout_s == LaneConfig().handshake_timeout_s
     assert (c.spec.window_max_tokens, c.spec.ngram_max) == (3, 5)
     assert c.spec.mtp_depth == SpecConfig().mtp_depth
-    assert loaded.origins["api_port"] == "flag --api-port"
+    assert loaded.origins["api.port"] == "flag --api-port"
     assert loaded.origins["listen_port"] == "env MESHD_LISTEN_PORT"
     assert loaded.origins["log_level"] == f"config file {file}"
     assert loaded.origins["spec.window_max_tokens"] == "flag --speculative-window-max-tokens"
-    assert "api_host" not in loaded.origins
+    assert "api.host" not in loaded.origins
 
 
 def test_precedence_through_the_command_line_parser(tmp_path: Path, env: dict[str, str]) -> None:
@@ -104,15 +104,15 @@ def test_precedence_through_the_command_line_parser(tmp_path: Path, env: dict[st
     env |= {"MESHD_CONFIG": str(file), "MESHD_API_PORT": "8100", "MESHD_LANE__DEAD_AFTER_S": "3"}
     args = _parse(["--api-port", "8200", "--no-mdns-enabled", "--speculative-strategy", "mtp"])
     c = load_config_from_args(args, env)
-    assert (c.api_port, c.mdns.enabled, c.lane.dead_after_s) == (8200, False, 3.0)
+    assert (c.api.port, c.mdns.enabled, c.lane.dead_after_s) == (8200, False, 3.0)
     assert c.spec.strategy == "mtp"
     # Without the flags, the environment wins over the file ($MESHD_CONFIG names the file).
     c = load_config_from_args(_parse([]), env)
-    assert (c.api_port, c.mdns.enabled) == (8100, True)
+    assert (c.api.port, c.mdns.enabled) == (8100, True)
     # --config beats $MESHD_CONFIG.
     other = _write(tmp_path / "other.toml", "listen_port = 9999\n")
     c = load_config_from_args(_parse(["--config", str(other)]), env)
-    assert (c.listen_port, c.api_port) == (9999, 8100)
+    assert (c.listen_port, c.api.port) == (9999, 8100)
 
 
 def test_defaults_and_state_dir_resolution(tmp_path: Path) -> None:
@@ -121,7 +121,7 @@ def test_defaults_and_state_dir_resolution(tmp_path: Path) -> None:
     assert c.control_socket == "/home/ann/.local/state/meshd/control.sock"
     assert c == NodeConfig(state_dir=c.state_dir, control_socket=c.control_socket)
     assert c.emulate is None and c.layers is None and c.mdns.enabled
-    assert (c.listen_host, c.listen_port, c.api_host) == ("0.0.0.0", 7391, "127.0.0.1")
+    assert (c.listen_host, c.listen_port, c.api.host) == ("0.0.0.0", 7391, "127.0.0.1")
     xdg = load_config({}, {"HOME": "/home/ann", "XDG_STATE_HOME": "/xdg"}, None)
     assert xdg.state_dir == "/xdg/meshd"
     systemd = {"HOME": "/root", "XDG_STATE_HOME": "/xdg", "STATE_DIRECTORY": "/var/lib/meshd"}
@@ -160,7 +160,7 @@ def test_unknown_key_in_env_is_named_with_the_variable(env: dict[str, str]) -> N
         assert (err.value.key, err.value.source) == (key, f"env {name}")
         assert f"env {name}" in str(err.value)
     with pytest.raises(
-        ConfigError, match=r"no table \[gossip\]; tables: mdns, membership, lane, spec"
+        ConfigError, match=r"no table \[gossip\]; tables: api, mdns, membership, lane, spec"
     ):
         load_config({}, env | {"MESHD_GOSSIP__FANOUT": "3"}, None)
     with pytest.raises(ConfigError, match=r"lane is a table.*MESHD_LANE__<KEY>"):
@@ -198,7 +198,7 @@ def test_env_values_are_parsed_by_the_field_type(env: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("MESHD_API_PORT", "80a", "api_port: expected an integer"),
+        ("MESHD_API_PORT", "80a", "api.port: expected an integer"),
         ("MESHD_MDNS__ENABLED", "maybe", "expected true or false"),
         ("MESHD_LAYERS", "4", "expected 2 comma-separated values"),
         ("MESHD_LANE__DEAD_AFTER_S", "soon", "expected a number"),
@@ -227,11 +227,11 @@ def test_quantization_kv_dtype_and_threads_from_flags_env_and_file(
 
 def test_bad_values_name_the_key_and_where_it_was_set(tmp_path: Path, env: dict[str, str]) -> None:
     file = _write(tmp_path / "m.toml", 'api_port = "eighty"\n')
-    with pytest.raises(ConfigError, match=r"api_port: Expected `int`, got `str`") as err:
+    with pytest.raises(ConfigError, match=r"api.port: Expected `int`, got `str`") as err:
         load_config({}, env, file)
     assert err.value.source == f"config file {file}"
     cases: list[tuple[dict[str, Any], str, str]] = [
-        ({"api_port": 70000}, "api_port", "0..65535"),
+        ({"api.port": 70000}, "api.port", "0..65535"),
         ({"lane.dead_after_s": -1.0}, "lane.dead_after_s", "positive finite"),
         ({"emulate.loss": 2.0}, "emulate.loss", r"within \[0, 1\]"),
         ({"spec.window_max_tokens": 100}, "spec.window_max_tokens", r"0\.\.64"),
@@ -268,20 +268,20 @@ def test_cross_field_errors_blame_the_key_that_was_set(env: dict[str, str]) -> N
 
 def test_api_beyond_loopback_needs_a_key(tmp_path: Path, env: dict[str, str]) -> None:
     for host in ("0.0.0.0", "192.168.1.5", "::"):
-        with pytest.raises(ConfigError, match="set api_key") as err:
+        with pytest.raises(ConfigError, match=r"api.key \(or key_file\) must be set") as err:
             load_config({}, env | {"MESHD_API_HOST": host}, None)
-        assert err.value.key == "api_key"
+        assert err.value.key == "api.key"
         assert err.value.source == "env MESHD_API_HOST"
     key = "k" * 32
     c = load_config({"api_key": key}, env | {"MESHD_API_HOST": "0.0.0.0"}, None)
-    assert c.read_api_key() == key and not c.api_is_loopback
+    assert c.read_api_key() == key and not c.api.is_loopback
     key_file = _write(tmp_path / "api.key", key + "\n")
     key_file.chmod(0o600)
     c = load_config({"api_host": "0.0.0.0", "api_key_file": str(key_file)}, env, None)
     assert c.read_api_key() == key
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         c = load_config({"api_host": host}, env, None)
-        assert c.api_is_loopback and c.read_api_key() is None
+        assert c.api.is_loopback and c.read_api_key() is None
     with pytest.raises(ConfigError, match="too short"):
         load_config({"api_key": "hunter2"}, env, None)
 
@@ -290,19 +290,87 @@ def test_api_allowed_hosts_and_cors_origins_from_file_env_and_flags(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
     c = load_config({}, env, None)
-    assert c.api_allowed_hosts == () and c.api_cors_origins == ()
+    assert c.api.allowed_hosts == () and c.api.cors_origins == ()
     file = _write(tmp_path / "m.toml", 'api_allowed_hosts = ["mesh.lan", "[fd00::2]:7392"]\n'
                   'api_cors_origins = ["https://app.example.com"]\n')  # fmt: skip
     c = load_config({}, env, file)
-    assert c.api_allowed_hosts == ("mesh.lan", "[fd00::2]:7392")
-    assert c.api_cors_origins == ("https://app.example.com",)
+    assert c.api.allowed_hosts == ("mesh.lan", "[fd00::2]:7392")
+    assert c.api.cors_origins == ("https://app.example.com",)
     c = load_config({}, env | {"MESHD_API_ALLOWED_HOSTS": "a.lan,b.lan:8000"}, None)
-    assert c.api_allowed_hosts == ("a.lan", "b.lan:8000")
+    assert c.api.allowed_hosts == ("a.lan", "b.lan:8000")
     args = _parse(["--api-allowed-hosts", "proxy.example", "--api-cors-origins",
                    "http://localhost:3000,https://app.example.com"])  # fmt: skip
     c = load_config(config_cli_values(args), env, None)
-    assert c.api_allowed_hosts == ("proxy.example",)
-    assert c.api_cors_origins == ("http://localhost:3000", "https://app.example.com")
+    assert c.api.allowed_hosts == ("proxy.example",)
+    assert c.api.cors_origins == ("http://localhost:3000", "https://app.example.com")
+
+
+def test_api_table_and_its_flat_spellings_set_the_same_keys(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    table = _write(tmp_path / "t.toml", '[api]\nport = 8000\nallowed_hosts = ["mesh.lan"]\n')
+    flat = _write(tmp_path / "f.toml", 'api_port = 8000\napi_allowed_hosts = ["mesh.lan"]\n')
+    assert load_config({}, env, table) == load_config({}, env, flat)
+    assert load_config({}, env, table).api.allowed_hosts == ("mesh.lan",)
+    for name in ("MESHD_API_PORT", "MESHD_API__PORT"):
+        loaded = load_config_sources({}, env | {name: "8100"}, table)
+        assert loaded.config.api.port == 8100 and loaded.origins["api.port"] == f"env {name}"
+    # The flags are one spelling (`--api-port` is `api.port`); code may pass either key.
+    assert load_config_from_args(_parse(["--api-port", "8200"]), env).api.port == 8200
+    assert load_config({"api_port": 8300}, env, None).api.port == 8300
+    assert load_config({"api": {"port": 8400}}, env, None).api.port == 8400
+
+
+def test_both_spellings_of_an_api_key_in_one_place_is_an_error(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    file = _write(tmp_path / "both.toml", "api_port = 8000\n[api]\nport = 8001\n")
+    with pytest.raises(ConfigError, match=r"api.port is set twice.*api_port.*\[api\] port") as err:
+        load_config({}, env, file)
+    assert (err.value.key, err.value.source) == ("api.port", f"config file {file}")
+    assert str(file) in str(err.value)
+    both = {"MESHD_API_PORT": "1", "MESHD_API__PORT": "2"}
+    with pytest.raises(ConfigError, match=r"set twice.*MESHD_API_?_PORT and as MESHD_API_?_PORT"):
+        load_config({}, env | both, None)
+    with pytest.raises(ConfigError, match="set twice"):
+        load_config({"api_port": 1, "api.port": 2}, env, None)
+    # Different places are precedence, not a conflict.
+    flat = _write(tmp_path / "flat.toml", "api_port = 1\n")
+    assert load_config({}, env | {"MESHD_API__PORT": "2"}, flat).api.port == 2
+
+
+def test_spec_table_errors_name_file_table_and_key(tmp_path: Path, env: dict[str, str]) -> None:
+    cases = {
+        "[spec]\nwindow_max_tokens = 100\n": (
+            "spec.window_max_tokens",
+            r"spec.window_max_tokens = 100 is out of range; allowed 0\.\.64",
+        ),
+        '[spec]\nmax_pipeline_depth = "2"\n': (
+            "spec.max_pipeline_depth",
+            r"spec.max_pipeline_depth: Expected `int`, got `str`",
+        ),
+        '[spec]\nstrategy = "eagle"\n': (
+            "spec.strategy",
+            r"spec.strategy = 'eagle' is unknown; allowed: disabled",
+        ),
+        '[spec]\nstrategy = "draft"\n': (
+            "spec.strategy",
+            r"spec.strategy 'draft' needs a draft model",
+        ),
+        "[spec]\nngram_min = 6\n": (
+            "spec.ngram_min",
+            r"spec.ngram_min \(6\) must not exceed ngram_max \(4\)",
+        ),
+    }
+    for text, (key, message) in cases.items():
+        file = _write(tmp_path / "spec.toml", text)
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config({}, env, file)
+        assert (err.value.key, err.value.source) == (key, f"config file {file}"), text
+        assert str(err.value).endswith(f"(set by config file {file})")
+    # A float key takes a TOML integer, as every other table's float keys do.
+    file = _write(tmp_path / "ok.toml", "[spec]\nmin_speedup = 2\n")
+    assert load_config({}, env, file).spec.min_speedup == 2.0
 
 
 @pytest.mark.parametrize(
@@ -319,10 +387,10 @@ def test_api_allowed_hosts_and_cors_origins_from_file_env_and_flags(
 def test_bad_api_hosts_and_origins_name_the_key_and_source(
     env: dict[str, str], key: str, value: str, match: str
 ) -> None:
-    name = env_name(key)
+    name = "MESHD_" + key.upper()  # the flat spelling, MESHD_API_ALLOWED_HOSTS
     with pytest.raises(ConfigError, match=match) as err:
         load_config({}, env | {name: value}, None)
-    assert (err.value.key, err.value.source) == (key, f"env {name}")
+    assert (err.value.key, err.value.source) == (key.replace("_", ".", 1), f"env {name}")
 
 
 def test_mesh_secret_sources(tmp_path: Path, env: dict[str, str]) -> None:
@@ -420,7 +488,7 @@ def test_render_redacts_secrets_and_round_trips(tmp_path: Path, env: dict[str, s
     assert json.loads(render(c, as_json=True))["lane"]["dead_after_s"] == 1.5
     # Logs and tracebacks show the repr: no secrets there either.
     assert SECRET not in repr(c) and api_key not in repr(c) and token not in repr(c)
-    assert "api_port=7392" in repr(c) and "<redacted>" in str(c)
+    assert "port=7392" in repr(c) and "<redacted>" in str(c)
     plain = load_config(
         {"layers": (0, 3), "emulate.delay_s": 0.01, "join": ("10.0.0.1:1",)},
         env | {"MESHD_MDNS__INTERFACES": "127.0.0.1", "MESHD_SPEC__STRATEGY": "mtp"},
@@ -513,7 +581,11 @@ def test_component_tables_from_file_env_and_flags(tmp_path: Path, env: dict[str,
         ("MESHD_LANE__DEAD_AFTER_S", "0", "lane.dead_after_s", "positive"),
         ("MESHD_MEMBERSHIP__GOSSIP_FANOUT", "0", "membership.gossip_fanout", "at least 1"),
         ("MESHD_CONTEXT_TOKENS", "-1", "context_tokens", ">= 0"),
-        ("MESHD_API_MAX_BODY_BYTES", "0", "api_max_body_bytes", ">= 1"),
+        ("MESHD_API_MAX_BODY_BYTES", "0", "api.max_body_bytes", ">= 1"),
+        ("MESHD_API__BODY_TIMEOUT_S", "0", "api.body_timeout_s", "positive"),
+        ("MESHD_SPEC__NGRAM_MAX", "20", "spec.ngram_max", r"1\.\.16"),
+        ("MESHD_FETCH__HOLDER_WAIT_S", "0", "fetch.holder_wait_s", "> 0"),
+        ("MESHD_BULK__HISTORY", "2", "bulk.history", ">= 4"),
     ],
 )
 def test_every_table_validates_naming_key_and_source(
@@ -560,6 +632,20 @@ def test_docs_list_every_key_and_nothing_else() -> None:
     assert sorted(rows) == sorted(KEYS)
 
 
+def test_docs_list_each_key_under_its_table() -> None:
+    heading = ""
+    for line in DOCS.read_text().splitlines():
+        if line.startswith("### "):
+            heading = line
+        match = _ROW.match(line)
+        if match:
+            table = match.group(1).rpartition(".")[0]
+            if table:
+                assert f"`[{table}]`" in heading, (match.group(1), heading)
+            else:
+                assert "`[" not in heading, (match.group(1), heading)
+
+
 def test_docs_defaults_and_names_match_the_code() -> None:
     for key, (default, names, _what) in _doc_rows().items():
         assert re.findall(r"`([^`]+)`", names)[:2] == [env_name(key), flag_name(key)], key
@@ -576,3 +662,29 @@ def test_docs_toml_examples_load(tmp_path: Path) -> None:
     for i, block in enumerate(blocks):
         config = load_config({}, {"HOME": str(tmp_path)}, _write(tmp_path / f"{i}.toml", block))
         assert isinstance(config, NodeConfig)
+
+
+# --- meshd config show ------------------------------------------------------------------------
+
+
+def test_config_show_prints_what_serve_would_run_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshd.cli.main import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MESHD_LANE__DEAD_AFTER_S", "2.5")
+    key = "api-key-for-tests-0123456789"
+    file = _write(tmp_path / "m.toml", f'api_port = 8000\n[api]\nkey = "{key}"\n')
+    assert main(["config", "show", "--config", str(file), "--api-host", "0.0.0.0"]) == 0
+    shown = capsys.readouterr().out
+    assert key not in shown and 'key = "<redacted>"' in shown
+    loaded = tomllib.loads(shown)
+    assert loaded["api"]["port"] == 8000 and loaded["api"]["host"] == "0.0.0.0"
+    assert loaded["lane"]["dead_after_s"] == 2.5
+    assert main(["config", "show", "--json", "--config", str(file)]) == 0
+    assert json.loads(capsys.readouterr().out)["api"]["port"] == 8000
+    both = _write(tmp_path / "both.toml", "api_port = 1\n[api]\nport = 2\n")
+    assert main(["config", "show", "--config", str(both)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "api.port is set twice" in err and str(both) in err

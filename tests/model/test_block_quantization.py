@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from meshd.bench.checkpoints import make_checkpoint
+from meshd.bench.gguf_writer import write_gguf
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels import cpu_kernels
@@ -30,8 +32,6 @@ from meshd.model.kernels.blocks import quantize_rows
 from meshd.model.quant import block_type
 from meshd.model.stage import StageModel
 from meshd.node.planning import model_shape
-from tests.model.gguf_files import write_gguf
-from tests.model.tiny import make_checkpoint
 
 MIN_COSINE = {"q8_0": 0.99, "q4_0": 0.65, "q4_k": 0.7}
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 3]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint, read_safetensors_header
 from meshd.model.config import parse_config
 from meshd.model.errors import (
@@ -21,7 +22,6 @@ from meshd.model.errors import (
     ShapeMismatch,
     UnsupportedArchitecture,
 )
-from tests.model.tiny import make_checkpoint
 
 
 @pytest.fixture(scope="module")

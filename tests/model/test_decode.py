@@ -7,12 +7,12 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.checkpoints import make_checkpoint
+from meshd.bench.single_node import Sampler, Sampling, generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import Sampler, Sampling, generate
 from meshd.model.device import device_memory_bytes, pick_device
 from meshd.model.stage import StageModel
-from tests.model.tiny import make_checkpoint
 
 PROMPT = [1, 9, 8, 7, 100, 101, 102, 5, 5, 5, 60]
 

@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.bench.checkpoints import make_checkpoint
+from meshd.bench.gguf_writer import pack_q4_k, pack_q5_k, pack_q6_k, permute, write_gguf
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.errors import (
     CorruptCheckpoint,
     MissingFile,
@@ -22,8 +24,6 @@ from meshd.model.errors import (
 from meshd.model.files import model_name, open_checkpoint, open_tokenizer
 from meshd.model.gguf_checkpoint import GGUFCheckpoint, dequantize, unpermute_rows
 from meshd.model.stage import StageModel
-from tests.model.gguf_files import pack_q4_k, pack_q5_k, pack_q6_k, permute, write_gguf
-from tests.model.tiny import make_checkpoint
 
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 3]  # longer than mistral's window (6)
 FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3"]

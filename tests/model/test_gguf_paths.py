@@ -9,17 +9,17 @@ import pytest
 import torch
 import trio
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.bench.decode import DEFAULT_PROMPT
+from meshd.bench.gguf_writer import write_gguf
+from meshd.bench.reference import transformers_model
+from meshd.bench.single_node import generate
 from meshd.cli.main import main
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
-from meshd.model.reference import transformers_model
 from meshd.model.stage import StageModel
-from tests.model.gguf_files import write_gguf
-from tests.model.tiny import make_checkpoint
 
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 3]
 

@@ -14,6 +14,7 @@ import weakref
 import gguf
 import pytest
 
+from meshd.bench.gguf_writer import write_gguf
 from meshd.model import manifest as manifest_module
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.errors import CorruptCheckpoint, InvalidConfig
@@ -26,7 +27,6 @@ from meshd.model.gguf_checkpoint import (
     read_gguf,
 )
 from meshd.model.manifest import set_cache_dir, sha256_ranges, tensor_bytes_hashed
-from tests.model.gguf_files import write_gguf
 
 # Arrays of every kind the bulk reader takes, with the awkward strings: empty ones, multi-byte
 # characters, a character made of a whole 4-byte sequence, spaces (merges are "a b").

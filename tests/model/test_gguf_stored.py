@@ -14,17 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.bench.checkpoints import make_checkpoint
+from meshd.bench.gguf_writer import write_gguf
+from meshd.bench.single_node import generate
 from meshd.coord.window_loop import REPLAY_WINDOW_TOKENS
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels import cpu_kernels
 from meshd.model.stage import StageModel
 from meshd.node.planning import model_shape
-from tests.model.gguf_files import write_gguf
-from tests.model.tiny import make_checkpoint
 
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 3]
 FAMILIES = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3"]

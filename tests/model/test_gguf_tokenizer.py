@@ -8,13 +8,14 @@ import pathlib
 import gguf
 import pytest
 import tokenizers
-from tokenizers import decoders, normalizers, pre_tokenizers, processors
+from tokenizers import decoders, pre_tokenizers
 
+from meshd.bench.gguf_writer import write_gguf, write_sentencepiece_gguf, write_vocab_gguf
+from meshd.bench.tokenizer_dirs import SENTENCES, SP_TEXTS, byte_level_dir, sentencepiece_dir
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.errors import TokenizerError
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.tokenizer import Tokenizer
-from tests.model.gguf_files import write_gguf, write_vocab_gguf
 
 TEXTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -76,56 +77,6 @@ def test_the_daemon_opens_the_gguf_as_one_model_file(tmp_path: pathlib.Path) -> 
 
 
 # The split regexes of Llama 3's and Qwen2's tokenizer.json (as published with the models).
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def byte_level_dir(
-    directory: pathlib.Path, pre: str, sentences: list[str], vocab_size: int = 1000
-) -> pathlib.Path:
-    """A byte-level BPE tokenizer.json laid out like Llama 3's (`llama-bpe`: split regex,
-    ignore_merges, BOS template) or Qwen2's (`qwen2`: NFC, split regex), trained here."""
-    regex = LLAMA3_SPLIT if pre == "llama-bpe" else QWEN2_SPLIT
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-    if pre == "qwen2":
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(ignore_merges=pre == "llama-bpe"))
-    if pre == "qwen2":
-        tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(sentences, trainer)
-    config: dict[str, object] = {"eos_token": specials[1 if pre == "llama-bpe" else 0]}
-    if pre == "llama-bpe":
-        tok.post_processor = processors.TemplateProcessing(
-            single="<|begin_of_text|> $A",
-            pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-            special_tokens=[("<|begin_of_text|>", 0)],
-        )
-        config |= {"bos_token": "<|begin_of_text|>", "add_bos_token": True}
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_llama3_and_qwen2_style_byte_level_bpe_from_gguf(tmp_path: pathlib.Path, pre: str) -> None:
     src = byte_level_dir(tmp_path / "src", pre, SENTENCES + TEXTS)
@@ -169,111 +120,6 @@ def test_smollm_style_byte_level_bpe_splits_digits_first(tmp_path: pathlib.Path)
 
 
 # --- SentencePiece ("llama") -------------------------------------------------------------
-
-SENTENCES = [
-    "the quick brown fox jumps over the lazy dog",
-    "the lazy dog sleeps in the warm sun all day",
-    "a quick brown dog jumps over a sleeping fox",
-    "foxes and dogs are not the best of friends",
-    "over and over the fox jumps the dog",
-    "sunny days are the best days for lazy dogs",
-] * 4
-SP_TEXTS = [
-    *SENTENCES[:6],
-    "The Quick Brown FOX",  # capitals the training text never had: characters and bytes
-    "jumps  twice   with spaces ",
-    "naïve café ☕ 日本",  # byte fallback
-    "<s> is text here, not the control token",
-    "",
-]
-_SPACE = "\u2581"
-
-
-def sentencepiece_dir(
-    directory: pathlib.Path, sentences: list[str] = SENTENCES, vocab_size: int = 400
-) -> pathlib.Path:
-    """A Llama-2-style tokenizer.json (BPE, byte fallback, ▁ spaces) trained on `sentences`."""
-    specials = ["<unk>", "<s>", "</s>"]
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    trainer_model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    trainer_model.normalizer = normalizers.Replace(" ", _SPACE)
-    # SentencePiece never merges across words: train on ▁-prefixed words.
-    trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials + byte_tokens, show_progress=False
-    )
-    trainer_model.train_from_iterator(sentences, trainer)
-    trained = json.loads(trainer_model.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
-    tok = tokenizers.Tokenizer(
-        tokenizers.models.BPE(
-            vocab=trained["vocab"],
-            merges=merges,
-            unk_token="<unk>",
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    tok.add_special_tokens(
-        [tokenizers.AddedToken(t, special=True, normalized=False) for t in specials]
-    )
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
-    )
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace(_SPACE, " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
-    )
-    return directory
-
-
-def write_sentencepiece_gguf(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
-    """The vocabulary as the converter's `_set_vocab_sentencepiece` writes it: pieces in id
-    order, scores (a SentencePiece BPE piece scores minus its creation rank: here -id), types."""
-    tok = tokenizers.Tokenizer.from_file(str(src / "tokenizer.json"))
-    vocab = tok.get_vocab(with_added_tokens=True)
-    by_id = sorted(vocab, key=vocab.__getitem__)
-    writer = gguf.GGUFWriter(dest, "llama")
-    tokens, scores, types = [], [], []
-    for i, piece in enumerate(by_id):
-        tokens.append(piece)
-        if piece == "<unk>":
-            kind, score = gguf.TokenType.UNKNOWN, 0.0
-        elif piece in ("<s>", "</s>"):
-            kind, score = gguf.TokenType.CONTROL, 0.0
-        elif piece.startswith("<0x") and len(piece) == 6:
-            kind, score = gguf.TokenType.BYTE, 0.0
-        else:
-            kind, score = gguf.TokenType.NORMAL, -float(i)
-        types.append(kind)
-        scores.append(score)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dest
 
 
 def test_sentencepiece_bpe_from_gguf_matches_tokenizer_json(tmp_path: pathlib.Path) -> None:

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.kernels import cpu_kernels, unavailable_reason
 from meshd.model.quant import Int8Fbgemm, Int8Vnni, has_fbgemm, quantize_matrix
 from meshd.model.stage import StageModel
-from tests.model.tiny import make_checkpoint
 
 CPU = torch.device("cpu")
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 42]

@@ -9,10 +9,10 @@ import torch
 import transformers
 from torch import nn
 
+from meshd.bench.checkpoints import add_mtp, make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.errors import InvalidInput
 from meshd.model.stage import StageModel
-from tests.model.tiny import add_mtp, make_checkpoint
 
 TOKENS = [1, 30, 31, 200, 7, 7, 99, 150, 3, 64, 65, 12, 240, 18]
 DEPTH = 2

@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.checkpoints import FAMILIES, make_checkpoint
+from meshd.bench.single_node import generate
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
-from tests.model.tiny import FAMILIES, make_checkpoint
 
 PROMPT = [1, 17, 200, 42, 42, 9, 130, 77, 5, 250, 3, 64]
 

@@ -7,10 +7,10 @@ import pathlib
 import pytest
 import torch
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.errors import KVBudgetExceeded
 from meshd.model.stage import StageModel
-from tests.model.tiny import make_checkpoint
 
 
 @pytest.fixture(scope="module")

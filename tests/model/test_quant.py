@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.bench.decode import RANDOM_CONFIGS
+from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import parse_config
-from meshd.model.decode import generate
 from meshd.model.kernels import cpu_kernels, unavailable_reason
 from meshd.model.quant import (
     Int4Cpu,
@@ -29,7 +30,6 @@ from meshd.model.quant import (
 )
 from meshd.model.stage import StageModel, kv_bytes_per_token, layer_bytes, stage_weight_bytes
 from meshd.model.tokenizer import Tokenizer
-from tests.model.tiny import make_checkpoint
 
 CPU = torch.device("cpu")
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211, 17, 42]

@@ -9,11 +9,11 @@ import msgspec
 import pytest
 import torch
 
+from meshd.bench.checkpoints import make_checkpoint
+from meshd.bench.single_node import generate
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.errors import InvalidInput, KVBudgetExceeded, SessionError
 from meshd.model.stage import StageModel, kv_bytes_per_token, layer_bytes
-from tests.model.tiny import make_checkpoint
 
 PROMPT = [1, 5, 99, 23, 23, 180, 7, 64, 2, 211]
 SPLITS = {

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import kill_all, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel, stage_weight_bytes
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines

@@ -32,6 +32,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshd.bench.single_node import generate as single_node_generate
 from meshd.cli.supervisor import (
     DaemonError,
     found_each_other,
@@ -43,7 +44,6 @@ from meshd.cli.supervisor import (
 )
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import DROP_REASONS

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from meshd.bench.fetch import artifact_nodes
+from meshd.bench.gguf_writer import write_gguf
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.gguf_mesh import GGUFStoreCheckpoint
@@ -31,7 +32,6 @@ from meshd.model.stage import StageModel
 from meshd.node.fetch import stage_tensor_names
 from meshd.node.fetch_run import FetchRun
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, open_manifest
-from tests.model.gguf_files import write_gguf
 from tests.node.daemons import SECRET, Daemon
 from tests.node.test_fetch_mesh import _tokens
 

@@ -25,11 +25,11 @@ import httpx
 import pytest
 import torch
 
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started, wait_until
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.manifest import MANIFEST_FILE, MODEL_FILES, NAME_FILE
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer

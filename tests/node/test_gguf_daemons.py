@@ -9,13 +9,13 @@ import httpx
 import pytest
 import torch
 
+from meshd.bench.gguf_writer import write_gguf
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.model.gguf_files import write_gguf
 from tests.node.daemons import SECRET, Daemon
 
 pytestmark = pytest.mark.slow

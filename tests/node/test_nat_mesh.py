@@ -26,6 +26,7 @@ import torch
 import trio
 from nacl.bindings import crypto_scalarmult_base
 
+from meshd.bench.single_node import generate as single_node_generate
 from meshd.cli.supervisor import (
     DaemonError,
     ServeProcess,
@@ -40,7 +41,6 @@ from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate as single_node_generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.net.endpoint import open_endpoint

@@ -26,10 +26,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.bench.decode import write_random_checkpoint
+from meshd.bench.single_node import generate
 from meshd.cli.supervisor import kill_all, stage_budget, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.decode import generate
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from tests.node.daemons import Daemon

@@ -19,6 +19,11 @@ P = 0.0005
 SIMPLE = ModelShape("simple", 24, GiB, 0)
 
 
+# A finite reuse tolerance: a plan that keeps stages in place wins only while at most 10 %
+# slower (PlannerConfig's default is infinite, sticky plans).
+TOLERANT = PlannerConfig(reuse_tolerance_fraction=0.10)
+
+
 def node(key: str, gib: float, ms_per_layer: float, **kw: object) -> NodeCapacity:
     return NodeCapacity(key.encode(), int(gib * GiB), ms_per_layer / 1e3, **kw)  # type: ignore[arg-type]
 
@@ -291,7 +296,16 @@ def test_replan_keeps_surviving_stages_and_their_layers() -> None:
         "simple",
         (RouteStage(b"s0", 0, 8), RouteStage(b"s1", 8, 16), RouteStage(b"s2", 16, 24)),
     )
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"s1"}, prefer=current)
+    p = plan(
+        SIMPLE,
+        nodes,
+        rtt,
+        b"coord",
+        context_tokens=0,
+        exclude={b"s1"},
+        prefer=current,
+        config=TOLERANT,
+    )
     assert b"s1" not in p.route.keys
     by_key = {s.node_key: (s.layer_start, s.layer_end) for s in p.stages}
     assert by_key[b"s0"] == (0, 8)
@@ -314,13 +328,14 @@ def test_replan_drops_survivors_when_a_full_plan_is_much_faster() -> None:
         }
     )
     current = Route("simple", (RouteStage(b"slow", 0, 8), RouteStage(b"dead", 8, 24)))
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"dead"}, prefer=current)
+    kw: dict[str, Any] = {"exclude": {b"dead"}, "prefer": current, "config": TOLERANT}
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, **kw)
     assert keys(p) == ["fast"]
     assert p.kept_stages == 0
 
 
 def test_sticky_plans_keep_survivors_however_much_faster_a_full_plan_looks() -> None:
-    # The daemon's setting (an infinite reuse tolerance): the same loss as above moves only
+    # The default (an infinite reuse tolerance): the same loss as above moves only
     # the lost stage. Its layers go to the best free node; the slow survivor keeps its own.
     nodes = [node("slow", 10, 5.0), node("fast", 40, 0.5), node("spare", 40, 5.0)]
     names = ("coord", "slow", "fast", "spare")
@@ -375,10 +390,10 @@ def test_prefer_accepts_held_ranges_and_ignores_another_models_route() -> None:
     names = ("coord", "s0", "s2", "spare1", "spare2")
     rtt = rtts({(x, y): 1 for x in names for y in names[1:] if x != y})
     held = {b"s0": (0, 8), b"s2": (16, 24)}
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held, config=TOLERANT)
     assert p.reload_layers == 8
     other = Route("other-model", (RouteStage(b"s0", 0, 8), RouteStage(b"s2", 8, 24)))
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=other)
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=other, config=TOLERANT)
     assert p.kept_stages == 0
     assert p.reload_layers == 24
 
@@ -392,15 +407,31 @@ def test_a_kill_moves_only_the_dead_stage_while_the_spares_round_trips_are_unmea
     measured = {(a, b) for a in ("coord", "x", "y", "z", "w") for b in ("x", "y", "z", "w")}
     rtt = rtts({(a, b): 1 for a, b in measured if a != b and {a, b} != {"w", "z"}})
     held = {b"x": (0, 8), b"y": (8, 16), b"z": (16, 24)}
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held)
+    p = plan(
+        SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held, config=TOLERANT
+    )
     assert keys(p) == ["x", "w", "z"]
     assert ranges(p) == [(0, 8), (8, 16), (16, 24)]
     assert p.reload_layers == 8 and p.kept_stages == 2
     # The same plan on every node that sees the same view (leaderless), and once the round
     # trip is measured (as fast as the others) nothing moves either.
-    assert plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held) == p
+    assert (
+        plan(
+            SIMPLE,
+            nodes,
+            rtt,
+            b"coord",
+            context_tokens=0,
+            exclude={b"y"},
+            prefer=held,
+            config=TOLERANT,
+        )
+        == p
+    )
     rtt.update(rtts({("w", "z"): 1}))
-    settled = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held)
+    settled = plan(
+        SIMPLE, nodes, rtt, b"coord", context_tokens=0, exclude={b"y"}, prefer=held, config=TOLERANT
+    )
     assert ranges(settled) == ranges(p) and keys(settled) == keys(p)
 
 
@@ -411,7 +442,7 @@ def test_a_joining_spare_with_unmeasured_round_trips_does_not_move_loaded_stages
     rtt = rtts({(a, b): 1 for a in names for b in names[1:] if a != b})
     rtt.update(rtts({("coord", "w"): 1, ("x", "w"): 1}))
     held = {b"x": (0, 8), b"y": (8, 16), b"z": (16, 24)}
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held, config=TOLERANT)
     assert keys(p) == ["x", "y", "z"] and p.reload_layers == 0
 
 
@@ -423,6 +454,6 @@ def test_measured_gains_still_move_loaded_stages() -> None:
     slow = [{"x", "y"}, {"y", "z"}]
     rtt = rtts({(a, b): 40 if {a, b} in slow else 1 for a in names for b in names[1:] if a != b})
     held = {b"x": (0, 8), b"y": (8, 16), b"z": (16, 24)}
-    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held, config=TOLERANT)
     assert p.reload_layers > 0
     assert keys(p)[1] != "y"  # y no longer sits between x and z

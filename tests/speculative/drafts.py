@@ -6,8 +6,8 @@ import functools
 import pathlib
 import tempfile
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.speculative.draft import DraftModel
-from tests.model.tiny import make_checkpoint
 
 _ROOT = pathlib.Path(tempfile.mkdtemp(prefix="meshd-drafts-"))
 

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.errors import ModelError
 from meshd.model.stage import BatchItem, StageModel
@@ -26,7 +27,6 @@ from protocol.messages import (
     VerifyReply,
     VerifyWindow,
 )
-from tests.model.tiny import make_checkpoint
 
 LAYERS = 3
 ATOL = 1e-5

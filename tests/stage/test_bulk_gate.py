@@ -9,12 +9,12 @@ import pytest
 import trio
 import trio.testing
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.bulk import BulkGate
 from meshd.stage.host import BULK_HOLD_MAX_S, StageHost
 from protocol.messages import Message, OpenSession, Sampling, VerifyReply, VerifyWindow
-from tests.model.tiny import make_checkpoint
 
 COORD = b"c" * 32
 

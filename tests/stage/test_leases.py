@@ -12,6 +12,7 @@ import torch
 import trio
 import trio.testing
 
+from meshd.bench.checkpoints import make_checkpoint
 from meshd.coord.coordinator import Coordinator, GenerationRequest, RouteFailed
 from meshd.coord.local import open_local_pipeline
 from meshd.model.checkpoint import Checkpoint
@@ -21,7 +22,6 @@ from meshd.speculative.config import SpecConfig
 from meshd.stage.host import COORDINATOR_LOST, LEASE_LAPSED, StageHost
 from meshd.stage.leases import Leases
 from protocol.messages import Message, OpenSession, SessionKeepAlive, StageError
-from tests.model.tiny import make_checkpoint
 
 COORD = b"c" * 32
 OTHER = b"o" * 32

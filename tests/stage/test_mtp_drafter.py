@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
+from meshd.bench.checkpoints import add_mtp, make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.stage.mtp_drafter import MtpDrafter
-from tests.model.tiny import add_mtp, make_checkpoint
 
 DEPTH = 3
 

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints written by transformers, the test-only oracle for meshd.model."""
+"""Tiny random checkpoints written by transformers: the oracle of meshd.model's tests and the
+inputs of benchmark scripts."""
 
 from __future__ import annotations
 
@@ -65,12 +66,14 @@ def make_checkpoint(
     cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = cls(**(BASE | extra | overrides))
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    auto: Any = transformers.AutoModelForCausalLM
+    model: Any = auto.from_config(config, attn_implementation="sdpa")
     randomize(model, seed)
     model.eval()
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kwargs)
-    return model
+    result: transformers.PreTrainedModel = model
+    return result
 
 
 def mtp_tensor_shapes(hidden: int, model: transformers.PreTrainedModel) -> dict[str, torch.Size]:

@@ -1,4 +1,5 @@
-"""Test-only: write a Hugging Face checkpoint directory as a GGUF file, the way llama.cpp does.
+"""Write a Hugging Face checkpoint directory as a GGUF file, the way llama.cpp does (the
+GGUF inputs of tests and benchmark scripts).
 
 Mirrors `convert_hf_to_gguf.py` (llama.cpp, vendored in llama-cpp-python 0.3.36) for the four
 families meshd runs: the same metadata keys, tensor names, the llama q/k row permutation
@@ -20,6 +21,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import tokenizers
 import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
@@ -338,3 +340,40 @@ def pack_q6_k(data: np.ndarray) -> np.ndarray:
 
 
 PACKERS = {Q.Q4_K: pack_q4_k, Q.Q5_K: pack_q5_k, Q.Q6_K: pack_q6_k}
+
+
+def write_sentencepiece_gguf(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """The vocabulary as the converter's `_set_vocab_sentencepiece` writes it: pieces in id
+    order, scores (a SentencePiece BPE piece scores minus its creation rank: here -id), types."""
+    tok = tokenizers.Tokenizer.from_file(str(src / "tokenizer.json"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    by_id = sorted(vocab, key=vocab.__getitem__)
+    writer = gguf.GGUFWriter(dest, "llama")
+    tokens, scores, types = [], [], []
+    for i, piece in enumerate(by_id):
+        tokens.append(piece)
+        if piece == "<unk>":
+            kind, score = gguf.TokenType.UNKNOWN, 0.0
+        elif piece in ("<s>", "</s>"):
+            kind, score = gguf.TokenType.CONTROL, 0.0
+        elif piece.startswith("<0x") and len(piece) == 6:
+            kind, score = gguf.TokenType.BYTE, 0.0
+        else:
+            kind, score = gguf.TokenType.NORMAL, -float(i)
+        types.append(kind)
+        scores.append(score)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
