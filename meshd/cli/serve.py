@@ -275,7 +275,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
-    from meshd.model.gguf_checkpoint import forget_parsed
+    from meshd.model.gguf_file import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
     from meshd.node.control import serve_control

@@ -29,13 +29,9 @@ import torch
 
 from meshd.model.checkpoint import OnTensor, TensorInfo, expected_shapes
 from meshd.model.errors import CorruptCheckpoint
-from meshd.model.gguf_checkpoint import (
-    TENSOR_TYPES,
-    GGUFCheckpoint,
-    StoredTensor,
-    parse_gguf,
-    read_gguf,
-)
+from meshd.model.gguf_checkpoint import GGUFCheckpoint, StoredTensor
+from meshd.model.gguf_file import parse_gguf, read_gguf
+from meshd.model.gguf_model import TENSOR_TYPES
 from protocol.artifacts import MANIFEST_VERSION, Artifact, ArtifactKind, Manifest
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from meshd.model import manifest as manifest_module
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.errors import CorruptCheckpoint, InvalidConfig
 from meshd.model.files import open_checkpoint, open_tokenizer
-from meshd.model.gguf_checkpoint import (
+from meshd.model.gguf_file import (
     GGUFMetadata,
     forget_parsed,
     parse_count,
