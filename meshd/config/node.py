@@ -29,7 +29,7 @@ from meshd.net.emulator import LinkProfile
 from meshd.net.web_origin import parse_host, parse_origin
 from meshd.plan.inputs import PlannerConfig
 from meshd.speculative.config import SpecConfig
-from meshd.stage.host import StageHostConfig
+from meshd.stage.host_config import StageHostConfig
 from protocol import RemoteProtocolError
 from protocol.artifacts import FetchConfig
 from protocol.config import LaneConfig

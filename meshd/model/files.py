@@ -43,6 +43,21 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint.open(p)
 
 
+def check_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Raise `ModelError` unless `path` opens as a checkpoint. A GGUF file is checked from its
+    header, metadata and tensor table without importing torch (`gguf_model.open_gguf`), so a
+    damaged file fails in well under a second; its tensor shapes are checked when it opens."""
+    if is_gguf(path):
+        from meshd.model.gguf_model import open_gguf
+
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise MissingFile(f"{p}: GGUF file not found")
+        open_gguf(p)
+        return
+    open_checkpoint(path)
+
+
 def open_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer of the model at `path` (directory files, or GGUF metadata)."""
     if is_gguf(path):
