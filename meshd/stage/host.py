@@ -51,8 +51,7 @@ from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
 from meshd.speculative.sampling import SamplingParams, token_logprobs, unpack_masks, verify
-# Re-exported: the hosts' callers name the config beside the host.
-from meshd.stage.host_config import StageHostConfig as StageHostConfig
+from meshd.stage.host_config import StageHostConfig as StageHostConfig  # re-exported
 from meshd.stage.leases import Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
