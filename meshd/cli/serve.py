@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, StartupError) as exc:
         print(f"meshd serve: {exc}", file=sys.stderr)
         return EXIT_STARTUP_ERROR
+    _prepare_model(config)
     setup_logging(config.log_level, config.log_format)
     try:
         trio.run(serve, config)
@@ -96,6 +97,18 @@ def _exit_at_once(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _prepare_model(config: NodeConfig) -> None:
+    """Hash the first model's tensors and build its tokenizer in threads while the daemon
+    imports torch (`meshd.model.files.prepare`; a GGUF file only)."""
+    first = config.models[0]
+    if first and not first.startswith("mesh:"):
+        from meshd.model.digests import set_cache_dir
+        from meshd.model.files import prepare
+
+        set_cache_dir(config.model_cache_path())  # where NodeBasis.load looks too
+        prepare(first)
 
 
 def check_model(model: str) -> None:
@@ -277,6 +290,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
+    from meshd.model.files import forget_prepared
     from meshd.model.gguf_file import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
@@ -299,6 +313,7 @@ async def serve(config: NodeConfig) -> None:
     basis = with_models(config, basis, more)
     # Every model is open: the parses of GGUF headers shared while opening them go.
     forget_parsed()
+    forget_prepared()
     log.info(
         "model %s open (id %s, %d layers, quantization %s)",
         basis.name or model_dir,

@@ -9,15 +9,17 @@ import hashlib
 import os
 import pathlib
 import shutil
+import time
 import weakref
 
 import gguf
 import pytest
 
-from meshd.model import manifest as manifest_module
+from meshd.model import digests
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.digests import set_cache_dir, sha256_ranges, tensor_bytes_hashed
 from meshd.model.errors import CorruptCheckpoint, InvalidConfig
-from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.files import forget_prepared, open_checkpoint, open_tokenizer, prepare
 from meshd.model.gguf_file import (
     GGUFMetadata,
     forget_parsed,
@@ -25,7 +27,6 @@ from meshd.model.gguf_file import (
     parse_gguf,
     read_gguf,
 )
-from meshd.model.manifest import set_cache_dir, sha256_ranges, tensor_bytes_hashed
 from tests.model.gguf_files import write_gguf
 
 # Arrays of every kind the bulk reader takes, with the awkward strings: empty ones, multi-byte
@@ -53,7 +54,7 @@ REAL_FILES = (
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> None:
     forget_parsed()
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     set_cache_dir(None)
 
 
@@ -175,7 +176,7 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     first = open_checkpoint(path).model_id
     assert tensor_bytes_hashed() > hashed
     # A restart: a new process (empty in-process caches), the same state dir.
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     forget_parsed()
     hashed = tensor_bytes_hashed()
     assert open_checkpoint(path).model_id == first
@@ -188,10 +189,51 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     other.write_bytes(data)
     os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     os.replace(other, path)
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     forget_parsed()
     assert open_checkpoint(path).model_id != first
     assert tensor_bytes_hashed() > hashed
+
+
+def test_a_prepared_file_opens_with_its_hashes_and_tokenizer_ready(
+    model_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_gguf, path)
+    hashed = tensor_bytes_hashed()
+    expected_id = open_checkpoint(path).model_id
+    once = tensor_bytes_hashed() - hashed
+    expected_ids = open_tokenizer(path).encode("hello world")
+    digests._file_hashes.clear()
+    forget_parsed()
+    set_cache_dir(tmp_path / "state")
+    hashed = tensor_bytes_hashed()
+    prepare(path)  # as `meshd serve` does before it imports torch
+    deadline = time.monotonic() + 30
+    while not list((tmp_path / "state").glob("hashes/*.msgpack")):  # hashed with no open
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    tokenizer = open_tokenizer(path)  # waits for the one being built
+    assert open_checkpoint(path).model_id == expected_id
+    assert tensor_bytes_hashed() - hashed == once  # each tensor hashed once, not again
+    assert tokenizer.encode("hello world") == expected_ids
+    assert open_tokenizer(path) is not tokenizer  # taken once: a later open builds its own
+    forget_prepared()
+
+
+def test_a_file_changed_after_prepare_gets_its_own_tokenizer(
+    model_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_gguf, path)
+    prepare(path)
+    other = tmp_path / "other.gguf"
+    write_gguf(builtin_model_dir(), other, "Q8_0", metadata={"tokenizer.ggml.add_bos_token": True})
+    os.replace(other, path)
+    forget_parsed()
+    reader = open_tokenizer(path)
+    assert reader.bos_id is not None and reader.encode("hi")[0] == reader.bos_id
+    forget_prepared()
 
 
 def test_threaded_range_hashes_equal_hashlibs(tmp_path: pathlib.Path) -> None:
