@@ -100,8 +100,8 @@ def _exit_at_once(status: int) -> NoReturn:
 
 
 def _prepare_model(config: NodeConfig) -> None:
-    """Hash the first model's tensors and build its tokenizer in threads while the daemon
-    imports torch (`meshd.model.files.prepare`; a GGUF file only)."""
+    """Hash the first model's tensors in threads while the daemon imports torch
+    (`meshd.model.files.prepare`; a GGUF file only)."""
     first = config.models[0]
     if first and not first.startswith("mesh:"):
         from meshd.model.digests import set_cache_dir
@@ -290,7 +290,6 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import ApiConfig, create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
-    from meshd.model.files import forget_prepared
     from meshd.model.gguf_file import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
@@ -313,7 +312,6 @@ async def serve(config: NodeConfig) -> None:
     basis = with_models(config, basis, more)
     # Every model is open: the parses of GGUF headers shared while opening them go.
     forget_parsed()
-    forget_prepared()
     log.info(
         "model %s open (id %s, %d layers, quantization %s)",
         basis.name or model_dir,

@@ -19,7 +19,7 @@ from meshd.model import digests
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.digests import set_cache_dir, sha256_ranges, tensor_bytes_hashed
 from meshd.model.errors import CorruptCheckpoint, InvalidConfig
-from meshd.model.files import forget_prepared, open_checkpoint, open_tokenizer, prepare
+from meshd.model.files import open_checkpoint, open_tokenizer, prepare
 from meshd.model.gguf_file import (
     GGUFMetadata,
     forget_parsed,
@@ -195,7 +195,7 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     assert tensor_bytes_hashed() > hashed
 
 
-def test_a_prepared_file_opens_with_its_hashes_and_tokenizer_ready(
+def test_a_prepared_file_is_hashed_ahead_and_its_model_id_hashes_nothing_again(
     model_gguf: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     path = tmp_path / "m.gguf"
@@ -203,7 +203,6 @@ def test_a_prepared_file_opens_with_its_hashes_and_tokenizer_ready(
     hashed = tensor_bytes_hashed()
     expected_id = open_checkpoint(path).model_id
     once = tensor_bytes_hashed() - hashed
-    expected_ids = open_tokenizer(path).encode("hello world")
     digests._file_hashes.clear()
     forget_parsed()
     set_cache_dir(tmp_path / "state")
@@ -213,27 +212,29 @@ def test_a_prepared_file_opens_with_its_hashes_and_tokenizer_ready(
     while not list((tmp_path / "state").glob("hashes/*.msgpack")):  # hashed with no open
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    tokenizer = open_tokenizer(path)  # waits for the one being built
     assert open_checkpoint(path).model_id == expected_id
     assert tensor_bytes_hashed() - hashed == once  # each tensor hashed once, not again
-    assert tokenizer.encode("hello world") == expected_ids
-    assert open_tokenizer(path) is not tokenizer  # taken once: a later open builds its own
-    forget_prepared()
 
 
-def test_a_file_changed_after_prepare_gets_its_own_tokenizer(
+def test_a_model_id_asked_while_its_file_is_hashed_waits_for_that_hashing(
     model_gguf: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     path = tmp_path / "m.gguf"
     shutil.copy(model_gguf, path)
-    prepare(path)
-    other = tmp_path / "other.gguf"
-    write_gguf(builtin_model_dir(), other, "Q8_0", metadata={"tokenizer.ggml.add_bos_token": True})
-    os.replace(other, path)
+    hashed = tensor_bytes_hashed()
+    expected_id = open_checkpoint(path).model_id
+    once = tensor_bytes_hashed() - hashed
+    digests._file_hashes.clear()
     forget_parsed()
-    reader = open_tokenizer(path)
-    assert reader.bos_id is not None and reader.encode("hi")[0] == reader.bos_id
-    forget_prepared()
+    hashed = tensor_bytes_hashed()
+    prepare(path)
+    assert open_checkpoint(path).model_id == expected_id  # at once, the hashing under way
+    deadline = time.monotonic() + 30
+    while tensor_bytes_hashed() - hashed < once:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert tensor_bytes_hashed() - hashed == once
 
 
 def test_threaded_range_hashes_equal_hashlibs(tmp_path: pathlib.Path) -> None:
