@@ -15,7 +15,6 @@ before the heavy imports.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import pathlib
@@ -24,9 +23,11 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 
 from meshd.model.errors import (
     CorruptCheckpoint,
@@ -34,10 +35,6 @@ from meshd.model.errors import (
     MissingFile,
     UnsupportedArchitecture,
 )
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
-    from gguf.gguf_reader import ReaderField
 
 _ITEM_SIZES: dict[Any, int] = {}  # numpy scalar type -> bytes, for `read_gguf`'s reader
 # Parsed files, most recently used last: (resolved path, device, inode, size, mtime_ns) -> reader.
@@ -96,195 +93,187 @@ def parse_gguf(path: pathlib.Path) -> GGUFReader:
     are read in bulk (`_BulkArray`): their `contents()` equal the plain reader's.
     """
     global _parse_count
-    reader_class, _ = _reader_classes()
     _check_magic_and_version(path)
     _parse_count += 1
     try:
-        return reader_class(path, "r")
+        return _PlainViewReader(path, "r")
     except _Damage as exc:
         raise CorruptCheckpoint(f"{path}: {exc}") from None
     except (ValueError, IndexError, KeyError, OSError) as exc:
         raise CorruptCheckpoint(f"{path}: not a readable GGUF file ({exc})") from None
 
 
-@functools.cache
-def _reader_classes() -> tuple[type[GGUFReader], type[ReaderField]]:
-    """`parse_gguf`'s reader and bulk array field, subclasses of the `gguf` package's (imported
-    on first use: `meshd.model` loads without it until a GGUF file is opened)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-    from gguf.gguf_reader import ReaderField
+class _BulkArray(ReaderField):
+    """A metadata array of strings or numbers held whole: `parts` ends with the array's bytes
+    (strings: their length prefixes included), `data` indexes that part, and `contents()`
+    decodes it, equal to the plain reader's per-element parts (the tests compare them)."""
 
-    class _BulkArray(ReaderField):
-        """A metadata array of strings or numbers held whole: `parts` ends with the array's bytes
-        (strings: their length prefixes included), `data` indexes that part, and `contents()`
-        decodes it, equal to the plain reader's per-element parts (the tests compare them)."""
+    # Strings: where each one's length prefix lies in the payload, then the payload's end.
+    _bounds: np.ndarray | None
+    _strings: list[str] | None
 
-        # Strings: where each one's length prefix lies in the payload, then the payload's end.
-        _bounds: np.ndarray | None
-        _strings: list[str] | None
+    def __new__(
+        cls,
+        offset: int,
+        name: str,
+        parts: list[np.ndarray],
+        data: list[int],
+        types: list[Any],
+        bounds: np.ndarray | None,
+    ) -> _BulkArray:
+        self = super().__new__(cls, offset, name, parts, data, types)
+        self._bounds = bounds
+        self._strings = None
+        return self
 
-        def __new__(
-            cls,
-            offset: int,
-            name: str,
-            parts: list[np.ndarray],
-            data: list[int],
-            types: list[Any],
-            bounds: np.ndarray | None,
-        ) -> _BulkArray:
-            self = super().__new__(cls, offset, name, parts, data, types)
-            self._bounds = bounds
-            self._strings = None
-            return self
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        payload = self.parts[-1]
+        if self._bounds is None:
+            if isinstance(index_or_slice, slice):
+                return payload[index_or_slice].tolist()
+            return payload[index_or_slice : index_or_slice + 1 or None].tolist()[0]
+        if not isinstance(index_or_slice, slice):
+            start = int(self._bounds[:-1][index_or_slice]) + 8
+            end = int(self._bounds[1:][index_or_slice])
+            return str(payload[start:end].tobytes(), encoding="utf-8")
+        # Decoded once per parse: a start reads the vocabulary three times (the config's
+        # stop ids, the tokenizer's), and a parse lives only through the start.
+        if self._strings is None:
+            self._strings = _decode_strings(payload, self._bounds)
+        return self._strings[index_or_slice]
 
-        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
-            payload = self.parts[-1]
-            if self._bounds is None:
-                if isinstance(index_or_slice, slice):
-                    return payload[index_or_slice].tolist()
-                return payload[index_or_slice : index_or_slice + 1 or None].tolist()[0]
-            if not isinstance(index_or_slice, slice):
-                start = int(self._bounds[:-1][index_or_slice]) + 8
-                end = int(self._bounds[1:][index_or_slice])
-                return str(payload[start:end].tobytes(), encoding="utf-8")
-            # Decoded once per parse: a start reads the vocabulary three times (the config's
-            # stop ids, the tokenizer's), and a parse lives only through the start.
-            if self._strings is None:
-                self._strings = _decode_strings(payload, self._bounds)
-            return self._strings[index_or_slice]
 
-    class PlainViewReader(GGUFReader):
-        # Give the reader a plain ndarray view of the map, not a `np.memmap`: it slices its map
-        # once per metadata value, and each `np.memmap` slice runs Python-level finalizers,
-        # several times the parse time (figures: docs/model-runtime.md). Still memory-mapped:
-        # the view reads nothing until touched.
-        @property  # type: ignore[override]
-        def data(self) -> np.ndarray:
-            return self._plain
+class _PlainViewReader(GGUFReader):
+    """`parse_gguf`'s reader: the `gguf` package's, reading the map as a plain array, bounds
+    checked, arrays read in bulk."""
 
-        @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._plain = value.view(np.ndarray)
+    # Give the reader a plain ndarray view of the map, not a `np.memmap`: it slices its map
+    # once per metadata value, and each `np.memmap` slice runs Python-level finalizers,
+    # several times the parse time (figures: docs/model-runtime.md). Still memory-mapped:
+    # the view reads nothing until touched.
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
 
-        def _get(
-            self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
-        ) -> np.ndarray:
-            # The reader's own `_get` slices past the end silently (the short result fails
-            # later, in numpy's words): every header field it reads must lie inside the file.
-            # It also builds an array per call to learn the item size; the sizes are cached.
-            count = int(count)
-            size = _ITEM_SIZES.get(dtype)
-            if size is None:
-                size = _ITEM_SIZES.setdefault(dtype, np.dtype(dtype).itemsize)
-            end = int(offset) + size * count
-            if end > len(self._plain):
-                raise _Damage(_past_end(end, len(self._plain)))
-            arr: np.ndarray = self._plain[offset:end].view(dtype=dtype)
-            order = self.byte_order if override_order is None else override_order
-            return arr.view(arr.dtype.newbyteorder(order))
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
 
-        def _build_fields(self, offs: int, count: int) -> int:
-            # The reader's own, but an array of strings or numbers becomes one `_BulkArray`:
-            # the reader makes a field part (numpy views) per element, 760 000 of them for a
-            # 151k-token vocabulary with its merges and token types, seconds of parse time and
-            # 200 MB of Python objects (figures: docs/model-runtime.md).
-            for _ in range(count):
-                orig_offs = offs
-                kv_klen, kv_kdata = self._get_str(offs)
-                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
-                raw_kv_type = self._get(offs, np.uint32)
-                offs += int(raw_kv_type.nbytes)
-                name = str(bytes(kv_kdata), encoding="utf-8")
-                head: list[np.ndarray] = [kv_klen, kv_kdata, raw_kv_type]
-                bulk = self._bulk_array(orig_offs, name, head, offs, int(raw_kv_type[0]))
-                if bulk is not None:
-                    self._push_field(bulk, skip_sum=True)
-                    offs += sum(int(part.nbytes) for part in bulk.parts[len(head) :])
-                    continue
-                size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
-                self._push_field(
-                    ReaderField(
-                        orig_offs, name, head + parts, [i + len(head) for i in idxs], types
-                    ),
-                    skip_sum=True,
-                )
-                offs += size
-            return offs
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        # The reader's own `_get` slices past the end silently (the short result fails
+        # later, in numpy's words): every header field it reads must lie inside the file.
+        # It also builds an array per call to learn the item size; the sizes are cached.
+        count = int(count)
+        size = _ITEM_SIZES.get(dtype)
+        if size is None:
+            size = _ITEM_SIZES.setdefault(dtype, np.dtype(dtype).itemsize)
+        end = int(offset) + size * count
+        if end > len(self._plain):
+            raise _Damage(_past_end(end, len(self._plain)))
+        arr: np.ndarray = self._plain[offset:end].view(dtype=dtype)
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
 
-        def _bulk_array(
-            self, orig_offs: int, name: str, head: list[np.ndarray], offs: int, raw_type: int
-        ) -> _BulkArray | None:
-            """The array at `offs` read whole, or None for any other value (the reader's own
-            code reads those: scalars, strings, empty or nested arrays, unknown types)."""
-            if raw_type != GGUFValueType.ARRAY:
-                return None
-            item_type = self._get(offs, np.uint32)
-            length = self._get(offs + 4, np.uint64)
-            count, item, start = int(length[0]), int(item_type[0]), offs + 12
-            if count == 0:
-                return None
-            if item == GGUFValueType.STRING:
-                bounds = self._string_bounds(start, count)
-                payload = self._get(start, np.uint8, int(bounds[-1]))
-                kind = GGUFValueType.STRING
-            else:
-                try:
-                    kind = GGUFValueType(item)
-                except ValueError:
-                    return None
-                nptype = self.gguf_scalar_to_np.get(kind)
-                if nptype is None:
-                    return None
-                bounds = None
-                payload = self._get(start, nptype, count)
-            parts = [*head, item_type, length, payload]
-            return _BulkArray(
-                orig_offs, name, parts, [len(parts) - 1], [GGUFValueType.ARRAY, kind], bounds
+    def _build_fields(self, offs: int, count: int) -> int:
+        # The reader's own, but an array of strings or numbers becomes one `_BulkArray`:
+        # the reader makes a field part (numpy views) per element, 760 000 of them for a
+        # 151k-token vocabulary with its merges and token types, seconds of parse time and
+        # 200 MB of Python objects (figures: docs/model-runtime.md).
+        for _ in range(count):
+            orig_offs = offs
+            kv_klen, kv_kdata = self._get_str(offs)
+            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            name = str(bytes(kv_kdata), encoding="utf-8")
+            head: list[np.ndarray] = [kv_klen, kv_kdata, raw_kv_type]
+            bulk = self._bulk_array(orig_offs, name, head, offs, int(raw_kv_type[0]))
+            if bulk is not None:
+                self._push_field(bulk, skip_sum=True)
+                offs += sum(int(part.nbytes) for part in bulk.parts[len(head) :])
+                continue
+            size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+            self._push_field(
+                ReaderField(orig_offs, name, head + parts, [i + len(head) for i in idxs], types),
+                skip_sum=True,
             )
+            offs += size
+        return offs
 
-        def _string_bounds(self, start: int, count: int) -> np.ndarray:
-            """Where each of `count` strings from `start` begins (its 8-byte length), relative
-            to `start`, and where the last ends: the lengths chain, so this is one pass."""
-            order = "=" if self.byte_order == "I" else ("<" if sys.byteorder == "big" else ">")
-            unpack = struct.Struct(order + "Q").unpack_from
-            buf, size = self._plain.data, len(self._plain)
-            bounds = [0] * (count + 1)
-            pos = start
-            for i in range(count):
-                if pos + 8 > size:
-                    raise _Damage(_past_end(pos + 8, size))
-                bounds[i] = pos - start
-                pos += 8 + unpack(buf, pos)[0]
-            if pos > size:
-                raise _Damage(_past_end(pos, size))
-            bounds[count] = pos - start
-            return np.array(bounds, dtype=np.int64)
+    def _bulk_array(
+        self, orig_offs: int, name: str, head: list[np.ndarray], offs: int, raw_type: int
+    ) -> _BulkArray | None:
+        """The array at `offs` read whole, or None for any other value (the reader's own
+        code reads those: scalars, strings, empty or nested arrays, unknown types)."""
+        if raw_type != GGUFValueType.ARRAY:
+            return None
+        item_type = self._get(offs, np.uint32)
+        length = self._get(offs + 4, np.uint64)
+        count, item, start = int(length[0]), int(item_type[0]), offs + 12
+        if count == 0:
+            return None
+        if item == GGUFValueType.STRING:
+            bounds = self._string_bounds(start, count)
+            payload = self._get(start, np.uint8, int(bounds[-1]))
+            kind = GGUFValueType.STRING
+        else:
+            try:
+                kind = GGUFValueType(item)
+            except ValueError:
+                return None
+            nptype = self.gguf_scalar_to_np.get(kind)
+            if nptype is None:
+                return None
+            bounds = None
+            payload = self._get(start, nptype, count)
+        parts = [*head, item_type, length, payload]
+        return _BulkArray(
+            orig_offs, name, parts, [len(parts) - 1], [GGUFValueType.ARRAY, kind], bounds
+        )
 
-        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-            # Tensors lie at data start + their offset; the file must hold the last byte of
-            # every one before the reader shapes views of them.
-            expected = start_offs
-            for entry in fields:
-                _, name, _, dims, raw_type, offset = entry.parts
-                try:
-                    qtype = GGMLQuantizationType(int(raw_type[0]))
-                except ValueError:
-                    raise _Damage(
-                        f"tensor {bytes(name).decode(errors='replace')!r} has unknown type "
-                        f"{int(raw_type[0])} (corrupt, or a type newer than this meshd's gguf "
-                        f"package)"
-                    ) from None
-                block, type_size = GGML_QUANT_SIZES[qtype]
-                nbytes = math.prod(int(d) for d in dims) * type_size // block
-                expected = max(expected, start_offs + int(offset[0]) + nbytes)
-            if expected > len(self._plain):
+    def _string_bounds(self, start: int, count: int) -> np.ndarray:
+        """Where each of `count` strings from `start` begins (its 8-byte length), relative
+        to `start`, and where the last ends: the lengths chain, so this is one pass."""
+        order = "=" if self.byte_order == "I" else ("<" if sys.byteorder == "big" else ">")
+        unpack = struct.Struct(order + "Q").unpack_from
+        buf, size = self._plain.data, len(self._plain)
+        bounds = [0] * (count + 1)
+        pos = start
+        for i in range(count):
+            if pos + 8 > size:
+                raise _Damage(_past_end(pos + 8, size))
+            bounds[i] = pos - start
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            raise _Damage(_past_end(pos, size))
+        bounds[count] = pos - start
+        return np.array(bounds, dtype=np.int64)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        # Tensors lie at data start + their offset; the file must hold the last byte of
+        # every one before the reader shapes views of them.
+        expected = start_offs
+        for entry in fields:
+            _, name, _, dims, raw_type, offset = entry.parts
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+            except ValueError:
                 raise _Damage(
-                    f"truncated: expected {expected} bytes, file has {len(self._plain)} "
-                    f"(copy or download it again)"
-                )
-            super()._build_tensors(start_offs, fields)
-
-    return PlainViewReader, _BulkArray
+                    f"tensor {bytes(name).decode(errors='replace')!r} has unknown type "
+                    f"{int(raw_type[0])} (corrupt, or a type newer than this meshd's gguf "
+                    f"package)"
+                ) from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            nbytes = math.prod(int(d) for d in dims) * type_size // block
+            expected = max(expected, start_offs + int(offset[0]) + nbytes)
+        if expected > len(self._plain):
+            raise _Damage(
+                f"truncated: expected {expected} bytes, file has {len(self._plain)} "
+                f"(copy or download it again)"
+            )
+        super()._build_tensors(start_offs, fields)
 
 
 def _decode_strings(payload: np.ndarray, bounds: np.ndarray) -> list[str]:
