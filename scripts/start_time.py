@@ -75,7 +75,9 @@ def first_answer(
         elapsed = time.monotonic() - t0
         with open(f"/proc/{process.pid}/status") as f:
             rss = " ".join(
-                "".join(line.split()[:2]) for line in f if line.startswith(("VmRSS", "RssAnon"))
+                "".join(line.split()[:2])
+                for line in f
+                if line.startswith(("VmRSS", "RssAnon", "RssFile"))
             )
         return elapsed, rss
     finally:

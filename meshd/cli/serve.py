@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, StartupError) as exc:
         print(f"meshd serve: {exc}", file=sys.stderr)
         return EXIT_STARTUP_ERROR
+    _prepare_model(config)
     setup_logging(config.log_level, config.log_format)
     try:
         trio.run(serve, config)
@@ -98,12 +99,26 @@ def _exit_at_once(status: int) -> NoReturn:
     os._exit(status)
 
 
+def _prepare_model(config: NodeConfig) -> None:
+    """Hash the first model's tensors in threads while the daemon imports torch
+    (`meshd.model.files.prepare`; a GGUF file only)."""
+    first = config.models[0]
+    if first and not first.startswith("mesh:"):
+        from meshd.model.digests import set_cache_dir
+        from meshd.model.files import prepare
+
+        set_cache_dir(config.model_cache_path())  # where NodeBasis.load looks too
+        prepare(first)
+
+
 def check_model(model: str) -> None:
     """Raise StartupError unless `model` names a checkpoint the daemon can open ("" = built-in).
 
     Every rule about the model path lives here, so another format (e.g. a GGUF file) adds its
     branch in one place. A missing path and a path that is not a directory are told apart.
-    Opening the checkpoint reads its config and the safetensors headers only (no weights).
+    Opening the checkpoint reads its config and the safetensors headers only (no weights); a
+    GGUF file's header and tensor table are checked without importing torch, so a damaged file
+    is one line within a second.
     """
     if model.startswith("mesh:"):
         from meshd.node.bootstrap import mesh_model_prefix
@@ -123,7 +138,7 @@ def check_model(model: str) -> None:
     except OSError as exc:
         raise StartupError(f"model: cannot read {model}: {exc.strerror}") from None
     from meshd.model.errors import ModelError
-    from meshd.model.files import is_gguf, open_checkpoint
+    from meshd.model.files import check_checkpoint, is_gguf
 
     if not is_dir and not is_gguf(path):
         raise StartupError(
@@ -135,7 +150,7 @@ def check_model(model: str) -> None:
             f"model: {model} has no config.json: not a Hugging Face checkpoint directory"
         )
     try:
-        open_checkpoint(path)
+        check_checkpoint(path)
     except ModelError as exc:
         raise StartupError(f"model: {exc}") from None
     except OSError as exc:
@@ -275,7 +290,7 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.openai import create_app
     from meshd.api.server import serve_api
     from meshd.model.builtin import builtin_model_dir
-    from meshd.model.gguf_checkpoint import forget_parsed
+    from meshd.model.gguf_file import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
     from meshd.node.basis import NodeBasis
     from meshd.node.bootstrap import mesh_basis, mesh_model_prefix

@@ -29,7 +29,7 @@ from meshd.net.bulk import CadenceConfig
 from meshd.net.emulator import LinkProfile
 from meshd.plan.inputs import PlannerConfig
 from meshd.speculative.config import SpecConfig
-from meshd.stage.host import StageHostConfig
+from meshd.stage.host_config import StageHostConfig
 from meshd.stage.leases import SESSION_LEASE_S
 from protocol import RemoteProtocolError
 from protocol.artifacts import FetchConfig

@@ -21,7 +21,7 @@ import msgspec
 
 from meshd.config.node import CONFIG_FILE_ENV, ENV_PREFIX, ConfigError, NodeConfig
 from meshd.mesh.jointoken import JoinTokenError, parse_join_token
-from meshd.model.kernels import PROCESS_ENV
+from meshd.model.process_env import PROCESS_ENV
 from meshd.speculative.config import flag_name as spec_flag_name
 
 

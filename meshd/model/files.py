@@ -8,8 +8,10 @@ tokenizer). Callers use these two functions instead of the classes, so every com
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
+import threading
 from typing import TYPE_CHECKING
 
 from meshd.model.errors import MissingFile
@@ -19,6 +21,8 @@ if TYPE_CHECKING:  # imported when called: `meshd.model.checkpoint` pulls in tor
     from meshd.model.tokenizer import Tokenizer
 
 GGUF_SUFFIX = ".gguf"
+
+log = logging.getLogger(__name__)
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -41,6 +45,50 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             f"{p}: a model is a checkpoint directory or a .gguf file, not another kind of file"
         )
     return Checkpoint.open(p)
+
+
+def check_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Raise `ModelError` unless `path` opens as a checkpoint. A GGUF file is checked from its
+    header, metadata and tensor table without importing torch (`gguf_model.open_gguf`), so a
+    damaged file fails in well under a second; its tensor shapes are checked when it opens."""
+    if is_gguf(path):
+        from meshd.model.gguf_model import open_gguf
+
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise MissingFile(f"{p}: GGUF file not found")
+        open_gguf(p)
+        return
+    open_checkpoint(path)
+
+
+def prepare(path: str | os.PathLike[str]) -> None:
+    """Start hashing the tensors of the GGUF file at `path` in a thread (the digests of its
+    model id; `meshd.model.digests` caches them, and the model id waits for a hashing under
+    way rather than hash again). Nothing for a checkpoint directory; errors are left for the
+    model id's own hashing to raise.
+
+    `meshd serve` calls it once the file has passed its check, so a first start hashes while
+    torch imports (hashlib hashes without the GIL, on the other core). The tokenizer is not
+    built ahead: beside the import, which holds the GIL, it made a restart slower
+    (docs/benchmarks.md, "Start-up").
+    """
+    if is_gguf(path):
+        p = pathlib.Path(path)
+        threading.Thread(target=_digests, args=(p,), name="model-digests", daemon=True).start()
+
+
+def _digests(path: pathlib.Path) -> None:
+    from meshd.model.digests import file_tensor_digests
+    from meshd.model.errors import ModelError
+    from meshd.model.gguf_model import open_gguf
+
+    try:
+        model = open_gguf(path)  # the start-up check's parse, cached
+        for shard in dict.fromkeys(t.path for t in model.tensors.values()):
+            file_tensor_digests(shard, [t for t in model.tensors.values() if t.path == shard])
+    except (ModelError, OSError) as exc:
+        log.debug("hashing %s ahead of the start failed: %s", path, exc)
 
 
 def open_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

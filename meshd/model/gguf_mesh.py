@@ -28,14 +28,11 @@ import numpy as np
 import torch
 
 from meshd.model.checkpoint import OnTensor, TensorInfo, expected_shapes
+from meshd.model.digests import file_tensor_digests, sha256_range
 from meshd.model.errors import CorruptCheckpoint
-from meshd.model.gguf_checkpoint import (
-    TENSOR_TYPES,
-    GGUFCheckpoint,
-    StoredTensor,
-    parse_gguf,
-    read_gguf,
-)
+from meshd.model.gguf_checkpoint import GGUFCheckpoint, StoredTensor
+from meshd.model.gguf_file import parse_gguf, read_gguf
+from meshd.model.gguf_model import TENSOR_TYPES
 from protocol.artifacts import MANIFEST_VERSION, Artifact, ArtifactKind, Manifest
 
 if TYPE_CHECKING:
@@ -83,7 +80,6 @@ def file_locations(checkpoint: GGUFCheckpoint) -> dict[str, tuple[pathlib.Path, 
 def gguf_manifest(checkpoint: GGUFCheckpoint) -> tuple[str, bytes, Manifest]:
     """(blocking) The manifest of a GGUF file: (model id, bytes, manifest). Tensor hashes are
     cached like a safetensors checkpoint's (`meshd.model.manifest`)."""
-    from meshd.model.manifest import _hash_file_tensors, sha256_range
     from protocol.artifacts import encode_manifest, manifest_id
 
     artifacts: list[Artifact] = []
@@ -94,7 +90,7 @@ def gguf_manifest(checkpoint: GGUFCheckpoint) -> tuple[str, bytes, Manifest]:
     infos = [checkpoint.tensors[n] for n in names]
     hashes: dict[str, bytes] = {}
     for path in sorted({info.path for info in infos}):  # one file, or each shard
-        hashes |= _hash_file_tensors(path, [i for i in infos if i.path == path])
+        hashes |= file_tensor_digests(path, [i for i in infos if i.path == path])
     for info in infos:
         artifacts.append(
             Artifact(

@@ -26,7 +26,8 @@ import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from meshd.model.errors import MissingFile, ModelError, TokenizerError
-from meshd.model.gguf_checkpoint import GGUFMetadata, read_shards, stop_ids
+from meshd.model.gguf_file import GGUFMetadata, read_shards
+from meshd.model.gguf_model import stop_ids
 from meshd.model.tokenizer import Tokenizer
 
 # gguf.TokenType values.

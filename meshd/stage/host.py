@@ -44,7 +44,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
 import torch
 import trio
 
@@ -52,6 +51,7 @@ from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
 from meshd.speculative.sampling import SamplingParams, token_logprobs, unpack_masks, verify
+from meshd.stage.host_config import StageHostConfig as StageHostConfig  # re-exported
 from meshd.stage.leases import SESSION_LEASE_S, Leases
 from meshd.stage.mtp_drafter import MtpDrafter
 from meshd.stage.wire import from_blob, to_blob
@@ -78,32 +78,6 @@ class Sender(Protocol):
     """What the host needs of the node's lane table."""
 
     async def send(self, key: bytes, message: Message, stream: int = ...) -> None: ...
-
-
-class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """How a stage batches windows and when it refuses new sessions (the daemon's `[stage]`
-    table). Validated on construction (ValueError naming the field)."""
-
-    # Windows of several sessions waiting together are computed in one pass.
-    batching: bool = True
-    max_batch_tokens: int = 1024  # rows of one pass (a prefill chunk alone may exceed it)
-    # Open sessions and queued windows beyond these are refused with `overloaded`, asking the
-    # coordinator to retry after overload_retry_after_s.
-    max_sessions: int = 64
-    max_queued_windows: int = 256
-    overload_retry_after_s: float = 1.0
-    # Bytes of prefix-cache entries (KV kept from finished sessions) the stage may hold; they
-    # also count against the KV budget, where live sessions evict them. 0: keep none.
-    prefix_cache_bytes: int = 256 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_sessions", "max_queued_windows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.prefix_cache_bytes < 0:
-            raise ValueError("prefix_cache_bytes must be >= 0")
-        if not 0 < self.overload_retry_after_s < math.inf:
-            raise ValueError("overload_retry_after_s must be a positive number of seconds")
 
 
 # Why a session was freed without an explicit close (`StageHostStats.sessions_expired` keys).

@@ -373,3 +373,51 @@ def test_a_mesh_model_no_member_holds_ends_in_one_line_after_holder_wait_s(
     last = stderr.splitlines()[-1]
     assert last.startswith("meshd serve: model: mesh:0123456789abcdef: no `join` peer"), last
     assert "fetch.holder_wait_s" in last, last
+
+
+# `meshd serve` that writes, as it exits, whether torch was imported (to ~/torch-imported).
+TRACK_TORCH = [
+    sys.executable, "-c",
+    "import os, sys\nfrom meshd.cli.main import main\ntry:\n    code = main()\nfinally:\n"
+    "    with open(os.path.expanduser('~/torch-imported'), 'w') as f:\n"
+    "        f.write(str('torch' in sys.modules))\nsys.exit(code)",
+]  # fmt: skip
+
+
+def retyped(good: pathlib.Path, dest: pathlib.Path, ggml_type: int) -> tuple[pathlib.Path, str]:
+    """`good` with its first matrix's type field set to `ggml_type` (its bytes kept)."""
+    tensor = next(t for t in gguf.GGUFReader(good).tensors if len(t.shape) == 2)
+    type_at = tensor.field.offset + sum(int(part.nbytes) for part in tensor.field.parts[:4])
+    data = bytearray(good.read_bytes())
+    data[type_at : type_at + 4] = ggml_type.to_bytes(4, "little")
+    dest.write_bytes(bytes(data))
+    return dest, tensor.name
+
+
+def test_a_gguf_tensor_of_a_type_without_a_reader_names_tensor_and_type(
+    tmp_path: pathlib.Path, good_gguf: pathlib.Path
+) -> None:
+    # IQ4_NL: a real ggml type (blocks of 32 values, smaller than Q8_0's, so the file still
+    # holds every byte) that meshd has no reader for.
+    bad, name = retyped(good_gguf, tmp_path / "iq4.gguf", int(gguf.GGMLQuantizationType.IQ4_NL))
+    code, stderr = serve(tmp_path, "--model", str(bad))
+    assert_one_line(code, stderr, str(bad), repr(name), "stored as IQ4_NL", "supported GGUF types")
+
+
+@pytest.mark.parametrize("fault", ["truncated", "unknown type", "no reader", "architecture"])
+def test_a_bad_gguf_file_is_refused_before_torch_is_imported(
+    tmp_path: pathlib.Path, good_gguf: pathlib.Path, fault: str
+) -> None:
+    # Importing torch is most of the seconds a refusal used to take: the file is checked first.
+    bad = tmp_path / "bad.gguf"
+    if fault == "truncated":
+        bad.write_bytes(good_gguf.read_bytes()[: good_gguf.stat().st_size // 2])
+    elif fault == "unknown type":
+        retyped(good_gguf, bad, 200)
+    elif fault == "no reader":
+        retyped(good_gguf, bad, int(gguf.GGMLQuantizationType.IQ4_NL))
+    else:
+        write_gguf(builtin_model_dir(), bad, arch="falcon")
+    code, stderr = serve(tmp_path, "--model", str(bad), command=TRACK_TORCH)
+    assert_one_line(code, stderr, str(bad))
+    assert (tmp_path / "torch-imported").read_text() == "False"

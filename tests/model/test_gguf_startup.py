@@ -9,24 +9,25 @@ import hashlib
 import os
 import pathlib
 import shutil
+import time
 import weakref
 
 import gguf
 import pytest
 
 from meshd.bench.gguf_writer import write_gguf
-from meshd.model import manifest as manifest_module
+from meshd.model import digests
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.digests import set_cache_dir, sha256_ranges, tensor_bytes_hashed
 from meshd.model.errors import CorruptCheckpoint, InvalidConfig
-from meshd.model.files import open_checkpoint, open_tokenizer
-from meshd.model.gguf_checkpoint import (
+from meshd.model.files import open_checkpoint, open_tokenizer, prepare
+from meshd.model.gguf_file import (
     GGUFMetadata,
     forget_parsed,
     parse_count,
     parse_gguf,
     read_gguf,
 )
-from meshd.model.manifest import set_cache_dir, sha256_ranges, tensor_bytes_hashed
 
 # Arrays of every kind the bulk reader takes, with the awkward strings: empty ones, multi-byte
 # characters, a character made of a whole 4-byte sequence, spaces (merges are "a b").
@@ -53,7 +54,7 @@ REAL_FILES = (
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> None:
     forget_parsed()
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     set_cache_dir(None)
 
 
@@ -175,7 +176,7 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     first = open_checkpoint(path).model_id
     assert tensor_bytes_hashed() > hashed
     # A restart: a new process (empty in-process caches), the same state dir.
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     forget_parsed()
     hashed = tensor_bytes_hashed()
     assert open_checkpoint(path).model_id == first
@@ -188,10 +189,52 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     other.write_bytes(data)
     os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     os.replace(other, path)
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     forget_parsed()
     assert open_checkpoint(path).model_id != first
     assert tensor_bytes_hashed() > hashed
+
+
+def test_a_prepared_file_is_hashed_ahead_and_its_model_id_hashes_nothing_again(
+    model_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_gguf, path)
+    hashed = tensor_bytes_hashed()
+    expected_id = open_checkpoint(path).model_id
+    once = tensor_bytes_hashed() - hashed
+    digests._file_hashes.clear()
+    forget_parsed()
+    set_cache_dir(tmp_path / "state")
+    hashed = tensor_bytes_hashed()
+    prepare(path)  # as `meshd serve` does before it imports torch
+    deadline = time.monotonic() + 30
+    while not list((tmp_path / "state").glob("hashes/*.msgpack")):  # hashed with no open
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert open_checkpoint(path).model_id == expected_id
+    assert tensor_bytes_hashed() - hashed == once  # each tensor hashed once, not again
+
+
+def test_a_model_id_asked_while_its_file_is_hashed_waits_for_that_hashing(
+    model_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "m.gguf"
+    shutil.copy(model_gguf, path)
+    hashed = tensor_bytes_hashed()
+    expected_id = open_checkpoint(path).model_id
+    once = tensor_bytes_hashed() - hashed
+    digests._file_hashes.clear()
+    forget_parsed()
+    hashed = tensor_bytes_hashed()
+    prepare(path)
+    assert open_checkpoint(path).model_id == expected_id  # at once, the hashing under way
+    deadline = time.monotonic() + 30
+    while tensor_bytes_hashed() - hashed < once:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert tensor_bytes_hashed() - hashed == once
 
 
 def test_threaded_range_hashes_equal_hashlibs(tmp_path: pathlib.Path) -> None:

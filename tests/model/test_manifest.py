@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from meshd.model import manifest as manifest_module
+from meshd.model import digests
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.manifest import ModelStore, StoreCheckpoint, set_cache_dir
@@ -36,7 +36,7 @@ def _flip_last_byte(path: pathlib.Path, *, keep_mtime: bool = False) -> None:
 
 @pytest.fixture(autouse=True)
 def _fresh_cache() -> None:
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     set_cache_dir(None)
 
 
@@ -57,11 +57,11 @@ def test_hashes_are_cached_on_disk_by_size_and_mtime(tmp_path: pathlib.Path) -> 
     assert list((tmp_path / "cache" / "hashes").iterdir())
     # A restart (empty process cache) with the file untouched takes the cached hashes: the
     # proof is a byte changed behind the cache's back (mtime restored) going unnoticed.
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     _flip_last_byte(model / "model.safetensors", keep_mtime=True)
     assert Checkpoint.open(model).model_id == first
     # A file written since (new mtime) is hashed again.
-    manifest_module._file_hashes.clear()
+    digests._file_hashes.clear()
     os.utime(model / "model.safetensors")
     assert Checkpoint.open(model).model_id != first
 
