@@ -191,6 +191,11 @@ def tools_goal(client: openai.OpenAI, model: str, first: int = 0) -> dict[str, A
         "prompts": len(rows),
         "valid_tool_calls": sum(r["valid"] for r in rows),
         "streamed_agrees": sum(r["streamed_agrees"] for r in rows),
+        # Prompts that need two calls (parallel_tool_calls=true): how many got two or more.
+        "parallel_prompts": sum(r["kind"] == "parallel" for r in rows),
+        "parallel_with_2_calls": sum(
+            r["kind"] == "parallel" and len(r["calls"]) >= 2 for r in rows
+        ),
         "rows": rows,
     }
 
