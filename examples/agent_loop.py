@@ -4,6 +4,7 @@ and sends the result back, the model answers.
 
     python examples/agent_loop.py                          # a running `meshd serve` on 7392
     python examples/agent_loop.py "Weather in Oslo and Lima?"
+    python examples/agent_loop.py --base-url http://192.168.1.20:7392/v1 --require-tool
     python examples/agent_loop.py --serve-local ~/.cache/meshd/models/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
 
 The model must have been trained for tool calls, with a chat template that renders `tools`
@@ -34,7 +35,7 @@ TOOLS: list[Any] = [
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "city": {"type": "string"},
+                    "city": {"type": "string", "maxLength": 40},
                     "unit": {"enum": ["celsius", "fahrenheit"]},
                 },
                 "required": ["city", "unit"],
@@ -51,13 +52,21 @@ def get_weather(city: str, unit: str = "celsius") -> dict[str, Any]:
     return {"city": city, "temperature": temperature, "unit": unit, "sky": "clear"}
 
 
-def run_agent(client: openai.OpenAI, question: str, rounds: int = 4) -> str:
-    """Ask; run every call the model makes and send the results; stop at a text answer."""
+def run_agent(
+    client: openai.OpenAI, question: str, rounds: int = 4, first_choice: Any = "auto"
+) -> str:
+    """Ask; run every call the model makes and send the results; stop at a text answer.
+    `first_choice`: the first request's `tool_choice` (`required` makes the model call)."""
     model = client.models.list().data[0].id
     messages: list[Any] = [{"role": "user", "content": question}]
-    for _ in range(rounds):
+    for round_ in range(rounds):
         reply = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=200
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=first_choice if round_ == 0 else "auto",
+            temperature=0,
+            max_tokens=200,
         )
         message = reply.choices[0].message
         if not message.tool_calls:
@@ -98,15 +107,20 @@ def main() -> int:
     parser.add_argument(
         "--port", type=int, default=int(os.environ.get("MESHD_API_PORT", DEFAULT_PORT))
     )
+    parser.add_argument("--base-url", help="the API's URL (default: 127.0.0.1 at --port)")
     parser.add_argument("--serve-local", metavar="MODEL", help="serve this model here")
+    parser.add_argument(
+        "--require-tool", action="store_true", help="the first reply must call the tool"
+    )
     args = parser.parse_args()
-    base_url = f"http://127.0.0.1:{args.port}/v1"
+    base_url = args.base_url or f"http://127.0.0.1:{args.port}/v1"
     if args.serve_local:
         base_url = serve_local(os.path.expanduser(args.serve_local))
     api_key = os.environ.get("MESHD_API_KEY", "no-key-needed-on-loopback")
     client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=600)
     try:
-        print(run_agent(client, args.question))
+        choice = "required" if args.require_tool else "auto"
+        print(run_agent(client, args.question, first_choice=choice))
     except openai.APIConnectionError:
         print(f"no meshd API at {base_url}: is `meshd serve` running?", file=sys.stderr)
         return 1

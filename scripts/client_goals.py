@@ -167,9 +167,11 @@ def _streamed_calls(stream: Any) -> tuple[list[dict[str, str]], str | None]:
     return [parts[i] for i in sorted(parts)], finish
 
 
-def tools_goal(client: openai.OpenAI, model: str, first: int = 0) -> dict[str, Any]:
+def tools_goal(
+    client: openai.OpenAI, model: str, first: int = 0, last: int | None = None
+) -> dict[str, Any]:
     rows = []
-    for kind, messages, choice, parallel in TOOL_PROMPTS[first:]:
+    for kind, messages, choice, parallel in TOOL_PROMPTS[first:last]:
         kwargs = dict(model=model, messages=messages, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, temperature=0, max_tokens=200)  # fmt: skip
         started = time.perf_counter()
         whole = client.chat.completions.create(**kwargs)
@@ -191,6 +193,11 @@ def tools_goal(client: openai.OpenAI, model: str, first: int = 0) -> dict[str, A
         "prompts": len(rows),
         "valid_tool_calls": sum(r["valid"] for r in rows),
         "streamed_agrees": sum(r["streamed_agrees"] for r in rows),
+        # Prompts that need two calls (parallel_tool_calls=true): how many got two or more.
+        "parallel_prompts": sum(r["kind"] == "parallel" for r in rows),
+        "parallel_with_2_calls": sum(
+            r["kind"] == "parallel" and len(r["calls"]) >= 2 for r in rows
+        ),
         "rows": rows,
     }
 
@@ -310,6 +317,7 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default=DEFAULT)
     parser.add_argument("--only", choices=["tools", "json", "speed"])
     parser.add_argument("--first-prompt", type=int, default=0, help="skip the tool prompts before")
+    parser.add_argument("--end-prompt", type=int, help="stop before this tool prompt")
     args = parser.parse_args()
     out: queue.Queue[Any] = queue.Queue()
     threading.Thread(target=_serve, args=(args.model, out), daemon=True).start()
@@ -317,7 +325,7 @@ def main() -> None:
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
     result: dict[str, Any] = {"model": os.path.basename(args.model)}
     if args.only in (None, "tools"):
-        result["tools"] = tools_goal(client, model, args.first_prompt)
+        result["tools"] = tools_goal(client, model, args.first_prompt, args.end_prompt)
     if args.only in (None, "json"):
         result["json"] = json_goal(client, model)
     if args.only in (None, "speed"):

@@ -13,8 +13,10 @@ its authors wrote it); what the model writes back is parsed per family into Open
 Arguments always validate against the function's schema: the call is generated under a
 grammar (`meshd.speculative.grammar`) built from the tools' JSON schemas. With `tool_choice`
 `required` or a named function the grammar holds from the first token; with `auto` the model
-may answer in prose, and the grammar takes over once it writes the family's opening marker
-(where that marker is one token; otherwise the call is parsed as written).
+may answer in prose: for Hermes a grammar from the first token lets prose through and holds
+every form of call (tagged, bare JSON, a ```json block); for the others it takes over once the
+model writes the family's opening marker (where that marker is one token; otherwise the call
+is parsed as written).
 """
 
 from __future__ import annotations
@@ -88,16 +90,7 @@ class Family:
         """The Lark grammar of the calls (from their marker, or from just after it)."""
         body = lark_json_rule(self.call_schema(tools))
         if self.name == "hermes":
-            close = f'"\\n" {_literal(tokenizer, "</tool_call>")}'
-            more = f'("\\n" {_literal(tokenizer, "<tool_call>")} "\\n" body {close})'
-            first = f'"\\n" body {close}'
-            if not after_marker:
-                first = f"{_literal(tokenizer, '<tool_call>')} {first}"
-            # A newline may end the calls too: models write one after `</tool_call>` before
-            # their end token, and a newline that could only open another call would force
-            # one more call after every call.
-            repeat = more + "*" if parallel else ""
-            lark = f'start: {first} {repeat} "\\n"?\nbody: {body}\n'
+            lark = f"start: {_hermes_calls(parallel, tokenizer, after_marker)}\nbody: {body}\n"
 
         elif self.name == "mistral":
             items = self.call_schema(tools)
@@ -108,6 +101,27 @@ class Family:
             lark = f'start: {head}" " calls\ncalls: {lark_json_rule(array)}\n'
         else:
             lark = f"start: body\nbody: {body}\n"
+        return check_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
+
+    def auto_grammar(
+        self, tools: Sequence[Mapping[str, Any]], parallel: bool, tokenizer: Tokenizer
+    ) -> str | None:
+        """The Lark grammar of an `auto` reply from its first token (None: only from the
+        marker on): prose, prose then calls, or calls, where a call may also be written bare
+        or in a ```` ```json ```` block (as Qwen2.5-Coder writes them). So prose may not open
+        with `{` or ```` ```j ````: what opens so is a call of an offered function, with valid
+        arguments, instead of one the parser could not take."""
+        if self.name != "hermes":
+            return None
+        body = lark_json_rule(self.call_schema(tools))
+        more = '("\\n" body)*' if parallel else ""
+        lark = (
+            "start: tagged | body | fenced | TEXT | TEXT tagged\n"
+            f"tagged: {_hermes_calls(parallel, tokenizer, after_marker=False)}\n"
+            f'fenced: "```json\\n" body {more} "\\n```" "\\n"?\n'
+            "TEXT: /\\s*([^{`\\s]|`[^`]|``[^`]|```[^j])[\\s\\S]*/\n"
+            f"body: {body}\n"
+        )
         return check_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
 
     def parse(self, text: str, names: Sequence[str] = ()) -> tuple[str | None, list[ToolCall]]:
@@ -160,6 +174,20 @@ class Family:
         args = value.get(self.arguments_key, value.get("arguments", value.get("parameters", {})))
         arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         return ToolCall(new_call_id(), FunctionCall(value["name"], arguments))
+
+
+def _hermes_calls(parallel: bool, tokenizer: Tokenizer, after_marker: bool) -> str:
+    """Lark for Hermes `<tool_call>` blocks of the rule `body` (from the marker or after it)."""
+    close = f'"\\n" {_literal(tokenizer, "</tool_call>")}'
+    more = f'("\\n" {_literal(tokenizer, "<tool_call>")} "\\n" body {close})'
+    first = f'"\\n" body {close}'
+    if not after_marker:
+        first = f"{_literal(tokenizer, '<tool_call>')} {first}"
+    # A newline may end the calls too: models write one after `</tool_call>` before their end
+    # token, and a newline that could only open another call would force one more call after
+    # every call.
+    repeat = more + "*" if parallel else ""
+    return f'{first} {repeat} "\\n"?'
 
 
 HERMES = Family("hermes", "<tool_call>", "arguments")
@@ -220,6 +248,9 @@ class ToolPlan:
             return self.family.grammar(
                 self.functions, self.parallel, tokenizer, after_marker=False
             ), None
+        whole = self.family.auto_grammar(self.functions, self.parallel, tokenizer)
+        if whole is not None:
+            return whole, None
         trigger = marker_token(tokenizer, self.family)
         if trigger is None:
             return None

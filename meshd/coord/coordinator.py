@@ -13,7 +13,9 @@ its route it can still reach; the stages free what it cannot reach when they los
 
 Prefix cache: each route has a `PrefixIndex` of what its stages were asked to keep. A request
 looks its prompt up there (the longest reusable prefix) and opens from it; a request that ends
-normally asks every stage to keep its KV as a new entry when it closes. A route that failed
+normally asks every stage to keep its KV as a new entry when it closes. Where a request could
+run over several routes (the plan's, and an earlier route whose stages still hold their
+layers), `choose_route` takes the one holding the longest prefix of its prompt. A route that failed
 forgets its index (a recovered stage holds nothing: the next request prefills in full), and so
 does every route through a node whose lane died.
 """
@@ -208,6 +210,24 @@ class Coordinator:
             raise ValueError("no route to choose from")
         best = max(range(len(routes)), key=lambda i: (self.cached_prefix(routes[i], prompt), -i))
         return routes[best]
+
+    def choose_route(
+        self, planned: Route, prompt: Sequence[int], serves: Callable[[Route], bool]
+    ) -> Route:
+        """The route to run `prompt` over: `planned` (the node's plan now), or an earlier route
+        of the same model and quantization whose stages hold a longer reusable prefix of it,
+        where `serves(route)` says its stages still hold those layers (the membership view)."""
+        if not self.prefix_cache:
+            return planned
+        others = [
+            route
+            for route in reversed(self._prefixes)  # most recently used first
+            if route != planned
+            and route.model_id == planned.model_id
+            and route.quantization == planned.quantization
+            and serves(route)
+        ]
+        return self.prefer_route([planned, *others], prompt)
 
     async def generate(
         self, route: Route, request: GenerationRequest, on_tokens: OnTokens

@@ -59,6 +59,16 @@ class LocalPipeline:
         """The stage hosts in pipeline order."""
         return [n.host for n in self.nodes if n.host is not None]
 
+    def route_over(self, *indices: int) -> Route:
+        """The route over these nodes' stages, in this order."""
+        stages = []
+        for i in indices:
+            host = self.nodes[i].host
+            assert host is not None
+            stage = host.stage
+            stages.append(RouteStage(self.nodes[i].key, stage.layer_start, stage.layer_end))
+        return Route(self.checkpoint.model_id, tuple(stages))
+
 
 def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges of near-equal size."""
@@ -94,6 +104,7 @@ async def open_local_pipeline(
     intra-op threads default to 1 here: several stages each spinning up an OpenMP team on a
     small machine oversubscribe it, and every pass slows many times over under load
     (docs/model-runtime.md, "Threads"). `torch_threads=None` leaves torch's setting alone.
+    `split` may repeat layers (several nodes holding the same ones): see `route`.
     `draft`: the coordinator's draft model, loaded before the lanes open (a load inside the
     event loop can outlast the lanes' `dead_after_s` on a loaded machine). `lane_config`: every
     lane's settings (default `LaneConfig()`). `stage_config`: every stage host's settings
@@ -162,10 +173,13 @@ async def open_local_pipeline(
         for node in nodes:
             for other, endpoint in zip(nodes, endpoints, strict=True):
                 node.peers.addresses[other.key] = endpoint.local_address
-        route = Route(
-            checkpoint.model_id,
-            tuple(RouteStage(n.key, lo, hi) for n, (lo, hi) in zip(nodes, ranges, strict=True)),
-        )
+        # Nodes whose layers repeat earlier ones' are spares: left out of `route` (a test
+        # routes over them with `route_over`).
+        chain: list[RouteStage] = []
+        for node, (lo, hi) in zip(nodes, ranges, strict=True):
+            if lo == (chain[-1].layer_end if chain else 0):
+                chain.append(RouteStage(node.key, lo, hi))
+        route = Route(checkpoint.model_id, tuple(chain))
         try:
             yield LocalPipeline(coordinator, route, nodes, checkpoint)
         finally:

@@ -314,8 +314,15 @@ class WindowLoop:
         out += self._prefill(start)
         if self.prefix is not None:
             self._hit_windows = {m.window_id for _, m in out if isinstance(m, VerifyWindow)}
-        self._deadline = now + self.reply_timeout_s
+        self._deadline = now + self._prefill_timeout(out)
         return out
+
+    def _prefill_timeout(self, sends: list[Send]) -> float:
+        """How long the prefill's reply may take: `reply_timeout_s` per window sent. Only the
+        last window replies, and a stage computes the windows one after another, so a long
+        prompt on a slow or busy machine must not fail as a lost reply would."""
+        windows = sum(isinstance(m, VerifyWindow) for _, m in sends)
+        return self.reply_timeout_s * max(1, windows)
 
     def _prefill(self, start: int) -> list[Send]:
         """The prompt from `start`, in chunks cut at multiples of `prefill_chunk_tokens`."""
@@ -349,7 +356,7 @@ class WindowLoop:
         out = [Send(key, Rollback(self.session, self.epoch)) for key in self.route.keys]
         out += self._prefill(0)
         self._prefill_start = now
-        self._deadline = now + self.reply_timeout_s
+        self._deadline = now + self._prefill_timeout(out)
         return out
 
     def _prefill_windows(self, length: int, start: int = 0) -> list[tuple[int, int]]:

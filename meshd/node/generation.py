@@ -1,6 +1,7 @@
 """`NodeBackend`: generation on the daemon, with live recovery when a stage dies.
 
-The node coordinates its own requests over the current plan's route. When the route fails
+The node coordinates its own requests over the current plan's route, or over an earlier route
+whose stages still hold their layers and a longer prefix of the prompt (`choose_route`). When the route fails
 (a stage's lane died, a stage was stopped, or a stage does not hold the layers the route
 expects yet), the request keeps what it committed, re-plans without the lost node and
 continues on the new route: it re-prefills prompt + committed tokens and generates the rest.
@@ -13,6 +14,7 @@ greedy or seeded.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 
 import trio
@@ -28,6 +30,7 @@ from meshd.coord.coordinator import (
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.held_model import HeldModel
 from meshd.node.node import MeshNode
+from meshd.node.planning import route_served
 from meshd.plan import NoFeasiblePlan
 from meshd.plan.route import Route
 from meshd.speculative.telemetry import Recorder
@@ -103,7 +106,7 @@ class NodeBackend:
         deadline = trio.current_time() + self.node.config.recovery_timeout_s
         while True:
             try:
-                route = self._route()
+                route = self._route(request.prompt)
             except NoFeasiblePlan as exc:
                 raise ServiceUnavailable(f"no plan fits the mesh: {exc}", 1.0) from exc
             if len(committed) >= request.max_tokens:
@@ -136,8 +139,15 @@ class NodeBackend:
             result.tokens = [*committed, *result.tokens]
             return result
 
-    def _route(self) -> Route:
-        return self.node.route(self.model)
+    def _route(self, prompt: Sequence[int]) -> Route:
+        """The plan's route, or an earlier one still served that holds more of `prompt`."""
+        node = self.node
+        view = node.membership.view()
+        suspects = node.health.suspects(trio.current_time())
+        planned = node.route(self.model)
+        return self.coordinator.choose_route(
+            planned, prompt, lambda route: route_served(route, view, suspects)
+        )
 
     def _on_failure(self, exc: RouteFailed) -> None:
         node_id = self.node.keys.ed_of(exc.node_key) if exc.node_key else None

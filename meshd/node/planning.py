@@ -224,3 +224,21 @@ def lane_route(p: Plan) -> Route:
         ),
         p.quantization,
     )
+
+
+def route_served(
+    route: Route, view: Mapping[bytes, MemberInfo], exclude: Collection[bytes] = frozenset()
+) -> bool:
+    """True while every stage of `route` (lane keys) is a healthy member of `view`, not in
+    `exclude`, holding exactly that stage's layers of the route's model loaded."""
+    lanes = {x25519_public_from_ed25519_public(node_id): node_id for node_id in view}
+    for stage in route.stages:
+        node_id = lanes.get(stage.node_key)
+        if node_id is None or node_id in exclude or not view[node_id].healthy:
+            return False
+        holding = holding_of(view[node_id], route.model_id, route.quantization or None)
+        if holding is None or not holding.loaded:
+            return False
+        if (holding.layer_start, holding.layer_end) != (stage.layer_start, stage.layer_end):
+            return False
+    return True

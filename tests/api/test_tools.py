@@ -263,3 +263,29 @@ def test_each_familys_grammar_takes_its_calls_and_refuses_others(family: Family,
     bad = Constraint(grammar_tokenizer(tokenizer), grammar)
     with pytest.raises(GrammarError):
         bad.commit(tokenizer.encode(text.replace("get_time", "get_tame"), add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    "text,allowed",
+    [
+        ("It is sunny in Rome today.", True),
+        ("```python\nprint('hi')\n```", True),
+        ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', True),
+        ('```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```', True),
+        ('{"name": "get_time", "arguments": {"zone": "UTC"}}', True),
+        # A call of a function not offered, in the forms the parser reads: refused.
+        ('```json\n{"name": "find_articles", "arguments": {"zone": "UTC"}}\n```', False),
+        ('{"name": "find_articles", "arguments": {}}', False),
+    ],
+)  # fmt: skip
+def test_an_auto_reply_is_prose_or_calls_of_offered_functions(text: str, allowed: bool) -> None:
+    tokenizer = Tokenizer.open(builtin_model_dir())
+    functions = [t["function"] for t in TOOLS]
+    grammar = HERMES.auto_grammar(functions, True, tokenizer) or pytest.fail()
+    constraint = Constraint(grammar_tokenizer(tokenizer), grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if allowed:
+        constraint.commit(ids)
+    else:
+        with pytest.raises(GrammarError):
+            constraint.commit(ids)

@@ -16,6 +16,8 @@ import trio
 from meshd.coord.coordinator import GenerationRequest, GenerationResult, RouteFailed
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
+from meshd.model.files import open_checkpoint
+from meshd.plan.route import Route
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
 from protocol.messages import Sampling
@@ -37,6 +39,7 @@ async def ask(
     prompt: Sequence[int],
     max_tokens: int = 12,
     sampling: Sampling | None = None,
+    route: Route | None = None,
 ) -> GenerationResult:
     request = GenerationRequest(
         prompt=list(prompt),
@@ -50,7 +53,7 @@ async def ask(
         pass
 
     with trio.fail_after(120):
-        result = await pipe.coordinator.generate(pipe.route, request, ignore)
+        result = await pipe.coordinator.generate(route or pipe.route, request, ignore)
     await settle(pipe)
     return result
 
@@ -104,6 +107,29 @@ async def test_turn_two_computes_only_new_tokens_and_equals_a_cold_run() -> None
         warm_sampled = await ask(pipe, turn2, sampling=seeded)
         assert warm_sampled.cached_tokens == again
         assert warm_sampled.tokens == (await cold(pipe, turn2, sampling=seeded)).tokens
+
+
+async def test_the_next_turn_goes_to_the_route_holding_its_prefix() -> None:
+    layers = open_checkpoint(MODEL).config.num_layers
+    # Two nodes holding the whole model: two one-stage routes to choose from.
+    async with open_local_pipeline(MODEL, 2, split=[(0, layers), (0, layers)]) as pipe:
+        a, b = pipe.route_over(0), pipe.route_over(1)
+        served = {a, b}
+        choose = pipe.coordinator.choose_route
+        assert choose(b, TURN1, served.__contains__) == b  # no route holds anything: the plan's
+        first = await ask(pipe, TURN1, route=b)
+        turn2 = [*TURN1, *first.tokens, *words(40, 2)]
+        # The plan moved to `a` while `b`'s stage still holds its layers and turn 1's prefix.
+        assert choose(a, turn2, served.__contains__) == b
+        hit = await ask(pipe, turn2, route=b)
+        assert hit.cached_tokens == 512
+        # `b` no longer serves (its node left): the plan's route, prefilled in full.
+        served.discard(b)
+        assert choose(a, turn2, served.__contains__) == a
+        plain = await ask(pipe, turn2, route=a)
+        assert plain.cached_tokens == 0 and plain.tokens == hit.tokens
+        pipe.coordinator.prefix_cache = False  # off: always the plan's route
+        assert choose(a, turn2, {a, b}.__contains__) == a
 
 
 async def test_a_small_cache_evicts_and_a_gone_entry_falls_back_to_a_full_prefill() -> None:

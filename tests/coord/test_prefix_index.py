@@ -180,3 +180,19 @@ def test_the_coordinator_prefers_the_route_holding_the_longest_prefix() -> None:
     # A lost node's routes forget what their stages held.
     coordinator.peer_lost(b"x" * 32)
     assert coordinator.prefer_route([ROUTE, other], [*prompt, 5]) is ROUTE
+
+
+def test_choose_route_takes_an_earlier_route_only_while_it_serves_and_holds_more() -> None:
+    coordinator = Coordinator(_NoNetwork(), b"c" * 32, prefill_chunk_tokens=CHUNK)
+    planned = Route("m", (RouteStage(b"x" * 32, 0, 6),), "q4")
+    earlier = Route("m", (RouteStage(b"y" * 32, 0, 6),), "q4")
+    other_quant = Route("m", (RouteStage(b"z" * 32, 0, 6),), "q8")
+    prompt = tokens(300)
+    for route in (earlier, other_quant):
+        index = coordinator.prefix_index(route)
+        index.record(len(index) + 1, index.plan_keep(prompt, len(prompt), None) or pytest.fail())
+    turn2 = [*prompt, 5]
+    assert coordinator.choose_route(planned, turn2, lambda r: True) is earlier
+    # Not while its stages no longer hold their layers, and never at another quantization.
+    assert coordinator.choose_route(planned, turn2, lambda r: r is not earlier) is planned
+    assert coordinator.choose_route(planned, tokens(300, start=9), lambda r: True) is planned

@@ -309,8 +309,9 @@ def test_an_overdue_reply_fails_the_route_on_the_timer() -> None:
     net = VirtualRoute(load_stages(MODEL, TWO_STAGES))
     loop = make_loop(net, spec_request(NOVEL, 10, "disabled"), reply_timeout_s=5.0)
     net.deliver(loop.start(NOVEL, 100.0), 100.0)
-    assert loop.timer == pytest.approx(105.0)
-    assert loop.on_timer(104.9) == []
+    # The prefill's two 16-token windows may take the timeout each (only the last replies).
+    assert loop.timer == pytest.approx(110.0)
+    assert loop.on_timer(109.9) == []
     _, reply = net.next_reply()
     net.deliver(loop.on_reply(reply, 101.0), 101.0)
     assert loop.timer is None  # waiting for the client, not for a stage
@@ -320,6 +321,17 @@ def test_an_overdue_reply_fails_the_route_on_the_timer() -> None:
     with pytest.raises(RouteFailed, match=r"no reply within 5\.0 s") as failed:
         loop.on_timer(107.0)
     assert failed.value.committed == loop.committed and len(loop.committed) == 1
+
+
+def test_a_long_prefill_has_the_reply_timeout_per_window_then_fails() -> None:
+    net = VirtualRoute(load_stages(MODEL, TWO_STAGES))
+    prompt = list(range(100, 200))  # 7 windows of 16 tokens
+    loop = make_loop(net, spec_request(prompt, 4, "disabled"), reply_timeout_s=5.0)
+    sends = loop.start(prompt, 0.0)
+    assert sum(isinstance(m, VerifyWindow) for _, m in sends) == 7
+    assert loop.on_timer(34.9) == []  # a busy machine, not a lost reply
+    with pytest.raises(RouteFailed, match="no reply within"):
+        loop.on_timer(35.0)
 
 
 def test_stage_errors_fail_the_route_and_overload_says_when_to_retry() -> None:

@@ -3,8 +3,11 @@ plan runs only on nodes that hold the model at the plan's quantization."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from nacl.signing import SigningKey
 
 from meshd.bench.decode import RANDOM_CONFIGS
 from meshd.mesh.member import MemberInfo
@@ -12,10 +15,12 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig, parse_config
 from meshd.model.stage import StageModel
-from meshd.node.planning import config_shape, model_shape, plan_view
+from meshd.node.planning import config_shape, model_shape, plan_view, route_served
 from meshd.plan import NodeCapacity, NoFeasiblePlan, PlannerConfig, plan
 from meshd.plan.cost_model import make_candidate, stage_bytes
+from meshd.plan.route import Route, RouteStage
 from protocol.gossip import CapacityRecord, ModelHolding, Status
+from protocol.noise import x25519_public_from_ed25519_public
 
 CONTEXT = 256
 GIB = 1 << 30
@@ -122,3 +127,22 @@ def test_a_plan_runs_only_on_nodes_holding_its_quantization() -> None:
             only_fp32, config_shape(config, "large", torch.float32, "int8"), {},
             context_tokens=CONTEXT,
         )  # fmt: skip
+
+
+def test_an_earlier_route_is_served_while_its_stages_hold_their_layers() -> None:
+    ids = [bytes(SigningKey.generate().verify_key) for _ in range(3)]
+    view = {
+        ids[0]: _member(ids[0], "int8", GIB, (0, 8)),
+        ids[1]: _member(ids[1], "int8", GIB, (8, 16)),
+        ids[2]: _member(ids[2], "int8", GIB, None),
+    }
+    stage = [(x25519_public_from_ed25519_public(i), lo, hi) for i, lo, hi in (
+        (ids[0], 0, 8), (ids[1], 8, 16), (ids[2], 8, 16))]  # fmt: skip
+    earlier = Route("large", (RouteStage(*stage[0]), RouteStage(*stage[1])), "int8")
+    assert route_served(earlier, view)
+    assert not route_served(earlier, view, exclude={ids[1]})  # a suspect
+    assert not route_served(replace(earlier, quantization="none"), view)
+    # A node that holds nothing, or other layers, does not serve the route's stage.
+    assert not route_served(Route("large", (RouteStage(*stage[0]), RouteStage(*stage[2]))), view)
+    view[ids[1]] = _member(ids[1], "int8", GIB, (4, 16))
+    assert not route_served(earlier, view)
