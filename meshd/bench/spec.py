@@ -51,11 +51,11 @@ KINDS = ("edit", "completion", "prose", "chat")
 # The pipeline's lanes are loopback between tasks of this one process: one goes quiet only when
 # the process is starved of CPU (a shared machine under `nice`), which must not end the bench
 # with a lost route (it did, at the default 1.5 s).
-_BENCH_LANES = LaneConfig(dead_after_s=30.0)
 # A real model's prefill of a long prompt (the draft's too, on the coordinator's thread), on a
-# starved shared machine, can outlast the default reply timeout and session lease (30 s):
-# the bench waits where a daemon would give up.
+# starved shared machine, can outlast the default reply timeout and session lease (30 s), and
+# the lanes' 30 s: the bench waits where a daemon would give up.
 BENCH_REPLY_TIMEOUT_S = 600.0
+_BENCH_LANES = LaneConfig(dead_after_s=BENCH_REPLY_TIMEOUT_S)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
