@@ -23,13 +23,15 @@ from meshd.bench.harness import (
     add_quantization_option,
     model_dir,
     print_report,
+    resolve_quantization,
 )
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import workloads
-from meshd.speculative.config import STRATEGIES, SpecConfig
+from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
+from meshd.speculative.draft import DraftModel
 
 PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of each run
 
@@ -44,14 +46,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="runs per cell (best kept)")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="emulated RTT per hop")
     parser.add_argument("--strategy", default="disabled", choices=list(STRATEGIES))
-    add_quantization_option(parser)
+    parser.add_argument(
+        "--speculative-draft-model",
+        default="",
+        help="draft model (dir or .gguf) for --strategy draft, draft-ngram or auto",
+    )
+    add_quantization_option(parser, auto=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the matrix and print it."""
     directory = model_dir(args)
+    quantization = resolve_quantization(args.quantization, directory)
     tokens = args.tokens or (32 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.strategy in DRAFT_STRATEGIES and not args.speculative_draft_model:
+        raise SystemExit(f"--strategy {args.strategy} needs --speculative-draft-model")
     report = trio.run(
         _matrix,
         directory,
@@ -60,9 +70,11 @@ def run(args: argparse.Namespace) -> int:
         repeats,
         args.rtt_ms,
         args.strategy,
-        args.quantization,
+        quantization,
+        args.speculative_draft_model,
     )
-    report["quantization"] = args.quantization
+    report["quantization"] = quantization
+    report["draft_model"] = args.speculative_draft_model
     print_report(report, args.json, _print)
     return 0
 
@@ -82,20 +94,29 @@ async def _matrix(
     rtt_ms: float,
     strategy: str,
     quantization: str = "none",
+    draft_path: str = "",
 ) -> dict[str, Any]:
     tokenizer = open_tokenizer(model_dir)
     prompts = _prompts(tokenizer, max(streams))
     rows: list[dict[str, Any]] = []
+    # Loaded before any lane opens (loading blocks the event loop).
+    draft = DraftModel.load(draft_path, quantization=quantization) if draft_path else None
+    spec = SpecConfig(strategy=strategy, draft_model=draft_path)
     async with open_local_pipeline(
-        model_dir, 2, rtt_s=rtt_ms / 1000, wire_dtype="f16", quantization=quantization
+        model_dir,
+        2,
+        rtt_s=rtt_ms / 1000,
+        wire_dtype="f16",
+        quantization=quantization,
+        draft=draft,
     ) as pipe:
         mtp = pipe.checkpoint.config.num_mtp_layers
-        await _streams(pipe, prompts[:2], 8, strategy, mtp, batching=True)  # warm-up
+        await _streams(pipe, prompts[:2], 8, spec, mtp, batching=True)  # warm-up
         for n in streams:
             best: dict[bool, dict[str, Any]] = {}
             for _ in range(repeats):
                 for batching in (False, True):  # interleaved: noise hits both alike
-                    r = await _streams(pipe, prompts[:n], tokens, strategy, mtp, batching)
+                    r = await _streams(pipe, prompts[:n], tokens, spec, mtp, batching)
                     if batching not in best or r["tok_s"] > best[batching]["tok_s"]:
                         best[batching] = r
             for batching in (False, True):
@@ -131,7 +152,7 @@ async def _streams(
     pipe: LocalPipeline,
     prompts: list[list[int]],
     tokens: int,
-    strategy: str,
+    spec: SpecConfig,
     mtp: int,
     batching: bool,
 ) -> dict[str, Any]:
@@ -158,7 +179,7 @@ async def _streams(
         request = GenerationRequest(
             prompt=prompts[i],
             max_tokens=tokens,
-            spec=SpecConfig(strategy=strategy),
+            spec=spec,
             mtp_depth=mtp,
             eos_ids=frozenset(),  # fixed length: every run decodes the same count
         )

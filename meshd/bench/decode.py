@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time meshd alone (no transformers runs; ratio fields are null)",
     )
+    parser.add_argument(
+        "--speculative-draft-model",
+        type=pathlib.Path,
+        default=None,
+        help="also time this draft model (dir or .gguf) alone, meshd only: `draft` in the "
+        "report, and draft_cost_ratio = its time per token ÷ the model's",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer tokens and rounds (< 30 s)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of meshd's loop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,6 +137,16 @@ def run(args: argparse.Namespace) -> int:
                 args.threads, checkpoint.config, settings.dtype, settings.quantization
             )
         report = bench(directory, settings, profile=args.profile)
+    if args.speculative_draft_model is not None:
+        draft_dir = args.speculative_draft_model
+        own = open_checkpoint(draft_dir).default_quantization
+        quantization = own if args.quantization == "auto" else settings.quantization
+        mine = replace(settings, transformers=False, quantization=quantization)
+        report["draft"] = bench(draft_dir, mine)
+        report["draft"]["model"] = str(draft_dir)
+        report["draft_cost_ratio"] = round(
+            report["meshd_tok_s"] / report["draft"]["meshd_tok_s"], 3
+        )
     report["model"] = label
     report["threads_requested"] = args.threads
     print_report(report, args.json, _print_report)

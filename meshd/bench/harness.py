@@ -27,14 +27,25 @@ def add_model_option(parser: argparse.ArgumentParser, help: str = MODEL_HELP) ->
     parser.add_argument("--model", default=None, help=help)
 
 
-def add_quantization_option(parser: argparse.ArgumentParser) -> None:
-    """`--quantization`: the stage weight format (none, int8, int4, or a ggml block format)."""
+def add_quantization_option(parser: argparse.ArgumentParser, *, auto: bool = False) -> None:
+    """`--quantization`: the stage weight format (none, int8, int4, or a ggml block format);
+    with `auto`, also "auto" (the default): the checkpoint's own, as the daemon runs it."""
     parser.add_argument(
         "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="stage weight format (docs/model-runtime.md)",
+        choices=("auto", *QUANTIZATIONS) if auto else QUANTIZATIONS,
+        default="auto" if auto else "none",
+        help="stage weight format (docs/model-runtime.md)"
+        + ("; auto: the checkpoint's own (a GGUF file's tensors as stored)" if auto else ""),
     )
+
+
+def resolve_quantization(quantization: str, directory: str) -> str:
+    """`quantization`, or for "auto" the checkpoint's own (`Checkpoint.default_quantization`)."""
+    if quantization != "auto":
+        return quantization
+    from meshd.model.files import open_checkpoint
+
+    return open_checkpoint(directory).default_quantization
 
 
 def model_dir(args: argparse.Namespace) -> str:

@@ -47,14 +47,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
-from meshd.bench.harness import add_model_option, add_quantization_option, median, model_dir
+from meshd.bench.harness import (
+    add_model_option,
+    add_quantization_option,
+    median,
+    model_dir,
+    resolve_quantization,
+)
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
-from meshd.speculative.config import STRATEGIES, SpecConfig
+from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
+from meshd.speculative.draft import DraftModel
 
 TOLERANCE = 0.15  # the issue's goal: measured within 15 % of the model
 P_GOAL_MS = 1.0  # the issue's goal: protocol cost per hop on loopback
@@ -80,12 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative candidates (the fastest per cell is reported)",
     )
-    add_quantization_option(parser)
+    parser.add_argument(
+        "--speculative-draft-model",
+        default="",
+        help="draft model (dir or .gguf) for the draft strategies and auto; without one they "
+        "are left out",
+    )
+    add_quantization_option(parser, auto=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every cell, fit the model, print the tables."""
     directory = model_dir(args)
+    quantization = resolve_quantization(args.quantization, directory)
     # The calibration cells (1 stage and RTT 0) are always measured.
     stages = sorted({1, *(args.stages or [1, 2, 3])})
     rtts = sorted({0.0, *(args.rtt_ms or ([0.0, 20.0] if args.quick else [0.0, 5.0, 20.0, 50.0]))})
@@ -96,9 +111,15 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(candidates) - set(STRATEGIES))
     if unknown:
         raise SystemExit(f"unknown strategies: {', '.join(unknown)}")
+    draft_path = args.speculative_draft_model
+    if not draft_path:
+        candidates = [s for s in candidates if s not in DRAFT_STRATEGIES]
     cells = [Cell(s, r) for s in stages for r in rtts]
-    report = trio.run(_measure, directory, cells, tokens, repeats, candidates, args.quantization)
-    report["quantization"] = args.quantization
+    report = trio.run(
+        _measure, directory, cells, tokens, repeats, candidates, quantization, draft_path
+    )
+    report["draft_model"] = draft_path
+    report["quantization"] = quantization
     if args.json:
         print(json.dumps(report))
     elif args.markdown:
@@ -171,8 +192,12 @@ async def _measure(
     repeats: int,
     candidates: list[str],
     quantization: str = "none",
+    draft_path: str = "",
 ) -> dict[str, Any]:
     tokenizer = open_tokenizer(model_dir)
+    # Loaded before any lane opens (loading blocks the event loop).
+    draft = DraftModel.load(draft_path, quantization=quantization) if draft_path else None
+    spec = SpecConfig(draft_model=draft_path)
     load = next(w for w in workloads(1) if w.kind == PROMPT_KIND)
     prompt = tokenizer.encode(load.prompt)
     load_before = os.getloadavg()
@@ -189,16 +214,17 @@ async def _measure(
                     rtt_s=cell.rtt_ms / 1000,
                     wire_dtype="f16",
                     quantization=quantization,
+                    draft=draft,
                 )
             )
         mtp = next(iter(pipes.values())).checkpoint.config.num_mtp_layers
         for cell in cells:  # warm-up: lanes open, threads start, caches fill
-            await _generate(pipes[cell], prompt, WARMUP_TOKENS, "disabled", mtp)
+            await _generate(pipes[cell], prompt, WARMUP_TOKENS, "disabled", mtp, spec)
         for r in range(repeats):
             # Rotate the order each pass, so no cell always runs right after another.
             for cell in cells[r % len(cells) :] + cells[: r % len(cells)]:
                 for strategy in strategies:  # interleaved within the cell too
-                    result = await _generate(pipes[cell], prompt, tokens, strategy, mtp)
+                    result = await _generate(pipes[cell], prompt, tokens, strategy, mtp, spec)
                     runs.setdefault((cell, strategy), []).append(result)
     report = _report(cells, candidates, runs)
     report["conditions"] = {
@@ -217,7 +243,12 @@ async def _measure(
 
 
 async def _generate(
-    pipe: LocalPipeline, prompt: list[int], n: int, strategy: str, mtp: int
+    pipe: LocalPipeline,
+    prompt: list[int],
+    n: int,
+    strategy: str,
+    mtp: int,
+    spec: SpecConfig | None = None,
 ) -> RunResult:
     stamps: list[float] = []
     out: list[int] = []
@@ -229,7 +260,7 @@ async def _generate(
     request = GenerationRequest(
         prompt=prompt,
         max_tokens=n,
-        spec=SpecConfig(strategy=strategy),
+        spec=msgspec.structs.replace(spec or SpecConfig(), strategy=strategy),
         mtp_depth=mtp,
         eos_ids=frozenset(),  # fixed length, so every run decodes the same count
     )

@@ -25,10 +25,16 @@ from typing import Any
 import msgspec
 import trio
 
-from meshd.bench.harness import add_model_option, add_quantization_option, model_dir
+from meshd.bench.harness import (
+    add_model_option,
+    add_quantization_option,
+    model_dir,
+    resolve_quantization,
+)
 from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import Workload, workloads
 from meshd.speculative.config import (
     DRAFT_STRATEGIES,
@@ -41,11 +47,15 @@ from meshd.speculative.config import (
 from meshd.speculative.draft import DraftModel
 from protocol.config import LaneConfig
 
-KINDS = ("edit", "completion", "prose")
+KINDS = ("edit", "completion", "prose", "chat")
 # The pipeline's lanes are loopback between tasks of this one process: one goes quiet only when
 # the process is starved of CPU (a shared machine under `nice`), which must not end the bench
 # with a lost route (it did, at the default 1.5 s).
-BENCH_LANES = LaneConfig(dead_after_s=30.0)
+# A real model's prefill of a long prompt (the draft's too, on the coordinator's thread), on a
+# starved shared machine, can outlast the default reply timeout and session lease (30 s), and
+# the lanes' 30 s: the bench waits where a daemon would give up.
+BENCH_REPLY_TIMEOUT_S = 600.0
+BENCH_LANES = LaneConfig(dead_after_s=BENCH_REPLY_TIMEOUT_S)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtt-ms", type=float, nargs="*", default=None)
     parser.add_argument("--tokens", type=int, default=None, help="tokens generated per run")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
+    parser.add_argument(
+        "--workloads", nargs="*", choices=KINDS, default=list(KINDS), help="workload kinds"
+    )
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
     parser.add_argument("--no-transformers", action="store_true")
-    add_quantization_option(parser)
+    add_quantization_option(parser, auto=True)
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
     parser.add_argument(
         "--min-seconds",
@@ -76,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the matrix and print it."""
     directory = model_dir(args)
+    quantization = resolve_quantization(args.quantization, directory)
     stages = args.stages or ([2] if args.quick else [1, 2, 3])
     rtts = args.rtt_ms or ([20.0] if args.quick else [0.0, 5.0, 20.0, 50.0])
     tokens = args.tokens or (48 if args.quick else 96)
@@ -83,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     strategies = [s for s in STRATEGIES if s in args.strategies]
     if "disabled" not in strategies:
         strategies.insert(0, "disabled")
-    loads = workloads(prompts)
+    loads = workloads(prompts, tuple(k for k in KINDS if k in args.workloads))
     min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.quick else 4.0)
     rounds = Rounds(min_s, max(1, args.max_rounds))
     overrides = {k: v for k, v in spec_cli_values(args).items() if k != "strategy"}
@@ -105,11 +119,11 @@ def run(args: argparse.Namespace) -> int:
         strategies,
         rounds,
         spec,
-        args.quantization,
+        quantization,
     )
     report["spec_overrides"] = overrides
     report["draft_model"] = spec.draft_model
-    report["quantization"] = args.quantization
+    report["quantization"] = quantization
     if 1 in stages and not args.no_transformers:
         report["transformers"] = _transformers_rows(directory, loads, tokens)
     if args.json:
@@ -170,12 +184,14 @@ async def _matrix(
                 quantization=quantization,
                 draft=draft,
                 lane_config=BENCH_LANES,
+                session_lease_s=BENCH_REPLY_TIMEOUT_S,
             ) as pipe:
+                pipe.coordinator.reply_timeout_s = BENCH_REPLY_TIMEOUT_S
                 # Warm-up: lanes open, threads start, caches fill.
-                warm = tokenizer.encode(loads[0].prompt)
+                warm = encode_workload(tokenizer, loads[0])
                 await generate(pipe, warm, 8, "disabled", mtp_depth, settings)
                 for load in loads:
-                    ids = tokenizer.encode(load.prompt)
+                    ids = encode_workload(tokenizer, load)
                     done, disabled_s = 0, 0.0
                     while done == 0 or rounds.more(done, disabled_s):
                         # Interleaved, one strategy after another; each round starts one
@@ -192,6 +208,13 @@ async def _matrix(
                         rows += _runs(stages, rtt_ms, load, done, results)
                         done += 1
     return {"rows": _aggregate(rows), "runs": rows, "samples": samples, "tokens": tokens}
+
+
+def encode_workload(tokenizer: Tokenizer, load: Workload) -> list[int]:
+    """The prompt's ids: a chat through the model's chat template where it has one."""
+    if load.messages and tokenizer.chat_template is not None:
+        return tokenizer.encode_chat([{"role": r, "content": c} for r, c in load.messages])
+    return tokenizer.encode(load.prompt)
 
 
 def _runs(
@@ -345,7 +368,7 @@ def _transformers_rows(model_dir: str, loads: list[Workload], tokens: int) -> li
     rows = []
     for kind in KINDS:
         for load in [w for w in loads if w.kind == kind][:1]:
-            ids = torch.tensor([tok.encode(load.prompt)])
+            ids = torch.tensor([encode_workload(tok, load)])
             for lookup in (0, 10):
                 extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
 

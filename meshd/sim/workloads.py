@@ -1,10 +1,13 @@
 """Benchmark workloads built from the Python standard library's own source (on every machine).
 
-Three kinds, as the speculative benchmark reads them:
+Four kinds, as the speculative benchmark reads them:
 - code editing: the answer repeats the prompt with changes (a function, then the same
   function again under a new name: the model copies the body back);
 - code completion: the start of a function, continued by the model;
-- prose: English text (module docstrings), continued by the model.
+- prose: English text (module docstrings), continued by the model;
+- chat: a multi-turn conversation (a function asked for and given, then a change to it asked
+  for), rendered with the model's chat template where it has one; the answer is new text that
+  reuses the earlier turn's.
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ from dataclasses import dataclass
 EDIT_SOURCES = [("heapq", "_siftup"), ("copyreg", "add_extension"), ("selectors", "_can_use")]
 COMPLETION_SOURCES = [("base64", "b64encode"), ("colorsys", "rgb_to_hls"), ("calendar", "weekday")]
 PROSE_MODULES = ["heapq", "bisect", "difflib"]
+# (module, attribute, the change asked for in the last turn)
+CHAT_SOURCES = [
+    ("textwrap", "indent", "Add type hints to it and explain each parameter in a docstring."),
+    ("shlex", "quote", "Rewrite it without the regular expression, keeping its behaviour."),
+    ("fnmatch", "filter", "Make it return a generator instead of a list, and say why."),
+]
 
 
 @dataclass(frozen=True)
 class Workload:
     """One benchmark prompt."""
 
-    kind: str  # "edit", "completion", "prose"
+    kind: str  # "edit", "completion", "prose", "chat"
     name: str
-    prompt: str
+    prompt: str  # the text (a chat's turns as plain text, for a model without a template)
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) of a chat, in order
 
 
 def _source(module: str, attr: str) -> str | None:
@@ -72,11 +82,31 @@ def _prose(module: str) -> Workload | None:
     return Workload("prose", module, '"""' + " ".join(words[:40]))
 
 
-def workloads(per_kind: int) -> list[Workload]:
-    """Up to `per_kind` prompts of each kind, in a fixed order."""
+def _chat(module: str, attr: str, change: str) -> Workload | None:
+    src = _source(module, attr)
+    if src is None:
+        return None
+    messages = (
+        ("system", "You are a helpful Python programming assistant."),
+        ("user", f"Show me the source of {module}.{attr} from the standard library."),
+        ("assistant", f"Here it is:\n\n```python\n{src.rstrip()}\n```"),
+        ("user", change),
+    )
+    text = "\n\n".join(f"{role}: {content}" for role, content in messages) + "\n\nassistant:"
+    return Workload("chat", f"{module}.{attr}", text, messages)
+
+
+def workloads(
+    per_kind: int, kinds: tuple[str, ...] = ("edit", "completion", "prose")
+) -> list[Workload]:
+    """Up to `per_kind` prompts of each of `kinds`, in a fixed order."""
+    made: dict[str, list[Workload | None]] = {
+        "edit": [_edit(m, a) for m, a in EDIT_SOURCES],
+        "completion": [_completion(m, a) for m, a in COMPLETION_SOURCES],
+        "prose": [_prose(m) for m in PROSE_MODULES],
+        "chat": [_chat(m, a, c) for m, a, c in CHAT_SOURCES],
+    }
     out: list[Workload] = []
-    for make, sources in ((_edit, EDIT_SOURCES), (_completion, COMPLETION_SOURCES)):
-        made = [w for w in (make(m, a) for m, a in sources) if w is not None]
-        out += made[:per_kind]
-    out += [w for w in (_prose(m) for m in PROSE_MODULES) if w is not None][:per_kind]
+    for kind in kinds:
+        out += [w for w in made[kind] if w is not None][:per_kind]
     return out

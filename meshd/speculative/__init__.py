@@ -11,7 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshd.speculative.auto import AcceptanceBook, AutoProposer
+    from meshd.speculative.acceptance_book import AcceptanceBook
+    from meshd.speculative.auto import AutoProposer
     from meshd.speculative.config import (
         MTP_STRATEGIES,
         STRATEGIES,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from meshd.speculative.telemetry import Recorder, SpecTelemetry
 
 _WHERE = {
-    "AcceptanceBook": "meshd.speculative.auto",
+    "AcceptanceBook": "meshd.speculative.acceptance_book",
     "AcceptanceTracker": "meshd.speculative.policy",
     "AutoProposer": "meshd.speculative.auto",
     "DEFAULT_LINK": "meshd.speculative.policy",

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from meshd.speculative.acceptance_book import AcceptanceBook
 from meshd.speculative.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
+from meshd.speculative.draft_scoring import DraftScorer, Shadow
 from meshd.speculative.mtp import MtpHybrid, MtpProposer
 from meshd.speculative.ngram import NgramCache, NgramSimple
 from meshd.speculative.policy import (
@@ -41,147 +42,14 @@ if TYPE_CHECKING:
     from meshd.speculative.draft import DraftModel, DraftProposer
     from meshd.speculative.sampling import SamplingParams
 
-# Shadow-scored windows an MTP strategy needs before `auto` may stop the MTP heads for a request.
-_MTP_MIN_SAMPLES = 8
-# Where the book says the heads pay, a request whose choice is plain decoding (not an n-gram
-# strategy that beats them) keeps them for this many windows of its own: generated text often
-# starts badly for the heads and gets better, and once the heads stop nothing scores them
-# again. The grace costs at most this many windows' head time, and is given only where the
-# heads cost at most `_MTP_GRACE_FRACTION` of a plain window: on a fast route, where the heads
-# are a large share of a token, unused heads make auto slower than plain decoding, and they
-# would not pay there even had the text got better for them (figures: docs/speculative.md).
-_MTP_GRACE_SAMPLES = 24
-_MTP_GRACE_FRACTION = 0.2
-# Where the book says the heads pay and a request's choice is an n-gram strategy, the request
-# keeps the heads while they cost at most this fraction of a window (on a high-latency route):
-# a request's text changes under it (an edit answer copies its prompt, where prompt lookup
-# wins, then writes new lines, where the heads do), and once stopped the heads are gone for
-# the request, so stopping them at the first copied stretch loses the new lines' gain
-# (figures: docs/speculative.md). On one node (heads ≈ half a pass) they still stop.
-_MTP_CHEAP_FRACTION = 0.1
-# `auto` re-decides at most once per this many committed tokens: deciding weighs every
-# candidate's every width and depth, which on one fast node costs a visible share of a
-# token's time. While decisions keep the same choice, the spacing doubles up to the maximum; a
-# changed choice resets it. New route costs are used from the next decision on, and decided on
-# at once only when the route changed shape (stages, load, MTP cost first measured) or a cost
-# moved by more than this fraction since the last decision: measured pass times wander from
-# window to window on a shared machine, and re-deciding on each wander costs more than the
-# decisions are worth.
-_DECIDE_EVERY_TOKENS = 4
-_DECIDE_EVERY_MAX_TOKENS = 32
-# The spacing is capped where a token takes long: a decision (≈ 0.2 ms with a draft model's
-# candidate on this machine) may cost at most `_DECIDE_SHARE` of the plain decoding time of
-# the tokens it spans. At 2 stages / 20 ms (≈ 27 ms a plain token) auto so re-decides every
-# token or two, where it once sat through 20-28 one-token windows of plain decoding before it
-# looked again at a draft that paid (colorsys completion); on one node (≈ 3 ms a token) the
-# spacing still grows to 14 and more.
-_DECIDE_COST_S = 200e-6
-_DECIDE_SHARE = 0.005
-_LINK_CHANGE_FRACTION = 0.5
-# The book's EWMA weight, as a fraction of the request's `ewma_alpha`: a request adapts within
-# a few windows, the book averages over many (one request's unlucky first windows, which once
-# set the book's MTP estimate to half its true value and so kept the heads off for every later
-# request, now move it a little).
-_BOOK_EWMA_FRACTION = 0.25
-# Unresolved shadow drafts kept per candidate (pipelined proposals can overlap).
-_PENDING_PER_CANDIDATE = 8
-# A draft model's shadow would cost a pass per drafted token (an n-gram's is a lookup). While
-# the draft is not the choice it is scored teacher-forced instead: every commit leaves a start
-# to score, and one pass over the log's new tokens gives the draft's own choice at each of
-# their positions, which settles every start at once (a chain that has been right drafts from
-# the log itself). That pass runs once enough commits have passed for its measured cost to be
-# at most `_DRAFT_SCORE_SHARE` of their windows' time (a plain window's, as the lower bound;
-# `_DRAFT_SCORE_SHARE_IDLE` while neither the draft's own estimate nor the book's says it
-# pays on this route; at least every 32 commits): at 2 stages / 20 ms every third commit, on one fast node (a pass
-# ≈ a third of a token) every 32nd. Every start is scored either way, only later. Budgeted by
-# the current plan's time per token instead, a pass came 20 one-token windows after the heads
-# had begun to fail (their plan had promised 9 tokens a window). While it is the choice,
-# its real proposal is its shadow (drafted in `propose`, so its time is charged to its own
-# windows). The sparse random shadows this replaced scored one start in 16 while the heads
-# drafted, and a request that had moved to the heads stayed there (2 stages / 20 ms prose:
-# auto 1.23x where draft-ngram made 1.39x).
-_DRAFT_SCORE_SHARE = 0.015
-_DRAFT_SCORE_SHARE_IDLE = 0.005
-# While auto decodes plainly and the book says the draft pays, every plain window may be one
-# the draft would have shortened by a third or more: its pass may cost this share. At 1.5 %
-# a 2 stages / 20 ms prose request sat 15 windows in plain decoding (a pass every 7 commits on
-# a loaded machine) after one rejected window at its start had halved the draft's estimate.
-_DRAFT_SCORE_SHARE_EAGER = 0.05
-_DRAFT_SYNC_MAX_COMMITS = 32
-# The floor of one pass per `_DRAFT_SYNC_MAX_COMMITS` commits holds while the draft pays by
-# this request's or the book's estimate, or while the book has scored fewer than this many of
-# its windows. Past that, where neither says it pays (one fast node: a pass over 32 tokens ≈ a
-# plain token), the pass waits for its idle budget alone, which on one node a 96-token request
-# never reaches: the floor's passes there, the prompt's prefill in the draft included, cost
-# auto 5-7 % against `disabled` (completion and prose, with the draft never chosen). On a
-# route where a token takes long the budget still scores it every few commits.
-_DRAFT_SETTLED_SAMPLES = 64
-_DRAFT_SCORE_PRIOR_S = 0.001  # a pass's seconds until one was timed
-_COST_EWMA = 0.2  # weight of the newest pass in that estimate
-# Starts waiting for the draft's teacher-forced choices (beyond these the oldest are dropped).
-_DRAFT_PENDING = 64
-# While the MTP heads run, a `draft` window pays for them too, so `draft` is weighed with their
-# cost like the MTP strategies. Where `draft` is the choice the heads stop only once this
-# request has scored `_MTP_MIN_SAMPLES` draft windows of its own and `draft`, without the
-# heads' cost, beats every MTP strategy by this fraction of a token's time, by the book or by
-# this request's own estimates once both families have `_DRAFT_OWN_SAMPLES` of its windows:
-# stopping is final, and a request's estimates of the draft and of the heads dip together on
-# hard stretches of text, where a noisy lead of a few per cent once stopped the heads for good
-# (2 stages / 20 ms prose, with a weaker draft: auto 1.23x where mtp-simple made 1.73x). The
-# book alone mixes the requests' texts: after code edits it favoured the heads in every
-# completion and prose request, which then paid them (2-4 ms) in every window of the draft.
-_DRAFT_OVER_HEADS_MARGIN = 0.05
-_DRAFT_OWN_SAMPLES = 16
-# `draft` and the MTP strategies both predict new text, and their estimates move together:
-# switching between them needs this margin in expected time per token. Each switch to `draft`
-# makes the draft model catch up on the tokens it has not seen, and flapping at every decision
-# cost auto 10-15 % against either alone (2 stages / 20 ms, a 60 % draft: prose 1.50x where
-# mtp-simple made 1.69x and draft 1.67x).
-_MODEL_SWITCH_MARGIN = 0.1
+# AcceptanceBook is re-exported: the coordinator imports it from here.
+__all__ = ["AcceptanceBook", "AutoProposer"]
+
 # The draft model's candidate: `draft-ngram` (the draft's tokens, or prompt lookup's copy where
-# it starts with the draft's first token), which beat `draft` on every workload of `meshd
-# bench spec` at 2 stages / 20 ms (docs/speculative.md); switching to ngram-simple by stretches
-# does not replace its copies inside a window.
+# it starts with the draft's first token): it keeps the copies inside a window, which
+# switching to ngram-simple by stretches does not.
 _DRAFT_CANDIDATE = "draft-ngram"
 _NGRAM = ("ngram-simple", "ngram-cache")
-
-
-@dataclass
-class AcceptanceBook:
-    """Per-model acceptance estimates by strategy, shared by that model's sessions."""
-
-    config: SpecConfig
-    trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)
-    has_mtp: bool = False
-    # Seconds of one teacher-forced pass of the draft model over a commit's new tokens (EWMA).
-    draft_score_s: float = _DRAFT_SCORE_PRIOR_S
-    # The draft model's seconds per drafted token, as the latest request that drafted left it.
-    draft_token_s: float | None = None
-
-    def tracker(self, strategy: str) -> AcceptanceTracker:
-        """The model-level tracker of `strategy` (created at the prior on first use)."""
-        found = self.trackers.get(strategy)
-        if found is None:
-            found = AcceptanceTracker(
-                max(1, self.config.window_max_tokens),
-                self.config.ewma_alpha * _BOOK_EWMA_FRACTION,
-                self.config.prior_acceptance,
-            )
-            self.trackers[strategy] = found
-        return found
-
-
-@dataclass
-class _Shadow:
-    strategy: str
-    start: int  # log length when drafted: drafts[i] predicts log[start + i]
-    drafts: list[int]
-    width: int = 0  # positions it is scored over (0: the window's); a shorter draft rejects
-    # The draft model's chain, known only as far as its teacher-forced passes have reached:
-    # more drafts may follow (its chain is right so far), so reaching its end settles nothing.
-    open: bool = False
-    credited: int = 0  # leading drafts already folded in as accepted (the log confirmed them)
-    weights: tuple[float, float] | None = None  # its weight in the request's and book's EWMA
 
 
 class AutoProposer(AccountedProposer):
@@ -200,6 +68,7 @@ class AutoProposer(AccountedProposer):
     ) -> None:
         super().__init__(config)
         self.book = book if book is not None else AcceptanceBook(config)
+        self.tuning = self.book.tuning
         self.link = link
         self._decided_link = link  # the costs the current choice was made with
         self._width = max(1, config.window_max_tokens)
@@ -215,28 +84,27 @@ class AutoProposer(AccountedProposer):
         }
         # The node's draft model, where one is configured: one more candidate (and part).
         self._draft: DraftProposer | None = None
+        self._scorer: DraftScorer | None = None
         if draft is not None:
             from meshd.speculative.draft import DraftNgram
 
             self._draft = DraftNgram(config, draft, sampling)
             self._candidates[_DRAFT_CANDIDATE] = self._draft
+            self._scorer = DraftScorer(
+                self._draft, _DRAFT_CANDIDATE, self._width, self.tuning.draft_pending
+            )
         self._draft_pays = True  # by its or the book's estimate at the last decision
         self._book_says_draft_pays = True  # by the book's estimate at the last decision
         self._mtp_live = True  # the stages run the MTP heads for this request
         self._next_decision = 0  # log length at which `observe` decides again
-        self._decide_every = _DECIDE_EVERY_TOKENS
+        self._decide_every = self.tuning.decide_every_tokens
         self._tokens: list[int] = []
-        self._pending: list[_Shadow] = []
+        self._pending: list[Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._first_samples: dict[str, int] = {}
         self._decided_at = -1  # log length at the last decision
         self._book_favours_mtp: bool | None = None
         self._drafts: dict[str, list[int]] = {}
-        # The draft's teacher-forced choices by log position, the starts they will score
-        # (with prompt lookup's copy there), and the commits since the last pass.
-        self._tf: dict[int, int] = {}
-        self._tf_pending: list[tuple[int, list[int]]] = []
-        self._tf_commits = 0
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.choice = "disabled"
         # Candidates that pay by the last decision, best first (the choice among them).
@@ -257,9 +125,7 @@ class AutoProposer(AccountedProposer):
     def _fallback(self) -> str:
         """The best candidate by the last decision that drafts at this log and is no n-gram
         lookup, or the choice (plain windows) when there is none. Prompt lookup wins on a
-        copied stretch and has nothing between copies: there its windows were plain ones (a
-        token per round trip) until the next decision, 8 of 47 windows of a completion
-        request at 2 stages / 20 ms, where the draft would have committed ~2.4 a window."""
+        copied stretch and has nothing between copies, where a draft still pays."""
         for name in self._ranked:
             if name in _NGRAM:
                 continue
@@ -281,7 +147,7 @@ class AutoProposer(AccountedProposer):
     def set_link(self, link: LinkModel) -> None:
         """Update the measured route costs used to compare strategies (re-decides at once only
         on a large change; otherwise at the next scheduled decision)."""
-        moved = _moved(self._decided_link, link)
+        moved = self._decided_link.moved_to(link, self.tuning.link_change_fraction)
         self.link = link
         if moved:
             self._decide()
@@ -297,9 +163,9 @@ class AutoProposer(AccountedProposer):
         choice moved away, only once this request has scored enough windows of its own: the
         first few windows of a request are a small sample, and stopping the heads is final
         for the request (without drafts nothing scores them again); and while its choice is
-        plain decoding, only after `_MTP_GRACE_SAMPLES` windows (at once where the heads cost
-        more than `_MTP_GRACE_FRACTION` of a plain window); while it is an n-gram strategy, only
-        once the heads cost more than `_MTP_CHEAP_FRACTION` of a window.
+        plain decoding, only after `mtp_grace_samples` windows (at once where the heads cost
+        more than `mtp_grace_fraction` of a plain window); while it is an n-gram strategy, only
+        once the heads cost more than `mtp_cheap_fraction` of a window.
         """
         if not self._mtp_live:
             return False
@@ -307,7 +173,7 @@ class AutoProposer(AccountedProposer):
             return True
         if not self.book.has_mtp:
             return True
-        if any(self.book.tracker(m).samples < _MTP_MIN_SAMPLES for m in MTP_STRATEGIES):
+        if any(self.book.tracker(m).samples < self.tuning.mtp_min_samples for m in MTP_STRATEGIES):
             return True
         if self._book_favours_mtp is None:
             # Whether the heads pay on this route at all (an MTP strategy beats plain decoding
@@ -321,42 +187,44 @@ class AutoProposer(AccountedProposer):
         if not self._book_favours_mtp:
             return False
         own = min(self._trackers[m].samples - self._first_samples[m] for m in MTP_STRATEGIES)
-        if own < _MTP_MIN_SAMPLES:
+        if own < self.tuning.mtp_min_samples:
             return True
         if self._decided_at != len(self._tokens):
             self._decide()  # stopping is final: on today's estimates, not a spaced-out decision's
         if self.choice == "disabled":
-            return own < _MTP_GRACE_SAMPLES and self._heads_cheap(_MTP_GRACE_FRACTION, 0)
+            return own < self.tuning.mtp_grace_samples and self._heads_cheap(
+                self.tuning.mtp_grace_fraction, 0
+            )
         if self.choice in MTP_STRATEGIES:
             return True
         if self.choice in DRAFT_STRATEGIES:
             return not self._draft_beats_heads()
         width = self.plan.width if self.plan is not None else self._width
-        return self._heads_cheap(_MTP_CHEAP_FRACTION, width)
+        return self._heads_cheap(self.tuning.mtp_cheap_fraction, width)
 
     def _draft_beats_heads(self) -> bool:
         """Whether `draft` has scored enough windows of this request and beats the best MTP
-        strategy by `_DRAFT_OVER_HEADS_MARGIN`, by the book or by this request's own
-        estimates once both families have `_DRAFT_OWN_SAMPLES` of its windows. A request's
+        strategy by `draft_over_heads_margin`, by the book or by this request's own
+        estimates once both families have `draft_own_samples` of its windows. A request's
         estimates of both dip together on a hard stretch, where their order is noise, hence
         the margin and the samples; the book alone mixes the requests' texts (after code
         edits it favoured the heads on every completion and prose request, which paid them
         in every window the draft drafted)."""
         own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
-        if own < _MTP_MIN_SAMPLES:
+        if own < self.tuning.mtp_min_samples:
             return False
         judges: list[Callable[[str], AcceptanceTracker]] = []
-        if self.book.tracker(_DRAFT_CANDIDATE).samples >= _MTP_MIN_SAMPLES:
+        if self.book.tracker(_DRAFT_CANDIDATE).samples >= self.tuning.mtp_min_samples:
             judges.append(self.book.tracker)
         heads = min(self._trackers[m].samples - self._first_samples[m] for m in MTP_STRATEGIES)
-        if min(own, heads) >= _DRAFT_OWN_SAMPLES:
+        if min(own, heads) >= self.tuning.draft_own_samples:
             judges.append(lambda name: self._trackers[name])
         for tracker in judges:
             best, mtp_s, _ = self._best(tracker, MTP_STRATEGIES)
             if best == "disabled":
                 return True  # no MTP strategy pays at all
             _, draft_s, _ = self._best(tracker, DRAFT_STRATEGIES, heads_off=True)
-            if 0 < draft_s <= (1 - _DRAFT_OVER_HEADS_MARGIN) * mtp_s:
+            if 0 < draft_s <= (1 - self.tuning.draft_over_heads_margin) * mtp_s:
                 return True
         return False
 
@@ -373,23 +241,20 @@ class AutoProposer(AccountedProposer):
     def reset(self, prompt: Sequence[int]) -> None:
         """New request: reset every part and start each estimate from the model's book."""
         self._mtp_live = True
-        self._decide_every = _DECIDE_EVERY_TOKENS
+        self._decide_every = self.tuning.decide_every_tokens
         self._clear_stats()
         for part in self._parts:
             part.reset(prompt)
         if self._draft is not None:
             self._draft.reset(prompt)
-        self._tf = {}
-        self._tf_pending = []
-        self._tf_commits = 0
+        if self._scorer is not None:
+            self._scorer.reset()
         self.last_draft_s = 0.0
         self._tokens = [int(t) for t in prompt]
         self._pending = []
         alpha = self.config.ewma_alpha
         # Warm: a request's first windows outweigh the book quickly (the book mixes the other
-        # requests' texts: after code edits it favoured the heads and n-gram copies, and a
-        # completion request's first windows went to them; auto / draft-ngram was lower in a
-        # prompt's first request than in its second in 9 of 12 pairs at 2 stages / 20 ms).
+        # requests' texts, and a copy-heavy one must not decide the next one's start).
         self._trackers = {n: self.book.tracker(n).copy(alpha, warm=True) for n in self._candidates}
         self._first_samples = {n: t.samples for n, t in self._trackers.items()}
         self._book_favours_mtp = None  # judged once per request, when needed
@@ -450,10 +315,11 @@ class AutoProposer(AccountedProposer):
                 for s in self._pending
                 if not (s.strategy == _DRAFT_CANDIDATE and s.start == start)
             ]
-            self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, width))
+            self._pending.append(Shadow(_DRAFT_CANDIDATE, start, drafts, width))
             # Drafting for the n-gram choice (`_fallback`), this start was also left for a
             # teacher-forced pass to score: it is scored once, as this proposal.
-            self._tf_pending = [(at, copy) for at, copy in self._tf_pending if at != start]
+            if self._scorer is not None:
+                self._scorer.forget(start)
         return drafts
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
@@ -531,10 +397,8 @@ class AutoProposer(AccountedProposer):
             if name in DRAFT_STRATEGIES:
                 # Scored teacher-forced (`_score_draft`) while not the choice; while it is,
                 # its proposal is drafted in `propose`.
-                if not reuse and self.choice != name:
-                    copy = drafts.get("ngram-simple") or []
-                    self._tf_pending.append((start, copy))
-                    del self._tf_pending[:-_DRAFT_PENDING]
+                if not reuse and self.choice != name and self._scorer is not None:
+                    self._scorer.leave(start, drafts.get("ngram-simple") or [])
                 continue
             if reuse and name not in MTP_STRATEGIES and name in self._drafts:
                 drafts[name] = self._drafts[name]
@@ -545,24 +409,24 @@ class AutoProposer(AccountedProposer):
             self._pending = [
                 s for s in self._pending if not (s.strategy == name and s.start == start)
             ]
-            self._pending.append(_Shadow(name, start, drafts[name]))
+            self._pending.append(Shadow(name, start, drafts[name]))
         self._trim_pending()
         if self.choice in _NGRAM and not drafts.get(self.choice, True):
             # The n-gram choice has nothing to copy here: its windows are plain ones until
             # the next decision, so that comes as soon as a decision pays against plain tokens.
-            soon = _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_s())
+            soon = self._tokens_for(
+                self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()
+            )
             self._next_decision = min(self._next_decision, start + soon)
         return drafts
 
     def _score(self) -> None:
         """Fold in what the log has shown of each shadow draft: its leading drafts as soon as
         the log confirms them, its first wrong draft (or its end, when shorter than the
-        window) once the log reaches it. Crediting only settled drafts, a candidate right for
-        a whole window was credited a window's worth of commits late, and while auto decoded
-        plainly (a commit a window) that was 8 windows: a prose request sat 13 windows in
-        plain decoding after the draft had become right again."""
+        window) once the log reaches it: while auto decodes plainly (a commit a window), a
+        candidate that became right is seen at once, not a window's worth of commits late."""
         log = self._tokens
-        waiting: list[_Shadow] = []
+        waiting: list[Shadow] = []
         for shadow in self._pending:
             seen = len(log) - shadow.start
             matched = 0
@@ -587,7 +451,7 @@ class AutoProposer(AccountedProposer):
                 waiting.append(shadow)
         self._pending = waiting
 
-    def _fold(self, shadow: _Shadow, matched: int, *, rejected: bool) -> None:
+    def _fold(self, shadow: Shadow, matched: int, *, rejected: bool) -> None:
         """Fold `shadow`'s drafts up to `matched` (and a reject after them) into the request's
         and the book's estimates, as one window however many calls it takes."""
         mine, book = self._trackers[shadow.strategy], self.book.tracker(shadow.strategy)
@@ -604,66 +468,47 @@ class AutoProposer(AccountedProposer):
 
     def _score_draft(self) -> None:
         """Turn the starts waiting for the draft's choices into shadows once those choices
-        settle them, running the draft over the log's new tokens when enough are new."""
-        if self._draft is None:
+        settle them, running the draft over the log's new tokens when enough are new: once
+        its measured cost is within the share of those commits' plain decoding time that
+        the draft's prospects allow (`draft_score_share*`), and at least every
+        `draft_sync_max_commits` while it pays or the book is unsettled."""
+        scorer, tune = self._scorer, self.tuning
+        if scorer is None:
             return
         if self.choice in DRAFT_STRATEGIES:
             # It proposes for itself now; chains no pass will extend are dropped (what the log
             # confirmed of them stays credited).
-            self._tf_pending.clear()
+            scorer.waiting.clear()
             self._pending = [s for s in self._pending if not s.open]
             return
         chains = [s for s in self._pending if s.open]
-        if not self._tf_pending and not chains:
+        if not scorer.waiting and not chains:
             return
-        log = self._tokens
-        self._tf_commits += 1
-        share = _DRAFT_SCORE_SHARE if self._draft_pays else _DRAFT_SCORE_SHARE_IDLE
+        scorer.commits += 1
+        share = tune.draft_score_share if self._draft_pays else tune.draft_score_share_idle
         if self.choice == "disabled" and self._book_says_draft_pays:
-            share = _DRAFT_SCORE_SHARE_EAGER
-        every = _tokens_for(self.book.draft_score_s, share * self._plain_s())
+            share = tune.draft_score_share_eager
+        every = self._tokens_for(self.book.draft_score_s, share * self._plain_s())
         if self._draft_pays or self.book.tracker(_DRAFT_CANDIDATE).samples < (
-            _DRAFT_SETTLED_SAMPLES
+            tune.draft_settled_samples
         ):
-            every = min(every, _DRAFT_SYNC_MAX_COMMITS)
-        if self._tf_commits < every:
+            every = min(every, tune.draft_sync_max_commits)
+        if scorer.commits < every:
             return
-        since = min(
-            [start for start, _ in self._tf_pending] + [s.start + len(s.drafts) for s in chains]
-        )
-        while since in self._tf and since < len(log):
-            since += 1
-        first, choices = self._draft.predict_log(since)
-        self._tf_commits = 0
-        spent = self._draft.last_score_s
+        spent = scorer.run(self._tokens, chains, self._pending)
         if spent is not None:
-            self.book.draft_score_s += _COST_EWMA * (spent - self.book.draft_score_s)
-        for j, token in enumerate(choices):
-            self._tf[first + j] = token
-        eos = self._draft.draft.eos_ids
-        for shadow in chains:  # the passes reached further along these chains
-            found = _draft_ngram_shadow(self._tf, log, shadow.start, (), self._width, eos)
-            if found is not None:
-                shadow.drafts, shadow.open = found
-        waiting: list[tuple[int, list[int]]] = []
-        for start, copy in self._tf_pending:
-            found = _draft_ngram_shadow(self._tf, log, start, copy, self._width, eos)
-            if found is None:
-                waiting.append((start, copy))
-            else:
-                drafts, more = found
-                self._pending.append(_Shadow(_DRAFT_CANDIDATE, start, drafts, open=more))
-        self._tf_pending = waiting
-        oldest = min(
-            [start for start, _ in waiting] + [s.start for s in self._pending if s.open],
-            default=len(log),
-        )
-        for position in [p for p in self._tf if p < oldest]:
-            del self._tf[position]
+            self.book.draft_score_s += tune.cost_ewma * (spent - self.book.draft_score_s)
         self._score()
 
+    def _tokens_for(self, cost_s: float, budget_per_token_s: float) -> int:
+        """The fewest tokens (or commits) over which `cost_s` stays within
+        `budget_per_token_s` apiece."""
+        if budget_per_token_s <= 0:
+            return self.tuning.decide_every_max_tokens
+        return max(1, math.ceil(cost_s / budget_per_token_s))
+
     def _trim_pending(self) -> None:
-        limit = _PENDING_PER_CANDIDATE * len(self._candidates)
+        limit = self.tuning.pending_per_candidate * len(self._candidates)
         if len(self._pending) > limit:
             self._pending = self._pending[-limit:]
 
@@ -674,9 +519,8 @@ class AutoProposer(AccountedProposer):
         best_name, best_s, found = self._best(lambda name: self._trackers[name])
         if _DRAFT_CANDIDATE in found:
             # By the book too: on a hard stretch of text the request's estimate says no, and
-            # that is when the draft must be scored often to see it pay again (a prose request
-            # at 2 stages / 20 ms sat 11 windows in plain decoding, its draft scored every
-            # sixth); where the book says no as well, the route makes it too dear (one node).
+            # that is when the draft must be scored often to see it pay again; where the book
+            # says no as well, the route makes it too dear.
             self._book_says_draft_pays = (
                 self._best(self.book.tracker, (_DRAFT_CANDIDATE,))[0] == _DRAFT_CANDIDATE
             )
@@ -694,16 +538,16 @@ class AutoProposer(AccountedProposer):
             and (best_name in DRAFT_STRATEGIES) != (self.choice in DRAFT_STRATEGIES)
         ):
             held_s, width = found[self.choice].s_per_token(self.config)
-            if width > 0 and best_s > (1 - _MODEL_SWITCH_MARGIN) * held_s:
+            if width > 0 and best_s > (1 - self.tuning.model_switch_margin) * held_s:
                 best_name = self.choice  # not clearly better: keep the one drafting now
         cap = min(
-            _DECIDE_EVERY_MAX_TOKENS,
-            _tokens_for(_DECIDE_COST_S, _DECIDE_SHARE * self._plain_s()),
+            self.tuning.decide_every_max_tokens,
+            self._tokens_for(self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()),
         )
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, cap)
         else:
-            self._decide_every = min(_DECIDE_EVERY_TOKENS, cap)
+            self._decide_every = min(self.tuning.decide_every_tokens, cap)
         self._next_decision = len(self._tokens) + self._decide_every
         first = next(iter(found.values()), None)
         fallback = plan_of(first, self.config) if first is not None else None
@@ -746,68 +590,3 @@ class AutoProposer(AccountedProposer):
             if width > 0 and (best_name == "disabled" or per_token < best_s):
                 best_name, best_s = name, per_token
         return best_name, best_s, found
-
-
-def _tokens_for(cost_s: float, budget_per_token_s: float) -> int:
-    """The fewest tokens (or commits) over which `cost_s` stays within `budget_per_token_s`
-    apiece."""
-    if budget_per_token_s <= 0:
-        return _DECIDE_EVERY_MAX_TOKENS
-    return max(1, math.ceil(cost_s / budget_per_token_s))
-
-
-def _draft_ngram_shadow(
-    choices: dict[int, int],
-    log: Sequence[int],
-    start: int,
-    copy: Sequence[int],
-    width: int,
-    eos: frozenset[int],
-) -> tuple[list[int], bool] | None:
-    """What `draft-ngram` would have proposed at `start`, as far as scoring it needs, from the
-    draft's teacher-forced `choices` by position, and whether more of it may follow; None
-    while its first token is not known.
-
-    Prompt lookup's `copy` where it starts with the draft's first token; else the draft's
-    chain up to its first token that differs from the log (the chain drafts from the log
-    while it agrees with it), an EOS, or `width` tokens. A chain right as far as the choices
-    (or the log) reach is open: the next passes continue it.
-    """
-    first = choices.get(start)
-    if first is None:
-        return None
-    if copy and copy[0] == first:
-        return list(copy), False
-    chain: list[int] = []
-    position = start
-    while len(chain) < width:
-        token = choices.get(position)
-        if token is None:
-            return chain, True  # no pass has reached this position yet
-        chain.append(token)
-        if token in eos:
-            return chain, False
-        if position >= len(log):
-            return chain, True  # the log does not reach this token yet
-        if log[position] != token:
-            return chain, False
-        position += 1
-    return chain, False
-
-
-def _moved(old: LinkModel, new: LinkModel) -> bool:
-    """Whether the route's costs changed enough to re-weigh the strategies."""
-    if (old.stages, old.concurrent_sessions, old.mtp_measured) != (
-        new.stages,
-        new.concurrent_sessions,
-        new.mtp_measured,
-    ):
-        return True
-    pairs = (
-        (old.rtt_s, new.rtt_s),
-        (old.pass_fixed_s, new.pass_fixed_s),
-        (old.pass_per_token_s, new.pass_per_token_s),
-        (old.mtp_s, new.mtp_s),
-        (old.compute_s(0), new.compute_s(0)),
-    )
-    return any(abs(b - a) > _LINK_CHANGE_FRACTION * max(abs(a), 1e-6) for a, b in pairs)

@@ -171,6 +171,7 @@ class DraftProposer(AccountedProposer):
         self._capacity = 0
         self._cached: list[int] = []  # the tokens whose KV the session holds, from position 0
         self._cost_s: float | None = None
+        self._catch_up_s = 0.0  # the current proposal's catch-up pass's seconds (else 0)
         # The latest `predict_log` pass's seconds (None after one that wrote the whole log,
         # the prompt's prefill included: not what a pass over new tokens costs).
         self.last_score_s: float | None = None
@@ -215,8 +216,16 @@ class DraftProposer(AccountedProposer):
         if max_tokens <= 0:
             return []
         started = self.clock()
+        self._catch_up_s = 0.0
         drafts = self._draft([*self.tokens, *(int(t) for t in assumed)], max_tokens)
-        self._charge(self.clock() - started, len(drafts))
+        spent = self.clock() - started
+        self.last_draft_s = spent
+        self.draft_s += spent
+        # The per-token cost is the drafting passes': a pass that caught up on the log (the
+        # prompt's prefill, or the tokens committed while another strategy drafted) is the
+        # price of starting, once, not of each drafted token; its draft is left uncharged.
+        caught_up = 1 if self._catch_up_s > 0 else 0
+        self._charge(spent - self._catch_up_s, len(drafts) - caught_up)
         return drafts
 
     def predict_log(self, since: int) -> tuple[int, list[int]]:
@@ -250,8 +259,7 @@ class DraftProposer(AccountedProposer):
         return since, coupled_draft_tokens(rows, self.sampling, since)
 
     def _charge(self, seconds: float, drafted: int) -> None:
-        self.last_draft_s = seconds
-        self.draft_s += seconds
+        """Fold `seconds` over `drafted` tokens into the per-token drafting cost."""
         if drafted > 0:
             per_token = seconds / drafted
             old = self._cost_s
@@ -274,7 +282,12 @@ class DraftProposer(AccountedProposer):
         pos = same
         out: list[int] = []
         while len(out) < count:
+            # More tokens than a window commits (its drafts and the bonus): a catch-up pass.
+            catch_up = len(feed) > self.config.window_max_tokens + 1
+            started = self.clock() if catch_up else 0.0
             row = self.draft.next_logits(self._session_id(), pos, feed)
+            if catch_up:
+                self._catch_up_s += self.clock() - started
             self.passes += 1
             del cached[pos:]
             cached.extend(feed)

@@ -83,6 +83,21 @@ class LinkModel:
         """The coordinator's time to draft `width` tokens before it can send the window."""
         return self.draft_per_token_s * max(0, width)
 
+    def moved_to(self, new: LinkModel, fraction: float) -> bool:
+        """Whether the route changed shape (stages, load, MTP cost first measured) or one of
+        its costs moved by more than `fraction` on the way to `new`."""
+        shape = (self.stages, self.concurrent_sessions, self.mtp_measured)
+        if shape != (new.stages, new.concurrent_sessions, new.mtp_measured):
+            return True
+        pairs = (
+            (self.rtt_s, new.rtt_s),
+            (self.pass_fixed_s, new.pass_fixed_s),
+            (self.pass_per_token_s, new.pass_per_token_s),
+            (self.mtp_s, new.mtp_s),
+            (self.compute_s(0), new.compute_s(0)),
+        )
+        return any(abs(b - a) > fraction * max(abs(a), 1e-6) for a, b in pairs)
+
 
 # Used by `auto` until the coordinator has measured the route: a two-stage LAN.
 DEFAULT_LINK = LinkModel(rtt_s=0.004, pass_fixed_s=0.010, pass_per_token_s=0.001, stages=2)

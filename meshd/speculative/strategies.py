@@ -17,7 +17,8 @@
 
 from __future__ import annotations
 
-from meshd.speculative.auto import AcceptanceBook, AutoProposer
+from meshd.speculative.acceptance_book import AcceptanceBook
+from meshd.speculative.auto import AutoProposer
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
 from meshd.speculative.draft import DraftModel, DraftNgram, DraftProposer
 from meshd.speculative.mtp import MtpHybrid, MtpProposer

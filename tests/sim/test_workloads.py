@@ -28,3 +28,21 @@ def test_each_kind_has_its_prompts_and_an_edit_asks_for_the_renamed_function() -
     name = edit.name.split(".")[1]
     assert f"def {name}(" in edit.prompt
     assert edit.prompt.endswith(f"def {name}_v2(heap, pos):")
+
+
+def test_a_chat_workload_is_a_conversation_rendered_with_the_models_template() -> None:
+    from meshd.bench.spec import encode_workload
+    from meshd.model.tokenizer import Tokenizer
+
+    chats = workloads(3, ("chat",))
+    assert len(chats) == 3 and {w.kind for w in chats} == {"chat"}
+    for chat in chats:
+        roles = [role for role, _ in chat.messages]
+        assert roles == ["system", "user", "assistant", "user"]
+        # The earlier answer holds the function the last turn asks to change.
+        assert f"def {chat.name.split('.')[1]}(" in chat.messages[2][1]
+    tokenizer = Tokenizer.open(BUILTIN)
+    assert tokenizer.chat_template is not None
+    messages = [{"role": r, "content": c} for r, c in chats[0].messages]
+    assert encode_workload(tokenizer, chats[0]) == tokenizer.encode_chat(messages)
+    assert encode_workload(tokenizer, chats[0]) != tokenizer.encode(chats[0].prompt)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from meshd.speculative import AcceptanceBook, AutoProposer, LinkModel, SpecConfig
-from meshd.speculative.auto import _draft_ngram_shadow
 from meshd.speculative.draft import DraftModel, DraftNgram, DraftProposer
+from meshd.speculative.draft_scoring import draft_ngram_shadow as _draft_ngram_shadow
 from meshd.speculative.policy import PolicyInputs, choose
 from meshd.speculative.sampling import SamplingParams
 from tests.speculative.drafts import tiny_draft

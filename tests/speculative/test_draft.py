@@ -242,3 +242,30 @@ def test_the_shipped_draft_fits_in_three_megabytes_and_loads_as_a_draft() -> Non
 
     draft = DraftModel.load(builtin_draft_dir())
     assert draft.vocab_size == open_checkpoint(builtin_model_dir()).config.vocab_size
+
+
+def test_the_cost_per_drafted_token_leaves_out_the_pass_that_catches_up_on_the_prompt() -> None:
+    # A virtual clock on which a pass costs 1 ms per token it writes: the prompt's prefill
+    # (~100 tokens) is the draft's price of starting, not of each of its 4 drafted tokens.
+    model = tiny_draft(VOCAB)
+    now = [0.0]
+
+    class Timed:
+        def __getattr__(self, name: str) -> object:
+            return getattr(model, name)
+
+        def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
+            now[0] += 0.001 * len(tokens)
+            return model.next_logits(session, base_pos, tokens)
+
+    proposer = DraftProposer(config(), model)
+    proposer.draft = Timed()  # type: ignore[assignment]
+    proposer.clock = lambda: now[0]
+    proposer.reset(PROMPT * 5)
+    proposer.propose(4)
+    assert proposer.last_draft_s == pytest.approx(0.001 * (len(PROMPT) * 5 + 3))
+    assert proposer.draft_cost_s == pytest.approx(0.001)
+    proposer.observe([1, 2])  # a window's commit: caught up in the next drafting pass
+    proposer.propose(4)
+    assert proposer.draft_cost_s == pytest.approx(0.001, rel=0.5)
+    proposer.close()

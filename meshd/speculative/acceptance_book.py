@@ -1,0 +1,44 @@
+"""`AcceptanceBook`: one model's acceptance estimates by strategy, shared by its sessions.
+
+`auto` (meshd/speculative/auto.py) starts each request from the book and adapts with the
+request's own EWMA; the book adapts slower (`AutoTuning.book_ewma_fraction`), so it
+averages over many requests' texts. It also keeps what the draft model costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshd.speculative.auto_tuning import AutoTuning
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.policy import AcceptanceTracker
+
+
+@dataclass
+class AcceptanceBook:
+    """Per-model acceptance estimates by strategy, shared by that model's sessions."""
+
+    config: SpecConfig
+    trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)
+    has_mtp: bool = False
+    tuning: AutoTuning = field(default_factory=AutoTuning)
+    # Seconds of one teacher-forced pass of the draft model over a commit's new tokens (EWMA;
+    # `tuning.draft_score_prior_s` until one was timed).
+    draft_score_s: float = field(init=False)
+    # The draft model's seconds per drafted token, as the latest request that drafted left it.
+    draft_token_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.draft_score_s = self.tuning.draft_score_prior_s
+
+    def tracker(self, strategy: str) -> AcceptanceTracker:
+        """The model-level tracker of `strategy` (created at the prior on first use)."""
+        found = self.trackers.get(strategy)
+        if found is None:
+            found = AcceptanceTracker(
+                max(1, self.config.window_max_tokens),
+                self.config.ewma_alpha * self.tuning.book_ewma_fraction,
+                self.config.prior_acceptance,
+            )
+            self.trackers[strategy] = found
+        return found

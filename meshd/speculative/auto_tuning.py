@@ -1,0 +1,65 @@
+"""`AutoTuning`: every threshold of `auto`'s rules (meshd/speculative/auto.py), in one place.
+
+Each field is one rule's number and the comment states the rule. How each value was set, and
+what it cost before, is in docs/speculative.md ("`auto`'s tuning").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AutoTuning:
+    """The numbers `auto` decides by; one instance per model (`AcceptanceBook.tuning`)."""
+
+    # -- the MTP heads (stopping them is final for a request) --
+    # Scored windows of an MTP strategy, in the book and in the request, before they may stop.
+    mtp_min_samples: int = 8
+    # Choosing plain decoding, a request keeps heads the book says pay for this many windows...
+    mtp_grace_samples: int = 24
+    # ...but only where the heads cost at most this fraction of a plain window.
+    mtp_grace_fraction: float = 0.2
+    # Choosing an n-gram strategy, it keeps them while they cost at most this share of a window.
+    mtp_cheap_fraction: float = 0.1
+    # `draft` stops the heads only when it beats every MTP strategy by this share of a token...
+    draft_over_heads_margin: float = 0.05
+    # ...judged by the request's own estimates once both have this many of its windows.
+    draft_own_samples: int = 16
+    # Switching between draft-model and MTP strategies needs this gain in time per token.
+    model_switch_margin: float = 0.1
+
+    # -- when to decide --
+    # Committed tokens between decisions at first and after a change of choice...
+    decide_every_tokens: int = 4
+    # ...doubling while the choice holds, up to this many.
+    decide_every_max_tokens: int = 32
+    # One decision's cost (weighing every candidate's widths and depths)...
+    decide_cost_s: float = 200e-6
+    # ...may be at most this share of the plain decoding time of the tokens it spans.
+    decide_share: float = 0.005
+    # A route cost that moved by more than this fraction since the last decision re-decides now.
+    link_change_fraction: float = 0.5
+
+    # -- estimates --
+    # The per-model book adapts at this fraction of a request's EWMA weight.
+    book_ewma_fraction: float = 0.25
+    # Unresolved shadow drafts kept per candidate (pipelined proposals overlap).
+    pending_per_candidate: int = 8
+
+    # -- scoring the draft model teacher-forced while it is not the choice --
+    # Its pass over the new commits may cost this share of their plain decoding time...
+    draft_score_share: float = 0.015
+    # ...this share while neither the request nor the book says the draft pays...
+    draft_score_share_idle: float = 0.005
+    # ...and this share while auto decodes plainly and the book says the draft pays.
+    draft_score_share_eager: float = 0.05
+    # At least one pass per this many commits while the draft pays or the book is unsettled.
+    draft_sync_max_commits: int = 32
+    # The book is settled about the draft once it has scored this many of its windows.
+    draft_settled_samples: int = 64
+    # A pass's assumed seconds until one was timed, and the newest pass's EWMA weight.
+    draft_score_prior_s: float = 0.001
+    cost_ewma: float = 0.2
+    # Starts waiting for the draft's choices (beyond these the oldest are dropped).
+    draft_pending: int = 64
