@@ -54,6 +54,13 @@ enum {
 #define CHUNK 16 /* output rows per unit of work between threads */
 #define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
 
+/* Weight rows requested from memory ahead of the rows being computed: a decode step streams
+ * every matrix once, and with the hardware prefetcher alone the dot products wait on loads
+ * (docs/model-runtime.md, "GGUF block kernels"). */
+#define PREFETCH_ROWS(p, bytes)                                                                    \
+    for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                             \
+        __builtin_prefetch((const char *)(p) + off_, 0, 3)
+
 #ifdef MESHD_HAVE_K_QUANTS
 void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
 float meshd_vec_dot_q4_K_q8_K(int64_t n, const void *w, const void *x);
@@ -701,9 +708,11 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
+                PREFETCH_ROWS(w + (n + 4) * rb, n + 8 <= n_out ? 4 * rb : 0);
                 tiles[nt == 1 ? 0 : 9](wr, k, a, stride, o + n, n_out);
             }
         for (; n + 2 <= r1; n += 2) {
+            PREFETCH_ROWS(w + (n + 2) * rb, n + 4 <= n_out ? 2 * rb : 0);
             wr[0] = w + n * rb;
             wr[1] = w + (n + 1) * rb;
             tiles[nt](wr, k, a, stride, o + n, n_out);
@@ -882,6 +891,7 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
         const uint8_t *a = act + j * stride;
         for (int64_t n = r0; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;
+            PREFETCH_ROWS(w + (n + 2) * rb, n + 2 < n_out ? rb : 0);
             switch (nt) {
             case 1: row_dot_1(type, wr, k, a, stride, out); break;
             case 2: row_dot_2(type, wr, k, a, stride, out); break;
