@@ -539,12 +539,15 @@ static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
         return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
     }
-    const __m128i n0 = _mm_loadu_si128((const __m128i *)(p + off));
-    const __m128i n1 = two ? _mm_loadu_si128((const __m128i *)(p + bb + off)) : _mm_setzero_si128();
-    const __m256i v = _mm256_set_m128i(n1, n0);
-    __m512i c = _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
-        _mm512_set1_epi8(0x0F));
+    /* [n0, n1, n0, n1] from two broadcast loads (load ports only), the upper half shifted to
+     * the high nibbles: no shuffle-port work, which the scales already crowd. */
+    const __m512i n0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + off)));
+    const __m512i v =
+        two ? _mm512_mask_broadcast_i32x4(n0, 0xF0F0,
+                                          _mm_loadu_si128((const __m128i *)(p + bb + off)))
+            : _mm512_maskz_mov_epi32(0x0F0F, n0);
+    __m512i c = _mm512_and_si512(_mm512_mask_srli_epi16(v, (__mmask32)0xFFFF0000u, v, 4),
+                                 _mm512_set1_epi8(0x0F));
     if (type == T_Q5_0 || type == T_Q5_1) {
         uint32_t h0, h1 = 0;
         memcpy(&h0, p + off - 4, 4);
@@ -564,7 +567,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     __m512 acc[NR_MAX][NT];
-    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 0, b+1 in lane 1 */
+    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 1, b+1 in lane 3 */
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) {
             acc[i][r] = _mm512_setzero_ps();
@@ -587,12 +590,18 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             }
             if (one) {
                 /* d and m of both blocks in one conversion: [d_b, m_b, d_b1, m_b1]. */
-                uint32_t dm0, dm1 = 0;
+                int32_t dm0, dm1;
                 memcpy(&dm0, p, 4);
-                if (two) memcpy(&dm1, p + bb, 4);
-                const __m128 v = _mm_cvtph_ps(_mm_set_epi32(0, 0, (int)dm1, (int)dm0));
-                dw[i] = pair_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 2, 0)));
-                mw[i] = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 3, 1));
+                __m128i dm = _mm_cvtsi32_si128(dm0);
+                if (two) {
+                    memcpy(&dm1, p + bb, 4);
+                    dm = _mm_blend_epi32(_mm_set1_epi32(dm0), _mm_set1_epi32(dm1), 0xA);
+                }
+                /* [d_b, m_b, d_b1, m_b1]: the m lanes meet s2's lanes 1 and 3 below. */
+                mw[i] = _mm_cvtph_ps(dm);
+                dw[i] = _mm512_permutexvar_ps(
+                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
+                    _mm512_castps128_ps512(mw[i]));
             } else {
                 const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
                 dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
@@ -605,9 +614,13 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
+            /* [0, s_b, 0, s_b1]: times [d_b, m_b, d_b1, m_b1] gives m * s in lanes 1 and 3
+             * (lanes 0 and 2 are never read). */
             const __m128 s2 = !one ? _mm_setzero_ps()
-                              : two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
-                                    : _mm_load_ss(d + nb + b);
+                              : _mm_unpacklo_ps(
+                                    _mm_setzero_ps(),
+                                    two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
+                                        : _mm_load_ss(d + nb + b));
             __m512i init = _mm512_setzero_si512();
             if (shift) {
                 const int32_t *sm = (const int32_t *)(d + 2 * nb);
@@ -634,7 +647,8 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) {
             const __m128 m = summs[i][r];
-            const float ms = _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+            const float ms = _mm_cvtss_f32(
+                _mm_add_ss(_mm_movehdup_ps(m), _mm_movehl_ps(m, _mm_movehdup_ps(m))));
             out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + ms;
         }
 }
