@@ -53,6 +53,13 @@ enum {
 #define NT 4    /* tokens sharing one pass over a weight row */
 #define CHUNK 16 /* output rows per unit of work between threads */
 #define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
+/* Weight bytes x tokens a second thread must have to itself before a product is split: below
+ * it the hand-off (waking the partner, the join) costs about what the split saves, and on a
+ * busy machine a partner that is not running makes the whole product wait for it. */
+#define BYTES_PER_THREAD (128 * 1024)
+/* Tokens at or below which the activations are converted before the threads start: one
+ * barrier less per product, for a conversion of a few microseconds. */
+#define SERIAL_CONVERT_TOKENS 4
 
 /* Weight rows requested from memory ahead of the rows being computed: a decode step streams
  * every matrix once, and with the hardware prefetcher alone the dot products wait on loads
@@ -928,14 +935,21 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
     uint8_t *act = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const int64_t chunks = (n_out + CHUNK - 1) / CHUNK;
     const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    const int64_t work = rb * n_out * t, most = 1 + work / BYTES_PER_THREAD;
+    if (threads > most) threads = (int)most;
     if (threads < 1) threads = 1;
+    const int serial_convert = threads == 1 || t <= SERIAL_CONVERT_TOKENS;
+    if (serial_convert)
+        for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        if (!serial_convert) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
+            for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
+        }
         /* Units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost: the activations a
          * unit reads stay in L2 while the threads sweep the rows. */
-#pragma omp for schedule(guided)
+#pragma omp for schedule(guided) nowait
         for (int64_t u = 0; u < chunks * tblocks; ++u) {
             const int64_t c = u % chunks, j0 = u / chunks * TOKEN_BLOCK;
             const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
