@@ -543,8 +543,9 @@ static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two
         const __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + 2));
         const __m256i c1 = two ? _mm256_loadu_si256((const __m256i *)(p + bb + 2))
                                : _mm256_setzero_si256();
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
-        return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+        return _mm512_permutex2var_epi64(_mm512_castsi256_si512(c0),
+                                         _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
+                                         _mm512_castsi256_si512(c1));
     }
     /* [n0, n1, n0, n1] from two broadcast loads (load ports only), the upper half shifted to
      * the high nibbles: no shuffle-port work, which the scales already crowd. */
@@ -610,8 +611,17 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                     _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
                     _mm512_castps128_ps512(mw[i]));
             } else {
-                const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
-                dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
+                /* [d_b, -, d_b1, -] from broadcast loads (the lanes between are never read). */
+                int32_t d0, d1;
+                memcpy(&d0, p, 4);
+                __m128i dd = _mm_cvtsi32_si128(d0);
+                if (two) {
+                    memcpy(&d1, p + bb, 4);
+                    dd = _mm_blend_epi32(_mm_set1_epi32(d0), _mm_set1_epi32(d1), 0xA);
+                }
+                dw[i] = _mm512_permutexvar_ps(
+                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
+                    _mm512_castps128_ps512(_mm_cvtph_ps(dd)));
                 mw[i] = _mm_setzero_ps();
             }
         }
