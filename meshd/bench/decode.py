@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time this draft model (dir or .gguf) alone, meshd only: `draft` in the "
         "report, and draft_cost_ratio = its time per token ÷ the model's",
     )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time the prefill of an N-token prompt instead of decode (meshd alone; compare "
+        "with llama-bench -p N -n 0)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer tokens and rounds (< 30 s)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of meshd's loop")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -118,6 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point: resolve the checkpoint, run the interleaved comparison, report."""
+    if args.prefill is not None and args.speculative_draft_model is not None:
+        raise SystemExit("--prefill times the model alone: leave out --speculative-draft-model")
     settings = BenchSettings(
         tokens=args.tokens or (32 if args.quick else 64),
         rounds=args.rounds or (3 if args.quick else 5),
@@ -136,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
             configure_threads(
                 args.threads, checkpoint.config, settings.dtype, settings.quantization
             )
-        report = bench(directory, settings, profile=args.profile)
+        if args.prefill is not None:
+            report = bench_prefill(directory, settings, args.prefill)
+        else:
+            report = bench(directory, settings, profile=args.profile)
     if args.speculative_draft_model is not None:
         draft_dir = args.speculative_draft_model
         own = open_checkpoint(draft_dir).default_quantization
@@ -271,6 +284,42 @@ def bench(
     return report
 
 
+def bench_prefill(directory: pathlib.Path, settings: BenchSettings, tokens: int) -> dict[str, Any]:
+    """meshd's prefill of a `tokens`-long prompt (fixed pseudo-random ids, as llama-bench's
+    prompt test uses), timed `settings.rounds` times after a warm-up: tok/s, median and runs."""
+    if tokens < 1:
+        raise ValueError("--prefill needs at least one token")
+    checkpoint = open_checkpoint(directory)
+    stage = StageModel.load(
+        checkpoint,
+        0,
+        checkpoint.config.num_layers,
+        device=settings.device,
+        dtype=settings.dtype,
+        quantization=settings.quantization,
+        kv_dtype=settings.kv_dtype,
+    )
+    gen = torch.Generator().manual_seed(1234)
+    prompt = torch.randint(0, checkpoint.config.vocab_size, (tokens,), generator=gen).tolist()
+    generate([stage], prompt, 1)  # warm-up: allocator, kernels, lazy init
+    rates = [tokens / generate([stage], prompt, 1).prefill_s for _ in range(settings.rounds)]
+    return {
+        "prefill_tokens": tokens,
+        "meshd_prefill_tok_s": round(statistics.median(rates), 2),
+        "meshd_prefill_runs_tok_s": [round(r, 2) for r in rates],
+        "rounds": settings.rounds,
+        "quantization": settings.quantization,
+        "kernels": sorted(
+            {
+                m.kernel if isinstance(m, QuantMatrix) else "torch mm"
+                for m in stage.weight_matrices()
+            }
+        ),
+        "device": settings.device,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -374,6 +423,17 @@ def _profile(fn: Callable[[], list[int]]) -> str:
 
 
 def _print_report(report: dict[str, Any]) -> None:
+    if "prefill_tokens" in report:
+        print(
+            f"model: {report['model']}: prefill of {report['prefill_tokens']} tokens, "
+            f"{report['threads']} threads, weights {report['quantization']} "
+            f"({', '.join(report['kernels'])})"
+        )
+        print(
+            f"  meshd {report['meshd_prefill_tok_s']:.1f} tok/s "
+            f"(runs: {report['meshd_prefill_runs_tok_s']})"
+        )
+        return
     print(f"model: {report['model']} ({report['params'] / 1e6:.1f} M params)")
     if str(report["model"]).startswith("random-"):
         print("  (random weights written to a temp dir; speed only, the text is meaningless)")

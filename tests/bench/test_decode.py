@@ -89,3 +89,19 @@ def test_a_quantized_gguf_file_is_benched_at_its_own_quantization(
     assert report["quantization"] == "gguf"
     # Where meshd's kernels run, a gguf stage with an fp32 cache runs its layers in one call.
     assert report["layer_kernel"] == ("meshd layers" if unavailable_reason() is None else None)
+
+
+def test_prefill_of_a_gguf_file_is_timed_alone(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = write_gguf(builtin_model_dir(), tmp_path / "builtin-q8.gguf", "Q8_0")
+    args = ["bench", "decode", "--model", str(model), "--prefill", "40", "--rounds", "2"]
+    assert main([*args, "--json", "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # What llama-bench -p 40 -n 0 reports: prompt tokens per second, here for each run.
+    assert report["prefill_tokens"] == 40 and report["quantization"] == "gguf"
+    assert len(report["meshd_prefill_runs_tok_s"]) == 2 and report["meshd_prefill_tok_s"] > 0
+    assert min(report["meshd_prefill_runs_tok_s"]) <= report["meshd_prefill_tok_s"]
+    assert report["meshd_prefill_tok_s"] <= max(report["meshd_prefill_runs_tok_s"])
+    assert main(args) == 0
+    assert "prefill of 40 tokens" in capsys.readouterr().out

@@ -166,6 +166,26 @@ def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
                 assert torch.equal(got, singles[start : start + t]), (n, t, start)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q4_K], ids=lambda q: q.name)
+def test_a_matrix_large_enough_to_split_gives_the_single_thread_bits(
+    path: str, qtype: T, threads: None
+) -> None:
+    # Small products stay on one thread; a matrix of a few hundred kB splits even for one token
+    # (its activations then converted before the threads start), and must not change a bit.
+    if qtype not in supported_types():
+        pytest.skip(f"{qtype.name} has no kernel in this installation")
+    rng = np.random.default_rng(11)
+    k, n_out = 512, 1100
+    m = BlockMatrix(_weights(qtype, n_out, k, rng), qtype, k, n_out)
+    assert m.nbytes >= 256 * 1024
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    torch.set_num_threads(1)
+    singles = torch.cat([m.mm(x[i : i + 1]) for i in range(9)])
+    torch.set_num_threads(2)
+    for t in (1, 2, 4, 5, 9):
+        assert torch.equal(m.mm(x[:t]), singles[:t]), t
+
+
 @pytest.mark.parametrize("qtype", sorted(set(blocks._NON_K + _K_TYPES)), ids=str)
 def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
     rng = np.random.default_rng(3)

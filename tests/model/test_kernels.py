@@ -376,3 +376,30 @@ def test_fp32_layers_in_one_call_agree_with_torch_and_windows_equal_steps(
     assert torch.equal(window, torch.stack(step_logits[1:]))
     kv = [stage.kv.get("s").main.kv[:, :19] for stage in (fused, by_op)]
     assert torch.allclose(kv[0], kv[1], rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_window_over_a_long_span_attends_on_threads_with_the_bits_of_its_steps(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Short spans attend on the calling thread, long ones split over the threads: a window of
+    # 16 rows after 48 positions splits, each of its steps alone does not, and they agree.
+    fused, _ = _pair(tmp_path, "llama", "none")
+    prompt = (PROMPT * 4)[:48]
+    window = (PROMPT * 2)[:16]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            for sid in ("steps", "window"):
+                fused.open_session(sid, 80)
+                fused.forward(sid, 0, torch.tensor(prompt))
+            steps = [
+                fused.forward("steps", 48 + i, torch.tensor([tok])).logits
+                for i, tok in enumerate(window)
+            ]
+            together = fused.forward("window", 48, torch.tensor(window)).logits
+    finally:
+        torch.set_num_threads(before)
+    assert together is not None and all(s is not None for s in steps)
+    assert torch.equal(together, torch.cat([s for s in steps if s is not None]))

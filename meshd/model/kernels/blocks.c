@@ -53,6 +53,20 @@ enum {
 #define NT 4    /* tokens sharing one pass over a weight row */
 #define CHUNK 16 /* output rows per unit of work between threads */
 #define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
+/* Weight bytes x tokens a second thread must have to itself before a product is split: below
+ * it the hand-off (waking the partner, the join) costs about what the split saves, and on a
+ * busy machine a partner that is not running makes the whole product wait for it. */
+#define BYTES_PER_THREAD (128 * 1024)
+/* Tokens at or below which the activations are converted before the threads start: one
+ * barrier less per product, for a conversion of a few microseconds. */
+#define SERIAL_CONVERT_TOKENS 4
+
+/* Weight rows requested from memory ahead of the rows being computed: a decode step streams
+ * every matrix once, and with the hardware prefetcher alone the dot products wait on loads
+ * (docs/model-runtime.md, "GGUF block kernels"). */
+#define PREFETCH_ROWS(p, bytes)                                                                    \
+    for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                             \
+        __builtin_prefetch((const char *)(p) + off_, 0, 3)
 
 #ifdef MESHD_HAVE_K_QUANTS
 void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
@@ -529,15 +543,19 @@ static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two
         const __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + 2));
         const __m256i c1 = two ? _mm256_loadu_si256((const __m256i *)(p + bb + 2))
                                : _mm256_setzero_si256();
-        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(c0), c1, 1);
-        return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+        return _mm512_permutex2var_epi64(_mm512_castsi256_si512(c0),
+                                         _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
+                                         _mm512_castsi256_si512(c1));
     }
-    const __m128i n0 = _mm_loadu_si128((const __m128i *)(p + off));
-    const __m128i n1 = two ? _mm_loadu_si128((const __m128i *)(p + bb + off)) : _mm_setzero_si128();
-    const __m256i v = _mm256_set_m128i(n1, n0);
-    __m512i c = _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
-        _mm512_set1_epi8(0x0F));
+    /* [n0, n1, n0, n1] from two broadcast loads (load ports only), the upper half shifted to
+     * the high nibbles: no shuffle-port work, which the scales already crowd. */
+    const __m512i n0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + off)));
+    const __m512i v =
+        two ? _mm512_mask_broadcast_i32x4(n0, 0xF0F0,
+                                          _mm_loadu_si128((const __m128i *)(p + bb + off)))
+            : _mm512_maskz_mov_epi32(0x0F0F, n0);
+    __m512i c = _mm512_and_si512(_mm512_mask_srli_epi16(v, (__mmask32)0xFFFF0000u, v, 4),
+                                 _mm512_set1_epi8(0x0F));
     if (type == T_Q5_0 || type == T_Q5_1) {
         uint32_t h0, h1 = 0;
         memcpy(&h0, p + off - 4, 4);
@@ -557,7 +575,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     __m512 acc[NR_MAX][NT];
-    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 0, b+1 in lane 1 */
+    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 1, b+1 in lane 3 */
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) {
             acc[i][r] = _mm512_setzero_ps();
@@ -580,15 +598,30 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             }
             if (one) {
                 /* d and m of both blocks in one conversion: [d_b, m_b, d_b1, m_b1]. */
-                uint32_t dm0, dm1 = 0;
+                int32_t dm0, dm1;
                 memcpy(&dm0, p, 4);
-                if (two) memcpy(&dm1, p + bb, 4);
-                const __m128 v = _mm_cvtph_ps(_mm_set_epi32(0, 0, (int)dm1, (int)dm0));
-                dw[i] = pair_ps(_mm_shuffle_ps(v, v, _MM_SHUFFLE(2, 2, 2, 0)));
-                mw[i] = _mm_shuffle_ps(v, v, _MM_SHUFFLE(3, 3, 3, 1));
+                __m128i dm = _mm_cvtsi32_si128(dm0);
+                if (two) {
+                    memcpy(&dm1, p + bb, 4);
+                    dm = _mm_blend_epi32(_mm_set1_epi32(dm0), _mm_set1_epi32(dm1), 0xA);
+                }
+                /* [d_b, m_b, d_b1, m_b1]: the m lanes meet s2's lanes 1 and 3 below. */
+                mw[i] = _mm_cvtph_ps(dm);
+                dw[i] = _mm512_permutexvar_ps(
+                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
+                    _mm512_castps128_ps512(mw[i]));
             } else {
-                const uint32_t h = (uint32_t)rd16(p) | (two ? (uint32_t)rd16(p + bb) << 16 : 0u);
-                dw[i] = pair_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)));
+                /* [d_b, -, d_b1, -] from broadcast loads (the lanes between are never read). */
+                int32_t d0, d1;
+                memcpy(&d0, p, 4);
+                __m128i dd = _mm_cvtsi32_si128(d0);
+                if (two) {
+                    memcpy(&d1, p + bb, 4);
+                    dd = _mm_blend_epi32(_mm_set1_epi32(d0), _mm_set1_epi32(d1), 0xA);
+                }
+                dw[i] = _mm512_permutexvar_ps(
+                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
+                    _mm512_castps128_ps512(_mm_cvtph_ps(dd)));
                 mw[i] = _mm_setzero_ps();
             }
         }
@@ -598,9 +631,13 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
+            /* [0, s_b, 0, s_b1]: times [d_b, m_b, d_b1, m_b1] gives m * s in lanes 1 and 3
+             * (lanes 0 and 2 are never read). */
             const __m128 s2 = !one ? _mm_setzero_ps()
-                              : two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
-                                    : _mm_load_ss(d + nb + b);
+                              : _mm_unpacklo_ps(
+                                    _mm_setzero_ps(),
+                                    two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
+                                        : _mm_load_ss(d + nb + b));
             __m512i init = _mm512_setzero_si512();
             if (shift) {
                 const int32_t *sm = (const int32_t *)(d + 2 * nb);
@@ -627,7 +664,8 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     for (int i = 0; i < nr; ++i)
         for (int r = 0; r < nt; ++r) {
             const __m128 m = summs[i][r];
-            const float ms = _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+            const float ms = _mm_cvtss_f32(
+                _mm_add_ss(_mm_movehdup_ps(m), _mm_movehl_ps(m, _mm_movehdup_ps(m))));
             out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + ms;
         }
 }
@@ -701,9 +739,11 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
+                PREFETCH_ROWS(w + (n + 4) * rb, n + 8 <= n_out ? 4 * rb : 0);
                 tiles[nt == 1 ? 0 : 9](wr, k, a, stride, o + n, n_out);
             }
         for (; n + 2 <= r1; n += 2) {
+            PREFETCH_ROWS(w + (n + 2) * rb, n + 4 <= n_out ? 2 * rb : 0);
             wr[0] = w + n * rb;
             wr[1] = w + (n + 1) * rb;
             tiles[nt](wr, k, a, stride, o + n, n_out);
@@ -882,6 +922,7 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
         const uint8_t *a = act + j * stride;
         for (int64_t n = r0; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;
+            PREFETCH_ROWS(w + (n + 2) * rb, n + 2 < n_out ? rb : 0);
             switch (nt) {
             case 1: row_dot_1(type, wr, k, a, stride, out); break;
             case 2: row_dot_2(type, wr, k, a, stride, out); break;
@@ -904,14 +945,21 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
     uint8_t *act = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const int64_t chunks = (n_out + CHUNK - 1) / CHUNK;
     const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    const int64_t work = rb * n_out * t, most = 1 + work / BYTES_PER_THREAD;
+    if (threads > most) threads = (int)most;
     if (threads < 1) threads = 1;
+    const int serial_convert = threads == 1 || t <= SERIAL_CONVERT_TOKENS;
+    if (serial_convert)
+        for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        if (!serial_convert) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
+            for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
+        }
         /* Units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost: the activations a
          * unit reads stay in L2 while the threads sweep the rows. */
-#pragma omp for schedule(guided)
+#pragma omp for schedule(guided) nowait
         for (int64_t u = 0; u < chunks * tblocks; ++u) {
             const int64_t c = u % chunks, j0 = u / chunks * TOKEN_BLOCK;
             const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;

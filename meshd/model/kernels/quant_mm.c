@@ -677,6 +677,8 @@ static void rope_heads(float *x, int64_t heads, int64_t hd, const float *cs) {
     }
 }
 
+#define ATTEND_SPLIT 2048
+
 int meshd_layers(const meshd_layer *layers, int64_t n_layers, const meshd_dims *d, float *x,
                  int64_t t, const int64_t *pos, const int64_t *sess, float *const *kv,
                  const float *const *rope, int threads, int attn_threads) {
@@ -706,7 +708,10 @@ int meshd_layers(const meshd_layer *layers, int64_t n_layers, const meshd_dims *
         /* Every row's keys are in the cache before any row attends (a window's later rows
          * see its earlier ones). */
         const int64_t jobs = t * nh, group = nh / nkv;
-#pragma omp parallel for schedule(static) num_threads(attn_threads) if (attn_threads > 1)
+        /* Short spans attend on the calling thread: below ATTEND_SPLIT scores the threads' hand-off
+         * costs about what the split saves (each (row, head) is computed alike either way). */
+        const int at = jobs * padded >= ATTEND_SPLIT ? attn_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(at) if (at > 1)
         for (int64_t job = 0; job < jobs; job++) {
             const int64_t r = job / nh, head = job % nh, g = head / group;
             const float *cache = kv[sess[r] * n_layers + l];

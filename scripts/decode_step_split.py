@@ -1,0 +1,146 @@
+"""Where a decode step's time goes on a GGUF file, and block-kernel builds compared on it.
+
+    PYTHONPATH=. python scripts/decode_step_split.py split FILE.gguf [--threads T]
+    PYTHONPATH=. python scripts/decode_step_split.py ab FILE.gguf OLD.so NEW.so [--threads T]
+
+`split` decodes 64 tokens three times and reports, per token, the calling thread's CPU time
+and the wall time of the layer call (`meshd_layers`: every decoder layer's products, norms,
+RoPE and attention in one C call), of the head's product, and of the rest (Python, sampling,
+the embedding lookup). CPU time leaves out the time other tenants held the core.
+
+`ab` runs one decode step's block products (every 2-D tensor of the file in file order: each
+layer's, then the head; one token) through two builds of the block library (e.g. the cached
+`~/.cache/meshd/kernels/blocks-avx512-*.so` of two commits), alternating, and reports the
+median wall and CPU ms per step of each and whether their outputs are bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from meshd.model import llama
+from meshd.model.decode import generate
+from meshd.model.files import open_checkpoint
+from meshd.model.kernels import blocks
+from meshd.model.stage import StageModel
+
+
+def split(path: str) -> None:
+    checkpoint = open_checkpoint(path)
+    n_layers = checkpoint.config.num_layers
+    stage = StageModel.load(checkpoint, 0, n_layers, quantization=checkpoint.default_quantization)
+    acc: dict[str, float] = collections.defaultdict(float)
+
+    def timed(cls: Any, name: str, key: str) -> None:
+        inner = getattr(cls, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            cpu, wall = time.thread_time(), time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                acc[key] += time.thread_time() - cpu
+                acc[key + " wall"] += time.perf_counter() - wall
+
+        setattr(cls, name, run)
+
+    timed(llama.KernelLayers, "run", "layers")
+    timed(blocks.BlockMatrix, "mm", "head")  # the layers' products run inside the C call
+    prompt, n = list(range(100, 107)), 64
+    generate([stage], prompt, 16)
+    for _ in range(3):
+        acc.clear()
+        cpu, wall = time.thread_time(), time.perf_counter()
+        generate([stage], prompt, n)
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        rest = cpu - acc["layers"] - acc["head"]
+        print(
+            f"ms/token: CPU {cpu / n * 1e3:.2f} (wall {wall / n * 1e3:.2f}); layer call "
+            f"{acc['layers'] / n * 1e3:.2f} (wall {acc['layers wall'] / n * 1e3:.2f}), head "
+            f"{acc['head'] / n * 1e3:.2f} (wall {acc['head wall'] / n * 1e3:.2f}), rest "
+            f"{rest / n * 1e3:.2f}"
+        )
+
+
+def _step(lib_path: str, path: str, threads: int) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    lib = ctypes.CDLL(lib_path)
+    mm = lib.meshd_blocks_mm_threads
+    p, i64, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    mm.argtypes = [c, p, i64, i64, p, i64, p, p, c]
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    calls = []
+    outs = []
+    scratch = np.zeros(1 << 24, np.uint8)
+    inputs: dict[int, torch.Tensor] = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2 or (t.name == "token_embd.weight" and "output.weight" in names):
+            continue  # a tied head is the embedding table; an untied table is only looked up
+        k, n = int(t.shape[0]), int(t.shape[1])
+        x = inputs.setdefault(k, torch.randn(1, k, generator=torch.Generator().manual_seed(k)))
+        y = torch.empty(1, n)
+        data = np.asarray(t.data).reshape(-1).view(np.uint8)
+        args = (int(t.tensor_type), data.ctypes.data, k, n, x.data_ptr(), 1, y.data_ptr())
+        calls.append((args, data))
+        outs.append(y)
+
+    def step() -> None:
+        assert inputs  # the activations the calls point into live as long as the step
+        for args, _ in calls:
+            mm(*args, scratch.ctypes.data, threads)
+
+    return step, outs
+
+
+def ab(path: str, old: str, new: str, threads: int, rounds: int = 15) -> None:
+    steps = [_step(lib, path, threads) for lib in (old, new)]
+    wall: list[list[float]] = [[], []]
+    cpu: list[list[float]] = [[], []]
+    for step, _ in steps:
+        step()
+    for _ in range(rounds):
+        for i, (step, _) in enumerate(steps):
+            w, c = time.perf_counter(), time.thread_time()
+            for _ in range(3):
+                step()
+            wall[i].append((time.perf_counter() - w) / 3 * 1e3)
+            cpu[i].append((time.thread_time() - c) / 3 * 1e3)
+    for i, lib in enumerate((old, new)):
+        print(
+            f"{os.path.basename(lib)}: ms/step wall median {statistics.median(wall[i]):.2f} "
+            f"(min {min(wall[i]):.2f}), CPU median {statistics.median(cpu[i]):.2f}"
+        )
+    print(f"old / new, wall: {statistics.median(wall[0]) / statistics.median(wall[1]):.3f}")
+    same = all(torch.equal(a, b) for a, b in zip(steps[0][1], steps[1][1], strict=True))
+    print(f"bit-identical outputs: {same}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("split", "ab"))
+    parser.add_argument("model")
+    parser.add_argument("libraries", nargs="*", help="ab: the two block library builds")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.mode == "split":
+        split(args.model)
+    else:
+        if len(args.libraries) != 2:
+            parser.error("ab needs two library paths")
+        ab(args.model, args.libraries[0], args.libraries[1], args.threads)
+
+
+if __name__ == "__main__":
+    main()
