@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from meshd.model import process_env
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_mm.c")
@@ -59,12 +61,11 @@ _NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # Output channels per packed tile and input positions per VPDPBUSD lane (quant_mm.c's TILE).
 TILE = 64
 QUAD = 4
-# Environment variables of the process, not config keys (the config loader skips them).
-KERNELS_ENV = "MESHD_QUANT_KERNELS"
-KERNEL_DIR_ENV = "MESHD_KERNEL_DIR"
-# The GGUF block kernels' path (meshd.model.kernels.blocks), named here with the others.
-BLOCK_KERNELS_ENV = "MESHD_BLOCK_KERNELS"
-PROCESS_ENV = (KERNELS_ENV, KERNEL_DIR_ENV, BLOCK_KERNELS_ENV)
+# The process's environment variables (not config keys), named in one torch-free module.
+KERNELS_ENV = process_env.KERNELS_ENV
+KERNEL_DIR_ENV = process_env.KERNEL_DIR_ENV
+BLOCK_KERNELS_ENV = process_env.BLOCK_KERNELS_ENV
+PROCESS_ENV = process_env.PROCESS_ENV
 # What `MESHD_QUANT_KERNELS` may say: `auto` (these kernels where they run) or `torch`
 # (torch's: fbgemm for int8, int4pack for int4).
 CHOICES = ("auto", "torch")
