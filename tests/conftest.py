@@ -41,9 +41,11 @@ OWN_ADDRESSES = {
 }
 # What in a test module's source means it starts daemons on fixed loopback addresses: the
 # numbered test daemons, the supervisor they and the demo and benches use, a bench's or the
-# demo's `--first-host`, or a `meshd serve` given its own `--listen-host`.
+# demo's `--first-host`, or a `meshd serve` given a `--listen-host` other than 127.0.0.1
+# (daemons on 127.0.0.1 with port 0, as tests/cli/test_serve_startup.py's, collide with none).
 _STARTS_DAEMONS = re.compile(
-    r"\bDaemon\(|meshd\.cli\.supervisor|--first-host|--listen-host|ChaosMesh|DaemonMesh"
+    r'\bDaemon\(|meshd\.cli\.supervisor|--first-host|"--listen-host",\s*"127\.0\.0\.(?!1")'
+    r"|ChaosMesh|DaemonMesh"
 )
 
 
