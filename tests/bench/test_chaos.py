@@ -271,8 +271,9 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
 def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
     command = [sys.executable, "-m", "meshd.cli.main", "bench", "chaos", "--quick", "--json"]
+    # One reference round: the storm, where Ctrl-C comes, starts sooner.
     proc = subprocess.Popen(
-        [*command, "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
+        [*command, "--reference-rounds", "1", "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stderr is not None
