@@ -1,6 +1,6 @@
 """`meshd bench chaos`: real daemons under a seeded load while nodes crash, stop and return.
 
-    meshd bench chaos [--duration-s 120] [--seed 0] [--json] [--quick]
+    meshd bench chaos [--duration-s 120] [--disruptions N] [--seed 0] [--json] [--quick]
 
 Starts `--nodes` `meshd serve` daemons on loopback (own addresses and state dirs, a fresh mesh
 secret, the demo's memory budgets: `--stages` of them hold the built-in model, the rest are
@@ -8,8 +8,9 @@ spares), sends every job of a seeded set once or more undisturbed (the reference
 for `--duration-s` keeps `--concurrency` streamed requests (greedy and sampled, chat and text)
 going to the OpenAI API of random nodes while it SIGKILLs or SIGTERMs a random node (the
 coordinators of open streams included), starts it again a few seconds later, and waits for
-the mesh to settle before the next one. One node is down at most, so the mesh can always
-serve. After the storm it waits up to `session_lease_s` (plus a margin; `--leak-wait-s` when
+the mesh to settle before the next one (`--disruptions N` ends the storm sooner, once N
+SIGKILL/SIGTERMs, one of a coordinator, were restarted). One node is down at most, so the mesh
+can always serve. After the storm it waits up to `session_lease_s` (plus a margin; `--leak-wait-s` when
 the daemons have no session leases) for every node to hold no session and no KV, and sends
 one more request to each node.
 
@@ -78,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in)")
     parser.add_argument(
         "--duration-s", type=float, default=None, help="storm length (default 120; --quick 100)"
+    )
+    parser.add_argument(
+        "--disruptions",
+        type=int,
+        default=0,
+        help="end the storm once this many SIGKILL/SIGTERMs (a coordinator's among them) were "
+        "restarted, before --duration-s (default 0: run the whole duration)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the load and the storm")
     parser.add_argument("--concurrency", type=int, default=8, help="streamed requests at once")
@@ -151,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         report["concurrency"] = cfg.concurrency
         report["seed"] = args.seed
         report["duration_s"] = cfg.duration_s
+        report["disruptions_asked"] = cfg.disruptions
     except KeyboardInterrupt:
         print("meshd bench chaos: interrupted; stopping the daemons", file=sys.stderr)
         return 130
@@ -217,6 +226,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         gap_s=(2.0, 6.0) if args.quick else (4.0, 12.0),
         down_s=(1.0, 3.0) if args.quick else (1.0, 5.0),
         term_wait_s=(graceful_s or 0.0) + TERM_MARGIN_S,
+        disruptions=args.disruptions,
     )
     return {
         "cfg": cfg,

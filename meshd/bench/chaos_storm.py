@@ -46,6 +46,9 @@ class StormConfig:
     settle_timeout_s: float = 90.0
     # After the storm: how long every node may take to hold no session.
     leak_wait_s: float = 30.0
+    # End the storm early once this many SIGKILL/SIGTERMs (one of them of a coordinator of
+    # open streams) have been restarted and the mesh has served whole again; 0: no count.
+    disruptions: int = 0
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -61,6 +64,7 @@ class StormLog:
     restart_s: list[float] = field(default_factory=list)  # restart until listening again
     started_at: float = 0.0
     ended_at: float = 0.0
+    stop_at: float = 0.0  # the load stops here (the duration, or earlier: `disruptions`)
 
 
 async def in_thread(fn: Callable[[], T]) -> T:
@@ -118,12 +122,12 @@ async def storm(
 ) -> None:
     """The load and the chaos loop until `cfg.duration_s`; returns with every node up."""
     log.started_at = time.monotonic()
-    stop_at = log.started_at + cfg.duration_s
+    log.stop_at = log.started_at + cfg.duration_s
     note(f"storm: {cfg.duration_s:.0f} s, {cfg.concurrency} streams")
     async with _client(cfg.concurrency, len(mesh.slots)) as client, trio.open_nursery() as n:
         for worker in range(cfg.concurrency):
-            n.start_soon(_load_worker, mesh, client, model, jobs, cfg, log, worker, stop_at)
-        n.start_soon(_chaos_loop, mesh, cfg, log, stop_at)
+            n.start_soon(_load_worker, mesh, client, model, jobs, cfg, log, worker)
+        n.start_soon(_chaos_loop, mesh, cfg, log)
     log.ended_at = time.monotonic()
     note(f"storm over: {len(log.seen)} requests, {len(log.disruptions)} disruptions")
 
@@ -136,11 +140,10 @@ async def _load_worker(
     cfg: StormConfig,
     log: StormLog,
     worker: int,
-    stop_at: float,
 ) -> None:
-    """Send seeded jobs to random live nodes until `stop_at`; back off after a refusal."""
+    """Send seeded jobs to random live nodes until `log.stop_at`; back off after a refusal."""
     rng = random.Random(cfg.seed * 7919 + worker + 1)
-    while time.monotonic() < stop_at:
+    while time.monotonic() < log.stop_at:
         job = rng.choice(jobs)
         slots = [s for s in mesh.slots if s.up]
         if not slots:
@@ -161,19 +164,20 @@ async def _load_worker(
             await trio.sleep(0.2)
 
 
-async def _chaos_loop(mesh: ChaosMesh, cfg: StormConfig, log: StormLog, stop_at: float) -> None:
+async def _chaos_loop(mesh: ChaosMesh, cfg: StormConfig, log: StormLog) -> None:
     """SIGKILL or SIGTERM a random node, start it again, wait for the mesh to settle; repeat.
 
     Only one node is down at a time (the mesh has one spare), and the next disruption waits
     until the mesh is whole and settled, so enough nodes are always there to serve. Kinds
     come in pairs, so every storm long enough for two has both: the first pair SIGKILL then
-    SIGTERM (a SIGKILL's cycle is the shorter one, no drain), later pairs shuffled.
+    SIGTERM (a SIGKILL's cycle is the shorter one, no drain), later pairs shuffled. With
+    `cfg.disruptions` the storm ends one gap after the mesh settled from the last one counted.
     """
     rng = random.Random(cfg.seed)
     kinds = ["sigterm", "sigkill"]  # popped from the end
     while True:
         gap = rng.uniform(*cfg.gap_s)
-        if time.monotonic() + gap >= stop_at:
+        if time.monotonic() + gap >= log.stop_at:
             return
         await trio.sleep(gap)
         try:
@@ -181,7 +185,11 @@ async def _chaos_loop(mesh: ChaosMesh, cfg: StormConfig, log: StormLog, stop_at:
         except DaemonError:
             log.skipped_unsettled += 1
             continue
-        if time.monotonic() >= stop_at:
+        if _enough(cfg, log):
+            # Requests run one more gap on the whole mesh, then the load stops.
+            log.stop_at = min(log.stop_at, time.monotonic() + rng.uniform(*cfg.gap_s))
+            return
+        if time.monotonic() >= log.stop_at:
             return
         if not kinds:
             kinds = ["sigkill", "sigterm"]
@@ -190,6 +198,14 @@ async def _chaos_loop(mesh: ChaosMesh, cfg: StormConfig, log: StormLog, stop_at:
         await _disrupt(mesh, cfg, log, victim, kinds.pop())
         await trio.sleep(rng.uniform(*cfg.down_s))
         await _restart(mesh, log, victim)
+
+
+def _enough(cfg: StormConfig, log: StormLog) -> bool:
+    """Whether the storm has had the `cfg.disruptions` it asked for, a coordinator's among them."""
+    hits = [d for d in log.disruptions if d.kind != "restart"]
+    return (
+        cfg.disruptions > 0 and len(hits) >= cfg.disruptions and any(d.coordinating for d in hits)
+    )
 
 
 def _pick_victim(mesh: ChaosMesh, log: StormLog, rng: random.Random) -> Slot:

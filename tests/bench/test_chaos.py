@@ -236,15 +236,19 @@ def _process_gone(pid: int) -> bool:
 def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The real command in this process (the daemons are child processes).
-    status = main(["bench", "chaos", "--quick", "--json", "--first-host", "51"])
+    # The real command in this process (the daemons are child processes). The first pair of
+    # disruptions is a SIGKILL then a SIGTERM: two of them, each restarted, one of them of a
+    # coordinator, exercise every kind of fault; longer storms are `meshd bench chaos`'s.
+    # One undisturbed round gives the reference texts (the bench's default of two also checks
+    # that they are stable: `meshd bench chaos`'s job, not this test's).
+    quick = ["--quick", "--disruptions", "2", "--reference-rounds", "1"]
+    status = main(["bench", "chaos", *quick, "--json", "--first-host", "51"])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     # The bench leaves nothing behind, whatever it found.
     assert "disruptions" in report, (report["failures"], capsys.readouterr().err[-3000:])
     assert report["pids"] and all(_process_gone(pid) for pid in report["pids"])
     assert not pathlib.Path(report["work_dir"]).exists()
-    assert report["duration_s"] <= 120  # the last restart and requests may run a little past
     counts = {kind: sum(by_role.values()) for kind, by_role in report["disruptions"].items()}
     assert counts["sigkill"] >= 1 and counts["sigterm"] >= 1 and counts["restart"] >= 1, counts
     assert report["coordinator_disruptions"] >= 1
@@ -267,8 +271,9 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
 def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
     command = [sys.executable, "-m", "meshd.cli.main", "bench", "chaos", "--quick", "--json"]
+    # One reference round: the storm, where Ctrl-C comes, starts sooner.
     proc = subprocess.Popen(
-        [*command, "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
+        [*command, "--reference-rounds", "1", "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stderr is not None
