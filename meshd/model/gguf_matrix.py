@@ -8,7 +8,7 @@ and holds the file's bytes, not a copy of them.
 
 A fused operand (q/k/v, gate/up) is its GGUF tensors side by side, each with its own type (a
 Q4_K_M file stores v in Q6_K beside q and k in Q4_K). The runtime rotates adjacent pairs of q/k
-dimensions (`llama.interleave_rope_dims`); where the file stores q/k rows in Hugging Face order
+dimensions (`rope.interleave_rope_dims`); where the file stores q/k rows in Hugging Face order
 (qwen2, qwen3), the product's columns are reordered instead of the rows, which would be a copy.
 """
 
