@@ -20,7 +20,7 @@ import torch
 
 from meshd.model.kernels import MatrixArgs
 from meshd.model.kernels.blocks import BlockMatrix
-from meshd.model.quant import QuantMatrix
+from meshd.model.quant_matrix import QuantMatrix
 
 # `MatrixArgs.kind` of an operand of GGUF tensors (quant_mm.c's `meshd_matrix`, kind 64).
 BLOCKS_KIND = 64

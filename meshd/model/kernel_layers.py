@@ -13,7 +13,7 @@ import torch
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels import CpuKernels, DimsArgs, LayerArgs, MatrixArgs, cpu_kernels
 from meshd.model.llama import Dims, LayerWeights
-from meshd.model.quant import TINY, Matrix, QuantMatrix, VnniMatrix
+from meshd.model.quant_matrix import TINY, Matrix, QuantMatrix, VnniMatrix
 
 
 def kernel_matrix(w: Matrix) -> MatrixArgs | None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig
 from meshd.model.kernels import CpuKernels, cpu_kernels
-from meshd.model.quant import Matrix, QuantMatrix, VnniMatrix
+from meshd.model.quant_matrix import Matrix, QuantMatrix, VnniMatrix
 from meshd.model.rope import interleave_rope_dims, rotate_, rotation_view
 
 # Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
