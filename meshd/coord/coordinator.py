@@ -31,16 +31,15 @@ from typing import Protocol
 
 import trio
 
-from meshd.coord.prefix_index import KeepPlan, PrefixCounters, PrefixHit, PrefixIndex
-from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import (
+from meshd.coord.generation import (
     GenerationRequest,
     GenerationResult,
     RouteFailed,
-    Send,
     StageOverloaded,
-    WindowLoop,
 )
+from meshd.coord.prefix_index import KeepPlan, PrefixCounters, PrefixHit, PrefixIndex
+from meshd.coord.route_costs import RouteCosts
+from meshd.coord.window_loop import Send, WindowLoop
 from meshd.net.endpoint import LaneClosedError
 from meshd.net.lane_table import PeerUnreachable
 from meshd.plan.route import Route
