@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in one readable file.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): norms, weight records,
+attention and the decoder layer. RoPE is in `rope.py`; every layer in one C call in
+`kernel_layers.py`.
 
 Shapes carry no batch dimension: one session runs one window of T positions at a time, so
 activations are `[T, hidden]` and attention runs over `[heads, T, head_dim]`. A batched pass
