@@ -30,8 +30,8 @@ import torch
 from gguf import GGUFReader
 
 from meshd.bench.single_node import generate
-from meshd.model import llama
 from meshd.model.files import open_checkpoint
+from meshd.model.kernel_layers import KernelLayers
 from meshd.model.kernels import blocks
 from meshd.model.stage import StageModel
 
@@ -55,7 +55,7 @@ def split(path: str) -> None:
 
         setattr(cls, name, run)
 
-    timed(llama.KernelLayers, "run", "layers")
+    timed(KernelLayers, "run", "layers")
     timed(blocks.BlockMatrix, "mm", "head")  # the layers' products run inside the C call
     prompt, n = list(range(100, 107)), 64
     generate([stage], prompt, 16)

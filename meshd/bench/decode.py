@@ -30,7 +30,8 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import expected_shapes
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
-from meshd.model.quant import QUANTIZATIONS, QuantMatrix, in_features, matmul
+from meshd.model.quant import QUANTIZATIONS, in_features, matmul
+from meshd.model.quant_matrix import QuantMatrix
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
 

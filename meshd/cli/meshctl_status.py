@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshd.cli.meshctl_common import add_socket_argument, run_op
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +35,6 @@ def run(args: argparse.Namespace) -> int:
 
 def render(status: dict[str, Any], events: int) -> None:
     """A readable status with rich tables."""
-    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -70,34 +72,7 @@ def render(status: dict[str, Any], events: int) -> None:
     prefix = status.get("prefix_cache")
     if isinstance(prefix, dict):
         console.print(_prefix_line(prefix))
-    members = Table(
-        title="members", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
-    )
-    # The node id and key prefix are what an operator reads and types (`meshctl kill NODE`):
-    # whole, never cut. On a narrow console the other columns wrap or fold instead (a lane's
-    # packet counts grow with uptime and once pushed the key into an ellipsis).
-    members.add_column("node", min_width=16)
-    members.add_column("key", min_width=16, no_wrap=True)
-    columns = ("health", "address", "offers", "stage", "weights", "KV/token", "lane", "rtt ms")
-    for column in (*columns, "loss"):
-        members.add_column(column, overflow="fold")
-    for m in status["members"]:
-        loss = f"{m['packets_lost']}/{m['packets_sent']}" if m["lane_up"] else "-"
-        held = m["loaded_layers"] is not None
-        members.add_row(
-            m["name"] + (" (self)" if m["is_self"] else ""),
-            m["key"][:16],
-            m["status"],
-            m["address"] or "-",
-            m["quantization"] if m["offers_model"] else "[red]no[/]",
-            _layers(m["loaded_layers"]),
-            _mib(m["weight_bytes"]) if held else "-",
-            f"{m['kv_bytes_per_token']} B" if held else "-",
-            "up" if m["lane_up"] else "-",
-            f"{m['rtt_ms']:.2f}" if m["rtt_ms"] is not None else "-",
-            loss,
-        )
-    console.print(members)
+    console.print(_members_table(status["members"]))
     if status["plan"]:
         plan = Table(
             title=f"plan (~{status['predicted_ms_per_token']:.2f} ms/token), quantization "
@@ -121,6 +96,41 @@ def render(status: dict[str, Any], events: int) -> None:
     for event in status["events"][-events:]:
         stamp = time.strftime("%H:%M:%S", time.localtime(event["at_unix_s"]))
         console.print(f"{stamp} {event['kind']:<16} {event['node']} {event['detail']}")
+
+
+def _members_table(rows: list[dict[str, Any]]) -> Table:
+    """The members table: one row per node the membership knows, this node marked (self)."""
+    from rich import box
+    from rich.table import Table
+
+    members = Table(
+        title="members", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True
+    )
+    # The node id and key prefix are what an operator reads and types (`meshctl kill NODE`):
+    # whole, never cut. On a narrow console the other columns wrap or fold instead (a lane's
+    # packet counts grow with uptime and once pushed the key into an ellipsis).
+    members.add_column("node", min_width=16)
+    members.add_column("key", min_width=16, no_wrap=True)
+    columns = ("health", "address", "offers", "stage", "weights", "KV/token", "lane", "rtt ms")
+    for column in (*columns, "loss"):
+        members.add_column(column, overflow="fold")
+    for m in rows:
+        loss = f"{m['packets_lost']}/{m['packets_sent']}" if m["lane_up"] else "-"
+        held = m["loaded_layers"] is not None
+        members.add_row(
+            m["name"] + (" (self)" if m["is_self"] else ""),
+            m["key"][:16],
+            m["status"],
+            m["address"] or "-",
+            m["quantization"] if m["offers_model"] else "[red]no[/]",
+            _layers(m["loaded_layers"]),
+            _mib(m["weight_bytes"]) if held else "-",
+            f"{m['kv_bytes_per_token']} B" if held else "-",
+            "up" if m["lane_up"] else "-",
+            f"{m['rtt_ms']:.2f}" if m["rtt_ms"] is not None else "-",
+            loss,
+        )
+    return members
 
 
 def _models(console: Any, models: list[dict[str, Any]]) -> None:

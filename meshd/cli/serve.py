@@ -24,6 +24,7 @@ from meshd.node.notify import Notifier
 
 if TYPE_CHECKING:
     from meshd.model.stage import LoadProgress
+    from meshd.node.basis import NodeBasis
     from meshd.node.stage_slot import LoadDisplay
 
 log = logging.getLogger(__name__)
@@ -289,38 +290,16 @@ async def serve(config: NodeConfig) -> None:
     from meshd.api.metrics import ApiMetrics
     from meshd.api.openai import create_app
     from meshd.api.server import serve_api
-    from meshd.model.builtin import builtin_model_dir
-    from meshd.model.gguf_file import forget_parsed
     from meshd.node.api_relay import MeshCatalog, model_catalog
-    from meshd.node.basis import NodeBasis
-    from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
     from meshd.node.control import serve_control
     from meshd.node.generation import NodeBackend
-    from meshd.node.models import with_models
     from meshd.node.node import MeshNode, run_node
     from meshd.node.node_metrics import export_metrics
     from meshd.node.prefix_status import export_prefix_metrics
     from meshd.node.shutdown import stop_gracefully
     from meshd.node.status import node_status
 
-    first, *more = config.models
-    model_dir = first or str(builtin_model_dir())
-    prefix = mesh_model_prefix(first)
-    if prefix is not None:  # holds no files: manifest first, its stage's tensors once planned
-        basis = await mesh_basis(config, prefix)
-    else:
-        basis = NodeBasis.load(config, model_dir)
-    basis = with_models(config, basis, more)
-    # Every model is open: the parses of GGUF headers shared while opening them go.
-    forget_parsed()
-    for files in basis.models:
-        log.info(
-            "model %s open (id %s, %d layers, quantization %s)",
-            files.name or files.model_dir,
-            files.shape.model_id[:16],
-            files.checkpoint.config.num_layers,
-            basis.quantization,
-        )
+    basis = await _open_models(config)
     notifier = Notifier()
     started = trio.Event()
     node: MeshNode
@@ -379,6 +358,36 @@ async def serve(config: NodeConfig) -> None:
             f"listening on {node.lane_address}",
             flush=True,
         )
+
+
+async def _open_models(config: NodeConfig) -> NodeBasis:
+    """Open every model `config` names (the built-in one where it names none): the files of
+    each, or for a mesh model only its manifest (its stage's tensors come once planned)."""
+    from meshd.model.builtin import builtin_model_dir
+    from meshd.model.gguf_file import forget_parsed
+    from meshd.node.basis import NodeBasis
+    from meshd.node.bootstrap import mesh_basis, mesh_model_prefix
+    from meshd.node.models import with_models
+
+    first, *more = config.models
+    model_dir = first or str(builtin_model_dir())
+    prefix = mesh_model_prefix(first)
+    if prefix is not None:  # holds no files: manifest first, its stage's tensors once planned
+        basis = await mesh_basis(config, prefix)
+    else:
+        basis = NodeBasis.load(config, model_dir)
+    basis = with_models(config, basis, more)
+    # Every model is open: the parses of GGUF headers shared while opening them go.
+    forget_parsed()
+    for files in basis.models:
+        log.info(
+            "model %s open (id %s, %d layers, quantization %s)",
+            files.name or files.model_dir,
+            files.shape.model_id[:16],
+            files.checkpoint.config.num_layers,
+            basis.quantization,
+        )
+    return basis
 
 
 def _startup_display(config: NodeConfig) -> contextlib.AbstractContextManager[object]:

@@ -31,18 +31,17 @@ from typing import Protocol
 
 import trio
 
-from meshd.coord.prefix_index import KeepPlan, PrefixCounters, PrefixHit, PrefixIndex
-from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import (
+from meshd.coord.generation import (
     GenerationRequest,
     GenerationResult,
     RouteFailed,
-    Send,
     StageOverloaded,
-    WindowLoop,
 )
-from meshd.net.endpoint import LaneClosedError
+from meshd.coord.prefix_index import KeepPlan, PrefixCounters, PrefixHit, PrefixIndex
+from meshd.coord.route_costs import RouteCosts
+from meshd.coord.window_loop import Send, WindowLoop
 from meshd.net.lane_table import PeerUnreachable
+from meshd.net.peer_lane import LaneClosedError
 from meshd.plan.route import Route
 from meshd.speculative.auto import AcceptanceBook
 from meshd.speculative.config import SpecConfig

@@ -26,7 +26,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
-from meshd.net.endpoint import open_endpoint
+from meshd.net.endpoint import Endpoint, open_endpoint
 from meshd.net.lane_table import LaneTable
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.draft import DraftModel
@@ -140,22 +140,15 @@ async def open_local_pipeline(
                 quantization=quantization,
                 kv_budget_bytes=kv_budget_bytes,
             )
-            wiring = NodeWiring()
-            peers = LaneTable(
+            wiring, peers, host = _stage_node(
+                stage,
                 endpoints[index],
                 publics[index],
-                wiring.dispatch,
-                on_lane_lost=wiring.on_lane_lost,
-            )
-            host = StageHost(
-                stage,
-                peers,
                 eos_ids=eos_ids,
                 use_thread=use_thread,
                 session_lease_s=session_lease_s,
                 config=stage_config,
             )
-            wiring.stage = host
             if index == 0:
                 coordinator = Coordinator(
                     peers,
@@ -173,14 +166,47 @@ async def open_local_pipeline(
         for node in nodes:
             for other, endpoint in zip(nodes, endpoints, strict=True):
                 node.peers.addresses[other.key] = endpoint.local_address
-        # Nodes whose layers repeat earlier ones' are spares: left out of `route` (a test
-        # routes over them with `route_over`).
-        chain: list[RouteStage] = []
-        for node, (lo, hi) in zip(nodes, ranges, strict=True):
-            if lo == (chain[-1].layer_end if chain else 0):
-                chain.append(RouteStage(node.key, lo, hi))
-        route = Route(checkpoint.model_id, tuple(chain))
+        route = _route_without_spares(checkpoint.model_id, nodes, ranges)
         try:
             yield LocalPipeline(coordinator, route, nodes, checkpoint)
         finally:
             nursery.cancel_scope.cancel()
+
+
+def _stage_node(
+    stage: StageModel,
+    endpoint: Endpoint,
+    public: bytes,
+    *,
+    eos_ids: frozenset[int],
+    use_thread: bool,
+    session_lease_s: float,
+    config: StageHostConfig | None,
+) -> tuple[NodeWiring, LaneTable, StageHost]:
+    """A stage node's lane table and stage host, its lanes dispatched through one wiring (which
+    takes the coordinator too on the first node)."""
+    wiring = NodeWiring()
+    peers = LaneTable(endpoint, public, wiring.dispatch, on_lane_lost=wiring.on_lane_lost)
+    host = StageHost(
+        stage,
+        peers,
+        eos_ids=eos_ids,
+        use_thread=use_thread,
+        session_lease_s=session_lease_s,
+        config=config,
+    )
+    wiring.stage = host
+    return wiring, peers, host
+
+
+def _route_without_spares(
+    model_id: str, nodes: Sequence[LocalNode], ranges: Sequence[tuple[int, int]]
+) -> Route:
+    """The route over the nodes in order, each taking the layers after the last one's. Nodes
+    whose layers repeat earlier ones' are spares: left out (a test routes over them with
+    `LocalPipeline.route_over`)."""
+    chain: list[RouteStage] = []
+    for node, (lo, hi) in zip(nodes, ranges, strict=True):
+        if lo == (chain[-1].layer_end if chain else 0):
+            chain.append(RouteStage(node.key, lo, hi))
+    return Route(model_id, tuple(chain))

@@ -40,18 +40,25 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
+from meshd.coord.generation import (
+    GenerationRequest,
+    GenerationResult,
+    RouteFailed,
+    StageOverloaded,
+    prefill_timeout,
+    prefill_windows,
+)
 from meshd.coord.prefix_index import PrefixHit
 from meshd.coord.route_costs import RouteCosts
 from meshd.plan.route import Route
-from meshd.speculative.config import MTP_STRATEGIES, SpecConfig
-from meshd.speculative.grammar import Constraint
+from meshd.speculative.config import MTP_STRATEGIES
 from meshd.speculative.policy import LinkModel, PolicyInputs, WindowPlan, choose
 from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import clip_drafts
-from meshd.speculative.telemetry import Recorder, SpecTelemetry
+from meshd.speculative.telemetry import Recorder
 from protocol.messages import (
     PREFIX_MISS,
     PREFIX_MISS_EPOCH,
@@ -59,85 +66,11 @@ from protocol.messages import (
     Message,
     OpenSession,
     Rollback,
-    Sampling,
     StageError,
     TokenLogprobs,
     VerifyReply,
     VerifyWindow,
 )
-
-
-class RouteFailed(Exception):
-    """A stage failed or became unreachable; `committed` holds what was generated so far."""
-
-    def __init__(self, message: str, committed: Sequence[int] = (), node_key: bytes = b"") -> None:
-        super().__init__(message)
-        self.committed = list(committed)
-        self.node_key = node_key
-
-
-class StageOverloaded(RouteFailed):
-    """A stage refused the session (its KV memory or queue is full): retry after a while.
-
-    A `RouteFailed`, so callers that only know that type still fail fast; the API may answer
-    429/503 with `Retry-After: retry_after_s`.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        retry_after_s: float,
-        committed: Sequence[int] = (),
-        node_key: bytes = b"",
-    ) -> None:
-        super().__init__(message, committed, node_key)
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What to generate: prompt token ids, limits, sampling and speculation settings."""
-
-    prompt: Sequence[int]
-    max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    eos_ids: frozenset[int] = frozenset()
-    mtp_depth: int = 0  # MTP depths the model has (0: no MTP)
-    # -1: no log-probs. n >= 0: each generated token's log-prob and its n likeliest
-    # alternatives come back with it (`WindowLoop.logprobs_to_stream`, `GenerationResult`).
-    logprobs: int = -1
-    # Called with the log-probs of each batch of tokens just before the driver streams them
-    # (one per token, in order), so a recovered request's batches keep coming to one place.
-    on_logprobs: Callable[[list[TokenLogprobs]], None] | None = field(default=None, compare=False)
-    # Structured output: the grammar every generated token must follow. Stateful: it stays at
-    # the committed tokens' state, so a recovery's next attempt continues where this one
-    # stopped. A completed grammar ends the generation.
-    grammar: Constraint | None = field(default=None, compare=False)
-    # Where `prompt` holds tokens an earlier attempt generated (a recovery): from this position
-    # on they are fed in windows of at most `REPLAY_WINDOW_TOKENS`, as decoding first fed them
-    # (None: every token is the client's prompt).
-    replay_from: int | None = None
-
-
-# A CPU stage computes each row of a window of at most this many tokens to the bits it gives
-# that row alone (`meshd.model.llama.ROW_ATTENTION_MAX`); longer prefill windows differ in the
-# last bits, which quantized activations can grow into a different greedy token. Replaying a
-# recovery's generated tokens in such windows rebuilds the KV the undisturbed run had.
-REPLAY_WINDOW_TOKENS = 16
-
-
-@dataclass
-class GenerationResult:
-    """What came out: generated token ids (no EOS), why it stopped, and telemetry."""
-
-    tokens: list[int]
-    finish_reason: str  # "stop" (EOS or asked to stop) or "length"
-    telemetry: SpecTelemetry
-    # Prompt positions taken from the stages' prefix cache instead of being prefilled.
-    cached_tokens: int = 0
-    # One per token when the request asked for log-probs; empty otherwise.
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Send(NamedTuple):
@@ -314,15 +247,9 @@ class WindowLoop:
         out += self._prefill(start)
         if self.prefix is not None:
             self._hit_windows = {m.window_id for _, m in out if isinstance(m, VerifyWindow)}
-        self._deadline = now + self._prefill_timeout(out)
+        windows = sum(isinstance(m, VerifyWindow) for _, m in out)
+        self._deadline = now + prefill_timeout(windows, self.reply_timeout_s)
         return out
-
-    def _prefill_timeout(self, sends: list[Send]) -> float:
-        """How long the prefill's reply may take: `reply_timeout_s` per window sent. Only the
-        last window replies, and a stage computes the windows one after another, so a long
-        prompt on a slow or busy machine must not fail as a lost reply would."""
-        windows = sum(isinstance(m, VerifyWindow) for _, m in sends)
-        return self.reply_timeout_s * max(1, windows)
 
     def _prefill(self, start: int) -> list[Send]:
         """The prompt from `start`, in chunks cut at multiples of `prefill_chunk_tokens`."""
@@ -330,7 +257,9 @@ class WindowLoop:
         first_key = self.route.keys[0]
         out: list[Send] = []
         first_mask = self._masks((), (), ())
-        for lo, hi in self._prefill_windows(len(prompt), start):
+        for lo, hi in prefill_windows(
+            len(prompt), start, self.request.replay_from, self.prefill_chunk_tokens
+        ):
             self._prefill_id = self._window_id()
             window = VerifyWindow(
                 session=self.session,
@@ -356,29 +285,9 @@ class WindowLoop:
         out = [Send(key, Rollback(self.session, self.epoch)) for key in self.route.keys]
         out += self._prefill(0)
         self._prefill_start = now
-        self._deadline = now + self._prefill_timeout(out)
+        windows = sum(isinstance(m, VerifyWindow) for _, m in out)
+        self._deadline = now + prefill_timeout(windows, self.reply_timeout_s)
         return out
-
-    def _prefill_windows(self, length: int, start: int = 0) -> list[tuple[int, int]]:
-        """The prompt's windows from position `start`: the client's prompt in chunks cut at
-        multiples of `prefill_chunk_tokens` from 0 (as every attempt cuts it, so a cached
-        prefix's positions hold the bits a cold run gives them), then any replayed tokens in
-        windows of at most `REPLAY_WINDOW_TOKENS`, so their KV gets the bits decoding gave it."""
-        replay_from = self.request.replay_from
-        own = length if replay_from is None else min(max(replay_from, 1), length)
-        chunk = self.prefill_chunk_tokens
-        windows = [
-            (max(lo, start), min(own, lo + chunk))
-            for lo in range(0, own, chunk)
-            if lo + chunk > start
-        ]
-        step = REPLAY_WINDOW_TOKENS
-        windows += [
-            (max(lo, start), min(length, lo + step))
-            for lo in range(own, length, step)
-            if lo + step > start
-        ]
-        return [(lo, hi) for lo, hi in windows if hi > lo]
 
     def on_reply(self, reply: VerifyReply | StageError, now: float) -> list[Send]:
         """A reply or error from the route's last stage (replies of older epochs: ignored)."""

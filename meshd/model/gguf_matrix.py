@@ -8,7 +8,7 @@ and holds the file's bytes, not a copy of them.
 
 A fused operand (q/k/v, gate/up) is its GGUF tensors side by side, each with its own type (a
 Q4_K_M file stores v in Q6_K beside q and k in Q4_K). The runtime rotates adjacent pairs of q/k
-dimensions (`llama.interleave_rope_dims`); where the file stores q/k rows in Hugging Face order
+dimensions (`rope.interleave_rope_dims`); where the file stores q/k rows in Hugging Face order
 (qwen2, qwen3), the product's columns are reordered instead of the rows, which would be a copy.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from meshd.model.kernels import MatrixArgs
 from meshd.model.kernels.blocks import BlockMatrix
-from meshd.model.quant import QuantMatrix
+from meshd.model.quant_matrix import QuantMatrix
 
 # `MatrixArgs.kind` of an operand of GGUF tensors (quant_mm.c's `meshd_matrix`, kind 64).
 BLOCKS_KIND = 64

@@ -1,4 +1,6 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in one readable file.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3): norms, weight records,
+attention and the decoder layer. RoPE is in `rope.py`; every layer in one C call in
+`kernel_layers.py`.
 
 Shapes carry no batch dimension: one session runs one window of T positions at a time, so
 activations are `[T, hidden]` and attention runs over `[heads, T, head_dim]`. A batched pass
@@ -17,17 +19,16 @@ projection is one `mm`, and a projection that feeds the residual stream is one `
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from meshd.model.config import ModelConfig, RopeConfig
-from meshd.model.gguf_matrix import GgufMatrix
-from meshd.model.kernels import CpuKernels, DimsArgs, LayerArgs, MatrixArgs, cpu_kernels
-from meshd.model.quant import TINY, Matrix, QuantMatrix, VnniMatrix
+from meshd.model.config import ModelConfig
+from meshd.model.kernels import CpuKernels, cpu_kernels
+from meshd.model.quant_matrix import Matrix, QuantMatrix, VnniMatrix
+from meshd.model.rope import interleave_rope_dims, rotate_, rotation_view
 
 # Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
 MatrixPrep = Callable[[torch.Tensor], Matrix]
@@ -61,110 +62,6 @@ def linear_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.device.type == "cpu" and weight.shape[0] > weight.shape[1]:
         return transposed.contiguous()
     return transposed
-
-
-def rope_inv_freq(rope: RopeConfig, dim: int, max_positions: int, seq_len: int) -> torch.Tensor:
-    """Inverse RoPE frequencies `[dim/2]` (fp32) for `rope`, as transformers computes them.
-
-    `seq_len` matters only for `dynamic` (NTK) scaling, which stretches the base once the
-    sequence outgrows `max_positions`.
-    """
-    base = rope.theta
-    if rope.rope_type == "dynamic" and seq_len > max_positions:
-        scale = (rope.factor * seq_len / max_positions) - (rope.factor - 1)
-        base = base * scale ** (dim / (dim - 2))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type != "llama3":
-        return inv_freq
-    old_context = rope.original_max_position_embeddings
-    low_wavelen = old_context / rope.low_freq_factor
-    high_wavelen = old_context / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_context / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def interleave_rope_dims(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Reorder each head's dims (rows of `t`) from HF's halves to adjacent pairs.
-
-    transformers rotates dim i with dim i + d/2 ("rotate half"); Meta's original Llama, and
-    this runtime, rotate adjacent pairs (2i, 2i+1), which makes RoPE one complex multiply.
-    Permuting the q and k projections' output rows (and their biases and q/k norms) this way
-    changes no attention score: q·k sums the same products in another order, and keys live
-    only in this runtime's own cache.
-    """
-    shape = t.shape
-    return t.reshape(-1, 2, head_dim // 2, *shape[1:]).transpose(1, 2).reshape(shape)
-
-
-class Rotary:
-    """RoPE tables by absolute position, grown on demand (`table(base_pos, T)`).
-
-    q/k dims are interleaved pairs (`interleave_rope_dims`). In fp32 a table is complex
-    `[T, 1, head_dim/2]` holding cos + i·sin, and rotating is `view_as_complex(x) * table`.
-    Otherwise (`complex_rope`) the table is real `[2, T, 1, head_dim]`, each pair's cos and
-    signed sin, used as `x * cos + swap_pairs(x) * sin` (`rotate_`).
-    """
-
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        self._rope = config.rope
-        self._dim = config.head_dim
-        self._max_positions = config.max_position_embeddings
-        self._device = device
-        self._dtype = dtype
-        self._inv_freq = rope_inv_freq(self._rope, self._dim, self._max_positions, 0).to(device)
-        self._cached = self._table(self._inv_freq, 0, 0)
-
-    def _table(self, inv_freq: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end, device=self._device).float()
-        # The same fp32 angles, cos and sin as transformers computes, only arranged by pair.
-        freqs = positions[:, None, None] * inv_freq
-        cos, sin = freqs.cos(), freqs.sin()
-        if complex_rope(self._dtype, self._device):
-            return torch.complex(cos, sin)
-        signed_sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        return torch.stack((cos.repeat_interleave(2, -1), signed_sin)).to(self._dtype)
-
-    def table(self, base_pos: int, length: int) -> torch.Tensor:
-        """The rotation of positions `base_pos .. base_pos+length-1`."""
-        end = base_pos + length
-        if self._rope.rope_type == "dynamic" and end > self._max_positions:
-            # The NTK base depends on the window's end, so no table can be shared.
-            inv_freq = rope_inv_freq(self._rope, self._dim, self._max_positions, end)
-            return self._table(inv_freq.to(self._device), base_pos, end)
-        table = self._cached  # one read: another thread may swap in a longer table meanwhile
-        if end > table.shape[-3]:
-            size = max(end, 2 * table.shape[-3], 256)
-            table = self._cached = self._table(self._inv_freq, 0, size)
-        return table[base_pos:end] if table.is_complex() else table[:, base_pos:end]
-
-
-def complex_rope(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether RoPE runs as a complex multiply: fp32 (bf16 has no complex view), not on MPS."""
-    return dtype == torch.float32 and device.type != "mps"
-
-
-def rotation_view(qk: torch.Tensor) -> torch.Tensor:
-    """`qk` `[..., head_dim]` as `rotate_` multiplies it: a complex view in fp32, else itself."""
-    if complex_rope(qk.dtype, qk.device):
-        return torch.view_as_complex(qk.view(*qk.shape[:-1], -1, 2))
-    return qk
-
-
-def rotate_(rot: torch.Tensor, table: torch.Tensor) -> None:
-    """Rotate q/k heads in place by position: `rot` from `rotation_view`, `table` from `Rotary`."""
-    if rot.is_complex():
-        rot.mul_(table)
-        return
-    pairs = rot.view(*rot.shape[:-1], -1, 2)
-    rot.copy_(rot * table[0] + pairs.flip(-1).flatten(-2) * table[1])
 
 
 @dataclass(frozen=True)
@@ -597,166 +494,6 @@ def decoder_layer_batch(
     ]
     h = residual_linear(x, torch.cat(outs) if len(outs) > 1 else outs[0], w.wo, w.bo)
     return mlp_block(h, w, d)
-
-
-def kernel_matrix(w: Matrix) -> MatrixArgs | None:
-    """`w` as `meshd_layers` reads it, or None where it cannot: meshd's int8/int4 matrices, and
-    fp32 CPU matrices in either layout `linear_weight` leaves (a contiguous `[in, out]` copy,
-    or the transposed view of the checkpoint's `[out, in]` rows)."""
-    if isinstance(w, VnniMatrix | GgufMatrix):
-        return w.args()
-    if isinstance(w, QuantMatrix) or w.dtype != torch.float32 or w.device.type != "cpu":
-        return None
-    in_features, out_features = w.shape
-    if w.stride(1) == 1:
-        kind, layout = 32, w.stride(0)
-    elif w.stride(0) == 1:
-        kind, layout = 33, w.stride(1)
-    else:
-        return None
-    return MatrixArgs(kind, in_features, out_features, layout, w.data_ptr(), None, None)
-
-
-@dataclass(frozen=True, slots=True)
-class KernelWindow:
-    """One session's window in a `KernelLayers` pass: its stage cache, first position, rows and
-    RoPE table (`Rotary.table(base_pos, length)`)."""
-
-    kv: torch.Tensor  # the session's `KVGroup.kv`, [layers, max_positions, 2 * kv_heads, hd]
-    base_pos: int
-    length: int
-    rope: torch.Tensor
-
-
-class KernelLayers:
-    """Every decoder layer of a stage in one call of meshd's C kernel (`meshd_layers`), for
-    windows of up to `ROW_ATTENTION_MAX` rows, without the ~15 torch operations and Python
-    calls per layer between the products (about 1 ms a token on a 16-layer stage, time a second
-    core cannot shorten).
-
-    For int8/int4 matrices it computes what `decoder_layer` computes, to the bit (the same
-    products, prologues and row attention, RoPE as the same complex multiply). For fp32
-    matrices it runs meshd's fp32 product, whose sums differ from MKL's in the last bits; each
-    row still gets the same bits alone or in a window, so a verify window computes exactly what
-    the decode steps it replaces compute.
-
-    `build` returns None unless the stage is an fp32 CPU stage whose matrices all run on
-    meshd's kernels (`kernel_matrix`), with an fp32 cache, and without q/k norms (Qwen3 layers
-    run op by op).
-    """
-
-    def __init__(
-        self, kernels: CpuKernels, layers: Sequence[LayerWeights], d: Dims, windows: Sequence[int]
-    ) -> None:
-        self._fn = kernels.layers
-        self._f32_mm = kernels.f32_mm
-        self._layers = (LayerArgs * len(layers))()
-        for args, w, window in zip(self._layers, layers, windows, strict=True):
-            args.qkv, args.o = kernel_matrix(w.wqkv), kernel_matrix(w.wo)
-            args.gate_up, args.down = kernel_matrix(w.w_gate_up), kernel_matrix(w.w_down)
-            args.input_norm, args.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
-            for name in ("bqkv", "bo", "b_gate_up", "b_down"):
-                bias = getattr(w, name)
-                setattr(args, name, None if bias is None else bias.data_ptr())
-            args.window = window
-        self._held = list(layers)  # the tensors the pointers above point into
-        w0 = layers[0]
-        self._dims = DimsArgs(
-            d.n_heads,
-            d.n_kv,
-            d.head_dim,
-            w0.input_norm.shape[0],
-            self._layers[0].down.in_features,
-            d.eps,
-            TINY,
-            d.head_dim**-0.5,
-        )
-        self._n = len(layers)
-
-    @classmethod
-    def build(
-        cls,
-        layers: Sequence[LayerWeights],
-        d: Dims,
-        windows: Sequence[int | None],
-        kv_dtype: torch.dtype,
-    ) -> KernelLayers | None:
-        """The kernel pass for these layers, or None where they must run op by op."""
-        kernels = cpu_kernels()
-        if kernels is None or not layers:
-            return None
-        if kv_dtype != torch.float32:
-            return None
-        for w in layers:
-            if not all(kernel_matrix(m) is not None for m in w.matrices()):
-                return None
-            if w.q_norm is not None or w.k_norm is not None:
-                return None
-            matrices = {id(m) for m in w.matrices()}
-            vectors = [t for t in w.tensors() if id(t) not in matrices]
-            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in vectors):
-                return None
-        return cls(kernels, layers, d, [0 if w is None else w for w in windows])
-
-    def norm_linear(self, x: torch.Tensor, norm: torch.Tensor, args: MatrixArgs) -> torch.Tensor:
-        """`rms_norm(x, norm) @ w` for rows `x` by meshd's fp32 product (one row's bits whatever
-        the rows around it), `w` an fp32 matrix as `kernel_matrix` gives it (kind 32 or 33)."""
-        rows, norm = x.contiguous(), norm.contiguous()  # held while the kernel reads them
-        out = torch.empty(rows.shape[0], args.out_features)
-        failed = self._f32_mm(
-            rows.data_ptr(),
-            rows.shape[0],
-            args.in_features,
-            args.codes,
-            args.layout,
-            args.out_features,
-            int(args.kind == 32),
-            out.data_ptr(),
-            None,
-            norm.data_ptr(),
-            self._dims.eps,
-            0,
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise MemoryError("meshd's fp32 kernel could not allocate its row buffer")
-        return out
-
-    def run(self, x: torch.Tensor, windows: Sequence[KernelWindow]) -> torch.Tensor:
-        """The stage's layers over `x` `[rows, hidden]` (fp32), the windows' rows in order;
-        writes each window's keys and values into its cache. Returns a new tensor."""
-        out = x.to(torch.float32, copy=True).contiguous()
-        rows = out.shape[0]
-        positions = (ctypes.c_int64 * rows)()
-        sessions = (ctypes.c_int64 * rows)()
-        rope = (ctypes.c_void_p * rows)()
-        kv = (ctypes.c_void_p * (len(windows) * self._n))()
-        r = 0
-        for index, win in enumerate(windows):
-            base, layer_bytes = win.kv.data_ptr(), win.kv[0].nbytes
-            for layer in range(self._n):
-                kv[index * self._n + layer] = base + layer * layer_bytes
-            table, row_bytes = win.rope.data_ptr(), win.rope[0].nbytes
-            for i in range(win.length):
-                positions[r], sessions[r], rope[r] = win.base_pos + i, index, table + i * row_bytes
-                r += 1
-        threads = torch.get_num_threads()
-        failed = self._fn(
-            self._layers,
-            self._n,
-            ctypes.byref(self._dims),
-            out.data_ptr(),
-            rows,
-            positions,
-            sessions,
-            kv,
-            rope,
-            threads,
-            threads,
-        )
-        if failed:
-            raise MemoryError("meshd's layer kernel could not allocate its buffers")
-        return out
 
 
 def decoder_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

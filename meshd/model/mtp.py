@@ -32,7 +32,8 @@ from meshd.model.llama import (
     linear_weight,
     rms_norm,
 )
-from meshd.model.quant import Matrix, matmul
+from meshd.model.quant import matmul
+from meshd.model.quant_matrix import Matrix
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,9 @@ Kernels (docs/model-runtime.md has the measurements behind each choice):
 A matrix whose shape a kernel refuses (int4 on CPU needs `out` % 16 == 0) falls back to int8.
 `matrix_bytes` is what each holds, padding included; `QuantMatrix.nbytes` is the same figure for
 a loaded matrix, so the planner's arithmetic and the loaded stage agree exactly.
+
+What a quantized matrix is (`QuantMatrix`, `Matrix`, `VnniMatrix`) lives in `quant_matrix.py`,
+the int4 matrices in `quant_int4.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import functools
 import math
 import platform
-import struct
 import warnings
 from typing import Any
 
@@ -34,49 +36,28 @@ from meshd.model.kernels import (
     QUAD,
     TILE,
     CpuKernels,
-    MatrixArgs,
     cpu_kernels,
     packed_bytes,
     packed_int4_bytes,
 )
+from meshd.model.quant_int4 import (
+    Int4Cpu,
+    Int4Cuda,
+    Int4Dequant,
+    Int4Vnni,
+    cuda_inner_k_tiles,
+    int4_fits,
+    int4_group,
+)
+from meshd.model.quant_matrix import TINY, Matrix, QuantMatrix, VnniMatrix
 
 # "gguf": a GGUF file's tensors as stored, each multiplied by its block format's kernel
 # (`meshd.model.gguf_matrix`); GGUF files only. The block quantizations (`BLOCK_QUANTIZATIONS`)
 # quantize a checkpoint at load into the same ggml block formats and kernels.
 BLOCK_QUANTIZATIONS: tuple[str, ...] = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "gguf", *BLOCK_QUANTIZATIONS)
-# Elements per int4 group, preferred first: 64 costs 0.5625 bytes per weight (q4_0's figure).
-INT4_GROUPS: tuple[int, ...] = (64, 32)
 # fbgemm's fp32 scale, int32 zero point and int32 column offset, plus our fp32 column sum.
 _FBGEMM_PARAMS_PER_COLUMN = 16
-# The least half-range of a row (a constant row's), as an fp32 value.
-TINY = struct.unpack("f", struct.pack("f", 1e-30))[0]
-
-
-class QuantMatrix:
-    """A quantized `[in, out]` matrix: `mm(x)` is `x @ w` for rows `x` `[T, in]`."""
-
-    kind = ""  # "int8" or "int4"
-    kernel = ""  # which kernel runs it (for reports)
-    in_features: int
-    out_features: int
-    nbytes: int  # bytes held, padding included
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ w` in `x`'s dtype."""
-        raise NotImplementedError
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 `[in, out]` matrix this stands for (tests and fallbacks)."""
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        """Where the weights live."""
-        raise NotImplementedError
-
-
-Matrix = torch.Tensor | QuantMatrix
 
 
 def check_quantization(quantization: str) -> str:
@@ -229,80 +210,6 @@ class Int8Fbgemm(QuantMatrix):
         return torch.device("cpu")
 
 
-class VnniMatrix(QuantMatrix):
-    """A matrix run by meshd's own x86 kernels (`kernels/quant_mm.c`): int8 or int4 weights,
-    each row of activations quantized to uint8 over its own range in the kernel, so a row's
-    result has the same bits in any batch (verify windows compute the bits of plain decoding).
-    A call can also RMS-norm or SwiGLU-gate its input and add a residual (`mm_add`)."""
-
-    _fn: Any  # the kernel's entry point
-    _packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scales, sums
-    _layout: int  # the padded input (int8) or the group size (int4)
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mm_add(x, None)
-
-    def mm_add(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: torch.Tensor | None = None,
-        eps: float = 0.0,
-        out: torch.Tensor | None = None,
-        glu: bool = False,
-    ) -> torch.Tensor:
-        """`x @ w (+ residual)`, the residual added in the kernel (`[T, out]`, x's dtype).
-
-        With `norm` (fp32 `[in]`), `x` is first RMS-normed in the kernel with that weight and
-        `eps` (the pre-norm of a projection, without a torch operation of its own). With `glu`,
-        `x` is `[T, 2 * in]`, gate then up, and the kernel multiplies silu(gate) * up (the
-        input of a SwiGLU down projection). `out`: an fp32 `[T, out]` contiguous tensor to
-        write into.
-        """
-        rows = x.float().contiguous()
-        if out is None or out.dtype != torch.float32 or not out.is_contiguous():
-            out = torch.empty(rows.shape[0], self.out_features)
-        res = None if residual is None else residual.float().contiguous()
-        codes, scales, sums = self._packed
-        failed = self._fn(
-            rows.data_ptr(),
-            rows.shape[0],
-            self.in_features,
-            codes.data_ptr(),
-            scales.data_ptr(),
-            sums.data_ptr(),
-            self.out_features,
-            self._layout,
-            out.data_ptr(),
-            None if res is None else res.data_ptr(),
-            None if norm is None else norm.data_ptr(),
-            eps,
-            int(glu),
-            TINY,
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise MemoryError("meshd's quantized kernel could not allocate its row buffers")
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def args(self) -> MatrixArgs:
-        """This matrix as the kernel's `meshd_matrix` (pointers into tensors it keeps)."""
-        codes, scales, sums = self._packed
-        return MatrixArgs(
-            8 if self.kind == "int8" else 4,
-            self.in_features,
-            self.out_features,
-            self._layout,
-            codes.data_ptr(),
-            scales.data_ptr(),
-            sums.data_ptr(),
-        )
-
-
 class Int8Vnni(VnniMatrix):
     """x86 CPU int8 with AVX-512 VNNI: the scheme of `Int8Fbgemm` (per-output-channel
     symmetric int8 weights, per-row uint8 activations) in one call, weights packed in tiles of
@@ -370,198 +277,6 @@ class Int8WeightOnly(QuantMatrix):
         return self._q.device
 
 
-# --- int4 groups: scale and offset per group of `in` --------------------------------------
-
-
-def int4_group(in_features: int) -> int | None:
-    """The int4 group size for rows of `in_features` elements (None: no group divides it)."""
-    return next((g for g in INT4_GROUPS if in_features % g == 0), None)
-
-
-def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit groups of `w` `[out, in]` (fp32).
-
-    Returns q `[out, in]` int32 in 0..15 and `scales_and_zeros` `[in / group, out, 2]` fp32 in
-    torch's int4pack convention: w ≈ (q - 8) * scale + zero.
-    """
-    out_f, in_f = w.shape
-    g = w.reshape(out_f, in_f // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
-    zero = lo + 8 * scale
-    sz = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()
-    return q.to(torch.int32).reshape(out_f, in_f), sz
-
-
-def _int4_dequantize(q: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
-    """`[in, out]` fp32 from q `[out, in]` (0..15) and `[in / group, out, 2]` scales/zeros."""
-    scale = sz[..., 0].t().float().repeat_interleave(group, dim=1)
-    zero = sz[..., 1].t().float().repeat_interleave(group, dim=1)
-    return ((q.float() - 8) * scale + zero).t()
-
-
-class Int4Cpu(QuantMatrix):
-    """x86 CPU int4: torch's int4pack kernel, fed bf16 activations.
-
-    It is fed bf16 because on bf16 input it is the fastest CPU matrix-vector product we have
-    (faster than fbgemm's int8) and on fp32 input it takes a slow path, hence the casts
-    around it (docs/model-runtime.md).
-    """
-
-    kind, kernel = "int4", "_weight_int4pack_mm_for_cpu (bf16)"
-
-    def __init__(self, w: torch.Tensor, group: int) -> None:
-        out_f, in_f = w.shape
-        q, sz = _int4_groups(w, group)
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [out, in/2]
-        self._sz = sz.to(torch.bfloat16)
-        self.group = group
-        self.in_features, self.out_features = in_f, out_f
-        self.nbytes = self._packed.nbytes + self._sz.nbytes
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self._packed, self.group, self._sz
-        )
-        return y.to(x.dtype)
-
-    def dequantize(self) -> torch.Tensor:
-        # Recover q by multiplying the identity: the kernel's own view of its packed weight.
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        zeros = self._sz.clone()
-        zeros[..., 0] = 1
-        zeros[..., 1] = 8  # (q - 8) * 1 + 8 = q, exact in bf16 for 0..15
-        q: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, self._packed, self.group, zeros
-        )
-        return _int4_dequantize(q.t().round().to(torch.int32), self._sz, self.group)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-class Int4Vnni(VnniMatrix):
-    """x86 CPU int4 with AVX-512 VNNI: the weights of `Int4Cpu` (asymmetric 4-bit groups with
-    a bf16 scale and offset each) with `Int8Vnni`'s per-row activations and prologues."""
-
-    kind, kernel = "int4", "meshd int4 (AVX-512 VNNI)"
-
-    def __init__(self, w: torch.Tensor, group: int, kernels: CpuKernels) -> None:
-        out_f, in_f = w.shape
-        q, sz = _int4_groups(w, group)
-        sz16 = sz.to(torch.bfloat16)  # [groups, out, 2]
-        self._fn = kernels.int4_mm
-        self._layout = self.group = group
-        tiles = -(-out_f // TILE)
-        codes = torch.empty(tiles * TILE * in_f // 2, dtype=torch.uint8)
-        q8 = q.to(torch.uint8).contiguous()  # held while the kernel reads it
-        kernels.int4_pack(q8.data_ptr(), out_f, in_f, codes.data_ptr())
-        groups = in_f // group
-        dz = torch.zeros(tiles * TILE, groups, 2, dtype=torch.bfloat16)
-        dz[:out_f] = sz16.transpose(0, 1)
-        # [tile, group, (scale, offset), channel]: what one group of one tile reads together.
-        dz = dz.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).contiguous()
-        sums = torch.zeros(tiles * TILE)
-        sums[:out_f] = _int4_dequantize(q, sz16, group).double().sum(dim=0).float()
-        self._packed = (codes, dz, sums)
-        self.in_features, self.out_features = in_f, out_f
-        self.nbytes = packed_int4_bytes(in_f, out_f, group)
-        assert self.nbytes == sum(t.nbytes for t in self._packed)
-
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        codes, dz, _ = self._packed
-        tiles = codes.numel() * 2 // (TILE * k)
-        b = codes.view(tiles, k // 4, 2, 16, 4)  # [tile, quad, half, lane, input]
-        nibbles = torch.stack((b & 0x0F, b >> 4), dim=3)  # [tile, quad, half, nibble, lane, in]
-        q = nibbles.permute(0, 2, 3, 4, 1, 5).reshape(tiles * TILE, k)[:n].to(torch.int32)
-        sz = dz.permute(1, 0, 3, 2).reshape(k // self.group, tiles * TILE, 2)[:, :n]
-        return _int4_dequantize(q, sz, self.group)
-
-
-class Int4Cuda(QuantMatrix):
-    """CUDA int4: tinygemm's `_weight_int4pack_mm` on bf16 (as gpt-fast runs it)."""
-
-    kind, kernel = "int4", "_weight_int4pack_mm (tinygemm)"
-
-    def __init__(self, w: torch.Tensor, group: int, inner_k_tiles: int, device: torch.device):
-        out_f, in_f = w.shape
-        q, sz = _int4_groups(w, group)
-        packed_bytes = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
-        self._packed = torch.ops.aten._convert_weight_to_int4pack(packed_bytes, inner_k_tiles)
-        self._sz = sz.to(device=device, dtype=torch.bfloat16)
-        self.group = group
-        self.in_features, self.out_features = in_f, out_f
-        self.nbytes = self._packed.nbytes + self._sz.nbytes
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm(
-            x.to(torch.bfloat16), self._packed, self.group, self._sz
-        )
-        return y.to(x.dtype)
-
-    def dequantize(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self._packed.device)
-        ones = torch.empty_like(self._sz)
-        ones[..., 0], ones[..., 1] = 1, 8
-        q: torch.Tensor = torch.ops.aten._weight_int4pack_mm(eye, self._packed, self.group, ones)
-        return _int4_dequantize(q.t().round().to(torch.int32).cpu(), self._sz.cpu(), self.group)
-
-    @property
-    def device(self) -> torch.device:
-        device: torch.device = self._packed.device
-        return device
-
-
-class Int4Dequant(QuantMatrix):
-    """int4 on a device with no int4 kernel: two weights per byte, dequantized per call."""
-
-    kind, kernel = "int4", "dequantize per call"
-
-    def __init__(self, w: torch.Tensor, group: int, device: torch.device) -> None:
-        out_f, in_f = w.shape
-        q, sz = _int4_groups(w, group)
-        self._packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
-        self._sz = sz.to(device=device, dtype=torch.bfloat16)
-        self.group = group
-        self.in_features, self.out_features = in_f, out_f
-        self.nbytes = self._packed.nbytes + self._sz.nbytes
-
-    def _q(self) -> torch.Tensor:
-        hi, lo = (self._packed >> 4).to(torch.int32), (self._packed & 15).to(torch.int32)
-        return torch.stack((hi, lo), dim=-1).reshape(self.out_features, self.in_features)
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        w = _int4_dequantize(self._q(), self._sz, self.group)
-        return torch.mm(x, w.to(x.dtype))
-
-    def dequantize(self) -> torch.Tensor:
-        return _int4_dequantize(self._q(), self._sz, self.group).cpu()
-
-    @property
-    def device(self) -> torch.device:
-        device: torch.device = self._packed.device
-        return device
-
-
-def _cuda_inner_k_tiles(in_features: int) -> int | None:
-    return next((t for t in (8, 4, 2) if in_features % (t * 16) == 0), None)
-
-
-def _int4_fits(in_features: int, out_features: int, device_type: str) -> int | None:
-    """The int4 group for this shape on this device, or None where int4 does not fit."""
-    group = int4_group(in_features)
-    if group is None:
-        return None
-    if device_type == "cpu" and out_features % 16:
-        return None
-    if device_type == "cuda" and (out_features % 8 or _cuda_inner_k_tiles(in_features) is None):
-        return None
-    return group
-
-
 def quantize_matrix(
     w: torch.Tensor, quantization: str, device: torch.device, dtype: torch.dtype
 ) -> QuantMatrix:
@@ -572,12 +287,12 @@ def quantize_matrix(
         kernels = cpu_kernels() if device.type == "cpu" else None
         if kernels is not None and int4_group(in_f) is not None:
             return Int4Vnni(w, int4_group(in_f) or 0, kernels)
-        group = _int4_fits(in_f, out_f, device.type)
+        group = int4_fits(in_f, out_f, device.type)
         if group is not None:
             if device.type == "cpu":
                 return Int4Cpu(w, group)
             if device.type == "cuda":
-                tiles = _cuda_inner_k_tiles(in_f)
+                tiles = cuda_inner_k_tiles(in_f)
                 assert tiles is not None
                 return Int4Cuda(w, group, tiles, device)
             return Int4Dequant(w, group, device)
@@ -610,7 +325,7 @@ def matrix_bytes(
         group = int4_group(in_features)
         if device_type == "cpu" and group is not None and cpu_kernels() is not None:
             return packed_int4_bytes(in_features, out_features, group)
-        group = _int4_fits(in_features, out_features, device_type)
+        group = int4_fits(in_features, out_features, device_type)
         if group is not None:
             # Two weights per byte, a bf16 scale and offset per group.
             return in_features * out_features // 2 + 4 * out_features * (in_features // group)

@@ -18,7 +18,8 @@ from typing import Any, TypedDict
 
 import trio
 
-from meshd.net.endpoint import Address, Endpoint, LaneClosedError, PeerLane
+from meshd.net.endpoint import Address, Endpoint
+from meshd.net.peer_lane import LaneClosedError, PeerLane
 from protocol import RemoteProtocolError, gossip
 from protocol.messages import Message, decode, encode
 from protocol.streams import GOSSIP_STREAM, PIPELINE_STREAM

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from meshd.net.endpoint import Address, LaneAddress, LaneClosedError, PeerLane
+from meshd.net.endpoint import Address, LaneAddress
 from meshd.net.lane_table import LaneTable, PeerUnreachable
+from meshd.net.peer_lane import LaneClosedError, PeerLane
 from meshd.net.relay import Relay
 from protocol import punch
 from protocol.datagram import KIND_PROBE

@@ -19,7 +19,8 @@ import trio
 from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.model.errors import MissingFile, ModelUnavailable
 from meshd.model.manifest import ModelStore, store_checkpoint
-from meshd.net.endpoint import Endpoint, LaneClosedError, PeerLane, open_endpoint
+from meshd.net.endpoint import Endpoint, open_endpoint
+from meshd.net.peer_lane import LaneClosedError, PeerLane
 from meshd.node.fetch_run import FetchRun
 from protocol import artifacts
 from protocol.artifacts import (

@@ -26,8 +26,9 @@ import trio
 
 from meshd.config.tables import NatDialConfig
 from meshd.mesh.member import MemberInfo
-from meshd.net.endpoint import Endpoint, PeerLane
+from meshd.net.endpoint import Endpoint
 from meshd.net.lane_table import Dispatch, LaneTable, LaneTableOptions, PeerUnreachable
+from meshd.net.peer_lane import PeerLane
 from meshd.net.punch import NatTraversal, Path
 from protocol.punch import PunchConfig, RelayPath
 

@@ -14,8 +14,8 @@ import msgspec
 import trio
 
 from meshd.model.manifest import ModelStore
-from meshd.net.endpoint import LaneClosedError
 from meshd.net.lane_table import PeerUnreachable
+from meshd.net.peer_lane import LaneClosedError
 from protocol import artifacts
 from protocol.artifacts import (
     ArtifactRefusal,

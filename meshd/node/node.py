@@ -30,8 +30,9 @@ from meshd.mesh.membership import Membership
 from meshd.model.device import device_memory_bytes
 from meshd.model.threads import configure_threads
 from meshd.net.bulk import BulkGate
-from meshd.net.endpoint import Endpoint, PeerLane, open_endpoint
+from meshd.net.endpoint import Endpoint, open_endpoint
 from meshd.net.lane_table import PeerUnreachable
+from meshd.net.peer_lane import PeerLane
 from meshd.node.basis import NodeBasis
 from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
 from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources

@@ -50,10 +50,10 @@ import trio
 from meshd.model.errors import KVBudgetExceeded, ModelError
 from meshd.model.stage import BatchItem, StageModel, StageOutput
 from meshd.net.bulk import BulkGate
-from meshd.speculative.sampling import SamplingParams, token_logprobs, unpack_masks, verify
 from meshd.stage.host_config import StageHostConfig as StageHostConfig  # re-exported
 from meshd.stage.leases import SESSION_LEASE_S, Leases
 from meshd.stage.mtp_drafter import MtpDrafter
+from meshd.stage.verdict import WindowVerdict, window_verdict
 from meshd.stage.wire import from_blob, to_blob
 from protocol.messages import (
     PREFIX_MISS,
@@ -66,7 +66,6 @@ from protocol.messages import (
     StageError,
     StageHidden,
     StageTiming,
-    TokenLogprobs,
     VerifyReply,
     VerifyWindow,
 )
@@ -124,10 +123,8 @@ class _Work:
 
 
 # What computing one window gives: hidden states for the next stage, the last stage's verdict
-# (accepted drafts, next token, MTP drafts, log-probs when asked), nothing (a prefill chunk),
-# or its own error.
-_Verdict = tuple[int, int, list[int], list[TokenLogprobs]]
-_Result = torch.Tensor | _Verdict | None | ModelError
+# (`WindowVerdict`), nothing (a prefill chunk), or its own error.
+_Result = torch.Tensor | WindowVerdict | None | ModelError
 
 
 class StageHost:
@@ -538,7 +535,7 @@ class StageHost:
 
     def _finish(
         self, info: OpenSession, w: VerifyWindow, out: StageOutput
-    ) -> torch.Tensor | _Verdict | None:
+    ) -> torch.Tensor | WindowVerdict | None:
         """After the pass: hidden states to pass on, or the last stage's verdict and drafts."""
         if not self.stage.is_last:
             return out.hidden
@@ -559,46 +556,3 @@ class StageHost:
             log.warning(
                 "stage could not send %s to %s: %s", type(message).__name__, key.hex()[:16], exc
             )
-
-
-def window_verdict(
-    w: VerifyWindow, out: StageOutput, eos_ids: frozenset[int], drafter: MtpDrafter | None
-) -> tuple[_Verdict | None, float]:
-    """The last stage's answer to a window it computed, and the MTP heads' seconds.
-
-    A sampled window gets its verdict (accepted drafts, next token) and, with `drafter`, the
-    heads' drafts for the next window from the accepted prefix; a window that only fills the
-    KV (no sample) gets None, its positions still run through the heads so their KV keeps up.
-    """
-    started = time.perf_counter()
-    if not w.sample:
-        if drafter is not None:
-            drafter.after_window(w.session, w.base_pos, w.tokens, out.hidden, None, 0)
-        return None, time.perf_counter() - started
-    assert out.logits is not None
-    s = w.sampling
-    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
-    allowed = None
-    if w.mask:
-        try:
-            allowed = unpack_masks(w.mask, w.n_draft + 1, out.logits.shape[-1])
-        except ValueError as exc:
-            raise ModelError(str(exc)) from None
-    verdict = verify(out.logits, w.tokens, w.n_draft, w.base_pos, params, eos_ids, allowed)
-    logprobs: list[TokenLogprobs] = []
-    if w.logprobs >= 0:
-        # Rows aligned to the window's end (see `verify`): the first needed row chose the
-        # first draft, and each committed token has its own row.
-        first = out.logits.shape[0] - w.n_draft - 1
-        rows = out.logits[first : first + len(verdict.committed)]
-        logprobs = token_logprobs(rows, verdict.committed, w.logprobs)
-    drafts: list[int] = []
-    mtp_s = 0.0
-    if drafter is not None:
-        known = w.tokens[: len(w.tokens) - w.n_draft + verdict.accepted_len]
-        started = time.perf_counter()
-        drafts = drafter.after_window(
-            w.session, w.base_pos, known, out.hidden, verdict.next_token, w.mtp_tokens
-        )
-        mtp_s = time.perf_counter() - started
-    return (verdict.accepted_len, verdict.next_token, drafts, logprobs), mtp_s

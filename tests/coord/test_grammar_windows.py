@@ -16,8 +16,9 @@ import jsonschema
 import pytest
 
 from meshd.bench.checkpoints import make_checkpoint
+from meshd.coord.generation import GenerationRequest
 from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import GenerationRequest, WindowLoop
+from meshd.coord.window_loop import WindowLoop
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.grammar import Constraint, grammar_tokenizer, json_schema_grammar

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from meshd.coord.generation import GenerationRequest
 from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import GenerationRequest, WindowLoop
+from meshd.coord.window_loop import WindowLoop
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.strategies import make_proposer
 from protocol.messages import (

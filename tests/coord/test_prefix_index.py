@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from meshd.coord.coordinator import Coordinator
+from meshd.coord.generation import GenerationRequest, RouteFailed
 from meshd.coord.prefix_index import BLOCK_TOKENS, KeepPlan, PrefixHit, PrefixIndex
 from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import GenerationRequest, RouteFailed, WindowLoop
+from meshd.coord.window_loop import WindowLoop
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.strategies import make_proposer

@@ -18,8 +18,8 @@ import trio.testing
 from meshd.coord.coordinator import Coordinator, GenerationRequest, RouteFailed
 from meshd.coord.window_loop import Send
 from meshd.model.builtin import builtin_model_dir
-from meshd.net.endpoint import LaneClosedError
 from meshd.net.lane_table import PeerUnreachable
+from meshd.net.peer_lane import LaneClosedError
 from meshd.speculative.config import SpecConfig
 from protocol.events import TerminationReason
 from protocol.messages import CloseSession, Message, OpenSession, VerifyWindow

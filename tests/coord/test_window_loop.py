@@ -17,14 +17,16 @@ from dataclasses import replace
 import msgspec
 import pytest
 
+import meshd.coord.generation as generation_module
 import meshd.coord.window_loop as session_module
-from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import (
+from meshd.coord.generation import (
+    REPLAY_WINDOW_TOKENS,
     GenerationRequest,
     RouteFailed,
     StageOverloaded,
-    WindowLoop,
 )
+from meshd.coord.route_costs import RouteCosts
+from meshd.coord.window_loop import WindowLoop
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.llama import ROW_ATTENTION_MAX
 from meshd.model.tokenizer import Tokenizer
@@ -419,13 +421,14 @@ def test_the_heads_stop_for_good_once_the_proposer_no_longer_wants_them(
 
 
 def test_the_window_loop_reads_no_clock_and_does_no_io() -> None:
-    source = pathlib.Path(session_module.__file__).read_text()
     imported: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            imported.add(node.module.split(".")[0])
+    for module in (session_module, generation_module):
+        source = pathlib.Path(module.__file__ or "").read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                imported.add(node.module.split(".")[0])
     assert not imported & {"trio", "time", "asyncio", "socket", "threading", "anyio"}
 
 
@@ -434,7 +437,7 @@ def test_a_recovery_replays_the_generated_tokens_in_windows_that_decode_to_the_s
     # rows, and a longer prefill window differs in the last bits (enough to change a greedy
     # token on a real quantized model). So the client's prompt is prefilled in its own chunks,
     # as in the first attempt, and the tokens generated before the failure in short windows.
-    assert session_module.REPLAY_WINDOW_TOKENS == ROW_ATTENTION_MAX
+    assert REPLAY_WINDOW_TOKENS == ROW_ATTENTION_MAX
     prompt, generated = NOVEL[:20], list(range(200, 240))
     net = VirtualRoute(load_stages(MODEL, TWO_STAGES), hop_s=0.0005)
     request = spec_request([*prompt, *generated], 4, "disabled")

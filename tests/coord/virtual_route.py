@@ -23,8 +23,8 @@ from meshd.coord.window_loop import Send, WindowLoop
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage
-from meshd.stage.host import window_verdict
 from meshd.stage.mtp_drafter import MtpDrafter
+from meshd.stage.verdict import window_verdict
 from protocol.messages import (
     CloseSession,
     OpenSession,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from meshd.bench.checkpoints import make_checkpoint
 from meshd.bench.gguf_writer import write_gguf
 from meshd.bench.single_node import generate
-from meshd.coord.window_loop import REPLAY_WINDOW_TOKENS
+from meshd.coord.generation import REPLAY_WINDOW_TOKENS
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_checkpoint import GGUFCheckpoint

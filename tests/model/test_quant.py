@@ -19,15 +19,9 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import parse_config
 from meshd.model.kernels import cpu_kernels, unavailable_reason
-from meshd.model.quant import (
-    Int4Cpu,
-    Int4Vnni,
-    Int8Fbgemm,
-    Int8Vnni,
-    QuantMatrix,
-    matrix_bytes,
-    quantize_matrix,
-)
+from meshd.model.quant import Int8Fbgemm, Int8Vnni, matrix_bytes, quantize_matrix
+from meshd.model.quant_int4 import Int4Cpu, Int4Vnni
+from meshd.model.quant_matrix import QuantMatrix
 from meshd.model.stage import StageModel, kv_bytes_per_token, layer_bytes, stage_weight_bytes
 from meshd.model.tokenizer import Tokenizer
 

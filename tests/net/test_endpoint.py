@@ -14,8 +14,9 @@ import trio.testing
 from nacl.bindings import crypto_scalarmult_base
 
 from meshd.net.emulator import LinkProfile
-from meshd.net.endpoint import DROP_REASONS, LaneClosedError, open_endpoint
+from meshd.net.endpoint import DROP_REASONS, open_endpoint
 from meshd.net.lane_table import LaneTable
+from meshd.net.peer_lane import LaneClosedError
 from meshd.net.punch import NatTraversal
 from protocol import keyquery, punch
 from protocol.config import LaneConfig
