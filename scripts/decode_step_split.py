@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
+from meshd.bench.single_node import generate
 from meshd.model import llama
-from meshd.model.decode import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.kernels import blocks
 from meshd.model.stage import StageModel
