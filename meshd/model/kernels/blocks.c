@@ -513,8 +513,9 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
 #endif
 
 /* ---- AVX-512: two blocks per vector, tiles of rows x tokens ------------------------------------
- * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (lanes 0-7: block b, 8-15: block b+1), so
- * each pair costs one integer dot, one conversion, one scale multiply and one FMA per (row, token).
+ * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (128-bit quarters 0 and 2: block b, 1 and
+ * 3: block b+1); per token, 4 rows' quarter sums then share one conversion, one scale multiply
+ * and one FMA.
  * A tile of NR rows x nt tokens decodes each weight pair once and reads each activation pair once.
  * The per-(row, token) sequence is the same for every tile shape; an odd last block runs the same
  * pair code with a zero second block, which adds exact zeros. */
