@@ -584,6 +584,33 @@ static inline __m512i quad_sums(__m512i v0, __m512i v1, __m512i v2, __m512i v3) 
     return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
+/* -(Σq_b << shift) in quarter 0's lane 0 and -(Σq_b1 << shift) in quarter 1's: Q4_0/Q5_0's code
+ * offsets (8, 16) taken out of the integer dot of a pair, exact. */
+static inline __m512i offset_init(const float *d, int64_t nb, int64_t b, int two, int shift) {
+    const int32_t *sm = (const int32_t *)(d + 2 * nb);
+    const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b)) : _mm_cvtsi32_si128(sm[b]);
+    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
+    return _mm512_sub_epi32(
+        _mm512_setzero_si512(),
+        _mm512_slli_epi32(
+            _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)), shift));
+}
+
+/* Rows 0..nr-1 of one token from the quarter accumulators: row i is (q0 + q2) + (q1 + q3), then
+ * + (m * s of the even blocks + of the odd blocks) for the _1 formats. */
+static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *out) {
+    const __m512 h = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
+    __m128 v = _mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1));
+    if (one) {
+        const __m512 ms = _mm512_permutexvar_ps(
+            _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1), macc);
+        v = _mm_add_ps(v, _mm_add_ps(_mm512_castps512_ps128(ms), _mm512_extractf32x4_ps(ms, 1)));
+    }
+    float o[4];
+    _mm_storeu_ps(o, v);
+    for (int i = 0; i < nr; ++i) out[i] = o[i];
+}
+
 /* Up to 4 rows x nt tokens. Each row's integer dot over a block pair is summed per 128-bit
  * quarter (exact), the 4 rows' quarter sums share one vector, and one conversion, one scale
  * multiply and one FMA cover all of them: per (row, token) the sequence is the same for every
@@ -598,7 +625,6 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
     __m512 acc[NT], macc[NT];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
-    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
     /* [d, m] dwords of (row i, block b) in lane i, of (row i, block b+1) in lane 4 + i. */
     int32_t off[8] = {0};
     for (int i = 0; i < nr; ++i) {
@@ -640,17 +666,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
-            __m512i init = _mm512_setzero_si512();
-            if (shift) {
-                const int32_t *sm = (const int32_t *)(d + 2 * nb);
-                const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b))
-                                       : _mm_cvtsi32_si128(sm[b]);
-                init = _mm512_sub_epi32(
-                    _mm512_setzero_si512(),
-                    _mm512_slli_epi32(
-                        _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)),
-                        shift));
-            }
+            const __m512i init = shift ? offset_init(d, nb, b, two, shift) : _mm512_setzero_si512();
             __m512i p[4];
             for (int i = 0; i < 4; ++i) {
                 if (i >= nr)
@@ -673,20 +689,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             }
         }
     }
-    for (int r = 0; r < nt; ++r) {
-        /* row i: (q0 + q2) + (q1 + q3), then + (m*s of even blocks + of odd blocks) */
-        const __m512 h = _mm512_add_ps(acc[r], _mm512_shuffle_f32x4(acc[r], acc[r], 0x4E));
-        __m128 v = _mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1));
-        if (one) {
-            const __m512 ms = _mm512_permutexvar_ps(
-                _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1), macc[r]);
-            v = _mm_add_ps(v, _mm_add_ps(_mm512_castps512_ps128(ms),
-                                         _mm512_extractf32x4_ps(ms, 1)));
-        }
-        float o[4];
-        _mm_storeu_ps(o, v);
-        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[i];
-    }
+    for (int r = 0; r < nt; ++r) quad_store(acc[r], macc[r], one, nr, out + r * ldo);
 }
 #define TILE_KERNEL tile512
 #endif
