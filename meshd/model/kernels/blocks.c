@@ -67,6 +67,9 @@ enum {
 #define PREFETCH_ROWS(p, bytes)                                                                    \
     for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                             \
         __builtin_prefetch((const char *)(p) + off_, 0, 3)
+/* How many tiles ahead a tile requests its successors' rows (the tiles of one thread's range
+ * are adjacent rows); the first tiles of a range are requested in one burst before it starts. */
+#define PREFETCH_TILES 2
 
 #ifdef MESHD_HAVE_K_QUANTS
 void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
@@ -327,9 +330,10 @@ static void convert_act(int type, const float *x, int64_t k, uint8_t *act) {
 #if defined(__AVX2__)
 /* The 32 nibbles of a 16-byte block as bytes 0..15: low nibbles are elements 0..15, high 16..31. */
 static inline __m256i nibbles32(const uint8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    const __m128i m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    /* A broadcast load (load port only) and a per-half shift: no shuffle-port insert. */
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0)),
+                            _mm256_set1_epi8(0x0F));
 }
 
 /* 0x10 in byte j where bit j of the 32-bit word is set (Q5's fifth bits). */
@@ -468,9 +472,13 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
             acc[i][r] = _mm256_setzero_ps();
             summs[i][r] = 0.0f;
         }
+    /* As in the AVX-512 tiles: the same bytes PREFETCH_TILES tiles on (adjacent rows). */
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
     for (int64_t b = 0; b < nb; ++b) {
         __m256i wv[NR_MAX], sg[NR_MAX];
         float dw[NR_MAX], mw[NR_MAX];
+        if (ahead)
+            for (int i = 0; i < nr; ++i) __builtin_prefetch(wr[i] + ahead + b * bb, 0, 3);
         for (int i = 0; i < nr; ++i) {
             const uint8_t *p = wr[i] + b * bb;
             wv[i] = blk_codes(type, p);
@@ -505,8 +513,9 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
 #endif
 
 /* ---- AVX-512: two blocks per vector, tiles of rows x tokens ------------------------------------
- * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (lanes 0-7: block b, 8-15: block b+1), so
- * each pair costs one integer dot, one conversion, one scale multiply and one FMA per (row, token).
+ * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (128-bit quarters 0 and 2: block b, 1 and
+ * 3: block b+1); per token, 4 rows' quarter sums then share one conversion, one scale multiply
+ * and one FMA.
  * A tile of NR rows x nt tokens decodes each weight pair once and reads each activation pair once.
  * The per-(row, token) sequence is the same for every tile shape; an odd last block runs the same
  * pair code with a zero second block, which adds exact zeros. */
@@ -567,6 +576,45 @@ static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two
     return c;
 }
 
+/* Lane L of each 128-bit quarter of `v[i]` summed over its 4 int32 lanes, rows i = 0-3 side by
+ * side: quarter q of the result holds [sum of v0's quarter q, v1's, v2's, v3's]. Exact. */
+static inline __m512i quad_sums(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+    const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+    const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+/* -(Σq_b << shift) in quarter 0's lane 0 and -(Σq_b1 << shift) in quarter 1's: Q4_0/Q5_0's code
+ * offsets (8, 16) taken out of the integer dot of a pair, exact. */
+static inline __m512i offset_init(const float *d, int64_t nb, int64_t b, int two, int shift) {
+    const int32_t *sm = (const int32_t *)(d + 2 * nb);
+    const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b)) : _mm_cvtsi32_si128(sm[b]);
+    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
+    return _mm512_sub_epi32(
+        _mm512_setzero_si512(),
+        _mm512_slli_epi32(
+            _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)), shift));
+}
+
+/* Rows 0..nr-1 of one token from the quarter accumulators: row i is (q0 + q2) + (q1 + q3), then
+ * + (m * s of the even blocks + of the odd blocks) for the _1 formats. */
+static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *out) {
+    const __m512 h = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
+    __m128 v = _mm_add_ps(_mm512_castps512_ps128(h), _mm512_extractf32x4_ps(h, 1));
+    if (one) {
+        const __m512 ms = _mm512_permutexvar_ps(
+            _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1), macc);
+        v = _mm_add_ps(v, _mm_add_ps(_mm512_castps512_ps128(ms), _mm512_extractf32x4_ps(ms, 1)));
+    }
+    float o[4];
+    _mm_storeu_ps(o, v);
+    for (int i = 0; i < nr; ++i) out[i] = o[i];
+}
+
+/* Up to 4 rows x nt tokens. Each row's integer dot over a block pair is summed per 128-bit
+ * quarter (exact), the 4 rows' quarter sums share one vector, and one conversion, one scale
+ * multiply and one FMA cover all of them: per (row, token) the sequence is the same for every
+ * tile shape (absent rows add zeros in their own lanes), so batches match single steps. */
 static inline __attribute__((always_inline)) void tile512(int type, const uint8_t *const *wr,
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
@@ -574,100 +622,74 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
-    __m512 acc[NR_MAX][NT];
-    __m128 summs[NR_MAX][NT]; /* the _1 formats' m * s terms: block b in lane 1, b+1 in lane 3 */
-    for (int i = 0; i < nr; ++i)
-        for (int r = 0; r < nt; ++r) {
-            acc[i][r] = _mm512_setzero_ps();
-            summs[i][r] = _mm_setzero_ps();
-        }
-    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
+    /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
+    __m512 acc[NT], macc[NT];
+    for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
+    /* [d, m] dwords of (row i, block b) in lane i, of (row i, block b+1) in lane 4 + i. */
+    int32_t off[8] = {0};
+    for (int i = 0; i < nr; ++i) {
+        off[i] = (int32_t)(wr[i] - wr[0]);
+        off[4 + i] = off[i] + (int32_t)bb;
+    }
+    const __m256i gidx = _mm256_loadu_si256((const __m256i *)off);
+    /* The same bytes of the rows PREFETCH_TILES tiles on (rows are adjacent), requested while
+     * this tile computes: a steady stream of requests rather than a burst per tile. */
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
+    const __mmask8 rows = (__mmask8)((1u << nr) - 1);
+    const __m512i dsel = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i ssel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 2) {
         const int two = b + 1 < nb;
         __m512i wv[NR_MAX];
         __mmask64 neg[NR_MAX];
-        __m512 dw[NR_MAX];
-        __m128 mw[NR_MAX];
+        if (ahead)
+            for (int i = 0; i < nr; ++i) {
+                __builtin_prefetch(wr[i] + ahead + b * bb, 0, 3);
+                if (2 * bb > 64) __builtin_prefetch(wr[i] + ahead + b * bb + 64, 0, 3);
+            }
         for (int i = 0; i < nr; ++i) {
-            const uint8_t *p = wr[i] + b * bb;
-            wv[i] = pair_codes(type, p, bb, two);
+            wv[i] = pair_codes(type, wr[i] + b * bb, bb, two);
             if (type == T_Q8_0) {
                 /* |w| as unsigned bytes (128 for -128: still exact) times x negated where w < 0. */
                 neg[i] = _mm512_movepi8_mask(wv[i]);
                 wv[i] = _mm512_abs_epi8(wv[i]);
             }
-            if (one) {
-                /* d and m of both blocks in one conversion: [d_b, m_b, d_b1, m_b1]. */
-                int32_t dm0, dm1;
-                memcpy(&dm0, p, 4);
-                __m128i dm = _mm_cvtsi32_si128(dm0);
-                if (two) {
-                    memcpy(&dm1, p + bb, 4);
-                    dm = _mm_blend_epi32(_mm_set1_epi32(dm0), _mm_set1_epi32(dm1), 0xA);
-                }
-                /* [d_b, m_b, d_b1, m_b1]: the m lanes meet s2's lanes 1 and 3 below. */
-                mw[i] = _mm_cvtph_ps(dm);
-                dw[i] = _mm512_permutexvar_ps(
-                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
-                    _mm512_castps128_ps512(mw[i]));
-            } else {
-                /* [d_b, -, d_b1, -] from broadcast loads (the lanes between are never read). */
-                int32_t d0, d1;
-                memcpy(&d0, p, 4);
-                __m128i dd = _mm_cvtsi32_si128(d0);
-                if (two) {
-                    memcpy(&d1, p + bb, 4);
-                    dd = _mm_blend_epi32(_mm_set1_epi32(d0), _mm_set1_epi32(d1), 0xA);
-                }
-                dw[i] = _mm512_permutexvar_ps(
-                    _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
-                    _mm512_castps128_ps512(_mm_cvtph_ps(dd)));
-                mw[i] = _mm_setzero_ps();
-            }
         }
+        /* [d, m] halves of every (row, block) in one gather and one conversion. */
+        const __m512 dm = _mm512_cvtph_ps(_mm256_mmask_i32gather_epi32(
+            _mm256_setzero_si256(), two ? (__mmask8)(rows | rows << 4) : rows, gidx,
+            wr[0] + b * bb, 1));
+        const __m512 dw = _mm512_permutexvar_ps(dsel, dm);
         for (int r = 0; r < nt; ++r) {
             const uint8_t *a = act + r * stride;
             const float *d = ACT_D(a, k);
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
-            /* [0, s_b, 0, s_b1]: times [d_b, m_b, d_b1, m_b1] gives m * s in lanes 1 and 3
-             * (lanes 0 and 2 are never read). */
-            const __m128 s2 = !one ? _mm_setzero_ps()
-                              : _mm_unpacklo_ps(
-                                    _mm_setzero_ps(),
-                                    two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
-                                        : _mm_load_ss(d + nb + b));
-            __m512i init = _mm512_setzero_si512();
-            if (shift) {
-                const int32_t *sm = (const int32_t *)(d + 2 * nb);
-                const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b))
-                                       : _mm_cvtsi32_si128(sm[b]);
-                init = _mm512_sub_epi32(
-                    _mm512_setzero_si512(),
-                    _mm512_slli_epi32(
-                        _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)),
-                        shift));
-            }
-            for (int i = 0; i < nr; ++i) {
-                __m512i p;
-                if (type == T_Q8_0)
-                    p = _mm512_dpbusd_epi32(
+            const __m512i init = shift ? offset_init(d, nb, b, two, shift) : _mm512_setzero_si512();
+            __m512i p[4];
+            for (int i = 0; i < 4; ++i) {
+                if (i >= nr)
+                    p[i] = _mm512_setzero_si512();
+                else if (type == T_Q8_0)
+                    p[i] = _mm512_dpbusd_epi32(
                         init, wv[i], _mm512_mask_sub_epi8(x, neg[i], _mm512_setzero_si512(), x));
                 else
-                    p = _mm512_dpbusd_epi32(init, wv[i], x);
-                acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(dw[i], dx), _mm512_cvtepi32_ps(p), acc[i][r]);
-                if (one) summs[i][r] = _mm_fmadd_ps(mw[i], s2, summs[i][r]);
+                    p[i] = _mm512_dpbusd_epi32(init, wv[i], x);
+            }
+            const __m512i s = quad_sums(p[0], p[1], p[2], p[3]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s), acc[r]);
+            if (one) {
+                /* s_b in the odd lanes 1-7, s_b1 in 9-15: times dm gives m * s there. */
+                const __m128 s2 = two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
+                                      : _mm_load_ss(d + nb + b);
+                macc[r] = _mm512_fmadd_ps(
+                    dm, _mm512_maskz_permutexvar_ps(0xAAAA, ssel, _mm512_castps128_ps512(s2)),
+                    macc[r]);
             }
         }
     }
-    for (int i = 0; i < nr; ++i)
-        for (int r = 0; r < nt; ++r) {
-            const __m128 m = summs[i][r];
-            const float ms = _mm_cvtss_f32(
-                _mm_add_ss(_mm_movehdup_ps(m), _mm_movehl_ps(m, _mm_movehdup_ps(m))));
-            out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]) + ms;
-        }
+    for (int r = 0; r < nt; ++r) quad_store(acc[r], macc[r], one, nr, out + r * ldo);
 }
 #define TILE_KERNEL tile512
 #endif
@@ -735,15 +757,16 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         float *o = y + j * n_out;
         int64_t n = r0;
         const uint8_t *wr[NR_MAX];
+        /* The first tiles' rows; each tile requests the rows of the tiles after it. */
+        const int64_t first = r1 - r0 < PREFETCH_TILES * 4 ? r1 - r0 : PREFETCH_TILES * 4;
+        if (j == 0) PREFETCH_ROWS(w + r0 * rb, first * rb);
         /* 4 x 4 tiles only where 32 vector registers hold their accumulators (AVX-512). */
         if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
-                PREFETCH_ROWS(w + (n + 4) * rb, n + 8 <= n_out ? 4 * rb : 0);
                 tiles[nt == 1 ? 0 : 9](wr, k, a, stride, o + n, n_out);
             }
         for (; n + 2 <= r1; n += 2) {
-            PREFETCH_ROWS(w + (n + 2) * rb, n + 4 <= n_out ? 2 * rb : 0);
             wr[0] = w + n * rb;
             wr[1] = w + (n + 1) * rb;
             tiles[nt](wr, k, a, stride, o + n, n_out);
