@@ -8,7 +8,8 @@ with its shipped draft, greedy, 96 tokens, strategies interleaved, one `Acceptan
 pipeline as the bench has), and for each `auto` request prints one line per window: the
 strategy that drafted it, whether the MTP heads still ran, drafts sent / accepted, and the
 time `auto` spent in `observe` (shadow drafting, the draft model's passes, scoring, deciding)
-before it. The summary per request: decode tok/s beside the single strategies', tokens per
+before it (`AutoProposer.trace` tells each decision; the script wraps only public methods).
+The summary per request: decode tok/s beside the single strategies', tokens per
 round trip, windows per strategy, the MTP heads' measured time per window, the draft model's
 passes and time.
 """
@@ -30,6 +31,7 @@ from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
 from meshd.speculative import auto
+from meshd.speculative.auto_decision import Decision
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
 
@@ -43,29 +45,28 @@ def _patch() -> None:
     propose = auto.AutoProposer.propose
     observe = auto.AutoProposer.observe
     set_link = auto.AutoProposer.set_link
+    reset = auto.AutoProposer.reset
     forward = DraftModel.rows
-    decide = auto.AutoProposer._decide
 
-    def traced_decide(self: auto.AutoProposer) -> None:
-        decide(self)
-        _, _, found = self._best(lambda name: self._trackers[name])
+    def told(decision: Decision) -> None:
         times = " ".join(
-            f"{name[:8]}={found[name].s_per_token(self.config)[0] * 1e3:.1f}"
-            f"/{found[name].s_per_token(self.config)[1]}"
-            for name in found
+            f"{name[:8]}={s * 1e3:.1f}/{width}" for name, (s, width) in decision.candidates.items()
         )
-        decisions.append(f"@{len(self._tokens)} {self.choice[:8]}: {times}")
+        decisions.append(f"@{decision.log_length} {decision.choice[:8]}: {times}")
+
+    def traced_reset(self: auto.AutoProposer, prompt: Any) -> None:
+        self.trace = told
+        reset(self, prompt)
 
     def traced_propose(self: auto.AutoProposer, max_tokens: int, mtp_draft: Any = ()) -> Any:
         out = propose(self, max_tokens, mtp_draft)
         trace.append(
             {
-                "choice": self.choice,
-                "heads": self._mtp_live,
+                "choice": self.active,
+                "heads": bool(mtp_draft),  # the coordinator hands the heads' draft while they run
                 "drafts": len(out),
                 "observe_ms": observe_s[0] * 1e3,
                 "mtp_ms": self.link.mtp_s * 1e3,
-                "log": len(self._tokens),
             }
         )
         observe_s[0] = 0.0
@@ -95,7 +96,7 @@ def _patch() -> None:
     auto.AutoProposer.observe = traced_observe  # type: ignore[method-assign]
     auto.AutoProposer.set_link = traced_link  # type: ignore[method-assign]
     DraftModel.rows = traced_forward  # type: ignore[method-assign]
-    auto.AutoProposer._decide = traced_decide  # type: ignore[method-assign]
+    auto.AutoProposer.reset = traced_reset  # type: ignore[method-assign]
 
 
 async def _run(args: argparse.Namespace) -> None:

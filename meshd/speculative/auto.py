@@ -17,12 +17,13 @@ across requests; each request starts from the book and adapts with its own EWMA.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from meshd.speculative.acceptance_book import AcceptanceBook
+from meshd.speculative.auto_decision import Decision
 from meshd.speculative.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
+from meshd.speculative.draft_gate import gate
 from meshd.speculative.draft_scoring import DraftScorer, Shadow
 from meshd.speculative.mtp import MtpHybrid, MtpProposer
 from meshd.speculative.ngram import NgramCache, NgramSimple
@@ -106,6 +107,7 @@ class AutoProposer(AccountedProposer):
         self._book_favours_mtp: bool | None = None
         self._drafts: dict[str, list[int]] = {}
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
+        self.trace: Callable[[Decision], None] | None = None  # told each decision, if set
         self.choice = "disabled"
         # Candidates that pay by the last decision, best first (the choice among them).
         self._ranked: list[str] = []
@@ -414,7 +416,7 @@ class AutoProposer(AccountedProposer):
         if self.choice in _NGRAM and not drafts.get(self.choice, True):
             # The n-gram choice has nothing to copy here: its windows are plain ones until
             # the next decision, so that comes as soon as a decision pays against plain tokens.
-            soon = self._tokens_for(
+            soon = self.tuning.tokens_for(
                 self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()
             )
             self._next_decision = min(self._next_decision, start + soon)
@@ -488,7 +490,7 @@ class AutoProposer(AccountedProposer):
         share = tune.draft_score_share if self._draft_pays else tune.draft_score_share_idle
         if self.choice == "disabled" and self._book_says_draft_pays:
             share = tune.draft_score_share_eager
-        every = self._tokens_for(self.book.draft_score_s, share * self._plain_s())
+        every = self.tuning.tokens_for(self.book.draft_score_s, share * self._plain_s())
         if self._draft_pays or self.book.tracker(_DRAFT_CANDIDATE).samples < (
             tune.draft_settled_samples
         ):
@@ -499,13 +501,6 @@ class AutoProposer(AccountedProposer):
         if spent is not None:
             self.book.draft_score_s += tune.cost_ewma * (spent - self.book.draft_score_s)
         self._score()
-
-    def _tokens_for(self, cost_s: float, budget_per_token_s: float) -> int:
-        """The fewest tokens (or commits) over which `cost_s` stays within
-        `budget_per_token_s` apiece."""
-        if budget_per_token_s <= 0:
-            return self.tuning.decide_every_max_tokens
-        return max(1, math.ceil(cost_s / budget_per_token_s))
 
     def _trim_pending(self) -> None:
         limit = self.tuning.pending_per_candidate * len(self._candidates)
@@ -542,7 +537,9 @@ class AutoProposer(AccountedProposer):
                 best_name = self.choice  # not clearly better: keep the one drafting now
         cap = min(
             self.tuning.decide_every_max_tokens,
-            self._tokens_for(self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()),
+            self.tuning.tokens_for(
+                self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()
+            ),
         )
         if best_name == self.choice:
             self._decide_every = min(2 * self._decide_every, cap)
@@ -562,6 +559,9 @@ class AutoProposer(AccountedProposer):
         else:
             self.choice, self.plan = best_name, best_plan
             self._reason = f"{best_name} ({alphas}): {best_plan.reason}"
+        if self.trace is not None:
+            live = self._mtp_live and self.book.has_mtp
+            self.trace(Decision(len(self._tokens), self.choice, self._reason, live, plans))
 
     def _best(
         self,
@@ -586,6 +586,8 @@ class AutoProposer(AccountedProposer):
             if name in DRAFT_STRATEGIES:
                 link = link.with_draft_cost(self._draft_token_s())
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
+            if name in DRAFT_STRATEGIES:  # and only where it pays one window at a time
+                found[name] = gate(found[name], self.config, self.tuning)
             per_token, width = found[name].s_per_token(self.config)
             if width > 0 and (best_name == "disabled" or per_token < best_s):
                 best_name, best_s = name, per_token

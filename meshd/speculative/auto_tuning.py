@@ -6,6 +6,7 @@ what it cost before, is in docs/speculative.md ("`auto`'s tuning").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -28,6 +29,14 @@ class AutoTuning:
     draft_own_samples: int = 16
     # Switching between draft-model and MTP strategies needs this gain in time per token.
     model_switch_margin: float = 0.1
+
+    # -- the draft model's cost gate (meshd/speculative/draft_gate.py) --
+    # The draft competes only where one window at a time (round trip + verify pass + its
+    # drafting, nothing overlapped) beats plain decoding by this factor, at its acceptance.
+    draft_min_gain: float = 1.1
+    # Until the route measured a window wider than one token, each draft in a window adds
+    # this fraction of a one-token pass to the verify pass (a CPU pass is not free per token).
+    verify_token_prior: float = 0.4
 
     # -- when to decide --
     # Committed tokens between decisions at first and after a change of choice...
@@ -63,3 +72,10 @@ class AutoTuning:
     cost_ewma: float = 0.2
     # Starts waiting for the draft's choices (beyond these the oldest are dropped).
     draft_pending: int = 64
+
+    def tokens_for(self, cost_s: float, budget_per_token_s: float) -> int:
+        """The fewest tokens (or commits) over which `cost_s` stays within
+        `budget_per_token_s` apiece (`decide_every_max_tokens` where nothing is budgeted)."""
+        if budget_per_token_s <= 0:
+            return self.decide_every_max_tokens
+        return max(1, math.ceil(cost_s / budget_per_token_s))

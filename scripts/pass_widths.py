@@ -1,0 +1,50 @@
+"""What one forward pass costs by its width, for a whole checkpoint on this machine's CPU.
+
+    python scripts/pass_widths.py ~/.cache/meshd/models/Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf
+
+Loads the checkpoint as the coordinator loads a draft model (every layer, one process), writes
+a 64-token context, then times passes of 1, 2, 5 and 9 tokens (a plain token, and verify
+windows of 1, 4 and 8 drafts), `--rounds` times each, interleaved; prints the median ms per
+width, the ratio to the one-token pass and the load average. `auto`'s prior for an unmeasured
+verify pass (`AutoTuning.verify_token_prior`) comes from these ratios (docs/speculative.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from meshd.speculative.draft import DraftModel
+
+WIDTHS = (1, 2, 5, 9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    for path in args.models:
+        model = DraftModel.load(path, quantization="gguf")
+        session = model.open(64 + args.rounds * sum(WIDTHS) + 8)
+        model.rows(session, 0, list(range(100, 164)), 1)
+        pos = 64
+        seconds: dict[int, list[float]] = {w: [] for w in WIDTHS}
+        for _ in range(args.rounds):
+            for width in WIDTHS:
+                started = time.perf_counter()
+                model.rows(session, pos, list(range(200, 200 + width)), width)
+                seconds[width].append(time.perf_counter() - started)
+                pos += width
+        model.close(session)
+        medians = {w: statistics.median(v) for w, v in seconds.items()}
+        cells = " ".join(
+            f"{w}: {medians[w] * 1e3:.0f} ms ({medians[w] / medians[1]:.2f}x)" for w in WIDTHS
+        )
+        print(f"{os.path.basename(path)}: {cells}; load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
