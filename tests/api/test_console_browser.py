@@ -117,10 +117,12 @@ def test_the_console_shows_the_mesh_and_streams_a_chat_answer(mesh: list[Daemon]
         assert message.get_attribute("data-done") == "yes", message.text
         final = message.find_element(By.CSS_SELECTOR, ".text").text
         assert len(final.split()) >= 5, final
-        # The page read the answer as a stream: many chunks, each appended as it came.
+        # The page read the answer as a stream: several deltas, each appended as it came. How
+        # many depends on how many tokens each verify window committed (speculation's widths
+        # move with the load), so the claim is "more than one", not a count.
         stats = message.find_element(By.CSS_SELECTOR, ".stats").text
         chunks = re.match(r"(\d+) chunks in", stats)
-        assert chunks is not None and int(chunks.group(1)) >= 10, stats
+        assert chunks is not None and int(chunks.group(1)) >= 2, stats
         # The live tiles count what was generated.
         wait.until(lambda d: d.find_element(By.ID, "generated").text not in ("–", "0"))
     finally:
