@@ -194,11 +194,10 @@ def _option(inputs: _Inputs, label: str, stages: Stages, kept: int) -> _Option:
 
 
 def _reload(inputs: _Inputs, key: bytes, start: int, end: int) -> int:
-    """Layers of [start, end) the node does not hold yet."""
-    held = inputs.held.get(key)
-    if held is None:
-        return end - start
-    return end - start - max(0, min(end, held[1]) - max(start, held[0]))
+    """Layers the node loads to serve [start, end): none if it holds exactly that range, else
+    all of them. A stage whose range changes restarts (its sessions end, its layers load
+    again), so growing a surviving stage by one layer costs as much as a new stage."""
+    return 0 if inputs.held.get(key) == (start, end) else end - start
 
 
 def _anchor_chains(

@@ -36,7 +36,7 @@ class PlannedStage:
     # Weights plus KV for the plan's context (weight_bytes: the weights alone).
     memory_bytes: int
     usable_bytes: int
-    # Layers the node must load (0: it already holds the whole range).
+    # Layers the node must load: 0 when it holds exactly this range, else all of them.
     reload_layers: int
     weight_bytes: int = 0
 

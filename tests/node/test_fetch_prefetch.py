@@ -44,6 +44,18 @@ def _stored(d: Daemon, model_id: str) -> set[str]:
     return {p.name.removesuffix(".safetensors") for p in tensors.glob("*.safetensors")}
 
 
+def _story(daemons: list[Daemon], since: float) -> dict[str, list[str]]:
+    """Each daemon's events since `since` (plans, loads, fetches): why a plan came out so."""
+    return {
+        d.name: [
+            f"{e['at_unix_s'] - since:+.2f} {e['kind']} {e.get('detail', '')}"
+            for e in d.status()["events"]
+            if e["at_unix_s"] >= since - 5
+        ]
+        for d in daemons
+    }
+
+
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 def test_a_spare_prefetches_and_takes_over_a_killed_stage_without_fetching(
     tmp_path: pathlib.Path, prefetch: bool
@@ -104,7 +116,7 @@ def test_a_spare_prefetches_and_takes_over_a_killed_stage_without_fetching(
         after = settled_plan(survivors)
         assert after is not None and len(after) == 3, after
         status = spare.status()
-        assert status["stage_layers"] == [lo, hi], after
+        assert status["stage_layers"] == [lo, hi], (after, _story(survivors, killed_at))
         loaded_at = [
             e["at_unix_s"]
             for e in status["events"]

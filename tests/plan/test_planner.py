@@ -351,6 +351,25 @@ def test_sticky_plans_keep_survivors_however_much_faster_a_full_plan_looks() -> 
     assert "loaded stages stay where they are" in explain(p)
 
 
+def test_a_slow_spare_takes_the_lost_stage_whole_rather_than_a_survivor_growing() -> None:
+    # The built-in model's shape in GiB: 6 layers, the embedding on the first stage and a big
+    # head on the last, so a node holds 3 layers first, 4 in the middle, 1 last. x dies; the
+    # spare w is slow and too small for the last stage. Giving w one layer and growing y's stage by one would load as many new
+    # layers (2), but y's stage would restart and end its sessions (StageSlot.load), so the
+    # sticky plan moves only the lost stage: w takes all of x's layers.
+    shape = ModelShape(
+        "m", 6, GiB, 0, embedding_bytes=GiB + GiB // 2, head_bytes=3 * GiB + GiB // 2
+    )
+    nodes = [node("y", 5, 0.9), node("z", 5, 1.0), node("w", 4, 5.0)]
+    names = ("coord", "x", "y", "z", "w")
+    rtt = rtts({(a, b): 1 for a in names for b in names[1:] if a != b})
+    held = {b"x": (0, 2), b"y": (2, 5), b"z": (5, 6)}
+    p = plan(shape, nodes, rtt, b"coord", context_tokens=0, exclude={b"x"}, prefer=held)
+    assert keys(p) == ["w", "y", "z"]
+    assert ranges(p) == [(0, 2), (2, 5), (5, 6)]
+    assert p.kept_stages == 2 and p.reload_layers == 2
+
+
 def test_explain_mentions_the_deciding_figures() -> None:
     nodes = [node("big", 40, 2.0), node("fast", 13.4, 0.5), node("remote", 13.4, 0.4)]
     rtt = rtts({("big", "fast"): 2, ("big", "remote"): 80, ("fast", "remote"): 80})

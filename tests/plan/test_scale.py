@@ -15,13 +15,14 @@ def test_thousand_nodes_plan_quickly() -> None:
     timings = []
     for seed in range(3):
         mesh = random_mesh(1000, sites=20, seed=seed)
-        started = time.perf_counter()
+        started = time.thread_time()
         p = plan(BIG, mesh.nodes, mesh.rtt, mesh.coordinator, context_tokens=8192)
-        timings.append(time.perf_counter() - started)
+        timings.append(time.thread_time() - started)
         assert p.route.num_layers == 80
         assert all(s.memory_bytes <= s.usable_bytes for s in p.stages)
         # Pre-filtering keeps RTT lookups far below the 10^6 pairs of the full matrix.
         assert mesh.rtt.lookups < 20_000
-    print(f"plan over 1000 nodes: {', '.join(f'{t * 1e3:.1f} ms' for t in timings)}")
-    # The target is < 100 ms; the bound is generous for a shared, noisy 2-core machine.
+    print(f"plan over 1000 nodes: {', '.join(f'{t * 1e3:.1f} ms' for t in timings)} CPU")
+    # The target is < 100 ms; the bound is generous for a shared, noisy 2-core machine. CPU
+    # time of this thread, not wall time: another process on the core must not fail it.
     assert max(timings) < 0.5
