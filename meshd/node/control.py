@@ -132,12 +132,12 @@ async def _handle(
         return {"plan": explain(first.plan, names=names), "error": "", "models": models}
     if isinstance(op, KillOp):
         target = resolve_node(node, op.node)
-        await node.send_command(target, "kill", op.drain)
+        await node.commands.send(target, "kill", op.drain)
         return {"node": target.hex(), "drain": op.drain}
     if isinstance(op, RecoverOp):
         targets = [resolve_node(node, op.node)] if op.node else killed_members(node)
         for target in targets:
-            await node.send_command(target, "recover", False)
+            await node.commands.send(target, "recover", False)
         return {"nodes": [t.hex() for t in targets]}
     return await _generate(backend, op, stream)
 

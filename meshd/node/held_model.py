@@ -16,12 +16,13 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import trio
 
 from meshd.config import NodeConfig
 from meshd.coord.coordinator import Coordinator, Sender
-from meshd.mesh.member import MemberInfo
+from meshd.mesh.member import LocalCapacity, MemberInfo
 from meshd.net.bulk import BulkGate
 from meshd.net.lane_table import LaneTable
 from meshd.node.duty import (
@@ -35,7 +36,7 @@ from meshd.node.duty import (
     StartDrain,
     StopStage,
 )
-from meshd.node.models import ModelFiles
+from meshd.node.models import ModelFiles, full_model_bytes, split_budget
 from meshd.node.planning import assignment, lane_route, plan_view
 from meshd.node.stage_slot import LoadDisplay, StageSlot
 from meshd.plan import NoFeasiblePlan, Plan
@@ -293,6 +294,31 @@ class HeldModel:
         if len(self.session_ids) >= _SESSION_MAP_PRUNE_AT:
             self.session_ids = {s for s in self.session_ids if self.slot.holds_session(s)}
         self.session_ids.add(session)
+
+
+def hold_models(
+    files: Sequence[ModelFiles], shared: NodeShared, compute_ns: Sequence[int]
+) -> list[HeldModel]:
+    """A node's models, the first first; each labels its events with its name where several."""
+    several = len(files) > 1
+    return [
+        HeldModel(f, shared, compute_ns=ns, label=f.name if several else "")
+        for f, ns in zip(files, compute_ns, strict=True)
+    ]
+
+
+def capacity_of(models: Sequence[HeldModel], budget: int) -> LocalCapacity:
+    """What a node holding `models` offers (its signed record's contents): each model offered,
+    with its share of the memory `budget` (`split_budget`)."""
+    offered = [(m, h) for m in models if (h := m.holding()) is not None]
+    needs = [full_model_bytes(m.files.shape, m.files.context_tokens) for m, _ in offered]
+    shares = split_budget(budget, needs)
+    holdings = tuple(
+        msgspec.structs.replace(h, memory_budget_bytes=share) if len(offered) > 1 else h
+        for (_, h), share in zip(offered, shares, strict=True)
+    )
+    sessions = sum(model.slot.sessions for model in models)
+    return LocalCapacity(memory_budget_bytes=budget, models=holdings, sessions=sessions)
 
 
 def dispatch(models: Sequence[HeldModel], message: Message, sender: bytes) -> None:

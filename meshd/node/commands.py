@@ -1,0 +1,84 @@
+"""`NodeCommands`: the operator's commands to a node (`meshctl kill|recover`, SIGTERM) carried
+to every model it holds, and delivered to other nodes over their lanes (`StageCommand`).
+
+Each model's `Duty` decides what a command does to its stage; this only fans the command out
+and says what the models are doing together (disabled, draining, stopping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from meshd.net.lane_table import LaneTable
+from meshd.node.gossip_driver import KeyBook
+from meshd.node.held_model import HeldModel
+from protocol.messages import StageCommand
+
+
+class NodeCommands:
+    """Commands to the node `node_key`, whose models are `models`."""
+
+    def __init__(
+        self,
+        models: Sequence[HeldModel],
+        node_key: bytes,
+        peers: LaneTable,
+        keys: KeyBook,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.models = models
+        self.node_key = node_key
+        self.peers = peers
+        self.keys = keys
+        self._nursery = nursery
+
+    @property
+    def disabled(self) -> bool:
+        """Killed by the operator (or stopped): hosts nothing, offers nothing."""
+        return all(model.duty.disabled for model in self.models)
+
+    @property
+    def draining(self) -> bool:
+        """A drain or a stop is in progress."""
+        return any(model.duty.draining for model in self.models)
+
+    @property
+    def stopping(self) -> bool:
+        """SIGTERM: no new requests or sessions; see `meshd/node/shutdown.py`."""
+        return any(model.duty.stopping for model in self.models)
+
+    async def apply(self, action: str, drain: bool) -> None:
+        """kill: stop hosting every model (after the sessions end with `drain`); recover:
+        host again."""
+        for model in self.models:
+            await model.apply_command(action, drain, trio.current_time())
+
+    def on_command(self, command: StageCommand) -> None:
+        """A command another node delivered (`send`)."""
+        self._nursery.start_soon(self.apply, command.action, command.drain)
+
+    async def send(self, node_id: bytes, action: str, drain: bool) -> None:
+        """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""
+        if node_id == self.node_key:
+            if action == "kill" and drain:
+                self._nursery.start_soon(self.apply, action, drain)  # answer at once
+            else:
+                await self.apply(action, drain)
+            return
+        command = StageCommand("kill" if action == "kill" else "recover", drain)
+        await self.peers.send(self.keys.x_of(node_id), command)
+
+    def begin_stop(self) -> None:
+        """SIGTERM: admit nothing new and stop offering the models, so every plan (and every
+        new request, anywhere) moves to a spare at once, while the stages keep serving the
+        sessions they have; `finish_stop` ends it."""
+        for model in self.models:
+            model.begin_stop(trio.current_time())
+
+    async def finish_stop(self) -> None:
+        """Stop the stages: sessions still open get `stage_stopped`, and their coordinators
+        continue on the spare (loaded since `begin_stop`)."""
+        for model in self.models:
+            await model.finish_stop(trio.current_time())
