@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import trio
 
 from meshd.config import NodeConfig
@@ -25,6 +24,7 @@ from meshd.coord.coordinator import Coordinator, Sender
 from meshd.mesh.member import LocalCapacity, MemberInfo
 from meshd.net.bulk import BulkGate
 from meshd.net.lane_table import LaneTable
+from meshd.node.basis import NodeBasis
 from meshd.node.duty import (
     CancelDrain,
     Duty,
@@ -41,7 +41,6 @@ from meshd.node.planning import assignment, lane_route, plan_view
 from meshd.node.stage_slot import LoadDisplay, StageSlot
 from meshd.plan import NoFeasiblePlan, Plan
 from meshd.plan.route import Route
-from meshd.speculative.draft import DraftModel
 from protocol.gossip import ModelHolding
 from protocol.messages import (
     CloseSession,
@@ -66,23 +65,18 @@ StageReady = Callable[[tuple[int, int]], Awaitable[bool]]
 
 @dataclass(frozen=True)
 class NodeShared:
-    """What every model of a node shares: the lanes, the node's formats and draft, its
-    nursery, and the node's hooks."""
+    """What every model of a node shares: the node's basis (identity, formats, draft), the
+    lanes, its nursery, and the node's hooks."""
 
     config: NodeConfig
+    basis: NodeBasis
     peers: LaneTable
     sender: Sender  # the coordinators' (`meshd.node.node._RouteSender`)
-    own_key: bytes  # the node's lane key
     nursery: trio.Nursery
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    quantization: str
     # note(kind, detail): an event about this node; publish(urgent): re-sign its record.
     note: Callable[[str, str], None]
     publish: Callable[[bool], None]
     gate: BulkGate
-    draft: DraftModel | None = None
     load_display: LoadDisplay | None = None
 
 
@@ -106,7 +100,7 @@ class HeldModel:
         label: str = "",
         stage_ready: StageReady = _on_disk,
     ) -> None:
-        config = shared.config
+        config, basis = shared.config, shared.basis
         self.files = files
         self.shared = shared
         self.compute_ns = compute_ns
@@ -115,23 +109,23 @@ class HeldModel:
         self.slot = StageSlot(
             files.checkpoint,
             shared.peers,
-            device=shared.device,
-            dtype=shared.dtype,
+            device=basis.device,
+            dtype=basis.dtype,
             eos_ids=frozenset(files.tokenizer.eos_ids),
             load_display=shared.load_display,
             host_config=config.stage,
             session_lease_s=config.session_lease_s,
-            quantization=shared.quantization,
-            kv_dtype=shared.kv_dtype,
+            quantization=basis.quantization,
+            kv_dtype=basis.kv_dtype,
             gate=shared.gate,
         )
         self.coordinator = Coordinator(
             shared.sender,
-            shared.own_key,
+            basis.identity.x25519_public,
             wire_dtype="f32",
             session_lease_s=config.session_lease_s,
-            draft=shared.draft if files.draft_fits else None,
-            draft_quantization=shared.quantization,
+            draft=basis.draft if files.draft_fits else None,
+            draft_quantization=basis.quantization,
         )
         self.coordinator.drafts_allowed = files.draft_fits
         self.duty = Duty(config.drain_timeout_s)
@@ -163,7 +157,7 @@ class HeldModel:
             hi,
             layers is not None,
             self.compute_ns,
-            quantization=self.shared.quantization,
+            quantization=self.shared.basis.quantization,
             weight_bytes=self.slot.weight_bytes if layers is not None else 0,
             kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
             name=self.files.name,
@@ -296,13 +290,11 @@ class HeldModel:
         self.session_ids.add(session)
 
 
-def hold_models(
-    files: Sequence[ModelFiles], shared: NodeShared, compute_ns: Sequence[int]
-) -> list[HeldModel]:
-    """A node's models, the first first; each labels its events with its name where several."""
-    several = len(files) > 1
+def hold_models(shared: NodeShared, compute_ns: Sequence[int]) -> list[HeldModel]:
+    """The node's models, the first first; each labels its events with its name where several."""
+    files = shared.basis.models
     return [
-        HeldModel(f, shared, compute_ns=ns, label=f.name if several else "")
+        HeldModel(f, shared, compute_ns=ns, label=f.name if len(files) > 1 else "")
         for f, ns in zip(files, compute_ns, strict=True)
     ]
 

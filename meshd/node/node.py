@@ -175,7 +175,7 @@ class MeshNode:
         # Held while a stage here computes a window: weight transfers wait (meshd/net/bulk.py).
         self.bulk_gate = BulkGate(config.bulk)
         self.bulk_gate.subscribe(endpoint.hold_bulk)
-        self.models = hold_models(basis.models, self._shared(load_display), compute_ns)
+        self.models = hold_models(self._shared(load_display), compute_ns)
         self.artifacts = self._artifact_service(load_display)
         # The artifact service fetches one model's tensors over the mesh: the first's (only
         # `--model`'s first may be `mesh:ID`).
@@ -204,21 +204,15 @@ class MeshNode:
 
     def _shared(self, load_display: LoadDisplay | None) -> NodeShared:
         """What the node's models share of it."""
-        basis = self.basis
         return NodeShared(
             config=self.config,
+            basis=self.basis,
             peers=self.peers,
             sender=_RouteSender(self),
-            own_key=self.identity.x25519_public,
             nursery=self._nursery,
-            device=basis.device,
-            dtype=basis.dtype,
-            kv_dtype=basis.kv_dtype,
-            quantization=basis.quantization,
             note=lambda kind, detail: self.events.note(kind, self.node_key, detail),
             publish=lambda urgent: self.publish_capacity(urgent=urgent),
             gate=self.bulk_gate,
-            draft=basis.draft,
             load_display=load_display,
         )
 
