@@ -1,9 +1,5 @@
-"""`NodeCommands`: the operator's commands to a node (`meshctl kill|recover`, SIGTERM) carried
-to every model it holds, and delivered to other nodes over their lanes (`StageCommand`).
-
-Each model's `Duty` decides what a command does to its stage; this only fans the command out
-and says what the models are doing together (disabled, draining, stopping).
-"""
+"""`NodeCommands`: the operator's commands (`meshctl kill|recover`, SIGTERM) carried to every
+model a node holds (each model's `Duty` decides what one does), or to another node's lane."""
 
 from __future__ import annotations
 
@@ -54,10 +50,6 @@ class NodeCommands:
         host again."""
         for model in self.models:
             await model.apply_command(action, drain, trio.current_time())
-
-    def on_command(self, command: StageCommand) -> None:
-        """A command another node delivered (`send`)."""
-        self._nursery.start_soon(self.apply, command.action, command.drain)
 
     async def send(self, node_id: bytes, action: str, drain: bool) -> None:
         """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""

@@ -33,7 +33,7 @@ from meshd.node.control_client import (
 from meshd.node.generation import NodeBackend
 from meshd.node.node import MeshNode
 from meshd.node.status import model_plans, node_status
-from meshd.plan import NoFeasiblePlan, explain
+from meshd.plan import NoFeasiblePlan
 from meshd.speculative.config import SpecConfig, SpecConfigError
 from protocol.messages import Sampling
 
@@ -124,12 +124,8 @@ async def _handle(
     if isinstance(op, StatusOp):
         return {"status": node_status(node, backend)}
     if isinstance(op, PlanOp):
-        models = model_plans(node)  # every model's; "plan"/"error": this node's first
-        first = node.models[0]
-        if first.plan is None:
-            return {"plan": None, "error": first.plan_error, "models": models}
-        names = {k: k.hex()[:16] for k in node.membership.view()}
-        return {"plan": explain(first.plan, names=names), "error": "", "models": models}
+        models = model_plans(node)  # every model's, this node's first first
+        return {"plan": models[0]["plan"], "error": models[0]["error"], "models": models}
     if isinstance(op, KillOp):
         target = resolve_node(node, op.node)
         await node.commands.send(target, "kill", op.drain)

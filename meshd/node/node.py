@@ -290,7 +290,7 @@ class MeshNode:
         if isinstance(message, NodeHello):
             self.gossip.on_hello(message.node_key, lane_key)
         elif isinstance(message, StageCommand):
-            self.commands.on_command(message)
+            self._nursery.start_soon(self.commands.apply, message.action, message.drain)
         else:
             dispatch(self.models, message, lane_key)
 

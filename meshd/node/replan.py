@@ -1,9 +1,5 @@
-"""`PlanLoop`: a node's leaderless planning, re-run (debounced) whenever the view changes.
-
-Each re-plan plans every model the node holds (`HeldModel.replan`: its stage loads or stops
-to match), then steers a `mesh:ID` model's background fetch: the stage still to load keeps
-its fetch, a spare prefetches the layers it would take over (`meshd/node/prefetch.py`).
-"""
+"""`PlanLoop`: a node's leaderless planning, re-run (debounced) whenever the view changes: every
+model it holds (`HeldModel.replan`), then a `mesh:ID` model's background fetch steered."""
 
 from __future__ import annotations
 
