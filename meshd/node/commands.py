@@ -4,6 +4,7 @@ model a node holds (each model's `Duty` decides what one does), or to another no
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import trio
 
@@ -13,22 +14,15 @@ from meshd.node.held_model import HeldModel
 from protocol.messages import StageCommand
 
 
+@dataclass(eq=False)
 class NodeCommands:
-    """Commands to the node `node_key`, whose models are `models`."""
+    """Commands to the node `node_key`, whose models are `models`; `send` reaches others."""
 
-    def __init__(
-        self,
-        models: Sequence[HeldModel],
-        node_key: bytes,
-        peers: LaneTable,
-        keys: KeyBook,
-        nursery: trio.Nursery,
-    ) -> None:
-        self.models = models
-        self.node_key = node_key
-        self.peers = peers
-        self.keys = keys
-        self._nursery = nursery
+    models: Sequence[HeldModel]
+    node_key: bytes
+    peers: LaneTable
+    keys: KeyBook
+    nursery: trio.Nursery
 
     @property
     def disabled(self) -> bool:
@@ -55,7 +49,7 @@ class NodeCommands:
         """Deliver a kill/recover to `node_id` (this node itself, or over its lane)."""
         if node_id == self.node_key:
             if action == "kill" and drain:
-                self._nursery.start_soon(self.apply, action, drain)  # answer at once
+                self.nursery.start_soon(self.apply, action, drain)  # answer at once
             else:
                 await self.apply(action, drain)
             return

@@ -14,7 +14,6 @@ and its models only carry out what they return.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -295,16 +294,12 @@ class MeshNode:
             dispatch(self.models, message, lane_key)
 
     def _on_lane_up(self, lane_key: bytes, lane: PeerLane) -> None:
-        self._nursery.start_soon(self._say_hello, lane_key)
+        self._nursery.start_soon(self.gossip.say_hello, lane_key)
         self.gossip.on_lane_up(lane_key)
         self.artifacts.on_lane_up(lane_key)
         node_id = self.keys.ed_of(lane_key)
         if node_id is not None and self.health.on_lane_up(node_id):
             self.request_replan()  # routes may take it again
-
-    async def _say_hello(self, lane_key: bytes) -> None:
-        with contextlib.suppress(Exception):  # a lane that died at once is handled elsewhere
-            await self.peers.send(lane_key, NodeHello(self.node_key))
 
     def _on_lane_lost(self, lane_key: bytes, lane: PeerLane) -> None:
         node_id = self.keys.ed_of(lane_key)
