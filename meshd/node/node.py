@@ -1,15 +1,14 @@
 """`MeshNode`: one daemon's parts, composed; `run_node` opens the lanes and starts them.
 
-Lanes (endpoint + lane table), membership (driven over the gossip stream), discovery (mDNS
-and `--join`, each peer's node key learned by an authenticated key query), the artifact
-service (weights served to peers, and fetched for a `mesh:ID` model), and routing; it composes
-leaderless planning (`PlanLoop`, re-run whenever the view changes) and the operator's commands
-(`NodeCommands`). Each model the node holds is a `HeldModel`
-(`meshd/node/held_model.py`): its plan, the stage this node is assigned, and a coordinator for
-the requests this node receives (`NodeBackend`); pipeline messages reach them through
-`held_model.dispatch`. Which members to route around is `Health`'s to decide, and what a stage
-is for (serving, spare, draining, killed, stopping) is its `Duty`'s. Both are sans-IO; the node
-and its models only carry out what they return.
+The node keeps the lanes (endpoint + lane table), membership (driven over the gossip stream),
+discovery (mDNS and `--join`, each peer's node key learned by an authenticated key query), the
+artifact service (weights served to peers, and fetched for a `mesh:ID` model) and routing. It
+composes leaderless planning (`PlanLoop`, replan.py) and the operator's commands
+(`NodeCommands`, commands.py). Each model it holds is a `HeldModel` (held_model.py: its plan,
+stage slot, duty and coordinator); pipeline messages reach them through `held_model.dispatch`.
+Which members to route around is `Health`'s to decide, and what a stage is for (serving,
+spare, draining, killed, stopping) is its `Duty`'s; both are sans-IO, and the node and its
+models only carry out what they return.
 """
 
 from __future__ import annotations
@@ -44,13 +43,7 @@ from meshd.node.stage_slot import LoadDisplay, measure_compute_ns
 from meshd.node.status import EventLog
 from meshd.plan.route import Route
 from protocol import artifacts, gossip
-from protocol.messages import (
-    CloseSession,
-    Message,
-    NodeHello,
-    SessionKeepAlive,
-    StageCommand,
-)
+from protocol.messages import CloseSession, Message, NodeHello, SessionKeepAlive, StageCommand
 from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
