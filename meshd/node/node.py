@@ -169,9 +169,6 @@ class MeshNode:
         self.bulk_gate.subscribe(endpoint.hold_bulk)
         self.models = hold_models(self._shared(load_display), compute_ns)
         self.artifacts = self._artifact_service(load_display)
-        # The artifact service fetches one model's tensors over the mesh: the first's (only
-        # `--model`'s first may be `mesh:ID`).
-        self.models[0].stage_ready = self.artifacts.stage_ready
         self.membership = _membership(
             self.identity, self.lane_address, self.capacity(), config, now
         )
@@ -209,9 +206,11 @@ class MeshNode:
         )
 
     def _artifact_service(self, load_display: LoadDisplay | None) -> ArtifactService:
-        """Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage."""
-        files = self.models[0].files
-        return ArtifactService(
+        """Serves this node's files to fetching peers; fetches a `mesh:ID` node's stage: the
+        first model's (only `--model`'s first may be `mesh:ID`), which waits for it."""
+        first = self.models[0]
+        files = first.files
+        service = ArtifactService(
             files.checkpoint,
             self.peers,
             lambda: model_sources(
@@ -224,6 +223,8 @@ class MeshNode:
             name=files.name,
             on_fetch_end=lambda ok: self.planning.on_fetch_end(ok),
         )
+        first.stage_ready = service.stage_ready
+        return service
 
     async def start(self) -> None:
         """Start every part's tasks; returns once lanes, the stage slots and gossip run."""
