@@ -109,41 +109,26 @@ async def open_local_pipeline(
     event loop can outlast the lanes' `dead_after_s` on a loaded machine). `lane_config`: every
     lane's settings (default `LaneConfig()`). `stage_config`: every stage host's settings
     (default `StageHostConfig()`); `kv_budget_bytes`: each stage's KV memory budget (None: none).
-    Stages free a session
-    after `session_lease_s` without a window or keep-alive; the coordinator renews its
-    sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
+    Stages free a session after `session_lease_s` without a window or keep-alive; the
+    coordinator renews its sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
     """
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     checkpoint = open_checkpoint(model_dir)
     ranges = list(split) if split is not None else even_split(checkpoint.config.num_layers, stages)
-    psk = nacl_random(32)
-    egress = LinkProfile(delay_s=rtt_s / 2) if rtt_s > 0 else None
-    keys = [nacl_random(32) for _ in ranges]
-    publics = [crypto_scalarmult_base(k) for k in keys]
     nodes: list[LocalNode] = []
     async with contextlib.AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
-        endpoints = [
-            await stack.enter_async_context(
-                open_endpoint(static_private=k, psk=psk, egress=egress, lane_config=lane_config)
-            )
-            for k in keys
-        ]
-        for index, (lo, hi) in enumerate(ranges):
-            stage = StageModel.load(
+        endpoints, publics = await _open_endpoints(stack, len(ranges), rtt_s, lane_config)
+        for index, layers in enumerate(ranges):
+            wiring, peers, host = _stage_node(
                 checkpoint,
-                lo,
-                hi,
-                device="cpu",
+                layers,
+                endpoints[index],
+                publics[index],
                 dtype=dtype,
                 quantization=quantization,
                 kv_budget_bytes=kv_budget_bytes,
-            )
-            wiring, peers, host = _stage_node(
-                stage,
-                endpoints[index],
-                publics[index],
                 eos_ids=eos_ids,
                 use_thread=use_thread,
                 session_lease_s=session_lease_s,
@@ -173,18 +158,48 @@ async def open_local_pipeline(
             nursery.cancel_scope.cancel()
 
 
+async def _open_endpoints(
+    stack: contextlib.AsyncExitStack, count: int, rtt_s: float, lane_config: LaneConfig | None
+) -> tuple[list[Endpoint], list[bytes]]:
+    """`count` endpoints on loopback, open until `stack` closes, that admit each other (one
+    PSK), each sending with `rtt_s / 2` of delay; and their static public keys."""
+    psk = nacl_random(32)
+    egress = LinkProfile(delay_s=rtt_s / 2) if rtt_s > 0 else None
+    keys = [nacl_random(32) for _ in range(count)]
+    endpoints = [
+        await stack.enter_async_context(
+            open_endpoint(static_private=k, psk=psk, egress=egress, lane_config=lane_config)
+        )
+        for k in keys
+    ]
+    return endpoints, [crypto_scalarmult_base(k) for k in keys]
+
+
 def _stage_node(
-    stage: StageModel,
+    checkpoint: Checkpoint,
+    layers: tuple[int, int],
     endpoint: Endpoint,
     public: bytes,
     *,
+    dtype: torch.dtype,
+    quantization: str,
+    kv_budget_bytes: int | None,
     eos_ids: frozenset[int],
     use_thread: bool,
     session_lease_s: float,
     config: StageHostConfig | None,
 ) -> tuple[NodeWiring, LaneTable, StageHost]:
-    """A stage node's lane table and stage host, its lanes dispatched through one wiring (which
-    takes the coordinator too on the first node)."""
+    """A stage node: `layers` of the checkpoint loaded on the CPU, its lane table and stage
+    host, its lanes dispatched through one wiring (which takes the coordinator too on the
+    first node)."""
+    stage = StageModel.load(
+        checkpoint,
+        *layers,
+        device="cpu",
+        dtype=dtype,
+        quantization=quantization,
+        kv_budget_bytes=kv_budget_bytes,
+    )
     wiring = NodeWiring()
     peers = LaneTable(endpoint, public, wiring.dispatch, on_lane_lost=wiring.on_lane_lost)
     host = StageHost(

@@ -33,7 +33,7 @@ from meshd.node.control_client import (
 from meshd.node.generation import NodeBackend
 from meshd.node.node import MeshNode
 from meshd.node.status import model_plans, node_status
-from meshd.plan import NoFeasiblePlan, explain
+from meshd.plan import NoFeasiblePlan
 from meshd.speculative.config import SpecConfig, SpecConfigError
 from protocol.messages import Sampling
 
@@ -124,20 +124,16 @@ async def _handle(
     if isinstance(op, StatusOp):
         return {"status": node_status(node, backend)}
     if isinstance(op, PlanOp):
-        models = model_plans(node)  # every model's; "plan"/"error": this node's first
-        first = node.models[0]
-        if first.plan is None:
-            return {"plan": None, "error": first.plan_error, "models": models}
-        names = {k: k.hex()[:16] for k in node.membership.view()}
-        return {"plan": explain(first.plan, names=names), "error": "", "models": models}
+        models = model_plans(node)  # every model's, this node's first first
+        return {"plan": models[0]["plan"], "error": models[0]["error"], "models": models}
     if isinstance(op, KillOp):
         target = resolve_node(node, op.node)
-        await node.send_command(target, "kill", op.drain)
+        await node.commands.send(target, "kill", op.drain)
         return {"node": target.hex(), "drain": op.drain}
     if isinstance(op, RecoverOp):
         targets = [resolve_node(node, op.node)] if op.node else killed_members(node)
         for target in targets:
-            await node.send_command(target, "recover", False)
+            await node.commands.send(target, "recover", False)
         return {"nodes": [t.hex() for t in targets]}
     return await _generate(backend, op, stream)
 

@@ -87,7 +87,7 @@ class NodeBackend:
         nothing (503), and a generation still running when its grace ends gets a 503 too
         (an error event in a stream): never a silent cut.
         """
-        if self.node.stopping:
+        if self.node.commands.stopping:
             raise ServiceUnavailable(STOPPING, STOPPING_RETRY_AFTER_S)
         scope = trio.CancelScope()
         self._running.add(scope)
@@ -155,5 +155,5 @@ class NodeBackend:
             self.node.suspect(node_id)  # its lane is gone: route around it at once
         if exc.committed or node_id is not None:
             self.recoveries += 1
-            self.node.note("route-failed", node_id or b"", str(exc)[:120])
+            self.node.events.note("route-failed", node_id or b"", str(exc)[:120])
         log.info("route failed after %d tokens: %s", len(exc.committed), exc)

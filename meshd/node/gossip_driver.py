@@ -21,6 +21,7 @@ from meshd.mesh.membership import Membership
 from meshd.net.lane_table import LaneTable, PeerUnreachable
 from protocol import RemoteProtocolError
 from protocol.gossip import GossipMessage
+from protocol.messages import NodeHello
 from protocol.noise import x25519_public_from_ed25519_public
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,11 @@ class GossipDriver:
         for message in self._held.pop(lane_key, []):
             self.membership.on_message(node_id, message, trio.current_time())
         self._after_input()
+
+    async def say_hello(self, lane_key: bytes) -> None:
+        """Prove our node id on a new lane (`NodeHello`): the peer's `on_hello`."""
+        with contextlib.suppress(Exception):  # a lane that died at once is handled elsewhere
+            await self.peers.send(lane_key, NodeHello(self.membership.node_id))
 
     def on_lane_up(self, lane_key: bytes) -> None:
         """A lane opened to a peer whose node id may already be known."""

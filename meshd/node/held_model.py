@@ -16,14 +16,15 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
+import msgspec
 import trio
 
 from meshd.config import NodeConfig
 from meshd.coord.coordinator import Coordinator, Sender
-from meshd.mesh.member import MemberInfo
+from meshd.mesh.member import LocalCapacity, MemberInfo
 from meshd.net.bulk import BulkGate
 from meshd.net.lane_table import LaneTable
+from meshd.node.basis import NodeBasis
 from meshd.node.duty import (
     CancelDrain,
     Duty,
@@ -35,12 +36,11 @@ from meshd.node.duty import (
     StartDrain,
     StopStage,
 )
-from meshd.node.models import ModelFiles
+from meshd.node.models import ModelFiles, full_model_bytes, split_budget
 from meshd.node.planning import assignment, lane_route, plan_view
 from meshd.node.stage_slot import LoadDisplay, StageSlot
 from meshd.plan import NoFeasiblePlan, Plan
 from meshd.plan.route import Route
-from meshd.speculative.draft import DraftModel
 from protocol.gossip import ModelHolding
 from protocol.messages import (
     CloseSession,
@@ -65,23 +65,18 @@ StageReady = Callable[[tuple[int, int]], Awaitable[bool]]
 
 @dataclass(frozen=True)
 class NodeShared:
-    """What every model of a node shares: the lanes, the node's formats and draft, its
-    nursery, and the node's hooks."""
+    """What every model of a node shares: the node's basis (identity, formats, draft), the
+    lanes, its nursery, and the node's hooks."""
 
     config: NodeConfig
+    basis: NodeBasis
     peers: LaneTable
     sender: Sender  # the coordinators' (`meshd.node.node._RouteSender`)
-    own_key: bytes  # the node's lane key
     nursery: trio.Nursery
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    quantization: str
     # note(kind, detail): an event about this node; publish(urgent): re-sign its record.
     note: Callable[[str, str], None]
     publish: Callable[[bool], None]
     gate: BulkGate
-    draft: DraftModel | None = None
     load_display: LoadDisplay | None = None
 
 
@@ -105,7 +100,7 @@ class HeldModel:
         label: str = "",
         stage_ready: StageReady = _on_disk,
     ) -> None:
-        config = shared.config
+        config, basis = shared.config, shared.basis
         self.files = files
         self.shared = shared
         self.compute_ns = compute_ns
@@ -114,23 +109,23 @@ class HeldModel:
         self.slot = StageSlot(
             files.checkpoint,
             shared.peers,
-            device=shared.device,
-            dtype=shared.dtype,
+            device=basis.device,
+            dtype=basis.dtype,
             eos_ids=frozenset(files.tokenizer.eos_ids),
             load_display=shared.load_display,
             host_config=config.stage,
             session_lease_s=config.session_lease_s,
-            quantization=shared.quantization,
-            kv_dtype=shared.kv_dtype,
+            quantization=basis.quantization,
+            kv_dtype=basis.kv_dtype,
             gate=shared.gate,
         )
         self.coordinator = Coordinator(
             shared.sender,
-            shared.own_key,
+            basis.identity.x25519_public,
             wire_dtype="f32",
             session_lease_s=config.session_lease_s,
-            draft=shared.draft if files.draft_fits else None,
-            draft_quantization=shared.quantization,
+            draft=basis.draft if files.draft_fits else None,
+            draft_quantization=basis.quantization,
         )
         self.coordinator.drafts_allowed = files.draft_fits
         self.duty = Duty(config.drain_timeout_s)
@@ -162,7 +157,7 @@ class HeldModel:
             hi,
             layers is not None,
             self.compute_ns,
-            quantization=self.shared.quantization,
+            quantization=self.shared.basis.quantization,
             weight_bytes=self.slot.weight_bytes if layers is not None else 0,
             kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
             name=self.files.name,
@@ -293,6 +288,29 @@ class HeldModel:
         if len(self.session_ids) >= _SESSION_MAP_PRUNE_AT:
             self.session_ids = {s for s in self.session_ids if self.slot.holds_session(s)}
         self.session_ids.add(session)
+
+
+def hold_models(shared: NodeShared, compute_ns: Sequence[int]) -> list[HeldModel]:
+    """The node's models, the first first; each labels its events with its name where several."""
+    files = shared.basis.models
+    return [
+        HeldModel(f, shared, compute_ns=ns, label=f.name if len(files) > 1 else "")
+        for f, ns in zip(files, compute_ns, strict=True)
+    ]
+
+
+def capacity_of(models: Sequence[HeldModel], budget: int) -> LocalCapacity:
+    """What a node holding `models` offers (its signed record's contents): each model offered,
+    with its share of the memory `budget` (`split_budget`)."""
+    offered = [(m, h) for m in models if (h := m.holding()) is not None]
+    needs = [full_model_bytes(m.files.shape, m.files.context_tokens) for m, _ in offered]
+    shares = split_budget(budget, needs)
+    holdings = tuple(
+        msgspec.structs.replace(h, memory_budget_bytes=share) if len(offered) > 1 else h
+        for (_, h), share in zip(offered, shares, strict=True)
+    )
+    sessions = sum(model.slot.sessions for model in models)
+    return LocalCapacity(memory_budget_bytes=budget, models=holdings, sessions=sessions)
 
 
 def dispatch(models: Sequence[HeldModel], message: Message, sender: bytes) -> None:

@@ -18,7 +18,6 @@ from prometheus_client.registry import Collector
 
 from meshd.coord.coordinator import Coordinator
 from meshd.model.kvcache import KVCache
-from meshd.node.stage_slot import StageSlot
 
 if TYPE_CHECKING:
     from meshd.api.metrics import ApiMetrics
@@ -47,17 +46,10 @@ class PrefixCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
     stage_misses: int
 
 
-def _coordinators(node: MeshNode) -> list[Coordinator]:
-    return [model.coordinator for model in node.models]
-
-
-def _slots(node: MeshNode) -> list[StageSlot]:
-    return [model.slot for model in node.models]
-
-
 def prefix_cache_status(node: MeshNode) -> PrefixCacheStatus:
-    """The node's prefix-cache counters now."""
-    return collect_status(_coordinators(node), [slot.kv_cache for slot in _slots(node)])
+    """The node's prefix-cache counters now: every model's."""
+    models = node.models
+    return collect_status([m.coordinator for m in models], [m.slot.kv_cache for m in models])
 
 
 def collect_status(

@@ -38,11 +38,11 @@ class Generations(Protocol):
 async def stop_gracefully(node: MeshNode, backend: Generations, timeout_s: float) -> None:
     """Run steps 1-3 (see the module docstring); returns when the daemon may exit."""
     deadline = trio.current_time() + timeout_s
-    node.begin_stop()
+    node.commands.begin_stop()
     with trio.move_on_at(deadline):
         await backend.wait_idle()
     if backend.in_flight:
-        node.note(
+        node.events.note(
             "stopping",
             node.node_key,
             f"{backend.in_flight} requests still running after {timeout_s:g} s: ending them",
@@ -51,4 +51,4 @@ async def stop_gracefully(node: MeshNode, backend: Generations, timeout_s: float
     with trio.move_on_at(deadline):
         for model in node.models:
             await model.slot.drain()
-    await node.finish_stop()
+    await node.commands.finish_stop()

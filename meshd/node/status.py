@@ -8,6 +8,8 @@ order (this node cannot plan a model it has no shape of).
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,11 @@ if TYPE_CHECKING:
     from meshd.node.generation import NodeBackend
     from meshd.node.held_model import HeldModel
     from meshd.node.node import MeshNode
+
+log = logging.getLogger(__name__)
+
+# Events the node keeps for `meshctl status` (the latest).
+_EVENT_LOG = 200
 
 
 class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,12 +67,25 @@ class MemberStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EventStatus(msgspec.Struct, frozen=True, kw_only=True):
-    """One recent event."""
+    """One recent event (wall-clock time, so processes compare)."""
 
     at_unix_s: float
     kind: str
     node: str
     detail: str
+
+
+class EventLog(collections.deque[EventStatus]):
+    """The recent events `meshctl status` shows, oldest first."""
+
+    def __init__(self) -> None:
+        super().__init__(maxlen=_EVENT_LOG)
+
+    def note(self, kind: str, node_id: bytes | str = b"", detail: str = "") -> None:
+        """Add an event about `node_id` (a node key, or a name), and log it."""
+        name = node_id.hex()[:16] if isinstance(node_id, bytes) else node_id
+        self.append(EventStatus(at_unix_s=time.time(), kind=kind, node=name, detail=detail))
+        log.info("%s %s %s", kind, name, detail)
 
 
 class NatStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -341,7 +361,7 @@ def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
         kv_used_bytes=sum(m.slot.kv_used_bytes for m in node.models),
         kv_budget_bytes=_kv_budget_bytes(node),
         sessions_expired=first.slot.sessions_expired,
-        stopping=node.stopping,
+        stopping=node.commands.stopping,
         weight_bytes=first.slot.weight_bytes,
         kv_bytes_per_token=first.slot.kv_bytes_per_token,
         sessions_coordinated=sum(m.coordinator.sessions_in_flight for m in node.models),
@@ -352,10 +372,7 @@ def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
         plan_quantization=plan.quantization if plan is not None else None,
         plan_error=first.plan_error,
         predicted_ms_per_token=plan.predicted_s_per_token * 1000 if plan is not None else None,
-        events=[
-            EventStatus(at_unix_s=e.at_unix_s, kind=e.kind, node=e.node_id, detail=e.detail)
-            for e in node.events
-        ],
+        events=list(node.events),
         nat=_nat_status(node),
         datagrams_dropped=dict(node.endpoint.stats.dropped),
         handshakes_refused=dict(node.endpoint.stats.refused),

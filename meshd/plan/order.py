@@ -132,12 +132,3 @@ def _or_opt(order: list[int]) -> Iterator[list[int]]:
                     yield rest[:at] + run + rest[at:]
                     if length > 1:
                         yield rest[:at] + run[::-1] + rest[at:]
-
-
-def best_path(
-    h: Sequence[Sequence[float]], start: int, end: int, nodes: Sequence[int], exact_max: int
-) -> tuple[float, tuple[int, ...]]:
-    """Exact up to `exact_max` nodes, heuristic beyond."""
-    if len(nodes) <= exact_max:
-        return exact_path(h, start, end, nodes)
-    return heuristic_path(h, start, end, nodes)
