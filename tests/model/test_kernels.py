@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.kernels import cpu_kernels, unavailable_reason
+from meshd.model.kernels import build_library, cpu_kernels, unavailable_reason
 from meshd.model.quant import Int8Fbgemm, Int8Vnni, has_fbgemm, quantize_matrix
 from meshd.model.stage import StageModel
 
@@ -403,3 +404,26 @@ def test_a_window_over_a_long_span_attends_on_threads_with_the_bits_of_its_steps
         torch.set_num_threads(before)
     assert together is not None and all(s is not None for s in steps)
     assert torch.equal(together, torch.cat([s for s in steps if s is not None]))
+
+
+def test_an_edited_header_builds_a_new_library(tmp_path: pathlib.Path) -> None:
+    # The library cache is keyed by what the build reads: a header the source includes is part
+    # of it, so after the header changes the library loaded is the one built from the new text,
+    # never the stale one.
+    if shutil.which(os.environ.get("CC") or "cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "value.h").write_text("#define VALUE 1\n")
+    (src / "lib.c").write_text('#include "value.h"\nint meshd_value(void) { return VALUE; }\n')
+    built = tmp_path / "built"
+    flags = ("-O1", "-fPIC", "-shared")
+
+    def value() -> int:
+        path = build_library("probe", [src / "lib.c"], flags, built, timeout_s=60)
+        return int(ctypes.CDLL(str(path)).meshd_value())
+
+    assert value() == 1
+    (src / "value.h").write_text("#define VALUE 2\n")
+    assert value() == 2
+    assert len(list(built.glob("probe-*.so"))) == 2

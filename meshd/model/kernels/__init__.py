@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -164,14 +165,11 @@ def build_library(
     """`sources` compiled with `flags` into `directory` as `STEM-HASH.so` (built there first if
     missing); raises on failure.
 
-    Named by the sources' and flags' hash: a new meshd builds its own, and a machine that
+    Named by the hash of the sources, the headers they include and the flags
+    (`source_digest`): a new meshd builds its own, an edited header too, and a machine that
     built it once needs no compiler again.
     """
-    digest = hashlib.sha256()
-    for src in sources:
-        digest.update(src.read_bytes())
-    digest.update(" ".join(flags).encode())
-    path = directory / f"{stem}-{digest.hexdigest()[:16]}.so"
+    path = directory / f"{stem}-{source_digest(sources, flags)}.so"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_private(directory)
     if path.exists():
@@ -197,6 +195,30 @@ def build_library(
             os.unlink(tmp)
     log.info("compiled %s into %s", stem, path)
     return path
+
+
+# `#include "name"`: a header beside the source (system headers, in <>, are the compiler's).
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def source_digest(sources: list[Path], flags: tuple[str, ...]) -> str:
+    """The hash a built library is named by: every source, every local header it includes
+    (transitively, each once), and the flags. A library built from other bytes than these
+    files' is never taken for theirs."""
+    digest = hashlib.sha256()
+    seen: set[Path] = set()
+    pending = list(sources)
+    while pending:
+        src = pending.pop(0)
+        if src in seen:
+            continue
+        seen.add(src)
+        text = src.read_bytes()
+        digest.update(str(len(text)).encode() + b":" + text)
+        included = (src.parent / name.decode() for name in _LOCAL_INCLUDE.findall(text))
+        pending += [h for h in included if h.is_file()]  # (a missing one fails the build)
+    digest.update(" ".join(flags).encode())
+    return digest.hexdigest()[:16]
 
 
 def _check_private(path: Path) -> None:
