@@ -29,9 +29,8 @@ import torch
 from meshd.model.checkpoint import Checkpoint, OnTensor, TensorInfo, expected_shapes
 from meshd.model.config import ModelConfig
 from meshd.model.errors import CorruptCheckpoint, MissingFile, MissingTensor, ShapeMismatch
-from meshd.model.gguf_model import TENSOR_TYPES, GGUFTensor, hf_to_gguf_name, open_gguf
+from meshd.model.gguf_model import GGUFTensor, hf_to_gguf_name, open_gguf
 
-_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Dequantize at most this many output elements at once (16 MiB of fp32): the numpy block
 # decoders allocate a few temporaries per element, so whole-tensor calls would multiply peak RSS.
 _CHUNK_ELEMENTS = 4 * 1024 * 1024
@@ -239,16 +238,3 @@ def _default_quantization(infos: Mapping[str, TensorInfo]) -> str:
     of F32 matrices only, which fp32 stages hold as they are, with their fused-layer kernel."""
     matrices = {info.dtype for info in infos.values() if len(info.shape) == 2}
     return "none" if matrices <= {"F32"} else "gguf"
-
-
-def converted_quantization(infos: Mapping[str, TensorInfo]) -> str:
-    """The scheme the file's dominant decoder matrix type (by elements) converts to, where its
-    blocks are not run as stored."""
-    elements: dict[str, int] = {}
-    for name, info in infos.items():
-        if name.startswith("model.layers.") and any(f".{m}." in name for m in _MATRICES):
-            elements[info.dtype] = elements.get(info.dtype, 0) + math.prod(info.shape)
-    if not elements:
-        return "none"
-    dominant = max(elements, key=lambda t: elements[t])
-    return TENSOR_TYPES.get(dominant, "none")
