@@ -75,6 +75,18 @@ static void rms_norm_row(const float *x, int64_t k, const float *weight, float e
     }
 }
 
+/* A product's prologue for rows x [m, k] (SwiGLU when `glu`: x is [m, 2k], gate then up; else
+ * the RMS norm with `norm_weight`) into y [m, k]. */
+static void prologue_rows(const float *x, int64_t m, int64_t k, const float *norm_weight,
+                          float eps, int glu, float *y) {
+    for (int64_t r = 0; r < m; r++) {
+        if (glu)
+            swiglu_row(x + r * 2 * k, k, y + r * k);
+        else
+            rms_norm_row(x + r * k, k, norm_weight, eps, y + r * k);
+    }
+}
+
 /* ---- fp32 products ----------------------------------------------------------------------------
  * out [m, n] = f(x) @ W^T (+ res [m, n] when not NULL), where f is the RMS norm with
  * `norm_weight` [k] and `eps` when norm_weight is not NULL, SwiGLU when `glu` (x is then
@@ -151,12 +163,7 @@ int meshd_f32_mm(const float *x, int64_t m, int64_t k, const float *w, int64_t l
     if (glu || norm_weight != NULL) {
         xs = (float *)malloc((size_t)(m * k) * sizeof(float));
         if (xs == NULL) return -1;
-        for (int64_t r = 0; r < m; r++) {
-            if (glu)
-                swiglu_row(x + r * 2 * k, k, xs + r * k);
-            else
-                rms_norm_row(x + r * k, k, norm_weight, eps, xs + r * k);
-        }
+        prologue_rows(x, m, k, norm_weight, eps, glu, xs);
         x = xs;
     }
     if (transposed) {
@@ -314,12 +321,7 @@ static int blocks_mm(const meshd_matrix *w, const float *x, int64_t m, float *ou
     int failed = y == NULL || scratch == NULL || ((norm != NULL || glu) && rows == NULL);
     const float *xin = x;
     if (!failed && rows != NULL) {
-        for (int64_t r = 0; r < m; r++) {
-            if (glu)
-                swiglu_row(x + r * 2 * k, k, rows + r * k);
-            else
-                rms_norm_row(x + r * k, k, norm, eps, rows + r * k);
-        }
+        prologue_rows(x, m, k, norm, eps, glu, rows);
         xin = rows;
     }
     const meshd_blocks_mm_fn mm = (meshd_blocks_mm_fn)w->scales;
