@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml_types.h"
 #include "half.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,21 +34,6 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-/* ggml's type ids (gguf.GGMLQuantizationType). */
-enum {
-    T_F32 = 0,
-    T_F16 = 1,
-    T_Q4_0 = 2,
-    T_Q4_1 = 3,
-    T_Q5_0 = 6,
-    T_Q5_1 = 7,
-    T_Q8_0 = 8,
-    T_Q4_K = 12,
-    T_Q5_K = 13,
-    T_Q6_K = 14,
-    T_BF16 = 30,
-};
 
 #define QK 32   /* elements per block of the non-K formats */
 #define QKK 256 /* elements per K-quant super-block */

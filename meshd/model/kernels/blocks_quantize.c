@@ -43,24 +43,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ggml_types.h"
 #include "half.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-enum {
-    T_F32 = 0,
-    T_F16 = 1,
-    T_Q4_0 = 2,
-    T_Q4_1 = 3,
-    T_Q5_0 = 6,
-    T_Q5_1 = 7,
-    T_Q8_0 = 8,
-    T_Q4_K = 12,
-    T_Q5_K = 13,
-    T_Q6_K = 14,
-    T_BF16 = 30,
-};
 
 #define QK 32
 #define QK_K 256
