@@ -93,7 +93,7 @@ class ModelHolding(msgspec.Struct, frozen=True, array_like=True):
     loaded: bool
     # Measured forward time of one layer for one token on this node (0: not measured yet).
     compute_ns_per_layer_token: U63 = 0
-    # How the node holds the weights ("none", "int8", "int4", or a later scheme's name): only
+    # How the node holds the weights ("none", "gguf", "q8_0", or a later scheme's name): only
     # nodes holding the same quantization serve one plan (their tokens are the same).
     quantization: Quantization = "none"
     # What the loaded stage holds: weight bytes, and KV cache bytes per position (0: none).

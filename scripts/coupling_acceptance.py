@@ -6,7 +6,7 @@
 Target: the built-in model (meshd's StageModel, fp32), teacher-forced over real text it never
 saw in training (the held-out stdlib files heapq.py and selectors.py, meshd_train/corpus.py).
 Drafts, each giving a distribution q for the position whose target distribution is p:
-- `int4`: the same model with int4 weights (a close draft, like a quantized copy);
+- `int4`: the same model with int4 (q4_k) weights (a close draft, like a quantized copy);
 - `mtp1`: the model's first MTP head, predicting token t+2 from the hidden state at t and the
   real token t+1 (a weaker draft: about 62 % greedy agreement at temperature 0).
 Per position, with p and q filtered by the same SamplingParams:

@@ -5,7 +5,8 @@
 
 Each line: median ms over 10 (3 for the slow ones) passes over LAYERS x (q/k/v 1024x1536,
 o 1024x1024, gate/up 1024x5632, down 2816x1024), and parameters streamed per second. The
-figures behind the kernel choice in meshd/model/quant.py (docs/model-runtime.md).
+figures behind meshd's former int8/int4 kernels (docs/benchmarks.md, "Quantization"); meshd
+now quantizes into ggml's block formats (docs/model-runtime.md, "Quantized stages").
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     python scripts/quant_quality.py              # markdown tables on stdout
     python scripts/quant_quality.py --json
 
-On the built-in model, with meshd's own runtime (`StageModel`), for each of none/int8/int4
-(and fp32 weights with a float16 KV cache):
+On the built-in model, with meshd's own runtime (`StageModel`), for each of none/q8_0/q4_k/q4_0
+(`int8` names q8_0, `int4` q4_k) and fp32 weights with a float16 KV cache:
 - held-out bits per byte: the held-out files of `meshd_train.evaluate`, scored as it scores them
   (consecutive windows of the model's context), nats / ln 2 / the UTF-8 bytes of the tokens;
 - greedy agreement with fp32: 50 evenly spaced held-out prompts of 32 tokens, 64 new tokens
@@ -40,8 +40,9 @@ from meshd.model.stage import StageModel  # noqa: E402
 VARIANTS: dict[str, dict[str, object]] = {
     "fp32": {"quantization": "none"},
     "fp32, float16 KV": {"quantization": "none", "kv_dtype": torch.float16},
-    "int8": {"quantization": "int8"},
-    "int4": {"quantization": "int4"},
+    "q8_0": {"quantization": "q8_0"},
+    "q4_k": {"quantization": "q4_k"},
+    "q4_0": {"quantization": "q4_0"},
 }
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -130,13 +131,13 @@ def family_report() -> dict[str, dict[str, float]]:
             make_checkpoint(Path(tmp), family, seed=3)
             checkpoint = Checkpoint.open(Path(tmp))
             logits = {}
-            for name in ("fp32", "int8", "int4"):
+            for name in ("fp32", "q8_0", "q4_k", "q4_0"):
                 stage = load(checkpoint, VARIANTS[name])
                 stage.open_session("cos", len(ids))
                 out = stage.forward("cos", 0, ids).logits
                 assert out is not None
                 logits[name] = out
-        for name in ("int8", "int4"):
+        for name in ("q8_0", "q4_k", "q4_0"):
             cos = F.cosine_similarity(logits[name], logits["fp32"], dim=-1)
             same = logits[name].argmax(-1) == logits["fp32"].argmax(-1)
             rows[f"{family} {name}"] = {

@@ -2,7 +2,7 @@
 """Decode speed of quantized stages at 1 and 2 threads, side by side in one process.
 
     python scripts/quant_speed.py --model DIR --tokens 64 --rounds 3
-    python scripts/quant_speed.py --model DIR --quantizations none int8 q8_0 int4 q4_0 q4_k
+    python scripts/quant_speed.py --model DIR --quantizations none q8_0 q4_0 q4_k
     python scripts/quant_speed.py --random-config large     # writes the 246M checkpoint first
 
 Every (quantization, threads) cell decodes the same greedy tokens once per round, cells in a
@@ -39,7 +39,7 @@ def measure(
     tokens: int,
     rounds: int,
     threads: list[int],
-    quantizations: tuple[str, ...] = ("none", "int8", "int4"),
+    quantizations: tuple[str, ...] = ("none", "q8_0", "q4_k"),
 ) -> dict:
     checkpoint = Checkpoint.open(directory)
     n = checkpoint.config.num_layers
@@ -91,7 +91,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     parser.add_argument(
-        "--quantizations", nargs="+", default=["none", "int8", "int4"], help="the first is the base"
+        "--quantizations", nargs="+", default=["none", "q8_0", "q4_k"], help="the first is the base"
     )
     args = parser.parse_args()
     quantizations = tuple(args.quantizations)

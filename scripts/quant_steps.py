@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode-step time of one whole-model stage per quantization, side by side in one process.
 
-    python scripts/quant_steps.py --model DIR --quantizations int8 q8_0 int4 q4_0 q4_k --rounds 12
+    python scripts/quant_steps.py --model DIR --quantizations q8_0 q4_0 q4_k --rounds 12
 
 Every quantization's stage is loaded once (load time printed to stderr), its thread governor
 off; each round times 8 single-token steps of every stage at 1 and at 2 threads, stages in a
@@ -75,7 +75,7 @@ def measure(directory: pathlib.Path, quantizations: list[str], rounds: int) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=pathlib.Path, required=True)
-    parser.add_argument("--quantizations", nargs="+", default=["int8", "q8_0"])
+    parser.add_argument("--quantizations", nargs="+", default=["q8_0", "q4_0"])
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
     print(json.dumps(measure(args.model, args.quantizations, args.rounds), indent=1))

@@ -30,8 +30,8 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import expected_shapes
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
-from meshd.model.quant import QUANTIZATIONS, in_features, matmul
-from meshd.model.quant_matrix import QuantMatrix
+from meshd.model.gguf_matrix import GgufMatrix
+from meshd.model.quant import NAMES, check_quantization, in_features, matmul
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
 
@@ -80,10 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--quantization",
-        choices=("auto", *QUANTIZATIONS),
+        choices=("auto", *NAMES),
         default="auto",
         help="meshd's weight format (default auto: the checkpoint's own, as the daemon does: "
-        "none for safetensors, int8/int4 for a quantized GGUF file; transformers stays in "
+        "none for safetensors, gguf for a quantized GGUF file; int8/int4 are q8_0/q4_k; "
+        "transformers stays in "
         "--dtype)",
     )
     parser.add_argument(
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint = open_checkpoint(directory)
         if settings.quantization == "auto":
             settings = replace(settings, quantization=checkpoint.default_quantization)
+        settings = replace(settings, quantization=check_quantization(settings.quantization))
         if args.threads is not None:
             configure_threads(
                 args.threads, checkpoint.config, settings.dtype, settings.quantization
@@ -261,10 +263,7 @@ def bench(
         "kv_bytes_per_token": stage.kv_bytes_per_token,
         # Which kernels multiply the stage's matrices (docs/model-runtime.md).
         "kernels": sorted(
-            {
-                m.kernel if isinstance(m, QuantMatrix) else "torch mm"
-                for m in stage.weight_matrices()
-            }
+            {m.kernel if isinstance(m, GgufMatrix) else "torch mm" for m in stage.weight_matrices()}
         ),
         # "meshd layers" where steps run every layer in one kernel call, else None.
         "layer_kernel": stage.layer_kernel,
@@ -311,10 +310,7 @@ def bench_prefill(directory: pathlib.Path, settings: BenchSettings, tokens: int)
         "rounds": settings.rounds,
         "quantization": settings.quantization,
         "kernels": sorted(
-            {
-                m.kernel if isinstance(m, QuantMatrix) else "torch mm"
-                for m in stage.weight_matrices()
-            }
+            {m.kernel if isinstance(m, GgufMatrix) else "torch mm" for m in stage.weight_matrices()}
         ),
         "device": settings.device,
         "threads": torch.get_num_threads(),

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 MODEL_HELP = "checkpoint dir or .gguf (default: built-in)"
-# What a bench quantizes a checkpoint to at load (`meshd.model.quant.QUANTIZATIONS` but gguf).
-QUANTIZATIONS = ("none", "int8", "int4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+# What a bench quantizes a checkpoint to at load (`meshd.model.quant.NAMES` but gguf; int8 and
+# int4 are aliases of q8_0 and q4_k).
+QUANTIZATIONS = ("none", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "int8", "int4")
 
 
 def add_model_option(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
@@ -28,7 +29,7 @@ def add_model_option(parser: argparse.ArgumentParser, help: str = MODEL_HELP) ->
 
 
 def add_quantization_option(parser: argparse.ArgumentParser, *, auto: bool = False) -> None:
-    """`--quantization`: the stage weight format (none, int8, int4, or a ggml block format);
+    """`--quantization`: the stage weight format (none, or a ggml block format or its alias);
     with `auto`, also "auto" (the default): the checkpoint's own, as the daemon runs it."""
     parser.add_argument(
         "--quantization",
@@ -40,9 +41,12 @@ def add_quantization_option(parser: argparse.ArgumentParser, *, auto: bool = Fal
 
 
 def resolve_quantization(quantization: str, directory: str) -> str:
-    """`quantization`, or for "auto" the checkpoint's own (`Checkpoint.default_quantization`)."""
+    """The scheme `quantization` names (an alias resolved), or for "auto" the checkpoint's own
+    (`Checkpoint.default_quantization`)."""
+    from meshd.model.quant import check_quantization
+
     if quantization != "auto":
-        return quantization
+        return check_quantization(quantization)
     from meshd.model.files import open_checkpoint
 
     return open_checkpoint(directory).default_quantization

@@ -33,6 +33,7 @@ from meshd.bench.harness import (
     model_dir,
     nearest_rank,
     print_report,
+    resolve_quantization,
 )
 from meshd.bench.load_requests import SIZES, Job, LoadConfig, Record, make_jobs, run_load
 from meshd.bench.load_targets import Snapshot
@@ -194,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the load test; 0 when every request succeeded and nothing leaked."""
     cfg = config_from_args(args)
     directory = model_dir(args)
+    args.quantization = resolve_quantization(args.quantization, directory)  # aliases resolved
     tokenizer = open_tokenizer(directory)
     context = _context_tokens(directory)
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ import torch
 
 from meshd.bench.harness import model_dir, print_report
 from meshd.model.files import open_checkpoint, open_tokenizer
-from meshd.model.quant import QUANTIZATIONS
+from meshd.model.quant import NAMES, check_quantization
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
 
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=("auto", *QUANTIZATIONS),
+        choices=("auto", *NAMES),
         default="auto",
         help="stage weight format (default auto: the checkpoint's own, as meshd serve chooses)",
     )
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point: read the ids, load the stage, score, report."""
     path = model_dir(args)
     checkpoint = open_checkpoint(path)
-    quantization = (
+    quantization = check_quantization(
         checkpoint.default_quantization if args.quantization == "auto" else args.quantization
     )
     source: dict[str, Any]

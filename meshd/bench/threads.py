@@ -20,7 +20,7 @@ from meshd.bench.decode import RANDOM_CONFIGS, _checkpoint_dir
 from meshd.bench.harness import alternate, print_report
 from meshd.bench.single_node import generate
 from meshd.model.files import open_checkpoint
-from meshd.model.quant import QUANTIZATIONS
+from meshd.model.quant import NAMES, check_quantization
 from meshd.model.stage import StageModel
 
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint directory or .gguf file (default: built-in)")
     source.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS))
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
+    parser.add_argument("--quantization", choices=NAMES, default="none")
     parser.add_argument("--threads", type=int, default=2, help="N (default 2)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each")
@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 2:
         raise SystemExit("meshd bench threads: --threads must be at least 2")
     with _checkpoint_dir(args) as (directory, label):
-        report = bench(directory, args.quantization, args.threads, args.tokens, args.rounds)
+        quantization = check_quantization(args.quantization)
+        report = bench(directory, quantization, args.threads, args.tokens, args.rounds)
     report["model"] = label
     print_report(report, args.json, _print)
     return 0

@@ -48,7 +48,8 @@ MAX_UNIX_SOCKET_PATH_BYTES = 107
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # "auto": the checkpoint's own (`Checkpoint.default_quantization`: "none" for safetensors,
 # "gguf" for GGUF files: their tensors as stored, on CPU stages). q8_0 ... q6_k quantize a
-# checkpoint at load into ggml's block formats (`meshd.model.quant.BLOCK_QUANTIZATIONS`).
+# checkpoint at load into ggml's block formats (`meshd.model.quant.BLOCK_QUANTIZATIONS`);
+# int8 and int4 are aliases of q8_0 and q4_k (`meshd.model.quant.ALIASES`).
 QUANTIZATIONS: tuple[str, ...] = (
     "auto", "none", "int8", "int4", "gguf", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k",
 )  # fmt: skip

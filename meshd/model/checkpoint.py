@@ -170,8 +170,8 @@ class Checkpoint:
     tensors: Mapping[str, TensorInfo]
     # Names whose bytes were read by `load` (not counting the model id's small samples).
     loaded_names: set[str] = field(default_factory=set)
-    # The stage quantization (`none`/`int8`/`int4`) this checkpoint's own precision calls for
-    # when the config says `auto`: full-precision safetensors need none.
+    # The stage quantization (`none`, `gguf`, `q8_0`, ...) this checkpoint's own precision
+    # calls for when the config says `auto`: full-precision safetensors need none.
     default_quantization: str = "none"
 
     @classmethod

@@ -20,14 +20,13 @@ import torch
 
 from meshd.model.kernels import MatrixArgs
 from meshd.model.kernels.blocks import BlockMatrix
-from meshd.model.quant_matrix import QuantMatrix
 
-# `MatrixArgs.kind` of an operand of GGUF tensors (quant_mm.c's `meshd_matrix`, kind 64).
+# `MatrixArgs.kind` of an operand of GGUF tensors (layers.c's `meshd_matrix`, kind 64).
 BLOCKS_KIND = 64
 
 
 class BlockPartArgs(ctypes.Structure):
-    """quant_mm.c's `meshd_block_part`: one GGUF tensor of a kind-64 operand."""
+    """layers.c's `meshd_block_part`: one GGUF tensor of a kind-64 operand."""
 
     _fields_ = [
         ("type", ctypes.c_int64),
@@ -37,8 +36,9 @@ class BlockPartArgs(ctypes.Structure):
     ]
 
 
-class GgufMatrix(QuantMatrix):
-    """The `[in, out]` operand made of GGUF tensors `[out_i, in]` as stored, side by side.
+class GgufMatrix:
+    """The `[in, out]` operand made of GGUF tensors `[out_i, in]` as stored, side by side:
+    `mm(x)` is `x @ w` for rows `x` `[T, in]`.
 
     `perms[i]`, where given, reorders part i's output columns (`y[:, perm]`).
     """
@@ -81,11 +81,11 @@ class GgufMatrix(QuantMatrix):
                 len(self.parts),
                 ctypes.addressof(self._parts),
                 product,
-                None,
             )
         return self._args
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ w` in `x`'s dtype."""
         rows = x if x.dtype == torch.float32 else x.float()
         rows = rows.contiguous()
         outs = []
@@ -96,6 +96,7 @@ class GgufMatrix(QuantMatrix):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
+        """The fp32 `[in, out]` matrix this stands for (tests and fallbacks)."""
         cols = []
         for part, perm in zip(self.parts, self.perms, strict=True):
             w = part.dequantize()  # [out_i, in]
@@ -104,7 +105,12 @@ class GgufMatrix(QuantMatrix):
 
     @property
     def device(self) -> torch.device:
+        """Where the weights live."""
         return torch.device("cpu")
+
+
+# The operand a projection multiplies by: an `[in, out]` tensor or a block matrix.
+Matrix = torch.Tensor | GgufMatrix
 
 
 class GgufEmbedding:

@@ -29,15 +29,11 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF `general.architecture` values we run
-# Tensor types the runtime reads, and the stage quantization each converts to where its blocks
-# are not run as stored: a quantized file must not silently grow into fp32. Q4_1/Q5_0/Q5_1 are
-# llama-quantize's fallbacks for rows that are not whole 256-value K-quant blocks, so K-quant
-# files hold them.
-TENSOR_TYPES = {
-    "F32": "none", "F16": "none", "BF16": "none",
-    "Q8_0": "int8", "Q6_K": "int8", "Q5_K": "int8", "Q5_0": "int8", "Q5_1": "int8",
-    "Q4_0": "int4", "Q4_K": "int4", "Q4_1": "int4",
-}  # fmt: skip
+# Tensor types the runtime reads. Q4_1/Q5_0/Q5_1 are llama-quantize's fallbacks for rows that
+# are not whole 256-value K-quant blocks, so K-quant files hold them.
+TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_K", "Q4_1",
+)  # fmt: skip
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

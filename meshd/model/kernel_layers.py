@@ -10,19 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-from meshd.model.gguf_matrix import GgufMatrix
+from meshd.model.gguf_matrix import GgufMatrix, Matrix
 from meshd.model.kernels import CpuKernels, DimsArgs, LayerArgs, MatrixArgs, cpu_kernels
 from meshd.model.llama import Dims, LayerWeights
-from meshd.model.quant_matrix import TINY, Matrix, QuantMatrix, VnniMatrix
 
 
 def kernel_matrix(w: Matrix) -> MatrixArgs | None:
-    """`w` as `meshd_layers` reads it, or None where it cannot: meshd's int8/int4 matrices, and
-    fp32 CPU matrices in either layout `linear_weight` leaves (a contiguous `[in, out]` copy,
+    """`w` as `meshd_layers` reads it, or None where it cannot: block matrices, and fp32 CPU
+    matrices in either layout `linear_weight` leaves (a contiguous `[in, out]` copy,
     or the transposed view of the checkpoint's `[out, in]` rows)."""
-    if isinstance(w, VnniMatrix | GgufMatrix):
+    if isinstance(w, GgufMatrix):
         return w.args()
-    if isinstance(w, QuantMatrix) or w.dtype != torch.float32 or w.device.type != "cpu":
+    if w.dtype != torch.float32 or w.device.type != "cpu":
         return None
     in_features, out_features = w.shape
     if w.stride(1) == 1:
@@ -31,7 +30,7 @@ def kernel_matrix(w: Matrix) -> MatrixArgs | None:
         kind, layout = 33, w.stride(1)
     else:
         return None
-    return MatrixArgs(kind, in_features, out_features, layout, w.data_ptr(), None, None)
+    return MatrixArgs(kind, in_features, out_features, layout, w.data_ptr(), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +50,9 @@ class KernelLayers:
     calls per layer between the products (about 1 ms a token on a 16-layer stage, time a second
     core cannot shorten).
 
-    For int8/int4 matrices it computes what `decoder_layer` computes, to the bit (the same
-    products, prologues and row attention, RoPE as the same complex multiply). For fp32
-    matrices it runs meshd's fp32 product, whose sums differ from MKL's in the last bits; each
+    For block matrices it computes what `decoder_layer` computes, to the bit (the same block
+    products and row attention, RoPE as the same complex multiply). For fp32 matrices it runs
+    meshd's fp32 product, whose sums differ from MKL's in the last bits; each
     row still gets the same bits alone or in a window, so a verify window computes exactly what
     the decode steps it replaces compute.
 
@@ -85,7 +84,6 @@ class KernelLayers:
             w0.input_norm.shape[0],
             self._layers[0].down.in_features,
             d.eps,
-            TINY,
             d.head_dim**-0.5,
         )
         self._n = len(layers)

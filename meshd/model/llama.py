@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from meshd.model.config import ModelConfig
+from meshd.model.gguf_matrix import GgufMatrix, Matrix
 from meshd.model.kernels import CpuKernels, cpu_kernels
-from meshd.model.quant_matrix import Matrix, QuantMatrix, VnniMatrix
 from meshd.model.rope import interleave_rope_dims, rotate_, rotation_view
 
 # Turns a checkpoint matrix `[out, in]` into what the forward pass multiplies by.
@@ -165,7 +165,7 @@ class LayerWeights:
     """One decoder layer's weights, q/k/v and gate/up fused; biases and q/k norms optional.
 
     Matrices are `[in, out]` (`linear_weight`), so the q/k/v projection is `x @ wqkv`, or
-    quantized matrices standing for them (`meshd.model.quant`).
+    block matrices standing for them (`meshd.model.gguf_matrix`).
     """
 
     input_norm: torch.Tensor
@@ -241,16 +241,16 @@ class LayerWeights:
         return [self.wqkv, self.wo, self.w_gate_up, self.w_down]
 
     def nbytes(self) -> int:
-        """Bytes held: vectors, plain matrices and quantized matrices (padding included)."""
+        """Bytes held: vectors, plain matrices and block matrices."""
         held = sum(t.nbytes for t in self.tensors())
-        return held + sum(m.nbytes for m in self.matrices() if isinstance(m, QuantMatrix))
+        return held + sum(m.nbytes for m in self.matrices() if isinstance(m, GgufMatrix))
 
 
 def linear(
     x: torch.Tensor, w: Matrix, b: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`x @ w + b` for rows `[T, in]` and a matrix `[in, out]` (into `out` if given)."""
-    if isinstance(w, QuantMatrix):
+    if isinstance(w, GgufMatrix):
         y = w.mm(x)
         if b is not None:
             y.add_(b)
@@ -268,17 +268,7 @@ def norm_linear(
     b: torch.Tensor | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`rms_norm(x, norm) @ w + b`: meshd's int8 and int4 kernels norm fp32 rows themselves
-    (six fewer small operations per projection); other matrices take it from `rms_norm`."""
-    if (
-        isinstance(w, VnniMatrix)
-        and x.dtype == norm.dtype == torch.float32
-        and norm.is_contiguous()
-    ):
-        y = w.mm_add(x, None, norm, d.eps, out=out)
-        if b is not None:
-            y.add_(b)
-        return y if out is None or y is out else out.copy_(y)
+    """`rms_norm(x, norm) @ w + b`."""
     return linear(rms_norm(x, norm, d), w, b, out=out)
 
 
@@ -286,9 +276,7 @@ def residual_linear(
     residual: torch.Tensor, x: torch.Tensor, w: Matrix, b: torch.Tensor | None
 ) -> torch.Tensor:
     """`residual + x @ w + b`, the residual added by the matmul itself (one op, not two)."""
-    if isinstance(w, VnniMatrix):
-        out = w.mm_add(x, residual)
-    elif isinstance(w, QuantMatrix):
+    if isinstance(w, GgufMatrix):
         out = w.mm(x).add_(residual)
     else:
         out = torch.addmm(residual, x, w)
@@ -414,7 +402,7 @@ def _attend_row(
 
     Attention kernels sum in an order that depends on how many query rows they get, so a
     window's row differs in the last bits from the same position decoded alone. Where the
-    matrices are row-exact (quantized stages: see `Int8Fbgemm`), attending row by row makes a
+    matrices are row-exact (block matrices: each row is quantized on its own), attending row by row makes a
     verify window compute exactly the bits of plain decoding, and speculation can never change
     a greedy token; for fp32 matrices (MKL's product also depends on the row count) it would
     buy nothing, so those stages attend in one call.
@@ -448,10 +436,6 @@ def mlp_block(
     else:
         gate_up = norm_linear(h, w.post_norm, d, w.w_gate_up, w.b_gate_up, out=scratch.gate_up)
         gate, up = scratch.gate, scratch.up
-    if isinstance(w.w_down, VnniMatrix) and gate_up.dtype == torch.float32:
-        # meshd's int8 kernel takes the gate/up rows and multiplies silu(gate) * up itself.
-        out = w.w_down.mm_add(gate_up, h, glu=True)
-        return out if w.b_down is None else out.add_(w.b_down)
     # In place on the fresh gate/up product: no new tensors on the per-token path.
     return residual_linear(h, F.silu(gate, inplace=True).mul_(up), w.w_down, w.b_down)
 

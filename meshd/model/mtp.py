@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from meshd.model.config import ModelConfig
+from meshd.model.gguf_matrix import Matrix
 from meshd.model.llama import (
     AttnSpan,
     Dims,
@@ -33,7 +34,6 @@ from meshd.model.llama import (
     rms_norm,
 )
 from meshd.model.quant import matmul
-from meshd.model.quant_matrix import Matrix
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from meshd.model.checkpoint import Checkpoint, OnTensor
 from meshd.model.config import ModelConfig
 from meshd.model.device import pick_device
 from meshd.model.errors import InvalidInput
-from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix
+from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix, Matrix
 from meshd.model.governor import ThreadGovernor
 from meshd.model.kernel_layers import KernelWindow
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
@@ -36,16 +36,7 @@ from meshd.model.llama import (
     norm_linear,
 )
 from meshd.model.mtp import mtp_hidden
-from meshd.model.quant import (
-    BLOCK_QUANTIZATIONS,
-    QuantEmbedding,
-    block_table_bytes,
-    check_quantization,
-    embedding_bytes,
-    head_quantization,
-    matrix_bytes,
-)
-from meshd.model.quant_matrix import Matrix
+from meshd.model.quant import block_table_bytes, check_quantization, matrix_bytes
 from meshd.model.rope import Rotary
 from meshd.model.stage_weights import StageWeights
 
@@ -86,16 +77,14 @@ def layer_bytes(
 ) -> int:
     """Bytes one decoder layer holds once loaded (for the planner).
 
-    `dtype` is the compute dtype (norms, biases, unquantized matrices); quantized matrices count
-    what their kernel holds on `device`'s type, padding included (`quant.matrix_bytes`).
+    `dtype` is the compute dtype (norms, biases, unquantized matrices); block matrices count
+    their blocks' bytes (`quant.matrix_bytes`). `device` does not change the figure.
     """
-    check_quantization(quantization)
-    device_type = torch.device(device).type
+    quantization = check_quantization(quantization)
     shapes = decoder_layer_shapes(config).values()
     vectors = sum(math.prod(s) for s in shapes if len(s) == 1) * _itemsize(dtype)
     return vectors + sum(
-        matrix_bytes(n_in, n_out, quantization, dtype, device_type)
-        for n_in, n_out in _layer_matrices(config)
+        matrix_bytes(n_in, n_out, quantization, dtype) for n_in, n_out in _layer_matrices(config)
     )
 
 
@@ -118,36 +107,29 @@ def stage_weight_bytes(
     """Bytes the stage `[layer_start, layer_end)` holds once loaded: `StageModel.weight_bytes`.
 
     Layers, plus the embedding on the first stage and the final norm, head and MTP depths on
-    the last (`StageModel` says which stage holds what). int8/int4 stages keep the embedding as
-    int8 rows and quantize the head (int8 for int4 stages too); block quantizations hold both in
-    ggml block formats (`quant.block_type`), a tied head and the embedding as one table.
+    the last (`StageModel` says which stage holds what). Block quantizations hold both in ggml
+    block formats (`quant.block_type`), a tied head and the embedding as one table.
     """
-    check_quantization(quantization)
-    device_type = torch.device(device).type
+    quantization = check_quantization(quantization)
     item = _itemsize(dtype)
     is_first, is_last = layer_start == 0, layer_end == config.num_layers
     n_mtp = config.num_mtp_layers if is_last else 0
     vocab, h = config.vocab_size, config.hidden_size
-    total = (layer_end - layer_start) * layer_bytes(config, dtype, quantization, device_type)
+    total = (layer_end - layer_start) * layer_bytes(config, dtype, quantization, device)
     if quantization == "none":
         tied = config.tie_word_embeddings
         if is_first or (is_last and (tied or n_mtp > 0)):
             total += vocab * h * item
         if is_last and not tied:
             total += vocab * h * item
-    elif quantization in BLOCK_QUANTIZATIONS:
+    else:
         # The table is held where tokens are looked up, and on the last stage as a tied head.
         table, head = block_table_bytes(vocab, h, quantization, config.tie_word_embeddings)
         if is_first or n_mtp > 0 or (is_last and config.tie_word_embeddings):
             total += table
         total += head if is_last else 0
-    else:
-        if is_first or n_mtp > 0:
-            total += embedding_bytes(vocab, h, quantization, dtype)
-        if is_last:
-            total += matrix_bytes(h, vocab, head_quantization(quantization), dtype, device_type)
     if is_last:
-        mtp_own = 3 * h * item + matrix_bytes(2 * h, h, quantization, dtype, device_type)
+        mtp_own = 3 * h * item + matrix_bytes(2 * h, h, quantization, dtype)
         total += h * item + n_mtp * (mtp_own + layer_bytes(config, dtype, quantization, device))
     return total
 
@@ -191,7 +173,7 @@ class StageModel(StageWeights):
         self.is_first = layer_start == 0
         self.is_last = layer_end == config.num_layers
         self.device, self.dtype = device, dtype
-        self.quantization = check_quantization(quantization)
+        self.quantization = quantization = check_quantization(quantization)
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # A `gguf` stage counts its layers once they are mapped (`_load_stored`).
         self.bytes_per_layer = (
@@ -233,9 +215,9 @@ class StageModel(StageWeights):
     ) -> StageModel:
         """Materialise only this stage's weights on `device` (auto-picked when None).
 
-        `quantization` "int8" or "int4" quantizes the matrices as each layer loads (the
-        checkpoint's own precision is read one layer at a time); "q8_0", "q4_0", "q4_k", "q5_k"
-        and "q6_k" quantize them into ggml's block formats (CPU stages), run by the kernels of a
+        `quantization` "q8_0", "q4_0", "q4_k", "q5_k" and "q6_k" (or the aliases "int8" and
+        "int4") quantize the matrices into ggml's block formats as each layer loads (CPU stages;
+        the checkpoint's own precision is read one layer at a time), run by the kernels of a
         GGUF file's tensors; "gguf" runs a GGUF file's tensors as stored; "none" keeps `dtype`.
         `kv_dtype` is the KV cache's element type (default: `dtype`; float16 or bfloat16 halve
         an fp32 stage's KV bytes). `progress(done_bytes, total_bytes)` is called after each
@@ -498,7 +480,7 @@ class StageModel(StageWeights):
         ids = tokens.tolist() if tokens.device.type == "cpu" else None
         if ids is not None and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
             raise InvalidInput(f"token id outside the vocabulary [0, {self.config.vocab_size})")
-        if isinstance(self._embed, QuantEmbedding | GgufEmbedding):
+        if isinstance(self._embed, GgufEmbedding):
             return self._embed.lookup(tokens.to(self.device), self.dtype)
         return F.embedding(tokens.to(self.device), self._embed)
 

@@ -15,7 +15,7 @@ from meshd.model.checkpoint import Checkpoint, OnTensor
 from meshd.model.config import ModelConfig
 from meshd.model.errors import UnsupportedArchitecture
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
-from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix
+from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix, Matrix
 from meshd.model.kernel_layers import KernelLayers, kernel_matrix
 from meshd.model.kernels import MatrixArgs
 from meshd.model.kernels.blocks import (
@@ -32,15 +32,7 @@ from meshd.model.llama import (
     rope_row_order,
 )
 from meshd.model.mtp import MtpWeights, mtp_shapes
-from meshd.model.quant import (
-    BLOCK_QUANTIZATIONS,
-    QuantEmbedding,
-    block_type,
-    head_quantization,
-    quantize_matrix,
-    row_exact,
-)
-from meshd.model.quant_matrix import Matrix
+from meshd.model.quant import BLOCK_QUANTIZATIONS, block_type, row_exact
 
 
 class StageWeights:
@@ -83,13 +75,7 @@ class StageWeights:
         """How a checkpoint matrix `[out, in]` becomes an operand at `quantization`."""
         if quantization == "none":
             return linear_weight
-        if quantization in BLOCK_QUANTIZATIONS:
-            return functools.partial(_block_matrix, quantization=quantization, role="matrix")
-
-        def quantize(w: torch.Tensor) -> Matrix:
-            return quantize_matrix(w, quantization, self.device, self.dtype)
-
-        return quantize
+        return functools.partial(_block_matrix, quantization=quantization, role="matrix")
 
     def _weight_names(self, n_mtp: int) -> list[str]:
         """Every tensor name `_load_weights` reads (to size a progress display)."""
@@ -142,29 +128,22 @@ class StageWeights:
             if needs_embed
             else None
         )
-        self._embed: torch.Tensor | QuantEmbedding | GgufEmbedding | None = embed
+        self._embed: torch.Tensor | GgufEmbedding | None = embed
         self._norm: torch.Tensor | None = None
         self._head: Matrix | None = None  # [hidden, vocab] (`linear_weight`)
         # An fp32 head as meshd's kernel reads it, where the layers run there (see `_logits`).
         self._kernel_head: MatrixArgs | None = None
         self.mtp: list[MtpWeights] = []
-        quantized = self.quantization != "none"
         if blocks:
             self._block_table_and_head(checkpoint, embed, n_mtp)
             embed = None
-        elif quantized and embed is not None:
-            # int8 rows, looked up where this stage takes tokens (first stage, MTP).
-            lookups = self.is_first or n_mtp > 0
-            self._embed = QuantEmbedding(embed, self.device) if lookups else None
         if not self.is_last:
             return
         self._norm = self._fetch(checkpoint, "model.norm.", ["weight"])["weight"]
         if not blocks:  # (a block quantization's head is built with its table)
             head = embed if tied else self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
             assert head is not None
-            if quantized:
-                self._head = self._matrix(head_quantization(self.quantization))(head)
-            elif tied:
+            if tied:
                 # One tensor serves both: the head in its matmul layout, lookups reading its
                 # columns (a lookup touches T rows; the head streams the whole matrix every
                 # token).

@@ -54,8 +54,8 @@ def useful_threads(
     if config is None or wanted == 1:
         return wanted
     vectors = 2 * config.hidden_size * torch.empty(0, dtype=dtype).element_size()
-    # A GGUF file's own blocks hold about what int4 holds (4.5 to 8.5 bits a weight).
-    scheme = "int4" if quantization == "gguf" else quantization
+    # A GGUF file's own blocks hold about what q4_0 holds (4.5 to 8.5 bits a weight).
+    scheme = "q4_0" if quantization == "gguf" else quantization
     per_matrix = (layer_bytes(config, dtype, scheme) - vectors) / 4
     return wanted if per_matrix >= MIN_SHARED_MATRIX_BYTES else 1
 

@@ -12,6 +12,7 @@ from meshd.mesh.identity import NodeIdentity
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.device import pick_device
 from meshd.model.files import open_checkpoint
+from meshd.model.quant import check_quantization
 from meshd.node.models import ModelFiles
 from meshd.speculative.draft import DraftModel
 from protocol.handshake import psk_from_secret
@@ -63,14 +64,17 @@ class NodeBasis:
         device = pick_device(None if config.device == "auto" else config.device)
         dtype = _DTYPES.get(config.dtype, torch.float32)
         kv_dtype = _DTYPES.get(config.kv_dtype, dtype)
-        quantization = (
+        # An alias (`int8`, `int4`) is resolved here: the node names its scheme one way to
+        # its peers, whose plans compare quantizations by name.
+        quantization = check_quantization(
             checkpoint.default_quantization
             if config.quantization == "auto"
             else config.quantization
         )
         if quantization == "gguf" and device.type != "cpu" and config.quantization == "auto":
-            # The block kernels run on CPUs; elsewhere a GGUF file is converted at load.
-            quantization = "int8"
+            # The block kernels run on CPUs; elsewhere a GGUF file is dequantized at load into
+            # the stage's dtype.
+            quantization = "none"
         first = ModelFiles.of(
             config,
             name,

@@ -22,6 +22,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig
 from meshd.model.gguf_checkpoint import GGUFCheckpoint
 from meshd.model.llama import decoder_layer_shapes
+from meshd.model.quant import check_quantization
 from meshd.model.stage import kv_bytes_per_token, layer_bytes, stage_weight_bytes
 from meshd.plan import ModelShape, NodeCapacity, NoFeasiblePlan, Plan, PlannerConfig, plan
 from meshd.plan.route import Route, RouteStage
@@ -42,6 +43,7 @@ def model_shape(
     counts once loaded); KV per token is at `kv_dtype` (default: `dtype`), the last stage's
     MTP depths included (`StageModel.kv_bytes_per_token`).
     """
+    quantization = check_quantization(quantization)  # an alias under the name it stands for
     if quantization == "gguf":
         return stored_shape(checkpoint, dtype, kv_dtype)
     return config_shape(
@@ -107,6 +109,7 @@ def config_shape(
     device: str | torch.device = "cpu",
 ) -> ModelShape:
     """`model_shape` from a model's config and id alone (no weights needed)."""
+    quantization = check_quantization(quantization)
     n = config.num_layers
     per_layer = layer_bytes(config, dtype, quantization, device)
 

@@ -106,7 +106,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     name: str
     model_id: str
-    quantization: str  # how this node holds the weights ("none", "int8", "q4_k", ...)
+    quantization: str  # how this node holds the weights ("none", "gguf", "q8_0", ...)
     kv_dtype: str  # the KV cache's element type
     threads: int  # torch threads this node computes with
     disabled: bool

@@ -87,7 +87,7 @@ class ModelShape:
     shared_bytes: int = 0
     # KV bytes per position the last stage holds beyond its layers' (its MTP depths).
     head_kv_bytes_per_token: int = 0
-    # How the stages hold their weights ("none", "int8", "q4_k", ...): every stage of a plan agrees,
+    # How the stages hold their weights ("none", "gguf", "q8_0", ...): every stage of a plan agrees,
     # and the figures above are at this quantization.
     quantization: str = "none"
 

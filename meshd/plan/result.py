@@ -81,7 +81,7 @@ class Plan:
     # Hop cost of the same stages ordered by RTT to the coordinator alone.
     naive_order_network_s: float
     kept_stages: int
-    # How every stage holds its weights ("none", "int8", "q4_k", ...); the stages' memory is at it.
+    # How every stage holds its weights ("none", "gguf", "q8_0", ...); the stages' memory is at it.
     quantization: str = "none"
 
     @property

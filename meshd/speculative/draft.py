@@ -99,7 +99,7 @@ class DraftModel:
     ) -> DraftModel:
         """Load every layer of the checkpoint at `path` on the CPU (the coordinator's device).
 
-        `quantization` as the node's ("int8", "int4"; "none" keeps `dtype`).
+        `quantization` as the node's ("q8_0", "gguf", ...; "none" keeps `dtype`).
         """
         from meshd.model.errors import MissingFile
         from meshd.model.files import open_checkpoint, open_tokenizer

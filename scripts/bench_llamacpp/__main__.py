@@ -12,8 +12,8 @@ Steps (every output goes to the cache directory and is reused on the next run):
    it); each converted with llama.cpp's own convert_hf_to_gguf.py to GGUF f32, then
    llama-quantize'd to q8_0 and q4_0.
 3. Decode rows: `llama-bench -p 0 -n T -t N -r 1` against `meshd bench decode --tokens T
-   --threads N --rounds 1` (fp32; `--quantization int8|int4` against q8_0|q4_0 where meshd has
-   the flag), process by process in alternating rounds; medians and their ratio.
+   --threads N --rounds 1` (fp32; `--quantization q8_0|q4_0` against q8_0|q4_0 where meshd has
+   the flag: the same block formats, quantized by meshd at load), process by process in alternating rounds; medians and their ratio.
 4. Two-node rows: llama.cpp's RPC server in a second process (`--rpc`, half the layers each)
    against `meshd bench pipeline --stages 2`, plain greedy, at each RTT (llama.cpp through a
    loopback TCP proxy delaying each direction by RTT/2; meshd through its own `--rtt-ms`).
@@ -65,7 +65,7 @@ MESHD_SIDE = pathlib.Path(__file__).resolve().parent / "meshd_side.py"
 DEFAULT_VERSION = "0.3.36"
 PRECISIONS = ("f32", "q8_0", "q4_0")
 # meshd's `--quantization` value measured against each llama.cpp precision.
-MESHD_QUANT = {"f32": "none", "q8_0": "int8", "q4_0": "int4"}
+MESHD_QUANT = {"f32": "none", "q8_0": "q8_0", "q4_0": "q4_0"}
 MODELS = ("builtin", "large")
 FETCH_MODELS = REPO / "scripts" / "fetch_models"
 DEFAULT_TEXT = REPO / "docs" / "bench" / "prose.txt"
@@ -166,7 +166,7 @@ def meshd_quant_choices(help_text: str) -> set[str]:
     """The `--quantization` values `meshd bench ... --help` offers (empty: no such flag)."""
     if "--quantization" not in help_text:
         return set()
-    return {q for q in ("int8", "int4") if q in help_text} | {"none"}
+    return {q for q in ("q8_0", "q4_0") if q in help_text} | {"none"}
 
 
 def _meshd_json(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -298,7 +298,7 @@ def decode_rows(
                 "precision": prec,
                 "threads": threads,
                 "meshd_source": "gguf" if source == "meshd-gguf" else "safetensors",
-                # A GGUF file is served at its own default (`auto`: q8_0 at int8, q4_0 at int4).
+                # A GGUF file is served at its own default (`auto`: its blocks as stored).
                 "meshd_quantization": "auto" if source == "meshd-gguf" else MESHD_QUANT[prec],
                 "llamacpp_tok_s": lc,
                 "meshd_tok_s": _median(mine) if mine else None,

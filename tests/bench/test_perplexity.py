@@ -36,7 +36,7 @@ def _single_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    # Q8_0 blocks: the daemon's default for the file is a re-quantization (int8), not "none".
+    # Q8_0 blocks: the daemon's default for the file is its blocks as stored, not "none".
     return write_gguf(builtin_model_dir(), tmp_path_factory.mktemp("ppl") / "m.gguf", "Q8_0")
 
 
@@ -98,8 +98,8 @@ def test_perplexity_equals_exp_mean_nll_of_the_runtime_logits(
     assert report["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-6)
     assert report["ppl"] == pytest.approx(math.exp(report["nll"]), rel=1e-12)
     assert report["top1"] == top1
-    # Decode steps give the same figures: to rounding at fp32; int8 quantizes each step's
-    # activations apart from a window's, a little differently.
+    # Decode steps give the same figures, to rounding (a long window attends in one call, a
+    # step row by row).
     nll, top1 = _reference(model, report["quantization"], ids, steps=True)
     exact = report["quantization"] == "none"
     assert report["nll"] == pytest.approx(sum(nll) / len(nll), rel=1e-4 if exact else 2e-3)

@@ -1,7 +1,7 @@
-"""Speculation never changes a greedy token of a quantized (int8, int4) model either.
+"""Speculation never changes a greedy token of a quantized (q8_0, q4_k: int8, int4) model either.
 
-On a CPU the quantized stages compute a verify window's rows with exactly the bits of the same
-positions decoded one at a time (per-row activation ranges in fbgemm, per-row attention for
+On a CPU the block stages compute a verify window's rows with exactly the bits of the same
+positions decoded one at a time (each row quantized in its own blocks, per-row attention for
 short windows), so every strategy gives plain decoding's tokens, on the built-in model's real
 weights, where near-ties between the top two tokens do occur.
 """
@@ -17,7 +17,6 @@ from meshd.coord.coordinator import GenerationRequest
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.quant import has_fbgemm
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import SpecConfig
@@ -30,8 +29,6 @@ PROMPTS = (
 )
 TOKENS = 64
 STRATEGIES = ("mtp", "ngram-simple", "auto")
-
-pytestmark = pytest.mark.skipif(not has_fbgemm(), reason="row-exact kernels: x86 CPUs")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -43,7 +43,7 @@ def test_bench_decode_takes_a_gguf_model(
     path = write_gguf(builtin_model_dir(), tmp_path / "builtin-q8.gguf", "Q8_0")
     args = ["bench", "decode", "--model", str(path), "--tokens", "8", "--rounds", "1", "--json"]
     # Dequantized to fp32 (as transformers' reference holds it), both sides decode alike; by
-    # default the file is benched at its own int8 (tests/bench/test_decode.py).
+    # default the file is benched as stored (tests/bench/test_decode.py).
     assert main([*args, "--quantization", "none"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == str(path) and report["same_tokens"] is True

@@ -176,8 +176,7 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     first = open_checkpoint(path).model_id
     assert tensor_bytes_hashed() > hashed
     # A restart: a new process (empty in-process caches), the same state dir.
-    digests._file_hashes.clear()
-    forget_parsed()
+    _restart()
     hashed = tensor_bytes_hashed()
     assert open_checkpoint(path).model_id == first
     assert tensor_bytes_hashed() == hashed
@@ -189,22 +188,33 @@ def test_a_restart_takes_every_tensor_hash_from_the_cache(
     other.write_bytes(data)
     os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     os.replace(other, path)
-    digests._file_hashes.clear()
-    forget_parsed()
+    _restart()
     assert open_checkpoint(path).model_id != first
     assert tensor_bytes_hashed() > hashed
 
 
-def test_a_prepared_file_is_hashed_ahead_and_its_model_id_hashes_nothing_again(
-    model_gguf: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
+def _restart() -> None:
+    """What a new process starts without: the in-process file hashes and parsed headers."""
+    digests._file_hashes.clear()
+    forget_parsed()
+
+
+def _opened_once(model_gguf: pathlib.Path, tmp_path: pathlib.Path) -> tuple[pathlib.Path, str, int]:
+    """A copy of the model file opened once, then a restart: (its path, its model id, the
+    tensor bytes that first open hashed)."""
     path = tmp_path / "m.gguf"
     shutil.copy(model_gguf, path)
     hashed = tensor_bytes_hashed()
     expected_id = open_checkpoint(path).model_id
     once = tensor_bytes_hashed() - hashed
-    digests._file_hashes.clear()
-    forget_parsed()
+    _restart()
+    return path, expected_id, once
+
+
+def test_a_prepared_file_is_hashed_ahead_and_its_model_id_hashes_nothing_again(
+    model_gguf: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    path, expected_id, once = _opened_once(model_gguf, tmp_path)
     set_cache_dir(tmp_path / "state")
     hashed = tensor_bytes_hashed()
     prepare(path)  # as `meshd serve` does before it imports torch
@@ -219,13 +229,7 @@ def test_a_prepared_file_is_hashed_ahead_and_its_model_id_hashes_nothing_again(
 def test_a_model_id_asked_while_its_file_is_hashed_waits_for_that_hashing(
     model_gguf: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    path = tmp_path / "m.gguf"
-    shutil.copy(model_gguf, path)
-    hashed = tensor_bytes_hashed()
-    expected_id = open_checkpoint(path).model_id
-    once = tensor_bytes_hashed() - hashed
-    digests._file_hashes.clear()
-    forget_parsed()
+    path, expected_id, once = _opened_once(model_gguf, tmp_path)
     hashed = tensor_bytes_hashed()
     prepare(path)
     assert open_checkpoint(path).model_id == expected_id  # at once, the hashing under way

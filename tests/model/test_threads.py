@@ -27,17 +27,17 @@ def test_a_stage_uses_the_cores_it_is_given_where_they_pay() -> None:
     large = _large()
     assert useful_threads(2, large) == 2
     assert useful_threads(0, large) == available_cores()
-    assert useful_threads(2, large, quantization="int4") == 2  # 1.6 MB per int4 matrix
-    # The built-in model's matrices (0.7 MB in fp32) are shared; at int8 (0.18 MB) they are
+    assert useful_threads(2, large, quantization="q4_k") == 2  # 1.6 MB per q4_k matrix
+    # The built-in model's matrices (0.7 MB in fp32) are shared; at q8_0 (0.19 MB) they are
     # too small to share between cores.
     builtin = Checkpoint.open(builtin_model_dir()).config
     assert useful_threads(2, builtin) == 2
-    assert useful_threads(2, builtin, quantization="int8") == 1
+    assert useful_threads(2, builtin, quantization="q8_0") == 1
     assert useful_threads(3) == 3
     previous = torch.get_num_threads()
     try:
         assert configure_threads(1, large) == 1 and torch.get_num_threads() == 1
-        assert configure_threads(2, builtin, quantization="int8") == 1
+        assert configure_threads(2, builtin, quantization="q8_0") == 1
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(previous)

@@ -2,7 +2,7 @@
 manifest files and one stage's tensors from a holder of the file, and that stage computes
 exactly what the same stage of the file computes, while the node holds no other layer's bytes.
 With real daemons: a holder of the GGUF file and a `mesh:ID` node answer the greedy tokens one
-process decodes from the file (served at int8, the file's Q8_0 precision); a `mesh:ID` node
+process decodes from the file (served as stored, `auto`); a `mesh:ID` node
 started a second after the first start of a holder of a large file (hashing it takes seconds)
 waits for it and serves its stage."""
 
@@ -61,8 +61,8 @@ async def _fetch_files_then_layers_2_4(
 
 
 def _layers_2_4(ours: GGUFStoreCheckpoint, theirs: GGUFCheckpoint) -> bool:
-    """Whether layers [2, 4) loaded from both compute the same bits (int8)."""
-    stages = [StageModel.load(c, 2, 4, quantization="int8") for c in (ours, theirs)]
+    """Whether layers [2, 4) loaded from both compute the same bits (q8_0)."""
+    stages = [StageModel.load(c, 2, 4, quantization="q8_0") for c in (ours, theirs)]
     hidden = torch.randn(4, theirs.config.hidden_size, generator=torch.Generator().manual_seed(1))
     for s in stages:
         s.open_session("s", 8)
@@ -143,7 +143,7 @@ def test_mesh_id_nodes_serve_a_gguf_files_stages_like_one_process(tmp_path: path
         assert len(plan) == 2, plan
         prompt = open_tokenizer(model).encode("Once upon a time")
         whole = StageModel.load(
-            checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="int8"
+            checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="gguf"
         )
         previous = torch.get_num_threads()
         torch.set_num_threads(1)  # the daemons hold the cores

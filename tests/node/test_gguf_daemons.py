@@ -59,7 +59,7 @@ def test_two_daemons_serve_a_quantized_gguf_file(tmp_path: pathlib.Path) -> None
         # A Q8_0 file is served as stored by default (`quantization = "auto"`), never as fp32.
         assert checkpoint.default_quantization == "gguf"
         whole = StageModel.load(
-            checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="int8"
+            checkpoint, 0, checkpoint.config.num_layers, device="cpu", quantization="gguf"
         )
         previous = torch.get_num_threads()
         torch.set_num_threads(1)  # the daemons hold the cores

@@ -32,11 +32,13 @@ def large_config() -> ModelConfig:
     return parse_config({**raw, "max_position_embeddings": 4096, **RANDOM_CONFIGS["large"]})
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "int8", "int4"])
 def test_the_shape_counts_what_each_loaded_stage_holds(quantization: str) -> None:
     torch.set_num_threads(1)
     checkpoint = Checkpoint.open(builtin_model_dir())
     shape = model_shape(checkpoint, torch.float32, quantization, torch.float16)
+    # The old names are planned as the block formats they stand for, under those names.
+    assert shape.quantization == {"int8": "q8_0", "int4": "q4_k"}.get(quantization, quantization)
     n = checkpoint.config.num_layers
     for lo, hi in ((0, n), (0, 2), (2, 4), (4, n)):
         stage = StageModel.load(
@@ -48,33 +50,32 @@ def test_the_shape_counts_what_each_loaded_stage_holds(quantization: str) -> Non
         assert kv_one == stage.kv_bytes_per_token, (lo, hi)
 
 
-def test_a_budget_holds_about_four_times_more_layers_at_int8_than_at_fp32() -> None:
+def test_a_budget_holds_about_four_times_more_layers_at_q8_0_than_at_fp32() -> None:
     config = large_config()
     node = NodeCapacity(b"\x01" * 32, GIB // 2, 1e-4)  # 512 MiB, 90 % usable
     caps = {}
-    for q in ("none", "int8", "int4"):
+    for q in ("none", "q8_0", "q4_k"):
         shape = config_shape(config, "large", torch.float32, q)
         caps[q] = make_candidate(node, shape, CONTEXT, PlannerConfig()).cap_mid
-    # Per layer 45.1 MB at fp32, 11.4 MB at int8 (11.8 in fbgemm's padded layout), 6.4 MB at
-    # int4.
+    # Per layer 45.1 MB at fp32, 12.0 MB at q8_0, 6.4 MB at q4_k.
     assert caps["none"] == 10
-    assert caps["int8"] == config.num_layers  # all 16 (it would hold 40)
+    assert caps["q8_0"] == config.num_layers  # all 16 (it would hold 40)
     uncapped = {
         q: (GIB // 2 * 9 // 10)
         // config_shape(config, "large", torch.float32, q).layer_bytes(CONTEXT)
-        for q in ("none", "int8")
+        for q in ("none", "q8_0")
     }
-    assert 3.5 <= uncapped["int8"] / uncapped["none"] <= 4.2  # 40 / 10 here (39 with fbgemm)
+    assert 3.5 <= uncapped["q8_0"] / uncapped["none"] <= 4.2  # 37 / 10 here
 
-    # The same four nodes: fp32 needs three stages, int8 fits on one node.
+    # The same four nodes: fp32 needs three stages, q8_0 fits on one node.
     nodes = [NodeCapacity(bytes([i]) * 32, GIB // 2, 1e-4) for i in range(1, 5)]
     stages = {}
-    for q in ("none", "int8"):
+    for q in ("none", "q8_0"):
         shape = config_shape(config, "large", torch.float32, q)
         p = plan(shape, nodes, {}, nodes[0].key, context_tokens=CONTEXT)
         assert p.quantization == q
         stages[q] = len(p.stages)
-    assert stages == {"none": 3, "int8": 1}
+    assert stages == {"none": 3, "q8_0": 1}
 
 
 def _member(
@@ -92,25 +93,25 @@ def _member(
 def test_a_plan_runs_only_on_nodes_holding_its_quantization() -> None:
     config = large_config()
     ids = [bytes([i]) * 32 for i in range(1, 6)]
-    # The lowest id holds int8 and layers [0, 16) loaded; fp32 nodes are bigger.
+    # The lowest id holds q8_0 and layers [0, 16) loaded; fp32 nodes are bigger.
     view = {
-        ids[0]: _member(ids[0], "int8", GIB // 2, (0, 16)),
+        ids[0]: _member(ids[0], "q8_0", GIB // 2, (0, 16)),
         ids[1]: _member(ids[1], "none", GIB, None),
-        ids[2]: _member(ids[2], "int8", GIB // 2, None),
+        ids[2]: _member(ids[2], "q8_0", GIB // 2, None),
         ids[3]: _member(ids[3], "none", GIB, None),
-        ids[4]: _member(ids[4], "int4", GIB // 4, None),
+        ids[4]: _member(ids[4], "q4_k", GIB // 4, None),
     }
     plans = {}
-    for q in ("none", "int8", "int4"):
+    for q in ("none", "q8_0", "q4_k"):
         shape = config_shape(config, "large", torch.float32, q)
         plans[q] = plan_view(view, shape, {}, context_tokens=CONTEXT)
         assert plans[q].quantization == q
         assert plans[q].model_id == "large"  # one model id whatever the quantization
     assert {s.node_key for s in plans["none"].stages} == {ids[1], ids[3]}
     assert plans["none"].coordinator == ids[1]  # the lowest id among the fp32 nodes
-    assert [s.node_key for s in plans["int8"].stages] == [ids[0]]  # keeps its loaded stage
-    assert plans["int8"].coordinator == ids[0]
-    assert [s.node_key for s in plans["int4"].stages] == [ids[4]]
+    assert [s.node_key for s in plans["q8_0"].stages] == [ids[0]]  # keeps its loaded stage
+    assert plans["q8_0"].coordinator == ids[0]
+    assert [s.node_key for s in plans["q4_k"].stages] == [ids[4]]
     # Every node of a quantization plans the same: the plan does not depend on who asks.
     again = plan_view(
         dict(reversed(view.items())),
@@ -122,9 +123,9 @@ def test_a_plan_runs_only_on_nodes_holding_its_quantization() -> None:
 
     # No member at a quantization: no plan, and the error says which.
     only_fp32 = {k: v for k, v in view.items() if k in (ids[1], ids[3])}
-    with pytest.raises(NoFeasiblePlan, match="quantization int8"):
+    with pytest.raises(NoFeasiblePlan, match="quantization q8_0"):
         plan_view(
-            only_fp32, config_shape(config, "large", torch.float32, "int8"), {},
+            only_fp32, config_shape(config, "large", torch.float32, "q8_0"), {},
             context_tokens=CONTEXT,
         )  # fmt: skip
 
@@ -132,17 +133,17 @@ def test_a_plan_runs_only_on_nodes_holding_its_quantization() -> None:
 def test_an_earlier_route_is_served_while_its_stages_hold_their_layers() -> None:
     ids = [bytes(SigningKey.generate().verify_key) for _ in range(3)]
     view = {
-        ids[0]: _member(ids[0], "int8", GIB, (0, 8)),
-        ids[1]: _member(ids[1], "int8", GIB, (8, 16)),
-        ids[2]: _member(ids[2], "int8", GIB, None),
+        ids[0]: _member(ids[0], "q8_0", GIB, (0, 8)),
+        ids[1]: _member(ids[1], "q8_0", GIB, (8, 16)),
+        ids[2]: _member(ids[2], "q8_0", GIB, None),
     }
     stage = [(x25519_public_from_ed25519_public(i), lo, hi) for i, lo, hi in (
         (ids[0], 0, 8), (ids[1], 8, 16), (ids[2], 8, 16))]  # fmt: skip
-    earlier = Route("large", (RouteStage(*stage[0]), RouteStage(*stage[1])), "int8")
+    earlier = Route("large", (RouteStage(*stage[0]), RouteStage(*stage[1])), "q8_0")
     assert route_served(earlier, view)
     assert not route_served(earlier, view, exclude={ids[1]})  # a suspect
     assert not route_served(replace(earlier, quantization="none"), view)
     # A node that holds nothing, or other layers, does not serve the route's stage.
     assert not route_served(Route("large", (RouteStage(*stage[0]), RouteStage(*stage[2]))), view)
-    view[ids[1]] = _member(ids[1], "int8", GIB, (4, 16))
+    view[ids[1]] = _member(ids[1], "q8_0", GIB, (4, 16))
     assert not route_served(earlier, view)

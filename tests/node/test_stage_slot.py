@@ -52,7 +52,7 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
             device=torch.device("cpu"),
             dtype=torch.float32,
             eos_ids=frozenset(),
-            quantization="int8",
+            quantization="q8_0",
         )
         await nursery.start(slot.run)
         await slot.load((0, 6))
@@ -63,13 +63,13 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
             await got.wait()
         [error] = replies
         assert isinstance(error, StageError) and error.code == "wrong_quantization"
-        assert "int8" in error.message and "none" in error.message
+        assert "q8_0" in error.message and "none" in error.message
         assert slot.sessions == 0
 
         # Another model's session (a stale plan of a mesh serving several) is refused too.
         replies.clear()
         got = trio.Event()
-        other = msgspec.structs.replace(_open("other", me.x25519_public, "int8"), model_id="f" * 32)
+        other = msgspec.structs.replace(_open("other", me.x25519_public, "q8_0"), model_id="f" * 32)
         slot.handle(other, me.x25519_public)
         with trio.fail_after(10):
             await got.wait()
@@ -77,8 +77,8 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
         assert isinstance(error, StageError) and error.code == "wrong_model"
         assert slot.sessions == 0
 
-        # The route that says int8 (or says nothing) is served.
-        slot.handle(_open("int8-route", me.x25519_public, "int8"), me.x25519_public)
+        # The route that says q8_0 (or says nothing) is served.
+        slot.handle(_open("q8_0-route", me.x25519_public, "q8_0"), me.x25519_public)
         slot.handle(_open("unsaid", me.x25519_public, ""), me.x25519_public)
         assert slot.sessions == 2
 
@@ -92,7 +92,7 @@ async def test_a_session_at_another_quantization_is_refused_with_a_typed_error()
             passed.set()
 
         slot.on_pass = on_pass
-        window = VerifyWindow("int8-route", 0, 1, 0, [1, 2, 3], Sampling(), sample=False)
+        window = VerifyWindow("q8_0-route", 0, 1, 0, [1, 2, 3], Sampling(), sample=False)
         slot.handle(window, me.x25519_public)
         with trio.fail_after(20):
             await passed.wait()

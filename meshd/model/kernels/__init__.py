@@ -1,24 +1,18 @@
-"""meshd's own CPU kernel: an int8 matrix product for x86 CPUs with AVX-512 VNNI.
+"""meshd's own CPU kernels for x86 CPUs with AVX-512: every decoder layer of a stage in one call.
 
-At batch 1 a projection streams its whole matrix from memory, so its speed is the memory
-bandwidth the kernel reaches. fbgemm's dynamic linear (torch's fastest int8 product here) reaches
-about 12 GB/s on one core of the Xeon we measure on, where a plain stream reaches 16.8, and its
-per-row mapping (which keeps a row's result independent of its batch) adds eleven small torch
-operations per call. `quant_mm.c` quantizes each row itself, streams weights packed for
-VPDPBUSD and adds the residual in the same call: 1.27x fbgemm's products on one core, 1.39x on
-two (figures and commands in docs/model-runtime.md). No library in meshd's dependencies has
-such a kernel, which is why it is written here (docs/model-runtime.md "Why a hand-written
-kernel"). The same library runs every decoder layer of a CPU stage in one call
-(`meshd_layers`), for int8, int4 and fp32 matrices: torch has no fused decoder-layer call,
-and between its ~15 small operations per layer a decode step spent ~1 ms a token.
+`layers.c` runs what `llama.decoder_layer` computes, layer after layer (`meshd_layers`): RMS
+norms, products, RoPE, the cache write, attention one query row at a time, SwiGLU and the
+residuals, for fp32 matrices (its own fp32 product) and for matrices in ggml's block formats
+(the block library, `blocks.py`). torch has no fused decoder-layer call, and between its ~15
+small operations per layer a decode step spent ~1 ms a token (docs/model-runtime.md).
 
-The C source ships in the package and is compiled once per machine with the system's C
+The C sources ship in the package and are compiled once per machine with the system's C
 compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else systemd's
 `$CACHE_DIRECTORY/kernels`, else `$XDG_CACHE_HOME/meshd/kernels`, else
-`~/.cache/meshd/kernels`, else a temporary directory),
-then loaded with ctypes, which releases the GIL for the call. Without a compiler, on another
-CPU, or with `MESHD_QUANT_KERNELS=torch`, int8 stages run fbgemm and fp32 stages MKL, layer by
-layer.
+`~/.cache/meshd/kernels`, else a temporary directory), named by the hash of what the build
+reads (`source_digest`), then loaded with ctypes, which releases the GIL for the call. Without
+a compiler, on another CPU, or with `MESHD_QUANT_KERNELS=torch`, stages run layer by layer in
+torch (block matrices still by the block library).
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,52 +37,45 @@ from meshd.model import process_env
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("quant_mm.c")
+_SOURCE = Path(__file__).with_name("layers.c")
 _FLAGS = (
     "-O3",
     "-mavx512f",
     "-mavx512bw",
     "-mavx512vl",
-    "-mavx512vnni",
     "-fopenmp",
-    # The epilogue's multiplies and adds stay separate: a fused multiply-add chosen by the
-    # compiler in one code path and not another would break the rows' batch independence.
+    # Multiplies and adds stay separate where the code does not fuse them itself: a fused
+    # multiply-add chosen by the compiler in one code path and not another would break the
+    # rows' batch independence.
     "-ffp-contract=off",
     "-fPIC",
     "-shared",
 )
 # The CPU features the compiled code uses.
-_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-# Output channels per packed tile and input positions per VPDPBUSD lane (quant_mm.c's TILE).
-TILE = 64
-QUAD = 4
+_NEEDS = ("avx512f", "avx512bw", "avx512vl")
 # The process's environment variables (not config keys), named in one torch-free module.
 KERNELS_ENV = process_env.KERNELS_ENV
 KERNEL_DIR_ENV = process_env.KERNEL_DIR_ENV
 BLOCK_KERNELS_ENV = process_env.BLOCK_KERNELS_ENV
 PROCESS_ENV = process_env.PROCESS_ENV
-# What `MESHD_QUANT_KERNELS` may say: `auto` (these kernels where they run) or `torch`
-# (torch's: fbgemm for int8, int4pack for int4).
+# What `MESHD_QUANT_KERNELS` may say: `auto` (these kernels where they run) or `torch` (layer
+# by layer in torch).
 CHOICES = ("auto", "torch")
 
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The loaded library: its C entry points (ctypes functions) for int8 and int4."""
+    """The loaded library: its C entry points (ctypes functions)."""
 
-    mm: Any
-    pack: Any
-    int4_mm: Any
-    int4_pack: Any
-    attend: Any
+    attend: Any  # meshd_attend: single query rows against an fp32 KV cache
     layers: Any  # meshd_layers: every decoder layer of a stage in one call (`LayerArgs`)
     f32_mm: Any  # meshd_f32_mm: the fp32 product `meshd_layers` runs for fp32 stages
     path: Path
 
 
 class MatrixArgs(ctypes.Structure):
-    """quant_mm.c's `meshd_matrix`: a packed int8 (kind 8) or int4 (kind 4) matrix, or an fp32
-    one read as `[in][layout]` (kind 32) or `[out][layout]` (kind 33)."""
+    """layers.c's `meshd_matrix`: an fp32 matrix read as `[in][layout]` (kind 32) or
+    `[out][layout]` (kind 33), or ggml block tensors side by side (kind 64, `gguf_matrix`)."""
 
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -96,12 +84,11 @@ class MatrixArgs(ctypes.Structure):
         ("layout", ctypes.c_int64),
         ("codes", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
-        ("sums", ctypes.c_void_p),
     ]
 
 
 class LayerArgs(ctypes.Structure):
-    """quant_mm.c's `meshd_layer`: one decoder layer's matrices, norms and biases (NULL: none)."""
+    """layers.c's `meshd_layer`: one decoder layer's matrices, norms and biases (NULL: none)."""
 
     _fields_ = [
         ("qkv", MatrixArgs),
@@ -119,7 +106,7 @@ class LayerArgs(ctypes.Structure):
 
 
 class DimsArgs(ctypes.Structure):
-    """quant_mm.c's `meshd_dims`."""
+    """layers.c's `meshd_dims`."""
 
     _fields_ = [
         ("n_heads", ctypes.c_int64),
@@ -128,7 +115,6 @@ class DimsArgs(ctypes.Structure):
         ("hidden", ctypes.c_int64),
         ("intermediate", ctypes.c_int64),
         ("eps", ctypes.c_float),
-        ("tiny", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]
 
@@ -155,7 +141,7 @@ def _cache_dir() -> Path:
 
 def _compile(directory: Path) -> Path:
     """The compiled library in `directory` (built there first if missing); raises on failure."""
-    return build_library("quant_mm", [_SOURCE], _FLAGS, directory, timeout_s=120)
+    return build_library("layers", [_SOURCE], _FLAGS, directory, timeout_s=120)
 
 
 def build_library(
@@ -164,14 +150,11 @@ def build_library(
     """`sources` compiled with `flags` into `directory` as `STEM-HASH.so` (built there first if
     missing); raises on failure.
 
-    Named by the sources' and flags' hash: a new meshd builds its own, and a machine that
+    Named by the hash of the sources, the headers they include and the flags
+    (`source_digest`): a new meshd builds its own, an edited header too, and a machine that
     built it once needs no compiler again.
     """
-    digest = hashlib.sha256()
-    for src in sources:
-        digest.update(src.read_bytes())
-    digest.update(" ".join(flags).encode())
-    path = directory / f"{stem}-{digest.hexdigest()[:16]}.so"
+    path = directory / f"{stem}-{source_digest(sources, flags)}.so"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_private(directory)
     if path.exists():
@@ -199,6 +182,30 @@ def build_library(
     return path
 
 
+# `#include "name"`: a header beside the source (system headers, in <>, are the compiler's).
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def source_digest(sources: list[Path], flags: tuple[str, ...]) -> str:
+    """The hash a built library is named by: every source, every local header it includes
+    (transitively, each once), and the flags. A library built from other bytes than these
+    files' is never taken for theirs."""
+    digest = hashlib.sha256()
+    seen: set[Path] = set()
+    pending = list(sources)
+    while pending:
+        src = pending.pop(0)
+        if src in seen:
+            continue
+        seen.add(src)
+        text = src.read_bytes()
+        digest.update(str(len(text)).encode() + b":" + text)
+        included = (src.parent / name.decode() for name in _LOCAL_INCLUDE.findall(text))
+        pending += [h for h in included if h.is_file()]  # (a missing one fails the build)
+    digest.update(" ".join(flags).encode())
+    return digest.hexdigest()[:16]
+
+
 def _check_private(path: Path) -> None:
     """Refuse a directory or library another user owns or may write: loading it would run
     their code (the temporary-directory fallback is shared)."""
@@ -209,22 +216,9 @@ def _check_private(path: Path) -> None:
 
 def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
-    if lib.meshd_int8_abi() != 8:
+    if lib.meshd_layers_abi() != 2:
         raise OSError(f"{path}: unexpected kernel ABI")
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    mm = lib.meshd_int8_mm
-    f32 = ctypes.c_float
-    mm.argtypes = [p, i64, i64, p, p, p, i64, i64, p, p, p, f32, ctypes.c_int, f32, ctypes.c_int]
-    mm.restype = ctypes.c_int
-    pack = lib.meshd_int8_pack
-    pack.argtypes = [p, i64, i64, i64, p]
-    pack.restype = None
-    int4_mm = lib.meshd_int4_mm
-    int4_mm.argtypes = mm.argtypes  # the same arguments, the int4 layout's
-    int4_mm.restype = ctypes.c_int
-    int4_pack = lib.meshd_int4_pack
-    int4_pack.argtypes = [p, i64, i64, p]
-    int4_pack.restype = None
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     attend = lib.meshd_attend
     attend.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, f32, p, ctypes.c_int]
     attend.restype = ctypes.c_int
@@ -235,7 +229,7 @@ def _load(path: Path) -> CpuKernels:
     flag = ctypes.c_int
     f32_mm.argtypes = [p, i64, i64, p, i64, i64, flag, p, p, p, f32, flag, flag]
     f32_mm.restype = ctypes.c_int
-    return CpuKernels(mm, pack, int4_mm, int4_pack, attend, layers, f32_mm, path)
+    return CpuKernels(attend, layers, f32_mm, path)
 
 
 def unavailable_reason() -> str | None:
@@ -270,17 +264,3 @@ def cpu_kernels() -> CpuKernels | None:
             log.warning("meshd's CPU kernels: could not build or load in %s: %s", directory, detail)
     log.warning("stages use torch's kernels: meshd's could not be built")
     return None
-
-
-def packed_int4_bytes(in_features: int, out_features: int, group: int) -> int:
-    """Bytes of an int4 matrix packed for the kernel: half a byte per weight in tiles of 64
-    channels, a bf16 scale and offset per group, and a sum per padded channel."""
-    channels = -(-out_features // TILE) * TILE
-    return channels * in_features // 2 + channels * (in_features // group) * 4 + 4 * channels
-
-
-def packed_bytes(in_features: int, out_features: int) -> int:
-    """Bytes of a matrix packed for the kernel: tiles of 64 channels, the input rounded up to
-    4, and a scale and a code sum per padded channel."""
-    channels = -(-out_features // TILE) * TILE
-    return channels * (-(-in_features // QUAD) * QUAD) + 8 * channels

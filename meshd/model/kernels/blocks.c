@@ -25,27 +25,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "ggml_types.h"
+#include "half.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-/* ggml's type ids (gguf.GGMLQuantizationType). */
-enum {
-    T_F32 = 0,
-    T_F16 = 1,
-    T_Q4_0 = 2,
-    T_Q4_1 = 3,
-    T_Q5_0 = 6,
-    T_Q5_1 = 7,
-    T_Q8_0 = 8,
-    T_Q4_K = 12,
-    T_Q5_K = 13,
-    T_Q6_K = 14,
-    T_BF16 = 30,
-};
 
 #define QK 32   /* elements per block of the non-K formats */
 #define QKK 256 /* elements per K-quant super-block */
@@ -99,28 +87,7 @@ int meshd_blocks_has_k_quants(void) {
 #endif
 }
 
-/* ---- fp16 / bf16 (exact conversions, round to nearest even, as ggml's) ---------------------- */
-
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* ggml's GGML_COMPUTE_FP16_TO_FP32 without F16C (from the FP16 library): exact. */
-static inline float fp16_soft(uint16_t h) {
-    const uint32_t w = (uint32_t)h << 16;
-    const uint32_t sign = w & 0x80000000u;
-    const uint32_t two_w = w + w;
-    const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
-    return u2f(sign | (two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized)));
-}
+/* ---- fp16 / bf16 (exact conversions, round to nearest even, as ggml's: half.h) -------------- */
 
 static inline float fp16(uint16_t h) {
 #if defined(__F16C__)
@@ -130,32 +97,12 @@ static inline float fp16(uint16_t h) {
 #endif
 }
 
-/* ggml's GGML_COMPUTE_FP32_TO_FP16 without F16C: round to nearest even, NaN kept NaN. */
 static inline uint16_t to_fp16(float f) {
 #if defined(__F16C__)
     return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #else
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-    const uint32_t w = f2u(f);
-    const uint32_t shl1_w = w + w;
-    const uint32_t sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    base = u2f((bias >> 1) + 0x07800000u) + base;
-    const uint32_t bits = f2u(base);
-    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-    const uint32_t mantissa_bits = bits & 0x00000FFFu;
-    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : exp_bits + mantissa_bits));
+    return to_fp16_soft(f);
 #endif
-}
-
-static inline float bf16(uint16_t h) { return u2f((uint32_t)h << 16); }
-
-/* ggml_compute_fp32_to_bf16: NaN made quiet, otherwise round to nearest even. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u = f2u(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
-    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
 }
 
 static inline uint16_t rd16(const uint8_t *p) {

@@ -42,23 +42,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "ggml_types.h"
+#include "half.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-enum {
-    T_F32 = 0,
-    T_F16 = 1,
-    T_Q4_0 = 2,
-    T_Q4_1 = 3,
-    T_Q5_0 = 6,
-    T_Q5_1 = 7,
-    T_Q8_0 = 8,
-    T_Q4_K = 12,
-    T_Q5_K = 13,
-    T_Q6_K = 14,
-    T_BF16 = 30,
-};
 
 #define QK 32
 #define QK_K 256
@@ -85,50 +74,39 @@ _Static_assert(sizeof(block_q4_K) == 144, "q4_K layout");
 _Static_assert(sizeof(block_q5_K) == 176, "q5_K layout");
 _Static_assert(sizeof(block_q6_K) == 210, "q6_K layout");
 
-/* ---- fp16 / bf16 (ggml-impl.h's exact software conversions) ---------------------------------- */
-
-static inline float from_bits(uint32_t w) {
-    float f;
-    memcpy(&f, &w, 4);
-    return f;
-}
-static inline uint32_t to_bits(float f) {
-    uint32_t w;
-    memcpy(&w, &f, 4);
-    return w;
-}
-
-static inline float fp16_to_fp32(half h) {
-    const uint32_t w = (uint32_t)h << 16;
-    const uint32_t sign = w & 0x80000000u;
-    const uint32_t two_w = w + w;
-    const float normalized = from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    const float denormalized = from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-    return from_bits(sign | (two_w < (1u << 27) ? to_bits(denormalized) : to_bits(normalized)));
-}
-
-static inline half fp32_to_fp16(float f) {
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-    const uint32_t w = to_bits(f);
-    const uint32_t shl1_w = w + w;
-    const uint32_t sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    base = from_bits((bias >> 1) + 0x07800000u) + base;
-    const uint32_t bits = to_bits(base);
-    const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
-    const uint32_t mantissa_bits = bits & 0x00000FFFu;
-    return (half)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : exp_bits + mantissa_bits));
-}
-
-/* ggml_compute_fp32_to_bf16: NaN made quiet, otherwise round to nearest even. */
-static inline uint16_t fp32_to_bf16(float f) {
-    uint32_t u = to_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
-    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1))) >> 16);
-}
-
 /* ---- blocks of 32 ---------------------------------------------------------------------------- */
+
+/* The value of largest magnitude in a block (the first of equals), sign kept: q4_0 and q5_0
+ * scale by it so that it lands on the grid's negative end. */
+static float widest(const float *x) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < QK; j++) {
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            max = x[j];
+        }
+    }
+    return max;
+}
+
+/* A block's least and greatest values (q4_1 and q5_1 map that range onto their grid). */
+static void range_of(const float *x, float *min_out, float *max_out) {
+    float min = INFINITY, max = -INFINITY;
+    for (int j = 0; j < QK; j++) {
+        if (x[j] < min) min = x[j];
+        if (x[j] > max) max = x[j];
+    }
+    *min_out = min;
+    *max_out = max;
+}
+
+/* Stores the 5-bit codes of positions j and j + 16 of a q5_0 / q5_1 block: low nibbles in qs,
+ * fifth bits in qh. */
+static inline void put5(uint8_t *qs, uint32_t *qh, int j, uint8_t xi0, uint8_t xi1) {
+    qs[j] = (uint8_t)((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
+    *qh |= ((xi0 & 0x10u) >> 4) << (j + 0);
+    *qh |= ((xi1 & 0x10u) >> 4) << (j + QK / 2);
+}
 
 static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
     const int64_t nb = k / QK;
@@ -137,7 +115,7 @@ static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
         for (int j = 0; j < QK; j++) amax = MAX(amax, fabsf(x[i * QK + j]));
         const float d = amax / ((1 << 7) - 1);
         const float id = d ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
+        y[i].d = to_fp16_soft(d);
         for (int j = 0; j < QK; ++j) y[i].qs[j] = (int8_t)roundf(x[i * QK + j] * id);
     }
 }
@@ -145,17 +123,10 @@ static void q8_0_row(const float *x, block_q8_0 *y, int64_t k) {
 static void q4_0_row(const float *x, block_q4_0 *y, int64_t k) {
     const int64_t nb = k / QK;
     for (int64_t i = 0; i < nb; i++) {
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            const float v = x[i * QK + j];
-            if (amax < fabsf(v)) {
-                amax = fabsf(v);
-                max = v;
-            }
-        }
+        const float max = widest(x + i * QK);
         const float d = max / -8;
         const float id = d ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
+        y[i].d = to_fp16_soft(d);
         for (int j = 0; j < QK / 2; ++j) {
             const float x0 = x[i * QK + j] * id;
             const float x1 = x[i * QK + QK / 2 + j] * id;
@@ -169,16 +140,12 @@ static void q4_0_row(const float *x, block_q4_0 *y, int64_t k) {
 static void q4_1_row(const float *x, block_q4_1 *y, int64_t k) {
     const int64_t nb = k / QK;
     for (int64_t i = 0; i < nb; i++) {
-        float min = INFINITY, max = -INFINITY;
-        for (int j = 0; j < QK; j++) {
-            const float v = x[i * QK + j];
-            if (v < min) min = v;
-            if (v > max) max = v;
-        }
+        float min, max;
+        range_of(x + i * QK, &min, &max);
         const float d = (max - min) / ((1 << 4) - 1);
         const float id = d ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
-        y[i].m = fp32_to_fp16(min);
+        y[i].d = to_fp16_soft(d);
+        y[i].m = to_fp16_soft(min);
         for (int j = 0; j < QK / 2; ++j) {
             const float x0 = (x[i * QK + j] - min) * id;
             const float x1 = (x[i * QK + QK / 2 + j] - min) * id;
@@ -192,26 +159,17 @@ static void q4_1_row(const float *x, block_q4_1 *y, int64_t k) {
 static void q5_0_row(const float *x, block_q5_0 *y, int64_t k) {
     const int64_t nb = k / QK;
     for (int64_t i = 0; i < nb; i++) {
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            const float v = x[i * QK + j];
-            if (amax < fabsf(v)) {
-                amax = fabsf(v);
-                max = v;
-            }
-        }
+        const float max = widest(x + i * QK);
         const float d = max / -16;
         const float id = d ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
+        y[i].d = to_fp16_soft(d);
         uint32_t qh = 0;
         for (int j = 0; j < QK / 2; ++j) {
             const float x0 = x[i * QK + j] * id;
             const float x1 = x[i * QK + QK / 2 + j] * id;
             const uint8_t xi0 = (uint8_t)MIN(31, (int8_t)(x0 + 16.5f));
             const uint8_t xi1 = (uint8_t)MIN(31, (int8_t)(x1 + 16.5f));
-            y[i].qs[j] = (uint8_t)((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
-            qh |= ((xi0 & 0x10u) >> 4) << (j + 0);
-            qh |= ((xi1 & 0x10u) >> 4) << (j + QK / 2);
+            put5(y[i].qs, &qh, j, xi0, xi1);
         }
         memcpy(&y[i].qh, &qh, sizeof(qh));
     }
@@ -220,25 +178,19 @@ static void q5_0_row(const float *x, block_q5_0 *y, int64_t k) {
 static void q5_1_row(const float *x, block_q5_1 *y, int64_t k) {
     const int64_t nb = k / QK;
     for (int64_t i = 0; i < nb; i++) {
-        float min = INFINITY, max = -INFINITY;
-        for (int j = 0; j < QK; j++) {
-            const float v = x[i * QK + j];
-            if (v < min) min = v;
-            if (v > max) max = v;
-        }
+        float min, max;
+        range_of(x + i * QK, &min, &max);
         const float d = (max - min) / ((1 << 5) - 1);
         const float id = d ? 1.0f / d : 0.0f;
-        y[i].d = fp32_to_fp16(d);
-        y[i].m = fp32_to_fp16(min);
+        y[i].d = to_fp16_soft(d);
+        y[i].m = to_fp16_soft(min);
         uint32_t qh = 0;
         for (int j = 0; j < QK / 2; ++j) {
             const float x0 = (x[i * QK + j] - min) * id;
             const float x1 = (x[i * QK + QK / 2 + j] - min) * id;
             const uint8_t xi0 = (uint8_t)(x0 + 0.5f);
             const uint8_t xi1 = (uint8_t)(x1 + 0.5f);
-            y[i].qs[j] = (uint8_t)((xi0 & 0x0F) | ((xi1 & 0x0F) << 4));
-            qh |= ((xi0 & 0x10u) >> 4) << (j + 0);
-            qh |= ((xi1 & 0x10u) >> 4) << (j + QK / 2);
+            put5(y[i].qs, &qh, j, xi0, xi1);
         }
         memcpy(&y[i].qh, &qh, sizeof(qh));
     }
@@ -470,14 +422,14 @@ static void k_scales(const float *x, int nmax, float rmin, int nstep, half *d_ou
             scales_out[j - 0] |= (uint8_t)((lm >> 4) << 6);
         }
     }
-    *d_out = fp32_to_fp16(max_scale / 63.f);
-    *dmin_out = fp32_to_fp16(max_min / 63.f);
+    *d_out = to_fp16_soft(max_scale / 63.f);
+    *dmin_out = to_fp16_soft(max_min / 63.f);
     uint8_t sc, m;
     for (int j = 0; j < QK_K / 32; ++j) {
         get_scale_min_k4(j, scales_out, &sc, &m);
-        const float d = fp16_to_fp32(*d_out) * sc;
+        const float d = fp16_soft(*d_out) * sc;
         if (!d) continue;
-        const float dm = fp16_to_fp32(*dmin_out) * m;
+        const float dm = fp16_soft(*dmin_out) * m;
         for (int ii = 0; ii < 32; ++ii) {
             int l = nearest_int((x[32 * j + ii] + dm) / d);
             L[32 * j + ii] = (uint8_t)MAX(0, MIN(nmax, l));
@@ -542,15 +494,15 @@ static void q6_K_row(const float *x, block_q6_K *y, int64_t k) {
         }
         if (max_abs_scale < GROUP_MAX_EPS) {
             memset(&y[i], 0, sizeof(block_q6_K));
-            y[i].d = fp32_to_fp16(0.f);
+            y[i].d = to_fp16_soft(0.f);
             continue;
         }
         float iscale = -128.f / max_scale;
-        y[i].d = fp32_to_fp16(1 / iscale);
+        y[i].d = to_fp16_soft(1 / iscale);
         for (int ib = 0; ib < QK_K / 16; ++ib)
             y[i].scales[ib] = (int8_t)MIN(127, nearest_int(iscale * scales[ib]));
         for (int j = 0; j < QK_K / 16; ++j) {
-            float d = fp16_to_fp32(y[i].d) * y[i].scales[j];
+            float d = fp16_soft(y[i].d) * y[i].scales[j];
             if (!d) continue;
             for (int ii = 0; ii < 16; ++ii) {
                 int l = nearest_int(x[16 * j + ii] / d);
@@ -600,13 +552,13 @@ static void quantize_row(int type, const float *x, uint8_t *y, int64_t k) {
     case T_F32: memcpy(y, x, (size_t)k * 4); break;
     case T_F16:
         for (int64_t i = 0; i < k; i++) {
-            half h = fp32_to_fp16(x[i]);
+            half h = to_fp16_soft(x[i]);
             memcpy(y + 2 * i, &h, 2);
         }
         break;
     case T_BF16:
         for (int64_t i = 0; i < k; i++) {
-            uint16_t h = fp32_to_bf16(x[i]);
+            uint16_t h = to_bf16(x[i]);
             memcpy(y + 2 * i, &h, 2);
         }
         break;

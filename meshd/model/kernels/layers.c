@@ -1,20 +1,16 @@
-/* meshd's int8 matrix product for x86 CPUs with AVX-512 VNNI (see docs/model-runtime.md).
- *
- * y[m, n] = sum_k x[m, k] * W[n, k] for fp32 rows x and int8 weights W with one scale per
- * output channel. Each row of x is quantized on its own onto uint8 over its [min, max]
- * (x ~= lo + s * q), so y = sw[n] * (s * sum_k q[k] * Wq[n, k] + lo * sum_k Wq[n, k]).
+/* meshd's decoder layers for x86 CPUs with AVX-512 (see docs/model-runtime.md): every layer of a
+ * stage in one call (`meshd_layers`), its products by the fp32 product below or, for matrices
+ * in ggml's block formats, by the block library (blocks.c), and attention one query row at a
+ * time.
  *
  * Rules that the Python side relies on:
- * - A row's result has the same bits whatever other rows share the call: its quantization
- *   reads only that row, integer sums are exact, and the epilogue is the same per-element
- *   sequence of fp32 multiplies and adds (no FMA contraction: built with -ffp-contract=off).
- * - Weights are packed by `meshd_int8_pack` into tiles of 64 output channels: for each group
- *   of 4 input positions, 64 x 4 bytes, so a tile streams from memory as one sequence and one
- *   VPDPBUSD consumes each 64-byte line.
- * - Threads split the tiles (OpenMP: the same libgomp runtime as torch once torch is loaded),
- *   in guided chunks rather than fixed halves: on a shared machine one thread is often late
- *   (its core taken by another tenant), and with fixed halves the other waits for it at every
- *   matrix (int8 decode at 2 threads, one process, alternating: 84 tok/s static, 93 guided).
+ * - A row's result has the same bits whatever other rows share the call: each product sums a
+ *   row's terms in one fixed order, the block library quantizes each row on its own, and no
+ *   multiply-add is contracted by the compiler (built with -ffp-contract=off).
+ * - Threads split the output columns (OpenMP: the same libgomp runtime as torch once torch is
+ *   loaded), in guided chunks where the work is uneven: on a shared machine one thread is often
+ *   late (its core taken by another tenant), and with fixed halves the other waits for it at
+ *   every matrix.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -25,7 +21,7 @@
 #define TILE 64 /* output channels per tile: four 16-lane vectors */
 #define ROWS 4  /* rows sharing one pass over a tile's weights */
 
-int meshd_int8_abi(void) { return 8; }
+int meshd_layers_abi(void) { return 2; }
 
 /* exp(x) for 16 lanes: 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r
  * by its degree-6 Taylor polynomial (|r| <= ln 2 / 2: relative error ~2e-7), 2^n by scalef. */
@@ -79,285 +75,22 @@ static void rms_norm_row(const float *x, int64_t k, const float *weight, float e
     }
 }
 
-/* Pack q [N, K] int8 (row-major) into tiles: out has ceil(N/64) * (Kp/4) * 256 bytes, zeros
- * in the padding. Kp is K rounded up to a multiple of 4. */
-void meshd_int8_pack(const int8_t *q, int64_t n, int64_t k, int64_t kp, int8_t *out) {
-    int64_t tiles = (n + TILE - 1) / TILE, quads = kp / 4;
-    memset(out, 0, (size_t)(tiles * quads * 4 * TILE));
-    for (int64_t c = 0; c < n; c++) {
-        int64_t t = c / TILE, lane = c % TILE;
-        int8_t *tile = out + t * quads * 4 * TILE;
-        for (int64_t i = 0; i < k; i++)
-            tile[(i / 4) * 4 * TILE + lane * 4 + (i % 4)] = q[c * k + i];
-    }
-}
-
-/* Row `x` [k] onto uint8 codes [kp] (zeros past k); its offset and step. */
-static void quantize_row(const float *x, int64_t k, int64_t kp, uint8_t *q, float *lo_out,
-                         float *step_out, float tiny) {
-    __m512 vmin = _mm512_set1_ps(x[0]), vmax = vmin;
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        vmin = _mm512_min_ps(vmin, v);
-        vmax = _mm512_max_ps(vmax, v);
-    }
-    if (i < k) {
-        __mmask16 m = (__mmask16)((1u << (k - i)) - 1);
-        __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(x[0]), m, x + i);
-        vmin = _mm512_min_ps(vmin, v);
-        vmax = _mm512_max_ps(vmax, v);
-    }
-    float lo = _mm512_reduce_min_ps(vmin), hi = _mm512_reduce_max_ps(vmax);
-    float step = (hi - lo) / 255.0f;
-    if (!(step >= tiny)) step = tiny; /* a constant row (or NaN): every code is 0 */
-    float inv = 1.0f / step;
-    __m512 vlo = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv);
-    __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f);
-    for (i = 0; i < kp; i += 16) {
-        __mmask16 m = i + 16 <= k ? (__mmask16)0xFFFF
-                      : i < k     ? (__mmask16)((1u << (k - i)) - 1)
-                                  : (__mmask16)0;
-        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-        v = _mm512_mul_ps(_mm512_sub_ps(v, vlo), vinv);
-        v = _mm512_min_ps(_mm512_max_ps(v, zero), top);
-        __m512i c = _mm512_maskz_mov_epi32(m, _mm512_cvtps_epi32(v)); /* nearest, ties even */
-        __m128i b = _mm512_cvtusepi32_epi8(c);
-        if (i + 16 <= kp)
-            _mm_storeu_si128((__m128i *)(q + i), b);
-        else
-            _mm_mask_storeu_epi8(q + i, (__mmask16)((1u << (kp - i)) - 1), b);
-    }
-    *lo_out = lo;
-    *step_out = step;
-}
-
-/* Rows [r0, r0 + R) of x against one tile; R is a constant where this is inlined. */
-static inline __attribute__((always_inline)) void tile_rows(
-    const int8_t *w, const uint8_t *q, int64_t kp, const int R, int64_t r0, int64_t n0, int64_t n,
-    const float *lo, const float *step, const float *sw, const float *wsum, const float *res,
-    float *out) {
-    __m512i acc[ROWS][4];
-    for (int r = 0; r < R; r++)
-        for (int g = 0; g < 4; g++) acc[r][g] = _mm512_setzero_si512();
-    const int64_t quads = kp / 4;
-    for (int64_t j = 0; j < quads; j++) {
-        const __m512i *wp = (const __m512i *)(w + j * 4 * TILE);
-        __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 1);
-        __m512i w2 = _mm512_loadu_si512(wp + 2), w3 = _mm512_loadu_si512(wp + 3);
-        for (int r = 0; r < R; r++) {
-            int32_t four;
-            memcpy(&four, q + (r0 + r) * kp + 4 * j, 4);
-            __m512i xb = _mm512_set1_epi32(four);
-            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
-            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
-            acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xb, w2);
-            acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xb, w3);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        __m512 vs = _mm512_set1_ps(step[r0 + r]), vl = _mm512_set1_ps(lo[r0 + r]);
-        for (int g = 0; g < 4; g++) {
-            int64_t c = n0 + 16 * g;
-            if (c >= n) break;
-            __mmask16 m = c + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
-            __m512 v = _mm512_cvtepi32_ps(acc[r][g]);
-            v = _mm512_add_ps(_mm512_mul_ps(vs, v), _mm512_mul_ps(vl, _mm512_loadu_ps(wsum + c)));
-            v = _mm512_mul_ps(_mm512_loadu_ps(sw + c), v);
-            float *o = out + (r0 + r) * n + c;
-            if (res != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, res + (r0 + r) * n + c));
-            _mm512_mask_storeu_ps(o, m, v);
-        }
-    }
-}
-
-/* Rows of x through the prologue (RMS norm, SwiGLU or nothing: see meshd_int8_mm) onto
- * uint8 codes q [m, kp], with each row's offset and step. `normed` holds k floats. */
-static void prepare_rows(const float *x, int64_t m, int64_t k, int64_t kp, const float *norm_weight,
-                         float eps, int glu, float tiny, uint8_t *q, float *lo, float *step,
-                         float *normed) {
+/* A product's prologue for rows x [m, k] (SwiGLU when `glu`: x is [m, 2k], gate then up; else
+ * the RMS norm with `norm_weight`) into y [m, k]. */
+static void prologue_rows(const float *x, int64_t m, int64_t k, const float *norm_weight,
+                          float eps, int glu, float *y) {
     for (int64_t r = 0; r < m; r++) {
-        const float *row = x + r * (glu ? 2 * k : k);
-        if (glu) {
-            swiglu_row(row, k, normed);
-            row = normed;
-        } else if (norm_weight != NULL) {
-            rms_norm_row(row, k, norm_weight, eps, normed);
-            row = normed;
-        }
-        quantize_row(row, k, kp, q + r * kp, lo + r, step + r, tiny);
+        if (glu)
+            swiglu_row(x + r * 2 * k, k, y + r * k);
+        else
+            rms_norm_row(x + r * k, k, norm_weight, eps, y + r * k);
     }
 }
 
-/* out [m, n] = f(x) @ W^T (+ res [m, n] when not NULL), where f is the RMS norm with
+/* ---- fp32 products ----------------------------------------------------------------------------
+ * out [m, n] = f(x) @ W^T (+ res [m, n] when not NULL), where f is the RMS norm with
  * `norm_weight` [k] and `eps` when norm_weight is not NULL, SwiGLU when `glu` (x is then
- * [m, 2k]: gate and up), else nothing (x [m, k]). sw and wsum hold ceil(n/64)*64 floats (the
- * weights' scales and code sums, zeros past n). Returns 0, or -1 when out of memory. */
-int meshd_int8_mm(const float *x, int64_t m, int64_t k, const int8_t *w, const float *sw,
-                  const float *wsum, int64_t n, int64_t kp, float *out, const float *res,
-                  const float *norm_weight, float eps, int glu, float tiny, int threads) {
-    uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * kp + 63) / 64 * 64));
-    float *lo = (float *)malloc((size_t)(m * 2 + k) * sizeof(float));
-    if (q == NULL || lo == NULL) {
-        free(q);
-        free(lo);
-        return -1;
-    }
-    float *step = lo + m;
-    prepare_rows(x, m, k, kp, norm_weight, eps, glu, tiny, q, lo, step, lo + 2 * m);
-    const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = kp * TILE;
-#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *wt = w + t * tile_bytes;
-        int64_t r0 = 0;
-        for (; r0 + ROWS <= m; r0 += ROWS)
-            tile_rows(wt, q, kp, ROWS, r0, t * TILE, n, lo, step, sw, wsum, res, out);
-        switch (m - r0) {
-        case 3: tile_rows(wt, q, kp, 3, r0, t * TILE, n, lo, step, sw, wsum, res, out); break;
-        case 2: tile_rows(wt, q, kp, 2, r0, t * TILE, n, lo, step, sw, wsum, res, out); break;
-        case 1: tile_rows(wt, q, kp, 1, r0, t * TILE, n, lo, step, sw, wsum, res, out); break;
-        default: break;
-        }
-    }
-    free(q);
-    free(lo);
-    return 0;
-}
-
-/* ---- int4: asymmetric 4-bit groups ------------------------------------------------------
- * w[n, i] = (c - 8) * d[n, g] + z[n, g] for the group g = i / G (G = 32 or 64), c in 0..15,
- * d and z bf16 (torch's int4pack convention). With a row x ~= lo + s * q:
- *   y[n] = s * sum_g (d * A_g + (z - 8 d) * X_g) + lo * wsum[n]
- * where A_g = sum_{i in g} c_i q_i (VPDPBUSD), X_g = sum_{i in g} q_i, and wsum the sum of the
- * stored weights. Tiles of 64 channels as for int8; a quad's 64 x 4 codes take 128 bytes: byte
- * (h, lane * 4 + i) of half h holds channel 32h + lane in its low nibble and channel
- * 32h + 16 + lane in its high one, at input 4 * quad + i. d and z are stored per tile and group
- * as 64 bf16 each. */
-
-void meshd_int4_pack(const uint8_t *c, int64_t n, int64_t k, uint8_t *out) {
-    int64_t tiles = (n + TILE - 1) / TILE, quads = k / 4;
-    memset(out, 0x88, (size_t)(tiles * quads * 128)); /* padding channels: code 8, weight 0 */
-    for (int64_t ch = 0; ch < n; ch++) {
-        int64_t t = ch / TILE, lane = ch % TILE, h = lane / 32, hi = (lane % 32) / 16, l = lane % 16;
-        uint8_t *tile = out + t * quads * 128;
-        for (int64_t i = 0; i < k; i++) {
-            uint8_t *b = tile + (i / 4) * 128 + h * 64 + l * 4 + (i % 4);
-            uint8_t code = c[ch * k + i] & 0x0F;
-            *b = hi ? (uint8_t)((*b & 0x0F) | (code << 4)) : (uint8_t)((*b & 0xF0) | code);
-        }
-    }
-}
-
-static inline __m512 bf16x16(const uint16_t *p) {
-    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-
-static inline __attribute__((always_inline)) void tile_rows4(
-    const uint8_t *w, const uint16_t *dz, const uint8_t *q, const int32_t *xs, int64_t k,
-    int64_t group, const int R, int64_t r0, int64_t n0, int64_t n, const float *lo,
-    const float *step, const float *wsum, const float *res, float *out) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    const int64_t groups = k / group, qpg = group / 4;
-    __m512 f[2][4];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < 4; v++) f[r][v] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        /* Two sets of sums, for even and odd quads: twice the independent VPDPBUSD chains
-         * (integer sums, so the bits are the same), which the one set's latency bounded. */
-        __m512i acc[2][4], odd[2][4];
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < 4; v++) acc[r][v] = odd[r][v] = _mm512_setzero_si512();
-        for (int64_t j = g * qpg; j < (g + 1) * qpg; j += 2) {
-            const __m512i *wp = (const __m512i *)(w + j * 128);
-            __m512i a = _mm512_loadu_si512(wp), b = _mm512_loadu_si512(wp + 1);
-            __m512i c = _mm512_loadu_si512(wp + 2), e = _mm512_loadu_si512(wp + 3);
-            __m512i w0 = _mm512_and_si512(a, low), w1 = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
-            __m512i w2 = _mm512_and_si512(b, low), w3 = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-            __m512i u0 = _mm512_and_si512(c, low), u1 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
-            __m512i u2 = _mm512_and_si512(e, low), u3 = _mm512_and_si512(_mm512_srli_epi16(e, 4), low);
-            for (int r = 0; r < R; r++) {
-                int32_t four[2];
-                memcpy(four, q + (r0 + r) * k + 4 * j, 8);
-                __m512i xb = _mm512_set1_epi32(four[0]), yb = _mm512_set1_epi32(four[1]);
-                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
-                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
-                acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xb, w2);
-                acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xb, w3);
-                odd[r][0] = _mm512_dpbusd_epi32(odd[r][0], yb, u0);
-                odd[r][1] = _mm512_dpbusd_epi32(odd[r][1], yb, u1);
-                odd[r][2] = _mm512_dpbusd_epi32(odd[r][2], yb, u2);
-                odd[r][3] = _mm512_dpbusd_epi32(odd[r][3], yb, u3);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_add_epi32(acc[r][v], odd[r][v]);
-        const uint16_t *d = dz + g * 2 * TILE, *z = d + TILE;
-        for (int v = 0; v < 4; v++) {
-            __m512 dv = bf16x16(d + 16 * v), zv = bf16x16(z + 16 * v);
-            __m512 mv = _mm512_sub_ps(zv, _mm512_mul_ps(eight, dv));
-            for (int r = 0; r < R; r++) {
-                __m512 xg = _mm512_set1_ps((float)xs[(r0 + r) * groups + g]);
-                __m512 t = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(acc[r][v]));
-                f[r][v] = _mm512_add_ps(f[r][v], _mm512_add_ps(t, _mm512_mul_ps(mv, xg)));
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        __m512 vs = _mm512_set1_ps(step[r0 + r]), vl = _mm512_set1_ps(lo[r0 + r]);
-        for (int v = 0; v < 4; v++) {
-            int64_t c = n0 + 16 * v;
-            if (c >= n) break;
-            __mmask16 m = c + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
-            __m512 y = _mm512_add_ps(_mm512_mul_ps(vs, f[r][v]), _mm512_mul_ps(vl, _mm512_loadu_ps(wsum + c)));
-            if (res != NULL) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + (r0 + r) * n + c));
-            _mm512_mask_storeu_ps(out + (r0 + r) * n + c, m, y);
-        }
-    }
-}
-
-/* As meshd_int8_mm for int4 weights packed by meshd_int4_pack (k a multiple of `group`, which
- * is a multiple of 4); dz holds each tile's groups' d and z (bf16), wsum ceil(n/64)*64 sums. */
-int meshd_int4_mm(const float *x, int64_t m, int64_t k, const uint8_t *w, const uint16_t *dz,
-                  const float *wsum, int64_t n, int64_t group, float *out, const float *res,
-                  const float *norm_weight, float eps, int glu, float tiny, int threads) {
-    const int64_t groups = k / group;
-    uint8_t *q = (uint8_t *)aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
-    float *lo = (float *)malloc((size_t)(m * 2 + k) * sizeof(float));
-    int32_t *xs = (int32_t *)malloc((size_t)(m * groups) * sizeof(int32_t));
-    if (q == NULL || lo == NULL || xs == NULL) {
-        free(q);
-        free(lo);
-        free(xs);
-        return -1;
-    }
-    float *step = lo + m;
-    prepare_rows(x, m, k, k, norm_weight, eps, glu, tiny, q, lo, step, lo + 2 * m);
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t sum = 0;
-            for (int64_t i = g * group; i < (g + 1) * group; i++) sum += q[r * k + i];
-            xs[r * groups + g] = sum;
-        }
-    const int64_t tiles = (n + TILE - 1) / TILE;
-#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = w + t * (k / 4) * 128;
-        const uint16_t *dzt = dz + t * groups * 2 * TILE;
-        int64_t r0 = 0;
-        for (; r0 + 2 <= m; r0 += 2)
-            tile_rows4(wt, dzt, q, xs, k, group, 2, r0, t * TILE, n, lo, step, wsum, res, out);
-        if (r0 < m) tile_rows4(wt, dzt, q, xs, k, group, 1, r0, t * TILE, n, lo, step, wsum, res, out);
-    }
-    free(q);
-    free(lo);
-    free(xs);
-    return 0;
-}
-
-/* ---- fp32: the same products for full-precision weights -----------------------------------
- * out [m, n] = f(x) @ W^T (+ res) as meshd_int8_mm, for fp32 weights left where the stage
+ * [m, 2k]: gate and up), else nothing (x [m, k]), for fp32 weights left where the stage
  * keeps them for torch (`llama.linear_weight`): `transposed` 1 reads W^T as [k][ld] (the
  * contiguous [in, out] copy of q/k/v and gate/up), 0 reads W as [n][ld] (the checkpoint's
  * [out, in] rows of o and down). Every output sums its k products in one order whatever m,
@@ -430,12 +163,7 @@ int meshd_f32_mm(const float *x, int64_t m, int64_t k, const float *w, int64_t l
     if (glu || norm_weight != NULL) {
         xs = (float *)malloc((size_t)(m * k) * sizeof(float));
         if (xs == NULL) return -1;
-        for (int64_t r = 0; r < m; r++) {
-            if (glu)
-                swiglu_row(x + r * 2 * k, k, xs + r * k);
-            else
-                rms_norm_row(x + r * k, k, norm_weight, eps, xs + r * k);
-        }
+        prologue_rows(x, m, k, norm_weight, eps, glu, xs);
         x = xs;
     }
     if (transposed) {
@@ -553,13 +281,12 @@ int meshd_attend(const float *q, int64_t q_stride, int64_t t, const float *kv, i
  * it would alone, so verify windows and batches stay row-exact. */
 
 typedef struct {
-    /* 8: int8 (layout = padded input), 4: int4 (layout = group), 32: fp32 [k][layout] (codes
-     * W^T), 33: fp32 [n][layout] (codes W), 64: GGUF tensors as stored (codes: `layout`
+    /* 32: fp32 [k][layout] (codes W^T), 33: fp32 [n][layout] (codes W), 64: ggml blocks (a
+     * GGUF file's tensors as stored, or a checkpoint quantized at load; codes: `layout`
      * meshd_block_part, side by side; scales: the block library's meshd_blocks_mm_threads) */
     int64_t kind;
     int64_t in, out, layout;
     const void *codes, *scales;
-    const float *sums;
 } meshd_matrix;
 
 /* One GGUF tensor [out][in] of a kind-64 operand: its ggml type and bytes as stored, and where
@@ -579,7 +306,7 @@ typedef int (*meshd_blocks_mm_fn)(int type, const void *w, int64_t k, int64_t n_
  * 64-byte alignment. */
 static int64_t block_scratch_bytes(int64_t k, int64_t t) { return t * (4 * k + 128) + 64; }
 
-/* out [m, n] = f(x) @ W^T (+ res), f as for meshd_int8_mm, for a kind-64 operand: each part's
+/* out [m, n] = f(x) @ W^T (+ res), f as for meshd_f32_mm, for a kind-64 operand: each part's
  * product by the block library, its columns placed at their offset (permuted where it says). */
 static int blocks_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
                      const float *res, const float *norm, float eps, int glu, int threads) {
@@ -594,12 +321,7 @@ static int blocks_mm(const meshd_matrix *w, const float *x, int64_t m, float *ou
     int failed = y == NULL || scratch == NULL || ((norm != NULL || glu) && rows == NULL);
     const float *xin = x;
     if (!failed && rows != NULL) {
-        for (int64_t r = 0; r < m; r++) {
-            if (glu)
-                swiglu_row(x + r * 2 * k, k, rows + r * k);
-            else
-                rms_norm_row(x + r * k, k, norm, eps, rows + r * k);
-        }
+        prologue_rows(x, m, k, norm, eps, glu, rows);
         xin = rows;
     }
     const meshd_blocks_mm_fn mm = (meshd_blocks_mm_fn)w->scales;
@@ -634,21 +356,14 @@ typedef struct {
 
 typedef struct {
     int64_t n_heads, n_kv, hd, hidden, inter;
-    float eps, tiny, scale;
+    float eps, scale;
 } meshd_dims;
 
 static int matrix_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
-                     const float *res, const float *norm, float eps, int glu, float tiny,
-                     int threads) {
+                     const float *res, const float *norm, float eps, int glu, int threads) {
     if (w->kind == 64) return blocks_mm(w, x, m, out, res, norm, eps, glu, threads);
-    if (w->kind == 32 || w->kind == 33)
-        return meshd_f32_mm(x, m, w->in, (const float *)w->codes, w->layout, w->out,
-                            w->kind == 32, out, res, norm, eps, glu, threads);
-    if (w->kind == 8)
-        return meshd_int8_mm(x, m, w->in, (const int8_t *)w->codes, (const float *)w->scales,
-                             w->sums, w->out, w->layout, out, res, norm, eps, glu, tiny, threads);
-    return meshd_int4_mm(x, m, w->in, (const uint8_t *)w->codes, (const uint16_t *)w->scales,
-                         w->sums, w->out, w->layout, out, res, norm, eps, glu, tiny, threads);
+    return meshd_f32_mm(x, m, w->in, (const float *)w->codes, w->layout, w->out, w->kind == 32,
+                        out, res, norm, eps, glu, threads);
 }
 
 static void add_bias(float *y, int64_t m, int64_t n, const float *b) {
@@ -696,7 +411,7 @@ int meshd_layers(const meshd_layer *layers, int64_t n_layers, const meshd_dims *
     int failed = qkv == NULL || att == NULL || h == NULL || gu == NULL || scores == NULL;
     for (int64_t l = 0; l < n_layers && !failed; l++) {
         const meshd_layer *w = layers + l;
-        failed |= matrix_mm(&w->qkv, x, t, qkv, NULL, w->input_norm, d->eps, 0, d->tiny, threads);
+        failed |= matrix_mm(&w->qkv, x, t, qkv, NULL, w->input_norm, d->eps, 0, threads);
         if (failed) break;
         add_bias(qkv, t, width, w->bqkv);
         for (int64_t r = 0; r < t; r++) {
@@ -720,13 +435,13 @@ int meshd_layers(const meshd_layer *layers, int64_t n_layers, const meshd_dims *
                         kv_width, hd, lo, pos[r] + 1, d->scale, scores + job * padded,
                         att + (r * nh + head) * hd);
         }
-        failed |= matrix_mm(&w->o, att, t, h, x, NULL, 0.0f, 0, d->tiny, threads);
+        failed |= matrix_mm(&w->o, att, t, h, x, NULL, 0.0f, 0, threads);
         if (failed) break;
         add_bias(h, t, hidden, w->bo);
-        failed |= matrix_mm(&w->gate_up, h, t, gu, NULL, w->post_norm, d->eps, 0, d->tiny, threads);
+        failed |= matrix_mm(&w->gate_up, h, t, gu, NULL, w->post_norm, d->eps, 0, threads);
         if (failed) break;
         add_bias(gu, t, 2 * d->inter, w->b_gate_up);
-        failed |= matrix_mm(&w->down, gu, t, x, h, NULL, 0.0f, 1, d->tiny, threads);
+        failed |= matrix_mm(&w->down, gu, t, x, h, NULL, 0.0f, 1, threads);
         add_bias(x, t, hidden, w->b_down);
     }
     free(qkv);
