@@ -51,6 +51,7 @@ enum {
 #define QKK 256 /* elements per K-quant super-block */
 #define Q8K_BYTES 292
 #define NT 4    /* tokens sharing one pass over a weight row */
+#define NT_WIDE 8 /* the same for the AVX-512 Q5_0 prefill tiles (a multiple of NT) */
 #define CHUNK 16 /* output rows per unit of work between threads */
 #define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
 /* Weight bytes x tokens a second thread must have to itself before a product is split: below
@@ -76,6 +77,12 @@ void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
 float meshd_vec_dot_q4_K_q8_K(int64_t n, const void *w, const void *x);
 float meshd_vec_dot_q5_K_q8_K(int64_t n, const void *w, const void *x);
 float meshd_vec_dot_q6_K_q8_K(int64_t n, const void *w, const void *x);
+void meshd_rows_q4_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out);
+void meshd_rows_q5_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out);
+void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out);
 #endif
 
 int meshd_blocks_abi(void) { return 1; }
@@ -623,7 +630,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
-    __m512 acc[NT], macc[NT];
+    __m512 acc[NT_WIDE], macc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
     /* [d, m] dwords of (row i, block b) in lane i, of (row i, block b+1) in lane 4 + i. */
     int32_t off[8] = {0};
@@ -726,6 +733,19 @@ TILE_SET(T_Q5_0)
 TILE_SET(T_Q5_1)
 TILE_SET(T_Q8_0)
 
+/* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight pair serves twice the
+ * tokens. Q5_0 only: its codes (nibbles plus the fifth bits from qh) cost the most to decode,
+ * and 0.5B-class Q4_K_M files hold most of their products in it (docs/model-runtime.md). */
+#if defined(PAIRED)
+TILE_FN(T_Q5_0, 4, NT_WIDE)
+static tile_fn wide_tile_of(int type) { return type == T_Q5_0 ? tile_T_Q5_0_4xNT_WIDE : 0; }
+#else
+static tile_fn wide_tile_of(int type) {
+    (void)type;
+    return 0;
+}
+#endif
+
 static const tile_fn *tiles_of(int type) {
     switch (type) {
     case T_Q4_0: return tiles_T_Q4_0;
@@ -751,6 +771,7 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
                        float *y) {
     const tile_fn *tiles = tiles_of(type);
+    const tile_fn wide = wide_tile_of(type);
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
@@ -760,6 +781,22 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         /* The first tiles' rows; each tile requests the rows of the tiles after it. */
         const int64_t first = r1 - r0 < PREFETCH_TILES * 4 ? r1 - r0 : PREFETCH_TILES * 4;
         if (j == 0) PREFETCH_ROWS(w + r0 * rb, first * rb);
+        if (wide && t - j >= NT_WIDE) {
+            /* NT_WIDE tokens: 4-row tiles, the rows left over in NT-token tiles. */
+            for (; n + 4 <= r1; n += 4) {
+                for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
+                wide(wr, k, a, stride, o + n, n_out);
+            }
+            for (int h = 0; h < NT_WIDE; h += NT)
+                for (int64_t m = n; m < r1; m += 2) {
+                    const int two = m + 2 <= r1;
+                    wr[0] = w + m * rb;
+                    wr[1] = w + (m + 1) * rb;
+                    tiles[two ? NT : 4 + NT](wr, k, a + h * stride, stride, o + h * n_out + m, n_out);
+                }
+            j += NT_WIDE - NT;
+            continue;
+        }
         /* 4 x 4 tiles only where 32 vector registers hold their accumulators (AVX-512). */
         if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
@@ -907,15 +944,11 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
     case T_Q8_0: dot_q(T_Q8_0, w, k, act, stride, nt, out); break;
     case T_F32: case T_F16: case T_BF16: dot_float(type, w, k, act, stride, nt, out); break;
 #ifdef MESHD_HAVE_K_QUANTS
-    case T_Q4_K:
-        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q4_K_q8_K(k, w, act + r * stride);
-        break;
-    case T_Q5_K:
-        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q5_K_q8_K(k, w, act + r * stride);
-        break;
-    case T_Q6_K:
-        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q6_K_q8_K(k, w, act + r * stride);
-        break;
+    /* blocks_k.c's tiles: the row decoded once for all nt tokens, each token's bits those of
+     * its single-token dot. */
+    case T_Q4_K: meshd_rows_q4_K_q8_K(k, w, act, stride, nt, out); break;
+    case T_Q5_K: meshd_rows_q5_K_q8_K(k, w, act, stride, nt, out); break;
+    case T_Q6_K: meshd_rows_q6_K_q8_K(k, w, act, stride, nt, out); break;
 #endif
     default: break;
     }
