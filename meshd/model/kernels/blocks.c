@@ -618,6 +618,68 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
     for (int i = 0; i < nr; ++i) out[i] = o[i];
 }
 
+/* Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's 32 codes
+ * (low nibbles: values 0-15, high nibbles: 16-31, each with its fifth bit from qh) are laid out
+ * as 16 bytes per row, so the activation's values 0-15 (then 16-31) broadcast to the 4 quarters
+ * straight from memory and one VPDPBUSD covers 4 rows x 16 values: no cross-row reduction per
+ * token. Row i's lane j sums values 4j..4j+3 and 16+4j..16+4j+3 (exact, with -16 * sum(q) of
+ * the block in lane 0); the four lanes are converted, scaled by d_w * d_x and accumulated, and
+ * the row is (l0 + l2) + (l1 + l3) at the end. The same sequence for every tile shape (absent
+ * rows: zero codes and scales in their own quarter), so batches match single steps. */
+static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *const *wr, int nr,
+                                                              int64_t k, const uint8_t *act,
+                                                              int64_t stride, int nt, float *out,
+                                                              int64_t ldo) {
+    const int64_t nb = k / QK, bb = 22;
+    __m512 acc[NT_WIDE];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    const __m512i quarter_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i v = _mm512_setzero_si512();
+        uint64_t h_lo = 0, h_hi = 0, d16 = 0;
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *p = wr[i] + b * bb;
+            if (ahead) __builtin_prefetch(p + ahead, 0, 3);
+            v = _mm512_mask_broadcast_i32x4(v, (__mmask16)(0xFu << (4 * i)),
+                                            _mm_loadu_si128((const __m128i *)(p + 6)));
+            uint32_t h;
+            memcpy(&h, p + 2, 4);
+            h_lo |= (uint64_t)(h & 0xFFFFu) << (16 * i);
+            h_hi |= (uint64_t)(h >> 16) << (16 * i);
+            d16 |= (uint64_t)rd16(p) << (16 * i);
+        }
+        const __m512i n0 = _mm512_and_si512(v, low);
+        const __m512i n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i w0 = _mm512_mask_add_epi8(n0, h_lo, n0, fifth);
+        const __m512i w1 = _mm512_mask_add_epi8(n1, h_hi, n1, fifth);
+        const __m512 dw = _mm512_permutexvar_ps(
+            quarter_of, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((int64_t)d16))));
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const float *d = ACT_D(a, k);
+            const int8_t *xq = ACT_Q(a) + code_at(b, 0);
+            const __m512i x0 = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)xq));
+            const __m512i x1 = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + 32)));
+            const int32_t sum = ((const int32_t *)(d + 2 * nb))[b];
+            __m512i s = _mm512_maskz_set1_epi32(0x1111, -16 * sum);
+            s = _mm512_dpbusd_epi32(s, w0, x0);
+            s = _mm512_dpbusd_epi32(s, w1, x1);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[b])),
+                                     _mm512_cvtepi32_ps(s), acc[r]);
+        }
+    }
+    const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    for (int r = 0; r < nt; ++r) {
+        const __m512 t = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0x4E));
+        const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+        float o[4];
+        _mm_storeu_ps(o, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, u)));
+        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[i];
+    }
+}
+
 /* Up to 4 rows x nt tokens. Each row's integer dot over a block pair is summed per 128-bit
  * quarter (exact), the 4 rows' quarter sums share one vector, and one conversion, one scale
  * multiply and one FMA cover all of them: per (row, token) the sequence is the same for every
@@ -626,6 +688,10 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo) {
+    if (type == T_Q5_0) {
+        tile512_q5_0(wr, nr, k, act, stride, nt, out, ldo);
+        return;
+    }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
