@@ -635,27 +635,31 @@ static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *co
     for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
     const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
-    const __m512i quarter_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    /* Per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
+     * bytes 4-5) and is tested against bit j % 8; word 0 of each quarter is the row's d. */
+    const __m512i h_lo = _mm512_broadcast_i32x4(_mm_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2));
+    const __m512i h_hi = _mm512_add_epi8(h_lo, _mm512_set1_epi8(2));
+    const __m512i bit = _mm512_broadcast_i32x4(
+        _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1));
+    const __m512i d_word = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 24, 24,
+                                            24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i v = _mm512_setzero_si512();
-        uint64_t h_lo = 0, h_hi = 0, d16 = 0;
+        __m512i v = _mm512_setzero_si512(), head = _mm512_setzero_si512();
         for (int i = 0; i < nr; ++i) {
             const uint8_t *p = wr[i] + b * bb;
             if (ahead) __builtin_prefetch(p + ahead, 0, 3);
-            v = _mm512_mask_broadcast_i32x4(v, (__mmask16)(0xFu << (4 * i)),
-                                            _mm_loadu_si128((const __m128i *)(p + 6)));
-            uint32_t h;
-            memcpy(&h, p + 2, 4);
-            h_lo |= (uint64_t)(h & 0xFFFFu) << (16 * i);
-            h_hi |= (uint64_t)(h >> 16) << (16 * i);
-            d16 |= (uint64_t)rd16(p) << (16 * i);
+            const __mmask16 q = (__mmask16)(0xFu << (4 * i));
+            v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + 6)));
+            head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
         }
         const __m512i n0 = _mm512_and_si512(v, low);
         const __m512i n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512i w0 = _mm512_mask_add_epi8(n0, h_lo, n0, fifth);
-        const __m512i w1 = _mm512_mask_add_epi8(n1, h_hi, n1, fifth);
-        const __m512 dw = _mm512_permutexvar_ps(
-            quarter_of, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((int64_t)d16))));
+        const __m512i w0 = _mm512_mask_add_epi8(
+            n0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), n0, fifth);
+        const __m512i w1 = _mm512_mask_add_epi8(
+            n1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), n1, fifth);
+        const __m512 dw = _mm512_cvtph_ps(
+            _mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
         for (int r = 0; r < nt; ++r) {
             const uint8_t *a = act + r * stride;
             const float *d = ACT_D(a, k);
