@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/decode_step_split.py split FILE.gguf [--threads T]
     PYTHONPATH=. python scripts/decode_step_split.py ab FILE.gguf OLD.so NEW.so [--threads T]
+        [--tokens N] [--rounds R]
 
 `split` decodes 64 tokens three times and reports, per token, the calling thread's CPU time
 and the wall time of the layer call (`meshd_layers`: every decoder layer's products, norms,
@@ -11,7 +12,9 @@ the embedding lookup). CPU time leaves out the time other tenants held the core.
 `ab` runs one decode step's block products (every 2-D tensor of the file in file order: each
 layer's, then the head; one token) through two builds of the block library (e.g. the cached
 `~/.cache/meshd/kernels/blocks-avx512-*.so` of two commits), alternating, and reports the
-median wall and CPU ms per step of each and whether their outputs are bit-identical.
+median wall and CPU ms per step of each, the CPU ms per weight type, and whether their outputs
+are bit-identical. `--tokens N` (N > 1) multiplies N tokens at once, as a prefill chunk does, and
+leaves out the head (a prefill computes logits for the last position only).
 """
 
 from __future__ import annotations
@@ -73,7 +76,10 @@ def split(path: str) -> None:
         )
 
 
-def _step(lib_path: str, path: str, threads: int) -> tuple[Callable[[], None], list[torch.Tensor]]:
+Step = tuple[Callable[[dict[str, float]], None], list[torch.Tensor]]
+
+
+def _step(lib_path: str, path: str, threads: int, tokens: int) -> Step:
     lib = ctypes.CDLL(lib_path)
     mm = lib.meshd_blocks_mm_threads
     p, i64, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -87,39 +93,55 @@ def _step(lib_path: str, path: str, threads: int) -> tuple[Callable[[], None], l
     for t in reader.tensors:
         if len(t.shape) != 2 or (t.name == "token_embd.weight" and "output.weight" in names):
             continue  # a tied head is the embedding table; an untied table is only looked up
+        if tokens > 1 and t.name in ("output.weight", "token_embd.weight"):
+            continue  # the head: a prefill takes the last position's logits only
         k, n = int(t.shape[0]), int(t.shape[1])
-        x = inputs.setdefault(k, torch.randn(1, k, generator=torch.Generator().manual_seed(k)))
-        y = torch.empty(1, n)
+        gen = torch.Generator().manual_seed(k)
+        x = inputs.setdefault(k, torch.randn(tokens, k, generator=gen))
+        y = torch.empty(tokens, n)
         data = np.asarray(t.data).reshape(-1).view(np.uint8)
-        args = (int(t.tensor_type), data.ctypes.data, k, n, x.data_ptr(), 1, y.data_ptr())
-        calls.append((args, data))
+        args = (int(t.tensor_type), data.ctypes.data, k, n, x.data_ptr(), tokens, y.data_ptr())
+        calls.append((t.tensor_type.name, args, data))
         outs.append(y)
 
-    def step() -> None:
+    def step(by_type: dict[str, float]) -> None:
         assert inputs  # the activations the calls point into live as long as the step
-        for args, _ in calls:
+        for name, args, _ in calls:
+            c = time.thread_time()
             mm(*args, scratch.ctypes.data, threads)
+            by_type[name] = by_type.get(name, 0.0) + time.thread_time() - c
 
     return step, outs
 
 
-def ab(path: str, old: str, new: str, threads: int, rounds: int = 15) -> None:
-    steps = [_step(lib, path, threads) for lib in (old, new)]
+def ab(path: str, old: str, new: str, threads: int, tokens: int = 1, rounds: int = 15) -> None:
+    steps = [_step(lib, path, threads, tokens) for lib in (old, new)]
     wall: list[list[float]] = [[], []]
     cpu: list[list[float]] = [[], []]
+    types: list[collections.defaultdict[str, list[float]]] = [
+        collections.defaultdict(list) for _ in steps
+    ]
+    repeat = 3 if tokens == 1 else 1
     for step, _ in steps:
-        step()
+        step({})
     for _ in range(rounds):
         for i, (step, _) in enumerate(steps):
+            by_type: dict[str, float] = {}
             w, c = time.perf_counter(), time.thread_time()
-            for _ in range(3):
-                step()
-            wall[i].append((time.perf_counter() - w) / 3 * 1e3)
-            cpu[i].append((time.thread_time() - c) / 3 * 1e3)
+            for _ in range(repeat):
+                step(by_type)
+            wall[i].append((time.perf_counter() - w) / repeat * 1e3)
+            cpu[i].append((time.thread_time() - c) / repeat * 1e3)
+            for name, seconds in by_type.items():
+                types[i][name].append(seconds / repeat * 1e3)
     for i, lib in enumerate((old, new)):
+        per_type = ", ".join(
+            f"{name} {statistics.median(v):.2f}" for name, v in sorted(types[i].items())
+        )
         print(
             f"{os.path.basename(lib)}: ms/step wall median {statistics.median(wall[i]):.2f} "
-            f"(min {min(wall[i]):.2f}), CPU median {statistics.median(cpu[i]):.2f}"
+            f"(min {min(wall[i]):.2f}), CPU median {statistics.median(cpu[i]):.2f} "
+            f"(CPU by type: {per_type})"
         )
     print(f"old / new, wall: {statistics.median(wall[0]) / statistics.median(wall[1]):.3f}")
     same = all(torch.equal(a, b) for a, b in zip(steps[0][1], steps[1][1], strict=True))
@@ -132,6 +154,8 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("libraries", nargs="*", help="ab: the two block library builds")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=1, help="ab: tokens per product")
+    parser.add_argument("--rounds", type=int, default=15, help="ab: alternating rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode == "split":
@@ -139,7 +163,7 @@ def main() -> None:
     else:
         if len(args.libraries) != 2:
             parser.error("ab needs two library paths")
-        ab(args.model, args.libraries[0], args.libraries[1], args.threads)
+        ab(args.model, args.libraries[0], args.libraries[1], args.threads, args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

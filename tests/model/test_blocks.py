@@ -148,15 +148,19 @@ def test_float_types_take_any_row_length(path: str, qtype: T) -> None:
 
 
 @pytest.mark.parametrize("qtype", _types(), ids=lambda q: q.name)
-# 544: 17 blocks, an odd last block (the AVX-512 tiles take blocks in pairs).
-@pytest.mark.parametrize("k", [512, 544])
+# 544: 17 blocks, an odd last block (the AVX-512 tiles take blocks in pairs); 768: three
+# K-quant super-blocks.
+@pytest.mark.parametrize("k", [512, 544, 768])
 def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
     path: str, qtype: T, k: int, threads: None
 ) -> None:
     if qtype in _K_TYPES and k % 256:
         pytest.skip("K-quant rows are whole 256-element blocks")
+    if qtype not in _K_TYPES and k == 768:
+        pytest.skip("768 is for the K-quants' odd super-block count")
     rng = np.random.default_rng(int(qtype))
-    n_out = 45
+    # 47 rows: units of 16 leave 15, i.e. 4-row tiles with a 2-row and a 1-row tail.
+    n_out = 47
     m = BlockMatrix(_weights(qtype, n_out, k, rng), qtype, k, n_out)
     # 70 tokens cross the kernel's 64-token units of work.
     x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
@@ -164,7 +168,8 @@ def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
     singles = torch.cat([m.mm(x[i : i + 1]) for i in range(70)])
     for n in (1, 2):
         torch.set_num_threads(n)
-        for t in (1, 2, 3, 7, 16, 33, 70):
+        # 8-token tiles (AVX-512 Q5_0) and 4-token ones with every tail.
+        for t in (1, 2, 3, 7, 9, 12, 16, 33, 70):
             for start in (0, 70 - t):
                 got = m.mm(x[start : start + t])
                 assert torch.equal(got, singles[start : start + t]), (n, t, start)
@@ -218,14 +223,23 @@ def test_rows_are_the_dequantized_weights(path: str, qtype: T) -> None:
 )
 def test_avx2_with_and_without_avx_vnni_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(5)
-    k, n_out = 544, 21
-    x = torch.from_numpy(rng.standard_normal((6, k)).astype(np.float32))
-    weights = {q: _weights(q, n_out, k, rng) for q in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)}
-    vnni = {q: BlockMatrix(raw, q, k, n_out, path="avx2").mm(x) for q, raw in weights.items()}
+    n_out = 21
+    x = torch.from_numpy(rng.standard_normal((6, 768)).astype(np.float32))
+    types = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, *_K_TYPES)
+    ks = {q: 768 if q in _K_TYPES else 544 for q in types}
+    weights = {q: _weights(q, n_out, ks[q], rng) for q in types}
+
+    def products() -> dict[T, torch.Tensor]:
+        return {
+            q: BlockMatrix(raw, q, ks[q], n_out, path="avx2").mm(x[:, : ks[q]])
+            for q, raw in weights.items()
+        }
+
+    vnni = products()
     flags = blocks._cpu_flags() - {"avx_vnni"}
     monkeypatch.setattr(blocks, "_cpu_flags", lambda: flags)
-    for q, raw in weights.items():
-        assert torch.equal(BlockMatrix(raw, q, k, n_out, path="avx2").mm(x), vnni[q]), q.name
+    for q, plain in products().items():
+        assert torch.equal(plain, vnni[q]), q.name
 
 
 def test_the_c_entry_point_without_a_thread_count_computes_the_same(path: str) -> None:

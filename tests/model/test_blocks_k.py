@@ -6,7 +6,9 @@ format (Q4_K, Q5_K, Q6_K):
 - dequantizing a row gives exactly what `gguf.quants.dequantize` (llama.cpp's gguf-py) gives;
 - quantizing activations to Q8_K gives exactly a numpy port of ggml's quantize_row_q8_K_ref;
 - a dot product equals the float64 dot of the dequantized operands to float rounding;
-- every path gives the same bits, whatever the alignment of its inputs.
+- every path gives the same bits, whatever the alignment of its inputs;
+- a weight row against several tokens at once (the prefill tiles) gives each token the bits of
+  its single-token dot.
 
 gguf-py cannot quantize K formats, so weights are random valid blocks built byte by byte.
 """
@@ -93,6 +95,16 @@ class Kernels:
         n = w.size // BLOCK_BYTES[qtype] * QK_K
         return float(fn(n, w.ctypes.data, x8.ctypes.data))
 
+    def rows(
+        self, qtype: GGMLQuantizationType, w: np.ndarray, x8: np.ndarray, stride: int, nt: int
+    ) -> np.ndarray:
+        """One weight row against `nt` tokens, token r's Q8_K blocks at byte r * stride of x8."""
+        fn = getattr(self.lib, f"meshd_rows_{_suffix(qtype)}_q8_K")
+        n = w.size // BLOCK_BYTES[qtype] * QK_K
+        out = np.full(nt, np.nan, dtype=np.float32)
+        fn(n, w.ctypes.data, x8.ctypes.data, stride, nt, out.ctypes.data_as(_F32))
+        return out
+
 
 def _bind(lib: ctypes.CDLL) -> None:
     lib.meshd_quantize_row_q8_K.argtypes = [_F32, ctypes.c_void_p, ctypes.c_int64]
@@ -101,6 +113,16 @@ def _bind(lib: ctypes.CDLL) -> None:
         dot = getattr(lib, f"meshd_vec_dot_{name}_q8_K")
         dot.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         dot.restype = ctypes.c_float
+        rows = getattr(lib, f"meshd_rows_{name}_q8_K")
+        rows.argtypes = [
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int,
+            _F32,
+        ]
+        rows.restype = None
         deq = getattr(lib, f"meshd_dequantize_row_{name}")
         deq.argtypes = [ctypes.c_void_p, _F32, ctypes.c_int64]
         deq.restype = None
@@ -267,6 +289,33 @@ def test_vec_dot_extreme_blocks_do_not_saturate(
     xf = dequantize_q8_K(x8)
     exact, scale = float(wf @ xf), float(np.abs(wf) @ np.abs(xf))
     assert abs(kernels.vec_dot(qtype, w, x8) - exact) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [256, 768, 2304])  # 1, 3 and 9 super-blocks
+def test_a_row_against_several_tokens_gives_each_its_single_dot(
+    kernels: Kernels, qtype: GGMLQuantizationType, k: int
+) -> None:
+    nb = k // QK_K
+    w = random_blocks(qtype, nb, seed=k + 5)
+    tokens = activations(4, k, seed=k + 6)  # the last row holds the +-1000 tie
+    singles = [kernels.vec_dot(qtype, w, kernels.quantize_q8_K(x)) for x in tokens]
+    # Token rows at a stride that is not a multiple of the block size or of 64 bytes, as the
+    # scratch of meshd_blocks_mm may lay them out.
+    stride = nb * Q8_K.itemsize + 36
+    packed = np.zeros(4 * stride, dtype=np.uint8)
+    for r, x in enumerate(tokens):
+        packed[r * stride : r * stride + nb * Q8_K.itemsize] = kernels.quantize_q8_K(x).view(
+            np.uint8
+        )
+    for nt in (1, 2, 3, 4):
+        for first in range(4 - nt + 1):
+            got = kernels.rows(qtype, w, packed[first * stride :], stride, nt)
+            np.testing.assert_array_equal(
+                got.view(np.uint32),
+                np.array(singles[first : first + nt], dtype=np.float32).view(np.uint32),
+                err_msg=f"nt={nt} first={first}",
+            )
 
 
 def _results(kn: Kernels, k: int) -> list[np.ndarray]:

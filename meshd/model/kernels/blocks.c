@@ -39,6 +39,7 @@
 #define QKK 256 /* elements per K-quant super-block */
 #define Q8K_BYTES 292
 #define NT 4    /* tokens sharing one pass over a weight row */
+#define NT_WIDE 8 /* the same for the AVX-512 Q5_0 prefill tiles (a multiple of NT) */
 #define CHUNK 16 /* output rows per unit of work between threads */
 #define TOKEN_BLOCK 64 /* tokens per unit of work (a multiple of NT) */
 /* Weight bytes x tokens a second thread must have to itself before a product is split: below
@@ -64,6 +65,12 @@ void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
 float meshd_vec_dot_q4_K_q8_K(int64_t n, const void *w, const void *x);
 float meshd_vec_dot_q5_K_q8_K(int64_t n, const void *w, const void *x);
 float meshd_vec_dot_q6_K_q8_K(int64_t n, const void *w, const void *x);
+void meshd_rows_q4_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out);
+void meshd_rows_q5_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out);
+void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out);
 #endif
 
 int meshd_blocks_abi(void) { return 1; }
@@ -558,6 +565,72 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
     for (int i = 0; i < nr; ++i) out[i] = o[i];
 }
 
+/* Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's 32 codes
+ * (low nibbles: values 0-15, high nibbles: 16-31, each with its fifth bit from qh) are laid out
+ * as 16 bytes per row, so the activation's values 0-15 (then 16-31) broadcast to the 4 quarters
+ * straight from memory and one VPDPBUSD covers 4 rows x 16 values: no cross-row reduction per
+ * token. Row i's lane j sums values 4j..4j+3 and 16+4j..16+4j+3 (exact, with -16 * sum(q) of
+ * the block in lane 0); the four lanes are converted, scaled by d_w * d_x and accumulated, and
+ * the row is (l0 + l2) + (l1 + l3) at the end. The same sequence for every tile shape (absent
+ * rows: zero codes and scales in their own quarter), so batches match single steps. */
+static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *const *wr, int nr,
+                                                              int64_t k, const uint8_t *act,
+                                                              int64_t stride, int nt, float *out,
+                                                              int64_t ldo) {
+    const int64_t nb = k / QK, bb = 22;
+    __m512 acc[NT_WIDE];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    /* Per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
+     * bytes 4-5) and is tested against bit j % 8; word 0 of each quarter is the row's d. */
+    const __m512i h_lo = _mm512_broadcast_i32x4(_mm_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2));
+    const __m512i h_hi = _mm512_add_epi8(h_lo, _mm512_set1_epi8(2));
+    const __m512i bit = _mm512_broadcast_i32x4(
+        _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1));
+    const __m512i d_word = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 24, 24,
+                                            24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i v = _mm512_setzero_si512(), head = _mm512_setzero_si512();
+        for (int i = 0; i < nr; ++i) {
+            const uint8_t *p = wr[i] + b * bb;
+            if (ahead) __builtin_prefetch(p + ahead, 0, 3);
+            const __mmask16 q = (__mmask16)(0xFu << (4 * i));
+            v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + 6)));
+            head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
+        }
+        const __m512i n0 = _mm512_and_si512(v, low);
+        const __m512i n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i w0 = _mm512_mask_add_epi8(
+            n0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), n0, fifth);
+        const __m512i w1 = _mm512_mask_add_epi8(
+            n1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), n1, fifth);
+        const __m512 dw = _mm512_cvtph_ps(
+            _mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const float *d = ACT_D(a, k);
+            const int8_t *xq = ACT_Q(a) + code_at(b, 0);
+            const __m512i x0 = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)xq));
+            const __m512i x1 = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + 32)));
+            const int32_t sum = ((const int32_t *)(d + 2 * nb))[b];
+            __m512i s = _mm512_maskz_set1_epi32(0x1111, -16 * sum);
+            s = _mm512_dpbusd_epi32(s, w0, x0);
+            s = _mm512_dpbusd_epi32(s, w1, x1);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[b])),
+                                     _mm512_cvtepi32_ps(s), acc[r]);
+        }
+    }
+    const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    for (int r = 0; r < nt; ++r) {
+        const __m512 t = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0x4E));
+        const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+        float o[4];
+        _mm_storeu_ps(o, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, u)));
+        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[i];
+    }
+}
+
 /* Up to 4 rows x nt tokens. Each row's integer dot over a block pair is summed per 128-bit
  * quarter (exact), the 4 rows' quarter sums share one vector, and one conversion, one scale
  * multiply and one FMA cover all of them: per (row, token) the sequence is the same for every
@@ -566,11 +639,15 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo) {
+    if (type == T_Q5_0) {
+        tile512_q5_0(wr, nr, k, act, stride, nt, out, ldo);
+        return;
+    }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
-    __m512 acc[NT], macc[NT];
+    __m512 acc[NT_WIDE], macc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
     /* [d, m] dwords of (row i, block b) in lane i, of (row i, block b+1) in lane 4 + i. */
     int32_t off[8] = {0};
@@ -673,6 +750,19 @@ TILE_SET(T_Q5_0)
 TILE_SET(T_Q5_1)
 TILE_SET(T_Q8_0)
 
+/* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight pair serves twice the
+ * tokens. Q5_0 only: its codes (nibbles plus the fifth bits from qh) cost the most to decode,
+ * and 0.5B-class Q4_K_M files hold most of their products in it (docs/model-runtime.md). */
+#if defined(PAIRED)
+TILE_FN(T_Q5_0, 4, NT_WIDE)
+static tile_fn wide_tile_of(int type) { return type == T_Q5_0 ? tile_T_Q5_0_4xNT_WIDE : 0; }
+#else
+static tile_fn wide_tile_of(int type) {
+    (void)type;
+    return 0;
+}
+#endif
+
 static const tile_fn *tiles_of(int type) {
     switch (type) {
     case T_Q4_0: return tiles_T_Q4_0;
@@ -698,6 +788,7 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
                        float *y) {
     const tile_fn *tiles = tiles_of(type);
+    const tile_fn wide = wide_tile_of(type);
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
@@ -707,6 +798,22 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         /* The first tiles' rows; each tile requests the rows of the tiles after it. */
         const int64_t first = r1 - r0 < PREFETCH_TILES * 4 ? r1 - r0 : PREFETCH_TILES * 4;
         if (j == 0) PREFETCH_ROWS(w + r0 * rb, first * rb);
+        if (wide && t - j >= NT_WIDE) {
+            /* NT_WIDE tokens: 4-row tiles, the rows left over in NT-token tiles. */
+            for (; n + 4 <= r1; n += 4) {
+                for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
+                wide(wr, k, a, stride, o + n, n_out);
+            }
+            for (int h = 0; h < NT_WIDE; h += NT)
+                for (int64_t m = n; m < r1; m += 2) {
+                    const int two = m + 2 <= r1;
+                    wr[0] = w + m * rb;
+                    wr[1] = w + (m + 1) * rb;
+                    tiles[two ? NT : 4 + NT](wr, k, a + h * stride, stride, o + h * n_out + m, n_out);
+                }
+            j += NT_WIDE - NT;
+            continue;
+        }
         /* 4 x 4 tiles only where 32 vector registers hold their accumulators (AVX-512). */
         if (nt == 1 || (WIDE_TILES && nt == NT))
             for (; n + 4 <= r1; n += 4) {
@@ -854,15 +961,11 @@ static inline __attribute__((always_inline)) void row_dot(int type, const uint8_
     case T_Q8_0: dot_q(T_Q8_0, w, k, act, stride, nt, out); break;
     case T_F32: case T_F16: case T_BF16: dot_float(type, w, k, act, stride, nt, out); break;
 #ifdef MESHD_HAVE_K_QUANTS
-    case T_Q4_K:
-        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q4_K_q8_K(k, w, act + r * stride);
-        break;
-    case T_Q5_K:
-        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q5_K_q8_K(k, w, act + r * stride);
-        break;
-    case T_Q6_K:
-        for (int r = 0; r < nt; ++r) out[r] = meshd_vec_dot_q6_K_q8_K(k, w, act + r * stride);
-        break;
+    /* blocks_k.c's tiles: the row decoded once for all nt tokens, each token's bits those of
+     * its single-token dot. */
+    case T_Q4_K: meshd_rows_q4_K_q8_K(k, w, act, stride, nt, out); break;
+    case T_Q5_K: meshd_rows_q5_K_q8_K(k, w, act, stride, nt, out); break;
+    case T_Q6_K: meshd_rows_q6_K_q8_K(k, w, act, stride, nt, out); break;
 #endif
     default: break;
     }

@@ -65,6 +65,7 @@
 #define Q8_K_BYTES 292 /* d (fp32), qs[256] (int8), bsums[16] (int16) */
 #define Q8_K_QS 4
 #define Q8_K_BSUMS 260
+#define KQ_NT 4 /* most tokens sharing one pass over a weight row (blocks.c's NT) */
 
 /* The AVX-512 code also needs BW (byte and word ops) and VNNI (VPDPWSSD); without them the AVX2
  * code runs. */
@@ -512,75 +513,93 @@ static inline __m128i get_scale_shuffle(int i) {
     return _mm_loadu_si128((const __m128i *)k_shuffle + i);
 }
 
-/* ggml's AVX2 ggml_vec_dot_q4_K_q8_K. */
-static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
-    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
-        const float yd = f32_at(y);
-        const float d = yd * fp16_at(w);
-        const float dmin = -yd * fp16_at(w + 2);
-        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+/* The AVX2 tiles: one weight row against nt <= KQ_NT tokens (token r's Q8_K blocks at
+ * y + r * stride). Each 64-value step decodes the row's codes and chunk scales once and runs
+ * every token on them; per token the integer lanes and the float steps are ggml's AVX2 kernel's
+ * in its order, so any nt gives each token the bits of nt = 1 (the single-token dot). */
+#if defined(__AVXVNNI__)
+/* AVX-VNNI's VPDPWSSD: the same exact int32 sums as VPMADDWD + VPADDD. */
+#define KQ_MADD_ADD(acc, p16, sc) _mm256_dpwssd_avx_epi32((acc), (p16), (sc))
+#else
+#define KQ_MADD_ADD(acc, p16, sc) _mm256_add_epi32((acc), _mm256_madd_epi16((p16), (sc)))
+#endif
 
+/* ggml's AVX2 ggml_vec_dot_q4_K_q8_K, tokens innermost. */
+static inline __attribute__((always_inline)) void rows_q4_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[KQ_NT];
+    __m128 acc_m[KQ_NT];
+    for (int r = 0; r < nt; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        acc_m[r] = _mm_setzero_ps();
+    }
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const float wd = fp16_at(w), wmin = fp16_at(w + 2);
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
         const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
         const __m256i scales = _mm256_set_m128i(sc128, sc128);
         const uint8_t *q4 = w + 16;
-        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < QK_K / 64; ++j) {
+        __m256i sumi[KQ_NT];
+        for (int r = 0; r < nt; ++r) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
             const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
             const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
             const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
-            q4 += 32;
             const __m256i q4l = _mm256_and_si256(q4bits, m4);
             const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-            const __m256i q8l = _mm256_loadu_si256((const __m256i *)q8);
-            q8 += 32;
-            const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, q8l));
-            const __m256i q8h = _mm256_loadu_si256((const __m256i *)q8);
-            q8 += 32;
-            const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, q8h));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
+                const __m256i q8l = _mm256_loadu_si256((const __m256i *)q8);
+                const __m256i q8h = _mm256_loadu_si256((const __m256i *)(q8 + 32));
+                sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q4l, q8l), scale_l);
+                sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q4h, q8h), scale_h);
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *yr = y + r * stride;
+            const float yd = f32_at(yr);
+            const float d = yd * wd, dmin = -yd * wmin;
+            const __m128i prod = mins_by_bsums_v(mins_and_scales, yr);
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        }
     }
-    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-    return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
+    for (int r = 0; r < nt; ++r) {
+        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
+    }
 }
 
-/* ggml's AVX2 ggml_vec_dot_q5_K_q8_K; `summs` as in the portable code. */
-static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+/* ggml's AVX2 ggml_vec_dot_q5_K_q8_K, tokens innermost; `summs` as in the portable code. */
+static inline __attribute__((always_inline)) void rows_q5_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i mone = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    float summs = 0.f;
+    __m256 acc[KQ_NT];
+    float summs[KQ_NT];
+    for (int r = 0; r < nt; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        summs[r] = 0.f;
+    }
     for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
-        const float yd = f32_at(y);
-        const float d = yd * fp16_at(w);
-        const float dmin = -yd * fp16_at(w + 2);
+        const float wd = fp16_at(w), wmin = fp16_at(w + 2);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
-        const __m128i mzero = _mm_setzero_si128();
-        const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
-        summs = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs);
-
         const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
         const __m256i scales = _mm256_set_m128i(sc128, sc128);
         const __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
         __m256i hmask = mone;
         const uint8_t *q5 = w + 48;
-        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sumi[KQ_NT];
+        for (int r = 0; r < nt; ++r) sumi[r] = _mm256_setzero_si256();
         int bit = 0;
-        for (int j = 0; j < QK_K / 64; ++j) {
+        for (int j = 0; j < QK_K / 64; ++j, q5 += 32) {
             const __m256i scale_0 = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
             const __m256i scale_1 = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
             const __m256i q5bits = _mm256_loadu_si256((const __m256i *)q5);
-            q5 += 32;
             const __m256i q5l_0 = _mm256_and_si256(q5bits, m4);
             const __m256i q5h_0 = _mm256_slli_epi16(
                 _mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
@@ -591,78 +610,78 @@ static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
                 _mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
             const __m256i q5_1 = _mm256_add_epi8(q5l_1, q5h_1);
             hmask = _mm256_slli_epi16(hmask, 1);
-            const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)q8);
-            q8 += 32;
-            const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)q8);
-            q8 += 32;
-            const __m256i p16_0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, q8_0));
-            const __m256i p16_1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, q8_1));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
+                const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)q8);
+                const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)(q8 + 32));
+                sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q5_0, q8_0), scale_0);
+                sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q5_1, q8_1), scale_1);
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *yr = y + r * stride;
+            const float yd = f32_at(yr);
+            const float d = yd * wd, dmin = -yd * wmin;
+            const __m128i prod = mins_by_bsums_v(mins_and_scales, yr);
+            const __m128i mzero = _mm_setzero_si128();
+            const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+            summs[r] = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        }
     }
-    return hsum_float_8(acc) + summs;
+    for (int r = 0; r < nt; ++r) out[r] = hsum_float_8(acc[r]) + summs[r];
 }
 
-/* ggml's AVX2 ggml_vec_dot_q6_K_q8_K. */
-static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+/* ggml's AVX2 ggml_vec_dot_q6_K_q8_K, tokens innermost. */
+static inline __attribute__((always_inline)) void rows_q6_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i m15 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[KQ_NT];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES, y += Q8_K_BYTES) {
-        const float d = f32_at(y) * fp16_at(w + 208);
+        const float wd = fp16_at(w + 208);
         const uint8_t *q4 = w, *qh = w + 128;
-        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(y + Q8_K_BSUMS));
         const __m128i scales = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-        __m256i sumi = _mm256_setzero_si256();
-        int is = 0;
-        for (int j = 0; j < QK_K / 128; ++j) {
+        __m256i sumi[KQ_NT];
+        for (int r = 0; r < nt; ++r) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 128; ++j, q4 += 64, qh += 32) {
             const __m256i q4bits1 = _mm256_loadu_si256((const __m256i *)q4);
-            q4 += 32;
-            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i *)q4);
-            q4 += 32;
+            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i *)(q4 + 32));
             const __m256i q4bitsH = _mm256_loadu_si256((const __m256i *)qh);
-            qh += 32;
             const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
             const __m256i q4h_1 =
                 _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
             const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
             const __m256i q4h_3 =
                 _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
-            const __m256i q4_0 = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
-            const __m256i q4_1 = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
-            const __m256i q4_2 =
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
-            const __m256i q4_3 =
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
-            const __m256i q8_0 = _mm256_loadu_si256((const __m256i *)q8);
-            const __m256i q8_1 = _mm256_loadu_si256((const __m256i *)(q8 + 32));
-            const __m256i q8_2 = _mm256_loadu_si256((const __m256i *)(q8 + 64));
-            const __m256i q8_3 = _mm256_loadu_si256((const __m256i *)(q8 + 96));
-            q8 += 128;
-            const __m256i sc0 =
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 0)));
-            const __m256i sc1 =
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 1)));
-            const __m256i sc2 =
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 2)));
-            const __m256i sc3 =
-                _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + 3)));
-            is += 4;
-            const __m256i p16_0 = _mm256_madd_epi16(sc0, _mm256_maddubs_epi16(q4_0, q8_0));
-            const __m256i p16_1 = _mm256_madd_epi16(sc1, _mm256_maddubs_epi16(q4_1, q8_1));
-            const __m256i p16_2 = _mm256_madd_epi16(sc2, _mm256_maddubs_epi16(q4_2, q8_2));
-            const __m256i p16_3 = _mm256_madd_epi16(sc3, _mm256_maddubs_epi16(q4_3, q8_3));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_0, p16_1));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16_2, p16_3));
+            __m256i q[4], sc[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+            q[1] = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+            for (int c = 0; c < 4; ++c)
+                sc[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(4 * j + c)));
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 128 * j;
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i q8c = _mm256_loadu_si256((const __m256i *)(q8 + 32 * c));
+                    sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q[c], q8c), sc[c]);
+                }
+            }
         }
-        sumi = _mm256_sub_epi32(sumi, q8sclsub);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *yr = y + r * stride;
+            const float d = f32_at(yr) * wd;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(yr + Q8_K_BSUMS));
+            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+            const __m256i lanes = _mm256_sub_epi32(sumi[r], q8sclsub);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[r]);
+        }
     }
-    return hsum_float_8(acc);
+    for (int r = 0; r < nt; ++r) out[r] = hsum_float_8(acc[r]);
 }
 
 #endif /* KQ_AVX2 */
@@ -694,69 +713,85 @@ static inline __m256i fold_lanes(__m512i v) {
 /* A VPSHUFB control that copies 16-bit word `w` into every word. */
 static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
 
-static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+/* One weight row against nt <= KQ_NT tokens (token r's Q8_K blocks at y + r * stride): each
+ * step decodes the row's codes and chunk scales once and runs every token on them, the tokens
+ * innermost. Per token the int32 lanes are exact and the float steps are the single-token
+ * ones in their order, so any nt gives each token the bits of nt = 1 (a decode step). */
+static inline __attribute__((always_inline)) void rows_q4_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 acc_m = _mm_setzero_ps();
+    __m256 acc[KQ_NT];
+    __m128 acc_m[KQ_NT];
+    for (int r = 0; r < nt; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        acc_m[r] = _mm_setzero_ps();
+    }
     for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
-        const float yd = f32_at(y);
-        const float d = yd * fp16_at(w);
-        const float dmin = -yd * fp16_at(w + 2);
+        const float wd = fp16_at(w), wmin = fp16_at(w + 2);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
-        acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
-
         const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
         const __m256i scales = _mm256_set_m128i(sc128, sc128);
         const uint8_t *q4 = w + 16;
-        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int j = 0; j < QK_K / 64; ++j, q4 += 32, q8 += 64) {
+        __m256i sumi[KQ_NT][2];
+        for (int r = 0; r < nt; ++r) sumi[r][0] = sumi[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
             const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
             const __m256i q4l = _mm256_and_si256(q4bits, m4);
             const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-            const __m256i p16l =
-                _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
-            const __m256i p16h =
-                _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
             /* word 2j, then word 2j + 1, of the scales in every word */
             const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
             const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
-            sumi[0] = _mm256_dpwssd_epi32(sumi[0], p16l, scale_l);
-            sumi[1] = _mm256_dpwssd_epi32(sumi[1], p16h, scale_h);
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
+                const __m256i p16l =
+                    _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
+                const __m256i p16h =
+                    _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+                sumi[r][0] = _mm256_dpwssd_epi32(sumi[r][0], p16l, scale_l);
+                sumi[r][1] = _mm256_dpwssd_epi32(sumi[r][1], p16h, scale_h);
+            }
         }
-        const __m256i lanes = _mm256_add_epi32(sumi[0], sumi[1]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *yr = y + r * stride;
+            const float yd = f32_at(yr);
+            const float d = yd * wd, dmin = -yd * wmin;
+            const __m128i prod = mins_by_bsums_v(mins_and_scales, yr);
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            const __m256i lanes = _mm256_add_epi32(sumi[r][0], sumi[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[r]);
+        }
     }
-    acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-    acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-    return hsum_float_8(acc) + _mm_cvtss_f32(acc_m);
+    for (int r = 0; r < nt; ++r) {
+        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
+    }
 }
 
 /* qh bit 2j (2j+1) of each byte is shifted to bit 4 and merged with the low (high) nibbles by
  * one ternary-logic op. */
-static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+static inline __attribute__((always_inline)) void rows_q5_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i m16 = _mm256_set1_epi8(0x10);
-    __m256 acc = _mm256_setzero_ps();
-    float summs = 0.f;
+    __m256 acc[KQ_NT];
+    float summs[KQ_NT];
+    for (int r = 0; r < nt; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        summs[r] = 0.f;
+    }
     for (int64_t i = 0; i < nb; i++, w += Q5_K_BYTES, y += Q8_K_BYTES) {
-        const float yd = f32_at(y);
-        const float d = yd * fp16_at(w);
-        const float dmin = -yd * fp16_at(w + 2);
+        const float wd = fp16_at(w), wmin = fp16_at(w + 2);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m128i prod = mins_by_bsums_v(mins_and_scales, y);
-        const __m128i mzero = _mm_setzero_si128();
-        const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
-        summs = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs);
-
         const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
         const __m256i scales = _mm256_set_m128i(sc128, sc128);
         __m256i hbits = _mm256_loadu_si256((const __m256i *)(w + 16));
         const uint8_t *q5 = w + 48;
-        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int j = 0; j < QK_K / 64; ++j, q5 += 32, q8 += 64) {
+        __m256i sumi[KQ_NT][2];
+        for (int r = 0; r < nt; ++r) sumi[r][0] = sumi[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; ++j, q5 += 32) {
             const __m256i q5bits = _mm256_loadu_si256((const __m256i *)q5);
             /* bit 0 (1) of each qh byte to bit 4; bits leaking in from the byte below are
              * masked off by the 0x10 of A | (B & C) */
@@ -767,35 +802,48 @@ static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4);
             const __m256i q5_0 = _mm256_ternarylogic_epi64(lo, h0, m16, 0xF8);
             const __m256i q5_1 = _mm256_ternarylogic_epi64(hi, h1, m16, 0xF8);
-            const __m256i p0 =
-                _mm256_maddubs_epi16(q5_0, _mm256_loadu_si256((const __m256i *)q8));
-            const __m256i p1 =
-                _mm256_maddubs_epi16(q5_1, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
             const __m256i s0 = _mm256_shuffle_epi8(scales, word_index(2 * j));
             const __m256i s1 = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
-            sumi[0] = _mm256_dpwssd_epi32(sumi[0], p0, s0);
-            sumi[1] = _mm256_dpwssd_epi32(sumi[1], p1, s1);
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
+                const __m256i p0 =
+                    _mm256_maddubs_epi16(q5_0, _mm256_loadu_si256((const __m256i *)q8));
+                const __m256i p1 =
+                    _mm256_maddubs_epi16(q5_1, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+                sumi[r][0] = _mm256_dpwssd_epi32(sumi[r][0], p0, s0);
+                sumi[r][1] = _mm256_dpwssd_epi32(sumi[r][1], p1, s1);
+            }
         }
-        const __m256i lanes = _mm256_add_epi32(sumi[0], sumi[1]);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *yr = y + r * stride;
+            const float yd = f32_at(yr);
+            const float d = yd * wd, dmin = -yd * wmin;
+            const __m128i prod = mins_by_bsums_v(mins_and_scales, yr);
+            const __m128i mzero = _mm_setzero_si128();
+            const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+            summs[r] = fmaf(dmin, (float)_mm_extract_epi32(hsum, 0), summs[r]);
+            const __m256i lanes = _mm256_add_epi32(sumi[r][0], sumi[r][1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[r]);
+        }
     }
-    return hsum_float_8(acc) + summs;
+    for (int r = 0; r < nt; ++r) out[r] = hsum_float_8(acc[r]) + summs[r];
 }
 
-static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
+static inline __attribute__((always_inline)) void rows_q6_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
     const __m512i m4 = _mm512_set1_epi8(0xF);
     const __m512i m48 = _mm512_set1_epi8(0x30);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[KQ_NT];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++, w += Q6_K_BYTES, y += Q8_K_BYTES) {
-        const float d = f32_at(y) * fp16_at(w + 208);
-        const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(y + Q8_K_BSUMS));
+        const float wd = fp16_at(w + 208);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
-        const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
         const __m512i sc16 = _mm512_castsi256_si512(scales_16);
         const uint8_t *ql = w, *qh = w + 128;
-        const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        __m512i sumi[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int j = 0; j < QK_K / 128; ++j, ql += 64, qh += 32, q8 += 128) {
+        __m512i sumi[KQ_NT][2];
+        for (int r = 0; r < nt; ++r) sumi[r][0] = sumi[r][1] = _mm512_setzero_si512();
+        for (int j = 0; j < QK_K / 128; ++j, ql += 64, qh += 32) {
             /* chunks 0 and 1: low nibbles of ql[0..63], qh bits 0-1 and 2-3 rotated to bits 4-5;
              * chunks 2 and 3: high nibbles, qh bits 4-5 and 6-7. */
             const __m512i l = _mm512_loadu_si512(ql);
@@ -806,21 +854,62 @@ static float dot_q6_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
             const __m512i q01 = _mm512_ternarylogic_epi64(_mm512_and_si512(l, m4), h01, m48, 0xF8);
             const __m512i q23 = _mm512_ternarylogic_epi64(
                 _mm512_and_si512(_mm512_srli_epi16(l, 4), m4), h23, m48, 0xF8);
-            const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(q8));
-            const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(q8 + 64));
-            sumi[0] = _mm512_dpwssd_epi32(sumi[0], p01, spread_scales(sc16, 8 * j));
-            sumi[1] = _mm512_dpwssd_epi32(sumi[1], p23, spread_scales(sc16, 8 * j + 4));
+            const __m512i s01 = spread_scales(sc16, 8 * j);
+            const __m512i s23 = spread_scales(sc16, 8 * j + 4);
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 128 * j;
+                const __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(q8));
+                const __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(q8 + 64));
+                sumi[r][0] = _mm512_dpwssd_epi32(sumi[r][0], p01, s01);
+                sumi[r][1] = _mm512_dpwssd_epi32(sumi[r][1], p23, s23);
+            }
         }
-        const __m256i all = fold_lanes(_mm512_add_epi32(sumi[0], sumi[1]));
-        const __m256i lanes = _mm256_sub_epi32(all, q8sclsub);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *yr = y + r * stride;
+            const float d = f32_at(yr) * wd;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(yr + Q8_K_BSUMS));
+            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+            const __m256i all = fold_lanes(_mm512_add_epi32(sumi[r][0], sumi[r][1]));
+            const __m256i lanes = _mm256_sub_epi32(all, q8sclsub);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[r]);
+        }
     }
-    return hsum_float_8(acc);
+    for (int r = 0; r < nt; ++r) out[r] = hsum_float_8(acc[r]);
 }
 
 #endif /* KQ_AVX512 */
 
 /* ---- exported dot products ---------------------------------------------------------------- */
+
+#if defined(KQ_SCALAR)
+/* The portable build has no tiles: each token is the single-token dot. */
+#define KQ_ROWS(type)                                                                              \
+    static void rows_##type##_n(int64_t nb, const uint8_t *w, const uint8_t *y, int64_t stride,   \
+                                int nt, float *out) {                                              \
+        for (int r = 0; r < nt; ++r) out[r] = dot_##type(nb, w, y + r * stride);                   \
+    }
+#else
+/* One copy per token count, so each keeps its accumulators in registers; the single-token dot
+ * is the nt = 1 copy, hence a batch's tokens get a decode step's bits. */
+#define KQ_ROWS(type)                                                                              \
+    static float dot_##type(int64_t nb, const uint8_t *w, const uint8_t *y) {                      \
+        float out;                                                                                 \
+        rows_##type(nb, w, y, 0, 1, &out);                                                         \
+        return out;                                                                                \
+    }                                                                                              \
+    static void rows_##type##_n(int64_t nb, const uint8_t *w, const uint8_t *y, int64_t stride,   \
+                                int nt, float *out) {                                              \
+        switch (nt) {                                                                              \
+        case 1: out[0] = dot_##type(nb, w, y); break;                                              \
+        case 2: rows_##type(nb, w, y, stride, 2, out); break;                                      \
+        case 3: rows_##type(nb, w, y, stride, 3, out); break;                                      \
+        default: rows_##type(nb, w, y, stride, KQ_NT, out); break;                                 \
+        }                                                                                          \
+    }
+#endif
+KQ_ROWS(q4_K)
+KQ_ROWS(q5_K)
+KQ_ROWS(q6_K)
 
 float meshd_vec_dot_q4_K_q8_K(int64_t n, const void *w, const void *x) {
     return dot_q4_K(n / QK_K, (const uint8_t *)w, (const uint8_t *)x);
@@ -832,4 +921,21 @@ float meshd_vec_dot_q5_K_q8_K(int64_t n, const void *w, const void *x) {
 
 float meshd_vec_dot_q6_K_q8_K(int64_t n, const void *w, const void *x) {
     return dot_q6_K(n / QK_K, (const uint8_t *)w, (const uint8_t *)x);
+}
+
+/* One weight row of n values against nt (1..KQ_NT) tokens, token r's Q8_K row at
+ * x + r * stride bytes: out[r] is what meshd_vec_dot_*_q8_K gives for that token, bit for bit. */
+void meshd_rows_q4_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out) {
+    rows_q4_K_n(n / QK_K, (const uint8_t *)w, (const uint8_t *)x, stride, nt, out);
+}
+
+void meshd_rows_q5_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out) {
+    rows_q5_K_n(n / QK_K, (const uint8_t *)w, (const uint8_t *)x, stride, nt, out);
+}
+
+void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
+                          float *out) {
+    rows_q6_K_n(n / QK_K, (const uint8_t *)w, (const uint8_t *)x, stride, nt, out);
 }
