@@ -33,7 +33,6 @@ from meshd.bench.single_node import generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernel_layers import KernelLayers
-from meshd.model.kernels import blocks
 from meshd.model.stage import StageModel
 
 
