@@ -308,6 +308,53 @@ static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, floa
     sum[b] = total;
     return 1;
 }
+#define QUANTIZE_BLOCK quantize_block16x2
+#elif defined(__AVX2__)
+/* The same in 8 lanes (the AVX2 layout keeps a block's codes in order). */
+static inline int quantize_block8x4(const float *xb, int64_t b, int8_t *q, float *d, float *s,
+                                    int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 x[4], m = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int h = 0; h < 4; ++h) {
+        x[h] = _mm256_loadu_ps(xb + 8 * h);
+        const __m256 a = _mm256_andnot_ps(sign, x[h]);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+        m = _mm256_max_ps(m, a);
+    }
+    if (finite != 0xFF) return 0;
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+    const float db = _mm256_cvtss_f32(m) / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
+    const __m256 mhalf = _mm256_set1_ps(-0.5f);
+    __m256i c[4], total = _mm256_setzero_si256();
+    for (int h = 0; h < 4; ++h) {
+        const __m256 v = _mm256_mul_ps(x[h], vid);
+        __m256i i = _mm256_cvttps_epi32(v);
+        const __m256 f = _mm256_sub_ps(v, _mm256_cvtepi32_ps(i));
+        /* A true compare is -1 in every bit: subtract it to add one, add it to subtract one. */
+        i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(f, half, _CMP_GE_OQ)));
+        c[h] = _mm256_add_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(f, mhalf, _CMP_LE_OQ)));
+        total = _mm256_add_epi32(total, c[h]);
+    }
+    /* |codes| <= 127: the saturating packs are exact; the permute undoes their lane order. */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                             _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)(q + code_at(b, 0)),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    const int32_t sum_b = _mm_cvtsi128_si32(t4);
+    d[b] = fp16(to_fp16(db));
+    s[b] = fp16(to_fp16((float)sum_b * db));
+    sum[b] = sum_b;
+    return 1;
+}
+#define QUANTIZE_BLOCK quantize_block8x4
 #endif
 
 static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
@@ -319,8 +366,8 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     int32_t *sum = (int32_t *)(s + nb);
     for (int64_t b = 0; b < nb; ++b) {
         const float *xb = x + b * QK;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        if (quantize_block16x2(xb, b, q, d, s, sum)) continue;
+#ifdef QUANTIZE_BLOCK
+        if (QUANTIZE_BLOCK(xb, b, q, d, s, sum)) continue;
 #endif
         float amax = 0.0f;
         /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */

@@ -375,8 +375,8 @@ class BlockMatrix:
             raise IndexError(f"row ids must lie in [0, {self.out_features})")
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         self._lib.dequantize_rows(
-            int(self.ggml_type),
-            _ptr(self.data),
+            self._type,
+            self._w,
             self.in_features,
             _ptr(flat),
             flat.numel(),
