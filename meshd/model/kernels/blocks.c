@@ -698,6 +698,21 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
     for (int i = 0; i < nr; ++i) out[i] = o[i];
 }
 
+/* The [d, m] halves of rows 0..nr-1 at blocks b and b+1 (`at` = b's byte offset; absent rows
+ * and an absent b+1: zeros) as floats: (row i, b) in lanes 2i, 2i+1, (row i, b+1) in 8+2i, 9+2i.
+ * Eight dword loads put together, not a gather: on the measured Xeon a gather of eight cost
+ * more than the rest of a 4-row pair step (docs/model-runtime.md). */
+static inline __m512 pair_scales(const uint8_t *const *wr, int nr, int64_t at, int64_t bb,
+                                 int two) {
+    int32_t g[8];
+    for (int i = 0; i < 4; ++i) {
+        g[i] = g[4 + i] = 0;
+        if (i < nr) memcpy(&g[i], wr[i] + at, 4);
+        if (i < nr && two) memcpy(&g[4 + i], wr[i] + at + bb, 4);
+    }
+    return _mm512_cvtph_ps(_mm256_setr_epi32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]));
+}
+
 /* Up to 4 rows x nt tokens. Each row's integer dot over a block pair is summed per 128-bit
  * quarter (exact), the 4 rows' quarter sums share one vector, and one conversion, one scale
  * multiply and one FMA cover all of them: per (row, token) the sequence is the same for every
@@ -712,17 +727,9 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
     __m512 acc[NT], macc[NT];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
-    /* [d, m] dwords of (row i, block b) in lane i, of (row i, block b+1) in lane 4 + i. */
-    int32_t off[8] = {0};
-    for (int i = 0; i < nr; ++i) {
-        off[i] = (int32_t)(wr[i] - wr[0]);
-        off[4 + i] = off[i] + (int32_t)bb;
-    }
-    const __m256i gidx = _mm256_loadu_si256((const __m256i *)off);
     /* The same bytes of the rows PREFETCH_TILES tiles on (rows are adjacent), requested while
      * this tile computes: a steady stream of requests rather than a burst per tile. */
     const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
-    const __mmask8 rows = (__mmask8)((1u << nr) - 1);
     const __m512i dsel = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i ssel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -742,10 +749,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                 wv[i] = _mm512_abs_epi8(wv[i]);
             }
         }
-        /* [d, m] halves of every (row, block) in one gather and one conversion. */
-        const __m512 dm = _mm512_cvtph_ps(_mm256_mmask_i32gather_epi32(
-            _mm256_setzero_si256(), two ? (__mmask8)(rows | rows << 4) : rows, gidx,
-            wr[0] + b * bb, 1));
+        const __m512 dm = pair_scales(wr, nr, b * bb, bb, two);
         const __m512 dw = _mm512_permutexvar_ps(dsel, dm);
         for (int r = 0; r < nt; ++r) {
             const uint8_t *a = act + r * stride;
