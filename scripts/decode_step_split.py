@@ -34,8 +34,8 @@ from gguf import GGUFReader
 
 from meshd.bench.single_node import generate
 from meshd.model.files import open_checkpoint
+from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernel_layers import KernelLayers
-from meshd.model.kernels import blocks
 from meshd.model.stage import StageModel
 
 
@@ -59,7 +59,7 @@ def split(path: str) -> None:
         setattr(cls, name, run)
 
     timed(KernelLayers, "run", "layers")
-    timed(blocks.BlockMatrix, "mm", "head")  # the layers' products run inside the C call
+    timed(GgufMatrix, "mm", "head")  # the layers' products run inside the C call
     prompt, n = list(range(100, 107)), 64
     generate([stage], prompt, 16)
     for _ in range(3):

@@ -61,38 +61,63 @@ class GgufMatrix:
         self.kernel = parts[0].kernel
         self.types = tuple(p.ggml_type for p in parts)
         self._args: MatrixArgs | None = None
+        self._parts: ctypes.Array[BlockPartArgs] | None = None
+        self._library = parts[0].library
+        if any(p.library is not self._library for p in parts):
+            raise ValueError("fused GGUF tensors must share one block kernel path")
 
-    def args(self) -> MatrixArgs:
-        """This operand as `meshd_layers` reads it (kind 64): its tensors' bytes, the column
-        orders, and the block library's product; the arrays it points into live with `self`."""
-        if self._args is None:
+    def _part_args(self) -> ctypes.Array[BlockPartArgs]:
+        """The parts as the block library's `meshd_blocks_parts_mm` reads them (and
+        `meshd_layers`, kind 64); the arrays they point into live with `self`."""
+        if self._parts is None:
             perms = [None if p is None else p.to(torch.int64).contiguous() for p in self.perms]
             self._perms = perms  # what the part arguments point into
-            self._parts = (BlockPartArgs * len(self.parts))()
-            for args, part, perm in zip(self._parts, self.parts, perms, strict=True):
+            parts = (BlockPartArgs * len(self.parts))()
+            for args, part, perm in zip(parts, self.parts, perms, strict=True):
                 args.type, args.out = int(part.ggml_type), part.out_features
                 args.data = part.data.ctypes.data
                 args.perm = None if perm is None else perm.data_ptr()
-            product = ctypes.cast(self.parts[0].library.mm, ctypes.c_void_p).value
+            self._parts = parts
+        return self._parts
+
+    def args(self) -> MatrixArgs:
+        """This operand as `meshd_layers` reads it (kind 64): its tensors' bytes, the column
+        orders, and the block library's fused product; the arrays it points into live with
+        `self`."""
+        if self._args is None:
+            parts = self._part_args()
+            product = ctypes.cast(self._library.parts_mm, ctypes.c_void_p).value
             self._args = MatrixArgs(
                 BLOCKS_KIND,
                 self.in_features,
                 self.out_features,
                 len(self.parts),
-                ctypes.addressof(self._parts),
+                ctypes.addressof(parts),
                 product,
             )
         return self._args
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ w` in `x`'s dtype."""
+        """x [t, in] · the parts side by side → [t, out], in x's dtype: one call of the block
+        library, which converts each row once for all parts of one vec_dot type."""
         rows = x if x.dtype == torch.float32 else x.float()
+        if rows.dim() != 2 or rows.shape[1] != self.in_features:
+            raise ValueError(f"expected [t, {self.in_features}], got {list(x.shape)}")
         rows = rows.contiguous()
-        outs = []
-        for part, perm in zip(self.parts, self.perms, strict=True):
-            y = part.mm(rows)
-            outs.append(y if perm is None else y[:, perm])
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        failed = self._library.parts_mm(
+            ctypes.addressof(self._part_args()),
+            len(self.parts),
+            self.in_features,
+            rows.data_ptr(),
+            rows.shape[0],
+            y.data_ptr(),
+            self.out_features,
+            None,
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError(f"the block library refused a {self.types} product")
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:

@@ -227,6 +227,90 @@ static inline int64_t code_at(int64_t b, int j) {
 static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Block b of quantize_q8 below, 16 lanes at a time, to the same bits: the max of finite |x| is
+ * the same whatever the order, x * id is one rounding either way, and round_away is written
+ * out lane by lane. Returns 0 without writing where the block holds a NaN or an infinity (the
+ * scalar loop then runs: what the reference does with those depends on its order). */
+static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, float *d, float *s,
+                                     int32_t *sum) {
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    if ((__mmask16)(_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) &
+                    _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) != (__mmask16)0xFFFF)
+        return 0;
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f);
+    const __m512 mhalf = _mm512_set1_ps(-0.5f);
+    const __m512i one = _mm512_set1_epi32(1);
+    __m512i c[2];
+    for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_mul_ps(h ? x1 : x0, vid);
+        __m512i i = _mm512_cvttps_epi32(v);
+        const __m512 f = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+        i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(f, half, _CMP_GE_OQ), i, one);
+        c[h] = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(f, mhalf, _CMP_LE_OQ), i, one);
+    }
+    _mm_storeu_si128((__m128i *)(q + code_at(b, 0)), _mm512_cvtepi32_epi8(c[0]));
+    _mm_storeu_si128((__m128i *)(q + code_at(b, 16)), _mm512_cvtepi32_epi8(c[1]));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1]));
+    d[b] = fp16(to_fp16(db));
+    s[b] = fp16(to_fp16((float)total * db));
+    sum[b] = total;
+    return 1;
+}
+#define QUANTIZE_BLOCK quantize_block16x2
+#elif defined(__AVX2__)
+/* The same in 8 lanes (the AVX2 layout keeps a block's codes in order). */
+static inline int quantize_block8x4(const float *xb, int64_t b, int8_t *q, float *d, float *s,
+                                    int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 x[4], m = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int h = 0; h < 4; ++h) {
+        x[h] = _mm256_loadu_ps(xb + 8 * h);
+        const __m256 a = _mm256_andnot_ps(sign, x[h]);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+        m = _mm256_max_ps(m, a);
+    }
+    if (finite != 0xFF) return 0;
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+    const float db = _mm256_cvtss_f32(m) / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
+    const __m256 mhalf = _mm256_set1_ps(-0.5f);
+    __m256i c[4], total = _mm256_setzero_si256();
+    for (int h = 0; h < 4; ++h) {
+        const __m256 v = _mm256_mul_ps(x[h], vid);
+        __m256i i = _mm256_cvttps_epi32(v);
+        const __m256 f = _mm256_sub_ps(v, _mm256_cvtepi32_ps(i));
+        /* A true compare is -1 in every bit: subtract it to add one, add it to subtract one. */
+        i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(f, half, _CMP_GE_OQ)));
+        c[h] = _mm256_add_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(f, mhalf, _CMP_LE_OQ)));
+        total = _mm256_add_epi32(total, c[h]);
+    }
+    /* |codes| <= 127: the saturating packs are exact; the permute undoes their lane order. */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                             _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)(q + code_at(b, 0)),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    const int32_t sum_b = _mm_cvtsi128_si32(t4);
+    d[b] = fp16(to_fp16(db));
+    s[b] = fp16(to_fp16((float)sum_b * db));
+    sum[b] = sum_b;
+    return 1;
+}
+#define QUANTIZE_BLOCK quantize_block8x4
+#endif
+
 static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     const int64_t nb = k / QK;
     int8_t *q = (int8_t *)act;
@@ -236,6 +320,9 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     int32_t *sum = (int32_t *)(s + nb);
     for (int64_t b = 0; b < nb; ++b) {
         const float *xb = x + b * QK;
+#ifdef QUANTIZE_BLOCK
+        if (QUANTIZE_BLOCK(xb, b, q, d, s, sum)) continue;
+#endif
         float amax = 0.0f;
         /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */
         for (int j = 0; j < QK; ++j) amax = amax > fabsf(xb[j]) ? amax : fabsf(xb[j]);
@@ -631,6 +718,21 @@ static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *co
     }
 }
 
+/* The [d, m] halves of rows 0..nr-1 at blocks b and b+1 (`at` = b's byte offset; absent rows
+ * and an absent b+1: zeros) as floats: (row i, b) in lanes 2i, 2i+1, (row i, b+1) in 8+2i, 9+2i.
+ * Eight dword loads put together, not a gather: on the measured Xeon a gather of eight cost
+ * more than the rest of a 4-row pair step (docs/model-runtime.md). */
+static inline __m512 pair_scales(const uint8_t *const *wr, int nr, int64_t at, int64_t bb,
+                                 int two) {
+    int32_t g[8];
+    for (int i = 0; i < 4; ++i) {
+        g[i] = g[4 + i] = 0;
+        if (i < nr) memcpy(&g[i], wr[i] + at, 4);
+        if (i < nr && two) memcpy(&g[4 + i], wr[i] + at + bb, 4);
+    }
+    return _mm512_cvtph_ps(_mm256_setr_epi32(g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7]));
+}
+
 /* Up to 4 rows x nt tokens. Each row's integer dot over a block pair is summed per 128-bit
  * quarter (exact), the 4 rows' quarter sums share one vector, and one conversion, one scale
  * multiply and one FMA cover all of them: per (row, token) the sequence is the same for every
@@ -649,17 +751,9 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
     __m512 acc[NT_WIDE], macc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
-    /* [d, m] dwords of (row i, block b) in lane i, of (row i, block b+1) in lane 4 + i. */
-    int32_t off[8] = {0};
-    for (int i = 0; i < nr; ++i) {
-        off[i] = (int32_t)(wr[i] - wr[0]);
-        off[4 + i] = off[i] + (int32_t)bb;
-    }
-    const __m256i gidx = _mm256_loadu_si256((const __m256i *)off);
     /* The same bytes of the rows PREFETCH_TILES tiles on (rows are adjacent), requested while
      * this tile computes: a steady stream of requests rather than a burst per tile. */
     const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
-    const __mmask8 rows = (__mmask8)((1u << nr) - 1);
     const __m512i dsel = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i ssel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -679,10 +773,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                 wv[i] = _mm512_abs_epi8(wv[i]);
             }
         }
-        /* [d, m] halves of every (row, block) in one gather and one conversion. */
-        const __m512 dm = _mm512_cvtph_ps(_mm256_mmask_i32gather_epi32(
-            _mm256_setzero_si256(), two ? (__mmask8)(rows | rows << 4) : rows, gidx,
-            wr[0] + b * bb, 1));
+        const __m512 dm = pair_scales(wr, nr, b * bb, bb, two);
         const __m512 dw = _mm512_permutexvar_ps(dsel, dm);
         for (int r = 0; r < nt; ++r) {
             const uint8_t *a = act + r * stride;
@@ -1060,6 +1151,133 @@ int meshd_blocks_mm(int type, const void *w, int64_t k, int64_t n_out, const flo
     const int threads = 1;
 #endif
     return meshd_blocks_mm_threads(type, w, k, n_out, x, t, y, scratch, threads);
+}
+
+/* ---- fused operands: several tensors against one input ---------------------------------------
+ * q/k/v and gate/up are each several GGUF tensors multiplied by the same rows. One call converts
+ * each row once per vec_dot type (not once per tensor) and runs every tensor's units in one
+ * parallel region (one hand-off between threads, not one per tensor). What each output computes
+ * is unchanged, so the bits are those of meshd_blocks_mm_threads per tensor. */
+
+/* One tensor [out][k] of a fused operand: its ggml type, rows and bytes as stored, and the order
+ * of its output columns (perm[c]: the tensor's row for column c; NULL: in order). quant_mm.c's
+ * meshd_block_part has the same layout. */
+typedef struct {
+    int64_t type, out;
+    const void *data;
+    const int64_t *perm;
+} meshd_blocks_part;
+
+#define PARTS_MAX 8
+
+/* Parts whose activations are the same bytes: the Q8_0/Q8_1 formats share one conversion (it
+ * writes both the codes and the block sums), the float types each their own rounding. */
+static int act_key(int type) { return act_kind(type) == ACT_FLOAT ? 64 + type : act_kind(type); }
+
+/* Rows [r0, r1) x tn tokens of one tensor, by its tiles where it has them. */
+static void unit_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out, int64_t r0,
+                    int64_t r1, const uint8_t *act, int64_t stride, int64_t tn, float *y) {
+#if defined(TILED)
+    if (tiled_type(type)) {
+        rows_tiled(type, w, rb, k, n_out, r0, r1, act, stride, tn, y);
+        return;
+    }
+#endif
+    rows_mm(type, w, rb, k, n_out, r0, r1, act, stride, tn, y);
+}
+
+/* Part p's columns of out [t][ldo] (its block of columns follows the earlier parts'), permuted
+ * as it says, plus res (the same layout) where given. */
+static void place_part(const meshd_blocks_part *part, const float *y, int64_t t, int64_t col,
+                       float *out, int64_t ldo, const float *res) {
+    for (int64_t r = 0; r < t; ++r) {
+        const float *src = y + r * part->out;
+        float *dst = out + r * ldo + col;
+        const float *add = res == NULL ? NULL : res + r * ldo + col;
+        for (int64_t c = 0; c < part->out; ++c) {
+            const float v = src[part->perm == NULL ? c : part->perm[c]];
+            dst[c] = add == NULL ? v : add[c] + v;
+        }
+    }
+}
+
+/* out[t][ldo] = the parts' products x[t][k] · W_p^T side by side (+ res). Returns 0, or -1 for
+ * a part without a kernel, a k its blocks do not divide, more than PARTS_MAX parts or no memory. */
+int meshd_blocks_parts_mm(const meshd_blocks_part *parts, int64_t n_parts, int64_t k,
+                          const float *x, int64_t t, float *out, int64_t ldo, const float *res,
+                          int threads) {
+    int64_t rb[PARTS_MAX], stride[PARTS_MAX], act_at[PARTS_MAX], y_at[PARTS_MAX + 1];
+    int64_t unit_at[PARTS_MAX + 1], col[PARTS_MAX], act_bytes = 0, work = 0;
+    int direct[PARTS_MAX];
+    int owner[PARTS_MAX], owners[PARTS_MAX], n_owners = 0;
+    if (n_parts < 1 || n_parts > PARTS_MAX || t < 0) return -1;
+    const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    y_at[0] = unit_at[0] = 0;
+    for (int p = 0; p < n_parts; ++p) {
+        col[p] = p == 0 ? 0 : col[p - 1] + parts[p - 1].out;
+        /* Columns in order and nothing to add: the tiles write into out (one row, or the
+         * whole of out), rather than into y and a copy. */
+        direct[p] = parts[p].perm == NULL && res == NULL &&
+                    (t == 1 || (n_parts == 1 && ldo == parts[p].out));
+        const int type = (int)parts[p].type;
+        rb[p] = meshd_blocks_row_bytes(type, k);
+        if (!meshd_blocks_supported(type) || rb[p] < 0 || parts[p].out < 0) return -1;
+        stride[p] = act_stride(type, k);
+        owner[p] = p;
+        for (int q = 0; q < p && owner[p] == p; ++q)
+            if (act_key((int)parts[q].type) == act_key(type)) owner[p] = owner[q];
+        if (owner[p] == p) {
+            owners[n_owners++] = p;
+            act_at[p] = act_bytes;
+            act_bytes += stride[p] * t;
+        }
+        y_at[p + 1] = y_at[p] + (direct[p] ? 0 : parts[p].out * t);
+        unit_at[p + 1] = unit_at[p] + (parts[p].out + CHUNK - 1) / CHUNK * tblocks;
+        work += rb[p] * parts[p].out * t;
+    }
+    if (t == 0) return 0;
+    uint8_t *buf = (uint8_t *)malloc((size_t)(act_bytes + 64 + y_at[n_parts] * 4));
+    if (buf == NULL) return -1;
+    uint8_t *act = (uint8_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *y = (float *)(act + act_bytes);
+    const int64_t most = 1 + work / BYTES_PER_THREAD;
+    if (threads > most) threads = (int)most;
+    if (threads < 1) threads = 1;
+    const int serial_convert = threads == 1 || t <= SERIAL_CONVERT_TOKENS;
+    const int64_t converts = n_owners * t;
+    if (serial_convert)
+        for (int64_t i = 0; i < converts; ++i) {
+            const int p = owners[i / t];
+            convert_act((int)parts[p].type, x + i % t * k, k, act + act_at[p] + i % t * stride[p]);
+        }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        if (!serial_convert) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < converts; ++i) {
+                const int p = owners[i / t];
+                convert_act((int)parts[p].type, x + i % t * k, k,
+                            act + act_at[p] + i % t * stride[p]);
+            }
+        }
+        /* Each part's units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost. */
+#pragma omp for schedule(guided) nowait
+        for (int64_t u = 0; u < unit_at[n_parts]; ++u) {
+            int p = 0;
+            while (u >= unit_at[p + 1]) ++p;
+            const int64_t n_out = parts[p].out, chunks = (n_out + CHUNK - 1) / CHUNK;
+            const int64_t c = (u - unit_at[p]) % chunks, j0 = (u - unit_at[p]) / chunks * TOKEN_BLOCK;
+            const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
+            const int64_t tn = t - j0 < TOKEN_BLOCK ? t - j0 : TOKEN_BLOCK;
+            float *yp = direct[p] ? out + col[p] : y + y_at[p];
+            unit_mm((int)parts[p].type, (const uint8_t *)parts[p].data, rb[p], k, n_out, r0, r1,
+                    act + act_at[owner[p]] + j0 * stride[p], stride[p], tn, yp + j0 * n_out);
+        }
+    }
+    for (int p = 0; p < n_parts; ++p)
+        if (!direct[p]) place_part(parts + p, y + y_at[p], t, col[p], out, ldo, res);
+    free(buf);
+    return 0;
 }
 
 /* ---- dequantization (ggml's dequantize_row_*: the same fp32 operations) ----------------------- */

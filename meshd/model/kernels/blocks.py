@@ -121,6 +121,7 @@ class BlockKernels:
     path: Path
     quantize_rows: Any  # meshd_blocks_quantize_rows (blocks_quantize.c)
     quantizable: Any
+    parts_mm: Any  # meshd_blocks_parts_mm: a fused operand's tensors against one input
 
 
 def _is_x86() -> bool:
@@ -212,9 +213,12 @@ def _load(name: str, path: Path) -> BlockKernels:
     quantizable = lib.meshd_blocks_quantizable
     quantizable.argtypes = [cint]
     quantizable.restype = cint
+    parts_mm = lib.meshd_blocks_parts_mm
+    parts_mm.argtypes = [p, i64, i64, p, i64, p, i64, p, cint]
+    parts_mm.restype = cint
     return BlockKernels(
         name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path, quantize,
-        quantizable,
+        quantizable, parts_mm,
     )  # fmt: skip
 
 
@@ -371,8 +375,8 @@ class BlockMatrix:
             raise IndexError(f"row ids must lie in [0, {self.out_features})")
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         self._lib.dequantize_rows(
-            int(self.ggml_type),
-            _ptr(self.data),
+            self._type,
+            self._w,
             self.in_features,
             _ptr(flat),
             flat.numel(),

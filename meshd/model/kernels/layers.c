@@ -283,7 +283,7 @@ int meshd_attend(const float *q, int64_t q_stride, int64_t t, const float *kv, i
 typedef struct {
     /* 32: fp32 [k][layout] (codes W^T), 33: fp32 [n][layout] (codes W), 64: ggml blocks (a
      * GGUF file's tensors as stored, or a checkpoint quantized at load; codes: `layout`
-     * meshd_block_part, side by side; scales: the block library's meshd_blocks_mm_threads) */
+     * meshd_block_part, side by side; scales: the block library's meshd_blocks_parts_mm) */
     int64_t kind;
     int64_t in, out, layout;
     const void *codes, *scales;
@@ -297,53 +297,29 @@ typedef struct {
     const int64_t *perm;
 } meshd_block_part;
 
-typedef int (*meshd_blocks_mm_fn)(int type, const void *w, int64_t k, int64_t n_out,
-                                  const float *x, int64_t t, float *y, void *scratch,
-                                  int threads);
+/* blocks.c's meshd_blocks_parts_mm: out [t][ldo] = every part's product side by side (+ res),
+ * each input row converted once per vec_dot type, all parts in one parallel region. */
+typedef int (*meshd_blocks_parts_fn)(const meshd_block_part *parts, int64_t n_parts, int64_t k,
+                                     const float *x, int64_t t, float *out, int64_t ldo,
+                                     const float *res, int threads);
 
-/* Scratch the block library needs for t rows of k values: at most 4 bytes a value (an F32
- * operand's rows as they are; Q8 blocks take under 1.4) plus each row's and the buffer's
- * 64-byte alignment. */
-static int64_t block_scratch_bytes(int64_t k, int64_t t) { return t * (4 * k + 128) + 64; }
-
-/* out [m, n] = f(x) @ W^T (+ res), f as for meshd_f32_mm, for a kind-64 operand: each part's
- * product by the block library, its columns placed at their offset (permuted where it says). */
+/* out [m, n] = f(x) @ W^T (+ res), f as for meshd_f32_mm, for a kind-64 operand: its parts'
+ * products by the block library, their columns placed at their offsets (permuted where a part
+ * says). */
 static int blocks_mm(const meshd_matrix *w, const float *x, int64_t m, float *out,
                      const float *res, const float *norm, float eps, int glu, int threads) {
-    const int64_t k = w->in, n = w->out;
-    const meshd_block_part *parts = (const meshd_block_part *)w->codes;
-    int64_t widest = 0;
-    for (int64_t p = 0; p < w->layout; p++)
-        if (parts[p].out > widest) widest = parts[p].out;
+    const int64_t k = w->in;
     float *rows = (norm != NULL || glu) ? (float *)malloc((size_t)(m * k) * sizeof(float)) : NULL;
-    float *y = (float *)malloc((size_t)(m * widest) * sizeof(float));
-    void *scratch = malloc((size_t)block_scratch_bytes(k, m));
-    int failed = y == NULL || scratch == NULL || ((norm != NULL || glu) && rows == NULL);
+    if ((norm != NULL || glu) && rows == NULL) return -1;
     const float *xin = x;
-    if (!failed && rows != NULL) {
+    if (rows != NULL) {
         prologue_rows(x, m, k, norm, eps, glu, rows);
         xin = rows;
     }
-    const meshd_blocks_mm_fn mm = (meshd_blocks_mm_fn)w->scales;
-    int64_t col = 0;
-    for (int64_t p = 0; p < w->layout && !failed; p++) {
-        const meshd_block_part *part = parts + p;
-        failed |= mm((int)part->type, part->data, k, part->out, xin, m, y, scratch, threads) != 0;
-        if (failed) break;
-        for (int64_t r = 0; r < m; r++) {
-            const float *src = y + r * part->out;
-            float *dst = out + r * n + col;
-            const float *add = res == NULL ? NULL : res + r * n + col;
-            for (int64_t c = 0; c < part->out; c++) {
-                const float v = src[part->perm == NULL ? c : part->perm[c]];
-                dst[c] = add == NULL ? v : add[c] + v;
-            }
-        }
-        col += part->out;
-    }
+    const meshd_blocks_parts_fn mm = (meshd_blocks_parts_fn)w->scales;
+    const int failed = mm((const meshd_block_part *)w->codes, w->layout, k, xin, m, out, w->out,
+                          res, threads);
     free(rows);
-    free(y);
-    free(scratch);
     return failed ? -1 : 0;
 }
 
