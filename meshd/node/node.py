@@ -34,16 +34,17 @@ from meshd.net.endpoint import Endpoint, open_endpoint
 from meshd.net.lane_table import PeerUnreachable
 from meshd.net.peer_lane import PeerLane
 from meshd.node.basis import NodeBasis
+from meshd.node.compute import measure_or_cached
 from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
 from meshd.node.fetch import FETCH_RETRY_S, ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
 from meshd.node.held_model import HeldModel, NodeShared, dispatch
-from meshd.node.models import ModelFiles, full_model_bytes, split_budget
+from meshd.node.models import full_model_bytes, split_budget
 from meshd.node.planning import assignment
 from meshd.node.prefetch import TakeoverCache
-from meshd.node.stage_slot import LoadDisplay, measure_compute_ns
+from meshd.node.stage_slot import LoadDisplay
 from meshd.plan.route import Route
 from protocol import artifacts, gossip
 from protocol.messages import (
@@ -62,9 +63,6 @@ _EVENT_LOG = 200
 # deployment, so they are not configuration:
 # membership changes arriving within this window cause one re-plan, not many;
 REPLAN_DEBOUNCE_S = 0.2
-# single-token passes timed at start-up to measure compute per layer and token (the fastest
-# counts: the least disturbed by other work on the machine);
-WARMUP_PASSES = 6
 # lane round trips are fed to membership this often.
 RTT_REPORT_INTERVAL_S = 1.0
 
@@ -95,13 +93,7 @@ async def run_node(
         config.threads, largest.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
-    measured_at = time.perf_counter()
-    compute_ns = [await _measure(basis, files) for files in basis.models]
-    log.info(
-        "compute: %s ms per layer and token (measured in %.2f s)",
-        ", ".join(f"{ns / 1e6:.2f}" for ns in compute_ns),
-        time.perf_counter() - measured_at,
-    )
+    compute_ns = [await measure_or_cached(basis, files, config) for files in basis.models]
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with (
         open_endpoint(
@@ -128,20 +120,6 @@ async def run_node(
         await node.start()
         task_status.started(node)
         await trio.sleep_forever()
-
-
-async def _measure(basis: NodeBasis, files: ModelFiles) -> int:
-    """A model's compute per layer and token, in ns, on the node's device and formats."""
-    return await trio.to_thread.run_sync(
-        lambda: measure_compute_ns(
-            files.timing_checkpoint or files.checkpoint,
-            basis.device,
-            basis.dtype,
-            WARMUP_PASSES,
-            quantization=basis.quantization,
-            kv_dtype=basis.kv_dtype,
-        )
-    )
 
 
 class MeshNode:
