@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -28,21 +27,6 @@ GOVERNOR_MARGIN = 0.05
 # wait for descheduled partners), and three such passes per probe cost more than the probing
 # saves. (One thread on a quiet machine is at most ~2x slower than two.)
 GOVERNOR_ABORT = 3.0
-
-
-def starting_threads(threads: int) -> int:
-    """What a new stage's passes start on before any is measured: one thread when the
-    machine's 1-minute load average already reaches its cores (a second thread would wait for
-    a descheduled partner; the first answer's prefill and first passes run before the
-    governor's first probe), else `threads`. The probes correct a wrong start after 8 passes."""
-    if threads <= 1:
-        return 1
-    try:
-        load = os.getloadavg()[0]
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return threads
-    return 1 if load >= cores else threads
 
 
 def _bucket(rows: int) -> int:
@@ -75,28 +59,24 @@ class ThreadGovernor:
     `record(rows, threads, seconds)` reports what it took; the stage does the timing.
     """
 
-    def __init__(self, threads: int, start: int | None = None) -> None:
+    def __init__(self, threads: int) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        if start not in (None, 1, threads):
-            raise ValueError(f"start must be 1 or threads ({threads}), got {start}")
         self.threads = threads
-        # What each kind of pass runs on until its first probe (`starting_threads`).
-        self.start = threads if start is None else start
         self._buckets: dict[int, _Bucket] = {}
 
     def choose(self, rows: int) -> int:
         """Threads for the next pass of `rows` rows."""
         if self.threads == 1:
             return 1
-        bucket = self._buckets.setdefault(_bucket(rows), _Bucket(self.start))
+        bucket = self._buckets.setdefault(_bucket(rows), _Bucket(self.threads))
         return self._other(bucket.current) if bucket.probing else bucket.current
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """A pass of `rows` rows ran on `threads` threads in `seconds`."""
         if self.threads == 1:
             return
-        bucket = self._buckets.setdefault(_bucket(rows), _Bucket(self.start))
+        bucket = self._buckets.setdefault(_bucket(rows), _Bucket(self.threads))
         # A prefill's time grows with its rows; decode and window passes stream the weights
         # once whatever their rows, so their time per pass is what compares.
         cost = seconds / rows if rows > 16 else seconds
@@ -118,7 +98,7 @@ class ThreadGovernor:
     def current(self, rows: int = 1) -> int:
         """The choice passes of `rows` rows run with outside probes (for reports)."""
         bucket = self._buckets.get(_bucket(rows))
-        return self.start if bucket is None else bucket.current
+        return self.threads if bucket is None else bucket.current
 
     def _other(self, threads: int) -> int:
         return 1 if threads == self.threads else self.threads

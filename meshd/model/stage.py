@@ -22,7 +22,7 @@ from meshd.model.config import ModelConfig
 from meshd.model.device import pick_device
 from meshd.model.errors import InvalidInput
 from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix
-from meshd.model.governor import ThreadGovernor, starting_threads
+from meshd.model.governor import ThreadGovernor
 from meshd.model.kernel_layers import KernelWindow
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
@@ -207,14 +207,9 @@ class StageModel(StageWeights):
         self.kv = KVCache(layout, device, kv_budget_bytes)
         self._scratch: dict[str, StepScratch] = {}  # per open session
         # A CPU stage governs the intra-op threads torch had when it loaded (the daemon's
-        # `threads`): each pass runs on those or on one, whichever measures faster now; on a
-        # machine whose cores are already busy, one until measured (`starting_threads`).
+        # `threads`): each pass runs on those or on one, whichever measures faster now.
         threads = torch.get_num_threads()
-        self.governor = (
-            ThreadGovernor(threads, start=starting_threads(threads))
-            if device.type == "cpu" and threads > 1
-            else None
-        )
+        self.governor = ThreadGovernor(threads) if device.type == "cpu" and threads > 1 else None
         self.kv_bytes_per_token = layout.bytes_per_token
         self._on_tensor: OnTensor | None = None
         if progress is not None:

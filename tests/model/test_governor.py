@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import os
 
-import pytest
 import torch
 
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
-from meshd.model.governor import (
-    GOVERNOR_GAPS,
-    GOVERNOR_PROBE_PASSES,
-    ThreadGovernor,
-    starting_threads,
-)
+from meshd.model.governor import GOVERNOR_GAPS, GOVERNOR_PROBE_PASSES, ThreadGovernor
 from meshd.model.stage import StageModel
 
 
@@ -83,33 +76,6 @@ def test_decode_windows_and_prefill_are_judged_apart() -> None:
     assert gov.current(8) == 2  # windows: not measured yet, the stage's threads
 
 
-def test_a_stage_started_on_one_thread_moves_to_its_threads_at_the_first_probe() -> None:
-    # Started on a busy machine (`starting_threads`), which is quiet by the time it computes:
-    # its first passes run on one thread, the first probe shows two faster, and it switches.
-    gov = ThreadGovernor(2, start=1)
-    assert gov.current(1) == gov.current(64) == 1
-    chosen = _run(gov, 200, {2: 0.020, 1: 0.030})
-    first, probe = GOVERNOR_GAPS[0], GOVERNOR_PROBE_PASSES
-    assert chosen[:first] == [1] * first
-    assert chosen[first : first + probe + 1] == [2] * (probe + 1)  # probed, then switched
-    assert gov.current() == 2
-    with pytest.raises(ValueError):
-        ThreadGovernor(4, start=2)
-
-
-@pytest.mark.parametrize(
-    ("load", "cores", "threads", "start"),
-    [(0.3, 2, 2, 2), (1.6, 2, 2, 2), (2.0, 2, 2, 1), (14.0, 2, 2, 1), (14.0, 2, 1, 1),
-     (3.5, 8, 8, 8)],
-)  # fmt: skip
-def test_a_stage_starts_on_one_thread_when_the_load_average_fills_the_cores(
-    monkeypatch: pytest.MonkeyPatch, load: float, cores: int, threads: int, start: int
-) -> None:
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
-    assert starting_threads(threads) == start
-
-
 def test_one_thread_is_never_governed() -> None:
     gov = ThreadGovernor(1)
     assert set(_run(gov, 100, {1: 0.01})) == {1}
@@ -132,6 +98,6 @@ def test_a_stage_sets_the_threads_its_governor_chooses() -> None:
             stage.forward("s", pos, torch.tensor([5]))
             seen.append(expected)
             assert torch.get_num_threads() == expected
-        assert set(seen) == {1, 2}  # it ran its start (2, or 1 on busy cores), then probed
+        assert set(seen) == {1, 2}  # it ran its threads, then probed one
     finally:
         torch.set_num_threads(previous)
