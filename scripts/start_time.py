@@ -11,12 +11,15 @@ change: trees and models alternate within a round, so a change in the machine's 
 every contestant alike. The clock runs from the process start to the first 200 answer of a 16-token
 chat completion (polled every 0.2 s); the daemon's RSS is read then. Prints each run, then the
 medians and the load average at the start and end. The daemon's log of the last run of each
-kind is in $TMPDIR/meshd-start-PORT-{fresh,restart}.log.
+kind is in $TMPDIR/meshd-start-PORT-{fresh,restart}.log. `--phases` also prints each log line
+of every run as seconds from the process start, and the seconds of a second, identical
+request (the first answer's cost beyond a warm daemon's).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import pathlib
 import shutil
@@ -36,8 +39,26 @@ BODY = {
 }
 
 
+def phases(log: pathlib.Path, started_unix: float) -> list[str]:
+    """The daemon's text log lines as "+S.SS s message", seconds from the process start."""
+    out = []
+    for line in log.read_text().splitlines():
+        try:
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+        except ValueError:
+            continue
+        offset = stamp.timestamp() - started_unix
+        out.append(f"    +{offset:6.2f} s {line[24:][:150]}")
+    return out
+
+
 def first_answer(
-    model: str, port: int, state: pathlib.Path, log: pathlib.Path, tree: str
+    model: str,
+    port: int,
+    state: pathlib.Path,
+    log: pathlib.Path,
+    tree: str,
+    show_phases: bool = False,
 ) -> tuple[float, str]:
     """Seconds from `meshd serve` start to its first answer, and its RSS then."""
     env = dict(os.environ)
@@ -53,6 +74,7 @@ def first_answer(
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     body = dict(BODY)
     t0 = time.monotonic()
+    started_unix = time.time()
     with log.open("w") as err:
         # `python -m` puts the working directory first on sys.path: run in the tree timed.
         process = subprocess.Popen(
@@ -73,6 +95,11 @@ def first_answer(
                 raise SystemExit(f"meshd serve exited {process.returncode}: see {log}")
             time.sleep(0.2)
         elapsed = time.monotonic() - t0
+        if show_phases:
+            t1 = time.monotonic()
+            httpx.post(url, json=body, timeout=120).raise_for_status()
+            print(f"  second request: {time.monotonic() - t1:.2f} s")
+            print("\n".join(phases(log, started_unix)))
         with open(f"/proc/{process.pid}/status") as f:
             rss = " ".join(
                 "".join(line.split()[:2])
@@ -91,6 +118,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=18230)
     parser.add_argument("--tree", action="append", default=[], help="another checkout to time")
+    parser.add_argument("--phases", action="store_true", help="print the daemon's log timed")
     args = parser.parse_args()
     trees = ["", *args.tree]  # "": the meshd this Python imports
     times: dict[tuple[str, str, str], list[float]] = {}
@@ -104,7 +132,7 @@ def main() -> int:
                         log = pathlib.Path(tempfile.gettempdir()) / (
                             f"meshd-start-{args.port}-{kind}.log"
                         )
-                        seconds, rss = first_answer(model, args.port, state, log, tree)
+                        seconds, rss = first_answer(model, args.port, state, log, tree, args.phases)
                         times.setdefault((tree, model, kind), []).append(seconds)
                         name = f"{tree or 'this meshd'}: {pathlib.Path(model).name}"
                         print(f"round {round_no + 1} {name} {kind}: {seconds:.2f} s, {rss}")

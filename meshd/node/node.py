@@ -31,15 +31,15 @@ from meshd.net.lane_table import PeerUnreachable
 from meshd.net.peer_lane import PeerLane
 from meshd.node.basis import NodeBasis
 from meshd.node.commands import NodeCommands
+from meshd.node.compute import measure_or_cached
 from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
 from meshd.node.fetch import ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 from meshd.node.health import Health
 from meshd.node.held_model import HeldModel, NodeShared, capacity_of, dispatch, hold_models
-from meshd.node.models import ModelFiles
 from meshd.node.replan import PlanLoop
-from meshd.node.stage_slot import LoadDisplay, measure_compute_ns
+from meshd.node.stage_slot import LoadDisplay
 from meshd.node.status import EventLog
 from meshd.plan.route import Route
 from protocol import artifacts, gossip
@@ -48,12 +48,8 @@ from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
 
-# Pacing of the daemon's own loops. These follow from how the parts work, not from a
-# deployment, so they are not configuration:
-# single-token passes timed at start-up to measure compute per layer and token (the fastest
-# counts: the least disturbed by other work on the machine);
-WARMUP_PASSES = 6
-# lane round trips are fed to membership this often.
+# Lane round trips are fed to membership this often: pacing that follows from how the parts
+# work, not from a deployment, so it is not configuration.
 RTT_REPORT_INTERVAL_S = 1.0
 
 
@@ -73,13 +69,7 @@ async def run_node(
         config.threads, largest.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
-    measured_at = time.perf_counter()
-    compute_ns = [await _measure(basis, files) for files in basis.models]
-    log.info(
-        "compute: %s ms per layer and token (measured in %.2f s)",
-        ", ".join(f"{ns / 1e6:.2f}" for ns in compute_ns),
-        time.perf_counter() - measured_at,
-    )
+    compute_ns = [await measure_or_cached(basis, files, config) for files in basis.models]
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with (
         open_endpoint(
@@ -106,20 +96,6 @@ async def run_node(
         await node.start()
         task_status.started(node)
         await trio.sleep_forever()
-
-
-async def _measure(basis: NodeBasis, files: ModelFiles) -> int:
-    """A model's compute per layer and token, in ns, on the node's device and formats."""
-    return await trio.to_thread.run_sync(
-        lambda: measure_compute_ns(
-            files.timing_checkpoint or files.checkpoint,
-            basis.device,
-            basis.dtype,
-            WARMUP_PASSES,
-            quantization=basis.quantization,
-            kv_dtype=basis.kv_dtype,
-        )
-    )
 
 
 class MeshNode:

@@ -119,14 +119,17 @@ class DimsArgs(ctypes.Structure):
     ]
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    # Read once per process: the kernel writes /proc/cpuinfo anew (every core's entry) at each
+    # read, and a stage asks for every matrix it loads.
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _cache_dir() -> Path:
