@@ -11,6 +11,8 @@ cell's best single strategy and gives `auto` against it, paired within each roun
 `--speculative-draft-model`, on the built-in model with its shipped draft by default (and
 `auto` weighs the draft there); without a draft model they are left out. The single-stage rows also time
 `transformers` `generate()` with and without `prompt_lookup_num_tokens` on the same checkpoint.
+With `--temperature T --seed N` every run is sampled with that seed instead of greedy: the
+identity check then says whether one seed gives the same text under every strategy.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from meshd.speculative.config import (
 )
 from meshd.speculative.draft import DraftModel
 from protocol.config import LaneConfig
+from protocol.messages import Sampling
 
 KINDS = ("edit", "completion", "prose", "chat")
 # The pipeline's lanes are loopback between tasks of this one process: one goes quiet only when
@@ -82,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 4; 0 with --quick): short runs on a shared machine are mostly noise",
     )
     parser.add_argument("--max-rounds", type=int, default=10, help="most rounds per prompt")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample every run at this temperature with --seed (0: greedy); the report says "
+        "whether every strategy's text equals disabled's",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sampled runs' seed")
     # Every strategy runs with these settings (the strategy flag itself is --strategies).
     add_spec_arguments(parser)
 
@@ -120,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         rounds,
         spec,
         quantization,
+        Sampling(temperature=max(0.0, args.temperature), seed=args.seed),
     )
     report["spec_overrides"] = overrides
     report["draft_model"] = spec.draft_model
@@ -158,8 +170,10 @@ async def _matrix(
     rounds: Rounds = Rounds(0.0, 1),
     spec: SpecConfig | None = None,
     quantization: str = "none",
+    sampling: Sampling | None = None,
 ) -> dict[str, Any]:
     settings = spec or SpecConfig()
+    sampling = sampling or Sampling()
     checkpoint = open_checkpoint(model_dir)
     tokenizer = open_tokenizer(model_dir)
     mtp_depth = checkpoint.config.num_mtp_layers
@@ -200,14 +214,22 @@ async def _matrix(
                         results = {}
                         for strategy in strategies[turn:] + strategies[:turn]:
                             results[strategy] = await generate(
-                                pipe, ids, tokens, strategy, mtp_depth, settings
+                                pipe, ids, tokens, strategy, mtp_depth, settings, sampling
                             )
                         base = results["disabled"]
                         disabled_s += base["decode_s"]
                         samples.setdefault(load.kind, tokenizer.decode(base["tokens"]))
                         rows += _runs(stages, rtt_ms, load, done, results)
                         done += 1
-    return {"rows": _aggregate(rows), "runs": rows, "samples": samples, "tokens": tokens}
+    return {
+        "rows": _aggregate(rows),
+        "runs": rows,
+        "samples": samples,
+        "tokens": tokens,
+        "sampling": {"temperature": sampling.temperature, "seed": sampling.seed},
+        # Whether every run's text was `disabled`'s of its prompt and round (the same seed).
+        "identical_texts": all(r["identical_to_disabled"] for r in rows),
+    }
 
 
 def encode_workload(tokenizer: Tokenizer, load: Workload) -> list[int]:
@@ -245,11 +267,17 @@ def _runs(
 
 
 async def generate(
-    pipe: Any, ids: list[int], n: int, strategy: str, mtp: int, spec: SpecConfig | None = None
+    pipe: Any,
+    ids: list[int],
+    n: int,
+    strategy: str,
+    mtp: int,
+    spec: SpecConfig | None = None,
+    sampling: Sampling | None = None,
 ) -> dict[str, Any]:
-    """One greedy request of exactly `n` tokens through a local pipeline with `strategy` (the
-    other speculative keys from `spec`): its tokens, decode time and speed, and the
-    speculation counters, as the bench's cells record them."""
+    """One request of exactly `n` tokens through a local pipeline with `strategy` (the other
+    speculative keys from `spec`), greedy unless `sampling` says otherwise: its tokens,
+    decode time and speed, and the speculation counters, as the bench's cells record them."""
     out: list[int] = []
 
     async def on_tokens(t: list[int]) -> None:
@@ -258,6 +286,7 @@ async def generate(
     request = GenerationRequest(
         prompt=ids,
         max_tokens=n,
+        sampling=sampling or Sampling(),
         spec=msgspec.structs.replace(spec or SpecConfig(), strategy=strategy),
         mtp_depth=mtp,
         eos_ids=frozenset(),  # fixed length, so every strategy decodes the same count
@@ -458,6 +487,7 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
                 "\n`auto` ÷ best single strategy, of the medians / paired per round "
                 "(quartiles, best): " + ", ".join(versus)
             )
+    out.append(f"\n{_mode(report)}: {_identity(report)}")
     for row in report.get("transformers", []):
         out.append(
             f"\nsingle node, {row['strategy']}, {row['workload']}: {row['decode_tok_s']:.1f} tok/s"
@@ -465,12 +495,29 @@ def markdown(report: dict[str, Any], strategies: list[str]) -> str:
     return "\n".join(out)
 
 
+def _mode(report: dict[str, Any]) -> str:
+    """ "greedy", or the sampled runs' temperature and seed."""
+    sampling = report.get("sampling") or {}
+    if not sampling.get("temperature"):
+        return "greedy"
+    return f"sampled at T = {sampling['temperature']:g}, seed {sampling['seed']}"
+
+
+def _identity(report: dict[str, Any]) -> str:
+    """Whether every run's text equalled `disabled`'s (of its prompt and round)."""
+    if report.get("identical_texts", True):
+        return "every strategy's text identical to disabled's: yes"
+    return "every strategy's text identical to disabled's: NO (see the MISMATCH cells)"
+
+
 def _print(report: dict[str, Any], strategies: list[str]) -> None:
     rows = report["rows"]
     configs = sorted({(r["stages"], r["rtt_ms"]) for r in rows})
     print(
-        f"meshd bench spec — greedy, {report['tokens']} tokens per run, medians over prompts and rounds"
+        f"meshd bench spec — {_mode(report)}, {report['tokens']} tokens per run, "
+        "medians over prompts and rounds"
     )
+    print(_identity(report))
     print("cell: decode tok/s (ratio to disabled in the same run) acceptance, tokens/round trip")
     for stages, rtt in configs:
         print(f"\n{stages} stage(s), RTT {rtt:g} ms")
@@ -499,7 +546,7 @@ def _print(report: dict[str, Any], strategies: list[str]) -> None:
         print(
             f"  single node, {row['strategy']:32} {row['workload']:>10}: {row['decode_tok_s']:.1f} tok/s"
         )
-    print("\nsamples (disabled, greedy):")
+    print(f"\nsamples (disabled, {_mode(report)}):")
     for kind, text in report["samples"].items():
         snippet = text[:240].replace("\n", "\n    ")
         print(f"  [{kind}]\n    {snippet}")

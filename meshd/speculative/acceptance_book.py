@@ -27,6 +27,8 @@ class AcceptanceBook:
     draft_score_s: float = field(init=False)
     # The draft model's seconds per drafted token, as the latest request that drafted left it.
     draft_token_s: float | None = None
+    # Seconds per token of a long pass of the draft (a prefill), as the latest request left it.
+    draft_write_token_s: float | None = None
 
     def __post_init__(self) -> None:
         self.draft_score_s = self.tuning.draft_score_prior_s

@@ -311,6 +311,7 @@ class AutoProposer(AccountedProposer):
         self.last_draft_s = self._draft.last_draft_s
         if self._draft.draft_cost_s > 0:
             self.book.draft_token_s = self._draft.draft_cost_s
+        self.book.draft_write_token_s = self._draft.write_token_s or self.book.draft_write_token_s
         if width > 0:
             self._pending = [
                 s
@@ -470,11 +471,9 @@ class AutoProposer(AccountedProposer):
 
     def _score_draft(self) -> None:
         """Turn the starts waiting for the draft's choices into shadows once those choices
-        settle them, running the draft over the log's new tokens when enough are new: once
-        its measured cost is within the share of those commits' plain decoding time that
-        the draft's prospects allow (`draft_score_share*`), and at least every
-        `draft_sync_max_commits` while it pays or the book is unsettled."""
-        scorer, tune = self._scorer, self.tuning
+        settle them, running the draft over the log's new tokens when a pass is due
+        (`DraftScorer.due`: only a rare probe while the cost gate declines the draft)."""
+        scorer = self._scorer
         if scorer is None:
             return
         if self.choice in DRAFT_STRATEGIES:
@@ -487,19 +486,22 @@ class AutoProposer(AccountedProposer):
         if not scorer.waiting and not chains:
             return
         scorer.commits += 1
-        share = tune.draft_score_share if self._draft_pays else tune.draft_score_share_idle
-        if self.choice == "disabled" and self._book_says_draft_pays:
-            share = tune.draft_score_share_eager
-        every = self.tuning.tokens_for(self.book.draft_score_s, share * self._plain_s())
-        if self._draft_pays or self.book.tracker(_DRAFT_CANDIDATE).samples < (
-            tune.draft_settled_samples
+        scorer.idle_s += max(0.0, self.link.rtt_s)
+        assert self._draft is not None
+        if not scorer.due(
+            self.tuning,
+            declined=not self._draft_pays
+            and self.book.tracker(_DRAFT_CANDIDATE).samples >= self.tuning.draft_judged_samples,
+            eager=self.choice == "disabled" and self._book_says_draft_pays,
+            pass_s=self.book.draft_score_s,
+            write_token_s=self._draft.write_token_s or self.book.draft_write_token_s,
+            plain_s=self._plain_s(),
         ):
-            every = min(every, tune.draft_sync_max_commits)
-        if scorer.commits < every:
             return
         spent = scorer.run(self._tokens, chains, self._pending)
         if spent is not None:
-            self.book.draft_score_s += tune.cost_ewma * (spent - self.book.draft_score_s)
+            self.book.draft_score_s += self.tuning.cost_ewma * (spent - self.book.draft_score_s)
+        self.book.draft_write_token_s = self._draft.write_token_s or self.book.draft_write_token_s
         self._score()
 
     def _trim_pending(self) -> None:

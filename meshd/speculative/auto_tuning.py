@@ -59,14 +59,18 @@ class AutoTuning:
     # -- scoring the draft model teacher-forced while it is not the choice --
     # Its pass over the new commits may cost this share of their plain decoding time...
     draft_score_share: float = 0.015
-    # ...this share while neither the request nor the book says the draft pays...
-    draft_score_share_idle: float = 0.005
     # ...and this share while auto decodes plainly and the book says the draft pays.
     draft_score_share_eager: float = 0.05
-    # At least one pass per this many commits while the draft pays or the book is unsettled.
+    # Declined by the cost gate (neither the request's nor the book's estimate says it pays):
+    # only a probe, at most this share of the commits' network wait (their round trips), so
+    # none on one node, where nothing waits and a pass would slow every token. A probe, not
+    # nothing: a later text the draft predicts well must be able to bring it back.
+    draft_probe_share: float = 0.03
+    # At least one pass per this many commits unless the draft is declined.
     draft_sync_max_commits: int = 32
-    # The book is settled about the draft once it has scored this many of its windows.
-    draft_settled_samples: int = 64
+    # The gate's "no" declines the draft (probes only) once the book has scored this many of
+    # its windows: by the prior alone it would never be scored, and never let in, on one node.
+    draft_judged_samples: int = 8
     # A pass's assumed seconds until one was timed, and the newest pass's EWMA weight.
     draft_score_prior_s: float = 0.001
     cost_ewma: float = 0.2

@@ -16,9 +16,12 @@ costs no further draft passes), as the MTP hybrids do.
 Exactness does not depend on the draft: verification accepts only the target's own choice at
 each position (see `sampling.verify`), so greedy and seeded sampled output equal `disabled`'s.
 
-The coordinator times each proposal; the seconds per drafted token (`draft_cost_s`) enter the
-window policy's cost model (`LinkModel.draft_per_token_s`), so the width adapts to what a draft
-token costs against what the route's round trip costs.
+The coordinator times each proposal; the seconds per draft-model pass (`draft_cost_s`) enter
+the window policy's cost model (`LinkModel.draft_per_token_s`: a model-drafted token is one
+pass), so the width adapts to what a draft token costs against what the route's round trip
+costs. A pass costs the same whatever it proposes: a window of prompt lookup's copy after one
+pass is that one pass, so the cost is per pass, not per proposed token (per token, the free
+copies made a dear draft look cheap).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 # Weight of the newest proposal in the draft's seconds-per-token estimate.
 _COST_EWMA = 0.2
 # Positions a draft session holds beyond what it needs now (reopened, doubled, when outgrown).
+# A pass writing at least this many tokens times what a written token costs (a prefill's rate).
+_LONG_PASS = 16
 _SESSION_SLACK = 256
 
 _session_ids = itertools.count()
@@ -175,6 +180,9 @@ class DraftProposer(AccountedProposer):
         # The latest `predict_log` pass's seconds (None after one that wrote the whole log,
         # the prompt's prefill included: not what a pass over new tokens costs).
         self.last_score_s: float | None = None
+        # Seconds per token a long pass writes (EWMA over passes of `_LONG_PASS` tokens or
+        # more: a prefill or a catch-up; None until one was timed).
+        self.write_token_s: float | None = None
         self.last_draft_s = 0.0  # the latest proposal's time (the window loop nets it out)
         self.draft_s = 0.0  # this request's drafting time in all
         self.passes = 0  # draft forward passes of this request
@@ -182,7 +190,8 @@ class DraftProposer(AccountedProposer):
 
     @property
     def draft_cost_s(self) -> float:
-        """Measured seconds per drafted token (0 until something was drafted)."""
+        """Measured seconds per draft-model pass, the cost of each token the model drafts (0
+        until something was drafted)."""
         return self._cost_s or 0.0
 
     def reset(self, prompt: Sequence[int]) -> None:
@@ -217,15 +226,17 @@ class DraftProposer(AccountedProposer):
             return []
         started = self.clock()
         self._catch_up_s = 0.0
+        passes = self.passes
         drafts = self._draft([*self.tokens, *(int(t) for t in assumed)], max_tokens)
         spent = self.clock() - started
         self.last_draft_s = spent
         self.draft_s += spent
-        # The per-token cost is the drafting passes': a pass that caught up on the log (the
-        # prompt's prefill, or the tokens committed while another strategy drafted) is the
-        # price of starting, once, not of each drafted token; its draft is left uncharged.
+        # The cost is per drafting pass, whatever the pass proposed (a copy after one pass is
+        # one pass). A pass that caught up on the log (the prompt's prefill, or the tokens
+        # committed while another strategy drafted) is the price of starting, once: it is
+        # left out, time and pass.
         caught_up = 1 if self._catch_up_s > 0 else 0
-        self._charge(spent - self._catch_up_s, len(drafts) - caught_up)
+        self._charge(spent - self._catch_up_s, self.passes - passes - caught_up)
         return drafts
 
     def predict_log(self, since: int) -> tuple[int, list[int]]:
@@ -252,16 +263,29 @@ class DraftProposer(AccountedProposer):
         feed = context[same:]
         started = self.clock()
         rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1)
-        self.last_score_s = self.clock() - started if same > 0 else None
+        spent = self.clock() - started
+        self.last_score_s = spent if same > 0 else None
+        self._time_writes(spent, len(feed))
         self.passes += 1
         del cached[same:]
         cached.extend(feed)
         return since, coupled_draft_tokens(rows, self.sampling, since)
 
-    def _charge(self, seconds: float, drafted: int) -> None:
-        """Fold `seconds` over `drafted` tokens into the per-token drafting cost."""
-        if drafted > 0:
-            per_token = seconds / drafted
+    def unwritten(self) -> int:
+        """Log tokens the draft's cache does not hold (what its next pass must write)."""
+        return len(self.tokens) - _common_prefix(self._cached, self.tokens)
+
+    def _time_writes(self, seconds: float, written: int) -> None:
+        """Fold a long pass's seconds per written token into `write_token_s`."""
+        if written >= _LONG_PASS:
+            per_token = seconds / written
+            old = self.write_token_s
+            self.write_token_s = per_token if old is None else old + _COST_EWMA * (per_token - old)
+
+    def _charge(self, seconds: float, passes: int) -> None:
+        """Fold `seconds` over `passes` drafting passes into the per-pass drafting cost."""
+        if passes > 0:
+            per_token = seconds / passes
             old = self._cost_s
             self._cost_s = per_token if old is None else old + _COST_EWMA * (per_token - old)
 
@@ -287,7 +311,9 @@ class DraftProposer(AccountedProposer):
             started = self.clock() if catch_up else 0.0
             row = self.draft.next_logits(self._session_id(), pos, feed)
             if catch_up:
-                self._catch_up_s += self.clock() - started
+                elapsed = self.clock() - started
+                self._catch_up_s += elapsed
+                self._time_writes(elapsed, len(feed))
             self.passes += 1
             del cached[pos:]
             cached.extend(feed)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshd.speculative.auto_tuning import AutoTuning
+
 if TYPE_CHECKING:
     from meshd.speculative.draft import DraftProposer
 
@@ -44,12 +46,49 @@ class DraftScorer:
         self.choices: dict[int, int] = {}  # the draft's choice by log position
         self.waiting: list[tuple[int, list[int]]] = []  # (start, prompt lookup's copy there)
         self.commits = 0  # commits since the last pass
+        self.idle_s = 0.0  # the network wait of those commits (a declined draft's probe budget)
 
     def reset(self) -> None:
         """New request: nothing waits, nothing is known."""
         self.choices = {}
         self.waiting = []
         self.commits = 0
+        self.idle_s = 0.0
+
+    def due(
+        self,
+        tuning: AutoTuning,
+        *,
+        declined: bool,
+        eager: bool,
+        pass_s: float,
+        write_token_s: float | None,
+        plain_s: float,
+    ) -> bool:
+        """Whether a pass is due after this commit (`commits`, `idle_s` counted).
+
+        While the cost gate `declined` the draft (by the request's and the book's estimates),
+        only as a probe: once its cost (a cold session's prefill included) is within
+        `draft_probe_share` of the commits' network wait, so never on one node, where a pass
+        would slow the tokens and nothing waits. Otherwise once a pass (`pass_s`) is within
+        the share of those commits' plain decoding time (`plain_s` a token) the draft's
+        prospects allow (`draft_score_share`, or `_eager` while auto decodes plainly and the
+        book says the draft pays), and at least every `draft_sync_max_commits`."""
+        if declined:
+            return self.idle_s * tuning.draft_probe_share >= self.probe_cost_s(
+                pass_s, write_token_s
+            )
+        share = tuning.draft_score_share_eager if eager else tuning.draft_score_share
+        every = tuning.tokens_for(pass_s, share * plain_s)
+        return self.commits >= min(every, tuning.draft_sync_max_commits)
+
+    def probe_cost_s(self, pass_s: float, write_token_s: float | None) -> float:
+        """What the next pass would cost: a pass over new commits (`pass_s`), or where the
+        draft's cache lacks more of the log (a cold session: the prompt's prefill), the tokens
+        it must write at `write_token_s` apiece (at `pass_s` apiece until that was timed)."""
+        unwritten = self.draft.unwritten()
+        per_token = write_token_s if write_token_s is not None else pass_s
+        return max(pass_s, unwritten * per_token)
 
     def leave(self, start: int, copy: list[int]) -> None:
         """A start for a later pass to score (with prompt lookup's copy there)."""
@@ -71,6 +110,7 @@ class DraftScorer:
             since += 1
         first, choices = self.draft.predict_log(since)
         self.commits = 0
+        self.idle_s = 0.0
         for j, token in enumerate(choices):
             self.choices[first + j] = token
         eos = self.draft.draft.eos_ids

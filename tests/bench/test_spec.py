@@ -77,3 +77,27 @@ def test_draft_strategies_run_with_the_shipped_draft_on_the_built_in_model(
     assert strategies == {"disabled", "draft", "draft-ngram"}
     assert all(r["identical_to_disabled"] for r in report["runs"])
     assert all(r["drafted"] > 0 for r in report["runs"] if r["strategy"] != "disabled")
+
+
+def test_a_seeded_sampled_run_gives_every_strategy_the_same_text(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    texts = {}
+    for seed in (7, 8):
+        parser = argparse.ArgumentParser()
+        bench_spec.add_arguments(parser)
+        args = parser.parse_args(
+            ["--stages", "1", "--rtt-ms", "0", "--tokens", "12", "--prompts", "1",
+             "--workloads", "prose", "--min-seconds", "0",
+             "--strategies", "disabled", "ngram-simple", "draft-ngram", "auto",
+             "--temperature", "0.8", "--seed", str(seed), "--no-transformers", "--json"]
+        )  # fmt: skip
+        assert bench_spec.run(args) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["sampling"] == {"temperature": 0.8, "seed": seed}
+        assert report["identical_texts"] is True
+        runs = report["runs"]
+        assert {r["strategy"] for r in runs} == {"disabled", "ngram-simple", "draft-ngram", "auto"}
+        assert len(runs) == 4 and all(r["identical_to_disabled"] for r in runs)
+        texts[seed] = report["samples"]["prose"]
+    assert texts[7] != texts[8]  # the seed is honoured: these are samples, not greedy text

@@ -269,3 +269,36 @@ def test_the_cost_per_drafted_token_leaves_out_the_pass_that_catches_up_on_the_p
     proposer.propose(4)
     assert proposer.draft_cost_s == pytest.approx(0.001, rel=0.5)
     proposer.close()
+
+
+def test_the_draft_is_charged_per_model_pass_not_per_proposed_token() -> None:
+    # A pass costs 1 ms whatever it proposes: a window of prompt lookup's copy after one pass
+    # costs that pass, so its 5 tokens must not read as 0.2 ms each (the gate would take the
+    # draft for cheap); the model's own drafts cost a pass each.
+    model = tiny_draft(VOCAB)
+    now = [0.0]
+
+    class Timed:
+        def __getattr__(self, name: str) -> object:
+            return getattr(model, name)
+
+        def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
+            now[0] += 0.001
+            return model.next_logits(session, base_pos, tokens)
+
+    costs: dict[str, list[float]] = {"copy": [], "model": []}
+    for t in range(VOCAB):
+        if t in (11, 12) or (costs["copy"] and len(costs["model"]) > 2):
+            continue
+        hybrid = DraftNgram(config("draft-ngram"), model)
+        hybrid.draft = Timed()  # type: ignore[assignment]
+        hybrid.clock = lambda: now[0]
+        # Short enough that the first pass is no catch-up: it is charged.
+        hybrid.reset([11, 12, t, 20, 21, 11, 12])
+        proposed = hybrid.propose(5)
+        kind = "copy" if hybrid.copies else "model"
+        assert len(proposed) == 5  # the copy: t, 20, 21, 11, 12
+        costs[kind].append(hybrid.draft_cost_s)
+        hybrid.close()
+    assert costs["copy"] and costs["model"], costs
+    assert all(c == pytest.approx(0.001) for c in costs["copy"] + costs["model"]), costs
