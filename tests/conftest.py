@@ -1,10 +1,11 @@
 """Suite-wide settings: deterministic hypothesis profile, and which tests may run side by side.
 
-`scripts/test` runs pytest on two workers (pytest-xdist, `--dist loadgroup`). Every test
-module is one unit of work, so its module-scoped set-up (a shared pipeline, a loaded model) is
-built once. The modules below share one worker, one after the other, as they did in one process:
-they start real daemons or bind fixed loopback addresses, ports and mDNS (two of them at once
-would bind the same address or join each other's mesh), or they measure threads and time.
+`scripts/test` runs pytest on two workers (pytest-xdist, `--dist loadgroup` with the scheduler
+below). Every test module is one unit of work, so its module-scoped set-up (a shared pipeline,
+a loaded model) is built once. The serial group's modules share one worker, one after the other,
+as they did in one process: they start real daemons or bind fixed loopback addresses, ports and
+mDNS (two of them at once would bind the same address or join each other's mesh), or they
+measure threads and time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +28,11 @@ settings.register_profile(
 settings.load_profile("meshd")
 
 TESTS = pathlib.Path(__file__).parent
-# The xdist group of the modules that run one after the other on one worker.
+# The group of the modules that run one after the other on one worker.
 SERIAL = "serial"
+# Niceness of the workers that run everything else.
+OTHER_WORKERS_NICE = 10
+_worker_priority_set = False
 # Folders whose every module runs in the serial group, and single modules elsewhere.
 SERIAL_FOLDERS = ("node", "cli", "bench", "examples", "systemd", "net")
 SERIAL_MODULES = (
@@ -50,17 +55,45 @@ SERIAL_MODULES = (
 
 
 def xdist_group(path: pathlib.Path) -> str:
-    """The xdist group of the test module at `path`: SERIAL, or the module itself."""
+    """The group of the test module at `path`: SERIAL, or the module itself."""
     relative = path.resolve().relative_to(TESTS)
     if relative.parts[0] in SERIAL_FOLDERS or relative.as_posix() in SERIAL_MODULES:
         return SERIAL
     return relative.as_posix()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item.path)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `--dist loadgroup`: one unit of work per group (`xdist_group` above), the serial group
+    handed out first, to the first worker. (xdist's own loadgroup reads `xdist_group` marks
+    into node ids, which pytest 9 no longer lets a plugin rewrite: its groups split.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(config.rootpath / nodeid.split("::", 1)[0])
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if SERIAL in self.workqueue:
+                self.workqueue.move_to_end(SERIAL, last=False)
+            super()._assign_work_unit(node)
+
+    return ByGroup(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A worker whose first test is outside the serial group runs at a lower priority: it uses
+    what CPU the serial worker's daemons leave, and their timers (lane deaths, session leases)
+    keep the share of a core they have when the suite runs in one process."""
+    global _worker_priority_set
+    if _worker_priority_set or "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    _worker_priority_set = True
+    if xdist_group(item.path) != SERIAL:
+        os.nice(OTHER_WORKERS_NICE)
 
 
 @pytest.fixture(autouse=True)
