@@ -1,8 +1,8 @@
 """Suite-wide settings: deterministic hypothesis profile, and which tests may run side by side.
 
-`scripts/test` runs pytest on two workers (pytest-xdist, `--dist loadgroup` with the scheduler
-below). Every test module is one unit of work, so its module-scoped set-up (a shared pipeline,
-a loaded model) is built once. The serial group's modules share one worker, one after the other,
+`MESHD_TEST_WORKERS=2 scripts/test` runs pytest on two workers (pytest-xdist, `--dist loadgroup`,
+the scheduler below). Every test module is one unit of work, so its module-scoped set-up (a
+shared pipeline, a loaded model) is built once. The serial group's modules share one worker, one after the other,
 as they did in one process: they start real daemons or bind fixed loopback addresses, ports and
 mDNS (two of them at once would bind the same address or join each other's mesh), or they
 measure threads and time.
