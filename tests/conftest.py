@@ -30,9 +30,6 @@ settings.load_profile("meshd")
 TESTS = pathlib.Path(__file__).parent
 # The group of the modules that run one after the other on one worker.
 SERIAL = "serial"
-# Niceness of the workers that run everything else.
-OTHER_WORKERS_NICE = 10
-_worker_priority_set = False
 # Folders whose every module runs in the serial group, and single modules elsewhere.
 SERIAL_FOLDERS = ("node", "cli", "bench", "examples", "systemd", "net")
 SERIAL_MODULES = (
@@ -81,19 +78,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             super()._assign_work_unit(node)
 
     return ByGroup(config, log)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A worker whose first test is outside the serial group runs at a lower priority: it uses
-    what CPU the serial worker's daemons leave, and their timers (lane deaths, session leases)
-    keep the share of a core they have when the suite runs in one process."""
-    global _worker_priority_set
-    if _worker_priority_set or "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    _worker_priority_set = True
-    if xdist_group(item.path) != SERIAL:
-        os.nice(OTHER_WORKERS_NICE)
 
 
 @pytest.fixture(autouse=True)
