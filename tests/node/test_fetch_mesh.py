@@ -250,8 +250,8 @@ class CappedPair:
 
     def check_serves_clean(self) -> None:
         """The fetcher answers single-process tokens and holds what a node never stopped
-        holds: its identity, the model's small files, manifest, name and verified list, and
-        whole tensors of the layers it was given (and of layers an earlier plan gave it: a
+        holds: its identity, the start-up caches, the model's small files, manifest, name and
+        verified list, and whole tensors of the layers it was given (and of layers an earlier plan gave it: a
         cache kept on purpose); no part or temp file."""
         fetcher, model_id = self.fetcher, self.model_id
         prompt = Tokenizer.open(builtin_model_dir()).encode(PROMPT)
@@ -264,7 +264,9 @@ class CappedPair:
         small = (MANIFEST_FILE, NAME_FILE, "verified.msgpack", *MODEL_FILES)
         kept = {"identity.key", "control.sock", *(f"models/{model_id}/{n}" for n in small)}
         assert tensors <= now, tensors - now
-        stray = {n for n in now - kept - tensors if not n.startswith("hashes/")}
+        # The start-up caches (docs/operations.md): tensor digests and the compute figure.
+        caches = ("hashes/", "compute/")
+        stray = {n for n in now - kept - tensors if not n.startswith(caches)}
         assert all(n.startswith(f"models/{model_id}/tensors/") for n in stray), stray
         assert (fetcher.state / "models" / model_id).is_dir()
 

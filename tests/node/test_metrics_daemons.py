@@ -26,7 +26,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
+from meshd.cli.supervisor import (
+    agreed_plan,
+    kill_all,
+    settled_plan,
+    stage_budget,
+    started,
+    wait_until,
+)
 from meshd.model.builtin import builtin_model_dir
 from meshd.net.endpoint import DROP_REASONS, REFUSAL_REASONS
 from meshd.node.node_metrics import FETCH_STATES, MEMBER_HEALTH
@@ -143,7 +150,8 @@ def test_every_exported_family_is_set_after_a_request_and_a_kill(
     assert chat(coordinator, 12)["usage"]["completion_tokens"] == 12
 
     forge_probes(coordinator)
-    plan = settled_plan(daemons) or []
+    # One read can miss (a status call timing out mid-request): wait for the agreed plan.
+    plan = agreed_plan(daemons, timeout_s=30, stable_s=0.5)
     victim = next(
         d for d in daemons if d is not coordinator and d.key() in {s["key"] for s in plan}
     )

@@ -190,12 +190,13 @@ def _expired(d: Daemon) -> dict[str, int]:
 
 
 def _left_only_identity(d: Daemon, how: signal.Signals) -> None:
-    """What a stopped or killed daemon leaves in its state dir: its identity, the checkpoint
-    hashes it cached, and (after SIGKILL only) its control socket, which the next start
-    replaces. No temp, part or lock file."""
+    """What a stopped or killed daemon leaves in its state dir: its identity, the start-up
+    caches (checkpoint hashes, the compute figure: docs/operations.md), and (after SIGKILL
+    only) its control socket, which the next start replaces. No temp, part or lock file."""
     left = {p.name for p in d.state.iterdir()}
     socket = {"control.sock"} if how is signal.SIGKILL else set()
-    assert left <= {"identity.key", "hashes", *socket}, left
+    assert left <= {"identity.key", "hashes", "compute", *socket}, left
+    assert not [p for p in d.state.rglob("*") if p.name.endswith((".tmp", ".part"))], left
     assert "identity.key" in left
 
 
