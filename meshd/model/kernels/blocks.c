@@ -1160,7 +1160,7 @@ int meshd_blocks_mm(int type, const void *w, int64_t k, int64_t n_out, const flo
  * is unchanged, so the bits are those of meshd_blocks_mm_threads per tensor. */
 
 /* One tensor [out][k] of a fused operand: its ggml type, rows and bytes as stored, and the order
- * of its output columns (perm[c]: the tensor's row for column c; NULL: in order). quant_mm.c's
+ * of its output columns (perm[c]: the tensor's row for column c; NULL: in order). layers.c's
  * meshd_block_part has the same layout. */
 typedef struct {
     int64_t type, out;
