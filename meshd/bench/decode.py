@@ -27,7 +27,7 @@ from meshd.bench.harness import alternate, print_report
 from meshd.bench.reference import transformers_model
 from meshd.bench.single_node import generate
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.checkpoint import expected_shapes
+from meshd.model.checkpoint import Checkpoint, expected_shapes
 from meshd.model.errors import TokenizerError
 from meshd.model.files import is_gguf, open_checkpoint, open_tokenizer
 from meshd.model.gguf_matrix import GgufMatrix
@@ -194,10 +194,8 @@ def write_random_checkpoint(directory: pathlib.Path, name: str, seed: int = 0) -
     model.save_pretrained(directory)
 
 
-def bench(
-    directory: pathlib.Path, settings: BenchSettings, *, profile: bool = False
-) -> dict[str, Any]:
-    """Interleaved meshd / transformers greedy runs; medians, ratio and agreement."""
+def _whole_model(directory: pathlib.Path, settings: BenchSettings) -> tuple[Checkpoint, StageModel]:
+    """The checkpoint and all its layers in one stage, as `settings` asks."""
     checkpoint = open_checkpoint(directory)
     stage = StageModel.load(
         checkpoint,
@@ -208,6 +206,14 @@ def bench(
         quantization=settings.quantization,
         kv_dtype=settings.kv_dtype,
     )
+    return checkpoint, stage
+
+
+def bench(
+    directory: pathlib.Path, settings: BenchSettings, *, profile: bool = False
+) -> dict[str, Any]:
+    """Interleaved meshd / transformers greedy runs; medians, ratio and agreement."""
+    checkpoint, stage = _whole_model(directory, settings)
     prompt = prompt_ids(directory, settings.prompt, checkpoint.config.vocab_size)
 
     def ours() -> list[int]:
@@ -289,16 +295,7 @@ def bench_prefill(directory: pathlib.Path, settings: BenchSettings, tokens: int)
     prompt test uses), timed `settings.rounds` times after a warm-up: tok/s, median and runs."""
     if tokens < 1:
         raise ValueError("--prefill needs at least one token")
-    checkpoint = open_checkpoint(directory)
-    stage = StageModel.load(
-        checkpoint,
-        0,
-        checkpoint.config.num_layers,
-        device=settings.device,
-        dtype=settings.dtype,
-        quantization=settings.quantization,
-        kv_dtype=settings.kv_dtype,
-    )
+    checkpoint, stage = _whole_model(directory, settings)
     gen = torch.Generator().manual_seed(1234)
     prompt = torch.randint(0, checkpoint.config.vocab_size, (tokens,), generator=gen).tolist()
     generate([stage], prompt, 1)  # warm-up: allocator, kernels, lazy init

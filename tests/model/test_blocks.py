@@ -5,7 +5,6 @@ steps, and tensors are read in place from a read-only map."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -19,7 +18,6 @@ from meshd.config.sources import load_config
 from meshd.model.kernels import blocks
 from meshd.model.kernels.blocks import (
     BLOCK_KERNELS_ENV,
-    PATHS,
     BlockMatrix,
     UnavailableKernelPath,
     UnsupportedTensorType,
@@ -34,23 +32,6 @@ _ONE = (T.Q4_1, T.Q5_1)  # multiplied with Q8_1 activations (their dot uses the 
 _Q8_0_ACT = (T.Q4_0, T.Q5_0, T.Q8_0)
 _FLOAT = (T.F32, T.F16, T.BF16)
 _FIELDS_K = {T.Q4_K: (144, (0, 2)), T.Q5_K: (176, (0, 2)), T.Q6_K: (210, (208,))}
-
-
-@pytest.fixture(params=PATHS)
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each kernel path, forced through the environment as an operator would."""
-    reason = path_unavailable_reason(request.param)
-    if reason is not None:
-        pytest.skip(f"{request.param} does not run on this CPU: {reason}")
-    monkeypatch.setenv(BLOCK_KERNELS_ENV, request.param)
-    yield request.param
-
-
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def _types() -> list[T]:

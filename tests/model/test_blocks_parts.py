@@ -5,8 +5,6 @@ codes are ggml's reference ones, ties and all."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import gguf.quants
 import numpy as np
 import pytest
@@ -15,29 +13,9 @@ from gguf import GGMLQuantizationType as T
 
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels.blocks import (
-    BLOCK_KERNELS_ENV,
-    PATHS,
     BlockMatrix,
-    path_unavailable_reason,
     supported_types,
 )
-
-
-@pytest.fixture(params=PATHS)
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each kernel path, forced through the environment as an operator would."""
-    reason = path_unavailable_reason(request.param)
-    if reason is not None:
-        pytest.skip(f"{request.param} does not run on this CPU: {reason}")
-    monkeypatch.setenv(BLOCK_KERNELS_ENV, request.param)
-    yield request.param
-
-
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def _matrix(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> BlockMatrix:
