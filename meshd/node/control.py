@@ -154,7 +154,7 @@ def killed_members(node: MeshNode) -> list[bytes]:
     for key, info in node.membership.view().items():
         if info.healthy and info.capacity is not None and not info.capacity.models:
             out.append(key)
-    if node.disabled and node.node_key not in out:
+    if node.commands.disabled and node.node_key not in out:
         out.append(node.node_key)
     return out
 

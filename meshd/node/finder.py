@@ -1,4 +1,5 @@
-"""`PeerFinder`: how a node meets others, by mDNS and by its `join` addresses.
+"""`PeerFinder`: how a node meets others, by mDNS and by its `join` addresses, and which
+members may introduce it to a peer behind NAT.
 
 Every candidate address is only a hint: the node key there is learned by an authenticated
 key query (proven by the mesh secret), then the node dials it and joins its membership.
@@ -15,7 +16,7 @@ from meshd.mesh.identity import NodeIdentity, fingerprint_of
 from meshd.mesh.jointoken import Address
 from meshd.net.endpoint import Endpoint
 from meshd.net.lane_table import PeerUnreachable
-from meshd.node.dialing import NodeLanes
+from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
 from meshd.node.gossip_driver import GossipDriver, KeyBook
 
 log = logging.getLogger(__name__)
@@ -97,3 +98,18 @@ class PeerFinder:
             return None
         self.gossip.join(node_id)
         return node_id
+
+    def introducers(self, target: bytes) -> list[bytes]:
+        """Lane keys of members that may introduce this node to `target` (a lane key), best first."""
+        target_id = self.keys.ed_of(target)
+        if target_id is None:
+            return []
+
+        def direct_lane(node_id: bytes) -> bool:
+            path = self.peers.path_of(self.keys.x_of(node_id))
+            return path is not None and path.kind is not LaneKind.RELAYED
+
+        view = self.gossip.membership.view()
+        own = self.identity.public_key
+        picked = pick_introducers(view, target_id, own=own, direct_lane=direct_lane)
+        return [self.keys.x_of(node_id) for node_id in picked]

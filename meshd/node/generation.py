@@ -125,7 +125,7 @@ class NodeBackend:
                     # Nothing generated yet: the client retries later (429 with Retry-After).
                     raise Overloaded(str(exc), exc.retry_after_s) from exc
                 committed += exc.committed
-                await self.node.wait_plan_change(exc.retry_after_s)
+                await self.node.planning.wait_change(exc.retry_after_s)
                 continue
             except RouteFailed as exc:
                 committed += exc.committed
@@ -134,7 +134,7 @@ class NodeBackend:
                 self._on_failure(exc)
                 if trio.current_time() >= deadline:
                     raise ServiceUnavailable(f"the mesh could not recover: {exc}", 1.0) from exc
-                await self.node.wait_plan_change(RETRY_INTERVAL_S)
+                await self.node.planning.wait_change(RETRY_INTERVAL_S)
                 continue
             result.tokens = [*committed, *result.tokens]
             return result

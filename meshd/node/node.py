@@ -32,7 +32,7 @@ from meshd.net.peer_lane import PeerLane
 from meshd.node.basis import NodeBasis
 from meshd.node.commands import NodeCommands
 from meshd.node.compute import measure_or_cached
-from meshd.node.dialing import LaneKind, NodeLanes, pick_introducers
+from meshd.node.dialing import NodeLanes
 from meshd.node.fetch import ArtifactService, model_sources
 from meshd.node.finder import PeerFinder
 from meshd.node.gossip_driver import GossipDriver, KeyBook
@@ -102,7 +102,8 @@ class MeshNode:
     """A meshd daemon's parts, composed over an open endpoint; `start` runs them in
     `nursery`. It keeps the lanes, membership and gossip, discovery, the artifact service and
     routing; each model it holds is a `HeldModel` (`models`, the first first), re-planned by
-    `planning`, commanded by `commands`."""
+    `planning` (`request`, `wait_change`), commanded by `commands` (`apply`, `disabled`,
+    `draining`); `finder` meets peers and names who may introduce this node to one."""
 
     def __init__(
         self,
@@ -138,7 +139,7 @@ class MeshNode:
             },
             nat=config.nat,
             punch=config.punch,
-            introducers=self._introducers_for,
+            introducers=lambda target: self.finder.introducers(target),
         )
         # Held while a stage here computes a window: weight transfers wait (meshd/net/bulk.py).
         self.bulk_gate = BulkGate(config.bulk)
@@ -212,7 +213,7 @@ class MeshNode:
             await model.start()
         await nursery.start(self.gossip.run)
         nursery.start_soon(self.planning.run)
-        self.request_replan()  # a lone node serves alone until others join
+        self.planning.request()  # a lone node serves alone until others join
         for address in self.config.bootstrap_peers():
             nursery.start_soon(self.finder.bootstrap, address)
         if self.config.mdns.enabled:
@@ -240,19 +241,7 @@ class MeshNode:
         `urgent`: we stop offering our stage, and the spare should take it at once)."""
         self.membership.set_capacity(self.capacity(), trio.current_time(), urgent=urgent)
         self.gossip.poke()
-        self.request_replan()
-
-    # The operator's commands, as `commands` carries them out.
-    @property
-    def disabled(self) -> bool:
-        return self.commands.disabled
-
-    @property
-    def draining(self) -> bool:
-        return self.commands.draining
-
-    async def apply_command(self, action: str, drain: bool) -> None:
-        await self.commands.apply(action, drain)
+        self.planning.request()
 
     # ---- lanes and messages ---------------------------------------------------------------
     def _dispatch(self, message: Message, lane_key: bytes) -> None:
@@ -269,7 +258,7 @@ class MeshNode:
         self.artifacts.on_lane_up(lane_key)
         node_id = self.keys.ed_of(lane_key)
         if node_id is not None and self.health.on_lane_up(node_id):
-            self.request_replan()  # routes may take it again
+            self.planning.request()  # routes may take it again
 
     def _on_lane_lost(self, lane_key: bytes, lane: PeerLane) -> None:
         node_id = self.keys.ed_of(lane_key)
@@ -278,7 +267,7 @@ class MeshNode:
             self.events.note("lane-lost", node_id, reason)
             # Before the coordinators hear: their retries route around the dead node.
             if self.health.on_lane_lost(node_id, reason, trio.current_time()):
-                self.request_replan()
+                self.planning.request()
                 if self.on_lane_death is not None:
                     self.on_lane_death(node_id)
         for model in self.models:  # fail what waits on the lane, free what it left here
@@ -294,41 +283,19 @@ class MeshNode:
         for node_id in verdicts.gone:
             for model in self.models:
                 model.slot.free_coordinator(self.keys.x_of(node_id))
-        self.request_replan()
-
-    def _introducers_for(self, target: bytes) -> list[bytes]:
-        """Lane keys of members that may introduce this node to `target` (a lane key), best first."""
-        target_id = self.keys.ed_of(target)
-        if target_id is None:
-            return []
-
-        def direct_lane(node_id: bytes) -> bool:
-            path = self.peers.path_of(self.keys.x_of(node_id))
-            return path is not None and path.kind is not LaneKind.RELAYED
-
-        view = self.membership.view()
-        picked = pick_introducers(view, target_id, own=self.node_key, direct_lane=direct_lane)
-        return [self.keys.x_of(node_id) for node_id in picked]
+        self.planning.request()
 
     # ---- routing and planning -------------------------------------------------------------
     def suspect(self, node_id: bytes) -> None:
         """Leave `node_id` out of this node's routes for a while (its lane died)."""
         self.health.suspect(node_id, trio.current_time())
-        self.request_replan()
+        self.planning.request()
 
     def route(self, model: HeldModel) -> Route:
         """The route this node coordinates `model`'s requests over now, around the members
         it suspects (NoFeasiblePlan if none)."""
         suspects = self.health.suspects(trio.current_time())
         return model.route(self.membership.view(), self.membership.rtt_matrix(), suspects)
-
-    def request_replan(self) -> None:
-        """Re-plan soon (debounced)."""
-        self.planning.request()
-
-    async def wait_plan_change(self, timeout_s: float) -> None:
-        """Return after the next re-plan, or after `timeout_s`."""
-        await self.planning.wait_change(timeout_s)
 
 
 def _membership(

@@ -23,8 +23,8 @@ async def _wait(
     with trio.fail_after(timeout_s):
         while not done():
             if replan:
-                node.request_replan()
-            await node.wait_plan_change(1.0)
+                node.planning.request()
+            await node.planning.wait_change(1.0)
 
 
 async def test_parts_take_their_tables_and_duty_drives_the_stage(tmp_path: pathlib.Path) -> None:
@@ -58,23 +58,23 @@ async def test_parts_take_their_tables_and_duty_drives_the_stage(tmp_path: pathl
         assert node.capacity().models and node.capacity().models[0].loaded
 
         # kill --drain with no session open: the drain ends at once and the stage stops.
-        await node.apply_command("kill", True)
-        await _wait(node, lambda: node.disabled)
-        assert node.models[0].slot.layers is None and not node.draining
+        await node.commands.apply("kill", True)
+        await _wait(node, lambda: node.commands.disabled)
+        assert node.models[0].slot.layers is None and not node.commands.draining
         assert not node.capacity().models and not node.models[0].slot.refuse_new_sessions
         assert [e.detail for e in node.events if e.kind == "killed"] == ["drained"]
 
         # recover: the node offers the model again (its record is re-signed at membership's
         # pace), and a plan made after that loads its stage. A lone node hears no membership
         # events to re-plan on, so the test asks for the re-plans a peer's news would cause.
-        await node.apply_command("recover", False)
+        await node.commands.apply("recover", False)
         await _wait(node, lambda: node.models[0].slot.layers == layers, replan=True)
-        assert not node.disabled and node.capacity().models
+        assert not node.commands.disabled and node.capacity().models
 
         # kill at once: the stage stops now, and no plan brings it back until recover.
-        await node.apply_command("kill", False)
-        assert node.models[0].slot.layers is None and node.disabled
-        node.request_replan()
-        await node.wait_plan_change(10.0)
+        await node.commands.apply("kill", False)
+        assert node.models[0].slot.layers is None and node.commands.disabled
+        node.planning.request()
+        await node.planning.wait_change(10.0)
         assert node.models[0].slot.layers is None
         nursery.cancel_scope.cancel()
