@@ -12,7 +12,7 @@ Ed25519 node ids; the route the coordinator drives uses lane (X25519) keys.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -83,21 +83,7 @@ def stored_shape(
             total += (0 if first else embed) if tied else held(["lm_head.weight"])
         return total
 
-    only = extra(0, n)
-    first, last = (extra(0, 1), extra(n - 1, n)) if n > 1 else (only, only)
-    return ModelShape(
-        model_id=checkpoint.model_id,
-        num_layers=n,
-        bytes_per_layer=per_layer,
-        kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, kv_dtype or dtype),
-        head_kv_bytes_per_token=kv_bytes_per_token(
-            config, config.num_mtp_layers, kv_dtype or dtype
-        ),
-        embedding_bytes=first,
-        head_bytes=last,
-        shared_bytes=max(0, first + last - only),
-        quantization="gguf",
-    )
+    return _shape(config, checkpoint.model_id, per_layer, extra, kv_dtype or dtype, "gguf")
 
 
 def config_shape(
@@ -110,7 +96,6 @@ def config_shape(
 ) -> ModelShape:
     """`model_shape` from a model's config and id alone (no weights needed)."""
     quantization = check_quantization(quantization)
-    n = config.num_layers
     per_layer = layer_bytes(config, dtype, quantization, device)
 
     def extra(start: int, end: int) -> int:
@@ -118,6 +103,20 @@ def config_shape(
             (end - start) * per_layer
         )
 
+    return _shape(config, model_id, per_layer, extra, kv_dtype or dtype, quantization)
+
+
+def _shape(
+    config: ModelConfig,
+    model_id: str,
+    per_layer: int,
+    extra: Callable[[int, int], int],
+    kv_dtype: torch.dtype,
+    quantization: str,
+) -> ModelShape:
+    """The shape from a layer's bytes and `extra(start, end)`, the bytes a stage of those
+    layers holds besides its layers (embedding, norm, head)."""
+    n = config.num_layers
     only = extra(0, n)
     # With one layer the first stage is the last: only the whole-model figure exists.
     first, last = (extra(0, 1), extra(n - 1, n)) if n > 1 else (only, only)
@@ -125,10 +124,8 @@ def config_shape(
         model_id=model_id,
         num_layers=n,
         bytes_per_layer=per_layer,
-        kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, kv_dtype or dtype),
-        head_kv_bytes_per_token=kv_bytes_per_token(
-            config, config.num_mtp_layers, kv_dtype or dtype
-        ),
+        kv_bytes_per_token_per_layer=kv_bytes_per_token(config, 1, kv_dtype),
+        head_kv_bytes_per_token=kv_bytes_per_token(config, config.num_mtp_layers, kv_dtype),
         embedding_bytes=first,
         head_bytes=last,
         shared_bytes=max(0, first + last - only),
