@@ -71,14 +71,8 @@ class MemberInfo:
 class MembershipStats:
     """Counters for the operator (bad input is counted, never raised)."""
 
-    messages_in: int = 0
-    messages_out: int = 0
-    bad_records: int = 0
     bad_signatures: int = 0
-    records_for_unknown: int = 0
     members_refused: int = 0
     refutations: int = 0
     suspicions: int = 0
-    deaths_declared: int = 0
     records_published: int = 0
-    syncs_completed: int = 0

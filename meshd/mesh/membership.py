@@ -77,7 +77,6 @@ class Membership(Probing):
         self._now = now
         if sender == self.node_id or self._status is Status.LEFT:
             return
-        self.stats.messages_in += 1
         if isinstance(message, Ping):
             self._merge(message.updates, sender, now)
             self._send(sender, Ack(seq=message.seq, updates=self._piggyback(sender)))
@@ -198,7 +197,6 @@ class Membership(Probing):
     def outgoing(self, now: float) -> list[tuple[bytes, GossipMessage]]:
         """Messages to send now, as (peer node id, message); each is returned once."""
         out, self._outbox = self._outbox, []
-        self.stats.messages_out += len(out)
         return out
 
     def next_deadline(self) -> float | None:
@@ -341,7 +339,5 @@ class Membership(Probing):
         next_start = msg.resume or msg.end
         if self._sweeps.advance(sender, msg.start, next_start, now):
             self._send_digest(sender, next_start)
-        elif not next_start and sender not in self._sweeps.by_peer:
-            self.stats.syncs_completed += 1
         if msg.start == self._sync_cursor:
             self._sync_cursor = next_start

@@ -260,7 +260,6 @@ class MembershipCore:
             if m is None or m.timer_at != at:
                 continue  # superseded by a later change
             if m.status is Status.SUSPECT:
-                self.stats.deaths_declared += 1
                 self._enter(m, Status.DEAD, m.incarnation, now, b"", m.status)
             elif m.status not in LIVE:
                 self._forget(m)
@@ -360,7 +359,6 @@ class MembershipCore:
         try:
             record = read_record(signed)
         except RemoteProtocolError:
-            self.stats.bad_records += 1
             return
         if record.node_id == self.node_id:
             if record.version < self._own.version or self._own.is_own_echo(signed):
@@ -371,7 +369,6 @@ class MembershipCore:
             return
         m = self._members.get(record.node_id)
         if m is None:
-            self.stats.records_for_unknown += 1
             return
         if record.version <= m.record_version:
             return  # not newer: no need to pay for a signature check

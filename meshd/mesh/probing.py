@@ -82,7 +82,6 @@ class Probing(MembershipCore):
         if m is None or m.status not in LIVE:
             return
         if probe.lane_death:
-            self.stats.deaths_declared += 1
             self._enter(m, Status.DEAD, m.incarnation, now, b"", m.status)
         elif m.status is Status.ALIVE:
             self.stats.suspicions += 1

@@ -53,17 +53,6 @@ class LinkProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
-@dataclass
-class EmulatorStats:
-    """What the emulator did, for tests and benchmark reports."""
-
-    submitted: int = 0
-    dropped: int = 0
-    duplicated: int = 0
-    reordered: int = 0
-    delivered: int = 0
-
-
 @dataclass(order=True)
 class _Pending:
     deliver_at: float
@@ -81,7 +70,6 @@ class LinkEmulator:
 
     def __init__(self, profile: LinkProfile) -> None:
         self.profile = profile
-        self.stats = EmulatorStats()
         self._rng = random.Random(profile.seed)
         self._heap: list[_Pending] = []
         self._seq = 0
@@ -91,14 +79,11 @@ class LinkEmulator:
     def submit(self, data: bytes, dest: Hashable, now: float) -> None:
         """Hand a datagram to the link at time `now`."""
         p = self.profile
-        self.stats.submitted += 1
         if p.loss and self._rng.random() < p.loss:
-            self.stats.dropped += 1
             return
         copies = 1
         if p.duplicate and self._rng.random() < p.duplicate:
             copies = 2
-            self.stats.duplicated += 1
         for _ in range(copies):
             self._schedule(data, dest, now)
 
@@ -116,7 +101,6 @@ class LinkEmulator:
         self._last_in_order_s = at
         if p.reorder and self._rng.random() < p.reorder:
             at += p.reorder_extra_s
-            self.stats.reordered += 1
         self._seq += 1
         heapq.heappush(self._heap, _Pending(at, self._seq, data, dest))
 
@@ -127,7 +111,6 @@ class LinkEmulator:
         while heap and heap[0].deliver_at <= now:
             item = heapq.heappop(heap)
             out.append((item.data, item.dest))
-        self.stats.delivered += len(out)
         return out
 
     def next_deadline(self) -> float | None:

@@ -44,7 +44,6 @@ from protocol.datagram import (
     peek_receiver_lane_id,
 )
 from protocol.errors import HandshakeRejected
-from protocol.events import TerminationReason
 from protocol.handshake import InitiationRefused, Responder
 from protocol.lane import Lane
 
@@ -95,11 +94,8 @@ class EndpointStats:
     """
 
     datagrams_received: int = 0
-    datagrams_sent: int = 0
     datagrams_dropped: int = 0
     handshakes_refused: int = 0
-    lanes_opened: int = 0
-    lanes_dead: int = 0
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))
 
@@ -263,7 +259,6 @@ class Endpoint:
         peer = PeerLane(self, lane, incoming=incoming)
         lane.hold_bulk(self._bulk_held)
         self._lanes[lane.local_lane_id] = peer
-        self.stats.lanes_opened += 1
         return peer
 
     def _after_activity(self, peer: PeerLane) -> None:
@@ -384,8 +379,6 @@ class Endpoint:
                     peer.close("accept backlog full")
             self._timer_moved(peer)
             if peer.termination is not None and peer.lane.is_terminated:
-                if peer.termination.reason == TerminationReason.PEER_DEAD:
-                    self.stats.lanes_dead += 1
                 self._lanes.pop(peer.lane.local_lane_id, None)
         if self._egress is not None:
             self._write(self._egress.due(now))
@@ -410,7 +403,6 @@ class Endpoint:
                 data, addr = addr.wrap(data)
             try:
                 self._sock.sendto(data, addr)  # type: ignore[call-overload]
-                self.stats.datagrams_sent += 1
             except BlockingIOError:
                 # The kernel buffer is full: treat as loss; the lane's recovery resends.
                 self.stats.drop("send_failed")

@@ -43,14 +43,6 @@ class _Attempt:
     error: PeerUnreachable | None = None
 
 
-@dataclass
-class LaneStats:
-    """Counters for the operator."""
-
-    malformed_messages: int = 0
-    lanes_lost: int = 0
-
-
 class LaneTableOptions(TypedDict, total=False):
     """`LaneTable`'s optional keywords, for tables built on it to pass along."""
 
@@ -82,7 +74,6 @@ class LaneTable:
         self._default: StreamHandler | None = (decode, dispatch) if not streams else None
         self.streams.update(streams or {})
         self.addresses: dict[bytes, Address] = {}
-        self.stats = LaneStats()
         self._lanes: dict[bytes, PeerLane] = {}
         self._connecting: dict[bytes, _Attempt] = {}
         self._arrivals: dict[bytes, trio.Event] = {}
@@ -213,19 +204,16 @@ class LaneTable:
         async for stream, data in lane:
             handler = self.streams.get(stream, self._default)
             if handler is None:
-                self.stats.malformed_messages += 1
                 log.warning("message on unknown stream %d from %s", stream, key.hex()[:16])
                 continue
             decoder, deliver = handler
             try:
                 message = decoder(data)
             except RemoteProtocolError as exc:
-                self.stats.malformed_messages += 1
                 log.warning("malformed message from %s: %s", key.hex()[:16], exc)
                 continue
             deliver(message, key)
         if self._lanes.get(key) is lane:
             del self._lanes[key]
-            self.stats.lanes_lost += 1
             if self.on_lane_lost is not None:
                 self.on_lane_lost(key, lane)

@@ -61,8 +61,6 @@ class NatStats:
 
     introductions_made: int = 0
     introductions_refused: int = 0
-    probes_sent: int = 0
-    probes_received: int = 0
     punches_direct: int = 0
     punches_relayed: int = 0
 
@@ -193,7 +191,6 @@ class NatTraversal:
                     break
                 ttl = config.open_ttl if elapsed < config.open_phase_s else None
                 self.endpoint.send_datagram(probe, target, ttl=ttl)
-                self.stats.probes_sent += 1
                 if until_found:
                     with trio.move_on_after(config.probe_interval_s):
                         await state.found.wait()
@@ -211,7 +208,6 @@ class NatTraversal:
         state = self._punches.get(punch.verify_probe(self._probe_key, data))
         if state is None:
             return "unknown_probe"
-        self.stats.probes_received += 1
         if state.source is None:
             state.source = addr
             state.found.set()

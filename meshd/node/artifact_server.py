@@ -36,7 +36,6 @@ class ArtifactServer:
         self._manifest: tuple[str, bytes, artifacts.Manifest] | None = None
         self._unavailable = ""
         self.chunks_served = 0
-        self.bytes_served = 0
 
     def _table(self) -> tuple[str, bytes, artifacts.Manifest] | None:
         if self._manifest is None and not self._unavailable:
@@ -118,5 +117,4 @@ class ArtifactServer:
         if len(chunk) != message.length:
             return ArtifactRefusal(rid, "unreadable", "the file is shorter than its manifest")
         self.chunks_served += 1
-        self.bytes_served += len(chunk)
         return ChunkReply(rid, chunk)

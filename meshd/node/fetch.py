@@ -129,7 +129,6 @@ class ArtifactService:
             SERVE_QUEUE
         )
         self._requests_in, self._requests_out = send, receive
-        self.requests_dropped = 0
         self._run: FetchRun | None = None
         self.meter: ProgressMeter | None = None
         self._next_request_id = 1
@@ -140,10 +139,9 @@ class ArtifactService:
     def on_message(self, message: artifacts.ArtifactMessage, sender: bytes) -> None:
         """A message on the artifact stream (from the lane reader: must not block)."""
         if isinstance(message, ManifestRequest | ChunkRequest):
-            try:
+            # A full queue drops the request: the fetcher's timeout asks again.
+            with contextlib.suppress(trio.WouldBlock):
                 self._requests_in.send_nowait((message, sender))
-            except trio.WouldBlock:
-                self.requests_dropped += 1
         elif isinstance(message, ChunkReply | ArtifactRefusal) and self._run is not None:
             self._run.on_reply(message, sender)
 
