@@ -48,13 +48,10 @@ class OwnRecord:
         """The version of the current record (0 before the first)."""
         return self.record.version if self.record is not None else 0
 
-    def update(self, capacity: LocalCapacity | None = None, address: str | None = None) -> None:
+    def update(self, capacity: LocalCapacity) -> None:
         """Take new figures; the record is marked for re-signing if anything changed."""
-        if capacity is not None and capacity != self.capacity:
+        if capacity != self.capacity:
             self.capacity = capacity
-            self.dirty = True
-        if address is not None and address != self.address:
-            self.address = address
             self.dirty = True
 
     def outrank(self, version: int) -> None:

@@ -63,7 +63,7 @@ class Membership(Probing):
     """The membership and failure-detection state machine of one node.
 
     Inputs: `join`, `on_message`, `on_lane_up`, `on_lane_dead`, `on_rtt`, `set_capacity`,
-    `set_address`, `leave`, `tick`. Outputs: `outgoing`, `next_deadline`, `events`, `view`.
+    `leave`, `tick`. Outputs: `outgoing`, `next_deadline`, `events`, `view`.
     """
 
     # ---- inputs -------------------------------------------------------------------------
@@ -156,13 +156,9 @@ class Membership(Probing):
         its stage (a stop or a drain), so every node re-plans onto the spare at once instead of
         up to `capacity_interval_s` later. Rare by nature (once per stop), so it cannot flood.
         """
-        self._own.update(capacity=capacity)
+        self._own.update(capacity)
         if urgent and self._own.dirty:
             self._own.published_at = -math.inf
-
-    def set_address(self, address: str, now: float) -> None:
-        """Where this node's lanes listen, as others should dial it."""
-        self._own.update(address=address)
 
     def leave(self, now: float) -> None:
         """Leave the mesh gracefully: tell others (keep sending `outgoing` for about a second)."""
