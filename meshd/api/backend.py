@@ -23,12 +23,10 @@ from meshd.coord.coordinator import (
 )
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
-from meshd.model.files import model_name as display_name
 from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
+from meshd.node.models import display_name
 from protocol.messages import DType
-
-BUILTIN_MODEL_NAME = "meshd-builtin"
 
 
 class ServiceUnavailable(Exception):
@@ -146,7 +144,7 @@ async def open_local_backend(
     """
     directory = pathlib.Path(model_dir) if model_dir is not None else builtin_model_dir()
     if model_name is None:
-        model_name = BUILTIN_MODEL_NAME if model_dir is None else display_name(directory)
+        model_name = display_name("" if model_dir is None else str(directory))
     tokenizer = open_tokenizer(directory)
     async with open_local_pipeline(
         directory,

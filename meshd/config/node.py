@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from meshd.config.tables import ApiConfig, NatDialConfig
+from meshd.config.tables import ApiConfig, NatDialConfig, redacted_repr
 from meshd.mesh.discovery import DiscoveryConfig
 from meshd.mesh.jointoken import (
     MIN_SECRET_CHARS,
@@ -136,12 +136,7 @@ class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         _choice("log_level", self.log_level, LOG_LEVELS)
 
     def __repr__(self) -> str:
-        # Configs end up in logs and tracebacks: never show the secrets there.
-        fields = ", ".join(
-            f"{f}={'<redacted>' if f in SECRET_KEYS and getattr(self, f) else repr(getattr(self, f))}"
-            for f in self.__struct_fields__
-        )
-        return f"NodeConfig({fields})"
+        return redacted_repr(self, SECRET_KEYS)
 
     @property
     def models(self) -> tuple[str, ...]:

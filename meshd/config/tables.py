@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections.abc import Collection
 
 import msgspec
 
@@ -16,6 +17,16 @@ from meshd.mesh.jointoken import MIN_SECRET_CHARS
 from meshd.net.web_origin import parse_host, parse_origin
 
 DEFAULT_API_PORT = 7392
+
+
+def redacted_repr(config: msgspec.Struct, secrets: Collection[str]) -> str:
+    """`Name(field=value, ...)` with each set secret shown as <redacted>: configs end up in
+    logs and tracebacks, secrets never may."""
+    fields = ", ".join(
+        f"{f}={'<redacted>' if f in secrets and getattr(config, f) else repr(getattr(config, f))}"
+        for f in config.__struct_fields__
+    )
+    return f"{type(config).__name__}({fields})"
 
 
 class NatDialConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -107,12 +118,7 @@ class ApiConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 ) from None
 
     def __repr__(self) -> str:
-        # Configs end up in logs and tracebacks: never show the key there.
-        fields = ", ".join(
-            f"{f}={'<redacted>' if f == 'key' and self.key else repr(getattr(self, f))}"
-            for f in self.__struct_fields__
-        )
-        return f"ApiConfig({fields})"
+        return redacted_repr(self, ("key",))
 
     @property
     def is_loopback(self) -> bool:
