@@ -226,26 +226,6 @@ class LoadedConfig:
     origins: dict[str, str]
     values: dict[str, Any]
 
-    def spec_levels(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Speculative keys as (config file level, CLI level) for `resolve_spec_config`.
-
-        The environment counts as the config file level there: both are the operator's
-        standing configuration, below the command line, above the model's defaults.
-        """
-        return _spec_levels(self.values, self.origins)
-
-
-def _spec_levels(
-    values: Mapping[str, Any], origins: Mapping[str, str]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    file: dict[str, Any] = {}
-    cli: dict[str, Any] = {}
-    for key, value in values.items():
-        if key.startswith("spec."):
-            dest = cli if origins[key].startswith("flag") else file
-            dest[key.removeprefix("spec.")] = value
-    return file, cli
-
 
 def load_config(
     argv_values: Mapping[str, Any],

@@ -33,7 +33,7 @@ from meshd.mesh.jointoken import make_join_token
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
 from meshd.plan.inputs import PlannerConfig
-from meshd.speculative import SpecConfig, resolve_spec_config
+from meshd.speculative import SpecConfig
 from meshd.stage.host import StageHostConfig
 from protocol.config import LaneConfig
 from protocol.punch import PunchConfig
@@ -462,20 +462,6 @@ def test_every_key_has_a_flag_and_an_env_name() -> None:
         "lane.pmtu_probe_ladder_bytes": (4096, 8192),
         "layers": (2, 4),
     }
-
-
-def test_spec_levels_leave_room_for_model_defaults(tmp_path: Path, env: dict[str, str]) -> None:
-    file = _write(tmp_path / "m.toml", "[spec]\nngram_max = 6\n")
-    env |= {"MESHD_SPEC__WINDOW_MAX_TOKENS": "5"}
-    loaded = load_config_sources({"spec.strategy": "ngram-simple"}, env, file)
-    file_level, cli_level = loaded.spec_levels()
-    assert file_level == {"ngram_max": 6, "window_max_tokens": 5}
-    assert cli_level == {"strategy": "ngram-simple"}
-    per_request = resolve_spec_config(
-        {"mtp_depth": 2, "strategy": "mtp"}, file_level, cli_level, {"window_max_tokens": 3}
-    )
-    assert (per_request.mtp_depth, per_request.strategy) == (2, "ngram-simple")
-    assert (per_request.ngram_max, per_request.window_max_tokens) == (6, 3)
 
 
 def test_render_redacts_secrets_and_round_trips(tmp_path: Path, env: dict[str, str]) -> None:
