@@ -56,32 +56,6 @@ class ModelFiles:
     timing_checkpoint: Checkpoint | None = None
 
     @classmethod
-    def load(
-        cls,
-        config: NodeConfig,
-        model: str,
-        model_dir: str,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        kv_dtype: torch.dtype,
-        quantization: str,
-    ) -> ModelFiles:
-        """Open the checkpoint and tokenizer (ModelError); the node's formats apply, and
-        whether the node's draft drafts for it is checked (`_draft_fits`)."""
-        return cls.of(
-            config,
-            display_name(model),
-            model_dir,
-            open_checkpoint(model_dir),
-            device=device,
-            dtype=dtype,
-            kv_dtype=kv_dtype,
-            quantization=quantization,
-            draft_fits=_draft_fits(config.spec.draft_model, model_dir),
-        )
-
-    @classmethod
     def of(
         cls,
         config: NodeConfig,
@@ -151,18 +125,23 @@ def with_models(config: NodeConfig, basis: NodeBasis, more: Sequence[str]) -> No
     each opened with the node's device, formats and quantization."""
     from meshd.model.builtin import builtin_model_dir
 
-    extras = tuple(
-        ModelFiles.load(
+    def load(model: str) -> ModelFiles:
+        """Open the model's checkpoint and tokenizer; whether the node's draft drafts for it
+        is checked (`_draft_fits`)."""
+        model_dir = model or str(builtin_model_dir())
+        return ModelFiles.of(
             config,
-            model,
-            model or str(builtin_model_dir()),
+            display_name(model),
+            model_dir,
+            open_checkpoint(model_dir),
             device=basis.device,
             dtype=basis.dtype,
             kv_dtype=basis.kv_dtype,
             quantization=basis.quantization,
+            draft_fits=_draft_fits(config.spec.draft_model, model_dir),
         )
-        for model in more
-    )
+
+    extras = tuple(load(model) for model in more)
     first = basis.models[0]
     models = (first, *extras)
     ids = [f.shape.model_id for f in models]
