@@ -44,21 +44,6 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
-class FunctionCallIn(msgspec.Struct, frozen=True):
-    """The function an earlier assistant message called, arguments as JSON text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCallIn(msgspec.Struct, frozen=True):
-    """A call in an earlier assistant message (`messages[].tool_calls`)."""
-
-    id: str
-    function: FunctionCallIn
-    type: str = "function"
-
-
 class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A function the model may call: its name, description and JSON-schema parameters."""
 
@@ -81,7 +66,7 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     # Declared to refuse by name: the deprecated `functions` API.
     function_call: Any = None
