@@ -175,9 +175,7 @@ def check_draft_model(model: str, draft: str) -> None:
         return  # the tokenizer arrives with the manifest: checked when the draft loads
     try:
         check_draft_tokenizer(model or str(builtin_model_dir()), draft)
-    except DraftMismatchError as exc:
-        raise StartupError(f"spec.draft_model: {exc}") from None
-    except ModelError as exc:
+    except (DraftMismatchError, ModelError) as exc:
         raise StartupError(f"spec.draft_model: {exc}") from None
 
 
