@@ -14,7 +14,6 @@ import msgspec
 from meshd.api.backend import Overloaded, ServiceUnavailable
 
 INVALID_REQUEST = "invalid_request_error"
-NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 
@@ -107,6 +106,11 @@ def from_backend(exc: Overloaded | ServiceUnavailable) -> ApiError:
 _AT = re.compile(r"\s*-\s*at `\$(?P<path>[^`]*)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`")
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]*)`")
+# A field msgspec names, as OpenAI words it: (what msgspec says, the message, the code).
+_FIELD_ERRORS = (
+    (_UNKNOWN, "Unrecognized request argument supplied", "unknown_parameter"),
+    (_MISSING, "Missing required parameter", "missing_required_parameter"),
+)
 
 
 def from_validation(exc: msgspec.ValidationError) -> ApiError:
@@ -115,22 +119,10 @@ def from_validation(exc: msgspec.ValidationError) -> ApiError:
     where = _AT.search(text)
     path = where.group("path").lstrip(".") if where else ""
     detail = text[: where.start()] if where else text
-    if unknown := _UNKNOWN.match(detail):
-        param = _join(path, unknown.group("field"))
-        return ApiError(
-            400,
-            f"Unrecognized request argument supplied: {param}",
-            param=param,
-            code="unknown_parameter",
-        )
-    if missing := _MISSING.match(detail):
-        param = _join(path, missing.group("field"))
-        return ApiError(
-            400,
-            f"Missing required parameter: {param}",
-            param=param,
-            code="missing_required_parameter",
-        )
+    for pattern, message, code in _FIELD_ERRORS:
+        if found := pattern.match(detail):
+            param = _join(path, found.group("field"))
+            return ApiError(400, f"{message}: {param}", param=param, code=code)
     return ApiError(
         400,
         f"Invalid value for {path or 'the request body'}: {detail}",
