@@ -244,10 +244,7 @@ class GenerationResponse(Response):
             final = self._text_chunk("", outcome.finish_reason, usage=usage_field, meshd=info)
         await sse.event(final)
         if self.prepared.include_usage:
-            if chat:
-                await sse.event(self._chat_usage(outcome))
-            else:
-                await sse.event(self._text_usage(outcome))
+            await sse.event(self._usage_chunk(outcome))
         await sse.done()
 
     def _chat_chunk(
@@ -278,14 +275,10 @@ class GenerationResponse(Response):
             choices=[TextChoice(text, finish, logprobs=logprobs)], usage=usage, meshd=meshd,
         )  # fmt: skip
 
-    def _chat_usage(self, outcome: Outcome) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.prepared.model, choices=[],
-            usage=outcome.usage,
-        )  # fmt: skip
-
-    def _text_usage(self, outcome: Outcome) -> Completion:
-        return Completion(
+    def _usage_chunk(self, outcome: Outcome) -> ChatCompletionChunk | Completion:
+        """The stream's last chunk when the client asked for usage: no choices, the usage."""
+        kind = ChatCompletionChunk if self.prepared.kind == "chat" else Completion
+        return kind(
             id=self.id, created=self.created, model=self.prepared.model, choices=[],
             usage=outcome.usage,
         )  # fmt: skip
