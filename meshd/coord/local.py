@@ -59,16 +59,6 @@ class LocalPipeline:
         """The stage hosts in pipeline order."""
         return [n.host for n in self.nodes if n.host is not None]
 
-    def route_over(self, *indices: int) -> Route:
-        """The route over these nodes' stages, in this order."""
-        stages = []
-        for i in indices:
-            host = self.nodes[i].host
-            assert host is not None
-            stage = host.stage
-            stages.append(RouteStage(self.nodes[i].key, stage.layer_start, stage.layer_end))
-        return Route(self.checkpoint.model_id, tuple(stages))
-
 
 def even_split(num_layers: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges of near-equal size."""
@@ -218,8 +208,7 @@ def _route_without_spares(
     model_id: str, nodes: Sequence[LocalNode], ranges: Sequence[tuple[int, int]]
 ) -> Route:
     """The route over the nodes in order, each taking the layers after the last one's. Nodes
-    whose layers repeat earlier ones' are spares: left out (a test routes over them with
-    `LocalPipeline.route_over`)."""
+    whose layers repeat earlier ones' are spares: left out."""
     chain: list[RouteStage] = []
     for node, (lo, hi) in zip(nodes, ranges, strict=True):
         if lo == (chain[-1].layer_end if chain else 0):

@@ -17,7 +17,7 @@ from meshd.coord.coordinator import GenerationRequest, GenerationResult, RouteFa
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint
-from meshd.plan.route import Route
+from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
 from protocol.messages import Sampling
@@ -109,11 +109,21 @@ async def test_turn_two_computes_only_new_tokens_and_equals_a_cold_run() -> None
         assert warm_sampled.tokens == (await cold(pipe, turn2, sampling=seeded)).tokens
 
 
+def route_over(pipe: LocalPipeline, index: int) -> Route:
+    """The one-stage route over node `index`'s stage (a spare the pipeline's route leaves out)."""
+    node = pipe.nodes[index]
+    assert node.host is not None
+    stage = node.host.stage
+    return Route(
+        pipe.checkpoint.model_id, (RouteStage(node.key, stage.layer_start, stage.layer_end),)
+    )
+
+
 async def test_the_next_turn_goes_to_the_route_holding_its_prefix() -> None:
     layers = open_checkpoint(MODEL).config.num_layers
     # Two nodes holding the whole model: two one-stage routes to choose from.
     async with open_local_pipeline(MODEL, 2, split=[(0, layers), (0, layers)]) as pipe:
-        a, b = pipe.route_over(0), pipe.route_over(1)
+        a, b = route_over(pipe, 0), route_over(pipe, 1)
         served = {a, b}
         choose = pipe.coordinator.choose_route
         assert choose(b, TURN1, served.__contains__) == b  # no route holds anything: the plan's
