@@ -222,20 +222,6 @@ class Membership(Probing):
         result[self.node_id] = self._status
         return result
 
-    def address_of(self, node_id: bytes) -> str:
-        """Where `node_id`'s lanes listen, from its signed record ("" if unknown); cheap."""
-        if node_id == self.node_id:
-            return self._own.address
-        member = self._members.get(node_id)
-        return member.record.address if member is not None and member.record is not None else ""
-
-    def incarnation_of(self, node_id: bytes) -> int | None:
-        """The incarnation this node holds for `node_id` (None if unknown)."""
-        if node_id == self.node_id:
-            return self._incarnation
-        member = self._members.get(node_id)
-        return member.incarnation if member is not None else None
-
     def view(self) -> dict[bytes, MemberInfo]:
         """Every known member (self included) with state, address, capacity and RTT row."""
         result = {}
