@@ -333,7 +333,7 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
             total += v;
         }
         d[b] = fp16(to_fp16(db));
-        /* quantize_row_q8_1_ref: s = fp16(sum * d) with the unrounded d. */
+        /* quantize_row_q8_1 (x86 and reference alike): s = fp16(sum * d), d unrounded. */
         s[b] = fp16(to_fp16((float)total * db));
         sum[b] = total;
     }
