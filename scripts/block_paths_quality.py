@@ -124,7 +124,7 @@ def divergence(args: argparse.Namespace, ids: list[int]) -> None:
         logits = stage.forward("s", 0, torch.tensor(ids[: args.tokens])).logits
         runs[p] = (list(seen), logits)
     for i, (a, b) in enumerate(zip(runs["avx512"][0], runs["avx2"][0], strict=True)):
-        if i % 16 == 0 or i == len(seen) - 1:  # 4 products a layer, the head last
+        if i % 4 == 0 or i == len(seen) - 1:  # 4 products a layer (q/k/v first), the head last
             qa, qb = quantize_q8(a.numpy())[0], quantize_q8(b.numpy())[0]
             rel = float((a - b).abs().max() / a.abs().max())
             print(f"product {i:3d}: input rel. difference {rel:.1e}, codes differing "
