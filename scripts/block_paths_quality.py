@@ -4,6 +4,7 @@
     PYTHONPATH=. python scripts/block_paths_quality.py jitter FILE.gguf IDS.json [--seeds 8]
     PYTHONPATH=. python scripts/block_paths_quality.py divergence FILE.gguf IDS.json [--tokens 32]
     PYTHONPATH=. python scripts/block_paths_quality.py flips FILE.gguf IDS.json
+    PYTHONPATH=. python scripts/block_paths_quality.py formats
 
 One forward pass over the ids (one window, `meshd bench perplexity`'s scoring) runs on the path
 `MESHD_BLOCK_KERNELS` names, and every `GgufMatrix.mm` input is read on the way:
@@ -16,6 +17,9 @@ One forward pass over the ids (one window, `meshd bench perplexity`'s scoring) r
   the first line unmoved: how far fp32 rounding noise alone moves the score on one path.
 - `divergence`: the inputs of each product on the avx512 and avx2 paths side by side (relative
   difference, share of Q8 activation codes that differ) and their final logits.
+- `formats`: random 37-row matrices of each 32-element format (k = 96, 544, 1568) times 1, 5
+  and 9 heavy-tailed rows on every path, the largest error in eps of the sum of |terms| (no
+  file needed; the other modes read one).
 - `flips`: activation codes where ggml's reference quantizer (gguf.quants, ties away from zero)
   and llama.cpp's x86 one (127 / amax, ties to even) disagree.
 """
@@ -150,16 +154,34 @@ def flips(args: argparse.Namespace, ids: list[int]) -> None:
     print(f"codes differing: {count[0]} of {count[1]}")
 
 
+def formats(args: argparse.Namespace, ids: list[int]) -> None:
+    rng = np.random.default_rng(1)
+    for k in (96, 544, 1568):
+        for qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+            w = rng.standard_normal((37, k)).astype(np.float32)
+            raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+            worst = dict.fromkeys(PATHS, 0.0)
+            for t in (1, 5, 9):
+                x = rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))
+                x = x.astype(np.float32)
+                ref, bound = block_product(raw, qtype, x, 37)
+                for p in PATHS:
+                    y = BlockMatrix(raw, qtype, k, 37, p).mm(torch.from_numpy(x)).double().numpy()
+                    err = float((np.abs(y - ref) / bound).max()) / 2.0**-24
+                    worst[p] = max(worst[p], round(err, 1))
+            print(f"k {k} {qtype.name}: {worst}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("matmuls", "jitter", "divergence", "flips"))
-    ap.add_argument("file")
-    ap.add_argument("ids")
+    ap.add_argument("mode", choices=("matmuls", "jitter", "divergence", "flips", "formats"))
+    ap.add_argument("file", nargs="?")
+    ap.add_argument("ids", nargs="?")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ids = json.loads(pathlib.Path(args.ids).read_text())
+    ids = json.loads(pathlib.Path(args.ids).read_text()) if args.ids else []
     globals()[args.mode](args, ids)
 
 

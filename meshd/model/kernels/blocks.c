@@ -237,8 +237,8 @@ static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* Block b of quantize_q8 below, 16 lanes at a time, to the same bits: the max of finite |x| is
  * the same whatever the order, x * id is one rounding either way, and the conversion rounds to
- * nearest, ties to even, as round_even. Returns 0 without writing where the block holds a NaN or an infinity (the
- * scalar loop then runs: what the reference does with those depends on its order). */
+ * nearest, ties to even, as round_even. Returns 0 without writing where the block holds a NaN
+ * or an infinity (the scalar loop then runs: what comes out there depends on its order). */
 static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, float *d, float *s,
                                      int32_t *sum) {
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
