@@ -1,5 +1,6 @@
 """GGUF block kernels: every supported type on every kernel path this CPU runs matches ggml's
-arithmetic (gguf.quants, llama.cpp's own reference), batches are bit-identical to single
+arithmetic (gguf.quants for the weights, llama.cpp's CPU activation quantizers), batches are
+bit-identical to single
 steps, and tensors are read in place from a read-only map."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from meshd.model.kernels.blocks import (
     path_unavailable_reason,
     supported_types,
 )
+from tests.model.llamacpp_q8 import q8_0_bytes
 
 _K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 _ONE = (T.Q4_1, T.Q5_1)  # multiplied with Q8_1 activations (their dot uses the block's sum)
@@ -80,7 +82,7 @@ def _reference(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.ndarr
         return xa.astype(np.float64) @ w.T
     if qtype in _K_TYPES:
         return _q8_k(x).astype(np.float64) @ w.T
-    xq = gguf.quants.quantize(x, T.Q8_0)
+    xq = q8_0_bytes(x)  # llama.cpp's CPU activation blocks (gguf.quants rounds ties away)
     y = _dequantize(xq, T.Q8_0, t, k).astype(np.float64) @ w.T
     if qtype in _ONE:
         # Q8_1's s = fp16(d * sum(q)) with d unrounded, where d * sum(q) is what dequantizing gives.

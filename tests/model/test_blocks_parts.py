@@ -1,7 +1,7 @@
 """Fused GGUF operands (q/k/v, gate/up: several tensors against one input) in one call of the
 block library, and the activation quantizer it shares between them: each tensor's columns are
 the bits of its own product, on every kernel path, batch and thread count, and the activation
-codes are ggml's reference ones, ties and all."""
+codes are those llama.cpp's CPU backend makes, ties and all."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from meshd.model.kernels.blocks import (
     BlockMatrix,
     supported_types,
 )
+from tests.model.llamacpp_q8 import q8_0_bytes
 
 
 def _matrix(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> BlockMatrix:
@@ -63,23 +64,27 @@ def test_a_fused_operand_gives_each_tensors_own_bits(path: str, name: str, threa
             assert torch.equal(fused.mm(rows), expected), (n, t)
 
 
-def test_activation_codes_are_ggml_reference_ones_ties_included(path: str) -> None:
+def test_activation_codes_are_llamacpps_ties_included(path: str) -> None:
     """A Q8_0 identity times x gives each activation's code times its block scale, so the
-    product shows the codes: they must be gguf's (round half away from zero, d = amax / 127)."""
+    product shows the codes: they must be the ones llama.cpp's x86 quantize_row_q8_0 makes
+    (q = round(x * (127 / amax)), ties to even), not gguf's reference ones (ties away)."""
     k = 256
     rng = np.random.default_rng(5)
     x = rng.standard_normal((4, k)).astype(np.float32)
-    # Blocks whose amax is 127 (d = 1): every x * (1 / d) below is a tie, k + 0.5 or -(k + 0.5).
+    # Blocks whose amax is 127 (127 / amax = 1): every x below is a tie, k + 0.5 or -(k + 0.5).
     ties = (rng.integers(-120, 120, size=(4, 32)) + 0.5).astype(np.float32)
     ties[:, 0] = 127.0
+    ties[0, 1:4] = [2.5, -3.5, 0.5]  # to 2, -4 and 0 (ties away would give 3, -4 and 1)
     x[:, 32:64] = ties
     x[1, 64:96] = 0.0  # an all-zero block: d = 0, codes 0
     x[2, 96:128] *= np.float32(1e-30)  # tiny but normal values
     eye = np.ascontiguousarray(gguf.quants.quantize(np.eye(k, dtype=np.float32), T.Q8_0))
     w = BlockMatrix(eye.view(np.uint8).reshape(-1), T.Q8_0, k, k)
     got = w.mm(torch.from_numpy(x)).numpy()
-    ref = gguf.quants.quantize(x, T.Q8_0).view(np.uint8).reshape(4, k // 32, 34)
+    ref = q8_0_bytes(x)
     codes = ref[:, :, 2:].copy().view(np.int8).astype(np.float32).reshape(4, k)
+    assert list(codes[0, 33:36]) == [2.0, -4.0, 0.0]
+    assert (codes[:, 32:64] % 2 == 0)[:, 1:].all()  # every tie went to the even neighbour
     d_x = np.repeat(ref[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32), 32, 1)
     d_w = np.float32(1 / 127)  # the identity's scale: fp16(1 / 127) is what its blocks hold
     d_w = np.float32(np.float16(d_w))

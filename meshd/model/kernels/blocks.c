@@ -5,9 +5,14 @@
  * GGUF file stores them (ggml's blocks) and x is fp32. As in ggml, each row of x is first
  * converted to the weight type's "vec_dot type": Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_0, Q8_1 for
  * Q4_1/Q5_1 (whose dot needs the activation block's sum), Q8_K blocks of 256 for the K-quants,
- * fp16 for F16, bf16 for BF16, nothing for F32. Activations are quantized with ggml's reference
- * rule (quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d))), which is also what the
- * `gguf` Python package computes, so the integer codes and scales are ggml's own.
+ * fp16 for F16, bf16 for BF16, nothing for F32. Activations are quantized as ggml's CPU backend
+ * quantizes them on x86 (quantize_row_q8_0 / quantize_row_q8_1 of ggml-cpu's AVX/AVX2 code, also
+ * in AVX-512 builds): d = amax / 127, q = round(x * (127 / amax)) with ties to even (the default
+ * rounding mode), Q8_1's s = d * sum(q), d and s stored in fp16. So the integer codes and scales
+ * are the ones llama.cpp multiplies on the same input. (ggml's reference quantizer, which the
+ * `gguf` Python package follows, differs: q = roundf(x * (1 / d)), ties away from zero; one code
+ * in a few hundred differs, enough to move a small model's perplexity by as much as fp32 noise
+ * does, docs/benchmarks.md.)
  *
  * Rules the Python side relies on:
  * - Every output element is computed by the same sequence of floating-point operations whatever
@@ -206,13 +211,15 @@ int64_t meshd_blocks_scratch_bytes(int type, int64_t k, int64_t t) {
     return act_stride(type, k) * t + 64;
 }
 
-/* roundf(v) for |v| < 2^31 (what quantize_row_q8_0_ref uses: halves away from zero), written
- * out so that it inlines and vectorizes instead of calling libm: v - trunc(v) is exact. */
-static inline int round_away(float v) {
-    int i = (int)v;
-    const float f = v - (float)i;
-    i += (f >= 0.5f) - (f <= -0.5f);
-    return i;
+/* v rounded to the nearest integer, ties to even, for |v| <= 2^22 (the codes' |v| <= 127): adding
+ * 1.5 * 2^23 leaves the integer in the low mantissa bits, rounded in the default mode, as
+ * VCVTPS2DQ rounds in ggml's x86 quantize_row_q8_0/q8_1 (and its nearest_int). Inlines and
+ * vectorizes, unlike a libm call. */
+static inline int round_even(float v) {
+    const float t = v + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &t, sizeof i);
+    return (i & 0x007FFFFF) - 0x00400000;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -229,9 +236,9 @@ static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 /* Block b of quantize_q8 below, 16 lanes at a time, to the same bits: the max of finite |x| is
- * the same whatever the order, x * id is one rounding either way, and round_away is written
- * out lane by lane. Returns 0 without writing where the block holds a NaN or an infinity (the
- * scalar loop then runs: what the reference does with those depends on its order). */
+ * the same whatever the order, x * id is one rounding either way, and the conversion rounds to
+ * nearest, ties to even, as round_even. Returns 0 without writing where the block holds a NaN
+ * or an infinity (the scalar loop then runs: what comes out there depends on its order). */
 static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, float *d, float *s,
                                      int32_t *sum) {
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -242,18 +249,12 @@ static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, floa
         return 0;
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
     const float db = amax / 127.0f;
-    const float id = db != 0.0f ? 1.0f / db : 0.0f;
-    const __m512 vid = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f);
-    const __m512 mhalf = _mm512_set1_ps(-0.5f);
-    const __m512i one = _mm512_set1_epi32(1);
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id);
     __m512i c[2];
-    for (int h = 0; h < 2; ++h) {
-        const __m512 v = _mm512_mul_ps(h ? x1 : x0, vid);
-        __m512i i = _mm512_cvttps_epi32(v);
-        const __m512 f = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
-        i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(f, half, _CMP_GE_OQ), i, one);
-        c[h] = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(f, mhalf, _CMP_LE_OQ), i, one);
-    }
+    for (int h = 0; h < 2; ++h)
+        c[h] = _mm512_cvt_roundps_epi32(_mm512_mul_ps(h ? x1 : x0, vid),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128((__m128i *)(q + code_at(b, 0)), _mm512_cvtepi32_epi8(c[0]));
     _mm_storeu_si128((__m128i *)(q + code_at(b, 16)), _mm512_cvtepi32_epi8(c[1]));
     const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1]));
@@ -280,18 +281,15 @@ static inline int quantize_block8x4(const float *xb, int64_t b, int8_t *q, float
     m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
-    const float db = _mm256_cvtss_f32(m) / 127.0f;
-    const float id = db != 0.0f ? 1.0f / db : 0.0f;
-    const __m256 vid = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f);
-    const __m256 mhalf = _mm256_set1_ps(-0.5f);
+    const float amax = _mm256_cvtss_f32(m);
+    const float db = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
     __m256i c[4], total = _mm256_setzero_si256();
     for (int h = 0; h < 4; ++h) {
-        const __m256 v = _mm256_mul_ps(x[h], vid);
-        __m256i i = _mm256_cvttps_epi32(v);
-        const __m256 f = _mm256_sub_ps(v, _mm256_cvtepi32_ps(i));
-        /* A true compare is -1 in every bit: subtract it to add one, add it to subtract one. */
-        i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(f, half, _CMP_GE_OQ)));
-        c[h] = _mm256_add_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(f, mhalf, _CMP_LE_OQ)));
+        /* ggml's _mm256_round_ps(v, _MM_ROUND_NEAREST), whatever MXCSR says; then exact. */
+        c[h] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(x[h], vid),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         total = _mm256_add_epi32(total, c[h]);
     }
     /* |codes| <= 127: the saturating packs are exact; the permute undoes their lane order. */
@@ -327,15 +325,15 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
         /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */
         for (int j = 0; j < QK; ++j) amax = amax > fabsf(xb[j]) ? amax : fabsf(xb[j]);
         const float db = amax / 127.0f;
-        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int32_t total = 0;
         for (int j = 0; j < QK; ++j) {
-            const int v = round_away(xb[j] * id);
+            const int v = round_even(xb[j] * id);
             q[code_at(b, j)] = (int8_t)v;
             total += v;
         }
         d[b] = fp16(to_fp16(db));
-        /* quantize_row_q8_1_ref: s = fp16(sum * d) with the unrounded d. */
+        /* quantize_row_q8_1 (x86 and reference alike): s = fp16(sum * d), d unrounded. */
         s[b] = fp16(to_fp16((float)total * db));
         sum[b] = total;
     }

@@ -1,0 +1,85 @@
+"""On a real GGUF file, every kernel path multiplies the model's own activations as llama.cpp's CPU
+backend does: the same activation codes and scales (ties to even, d from 127 / amax), the same
+per-block terms, so that the only difference left is the order of fp32 sums (a few eps of the
+sum of |terms|). Where that holds, meshd and llama.cpp run the same arithmetic on the same file
+and any remaining gap in perplexity is rounding noise (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from meshd.model import gguf_matrix
+from meshd.model.files import open_checkpoint
+from meshd.model.kernels.blocks import BlockMatrix
+from meshd.model.stage import StageModel
+from tests.model.llamacpp_q8 import block_product
+
+_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # Q4_1 layers (Q8_1 activations), a Q8_0 head
+# 24 ids: more than the C layer loop's row-attention limit, so each product passes through
+# GgufMatrix.mm, where the activations are read.
+_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 4354, 351, 1078, 3443, 30, 2, 198]
+_IDS += [1, 4093, 198, 504, 1345, 282, 4649, 314]
+_ULPS = 16  # the kernels' fp32 sums stay within 6 eps of sum |terms| on this file
+
+
+@pytest.fixture(scope="module")
+def products() -> Iterator[list[tuple[BlockMatrix, torch.Tensor, np.ndarray, np.ndarray]]]:
+    """A sample of the products of one forward pass over `_IDS`: (tensor, input rows,
+    llama.cpp's product, its sum of |terms|)."""
+    cache = pathlib.Path(os.environ.get("MESHD_MODEL_CACHE", "~/.cache/meshd/models"))
+    path = cache.expanduser() / _FILE
+    if not path.is_file():
+        pytest.skip(f"{_FILE} is not cached (scripts/fetch_models smollm2-135m)")
+    seen: list[tuple[BlockMatrix, torch.Tensor]] = []
+    plain = gguf_matrix.GgufMatrix.mm
+
+    def recording(self: gguf_matrix.GgufMatrix, x: torch.Tensor) -> torch.Tensor:
+        seen.extend((part, x.detach().clone()) for part in self.parts)
+        return plain(self, x)
+
+    checkpoint = open_checkpoint(str(path))
+    layers = checkpoint.config.num_layers
+    stage = StageModel.load(checkpoint, 0, layers, dtype=torch.float32, quantization="gguf")
+    stage.open_session("s", len(_IDS))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the model tests run (conftest), before its per-test fixture
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf_matrix.GgufMatrix, "mm", recording)
+            stage.forward("s", 0, torch.tensor(_IDS))
+    finally:
+        torch.set_num_threads(threads)
+    # Layers 0, 1, the middle and the last, and the output head: a layer's products are its 7
+    # tensors (q, k, v fused; o; gate, up fused; down).
+    per_layer = 7
+    assert len(seen) == layers * per_layer + 1
+    keep = [*range(0, 2 * per_layer), *range(15 * per_layer, 16 * per_layer)]
+    keep += [*range(29 * per_layer, 30 * per_layer), len(seen) - 1]
+    sample = [seen[i] for i in keep]
+    # The head's first 8192 rows for the last 4 positions: its full 49152 rows cost the numpy
+    # reference seconds, and every row is the same code.
+    head, x = sample[-1]
+    rows = 8192
+    part = head.data[: rows * head.row_bytes]
+    sample[-1] = (BlockMatrix(part, head.ggml_type, head.in_features, rows), x[-4:])
+    yield [
+        (t, x, *block_product(t.data, t.ggml_type, x.numpy(), t.out_features)) for t, x in sample
+    ]
+
+
+def test_every_path_multiplies_real_activations_as_llamacpp_does(
+    path: str, products: list[tuple[BlockMatrix, torch.Tensor, np.ndarray, np.ndarray]]
+) -> None:
+    for tensor, x, expected, bound in products:
+        m = BlockMatrix(tensor.data, tensor.ggml_type, tensor.in_features, tensor.out_features)
+        assert m.kernel == path
+        got = m.mm(x).numpy().astype(np.float64)
+        err = np.abs(got - expected)
+        worst = float((err / bound).max()) / 2.0**-24
+        assert worst <= _ULPS, (tensor.ggml_type.name, m.out_features, m.in_features, worst)
