@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from meshd.bench.llamacpp_q8 import block_product, quantize_q8
 from meshd.bench.perplexity import score
 from meshd.model import gguf_matrix
 from meshd.model.files import open_checkpoint
 from meshd.model.kernels.blocks import BlockMatrix
 from meshd.model.stage import StageModel
-from tests.model.llamacpp_q8 import block_product, quantize_q8
 
 PATHS = ("portable", "avx2", "avx512")
 _PLAIN_MM = gguf_matrix.GgufMatrix.mm

@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from meshd.bench.llamacpp_q8 import q8_0_bytes
 from meshd.config.sources import load_config
 from meshd.model.kernels import blocks
 from meshd.model.kernels.blocks import (
@@ -27,7 +28,6 @@ from meshd.model.kernels.blocks import (
     path_unavailable_reason,
     supported_types,
 )
-from tests.model.llamacpp_q8 import q8_0_bytes
 
 _K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 _ONE = (T.Q4_1, T.Q5_1)  # multiplied with Q8_1 activations (their dot uses the block's sum)

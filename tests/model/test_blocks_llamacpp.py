@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from meshd.bench.llamacpp_q8 import block_product
 from meshd.model import gguf_matrix
 from meshd.model.files import open_checkpoint
 from meshd.model.kernels.blocks import BlockMatrix
 from meshd.model.stage import StageModel
-from tests.model.llamacpp_q8 import block_product
 
 _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # Q4_1 layers (Q8_1 activations), a Q8_0 head
 # 24 ids: more than the C layer loop's row-attention limit, so each product passes through

@@ -11,12 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+from meshd.bench.llamacpp_q8 import q8_0_bytes
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernels.blocks import (
     BlockMatrix,
     supported_types,
 )
-from tests.model.llamacpp_q8 import q8_0_bytes
 
 
 def _matrix(qtype: T, n_out: int, k: int, rng: np.random.Generator) -> BlockMatrix:
