@@ -15,7 +15,8 @@ many waited, which the coordinator's window policy reads as load.
 
 Leases: a session's KV is held while its coordinator shows it is alive. It is freed when the
 coordinator closes it (`CloseSession`), when the coordinator is lost (its lane died or
-membership declared it dead: `free_coordinator`), or when its lease lapses: `session_lease_s`
+membership declared it dead: `free_coordinator`, which also drops the prefix-cache entries it
+asked for), or when its lease lapses: `session_lease_s`
 without a window, rollback or `SessionKeepAlive` for it (`meshd/stage/leases.py`). Sessions freed
 without a close are counted by cause in `stats.sessions_expired`.
 
@@ -200,9 +201,14 @@ class StageHost:
         if isinstance(message, OpenSession):
             self._open(message, sender_key)
         elif isinstance(message, CloseSession):
-            if message.keep_entry and message.session in self._sessions:
+            session = self._sessions.get(message.session)
+            if message.keep_entry and session is not None:
                 self.stage.kv.keep(
-                    message.session, message.keep_entry, message.keep_positions, message.replaces
+                    message.session,
+                    message.keep_entry,
+                    message.keep_positions,
+                    message.replaces,
+                    owner=session.info.coordinator,
                 )
             self._close(message.session)
         elif isinstance(message, SessionKeepAlive):
@@ -327,12 +333,19 @@ class StageHost:
         self.stage.kv.clear_entries()
 
     def free_coordinator(self, coordinator: bytes) -> list[str]:
-        """Free every session of `coordinator` (its lane died, or it was declared dead)."""
+        """Free every session and prefix-cache entry of `coordinator` (its lane died, or it was
+        declared dead): its index of the entries went with it, or forgot this stage's routes."""
         mine = [sid for sid, s in self._sessions.items() if s.info.coordinator == coordinator]
         for session_id in mine:
             self._close(session_id, COORDINATOR_LOST)
-        if mine:
-            log.info("freed %d sessions of lost coordinator %s", len(mine), coordinator.hex()[:16])
+        entries = self.stage.kv.drop_entries_of(coordinator)
+        if mine or entries:
+            log.info(
+                "freed %d sessions and %d prefix-cache entries of lost coordinator %s",
+                len(mine),
+                entries,
+                coordinator.hex()[:16],
+            )
         return mine
 
     def expire(self, now: float) -> list[str]:
