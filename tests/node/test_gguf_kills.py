@@ -1,12 +1,13 @@
 """Every node of a mesh serving a real GGUF file can die at any moment: real daemons on loopback.
 
 One mesh serves the module (SmolLM2-135M-Instruct.Q4_1, as stored): two stage daemons (a
-budget that rules out one), a spare, and a coordinator that can hold no stage (a 1-byte budget),
-every one with a short `session_lease_s` and `graceful_timeout_s`. Each test first restarts what
-an earlier one stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
-After each stop, crash or closed lid nothing is left behind: no session, KV or prompt-cache entry
-of the lost node on any survivor, every survivor's trio tasks back to their count from before,
-and in a stopped daemon's state dir only its identity and the start-up caches.
+budget that rules out one), a spare (whichever capable node the plan leaves out), and a
+coordinator that can hold no stage (a 1-byte budget), every one with a short `session_lease_s`
+and `graceful_timeout_s`. Each test first restarts what an earlier one stopped that it needs
+(`Mesh.ready`), so the tests pass alone and in any order. After each stop, crash or closed lid
+nothing is left behind: no session or KV on any survivor, no prompt-cache entry of a lost
+coordinator, none on a node that woke, every survivor's trio tasks back to their count from
+before, and in a stopped daemon's state dir only its identity and the start-up caches.
 
 1. SIGTERM of a stage mid-request: the stage serves its open session until the grace runs out,
    then stops it (`stage_stopped`) and the coordinator continues at once on the spare, which
@@ -131,15 +132,12 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         pytest.skip(f"{MODEL.name} is not cached (scripts/fetch_models)")
     m = Mesh(tmp_path_factory.mktemp("gguf-kills"))
     try:
-        for i in STAGE_NODES:
-            m.start(i)
-        started(m.daemons.values())
-        wait_until(lambda: settled_plan(m.alive()) is not None, 60, "a two-stage plan")
-        # The spare and the coordinator join after the plan, so neither takes a stage.
-        started([m.start(SPARE), m.start(COORDINATOR_ONLY)])
+        # All at once: the budget lets two nodes hold the model and rules out one, so the plan
+        # has two stages and whichever capable node it leaves out is the spare.
+        started([m.start(i) for i in (*STAGE_NODES, SPARE, COORDINATOR_ONLY)])
         keys = {d.key() for d in m.alive()}
         wait_until(lambda: all(d.alive_members() == keys for d in m.alive()), 30, "four members")
-        m.in_plan()
+        assert len(m.in_plan()) == len(STAGE_NODES)
         yield m
     finally:
         kill_all(m.daemons.values())
