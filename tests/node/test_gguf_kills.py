@@ -5,20 +5,22 @@ budget that rules out one), a spare (whichever capable node the plan leaves out)
 coordinator that can hold no stage (a 1-byte budget), every one with a short `session_lease_s`
 and `graceful_timeout_s`. Each test first restarts what an earlier one stopped that it needs
 (`Mesh.ready`), so the tests pass alone and in any order. After each stop, crash or closed lid
-nothing is left behind: no session or KV on any survivor, no prompt-cache entry of a lost
-coordinator, none on a node that woke, every survivor's trio tasks back to their count from
+nothing is left behind: no session or KV on any survivor, no prompt-cache entry that depends
+on the lost node, none on a node that woke, every survivor's trio tasks back to their count from
 before, and in a stopped daemon's state dir only its identity and the start-up caches.
 
 1. SIGTERM of a stage mid-request: the stage serves its open session until the grace runs out,
    then stops it (`stage_stopped`) and the coordinator continues at once on the spare, which
-   took the layers meanwhile: the request completes with the same tokens (it never fails).
+   took the layers meanwhile: the request completes with the same tokens (it never fails). The
+   stage after it drops the prompt-cache entry it kept on the route through it.
 2. SIGKILL of the coordinator mid-stream (the node whose API got the request): the client's
    stream breaks off without `[DONE]`, the stages free its session, KV and the prompt-cache
    entries it had them keep within the lease, and another node's API gives the same text.
 3. SIGKILL of the spare mid-request: the same tokens, no recovery, the plan untouched.
 4. A closed lid (SIGSTOP past the dead-lane verdict, then SIGCONT) on a stage holding
-   prompt-cache entries: the request completes on the spare with the same tokens; awake, the
-   node rejoins every view and holds no session, KV or entry.
+   prompt-cache entries: the request completes on the spare with the same tokens, and the
+   stage before it drops the entry it kept on the route through it; awake, the node rejoins
+   every view and holds no session, KV or entry.
 """
 
 from __future__ import annotations
@@ -251,6 +253,9 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
             "a plan without the frozen node",
         )
         assert spare.status()["stage_layers"] is not None
+        # The stage before it drops the entry it kept on the route through it: the coordinator
+        # forgot that route's index, so nothing would ever name the entry again.
+        wait_until(lambda: _held(route[0])[2] == 0, 10, "the survivor's entry dropped")
     finally:
         victim.proc.send_signal(signal.SIGCONT)
     # Awake, it rejoins every view, a spare now, and keeps nothing of the generation that
@@ -268,12 +273,14 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
 
 
 def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
-    mesh: Mesh, prompt: list[int], expected: list[int]
+    mesh: Mesh, prompt: list[int], long_prompt: list[int], expected: list[int]
 ) -> None:
     mesh.ready(spares=1)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
     route = mesh.in_plan()
-    victim, spare = route[-1], mesh.spare()
+    victim, spare = route[0], mesh.spare()
+    _generate(coordinator, long_prompt, 4)
+    assert _held(route[-1])[2] >= 1  # the last stage keeps an entry of the long prompt
     survivors = [d for d in mesh.alive() if d is not victim]
     tasks_before = tasks_of(survivors)
     recoveries_before = _recoveries(coordinator)
@@ -298,6 +305,9 @@ def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
     _left_only_identity(victim, signal.SIGTERM)
     wait_until(lambda: _plan_without(mesh.capable(), victim.key()), 30, "a plan without it")
     assert spare in mesh.in_plan()
+    # The stage after it drops the entry it kept on the route through it (the coordinator
+    # forgot that route's index when the route failed).
+    wait_until(lambda: _held(route[-1])[2] == 0, 10, "the survivor's entry dropped")
     wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
     assert _generate(coordinator, prompt, 40) == expected[:40]
     wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
