@@ -16,7 +16,11 @@ its windows start at p. Entries live within `cache_limit_bytes` and within the s
 budget together with the sessions; sessions always win: an open that needs room evicts
 entries, least recently used first, and an entry that does not fit is not kept. Nothing ever
 waits for the cache or fails because of it: an entry that is gone is a miss, and the session
-opens empty.
+opens empty. An entry remembers the nodes it depends on (`peers`): the coordinator that asked for
+it, whose index alone names it, and the stages next to this one on the route it was kept on.
+When one of them is lost, the coordinator went with it or forgets the route's index, so the
+entry would never be hit again, and it is dropped (`drop_entries_of`; were it still named, the
+open would be a miss, which is always safe).
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class PrefixEntry:
     """A kept prefix: the decoder layers' KV of positions [0, positions)."""
 
     kv: torch.Tensor  # [n_layers, positions, 2 * kv_heads, head_dim]
+    peers: frozenset[bytes] = frozenset()  # its coordinator and neighbouring stages
 
     @property
     def positions(self) -> int:
@@ -238,10 +243,19 @@ class KVCache:
                 self._drop(entry_id)
                 self.cache_stats.evictions += 1
 
-    def keep(self, session_id: str, entry_id: int, positions: int, replaces: int = 0) -> bool:
-        """Keep the open session's first `positions` positions as entry `entry_id` (its KV is
-        about to be freed: its bytes count as free). False when it holds fewer positions or
-        the entry does not fit the cache's limit and the budget beside the live sessions."""
+    def keep(
+        self,
+        session_id: str,
+        entry_id: int,
+        positions: int,
+        replaces: int = 0,
+        *,
+        peers: frozenset[bytes] = frozenset(),
+    ) -> bool:
+        """Keep the open session's first `positions` positions as entry `entry_id`, depending on
+        `peers` (its KV is about to be freed: its bytes count as free). False when it holds fewer
+        positions or the entry does not fit the cache's limit and the budget beside the live
+        sessions."""
         session = self.get(session_id)
         main = session.main
         per_position = main.kv[:, :1].numel() * main.kv.element_size()
@@ -262,7 +276,7 @@ class KVCache:
             self._drop(old_id)
             self.cache_stats.evictions += 1
         self._make_room(nbytes, spare=None, freeing=session.nbytes)
-        self._entries[entry_id] = PrefixEntry(main.kv[:, :positions].clone())
+        self._entries[entry_id] = PrefixEntry(main.kv[:, :positions].clone(), peers)
         self.cache_bytes += nbytes
         self.cache_stats.kept += 1
         if replaces and replaces != entry_id:
@@ -275,6 +289,14 @@ class KVCache:
             return False
         self._drop(entry_id)
         return True
+
+    def drop_entries_of(self, peer: bytes) -> int:
+        """Free every entry that depends on `peer` (it is gone: nothing will name them again);
+        how many there were. Not evictions: no room was needed."""
+        mine = [entry_id for entry_id, entry in self._entries.items() if peer in entry.peers]
+        for entry_id in mine:
+            self._drop(entry_id)
+        return len(mine)
 
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)

@@ -15,7 +15,8 @@ many waited, which the coordinator's window policy reads as load.
 
 Leases: a session's KV is held while its coordinator shows it is alive. It is freed when the
 coordinator closes it (`CloseSession`), when the coordinator is lost (its lane died or
-membership declared it dead: `free_coordinator`), or when its lease lapses: `session_lease_s`
+membership declared it dead: `free_coordinator`, which also drops the prefix-cache entries
+that depend on a lost node), or when its lease lapses: `session_lease_s`
 without a window, rollback or `SessionKeepAlive` for it (`meshd/stage/leases.py`). Sessions freed
 without a close are counted by cause in `stats.sessions_expired`.
 
@@ -94,6 +95,12 @@ BULK_SLICE_S = 0.002
 class _Session:
     info: OpenSession
     epoch: int = 0
+    previous: bytes | None = None  # the stage before this one (the sender of its hidden rows)
+
+    def peers(self) -> frozenset[bytes]:
+        """The nodes a prefix-cache entry kept from this session depends on."""
+        near = (self.info.coordinator, self.info.next_hop, self.previous)
+        return frozenset(key for key in near if key is not None)
 
 
 @dataclass
@@ -200,9 +207,14 @@ class StageHost:
         if isinstance(message, OpenSession):
             self._open(message, sender_key)
         elif isinstance(message, CloseSession):
-            if message.keep_entry and message.session in self._sessions:
+            session = self._sessions.get(message.session)
+            if message.keep_entry and session is not None:
                 self.stage.kv.keep(
-                    message.session, message.keep_entry, message.keep_positions, message.replaces
+                    message.session,
+                    message.keep_entry,
+                    message.keep_positions,
+                    message.replaces,
+                    peers=session.peers(),
                 )
             self._close(message.session)
         elif isinstance(message, SessionKeepAlive):
@@ -217,6 +229,8 @@ class StageHost:
             hidden = message if isinstance(message, StageHidden) else None
             session = self._sessions.get(window.session)
             if session is not None:
+                if hidden is not None:
+                    session.previous = sender_key
                 session.epoch = max(session.epoch, window.epoch)
                 self.leases.touch(window.session, trio.current_time())
             self._queue.append(_Work(window, hidden, time.perf_counter()))
@@ -327,12 +341,20 @@ class StageHost:
         self.stage.kv.clear_entries()
 
     def free_coordinator(self, coordinator: bytes) -> list[str]:
-        """Free every session of `coordinator` (its lane died, or it was declared dead)."""
+        """Free every session of `coordinator` (a node whose lane died, or declared dead) and every
+        prefix-cache entry that depends on it: the index naming the entry went with it, or its
+        coordinator forgot the route through it."""
         mine = [sid for sid, s in self._sessions.items() if s.info.coordinator == coordinator]
         for session_id in mine:
             self._close(session_id, COORDINATOR_LOST)
-        if mine:
-            log.info("freed %d sessions of lost coordinator %s", len(mine), coordinator.hex()[:16])
+        entries = self.stage.kv.drop_entries_of(coordinator)
+        if mine or entries:
+            log.info(
+                "freed %d sessions and %d prefix-cache entries of lost node %s",
+                len(mine),
+                entries,
+                coordinator.hex()[:16],
+            )
         return mine
 
     def expire(self, now: float) -> list[str]:

@@ -25,6 +25,7 @@ from protocol.messages import Message, OpenSession, SessionKeepAlive, StageError
 
 COORD = b"c" * 32
 OTHER = b"o" * 32
+NEXT = b"n" * 32
 
 
 # ---- the state machine, on a plain virtual now ----------------------------------------------
@@ -163,6 +164,41 @@ async def test_a_lost_coordinator_s_sessions_are_freed_and_counted(
     host.handle(CloseSession("theirs"), OTHER)
     assert host.sessions == 0 and host.stage.kv.used_bytes == 0
     assert host.stats.sessions_expired == {COORDINATOR_LOST: 2, LEASE_LAPSED: 0}
+
+
+async def test_prompt_cache_entries_are_dropped_with_a_lost_coordinator_or_next_stage(
+    model_dir: pathlib.Path,
+) -> None:
+    # Only a coordinator's own index names the entries it asked for, and it forgets a route's
+    # entries when a stage of it is lost: after either, nothing will ever hit them, and they
+    # would hold the stage's memory until evicted.
+    from protocol.messages import CloseSession
+
+    host, _ = _host(model_dir, lease_s=30.0)
+    host.stage.kv.cache_limit_bytes = 1 << 30
+    prompt = torch.arange(3, 19)
+    kept = (("mine", COORD, None, 7), ("theirs", OTHER, None, 8), ("routed", OTHER, NEXT, 9))
+    for sid, coordinator, next_hop, entry in kept:
+        message = OpenSession(sid, host.stage.model_id, 32, stage_index=0,
+                              coordinator=coordinator, next_hop=next_hop)  # fmt: skip
+        host.handle(message, coordinator)
+        host.stage.forward(sid, 0, prompt)
+        host.handle(CloseSession(sid, keep_entry=entry, keep_positions=16), coordinator)
+    _open(host, "live", COORD)
+    kv = host.stage.kv
+    assert [kv.entry_positions(e) for e in (7, 8, 9)] == [16, 16, 16]
+    one = kv.cache_bytes // 3
+    assert host.free_coordinator(COORD) == ["live"]
+    assert [kv.entry_positions(e) for e in (7, 8, 9)] == [0, 16, 16]
+    assert host.free_coordinator(NEXT) == []  # the stage after this one on entry 9's route
+    assert [kv.entry_positions(e) for e in (7, 8, 9)] == [0, 16, 0]
+    assert kv.used_bytes == 0 and kv.cache_bytes == one
+    assert kv.cache_stats.evictions == 0  # dropped with a lost node, not evicted for room
+    # The other coordinator still opens from its entry.
+    message = OpenSession("again", host.stage.model_id, 32, stage_index=0, coordinator=OTHER,
+                          prefix_entry=8, prefix_positions=16)  # fmt: skip
+    host.handle(message, OTHER)
+    assert kv.cache_stats.hits == 1
 
 
 # ---- a real pipeline (lanes, worker threads), a short lease and a slow client ---------------

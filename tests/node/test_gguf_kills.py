@@ -1,0 +1,414 @@
+"""Every node of a mesh serving a real GGUF file can die at any moment: real daemons on loopback.
+
+One mesh serves the module (SmolLM2-135M-Instruct.Q4_1, as stored): two stage daemons (a
+budget that rules out one), a spare (whichever capable node the plan leaves out), and a
+coordinator that can hold no stage (a 1-byte budget), every one with a short `session_lease_s`
+and `graceful_timeout_s`. Each test first restarts what an earlier one stopped that it needs
+(`Mesh.ready`), so the tests pass alone and in any order. After each stop, crash or closed lid
+nothing is left behind: no session or KV on any survivor, no prompt-cache entry that depends
+on the lost node, none on a node that woke, every survivor's trio tasks back to their count from
+before, and in a stopped daemon's state dir only its identity and the start-up caches.
+
+1. SIGTERM of a stage mid-request: the stage serves its open session until the grace runs out,
+   then stops it (`stage_stopped`) and the coordinator continues at once on the spare, which
+   took the layers meanwhile: the request completes with the same tokens (it never fails). The
+   stage after it drops the prompt-cache entry it kept on the route through it.
+2. SIGKILL of the coordinator mid-stream (the node whose API got the request): the client's
+   stream breaks off without `[DONE]`, the stages free its session, KV and the prompt-cache
+   entries it had them keep within the lease, and another node's API gives the same text.
+3. SIGKILL of the spare mid-request: the same tokens, no recovery, the plan untouched.
+4. A closed lid (SIGSTOP past the dead-lane verdict, then SIGCONT) on a stage holding
+   prompt-cache entries: the request completes on the spare with the same tokens, and the
+   stage before it drops the entry it kept on the route through it; awake, the node rejoins
+   every view and holds no session, KV or entry.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
+from meshd.model.files import open_tokenizer
+from meshd.node.control_client import GenerateOp, request_lines
+from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
+from tests.node.test_stop import Stream
+
+pytestmark = pytest.mark.slow
+
+MODEL = (
+    pathlib.Path(os.environ.get("MESHD_MODEL_CACHE", "~/.cache/meshd/models")).expanduser()
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+PROMPT = "Write a short story about a robot who learns to paint."
+LEASE_S = 3.0
+# Short, so that even on an idle machine a stream of STREAM_TOKENS outlasts a stop's grace.
+GRACE_S = 0.5
+FLAGS = ("--session-lease-s", str(LEASE_S), "--graceful-timeout-s", str(GRACE_S))
+# Addresses 127.0.0.71-74 and a secret of its own: no other mesh on this machine joins it.
+SECRET = "meshd-gguf-kills-" + secrets.token_hex(8)
+STAGE_NODES = (71, 72)
+SPARE = 73
+COORDINATOR_ONLY = 74
+# A prompt of three whole prefill chunks (128 tokens) and a tail: every stage keeps an entry.
+LONG_PROMPT_TOKENS = 400
+# Long enough that a signal lands mid-request and the request outlives a stop's grace (GRACE_S):
+# seconds even on an idle machine.
+STREAM_TOKENS = 200
+
+
+class Mesh:
+    def __init__(self, tmp: pathlib.Path) -> None:
+        self.tmp = tmp
+        self.budget = stage_budget(str(MODEL), len(STAGE_NODES))
+        self.daemons: dict[int, Daemon] = {}
+        self.gone: set[int] = set()
+
+    def start(self, index: int) -> Daemon:
+        budget = 1 if index == COORDINATOR_ONLY else self.budget
+        extra = ("--model", str(MODEL), *FLAGS)
+        d = Daemon(self.tmp, index, secret=SECRET, budget=budget, extra=extra)
+        self.daemons[index] = d
+        self.gone.discard(index)
+        return d
+
+    def alive(self) -> list[Daemon]:
+        return [d for i, d in self.daemons.items() if i not in self.gone]
+
+    def capable(self) -> list[Daemon]:
+        """The live daemons that can hold a stage."""
+        return [d for d in self.alive() if d.index != COORDINATOR_ONLY]
+
+    def ready(self, spares: int) -> None:
+        """The coordinator-only node, two stage nodes and `spares` more alive, restarting (same
+        state dir, same key) the ones an earlier test stopped."""
+        new = []
+        if COORDINATOR_ONLY in self.gone:
+            new.append(self.start(COORDINATOR_ONLY))
+        for index in (*STAGE_NODES, SPARE):
+            if len(self.capable()) >= len(STAGE_NODES) + spares:
+                break
+            if index in self.gone:
+                new.append(self.start(index))
+        if new:
+            started(new)
+        nodes = self.alive()
+        keys = {d.key() for d in nodes}
+        wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "every member")
+
+    def in_plan(self) -> list[Daemon]:
+        """Daemons serving the stages of the settled plan, in route order."""
+        stable = _stable_plan(self.capable())
+        by_key = {d.key(): d for d in self.alive()}
+        return [by_key[s["key"]] for s in stable]
+
+    def spare(self) -> Daemon:
+        route = self.in_plan()
+        return next(d for d in self.capable() if d not in route)
+
+
+def _stable_plan(daemons: list[Daemon]) -> list[dict[str, Any]]:
+    """The settled plan, once it stays the same for a second (RTT rows arriving re-plan)."""
+    seen: list[Any] = []
+
+    def stable() -> bool:
+        seen.append(settled_plan(daemons))
+        return len(seen) > 4 and seen[-1] is not None and all(p == seen[-1] for p in seen[-5:])
+
+    wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
+    return list(seen[-1])
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL.name} is not cached (scripts/fetch_models)")
+    m = Mesh(tmp_path_factory.mktemp("gguf-kills"))
+    try:
+        # All at once: the budget lets two nodes hold the model and rules out one, so the plan
+        # has two stages and whichever capable node it leaves out is the spare.
+        started([m.start(i) for i in (*STAGE_NODES, SPARE, COORDINATOR_ONLY)])
+        keys = {d.key() for d in m.alive()}
+        wait_until(lambda: all(d.alive_members() == keys for d in m.alive()), 30, "four members")
+        assert len(m.in_plan()) == len(STAGE_NODES)
+        yield m
+    finally:
+        kill_all(m.daemons.values())
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return open_tokenizer(MODEL).encode(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(prompt: list[int]) -> list[int]:
+    return (prompt * LONG_PROMPT_TOKENS)[:LONG_PROMPT_TOKENS]
+
+
+def _op(prompt: list[int], max_tokens: int) -> GenerateOp:
+    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy="disabled", ignore_eos=True)
+
+
+def _generate(d: Daemon, prompt: list[int], max_tokens: int) -> list[int]:
+    final = list(request_lines(d.socket, _op(prompt, max_tokens), timeout_s=60))[-1]
+    assert final["ok"], final
+    return list(final["tokens"])
+
+
+def _held(d: Daemon) -> tuple[int, int, int]:
+    """(sessions, KV bytes of sessions, prompt-cache entries) the daemon's stage holds."""
+    s = d.status()
+    return s["sessions_hosted"], s["kv_used_bytes"], s["prefix_cache"]["entries"]
+
+
+def _no_sessions_left(daemons: list[Daemon]) -> bool:
+    statuses = [d.try_status() for d in daemons]
+    return all(
+        s is not None and s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0 for s in statuses
+    )
+
+
+def _expired(d: Daemon) -> int:
+    return sum(d.status()["sessions_expired"].values())
+
+
+def _route_failures_since(coordinator: Daemon, since_unix_s: float) -> list[str]:
+    return [
+        e["detail"]
+        for e in coordinator.status()["events"]
+        if e["kind"] == "route-failed" and e["at_unix_s"] >= since_unix_s
+    ]
+
+
+def _left_only_identity(d: Daemon, how: signal.Signals) -> None:
+    """What a stopped or killed daemon leaves in its state dir: its identity, the start-up
+    caches (checkpoint hashes, the compute figure: docs/operations.md), and (after SIGKILL
+    only) its control socket, which the next start replaces. No temp, part or lock file."""
+    left = {p.name for p in d.state.iterdir()}
+    socket = {"control.sock"} if how is signal.SIGKILL else set()
+    assert left <= {"identity.key", "hashes", "compute", *socket}, left
+    assert not [p for p in d.state.rglob("*") if p.name.endswith((".tmp", ".part"))], left
+    assert "identity.key" in left
+
+
+def _plan_without(daemons: list[Daemon], key: str) -> bool:
+    plan = settled_plan(daemons)
+    return plan is not None and key not in {s["key"] for s in plan}
+
+
+@pytest.fixture(scope="module")
+def expected(mesh: Mesh, prompt: list[int]) -> list[int]:
+    """What the mesh answers to the streams' request with every node up."""
+    mesh.ready(spares=1)
+    return _generate(mesh.in_plan()[0], prompt, STREAM_TOKENS)
+
+
+def _stream_until_tokens(coordinator: Daemon, prompt: list[int], count: int = 10) -> Stream:
+    stream = Stream(coordinator, _op(prompt, STREAM_TOKENS))
+    wait_until(lambda: len(stream.token_times()) >= count, 60, "the first tokens", poll_s=0.02)
+    return stream
+
+
+def _recoveries(d: Daemon) -> int:
+    return int(d.status()["recoveries"])
+
+
+# ---- 4. a stage's lid closes ------------------------------------------------------------------
+
+
+def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
+    mesh: Mesh, prompt: list[int], long_prompt: list[int], expected: list[int]
+) -> None:
+    # SIGSTOP freezes the process as a suspended laptop is frozen: no packet, no timer, until
+    # SIGCONT, when it wakes to a mesh that moved on without it.
+    mesh.ready(spares=1)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    route = mesh.in_plan()
+    victim, spare = route[-1], mesh.spare()
+    _generate(coordinator, long_prompt, 4)
+    assert _held(victim)[2] >= 1  # it keeps a prompt-cache entry of the long prompt
+    nodes = mesh.alive()
+    others = [d for d in nodes if d is not victim]
+    tasks_before = tasks_of(nodes)
+    stream = _stream_until_tokens(coordinator, prompt)
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        final = stream.final()
+        assert final.get("ok") and final["tokens"] == expected, final
+        gone = {d.key() for d in others}
+        wait_until(lambda: all(d.alive_members() == gone for d in others), 30, "it is dropped")
+        wait_until(
+            lambda: _plan_without([d for d in mesh.capable() if d is not victim], victim.key()),
+            30,
+            "a plan without the frozen node",
+        )
+        assert spare.status()["stage_layers"] is not None
+        # The stage before it drops the entry it kept on the route through it: the coordinator
+        # forgot that route's index, so nothing would ever name the entry again.
+        wait_until(lambda: _held(route[0])[2] == 0, 10, "the survivor's entry dropped")
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    # Awake, it rejoins every view, a spare now, and keeps nothing of the generation that
+    # moved on: no session, no KV, no prompt-cache entry.
+    keys = {d.key() for d in nodes}
+    wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "it rejoins")
+    assert victim.proc.poll() is None, victim.log_tail(2000)
+    wait_until(lambda: _held(victim) == (0, 0, 0), LEASE_S + 10, "the woken node holding nothing")
+    assert _generate(coordinator, prompt, 40) == expected[:40]
+    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(nodes, tasks_before, took_stage=[spare])
+
+
+# ---- 1. a stage is stopped mid-request -------------------------------------------------------
+
+
+def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
+    mesh: Mesh, prompt: list[int], long_prompt: list[int], expected: list[int]
+) -> None:
+    mesh.ready(spares=1)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    route = mesh.in_plan()
+    victim, spare = route[0], mesh.spare()
+    _generate(coordinator, long_prompt, 4)
+    assert _held(route[-1])[2] >= 1  # the last stage keeps an entry of the long prompt
+    survivors = [d for d in mesh.alive() if d is not victim]
+    tasks_before = tasks_of(survivors)
+    recoveries_before = _recoveries(coordinator)
+    started_at = time.time()
+    stream = _stream_until_tokens(coordinator, prompt)
+    signalled = time.monotonic()
+    victim.proc.send_signal(signal.SIGTERM)
+    final = stream.final()
+    # The request never fails: the stage serves it through its grace, then stops it
+    # (`stage_stopped`) and the coordinator goes on at once on the spare, which loaded the
+    # layers meanwhile, to the same tokens.
+    assert final.get("ok") and final["tokens"] == expected, final
+    took_s = stream.lines[-1][0] - signalled
+    print(f"stage SIGTERM: the request ended {took_s:.2f} s after the signal")
+    assert took_s > GRACE_S, "the request ended within the grace"
+    # Handed over, not drained: the stage stopped the session, and the coordinator recovered.
+    failures = _route_failures_since(coordinator, started_at)
+    assert any("stage_stopped" in f for f in failures), failures
+    assert _recoveries(coordinator) > recoveries_before
+    wait_until(lambda: victim.proc.poll() is not None, GRACE_S + 20, f"{victim.name} to exit")
+    mesh.gone.add(victim.index)
+    assert victim.proc.returncode == 0, victim.log_tail(2000)
+    _left_only_identity(victim, signal.SIGTERM)
+    wait_until(lambda: _plan_without(mesh.capable(), victim.key()), 30, "a plan without it")
+    assert spare in mesh.in_plan()
+    # The stage after it drops the entry it kept on the route through it (the coordinator
+    # forgot that route's index when the route failed).
+    wait_until(lambda: _held(route[-1])[2] == 0, 10, "the survivor's entry dropped")
+    wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
+    assert _generate(coordinator, prompt, 40) == expected[:40]
+    wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(survivors, tasks_before, took_stage=[spare])
+
+
+# ---- 3. the spare dies ------------------------------------------------------------------------
+
+
+def test_sigkill_of_the_spare_mid_request_changes_nothing(
+    mesh: Mesh, prompt: list[int], expected: list[int]
+) -> None:
+    mesh.ready(spares=1)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    route = [d.key() for d in mesh.in_plan()]
+    spare = mesh.spare()
+    survivors = [d for d in mesh.alive() if d is not spare]
+    tasks_before = tasks_of(survivors)
+    recoveries_before = _recoveries(coordinator)
+    started_at = time.time()
+    stream = _stream_until_tokens(coordinator, prompt)
+    spare.kill()
+    final = stream.final()
+    assert final.get("ok") and final["tokens"] == expected, final
+    # Nothing in flight noticed: no route failed, nothing was recovered.
+    assert _route_failures_since(coordinator, started_at) == []
+    assert _recoveries(coordinator) == recoveries_before
+    wait_until(lambda: spare.proc.poll() is not None, 10, f"{spare.name} to die")
+    mesh.gone.add(spare.index)
+    left = {d.key() for d in survivors}
+    wait_until(lambda: all(d.alive_members() == left for d in survivors), 30, "the spare seen gone")
+    assert [d.key() for d in mesh.in_plan()] == route  # it held no stage: nothing re-planned
+    wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(survivors, tasks_before)
+    _left_only_identity(spare, signal.SIGKILL)
+
+
+# ---- 2. the coordinator dies mid-stream -------------------------------------------------------
+
+
+def _sse(api: str, body: dict[str, Any], events: list[str], errors: list[Exception]) -> None:
+    try:
+        with httpx.stream("POST", f"{api}/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+    except httpx.HTTPError as exc:
+        errors.append(exc)
+
+
+def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
+    mesh: Mesh, long_prompt: list[int]
+) -> None:
+    mesh.ready(spares=0)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    stages = mesh.in_plan()
+    survivors = [d for d in mesh.alive() if d is not coordinator]
+    other_api = stages[0].api_url
+    model = httpx.get(f"{coordinator.api_url}/models", timeout=30).json()["data"][0]["id"]
+    body: dict[str, Any] = {
+        "model": model, "prompt": long_prompt, "max_tokens": 40, "temperature": 0,
+        "meshd": {"speculative": {"strategy": "disabled"}, "ignore_eos": True},
+    }  # fmt: skip
+    expired_before = {d.name: _expired(d) for d in stages}
+    # A first request through its API: every stage keeps an entry of the prompt for it. Only
+    # this coordinator sends prompts long enough to keep: every entry on the stages is its own.
+    answer = httpx.post(f"{coordinator.api_url}/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    text = answer.json()["choices"][0]["text"]
+    assert all(_held(d)[2] >= 1 for d in stages)
+    tasks_before = tasks_of(survivors)
+    events: list[str] = []
+    errors: list[Exception] = []
+    streamed = {**body, "stream": True, "max_tokens": STREAM_TOKENS}
+    thread = threading.Thread(
+        target=_sse, args=(coordinator.api_url, streamed, events, errors), daemon=True
+    )
+    thread.start()
+    wait_until(lambda: len(events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+    assert all(_held(d)[0] == 1 for d in stages)
+    killed_at = time.monotonic()
+    coordinator.kill()
+    mesh.gone.add(COORDINATOR_ONLY)
+    # The client's stream breaks off: an error, never a `[DONE]` that would pass it as whole.
+    thread.join(30)
+    assert not thread.is_alive()
+    assert errors and "[DONE]" not in events, (errors, events[-3:])
+    # Within the lease every stage frees the session, its KV and the entries kept for the dead
+    # coordinator (nothing could ever name them again).
+    wait_until(
+        lambda: all(_held(d) == (0, 0, 0) for d in stages),
+        LEASE_S + 10,
+        "the dead coordinator's session and entries freed",
+    )
+    assert time.monotonic() - killed_at <= LEASE_S + 1.0  # + one status round per stage
+    assert all(_expired(d) == expired_before[d.name] + 1 for d in stages)
+    wait_tasks_back(survivors, tasks_before)
+    _left_only_identity(coordinator, signal.SIGKILL)
+    # Another node's API serves the same prompt with the same text.
+    again = httpx.post(f"{other_api}/completions", json=body, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == text
