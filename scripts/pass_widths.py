@@ -7,6 +7,11 @@ a 64-token context, then times passes of 1, 2, 5 and 9 tokens (a plain token, an
 windows of 1, 4 and 8 drafts), `--rounds` times each, interleaved; prints the median ms per
 width, the ratio to the one-token pass and the load average. `auto`'s prior for an unmeasured
 verify pass (`AutoTuning.verify_token_prior`) comes from these ratios (docs/speculative.md).
+
+    python scripts/pass_widths.py --widths 1 16 64 128 --one-row $M/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf
+
+`--one-row` returns the last row's logits only, as a draft's prefill does: the ratios per token
+written are `AutoTuning.draft_write_prior`'s measurement.
 """
 
 from __future__ import annotations
@@ -25,23 +30,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    parser.add_argument("--one-row", action="store_true", help="logits of the last row only")
     args = parser.parse_args()
+    widths: list[int] = args.widths
     for path in args.models:
         model = DraftModel.load(path, quantization="gguf")
-        session = model.open(64 + args.rounds * sum(WIDTHS) + 8)
+        session = model.open(64 + args.rounds * sum(widths) + 8)
         model.rows(session, 0, list(range(100, 164)), 1)
         pos = 64
-        seconds: dict[int, list[float]] = {w: [] for w in WIDTHS}
+        seconds: dict[int, list[float]] = {w: [] for w in widths}
         for _ in range(args.rounds):
-            for width in WIDTHS:
+            for width in widths:
                 started = time.perf_counter()
-                model.rows(session, pos, list(range(200, 200 + width)), width)
+                rows = 1 if args.one_row else width
+                model.rows(session, pos, list(range(200, 200 + width)), rows)
                 seconds[width].append(time.perf_counter() - started)
                 pos += width
         model.close(session)
         medians = {w: statistics.median(v) for w, v in seconds.items()}
+        one = medians[widths[0]]
         cells = " ".join(
-            f"{w}: {medians[w] * 1e3:.0f} ms ({medians[w] / medians[1]:.2f}x)" for w in WIDTHS
+            f"{w}: {medians[w] * 1e3:.0f} ms ({medians[w] / one:.2f}x, "
+            f"{medians[w] / w / one:.3f}x a token)"
+            for w in widths
         )
         print(f"{os.path.basename(path)}: {cells}; load {os.getloadavg()[0]:.1f}", flush=True)
 

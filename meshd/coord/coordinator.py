@@ -27,7 +27,7 @@ import math
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -46,6 +46,7 @@ from meshd.plan.route import Route
 from meshd.speculative.auto import AcceptanceBook
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
+from meshd.speculative.draft_gate import pass_weights
 from meshd.speculative.policy import LinkModel
 from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import SamplingParams
@@ -62,6 +63,9 @@ from protocol.messages import (
     StageError,
     VerifyReply,
 )
+
+if TYPE_CHECKING:
+    from meshd.model.config import ModelConfig
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -133,11 +137,14 @@ class Coordinator:
         draft_quantization: str = "none",
         prefix_cache: bool = True,
         prefix_exact: bool = True,
+        target_config: ModelConfig | None = None,
     ) -> None:
         """`draft` is the node's draft model, loaded at start (`spec.draft_model`); a request
         naming another draft path loads it here once, at `draft_quantization`.
         `prefix_cache`: reuse and keep prompt prefixes on the stages; `prefix_exact`: reuse
-        only positions a cold run computes with the same bits (`prefix_index.py`)."""
+        only positions a cold run computes with the same bits (`prefix_index.py`).
+        `target_config`: the served model's shape, which prices the draft beside it before
+        the draft's passes were timed (`AcceptanceBook.draft_size_ratio`)."""
         self.sender = sender
         self._drafts: dict[str, DraftModel] = {} if draft is None else {draft.path: draft}
         # False where the node's draft does not fit this coordinator's model (another
@@ -155,6 +162,7 @@ class Coordinator:
         self._books: dict[tuple[str, tuple[object, ...]], AcceptanceBook] = {}
         self.prefix_cache = prefix_cache
         self.prefix_exact = prefix_exact
+        self.target_config = target_config
         self._prefixes: dict[Route, PrefixIndex] = {}
         self.prefix_counters = PrefixCounters()
 
@@ -455,6 +463,11 @@ class Coordinator:
         found = self._books.get(key)
         if found is None:
             found = self._books[key] = AcceptanceBook(spec)
+            draft = self.draft_model(spec)
+            if draft is not None and self.target_config is not None:
+                found.draft_size_ratio = pass_weights(draft.stage.config) / pass_weights(
+                    self.target_config
+                )
         return found
 
     def costs(self, route: Route) -> RouteCosts:

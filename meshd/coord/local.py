@@ -131,6 +131,7 @@ async def open_local_pipeline(
                     wire_dtype=wire_dtype,
                     session_lease_s=session_lease_s,
                     draft=draft,
+                    target_config=checkpoint.config,
                 )
                 wiring.coordinator = coordinator
                 if keep_alive:

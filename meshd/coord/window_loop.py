@@ -239,6 +239,7 @@ class WindowLoop:
         self._prompt_len = len(prompt)
         out = self._open(len(prompt))
         self.proposer.reset(prompt)
+        self.proposer.expect_tokens(self.request.max_tokens)
         if self.prefix is not None:
             self.proposer.stop_mtp()
         self._phase = "prefill"

@@ -126,6 +126,7 @@ class HeldModel:
             session_lease_s=config.session_lease_s,
             draft=basis.draft if files.draft_fits else None,
             draft_quantization=basis.quantization,
+            target_config=files.checkpoint.config,
         )
         self.coordinator.drafts_allowed = files.draft_fits
         self.duty = Duty(config.drain_timeout_s)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 # edits of other functions: the benchmark asks for an edit, not for a memorised text.
 EDIT_SOURCES = [("heapq", "_siftup"), ("copyreg", "add_extension"), ("selectors", "_can_use")]
 COMPLETION_SOURCES = [("base64", "b64encode"), ("colorsys", "rgb_to_hls"), ("calendar", "weekday")]
-PROSE_MODULES = ["heapq", "bisect", "difflib"]
+PROSE_MODULES = ["heapq", "csv", "difflib"]
 # (module, attribute, the change asked for in the last turn)
 CHAT_SOURCES = [
     ("textwrap", "indent", "Add type hints to it and explain each parameter in a docstring."),

@@ -23,15 +23,15 @@ class AcceptanceBook:
     has_mtp: bool = False
     tuning: AutoTuning = field(default_factory=AutoTuning)
     # Seconds of one teacher-forced pass of the draft model over a commit's new tokens (EWMA;
-    # `tuning.draft_score_prior_s` until one was timed).
-    draft_score_s: float = field(init=False)
+    # None until one was timed).
+    draft_score_s: float | None = None
     # The draft model's seconds per drafted token, as the latest request that drafted left it.
     draft_token_s: float | None = None
     # Seconds per token of a long pass of the draft (a prefill), as the latest request left it.
     draft_write_token_s: float | None = None
-
-    def __post_init__(self) -> None:
-        self.draft_score_s = self.tuning.draft_score_prior_s
+    # The weights a one-token pass of the draft reads ÷ the target's (`pass_weights`), where
+    # whoever made the book knows both models; None: `tuning.draft_cost_prior_ratio`.
+    draft_size_ratio: float | None = None
 
     def tracker(self, strategy: str) -> AcceptanceTracker:
         """The model-level tracker of `strategy` (created at the prior on first use)."""
@@ -44,3 +44,10 @@ class AcceptanceBook:
             )
             self.trackers[strategy] = found
         return found
+
+    def time_score(self, seconds: float) -> None:
+        """Fold one timed teacher-forced pass into `draft_score_s` (at `tuning.cost_ewma`)."""
+        old = self.draft_score_s
+        self.draft_score_s = (
+            seconds if old is None else old + self.tuning.cost_ewma * (seconds - old)
+        )

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from meshd.speculative import draft_price
 from meshd.speculative.acceptance_book import AcceptanceBook
 from meshd.speculative.auto_decision import Decision
 from meshd.speculative.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
@@ -100,6 +101,7 @@ class AutoProposer(AccountedProposer):
         self._next_decision = 0  # log length at which `observe` decides again
         self._decide_every = self.tuning.decide_every_tokens
         self._tokens: list[int] = []
+        self._budget: int | None = None  # log length the request may reach (`expect_tokens`)
         self._pending: list[Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
         self._first_samples: dict[str, int] = {}
@@ -253,6 +255,7 @@ class AutoProposer(AccountedProposer):
             self._scorer.reset()
         self.last_draft_s = 0.0
         self._tokens = [int(t) for t in prompt]
+        self._budget = None
         self._pending = []
         alpha = self.config.ewma_alpha
         # Warm: a request's first windows outweigh the book quickly (the book mixes the other
@@ -340,20 +343,15 @@ class AutoProposer(AccountedProposer):
     def draft_cost_s(self) -> float:
         """The draft model's seconds per token while it drafts (else 0)."""
         if self._draft is not None and self.active in DRAFT_STRATEGIES:
-            return self._draft_token_s()
+            # Until it drafted, as the book or a prior has it (not 0: it is not free).
+            return draft_price.token_s(self._draft, self.book, self.link)
         return 0.0
 
-    def _draft_token_s(self) -> float:
-        """The draft model's seconds per drafted token: this request's measure, else the
-        book's (other requests'), else what a teacher-forced pass cost. Weighed at 0 until
-        it first drafted (as it was), the draft looked free beside the heads."""
-        if self._draft is None:
-            return 0.0
-        if self._draft.draft_cost_s > 0:
-            return self._draft.draft_cost_s
-        if self.book.draft_token_s is not None:
-            return self.book.draft_token_s
-        return self.book.draft_score_s
+    def expect_tokens(self, max_tokens: int) -> None:
+        """The request may commit up to `max_tokens`: what the draft's start is weighed
+        against (`draft_gate.start_pays`)."""
+        self._budget = len(self._tokens) + max(0, max_tokens)
+        self._decide()
 
     def close(self) -> None:
         """The request ended: free the draft model's session."""
@@ -493,14 +491,14 @@ class AutoProposer(AccountedProposer):
             declined=not self._draft_pays
             and self.book.tracker(_DRAFT_CANDIDATE).samples >= self.tuning.draft_judged_samples,
             eager=self.choice == "disabled" and self._book_says_draft_pays,
-            pass_s=self.book.draft_score_s,
+            pass_s=draft_price.score_s(self.book, self.link),
             write_token_s=self._draft.write_token_s or self.book.draft_write_token_s,
             plain_s=self._plain_s(),
         ):
             return
         spent = scorer.run(self._tokens, chains, self._pending)
         if spent is not None:
-            self.book.draft_score_s += self.tuning.cost_ewma * (spent - self.book.draft_score_s)
+            self.book.time_score(spent)
         self.book.draft_write_token_s = self._draft.write_token_s or self.book.draft_write_token_s
         self._score()
 
@@ -586,10 +584,14 @@ class AutoProposer(AccountedProposer):
             )
             link = self.link.with_mtp_drafts() if heads else self.link
             if name in DRAFT_STRATEGIES:
-                link = link.with_draft_cost(self._draft_token_s())
+                link = link.with_draft_cost(draft_price.token_s(self._draft, self.book, link))
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
-            if name in DRAFT_STRATEGIES:  # and only where it pays one window at a time
-                found[name] = gate(found[name], self.config, self.tuning)
+            if name in DRAFT_STRATEGIES:  # and only where it pays, its start included
+                start_s = draft_price.start_s(self._draft, self.book, self.link)
+                left = None if self._budget is None else self._budget - len(self._tokens)
+                found[name] = gate(
+                    found[name], self.config, self.tuning, start_s=start_s, remaining=left
+                )
             per_token, width = found[name].s_per_token(self.config)
             if width > 0 and (best_name == "disabled" or per_token < best_s):
                 best_name, best_s = name, per_token

@@ -71,9 +71,20 @@ class AutoTuning:
     # The gate's "no" declines the draft (probes only) once the book has scored this many of
     # its windows: by the prior alone it would never be scored, and never let in, on one node.
     draft_judged_samples: int = 8
-    # A pass's assumed seconds until one was timed, and the newest pass's EWMA weight.
-    draft_score_prior_s: float = 0.001
+    # The newest timed pass's EWMA weight.
     cost_ewma: float = 0.2
+
+    # -- the draft model's cost before it was timed, and the price of its start --
+    # Until a pass of the draft was timed, a pass costs the target's plain pass times the
+    # ratio of the weights each one-token pass reads (`AcceptanceBook.draft_size_ratio`),
+    # or times this where the sizes are not known.
+    draft_cost_prior_ratio: float = 1 / 3
+    # Until a long pass of the draft was timed, a token it writes in one (its prefill)
+    # costs this fraction of one of its drafting passes.
+    draft_write_prior: float = 0.1
+    # Before it drafts, the draft must write the log its cache lacks (a request's prompt):
+    # it competes only where the rest of the request saves this many times that price.
+    draft_start_payback: float = 1.0
     # Starts waiting for the draft's choices (beyond these the oldest are dropped).
     draft_pending: int = 64
 

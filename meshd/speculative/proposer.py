@@ -85,6 +85,11 @@ class Proposer(ABC):
         """The route's measured costs now (a fixed strategy does not weigh them)."""
         return None
 
+    def expect_tokens(self, max_tokens: int) -> None:
+        """After `reset`: the request may commit up to `max_tokens` tokens (`auto` weighs a
+        draft model's start against what they can save; a fixed strategy does not)."""
+        return None
+
     @property
     def uses_mtp(self) -> bool:
         """Whether a session for this strategy opens with the last stage's MTP heads."""

@@ -30,6 +30,15 @@ def test_each_kind_has_its_prompts_and_an_edit_asks_for_the_renamed_function() -
     assert edit.prompt.endswith(f"def {name}_v2(heap, pos):")
 
 
+def test_every_kind_has_three_prompts_each_a_different_text() -> None:
+    kinds = ("edit", "completion", "prose", "chat")
+    loads = workloads(3, kinds)
+    assert [w.kind for w in loads] == [k for k in kinds for _ in range(3)]
+    assert len({w.prompt for w in loads}) == len(loads)
+    # Prose prompts are 40 words of English, not a one-line module summary.
+    assert all(len(w.prompt.split()) == 40 for w in loads if w.kind == "prose")
+
+
 def test_a_chat_workload_is_a_conversation_rendered_with_the_models_template() -> None:
     from meshd.bench.spec import encode_workload
     from meshd.model.tokenizer import Tokenizer

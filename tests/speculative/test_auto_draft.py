@@ -91,13 +91,17 @@ def serve(
     link: LinkModel = WAN,
     *,
     planned: bool = False,
+    max_tokens: int | None = None,
 ) -> Served:
     """One request as a depth-1 coordinator runs it: each window commits the drafts that
     match `stream` plus one token; once `wants_mtp` says no, the heads stop for the request
     and send no more drafts. Each window asks for 8 drafts, or with `planned` for the width
-    the window policy plans from the active strategy's estimates (`WindowLoop._plan`)."""
+    the window policy plans from the active strategy's estimates (`WindowLoop._plan`).
+    `max_tokens`: the request's budget, as the window loop tells it (`expect_tokens`)."""
     out = Served()
     auto.reset(prompt)
+    if max_tokens is not None:
+        auto.expect_tokens(max_tokens)
     heads, i = True, 0
     while i < len(stream):
         auto.set_link(link)
