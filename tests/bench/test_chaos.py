@@ -267,6 +267,12 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
     assert status == 0, report["failures"]
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child before exec: Ctrl-C's default action. A pytest-xdist worker ignores
+    SIGINT, and a Python started with SIGINT ignored never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
@@ -274,7 +280,7 @@ def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> No
     # One reference round: the storm, where Ctrl-C comes, starts sooner.
     proc = subprocess.Popen(
         [*command, "--reference-rounds", "1", "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_as_in_a_terminal,
     )  # fmt: skip
     assert proc.stderr is not None
     progress: list[str] = []

@@ -107,10 +107,16 @@ def test_demo_runs_every_phase_on_the_real_model_and_leaves_nothing_behind() -> 
     assert work is not None and not pathlib.Path(work.group(1)).exists()
 
 
+def sigint_as_in_a_terminal() -> None:
+    """In the child before exec: Ctrl-C's default action. A pytest-xdist worker ignores
+    SIGINT, and a Python started with SIGINT ignored never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_daemons_and_removes_the_temp_dir() -> None:
     proc = subprocess.Popen(
         demo_command("--model", BUILTIN), cwd=REPO, env=demo_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stderr=subprocess.STDOUT, text=True, preexec_fn=sigint_as_in_a_terminal,
     )  # fmt: skip
     assert proc.stdout is not None
     seen: list[str] = []

@@ -12,17 +12,26 @@ import pytest
 from meshd_train import config, corpus, edits, loop, losses
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted `TINY` run, which the runs of the tests below must equal (or not)."""
+    out = tmp_path_factory.mktemp("train") / "whole"
+    loop.train(config.TINY, out, quiet=True)
+    return out
+
+
 @pytest.mark.slow
-def test_training_is_reproducible_from_the_seed(tmp_path: Path) -> None:
+def test_training_is_reproducible_from_the_seed(tmp_path: Path, whole: Path) -> None:
     import dataclasses
 
-    loop.train(config.TINY, tmp_path / "a", quiet=True)
     loop.train(config.TINY, tmp_path / "b", quiet=True)
     loop.train(dataclasses.replace(config.TINY, seed=7), tmp_path / "c", quiet=True)
-    weights = [(tmp_path / d / "model.safetensors").read_bytes() for d in "abc"]
+    weights = [
+        (d / "model.safetensors").read_bytes() for d in (whole, tmp_path / "b", tmp_path / "c")
+    ]
     assert weights[0] == weights[1]
     assert weights[0] != weights[2]
-    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
+    assert (whole / "tokenizer.json").read_bytes() == (
         tmp_path / "b" / "tokenizer.json"
     ).read_bytes()
 
@@ -56,16 +65,19 @@ def test_unlikelihood_can_let_a_span_come_back_once_and_mark_the_loop() -> None:
 
 
 @pytest.mark.slow
-def test_a_run_resumed_at_the_phase_boundary_equals_an_uninterrupted_one(tmp_path: Path) -> None:
+def test_a_run_resumed_at_the_phase_boundary_equals_an_uninterrupted_one(
+    tmp_path: Path, whole: Path
+) -> None:
     import dataclasses
 
+    # The uninterrupted run wrote no checkpoints: writing them changes nothing either.
     cfg = dataclasses.replace(config.TINY, checkpoint_every_steps=1)
-    loop.train(cfg, tmp_path / "whole", quiet=True)
     ckpt = tmp_path / "run.ckpt"
     loop.train(cfg, tmp_path / "part", checkpoint=ckpt, quiet=True, stop_step=cfg.steps)
     loop.train(cfg, tmp_path / "resumed", checkpoint=ckpt, quiet=True)
-    whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
-    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == whole
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (
+        whole / "model.safetensors"
+    ).read_bytes()
     info = json.loads((tmp_path / "resumed" / "training_info.json").read_text())
     assert info["resumed_from_step"] == cfg.steps
     assert set(info["final_phase2_losses"]) >= {"unlikelihood", "generated_repeat_fraction"}
@@ -124,23 +136,23 @@ def test_edit_documents_repeat_their_function_edited_in_plain_and_chat_form() ->
 
 @pytest.mark.slow
 def test_phases_3_and_4_from_an_exported_directory_equal_an_uninterrupted_run(
-    tmp_path: Path,
+    tmp_path: Path, whole: Path
 ) -> None:
     cfg = config.TINY
-    loop.train(cfg, tmp_path / "whole", quiet=True)
     loop.train(cfg, tmp_path / "phase2", quiet=True, stop_step=loop.phase3_start(cfg))
     loop.train(cfg, tmp_path / "from2", quiet=True, init_from=tmp_path / "phase2")
     loop.train(cfg, tmp_path / "phase3", quiet=True, stop_step=loop.phase4_start(cfg))
     loop.train(cfg, tmp_path / "from3", quiet=True, init_from=tmp_path / "phase3")
-    whole = (tmp_path / "whole" / "model.safetensors").read_bytes()
-    whole_info = json.loads((tmp_path / "whole" / "training_info.json").read_text())
+    whole_info = json.loads((whole / "training_info.json").read_text())
     for start in ("phase2", "phase3"):
         done = tmp_path / f"from{start[-1]}"
-        assert (done / "model.safetensors").read_bytes() == whole
+        assert (done / "model.safetensors").read_bytes() == (
+            whole / "model.safetensors"
+        ).read_bytes()
         info = json.loads((done / "training_info.json").read_text())
         assert info["initialised_from"] == str(tmp_path / start)
         for key in ("final_train_losses", "final_phase2_losses", "final_phase3_losses"):
             assert info[key] == whole_info[key], (start, key)
         assert info["final_phase4_losses"] == whole_info["final_phase4_losses"]
-    exported = json.loads((tmp_path / "whole" / "config.json").read_text())
+    exported = json.loads((whole / "config.json").read_text())
     assert exported["max_position_embeddings"] == cfg.edit_context_tokens
