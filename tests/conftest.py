@@ -31,8 +31,14 @@ TESTS = pathlib.Path(__file__).parent
 # The group of the modules that run one after the other on one worker.
 SERIAL = "serial"
 # Folders whose every module runs in the serial group, and single modules elsewhere.
-SERIAL_FOLDERS = ("node", "cli", "bench", "examples", "systemd", "net")
+SERIAL_FOLDERS = ("node", "cli", "examples", "systemd", "net")
 SERIAL_MODULES = (
+    # the benchmarks that start daemons or assert timings; the others run in-process
+    "bench/test_chaos.py",
+    "bench/test_fetch.py",
+    "bench/test_load.py",
+    "bench/test_pipeline.py",
+    "bench/test_threads.py",
     "api/test_console_browser.py",
     "api/test_edge.py",
     "api/test_origin_policy.py",
