@@ -14,6 +14,7 @@ from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft_gate import pass_weights
 from protocol.messages import Sampling
 
 MODEL = builtin_model_dir()
@@ -80,3 +81,17 @@ async def test_the_shipped_draft_accepts_the_built_in_models_greedy_text() -> No
         f"shipped draft, greedy acceptance: {acceptance:.2f} ({counts.accepted}/{counts.drafted})"
     )
     assert acceptance > 0.2  # a sanity floor: a draft that learnt nothing accepts ~0
+
+
+async def test_auto_prices_an_untimed_draft_by_its_share_of_the_targets_weights() -> None:
+    # Before the draft's passes were timed, `auto` weighs it by the weights a pass of each model
+    # reads: the coordinator must hand the served model's shape to the book, or the draft would
+    # be priced at the generic prior whatever its size.
+    async with open_local_pipeline(MODEL, 1, wire_dtype="f32") as pipe:
+        spec = SpecConfig(draft_model=DRAFT)
+        book = pipe.coordinator.book("builtin", spec)
+        draft = pipe.coordinator.draft_model(spec)
+        assert draft is not None and pipe.coordinator.target_config is not None
+        expected = pass_weights(draft.stage.config) / pass_weights(pipe.coordinator.target_config)
+        assert book.draft_size_ratio == pytest.approx(expected)
+        assert 0 < expected < 1  # the shipped draft is smaller than the built-in model
