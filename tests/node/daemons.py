@@ -10,11 +10,13 @@ from __future__ import annotations
 import pathlib
 import secrets
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from meshd.cli.supervisor import (
     DaemonError,
     LoopbackDaemon,
     ServeProcess,
+    settled_plan,
     wait_until,
     write_secret_file,
 )
@@ -95,3 +97,15 @@ def wait_tasks_back(
         return wait_until(back, timeout_s, "every daemon's tasks back to their count from before")
     except DaemonError as exc:
         raise AssertionError(f"{exc}; tasks left behind: {grown}") from None
+
+
+def stable_plan(daemons: list[Daemon]) -> list[dict[str, Any]]:
+    """The settled plan, once it stays the same for a second (RTT rows arriving re-plan)."""
+    seen: list[Any] = []
+
+    def stable() -> bool:
+        seen.append(settled_plan(daemons))
+        return len(seen) > 4 and seen[-1] is not None and all(p == seen[-1] for p in seen[-5:])
+
+    wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
+    return list(seen[-1])

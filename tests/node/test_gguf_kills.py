@@ -40,7 +40,7 @@ import pytest
 from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
 from meshd.model.files import open_tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
+from tests.node.daemons import Daemon, stable_plan, tasks_of, wait_tasks_back
 from tests.node.test_stop import Stream
 
 pytestmark = pytest.mark.slow
@@ -107,25 +107,13 @@ class Mesh:
 
     def in_plan(self) -> list[Daemon]:
         """Daemons serving the stages of the settled plan, in route order."""
-        stable = _stable_plan(self.capable())
+        stable = stable_plan(self.capable())
         by_key = {d.key(): d for d in self.alive()}
         return [by_key[s["key"]] for s in stable]
 
     def spare(self) -> Daemon:
         route = self.in_plan()
         return next(d for d in self.capable() if d not in route)
-
-
-def _stable_plan(daemons: list[Daemon]) -> list[dict[str, Any]]:
-    """The settled plan, once it stays the same for a second (RTT rows arriving re-plan)."""
-    seen: list[Any] = []
-
-    def stable() -> bool:
-        seen.append(settled_plan(daemons))
-        return len(seen) > 4 and seen[-1] is not None and all(p == seen[-1] for p in seen[-5:])
-
-    wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
-    return list(seen[-1])
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
-from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
+from tests.node.daemons import Daemon, stable_plan, tasks_of, wait_tasks_back
 from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -103,21 +103,9 @@ class Mesh:
 
     def in_plan(self) -> list[Daemon]:
         """Daemons serving the stages of the settled plan, in route order."""
-        stable = _stable_plan([d for d in self.alive() if d.index != COORDINATOR_ONLY])
+        stable = stable_plan([d for d in self.alive() if d.index != COORDINATOR_ONLY])
         by_key = {d.key(): d for d in self.alive()}
         return [by_key[s["key"]] for s in stable]
-
-
-def _stable_plan(daemons: list[Daemon]) -> list[dict[str, Any]]:
-    """The settled plan, once it stays the same for a second (RTT rows arriving re-plan)."""
-    seen: list[Any] = []
-
-    def stable() -> bool:
-        seen.append(settled_plan(daemons))
-        return len(seen) > 4 and seen[-1] is not None and all(p == seen[-1] for p in seen[-5:])
-
-    wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
-    return list(seen[-1])
 
 
 @pytest.fixture(scope="module")
@@ -486,7 +474,7 @@ def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_s
             f"spare lid closed: every peer dropped it {dropped_s:.2f} s after SIGSTOP, "
             f"the stream ended {ended_s:.2f} s after it"
         )
-        stable = _stable_plan([d for d in others if d.index != COORDINATOR_ONLY])
+        stable = stable_plan([d for d in others if d.index != COORDINATOR_ONLY])
         assert [s["key"] for s in stable] == route  # a spare holds no stage: nothing re-planned
         assert _no_sessions_left(others)
     finally:
