@@ -22,6 +22,7 @@ import torch
 
 from meshd.bench.harness import add_model_option, add_quantization_option, model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.kernels.blocks import argmax_rows
 from meshd.model.stage import StageModel
 from meshd.stage.mtp_drafter import MtpDrafter
 
@@ -130,7 +131,7 @@ def _open(
     drafter.open(name)
     out = stage.forward(name, 0, torch.tensor(ids), logits_last_n=1)
     assert out.logits is not None
-    token = int(out.logits[-1].argmax())
+    token = argmax_rows(out.logits[-1])[0]
     draft = drafter.after_window(name, 0, ids, out.hidden, token, want)
     return _Session(name, drafter, len(ids), token, draft, [], [], [draft])
 
@@ -140,7 +141,7 @@ def _step(stage: StageModel, s: _Session, want: int) -> None:
     out = stage.forward(s.name, s.pos, torch.tensor([s.token]))
     t1 = time.perf_counter()
     assert out.logits is not None
-    nxt = int(out.logits[-1].argmax())
+    nxt = argmax_rows(out.logits[-1])[0]
     s.hits += bool(s.draft) and s.draft[0] == nxt
     s.draft = s.drafter.after_window(s.name, s.pos, [s.token], out.hidden, nxt, want)
     s.history.append(s.draft)

@@ -35,6 +35,7 @@ import torch
 
 from meshd.bench.harness import model_dir, print_report
 from meshd.model.files import open_checkpoint, open_tokenizer
+from meshd.model.kernels.blocks import argmax_rows
 from meshd.model.quant import NAMES, check_quantization
 from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
@@ -170,7 +171,7 @@ def score(stage: StageModel, ids: list[int], *, context: int, batch: int = DEFAU
                 logp = torch.log_softmax(logits[:rows], dim=-1)
                 picked = logp.gather(1, target[first : first + rows, None])[:, 0]
                 nll += (-picked.double()).tolist()
-                top1 += logits[:rows].argmax(dim=-1).tolist()
+                top1 += argmax_rows(logits[:rows])
         finally:
             stage.close_session(session)
     return Scored(nll, top1)

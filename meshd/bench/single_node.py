@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshd.model.kernels.blocks import argmax_rows
 from meshd.model.stage import StageModel
 
 _session_ids = itertools.count()
@@ -49,10 +50,12 @@ class Sampler:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(sampling.seed)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """The chosen token id as a 0-d tensor on the logits' device."""
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor | int:
+        """The chosen token id (a 0-d tensor on the logits' device where it is sampled)."""
         if self._generator is None:
-            return logits.argmax()
+            # On an accelerator the id stays there (no sync per step); on the CPU the block
+            # library's argmax is a tenth of torch's over a large vocabulary.
+            return argmax_rows(logits)[0] if logits.device.type == "cpu" else logits.argmax()
         s = self.sampling
         scaled = logits / s.temperature
         if s.top_k > 0:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from meshd.model.kernels.blocks import argmax_rows
 from protocol.messages import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -218,7 +219,7 @@ def sample_token(logits_row: torch.Tensor, params: SamplingParams, position: int
     argmax_i(log p_i + g_i) with g = `keyed_gumbel(params.seed, position, i)`.
     """
     if params.greedy:
-        return int(logits_row.argmax())
+        return argmax_rows(logits_row)[0]
     return _gumbel_argmax(logits_row, params, position)
 
 
@@ -240,7 +241,7 @@ def coupled_draft_tokens(
     """`coupled_draft_token` for each row of `logits` `[n, V]`, row j predicting
     `first_position + j`."""
     if params.greedy:
-        return [int(t) for t in logits.argmax(-1).tolist()]
+        return argmax_rows(logits)
     return [coupled_draft_token(row, params, first_position + j) for j, row in enumerate(logits)]
 
 
@@ -318,8 +319,8 @@ def verify(
     if allowed is not None:
         needed = needed.masked_fill(~allowed.to(needed.device), float("-inf"))
     if params.greedy:
-        choices = needed.argmax(-1).tolist()  # one vectorised pass over all needed rows
-        return _walk(drafts, lambda j: int(choices[j]), eos_ids)
+        choices = argmax_rows(needed)  # one pass over all needed rows
+        return _walk(drafts, lambda j: choices[j], eos_ids)
     # Sampled: each row only when reached, so a rejected window does no work beyond it.
     return _walk(drafts, lambda j: sample_token(needed[j], params, first_pos + j), eos_ids)
 

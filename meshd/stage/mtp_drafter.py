@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from meshd.model.errors import SessionError
+from meshd.model.kernels.blocks import argmax_rows
 from meshd.model.stage import StageModel
 
 
@@ -216,7 +217,7 @@ class MtpDrafter:
             record.put(start, ids)
             record.clean = end + 1
             if drafting:
-                drafts.append(int(out.logits[-1].argmax()))
+                drafts.append(argmax_rows(out.logits[-1])[0])
             prev_rows, prev_start = out.hidden, start
         return drafts[:want]
 

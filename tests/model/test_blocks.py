@@ -311,3 +311,21 @@ def test_a_forced_path_the_cpu_cannot_run_is_an_error(monkeypatch: pytest.Monkey
     monkeypatch.setenv(BLOCK_KERNELS_ENV, "fast")
     with pytest.raises(UnavailableKernelPath, match="fast"):
         kernel_path()
+
+
+def test_the_greedy_token_is_torchs_argmax_on_every_path(path: str) -> None:
+    # What a greedy request answers must not depend on the CPU: the first of equal maxima, the
+    # first NaN, rows of any length and stride, as torch.argmax picks them.
+    gen = torch.Generator().manual_seed(7)
+    vocab = torch.randn(3, 151_936, generator=gen)
+    ties = torch.randint(0, 3, (6, 1001), generator=gen).float()  # many equal maxima per row
+    masked = torch.randn(2, 4099, generator=gen)
+    masked[:, ::2] = float("-inf")  # a grammar's mask
+    nan = torch.randn(2, 300, generator=gen)
+    nan[0, 250], nan[0, 17], nan[1, 299] = float("nan"), float("nan"), float("nan")
+    cases = [vocab, ties, masked, nan, vocab[:, 5:70_005], torch.full((1, 9), float("-inf"))]
+    cases += [torch.randn(1, n, generator=gen) for n in (1, 7, 8, 15, 16, 17, 33)]
+    for logits in cases:
+        assert blocks.argmax_rows(logits) == logits.argmax(-1).tolist(), logits.shape
+    assert blocks.argmax_rows(vocab[1]) == [int(vocab[1].argmax())]
+    assert blocks._argmax_library(path) is block_kernels(path)
