@@ -24,6 +24,7 @@ from meshd.model.errors import InvalidInput
 from meshd.model.gguf_matrix import GgufEmbedding, GgufMatrix, Matrix
 from meshd.model.governor import ThreadGovernor
 from meshd.model.kernel_layers import KernelWindow
+from meshd.model.kernels.blocks import note_step_weights
 from meshd.model.kvcache import KVCache, KVGroup, KVLayout
 from meshd.model.llama import (
     ROW_ATTENTION_MAX,
@@ -224,7 +225,7 @@ class StageModel(StageWeights):
         tensor is read, from the loading thread; None (the default) costs nothing.
         """
         device_ = pick_device(device)
-        return cls(
+        stage = cls(
             checkpoint,
             layer_start,
             layer_end,
@@ -235,6 +236,10 @@ class StageModel(StageWeights):
             quantization,
             kv_dtype,
         )
+        if stage._kernel_layers is not None or isinstance(stage._head, GgufMatrix):
+            # The block kernels prefetch by whether the process's weights fit the cache.
+            note_step_weights(sum(int(m.nbytes) for m in stage.weight_matrices()))
+        return stage
 
     @property
     def weight_bytes(self) -> int:

@@ -329,3 +329,40 @@ def test_the_greedy_token_is_torchs_argmax_on_every_path(path: str) -> None:
         assert blocks.argmax_rows(logits) == logits.argmax(-1).tolist(), logits.shape
     assert blocks.argmax_rows(vocab[1]) == [int(vocab[1].argmax())]
     assert blocks._argmax_library(path) is block_kernels(path)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0], ids=lambda q: q.name)
+def test_prefetching_for_streamed_weights_changes_no_bit(path: str, qtype: T) -> None:
+    # The tiles prefetch differently where a process's weights exceed the cache: the same
+    # model must answer the same on a large machine and a small one.
+    rng = np.random.default_rng(int(qtype) + 5)
+    k, n_out = 544, 203  # 4-row tiles far enough apart that the prefetch runs ahead
+    m = BlockMatrix(_weights(qtype, n_out, k, rng), qtype, k, n_out)
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    lib = block_kernels(path)
+    try:
+        lib.set_streaming(0)
+        cached = [m.mm(x[:t]) for t in (1, 4, 9)]
+        lib.set_streaming(1)
+        streamed = [m.mm(x[:t]) for t in (1, 4, 9)]
+    finally:
+        blocks.note_step_weights(0)  # back to what the process's weights call for
+    for a, b in zip(cached, streamed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_weights_beyond_the_last_level_cache_are_prefetched_as_a_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(blocks, "_step_bytes", 0)
+    monkeypatch.setattr(blocks, "last_level_cache_bytes", lambda: 1000)
+    try:
+        assert blocks.note_step_weights(600) is False  # one stage fits the cache
+        assert blocks.note_step_weights(600) is True  # two stages of one process do not
+        monkeypatch.setattr(blocks, "last_level_cache_bytes", lambda: None)
+        assert blocks.note_step_weights(0) is False  # a cache the system does not name
+    finally:
+        monkeypatch.undo()
+        blocks.note_step_weights(0)
+    size = blocks.last_level_cache_bytes()
+    assert size is None or size >= 1 << 20  # sysfs's "307200K" read as bytes

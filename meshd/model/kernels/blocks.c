@@ -61,13 +61,27 @@
 #define PREFETCH_ROWS(p, bytes)                                                                    \
     for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                             \
         __builtin_prefetch((const char *)(p) + off_, 0, 3)
-/* How many tiles ahead a tile requests its successors' rows (the tiles of one thread's range
- * are adjacent rows); the first tiles of a range are requested in one burst before it starts. */
-#define PREFETCH_TILES 4
-/* A tile's request for the rows ahead goes to L2 (prefetcht2), not L1: a request into L1 holds
- * one of the core's few line-fill buffers until its line arrives, one into L2 does not, so more
- * lines of the stream are in flight; the row reaches L1 with the tile's own loads. */
-#define PREFETCH_AHEAD(p) __builtin_prefetch((p), 0, 1)
+/* How a tile requests its successors' rows (the tiles of one thread's range are adjacent rows;
+ * the first tiles of a range are requested in one burst before it starts). Two ways, chosen
+ * for the process by meshd_blocks_set_streaming (the Python side compares the weights a step
+ * reads with the last-level cache):
+ * - cached (the weights fit the last-level cache): 2 tiles ahead, into L1;
+ * - streaming (they do not: every step reads them from memory): 4 tiles ahead, into L2
+ *   (prefetcht2). A request into L1 holds one of the core's few line-fill buffers until its
+ *   line arrives, one into L2 does not, so more lines of the stream are in flight; the tile's
+ *   own loads then find the row in L2. On weights the cache holds, the L1 requests are faster.
+ * Neither changes a result bit. */
+static int stream_prefetch = 0;
+void meshd_blocks_set_streaming(int on) { stream_prefetch = on != 0; }
+/* Each tile is compiled both ways (`stream` a constant in each copy: no branch per request). */
+#define PREFETCH_TILES(stream) ((stream) ? 4 : 2)
+#define PREFETCH_AHEAD(stream, p)                                                                  \
+    do {                                                                                           \
+        if (stream)                                                                                \
+            __builtin_prefetch((p), 0, 1);                                                         \
+        else                                                                                       \
+            __builtin_prefetch((p), 0, 3);                                                         \
+    } while (0)
 
 #ifdef MESHD_HAVE_K_QUANTS
 void meshd_quantize_row_q8_K(const float *x, void *y, int64_t k);
@@ -504,7 +518,7 @@ static inline __m256i blk_codes(int type, const uint8_t *p) {
 static inline __attribute__((always_inline)) void tile256(int type, const uint8_t *const *wr,
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
-                                                         int64_t ldo) {
+                                                         int64_t ldo, const int stream) {
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
     const int32_t offset = type == T_Q4_0 ? -8 : type == T_Q5_0 ? -16 : 0;
@@ -516,12 +530,12 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
             summs[i][r] = 0.0f;
         }
     /* As in the AVX-512 tiles: the same bytes PREFETCH_TILES tiles on (adjacent rows). */
-    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
     for (int64_t b = 0; b < nb; ++b) {
         __m256i wv[NR_MAX], sg[NR_MAX];
         float dw[NR_MAX], mw[NR_MAX];
         if (ahead)
-            for (int i = 0; i < nr; ++i) PREFETCH_AHEAD(wr[i] + ahead + b * bb);
+            for (int i = 0; i < nr; ++i) PREFETCH_AHEAD(stream, wr[i] + ahead + b * bb);
         for (int i = 0; i < nr; ++i) {
             const uint8_t *p = wr[i] + b * bb;
             wv[i] = blk_codes(type, p);
@@ -665,11 +679,11 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
 static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *const *wr, int nr,
                                                               int64_t k, const uint8_t *act,
                                                               int64_t stride, int nt, float *out,
-                                                              int64_t ldo) {
+                                                              int64_t ldo, const int stream) {
     const int64_t nb = k / QK, bb = 22;
     __m512 acc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
-    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     /* Per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
      * bytes 4-5) and is tested against bit j % 8; word 0 of each quarter is the row's d. */
@@ -683,7 +697,7 @@ static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *co
         __m512i v = _mm512_setzero_si512(), head = _mm512_setzero_si512();
         for (int i = 0; i < nr; ++i) {
             const uint8_t *p = wr[i] + b * bb;
-            if (ahead) __builtin_prefetch(p + ahead, 0, 3);
+            if (ahead) PREFETCH_AHEAD(stream, p + ahead);
             const __mmask16 q = (__mmask16)(0xFu << (4 * i));
             v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + 6)));
             head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
@@ -742,9 +756,9 @@ static inline __m512 pair_scales(const uint8_t *const *wr, int nr, int64_t at, i
 static inline __attribute__((always_inline)) void tile512(int type, const uint8_t *const *wr,
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
-                                                         int64_t ldo) {
+                                                         int64_t ldo, const int stream) {
     if (type == T_Q5_0) {
-        tile512_q5_0(wr, nr, k, act, stride, nt, out, ldo);
+        tile512_q5_0(wr, nr, k, act, stride, nt, out, ldo, stream);
         return;
     }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
@@ -755,7 +769,7 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
     /* The same bytes of the rows PREFETCH_TILES tiles on (rows are adjacent), requested while
      * this tile computes: a steady stream of requests rather than a burst per tile. */
-    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES : 0;
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
     const __m512i dsel = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i ssel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -764,8 +778,8 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
         __mmask64 neg[NR_MAX];
         if (ahead)
             for (int i = 0; i < nr; ++i) {
-                PREFETCH_AHEAD(wr[i] + ahead + b * bb);
-                if (2 * bb > 64) PREFETCH_AHEAD(wr[i] + ahead + b * bb + 64);
+                PREFETCH_AHEAD(stream, wr[i] + ahead + b * bb);
+                if (2 * bb > 64) PREFETCH_AHEAD(stream, wr[i] + ahead + b * bb + 64);
             }
         for (int i = 0; i < nr; ++i) {
             wv[i] = pair_codes(type, wr[i] + b * bb, bb, two);
@@ -820,7 +834,12 @@ typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act,
     static void tile_##TYPE##_##NRC##x##NTC(const uint8_t *const *wr, int64_t k,                   \
                                             const uint8_t *act, int64_t stride, float *out,        \
                                             int64_t ldo) {                                         \
-        TILE_KERNEL(TYPE, wr, NRC, k, act, stride, NTC, out, ldo);                                     \
+        TILE_KERNEL(TYPE, wr, NRC, k, act, stride, NTC, out, ldo, 0);                              \
+    }                                                                                              \
+    static void tile_##TYPE##_##NRC##x##NTC##_s(const uint8_t *const *wr, int64_t k,               \
+                                                const uint8_t *act, int64_t stride, float *out,    \
+                                                int64_t ldo) {                                     \
+        TILE_KERNEL(TYPE, wr, NRC, k, act, stride, NTC, out, ldo, 1);                              \
     }
 #define TILE_SET(TYPE)                                                                             \
     TILE_FN(TYPE, 4, 1)                                                                            \
@@ -833,10 +852,13 @@ typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act,
     TILE_FN(TYPE, 1, 3)                                                                            \
     TILE_FN(TYPE, 1, 4)                                                                            \
     TILE_FN(TYPE, 4, 4)                                                                            \
-    static const tile_fn tiles_##TYPE[10] = {                                                      \
-        tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,              \
-        tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,              \
-        tile_##TYPE##_1x4, tile_##TYPE##_4x4};
+    static const tile_fn tiles_##TYPE[2][10] = {                                                   \
+        {tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,             \
+         tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,             \
+         tile_##TYPE##_1x4, tile_##TYPE##_4x4},                                                   \
+        {tile_##TYPE##_4x1_s, tile_##TYPE##_2x1_s, tile_##TYPE##_2x2_s, tile_##TYPE##_2x3_s,     \
+         tile_##TYPE##_2x4_s, tile_##TYPE##_1x1_s, tile_##TYPE##_1x2_s, tile_##TYPE##_1x3_s,     \
+         tile_##TYPE##_1x4_s, tile_##TYPE##_4x4_s}};
 TILE_SET(T_Q4_0)
 TILE_SET(T_Q4_1)
 TILE_SET(T_Q5_0)
@@ -848,21 +870,24 @@ TILE_SET(T_Q8_0)
  * and 0.5B-class Q4_K_M files hold most of their products in it (docs/model-runtime.md). */
 #if defined(PAIRED)
 TILE_FN(T_Q5_0, 4, NT_WIDE)
-static tile_fn wide_tile_of(int type) { return type == T_Q5_0 ? tile_T_Q5_0_4xNT_WIDE : 0; }
+static tile_fn wide_tile_of(int type, int stream) {
+    if (type != T_Q5_0) return 0;
+    return stream ? tile_T_Q5_0_4xNT_WIDE_s : tile_T_Q5_0_4xNT_WIDE;
+}
 #else
-static tile_fn wide_tile_of(int type) {
-    (void)type;
+static tile_fn wide_tile_of(int type, int stream) {
+    (void)type, (void)stream;
     return 0;
 }
 #endif
 
-static const tile_fn *tiles_of(int type) {
+static const tile_fn *tiles_of(int type, int stream) {
     switch (type) {
-    case T_Q4_0: return tiles_T_Q4_0;
-    case T_Q4_1: return tiles_T_Q4_1;
-    case T_Q5_0: return tiles_T_Q5_0;
-    case T_Q5_1: return tiles_T_Q5_1;
-    default: return tiles_T_Q8_0;
+    case T_Q4_0: return tiles_T_Q4_0[stream];
+    case T_Q4_1: return tiles_T_Q4_1[stream];
+    case T_Q5_0: return tiles_T_Q5_0[stream];
+    case T_Q5_1: return tiles_T_Q5_1[stream];
+    default: return tiles_T_Q8_0[stream];
     }
 }
 
@@ -880,8 +905,9 @@ static int tiled_type(int type) {
 static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
                        float *y) {
-    const tile_fn *tiles = tiles_of(type);
-    const tile_fn wide = wide_tile_of(type);
+    const int stream = stream_prefetch;
+    const tile_fn *tiles = tiles_of(type, stream);
+    const tile_fn wide = wide_tile_of(type, stream);
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
@@ -889,7 +915,8 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         int64_t n = r0;
         const uint8_t *wr[NR_MAX];
         /* The first tiles' rows; each tile requests the rows of the tiles after it. */
-        const int64_t first = r1 - r0 < PREFETCH_TILES * 4 ? r1 - r0 : PREFETCH_TILES * 4;
+        const int64_t ahead = PREFETCH_TILES(stream) * 4;
+        const int64_t first = r1 - r0 < ahead ? r1 - r0 : ahead;
         if (j == 0) PREFETCH_ROWS(w + r0 * rb, first * rb);
         if (wide && t - j >= NT_WIDE) {
             /* NT_WIDE tokens: 4-row tiles, the rows left over in NT-token tiles. */

@@ -123,6 +123,7 @@ class BlockKernels:
     quantizable: Any
     parts_mm: Any  # meshd_blocks_parts_mm: a fused operand's tensors against one input
     argmax_rows: Any  # meshd_argmax_rows: the greedy token of each logits row
+    set_streaming: Any  # meshd_blocks_set_streaming: how the tiles prefetch (see blocks.c)
 
 
 def _is_x86() -> bool:
@@ -220,9 +221,12 @@ def _load(name: str, path: Path) -> BlockKernels:
     argmax = lib.meshd_argmax_rows
     argmax.argtypes = [p, i64, i64, i64, p]
     argmax.restype = None
+    streaming = lib.meshd_blocks_set_streaming
+    streaming.argtypes = [cint]
+    streaming.restype = None
     return BlockKernels(
         name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path, quantize,
-        quantizable, parts_mm, argmax,
+        quantizable, parts_mm, argmax, streaming,
     )  # fmt: skip
 
 
@@ -447,3 +451,46 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     out = torch.empty(rows.shape[0], dtype=torch.int64)
     lib.argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), out.data_ptr())
     return [int(i) for i in out.tolist()]
+
+
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@functools.cache
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's last-level cache (the highest level sysfs lists for cpu0), None
+    where the system does not say."""
+    found: tuple[int, int] | None = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+            nbytes = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1] in _SIZE_UNITS else int(size)
+        except (OSError, ValueError, IndexError):
+            continue
+        if found is None or level > found[0]:
+            found = (level, nbytes)
+    return None if found is None else found[1]
+
+
+_step_lock = threading.Lock()
+_step_bytes = 0
+
+
+def note_step_weights(nbytes: int) -> bool:
+    """Count a loaded stage's `nbytes` of matrices (what its decode step reads) into the
+    process's total; the block library prefetches for streaming weights from memory once that
+    total exceeds the last-level cache (blocks.c, "How a tile requests"). Returns whether it
+    does. The total only grows (a stage closed leaves its share): prefetching either way gives
+    the same bits, only the speed differs."""
+    global _step_bytes
+    with _step_lock:
+        _step_bytes += nbytes
+        llc = last_level_cache_bytes()
+        streaming = llc is not None and _step_bytes > llc
+    try:
+        lib = block_kernels()
+    except UnavailableKernelPath:
+        return streaming
+    lib.set_streaming(int(streaming))
+    return streaming
