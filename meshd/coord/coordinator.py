@@ -175,6 +175,9 @@ class Coordinator:
         self.prefix_counters = PrefixCounters()
         # Entries the indexes dropped, by the stage node still to be told (`send_drops`).
         self._dropped: dict[bytes, set[int]] = {}
+        # Entries whose keeping close is not out yet: a drop of one waits for it (a drop that
+        # overtook the close would find nothing, and the close would then keep the entry).
+        self._keeping: set[int] = set()
         self._drops_ready = trio.Event()
 
     @property
@@ -241,8 +244,14 @@ class Coordinator:
     async def send_drops(self) -> None:
         """Send each stage node the entries queued for it (`DropEntries`, at most
         MAX_DROP_ENTRIES ids each), all nodes at once, each bounded by CLOSE_TIMEOUT_S; fire
-        and forget: a node it cannot reach dropped them when it lost this one."""
+        and forget: a node it cannot reach dropped them when it lost this one. An entry whose
+        keeping close is not out yet stays queued until it is."""
         queued, self._dropped = self._dropped, {}
+        for key, ids in queued.items():
+            waiting = ids & self._keeping
+            if waiting:
+                self._dropped[key] = waiting
+                ids -= waiting
 
         async def drop_on(key: bytes, ids: list[int]) -> None:
             with trio.move_on_after(CLOSE_TIMEOUT_S):
@@ -256,7 +265,8 @@ class Coordinator:
 
         async with trio.open_nursery() as nursery:
             for key, ids in queued.items():
-                nursery.start_soon(drop_on, key, sorted(ids))
+                if ids:
+                    nursery.start_soon(drop_on, key, sorted(ids))
 
     def cached_prefix(self, route: Route, prompt: Sequence[int]) -> int:
         """Prompt positions `route`'s stages would serve from their cache (0: none known)."""
@@ -306,6 +316,7 @@ class Coordinator:
         except RouteFailed:
             # What this route's stages kept is no longer known (a stage may be re-planned).
             self._forget_route(route)
+            self._closed_keep(live)
             live.keep = None
             raise
         finally:
@@ -313,6 +324,14 @@ class Coordinator:
             # Shielded: a cancelled request (client gone, shutdown) closes its session too.
             with trio.CancelScope(shield=True):
                 await self.close_session(live.session, route, live.keep)
+            self._closed_keep(live)
+
+    def _closed_keep(self, live: _Live) -> None:
+        """`live`'s close is out (or will keep nothing): a drop of its entry may follow now."""
+        if live.keep is not None:
+            self._keeping.discard(live.keep[0])
+            if self._dropped:
+                self._drops_ready.set()
 
     async def _drive(
         self, live: _Live, request: GenerationRequest, on_tokens: OnTokens
@@ -410,6 +429,7 @@ class Coordinator:
             self._drop_on_stages(live.route, index.record(entry_id, plan))
             counters.kept += 1
             live.keep = (entry_id, plan)
+            self._keeping.add(entry_id)
 
     async def _send_all(self, live: _Live, loop: WindowLoop, sends: list[Send]) -> None:
         for key, message in sends:

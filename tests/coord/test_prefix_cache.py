@@ -22,7 +22,7 @@ from meshd.model.files import open_checkpoint
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
-from protocol.messages import Sampling
+from protocol.messages import CloseSession, Message, Sampling
 
 MODEL = builtin_model_dir()
 CHUNK = 128  # the coordinator's prefill chunk: exact hits reuse whole chunks of it
@@ -242,3 +242,37 @@ async def test_entries_the_index_evicts_leave_every_stage() -> None:
             assert (await ask(pipe, [*prompt, 7], max_tokens=1)).cached_tokens == CHUNK
         assert (await ask(pipe, [*prompts[0], 7], max_tokens=1)).cached_tokens == 0
         assert all(h.stage.kv.cache_stats.misses == 0 for h in pipe.hosts)
+
+
+class _HeldKeeps:
+    """The coordinator's sender (the pipeline's lane table), holding the closes that keep an
+    entry on one node until `release` is set: a slow lane to that stage."""
+
+    def __init__(self, inner: object, held: bytes) -> None:
+        self.inner, self.held = inner, held
+        self.release = trio.Event()
+
+    async def send(self, key: bytes, message: Message, stream: int = 1) -> None:
+        if key == self.held and isinstance(message, CloseSession) and message.keep_entry:
+            await self.release.wait()
+        await self.inner.send(key, message, stream)  # type: ignore[attr-defined]
+
+
+async def test_a_drop_never_overtakes_the_close_that_keeps_the_entry() -> None:
+    async with open_local_pipeline(MODEL, 2) as pipe:
+        coordinator = pipe.coordinator
+        coordinator.prefix_max_entries = 1
+        sender = coordinator.sender = _HeldKeeps(coordinator.sender, pipe.route.keys[1])
+        async with trio.open_nursery() as nursery:
+            counters = coordinator.prefix_counters
+            nursery.start_soon(ask, pipe, words(150, 20), 2)
+            await until(lambda: counters.kept == 1)
+            nursery.start_soon(ask, pipe, words(150, 21), 2)
+            await until(lambda: counters.kept == 2)
+            # The second request's entry evicted the first's from the index while the close
+            # keeping it is still on its way to the last stage: its drop must wait for it.
+            await trio.sleep(0.2)
+            sender.release.set()
+        await until(lambda: all(h.stage.kv.entries <= 1 for h in pipe.hosts))
+        assert [h.stage.kv.entries for h in pipe.hosts] == [1, 1]
+        assert [h.stage.kv.cache_stats.dropped for h in pipe.hosts] == [1, 1]
