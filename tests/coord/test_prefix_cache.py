@@ -19,6 +19,7 @@ from meshd.coord.coordinator import GenerationRequest, GenerationResult, RouteFa
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint
+from meshd.node.prefix_status import collect_status
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
@@ -234,7 +235,8 @@ async def test_entries_the_index_evicts_leave_every_stage() -> None:
             await until(lambda: all(h.stage.kv.entries <= 2 for h in pipe.hosts))
             for host in pipe.hosts:
                 kv = host.stage.kv
-                assert kv.entries == named and kv.cache_bytes == named * per_entry
+                reported = collect_status([], [kv])  # the node's `meshctl status`, /metrics
+                assert (reported.entries, reported.bytes_held) == (named, named * per_entry)
                 assert kv.cache_stats.dropped == n - named
                 assert kv.cache_stats.evictions == 0  # freed by the coordinator, not for room
         # The entries the stages still hold are the ones the index names: the last two hit.
