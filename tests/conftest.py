@@ -69,6 +69,7 @@ SERIAL_MODULES = (
 SECOND_GROUP = (
     "bench/test_chaos.py",
     "bench/test_fetch.py",
+    "bench/test_load.py",
     "bench/test_pipeline.py",
     "bench/test_threads.py",
     "cli/test_demo.py",
@@ -79,6 +80,8 @@ SECOND_GROUP = (
     "node/test_fetch_mdns.py",
     "node/test_fetch_prefetch.py",
     "node/test_gguf_daemons.py",
+    "node/test_gguf_kills.py",
+    "node/test_kill_drain.py",
     "node/test_metrics_daemons.py",
     "node/test_several_models.py",
     "plan/test_scale.py",
