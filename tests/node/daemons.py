@@ -22,8 +22,8 @@ from meshd.cli.supervisor import (
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-# Fresh per test run: daemons of two runs on one machine (mDNS on loopback, the same
-# 127.0.0.N addresses) never join each other's mesh.
+# Fresh per test process (each xdist worker imports this module): daemons of two workers or of
+# two runs on one machine (mDNS on loopback) never join each other's mesh.
 SECRET = "meshd-test-secret-" + secrets.token_hex(8)
 OTHER_SECRET = "another-mesh-secret-" + secrets.token_hex(8)
 # The two serial groups of tests/conftest.py run side by side on two workers, so each has a
@@ -43,7 +43,8 @@ def use_block(block: int | None) -> None:
 
 
 def host_number(index: int) -> int:
-    """The last octet of loopback address number `index` (2..LAST_INDEX) of this group."""
+    """The last octet of loopback address number `index` (2..LAST_INDEX) of this group (a
+    `--first-host` counts up from it: the numbers it takes must stay within 2..LAST_INDEX)."""
     if _block is None:
         raise AssertionError("only a module of a serial group (tests/conftest.py) binds 127.0.0.N")
     if not 2 <= index <= LAST_INDEX:
