@@ -1,7 +1,10 @@
 """How long each group of `scripts/test` took, from a run's `--durations=0` report.
 
     scripts/test --durations=0 > suite.log 2>&1
-    python scripts/suite_groups.py suite.log            # from the repository root
+    python -m tests.suite_groups suite.log            # from the repository root
+
+It lives with the tests because it reads their groups (tests/conftest.py); scripts/ imports
+no test module.
 
 Sums the setup, call and teardown times of each test module and of each group of
 tests/conftest.py (`serial-a`, `serial-b`: one worker each, one module after the other; the
@@ -16,12 +19,10 @@ import argparse
 import collections
 import pathlib
 import re
-import sys
+
+from tests.conftest import SERIAL_GROUPS, xdist_group
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.conftest import SERIAL_GROUPS, xdist_group  # noqa: E402
 
 LINE = re.compile(r"\s*([\d.]+)s (?:call|setup|teardown)\s+(\S+?)::")
 
