@@ -26,6 +26,8 @@ MAX_SESSION_ID_CHARS = 64
 MAX_KEEPALIVE_SESSIONS = 1024
 # Prefix-cache entry ids are chosen by coordinators at random in 1..MAX_ENTRY_ID (0: none).
 MAX_ENTRY_ID = 2**63 - 1
+# Entries one `DropEntries` may name (a coordinator with more sends several).
+MAX_DROP_ENTRIES = 1024
 # A stage's answer to an open whose prefix entry it lacks (`StageError.code`), and the epoch it
 # opens that session at, so the windows sent for the hit (epoch 0) are dropped as stale.
 PREFIX_MISS = "prefix_miss"
@@ -123,14 +125,28 @@ class CloseSession(msgspec.Struct, frozen=True, tag="close"):
     as prefix-cache entry `keep_entry`, if it holds that many positions and its memory budget
     has room (live sessions always come first; older entries are evicted least recently used
     first). `replaces` names an entry the new one covers (the same tokens and more): the stage
-    drops it once the new entry is kept. Keeping is best effort and never answered: a later
-    open that finds no entry answers `prefix_miss`.
+    drops it, kept or not (the coordinator's index no longer names it). Keeping is best effort
+    and never answered: a later open that finds no entry answers `prefix_miss`.
     """
 
     session: str
     keep_entry: int = 0
     keep_positions: int = 0
     replaces: int = 0
+
+
+class DropEntries(msgspec.Struct, frozen=True, tag="drop_entries"):
+    """Coordinator → a stage node: free these prefix-cache entries; its index no longer names
+    them (evicted least recently used, replaced by a longer prefix, missed on another stage, or
+    its route forgotten), so no open will ever ask for them again.
+
+    Fire-and-forget and idempotent: never answered, an id the stage does not hold is skipped,
+    and so is an entry kept for another coordinator (only the node that asked a stage to keep
+    an entry may drop it: the stage compares the sender's lane key with the entry's
+    coordinator).
+    """
+
+    entries: list[int]
 
 
 class SessionKeepAlive(msgspec.Struct, frozen=True, tag="keepalive"):
@@ -253,6 +269,7 @@ class StageCommand(msgspec.Struct, frozen=True, tag="command"):
 Message = (
     OpenSession
     | CloseSession
+    | DropEntries
     | SessionKeepAlive
     | Rollback
     | VerifyWindow
@@ -348,6 +365,11 @@ def _check(message: Message) -> None:
             raise RemoteProtocolError("hello: a node key is 32 bytes")
     elif isinstance(message, StageCommand):
         pass
+    elif isinstance(message, DropEntries):
+        if not 0 < len(message.entries) <= MAX_DROP_ENTRIES:
+            raise RemoteProtocolError(f"drop: 1..{MAX_DROP_ENTRIES} entries")
+        if not all(0 < entry <= MAX_ENTRY_ID for entry in message.entries):
+            raise RemoteProtocolError("drop: prefix entry id out of range")
     elif isinstance(message, SessionKeepAlive):
         if len(message.sessions) > MAX_KEEPALIVE_SESSIONS:
             raise RemoteProtocolError(f"keep-alive: at most {MAX_KEEPALIVE_SESSIONS} sessions")

@@ -6,8 +6,8 @@
 
 `split` decodes 64 tokens three times and reports, per token, the calling thread's CPU time
 and the wall time of the layer call (`meshd_layers`: every decoder layer's products, norms,
-RoPE and attention in one C call), of the head's product, and of the rest (Python, sampling,
-the embedding lookup). CPU time leaves out the time other tenants held the core.
+RoPE and attention in one C call), of the head's product, of the sampler (the greedy pick) and
+of the rest (Python, the embedding lookup). CPU time leaves out the time other tenants held the core.
 
 `ab` runs one decode step's block products (every 2-D tensor of the file in file order: each
 layer's, then the head; one token) through two builds of the block library (e.g. the cached
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from meshd.bench.single_node import generate
+from meshd.bench.single_node import Sampler, generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernel_layers import KernelLayers
@@ -60,6 +60,7 @@ def split(path: str) -> None:
 
     timed(KernelLayers, "run", "layers")
     timed(GgufMatrix, "mm", "head")  # the layers' products run inside the C call
+    timed(Sampler, "__call__", "sampler")  # the greedy pick over the vocabulary
     prompt, n = list(range(100, 107)), 64
     generate([stage], prompt, 16)
     for _ in range(3):
@@ -67,12 +68,12 @@ def split(path: str) -> None:
         cpu, wall = time.thread_time(), time.perf_counter()
         generate([stage], prompt, n)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-        rest = cpu - acc["layers"] - acc["head"]
+        rest = cpu - acc["layers"] - acc["head"] - acc["sampler"]
         print(
             f"ms/token: CPU {cpu / n * 1e3:.2f} (wall {wall / n * 1e3:.2f}); layer call "
             f"{acc['layers'] / n * 1e3:.2f} (wall {acc['layers wall'] / n * 1e3:.2f}), head "
-            f"{acc['head'] / n * 1e3:.2f} (wall {acc['head wall'] / n * 1e3:.2f}), rest "
-            f"{rest / n * 1e3:.2f}"
+            f"{acc['head'] / n * 1e3:.2f} (wall {acc['head wall'] / n * 1e3:.2f}), sampler "
+            f"{acc['sampler'] / n * 1e3:.2f}, rest {rest / n * 1e3:.2f}"
         )
 
 

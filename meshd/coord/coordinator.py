@@ -17,7 +17,10 @@ normally asks every stage to keep its KV as a new entry when it closes. Where a 
 run over several routes (the plan's, and an earlier route whose stages still hold their
 layers), `choose_route` takes the one holding the longest prefix of its prompt. A route that failed
 forgets its index (a recovered stage holds nothing: the next request prefills in full), and so
-does every route through a node whose lane died.
+does every route through a node whose lane died. Whatever leaves an index (evicted least recently
+used, replaced by a longer prefix, missed on a stage, or its route forgotten) is named to every
+stage of its route that can still be reached in a `DropEntries`, sent by the `keep_alive` task as
+soon as it is dropped, so the stages free its KV instead of holding what no index names.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ from meshd.speculative.sampling import SamplingParams
 from meshd.speculative.strategies import make_proposer
 from meshd.stage.leases import SESSION_LEASE_S
 from protocol.messages import (
+    MAX_DROP_ENTRIES,
     MAX_ENTRY_ID,
     MAX_KEEPALIVE_SESSIONS,
     CloseSession,
+    DropEntries,
     DType,
     Message,
     OpenSession,
@@ -137,12 +142,14 @@ class Coordinator:
         draft_quantization: str = "none",
         prefix_cache: bool = True,
         prefix_exact: bool = True,
+        prefix_max_entries: int = 64,
         target_config: ModelConfig | None = None,
     ) -> None:
         """`draft` is the node's draft model, loaded at start (`spec.draft_model`); a request
         naming another draft path loads it here once, at `draft_quantization`.
         `prefix_cache`: reuse and keep prompt prefixes on the stages; `prefix_exact`: reuse
-        only positions a cold run computes with the same bits (`prefix_index.py`).
+        only positions a cold run computes with the same bits (`prefix_index.py`);
+        `prefix_max_entries`: entries each route's index holds (least recently used dropped).
         `target_config`: the served model's shape, which prices the draft beside it before
         the draft's passes were timed (`AcceptanceBook.draft_size_ratio`)."""
         self.sender = sender
@@ -163,8 +170,15 @@ class Coordinator:
         self.prefix_cache = prefix_cache
         self.prefix_exact = prefix_exact
         self.target_config = target_config
+        self.prefix_max_entries = prefix_max_entries
         self._prefixes: dict[Route, PrefixIndex] = {}
         self.prefix_counters = PrefixCounters()
+        # Entries the indexes dropped, by the stage node still to be told (`send_drops`).
+        self._dropped: dict[bytes, set[int]] = {}
+        # Entries whose keeping close is not out yet: a drop of one waits for it (a drop that
+        # overtook the close would find nothing, and the close would then keep the entry).
+        self._keeping: set[int] = set()
+        self._drops_ready = trio.Event()
 
     @property
     def sessions_in_flight(self) -> int:
@@ -184,24 +198,75 @@ class Coordinator:
             if key in live.route.keys:
                 live.replies.send_nowait(_StageLost(key))
         self.forget_prefixes(key)
+        # Its lane died: it dropped the entries kept for this node already (`free_coordinator`).
+        self._dropped.pop(key, None)
 
     # -- prefix cache ----------------------------------------------------------------------
     def prefix_index(self, route: Route) -> PrefixIndex:
         """The prefixes `route`'s stages were asked to keep."""
         found = self._prefixes.pop(route, None)
         if found is None:
-            found = PrefixIndex(chunk_tokens=self.prefill_chunk_tokens, exact=self.prefix_exact)
+            found = PrefixIndex(
+                chunk_tokens=self.prefill_chunk_tokens,
+                exact=self.prefix_exact,
+                max_entries=self.prefix_max_entries,
+            )
             while len(self._prefixes) >= MAX_PREFIX_ROUTES:
                 # Plans change: the route used least recently is the one least likely to return.
-                del self._prefixes[next(iter(self._prefixes))]
+                self._forget_route(next(iter(self._prefixes)))
         self._prefixes[route] = found  # most recently used last
         return found
 
     def forget_prefixes(self, node_key: bytes | None = None) -> None:
-        """Forget the prefixes of every route through `node_key` (None: of every route)."""
+        """Forget the prefixes of every route through `node_key` (None: of every route); the
+        route's other stages are told to drop them."""
         for route in list(self._prefixes):
             if node_key is None or node_key in route.keys:
-                del self._prefixes[route]
+                self._forget_route(route, lost=node_key)
+
+    def _forget_route(self, route: Route, lost: bytes | None = None) -> None:
+        """Forget `route`'s index and have its stages (but `lost`) drop what it named."""
+        index = self._prefixes.pop(route, None)
+        if index is not None:
+            self._drop_on_stages(route, index.clear(), lost=lost)
+
+    def _drop_on_stages(
+        self, route: Route, entry_ids: Sequence[int], lost: bytes | None = None
+    ) -> None:
+        """Queue `entry_ids` for every stage of `route` but `lost`; `keep_alive` sends them."""
+        if not entry_ids:
+            return
+        for key in route.keys:
+            if key != lost:
+                self._dropped.setdefault(key, set()).update(entry_ids)
+        self._drops_ready.set()
+
+    async def send_drops(self) -> None:
+        """Send each stage node the entries queued for it (`DropEntries`, at most
+        MAX_DROP_ENTRIES ids each), all nodes at once, each bounded by CLOSE_TIMEOUT_S; fire
+        and forget: a node it cannot reach dropped them when it lost this one. An entry whose
+        keeping close is not out yet stays queued until it is."""
+        queued, self._dropped = self._dropped, {}
+        for key, ids in queued.items():
+            waiting = ids & self._keeping
+            if waiting:
+                self._dropped[key] = waiting
+                ids -= waiting
+
+        async def drop_on(key: bytes, ids: list[int]) -> None:
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                try:
+                    for lo in range(0, len(ids), MAX_DROP_ENTRIES):
+                        await self.sender.send(key, DropEntries(ids[lo : lo + MAX_DROP_ENTRIES]))
+                except LANE_ERRORS as exc:
+                    log.debug("dropping entries on %s failed: %s", key.hex()[:16], exc)
+                except Exception:  # a bug, logged: the other stages are told all the same
+                    log.exception("dropping entries on %s failed", key.hex()[:16])
+
+        async with trio.open_nursery() as nursery:
+            for key, ids in queued.items():
+                if ids:
+                    nursery.start_soon(drop_on, key, sorted(ids))
 
     def cached_prefix(self, route: Route, prompt: Sequence[int]) -> int:
         """Prompt positions `route`'s stages would serve from their cache (0: none known)."""
@@ -250,7 +315,8 @@ class Coordinator:
             return await self._drive(live, request, on_tokens)
         except RouteFailed:
             # What this route's stages kept is no longer known (a stage may be re-planned).
-            self._prefixes.pop(route, None)
+            self._forget_route(route)
+            self._closed_keep(live)
             live.keep = None
             raise
         finally:
@@ -258,6 +324,14 @@ class Coordinator:
             # Shielded: a cancelled request (client gone, shutdown) closes its session too.
             with trio.CancelScope(shield=True):
                 await self.close_session(live.session, route, live.keep)
+            self._closed_keep(live)
+
+    def _closed_keep(self, live: _Live) -> None:
+        """`live`'s close is out (or will keep nothing): a drop of its entry may follow now."""
+        if live.keep is not None:
+            self._keeping.discard(live.keep[0])
+            if self._dropped:
+                self._drops_ready.set()
 
     async def _drive(
         self, live: _Live, request: GenerationRequest, on_tokens: OnTokens
@@ -336,21 +410,26 @@ class Coordinator:
     def _after_prefix(
         self, index: PrefixIndex, loop: WindowLoop, hit: PrefixHit | None, live: _Live
     ) -> None:
-        """Count what the hit saved and plan what the stages keep at the close."""
+        """Count what the hit saved, plan what the stages keep at the close, and have them
+        drop what the index no longer names."""
         counters = self.prefix_counters
         if hit is not None and loop.prefix_missed:
             counters.misses += 1
-            index.forget(hit.entry)  # at least one stage no longer holds it
+            if index.forget(hit.entry):  # at least one stage no longer holds it
+                self._drop_on_stages(live.route, [hit.entry])
         served = loop.prefix
         if served is not None:
             counters.hits += 1
             counters.reused_tokens += served.positions
+        if self._prefixes.get(live.route) is not index:
+            return  # the route's index was forgotten meanwhile: nothing would name the entry
         plan = index.plan_keep(loop.kv_tokens, loop.prompt_len, served)
         if plan is not None:
             entry_id = secrets.randbelow(MAX_ENTRY_ID) + 1
-            index.record(entry_id, plan)
+            self._drop_on_stages(live.route, index.record(entry_id, plan))
             counters.kept += 1
             live.keep = (entry_id, plan)
+            self._keeping.add(entry_id)
 
     async def _send_all(self, live: _Live, loop: WindowLoop, sends: list[Send]) -> None:
         for key, message in sends:
@@ -390,10 +469,19 @@ class Coordinator:
                 nursery.start_soon(close_on, key)
 
     async def keep_alive(self) -> None:
-        """Renew the leases of every open session every third of the lease, until cancelled."""
+        """Until cancelled: renew the leases of every open session every third of the lease,
+        and send the stages the prefix-cache entries the indexes drop as they drop them."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drop_when_queued)
+            while True:
+                await trio.sleep(self.session_lease_s / 3)
+                await self.renew_leases()
+
+    async def _drop_when_queued(self) -> None:
         while True:
-            await trio.sleep(self.session_lease_s / 3)
-            await self.renew_leases()
+            await self._drops_ready.wait()
+            self._drops_ready = trio.Event()
+            await self.send_drops()
 
     async def renew_leases(self) -> None:
         """One `SessionKeepAlive` per stage node, naming this coordinator's sessions there."""

@@ -100,7 +100,8 @@ async def open_local_pipeline(
     lane's settings (default `LaneConfig()`). `stage_config`: every stage host's settings
     (default `StageHostConfig()`); `kv_budget_bytes`: each stage's KV memory budget (None: none).
     Stages free a session after `session_lease_s` without a window or keep-alive; the
-    coordinator renews its sessions' leases unless `keep_alive` is off (tests of a lapsing lease).
+    coordinator renews its sessions' leases, and tells the stages which prefix-cache entries its
+    indexes dropped, unless `keep_alive` is off (tests of a lapsing lease).
     """
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)

@@ -6,6 +6,9 @@ entry E (`CloseSession.keep_entry`) and records here which tokens E holds. A lat
 the same route looks up its prompt, and opens "from E, first p positions"
 (`OpenSession.prefix_entry`); its prefill sends only positions p.. .
 
+Every way an entry leaves the index reports its id (`record`'s eviction and replacement,
+`forget`, `clear`), so the coordinator can tell the stages to free its KV (`DropEntries`).
+
 Lookup walks a hash chain of token blocks: block k's key is the hash of (key of block k-1,
 tokens of block k), and each key maps to the entries whose tokens start with those blocks. The
 deepest key the prompt reaches names the entries sharing the most whole blocks with it; their
@@ -168,6 +171,13 @@ class PrefixIndex:
             oldest = next(iter(self._entries))
             self.forget(oldest)
             dropped.append(oldest)
+        return dropped
+
+    def clear(self) -> list[int]:
+        """Drop every entry (the route's stages may no longer hold them); returns their ids."""
+        dropped = list(self._entries)
+        self._entries.clear()
+        self._by_key.clear()
         return dropped
 
     def forget(self, entry_id: int) -> bool:

@@ -20,12 +20,15 @@ opens empty. An entry remembers the nodes it depends on (`peers`): the coordinat
 it, whose index alone names it, and the stages next to this one on the route it was kept on.
 When one of them is lost, the coordinator went with it or forgets the route's index, so the
 entry would never be hit again, and it is dropped (`drop_entries_of`; were it still named, the
-open would be a miss, which is always safe).
+open would be a miss, which is always safe). A coordinator whose index stops naming an entry
+(evicted, replaced, or its route forgotten) tells the stages, which drop it (`drop_entries`:
+only the entry's own coordinator may), so no stage holds KV no index can name.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +115,7 @@ class PrefixEntry:
 
     kv: torch.Tensor  # [n_layers, positions, 2 * kv_heads, head_dim]
     peers: frozenset[bytes] = frozenset()  # its coordinator and neighbouring stages
+    coordinator: bytes = b""  # the node that asked for it: the only one that may drop it
 
     @property
     def positions(self) -> int:
@@ -134,6 +138,7 @@ class PrefixCacheStats:
     kept: int = 0  # entries kept at a session's close
     not_kept: int = 0  # entries asked for that did not fit (or had too few positions)
     evictions: int = 0  # entries evicted to make room (least recently used first)
+    dropped: int = 0  # entries freed because their coordinator's index no longer names them
 
 
 class KVCache:
@@ -248,14 +253,14 @@ class KVCache:
         session_id: str,
         entry_id: int,
         positions: int,
-        replaces: int = 0,
         *,
         peers: frozenset[bytes] = frozenset(),
+        coordinator: bytes = b"",
     ) -> bool:
         """Keep the open session's first `positions` positions as entry `entry_id`, depending on
-        `peers` (its KV is about to be freed: its bytes count as free). False when it holds fewer
-        positions or the entry does not fit the cache's limit and the budget beside the live
-        sessions."""
+        `peers` and owned by `coordinator` (its KV is about to be freed: its bytes count as
+        free). False when it holds fewer positions or the entry does not fit the cache's limit
+        and the budget beside the live sessions."""
         session = self.get(session_id)
         main = session.main
         per_position = main.kv[:, :1].numel() * main.kv.element_size()
@@ -276,19 +281,24 @@ class KVCache:
             self._drop(old_id)
             self.cache_stats.evictions += 1
         self._make_room(nbytes, spare=None, freeing=session.nbytes)
-        self._entries[entry_id] = PrefixEntry(main.kv[:, :positions].clone(), peers)
+        entry = PrefixEntry(main.kv[:, :positions].clone(), peers, coordinator)
+        self._entries[entry_id] = entry
         self.cache_bytes += nbytes
         self.cache_stats.kept += 1
-        if replaces and replaces != entry_id:
-            self.drop_entry(replaces)
         return True
 
-    def drop_entry(self, entry_id: int) -> bool:
-        """Free entry `entry_id`; False if it was not held."""
-        if entry_id not in self._entries:
-            return False
-        self._drop(entry_id)
-        return True
+    def drop_entries(self, entry_ids: Iterable[int], coordinator: bytes) -> int:
+        """Free those of `entry_ids` that `coordinator` asked for (its index no longer names
+        them); how many. Ids not held, or held for another coordinator, are skipped: a node
+        may only drop what it made."""
+        count = 0
+        for entry_id in entry_ids:
+            entry = self._entries.get(entry_id)
+            if entry is not None and entry.coordinator == coordinator:
+                self._drop(entry_id)
+                count += 1
+        self.cache_stats.dropped += count
+        return count
 
     def drop_entries_of(self, peer: bytes) -> int:
         """Free every entry that depends on `peer` (it is gone: nothing will name them again);

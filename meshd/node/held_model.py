@@ -44,6 +44,7 @@ from meshd.plan.route import Route
 from protocol.gossip import ModelHolding
 from protocol.messages import (
     CloseSession,
+    DropEntries,
     Message,
     OpenSession,
     Rollback,
@@ -317,10 +318,15 @@ def capacity_of(models: Sequence[HeldModel], budget: int) -> LocalCapacity:
 def dispatch(models: Sequence[HeldModel], message: Message, sender: bytes) -> None:
     """Deliver a pipeline message from `sender` (a lane key) to the models: replies to every
     coordinator; an open by its model id, the rest by session id. What no model claims goes to
-    the first model's stage, which answers it (a model or a session it does not hold)."""
+    the first model's stage, which answers it (a model or a session it does not hold). Entries to
+    drop go to every model's stage: each drops those it holds for `sender` (ids are random)."""
     if isinstance(message, VerifyReply | StageError):
         for model in models:
             model.coordinator.handle(message, sender)
+        return
+    if isinstance(message, DropEntries):
+        for model in models:
+            model.slot.handle(message, sender)
         return
     if isinstance(message, OpenSession):
         found = next((m for m in models if m.model_id == message.model_id), models[0])

@@ -43,7 +43,14 @@ from meshd.node.stage_slot import LoadDisplay
 from meshd.node.status import EventLog
 from meshd.plan.route import Route
 from protocol import artifacts, gossip
-from protocol.messages import CloseSession, Message, NodeHello, SessionKeepAlive, StageCommand
+from protocol.messages import (
+    CloseSession,
+    DropEntries,
+    Message,
+    NodeHello,
+    SessionKeepAlive,
+    StageCommand,
+)
 from protocol.streams import ARTIFACT_STREAM, GOSSIP_STREAM, PIPELINE_STREAM
 
 log = logging.getLogger(__name__)
@@ -322,9 +329,10 @@ class _RouteSender:
     """The coordinator's sender: never dials a node whose lane just died, nor to close.
 
     Without this, closing a failed session would redial the dead node and wait out a
-    handshake before the request could re-plan or answer 503. Closes and keep-alives only
-    travel on open lanes: a stage whose lane to this node is gone has freed our sessions
-    already (it frees a lost coordinator's sessions), so there is nothing to close or renew.
+    handshake before the request could re-plan or answer 503. Closes, keep-alives and prefix
+    drops only travel on open lanes: a stage whose lane to this node is gone has freed our
+    sessions and prefix-cache entries already (it frees what a lost coordinator left), so
+    there is nothing to close, renew or drop.
     """
 
     def __init__(self, node: MeshNode) -> None:
@@ -336,6 +344,6 @@ class _RouteSender:
             node_id = self.node.keys.ed_of(key)
             if self.node.health.is_suspect(node_id, trio.current_time()):
                 raise PeerUnreachable(f"peer {key.hex()[:16]} lost its lane recently")
-            if isinstance(message, CloseSession | SessionKeepAlive):
+            if isinstance(message, CloseSession | SessionKeepAlive | DropEntries):
                 raise PeerUnreachable(f"no lane to {key.hex()[:16]}: nothing to close there")
         await peers.send(key, message, stream)

@@ -25,6 +25,8 @@ cache entry, and an `OpenSession` may start from one (`meshd/model/kvcache.py` h
 within `prefix_cache_bytes` and the KV budget, live sessions first). An open whose entry is gone
 opens empty at epoch 1 (its epoch-0 windows, sent for the hit, are dropped as stale before any
 compute) and answers `StageError(code="prefix_miss")`, so the coordinator prefills in full.
+`DropEntries` (and a close's `replaces`) frees entries their coordinator's index no longer names;
+only the coordinator an entry was kept for (the sender's lane key) may drop it.
 
 Admission: a new session is refused with `StageError(code="overloaded", retry_after_s=…)` when
 the stage holds `max_sessions`, has `max_queued_windows` waiting, or its KV memory is full. The
@@ -60,6 +62,7 @@ from protocol.messages import (
     PREFIX_MISS,
     PREFIX_MISS_EPOCH,
     CloseSession,
+    DropEntries,
     Message,
     OpenSession,
     Rollback,
@@ -213,10 +216,15 @@ class StageHost:
                     message.session,
                     message.keep_entry,
                     message.keep_positions,
-                    message.replaces,
                     peers=session.peers(),
+                    coordinator=session.info.coordinator,
                 )
+            if message.replaces and message.replaces != message.keep_entry:
+                # Kept or not, the coordinator's index no longer names the entry replaced.
+                self.stage.kv.drop_entries([message.replaces], sender_key)
             self._close(message.session)
+        elif isinstance(message, DropEntries):
+            self.stage.kv.drop_entries(message.entries, sender_key)
         elif isinstance(message, SessionKeepAlive):
             self._keep_alive(message, sender_key)
         elif isinstance(message, Rollback):

@@ -40,6 +40,7 @@ from meshd.bench.chaos_requests import (
     stream_once,
 )
 from meshd.cli.main import main
+from tests.node.daemons import host_number
 
 
 def seen(**kw: object) -> Seen:
@@ -242,7 +243,7 @@ def test_a_short_storm_truncates_nothing_silently_and_leaks_nothing(
     # One undisturbed round gives the reference texts (the bench's default of two also checks
     # that they are stable: `meshd bench chaos`'s job, not this test's).
     quick = ["--quick", "--disruptions", "2", "--reference-rounds", "1"]
-    status = main(["bench", "chaos", *quick, "--json", "--first-host", "51"])
+    status = main(["bench", "chaos", *quick, "--json", "--first-host", str(host_number(51))])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     # The bench leaves nothing behind, whatever it found.
@@ -279,7 +280,7 @@ def test_ctrl_c_in_the_storm_stops_every_daemon_and_removes_the_work_dir() -> No
     command = [sys.executable, "-m", "meshd.cli.main", "bench", "chaos", "--quick", "--json"]
     # One reference round: the storm, where Ctrl-C comes, starts sooner.
     proc = subprocess.Popen(
-        [*command, "--reference-rounds", "1", "--first-host", "56"], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
+        [*command, "--reference-rounds", "1", "--first-host", str(host_number(56))], cwd=pathlib.Path(meshd.__file__).parents[1], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_as_in_a_terminal,
     )  # fmt: skip
     assert proc.stderr is not None

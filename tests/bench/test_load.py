@@ -18,6 +18,7 @@ from meshd.bench.load_targets import local_target
 from meshd.cli.main import main
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
+from tests.node.daemons import host_number
 
 CONTEXT = 256  # the built-in model's context
 
@@ -95,7 +96,7 @@ def test_load_through_real_daemons_has_no_errors_and_no_leak(
     # of torch, which costs tens of seconds while a training run hogs both cores.
     argv = [
         "bench", "load", "--requests", "16", "--concurrency", "4", "--sizes", "short",
-        "--json", "--first-host", "37",
+        "--json", "--first-host", str(host_number(37)),
     ]  # fmt: skip
     status = main(argv)
     out = capsys.readouterr().out

@@ -19,14 +19,16 @@ import pytest
 from meshd.cli.demo import BUILTIN, DEMO_MODEL, demo_model
 from meshd.cli.supervisor import DaemonError, ServeProcess, fresh_secret_file
 from meshd.model.catalog import MODELS, FetchError, cached
-from tests.node.daemons import REPO
+from tests.node.daemons import REPO, host_number
 
 # The demo promises under 3 minutes; the test allows the same.
 DEMO_TIMEOUT_S = 180
 
 
 def demo_command(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "meshd.cli.main", "demo", "--max-tokens", "80", *extra]
+    """`meshd demo` with its daemons on this serial group's addresses (21, 22, ...)."""
+    first = ("--first-host", str(host_number(21)))
+    return [sys.executable, "-m", "meshd.cli.main", "demo", "--max-tokens", "80", *first, *extra]
 
 
 def demo_env() -> dict[str, str]:

@@ -2,13 +2,15 @@
 
 Turn 2 of a chat reuses turn 1's KV on both stages and computes only the new tokens; its
 output equals a cold run's (greedy and seeded); a small cache evicts; an entry gone from one
-stage only falls back to a full prefill with the same tokens; a failed request leaves nothing.
+stage only falls back to a full prefill with the same tokens; a failed request leaves nothing;
+whatever the coordinator's index drops (least recently used, missed, its route forgotten) leaves
+the stages too.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import trio
@@ -17,10 +19,11 @@ from meshd.coord.coordinator import GenerationRequest, GenerationResult, RouteFa
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint
+from meshd.node.prefix_status import collect_status
 from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
-from protocol.messages import Sampling
+from protocol.messages import CloseSession, Message, Sampling
 
 MODEL = builtin_model_dir()
 CHUNK = 128  # the coordinator's prefill chunk: exact hits reuse whole chunks of it
@@ -72,6 +75,13 @@ async def cold(pipe: LocalPipeline, prompt: Sequence[int], **kw: object) -> Gene
         return await ask(pipe, prompt, **kw)  # type: ignore[arg-type]
     finally:
         pipe.coordinator.prefix_cache = True
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait until `predicate()` holds (the coordinator sends drops in the background)."""
+    with trio.fail_after(timeout_s):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.01)
 
 
 def computed(pipe: LocalPipeline) -> list[int]:
@@ -174,6 +184,10 @@ async def test_an_entry_gone_from_one_stage_only_gives_the_same_tokens() -> None
         assert (first_stage.hits, last_stage.misses) == (1, 1)
         # The last stage computed the whole prompt once (its epoch-0 windows were dropped).
         assert computed(pipe)[1] - before[1] == len(turn2)
+        # The index forgot the missed entry and named turn 2's instead: the first stage, which
+        # still held the missed one, frees it.
+        await until(lambda: [h.stage.kv.entries for h in pipe.hosts] == [1, 1])
+        assert first_stage.dropped == 1
         again = await ask(pipe, turn2)
         assert again.tokens == (await cold(pipe, turn2)).tokens
 
@@ -195,9 +209,72 @@ async def test_a_request_that_fails_mid_hit_leaves_nothing_behind() -> None:
         for host, before in zip(pipe.hosts, kept, strict=True):
             assert host.stage.kv.used_bytes == 0 and len(host.stage.kv) == 0
             assert host.stage.kv.cache_stats.kept == before  # nothing kept from it
+        # The route's index is forgotten, so the stage still reachable frees turn 1's entry (the
+        # lost one freed it when it lost this coordinator: here it only seems lost).
+        await until(lambda: pipe.hosts[0].stage.kv.entries == 0)
+        assert pipe.hosts[0].stage.kv.cache_bytes == 0
         # The route's index is forgotten: the next request prefills in full.
         assert (await ask(pipe, turn2)).cached_tokens == 0
         # A stopped stage frees its entries with its sessions.
         for host in pipe.hosts:
             host.close_all()
             assert host.stage.kv.cache_bytes == 0 and host.stage.kv.entries == 0
+
+
+async def test_entries_the_index_evicts_leave_every_stage() -> None:
+    async with open_local_pipeline(MODEL, 2) as pipe:
+        coordinator = pipe.coordinator
+        coordinator.prefix_max_entries = 2
+        prompts = [words(150, seed) for seed in range(10, 15)]  # each keeps one 128-chunk
+        per_entry = 2 * 3 * 2 * 64 * 4 * CHUNK  # 3 layers a stage, 2 KV heads of 64, fp32
+        for n, prompt in enumerate(prompts, 1):
+            await ask(pipe, prompt, max_tokens=2)
+            named = len(coordinator.prefix_index(pipe.route))
+            assert named == min(n, 2)
+            # Every stage holds what the index names, and no more: what it evicted is freed.
+            await until(lambda: all(h.stage.kv.entries <= 2 for h in pipe.hosts))
+            for host in pipe.hosts:
+                kv = host.stage.kv
+                reported = collect_status([], [kv])  # the node's `meshctl status`, /metrics
+                assert (reported.entries, reported.bytes_held) == (named, named * per_entry)
+                assert kv.cache_stats.dropped == n - named
+                assert kv.cache_stats.evictions == 0  # freed by the coordinator, not for room
+        # The entries the stages still hold are the ones the index names: the last two hit.
+        for prompt in prompts[-2:]:
+            assert (await ask(pipe, [*prompt, 7], max_tokens=1)).cached_tokens == CHUNK
+        assert (await ask(pipe, [*prompts[0], 7], max_tokens=1)).cached_tokens == 0
+        assert all(h.stage.kv.cache_stats.misses == 0 for h in pipe.hosts)
+
+
+class _HeldKeeps:
+    """The coordinator's sender (the pipeline's lane table), holding the closes that keep an
+    entry on one node until `release` is set: a slow lane to that stage."""
+
+    def __init__(self, inner: object, held: bytes) -> None:
+        self.inner, self.held = inner, held
+        self.release = trio.Event()
+
+    async def send(self, key: bytes, message: Message, stream: int = 1) -> None:
+        if key == self.held and isinstance(message, CloseSession) and message.keep_entry:
+            await self.release.wait()
+        await self.inner.send(key, message, stream)  # type: ignore[attr-defined]
+
+
+async def test_a_drop_never_overtakes_the_close_that_keeps_the_entry() -> None:
+    async with open_local_pipeline(MODEL, 2) as pipe:
+        coordinator = pipe.coordinator
+        coordinator.prefix_max_entries = 1
+        sender = coordinator.sender = _HeldKeeps(coordinator.sender, pipe.route.keys[1])
+        async with trio.open_nursery() as nursery:
+            counters = coordinator.prefix_counters
+            nursery.start_soon(ask, pipe, words(150, 20), 2)
+            await until(lambda: counters.kept == 1)
+            nursery.start_soon(ask, pipe, words(150, 21), 2)
+            await until(lambda: counters.kept == 2)
+            # The second request's entry evicted the first's from the index while the close
+            # keeping it is still on its way to the last stage: its drop must wait for it.
+            await trio.sleep(0.2)
+            sender.release.set()
+        await until(lambda: all(h.stage.kv.entries <= 1 for h in pipe.hosts))
+        assert [h.stage.kv.entries for h in pipe.hosts] == [1, 1]
+        assert [h.stage.kv.cache_stats.dropped for h in pipe.hosts] == [1, 1]

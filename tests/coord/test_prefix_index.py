@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import trio
+import trio.testing
 
-from meshd.coord.coordinator import Coordinator
+from meshd.coord.coordinator import MAX_PREFIX_ROUTES, Coordinator
 from meshd.coord.generation import GenerationRequest, RouteFailed
 from meshd.coord.prefix_index import BLOCK_TOKENS, KeepPlan, PrefixHit, PrefixIndex
 from meshd.coord.route_costs import RouteCosts
@@ -13,8 +15,10 @@ from meshd.plan.route import Route, RouteStage
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.strategies import make_proposer
 from protocol.messages import (
+    MAX_DROP_ENTRIES,
     PREFIX_MISS,
     PREFIX_MISS_EPOCH,
+    DropEntries,
     OpenSession,
     Rollback,
     StageError,
@@ -95,6 +99,27 @@ def test_index_is_bounded_least_recently_used_first_and_forgets() -> None:
     assert index.lookup([*b, 1]) is None
     assert index.forget(1) and not index.forget(1)
     assert index.lookup([*a, 1]) is None and index.lookup([*c, 1]) is not None
+
+
+def test_every_way_out_of_the_index_reports_the_entry() -> None:
+    index = PrefixIndex(chunk_tokens=CHUNK, max_entries=2)
+    turn1 = tokens(150)
+    assert index.record(1, index.plan_keep(turn1, 150, None) or pytest.fail()) == []
+    turn2 = [*turn1, *tokens(90, 4000)]
+    plan = index.plan_keep(turn2, len(turn2), index.lookup(turn2))
+    assert plan is not None and plan.replaces == 1
+    assert index.record(2, plan) == [1]  # replaced by the longer prefix
+    assert index.record(3, KeepPlan(tuple(tokens(80, 300)), 64)) == []
+    # The least recently used goes (the hit on 3 made 2 the oldest), then the replaced one.
+    turn3 = [*tokens(80, 300), *tokens(70, 6000)]
+    plan = index.plan_keep(turn3, len(turn3), index.lookup(turn3))
+    assert plan is not None and plan.replaces == 3
+    assert index.record(4, KeepPlan(tuple(tokens(80, 500)), 64)) == [2]
+    assert index.record(5, plan) == [3]
+    assert index.record(6, KeepPlan(tuple(tokens(80, 700)), 64)) == [4]
+    assert index.forget(5) and not index.forget(5)
+    assert index.clear() == [6] and len(index) == 0 and index.clear() == []
+    assert index.lookup(turn3) is None
 
 
 ROUTE = Route("m", (RouteStage(b"a" * 32, 0, 3), RouteStage(b"b" * 32, 3, 6)))
@@ -197,3 +222,62 @@ def test_choose_route_takes_an_earlier_route_only_while_it_serves_and_holds_more
     # Not while its stages no longer hold their layers, and never at another quantization.
     assert coordinator.choose_route(planned, turn2, lambda r: r is not earlier) is planned
     assert coordinator.choose_route(planned, tokens(300, start=9), lambda r: True) is planned
+
+
+class _Outbox:
+    """The coordinator's sender: records what it sends (the lane table's part in these tests)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, object]] = []
+
+    async def send(self, key: bytes, message: object, stream: int = 1) -> None:
+        self.sent.append((key, message))
+
+
+def _drops(outbox: _Outbox) -> dict[bytes, list[int]]:
+    found: dict[bytes, list[int]] = {}
+    for key, message in outbox.sent:
+        assert isinstance(message, DropEntries)
+        found.setdefault(key, []).extend(message.entries)
+    outbox.sent.clear()
+    return found
+
+
+async def test_a_forgotten_route_s_entries_are_dropped_on_its_stages_but_the_lost_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    outbox = _Outbox()
+    coordinator = Coordinator(outbox, b"c" * 32, prefill_chunk_tokens=CHUNK)
+    a, b, x = b"a" * 32, b"b" * 32, b"x" * 32
+    routes = [Route("m", (RouteStage(a, 0, 3), RouteStage(b, 3, 6)))]
+    routes += [Route("m", (RouteStage(x, 0, 3), RouteStage(bytes([i]) * 32, 3, 6)))
+               for i in range(MAX_PREFIX_ROUTES)]  # fmt: skip
+    for entry, route in enumerate(routes[:MAX_PREFIX_ROUTES], 1):
+        coordinator.prefix_index(route).record(entry, KeepPlan(tuple(tokens(80)), 64))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(coordinator.keep_alive)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outbox.sent == []  # nothing dropped yet
+        # One route more than the coordinator keeps: the least recently used one's stages drop
+        # its entry, at once (not at the next keep-alive).
+        coordinator.prefix_index(routes[-1])
+        await trio.testing.wait_all_tasks_blocked()
+        assert _drops(outbox) == {a: [1], b: [1]}
+        # A lost node: every route through it is forgotten; the lost node is not told.
+        coordinator.peer_lost(x)
+        await trio.testing.wait_all_tasks_blocked()
+        dropped = _drops(outbox)
+        assert x not in dropped and sorted(dropped) == sorted(r.keys[1] for r in routes[1:-1])
+        assert sorted(e for ids in dropped.values() for e in ids) == list(range(2, 9))
+        nursery.cancel_scope.cancel()
+
+
+async def test_drops_for_one_stage_are_batched_1024_to_a_message() -> None:
+    outbox = _Outbox()
+    coordinator = Coordinator(outbox, b"c" * 32, prefill_chunk_tokens=CHUNK)
+    coordinator._drop_on_stages(ROUTE, list(range(1, MAX_DROP_ENTRIES + 6)))
+    await coordinator.send_drops()
+    sent = [(k, len(m.entries)) for k, m in outbox.sent if isinstance(m, DropEntries)]
+    assert sorted(sent) == [(k, n) for k in ROUTE.keys for n in (5, MAX_DROP_ENTRIES)]
+    await coordinator.send_drops()  # sent once: nothing queued any more
+    assert len(outbox.sent) == 4

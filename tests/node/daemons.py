@@ -1,7 +1,7 @@
 """Numbered test daemons for the multi-process tests, on the supervisor (`meshd.cli.supervisor`).
 
-Daemon N binds 127.0.0.N for lanes, API and mDNS, keeps its state under the test's tmp dir and
-declares a silent lane dead after 1.2 s; the caller's finally stops it (`kill_all`).
+Daemon N binds `loopback(N)` for lanes, API and mDNS, keeps its state under the test's tmp dir
+and declares a silent lane dead after 1.2 s; the caller's finally stops it (`kill_all`).
 `tasks_of` and `wait_tasks_back` check that a daemon's trio tasks return to a baseline.
 """
 
@@ -22,16 +22,47 @@ from meshd.cli.supervisor import (
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-# Fresh per test run: daemons of two runs on one machine (mDNS on loopback, the same
-# 127.0.0.N addresses) never join each other's mesh.
+# Fresh per test process (each xdist worker imports this module): daemons of two workers or of
+# two runs on one machine (mDNS on loopback) never join each other's mesh.
 SECRET = "meshd-test-secret-" + secrets.token_hex(8)
 OTHER_SECRET = "another-mesh-secret-" + secrets.token_hex(8)
+# The two serial groups of tests/conftest.py run side by side on two workers, so each has a
+# block of loopback addresses of its own: a module numbers its addresses 2..LAST_INDEX and
+# `loopback(N)` is 127.0.0.N in the first group's block, 127.0.0.(BLOCK_SPAN + N) in the
+# second's. A module outside the serial groups runs beside anything and gets none (`_block`
+# None: `loopback` raises). conftest sets the block before each test's set-up (`use_block`).
+BLOCK_SPAN = 128
+LAST_INDEX = BLOCK_SPAN - 2
+_block: int | None = 0
+
+
+def use_block(block: int | None) -> None:
+    """Give the tests that run next the addresses of serial group `block` (None: none)."""
+    global _block
+    _block = block
+
+
+def host_number(index: int) -> int:
+    """The last octet of loopback address number `index` (2..LAST_INDEX) of this group (a
+    `--first-host` counts up from it: the numbers it takes must stay within 2..LAST_INDEX)."""
+    if _block is None:
+        raise AssertionError("only a module of a serial group (tests/conftest.py) binds 127.0.0.N")
+    if not 2 <= index <= LAST_INDEX:
+        raise ValueError(f"loopback address number {index}: a module numbers them 2..{LAST_INDEX}")
+    return _block * BLOCK_SPAN + index
+
+
+def loopback(index: int) -> str:
+    """Loopback address number `index` of the serial group now running (see BLOCK_SPAN)."""
+    return f"127.0.0.{host_number(index)}"
+
+
 # Every test daemon declares a silent lane dead after this long (`lane.dead_after_s`).
 LANE_DEAD_AFTER_S = 1.2
 
 
 class Daemon(LoopbackDaemon):
-    """Test daemon number `index` (2..254) on 127.0.0.`index`."""
+    """Test daemon number `index` (2..LAST_INDEX) on `loopback(index)`."""
 
     def __init__(
         self,
@@ -45,7 +76,7 @@ class Daemon(LoopbackDaemon):
         self.index = index
         secret_file = write_secret_file(tmp / f"n{index}.secret", secret)
         lane = ("--lane-dead-after-s", str(LANE_DEAD_AFTER_S))
-        host = f"127.0.0.{index}"
+        host = loopback(index)
         super().__init__(tmp, f"n{index}", host, secret_file, budget, None, extra=(*lane, *extra))
 
 

@@ -51,7 +51,16 @@ from meshd.node.control_client import GenerateOp, request_lines
 from protocol.datagram import KIND_DATA, KIND_INITIATION
 from protocol.handshake import MIN_INITIATION_BYTES
 from protocol.packet import HEADER
-from tests.node.daemons import OTHER_SECRET, REPO, SECRET, Daemon, tasks_of, wait_tasks_back
+from tests.node.daemons import (
+    LAST_INDEX,
+    OTHER_SECRET,
+    REPO,
+    SECRET,
+    Daemon,
+    loopback,
+    tasks_of,
+    wait_tasks_back,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +113,8 @@ class Mesh:
                 meshctl("recover", d.key()[:12], "--socket", self.coordinator().socket)
         new = []
         while len(self.alive()) < 3 + (spares or 0):
-            # 127.0.0.9 is the intruder's; one-digit addresses keep `meshctl status` rows short.
-            index = next(i for i in range(5, 255) if i != 9 and i not in self.daemons)
+            # Address number 9 is the intruder's.
+            index = next(i for i in range(5, LAST_INDEX + 1) if i != 9 and i not in self.daemons)
             self.daemons[index] = Daemon(self.tmp, index, secret=SECRET, budget=self.budget)
             new.append(self.daemons[index])
         if new:
@@ -152,7 +161,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             port = ("--listen-port", str(FIRST_PORT)) if i == 2 else ()
             m.daemons[i] = Daemon(m.tmp, i, secret=SECRET, budget=m.budget, extra=port)
         # Another mesh's daemon dials the first one directly (mDNS would not even show it).
-        join = ("--join", f"127.0.0.2:{FIRST_PORT}")
+        join = ("--join", f"{loopback(2)}:{FIRST_PORT}")
         m.intruder = Daemon(m.tmp, 9, secret=OTHER_SECRET, budget=m.budget, extra=join)
         listening_unix = time.time() - (time.monotonic() - started(m.daemons.values()))
         started([m.intruder])
@@ -296,7 +305,7 @@ def test_forged_datagrams_at_a_lane_port_show_in_status_and_metrics_by_reason(
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for datagrams in forged.values():
             for data in datagrams:
-                sock.sendto(data, ("127.0.0.2", FIRST_PORT))
+                sock.sendto(data, (loopback(2), FIRST_PORT))
 
     def dropped() -> dict[str, int]:
         return dict(target.status()["datagrams_dropped"])

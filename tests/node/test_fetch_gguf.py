@@ -32,7 +32,7 @@ from meshd.model.stage import StageModel
 from meshd.node.fetch import stage_tensor_names
 from meshd.node.fetch_run import FetchRun
 from protocol.artifacts import ArtifactKind, FetchConfig, Fetcher, open_manifest
-from tests.node.daemons import SECRET, Daemon
+from tests.node.daemons import SECRET, Daemon, loopback
 from tests.node.test_fetch_mesh import _tokens
 
 HOLDER_PORT = 17461
@@ -135,7 +135,8 @@ def test_mesh_id_nodes_serve_a_gguf_files_stages_like_one_process(tmp_path: path
         budget=budget,
         extra=("--model", str(model), "--listen-port", str(HOLDER_PORT)),
     )
-    fetch = ("--join", f"127.0.0.61:{HOLDER_PORT}", "--model", f"mesh:{checkpoint.model_id[:16]}")
+    join = ("--join", f"{loopback(61)}:{HOLDER_PORT}")
+    fetch = (*join, "--model", f"mesh:{checkpoint.model_id[:16]}")
     daemons = [holder, Daemon(tmp_path, 62, secret=SECRET, budget=budget, extra=fetch)]
     try:
         started(daemons, timeout_s=120)
@@ -232,7 +233,8 @@ def test_a_fetcher_started_right_after_its_holder_waits_for_it_and_serves_its_st
     daemons = [holder]
     try:
         time.sleep(1.0)
-        fetch = ("--join", f"127.0.0.63:{LARGE_HOLDER_PORT}", "--model", f"mesh:{model_id[:16]}")
+        join = ("--join", f"{loopback(63)}:{LARGE_HOLDER_PORT}")
+        fetch = (*join, "--model", f"mesh:{model_id[:16]}")
         timeout = ("--fetch-timeout-s", "1")
         daemons.append(Daemon(tmp_path, 64, secret=SECRET, budget=budget, extra=(*fetch, *timeout)))
         started(daemons, timeout_s=60)

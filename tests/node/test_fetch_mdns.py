@@ -13,7 +13,7 @@ from meshd.cli.supervisor import agreed_plan, kill_all, stage_budget, started, w
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.tokenizer import Tokenizer
-from tests.node.daemons import SECRET, Daemon
+from tests.node.daemons import SECRET, Daemon, loopback
 from tests.node.test_fetch_mesh import PROMPT, _reference, _tokens
 
 pytestmark = pytest.mark.slow
@@ -42,9 +42,9 @@ def test_a_mesh_id_node_finds_its_manifest_by_mdns_alone(tmp_path: pathlib.Path)
         assert len(plan) == 3, plan
         # The early node could only ask the holder; the late one any member holding the model
         # (the early node serves the manifest and small files too, once it has them).
-        assert "(manifest from ('127.0.0.51'" in early.log_tail(200_000)
+        assert f"(manifest from ('{loopback(51)}'" in early.log_tail(200_000)
         late_log = late.log_tail(200_000)
-        assert any(f"(manifest from ('127.0.0.{i}'" in late_log for i in (51, 52)), late_log
+        assert any(f"(manifest from ('{loopback(i)}'" in late_log for i in (51, 52)), late_log
         for d in (early, late):
             status = d.status()
             assert status["model_id"] == model_id and status["fetch"]["state"] == "done"

@@ -37,7 +37,7 @@ from meshd.node.control_client import GenerateOp, request_lines
 from meshd.node.fetch import stage_tensor_names
 from protocol.artifacts import FetchConfig
 from protocol.config import LaneConfig
-from tests.node.daemons import LANE_DEAD_AFTER_S, Daemon, tasks_of, wait_tasks_back
+from tests.node.daemons import LANE_DEAD_AFTER_S, Daemon, loopback, tasks_of, wait_tasks_back
 
 pytestmark = pytest.mark.slow
 
@@ -77,9 +77,11 @@ def mesh_parts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pathl
 
 
 def _fetcher(
-    tmp: pathlib.Path, index: int, budget: int, model_id: str, holder: str = f"31:{HOLDER_PORT}"
+    tmp: pathlib.Path, index: int, budget: int, model_id: str, holder: str | None = None
 ) -> Daemon:
-    join = ("--join", f"127.0.0.{holder}", "--model", f"mesh:{model_id[:16]}")
+    """Daemon `index` fetching the model from `holder` (HOST:PORT; the first holder's: None)."""
+    holder = holder or f"{loopback(31)}:{HOLDER_PORT}"
+    join = ("--join", holder, "--model", f"mesh:{model_id[:16]}")
     return Daemon(tmp, index, secret=SECRET, budget=budget, extra=join)
 
 
@@ -216,7 +218,7 @@ class CappedPair:
 
     def start_fetcher(self) -> Daemon:
         """The fetcher (again, on the same state dir after a stop)."""
-        holder = f"{self.holder.index}:{self.port}"
+        holder = f"{self.holder.host}:{self.port}"
         self.fetcher = _fetcher(self.tmp, self.fetcher_index, self.budget, self.model_id, holder)
         return self.fetcher
 

@@ -25,7 +25,7 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.fetch import stage_tensor_names
-from tests.node.daemons import Daemon
+from tests.node.daemons import Daemon, loopback
 from tests.node.test_fetch_mesh import PROMPT, _reference, _tokens
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ SECRET = "meshd-prefetch-secret-0123456789"
 
 
 def _fetcher(tmp: pathlib.Path, index: int, budget: int, model_id: str, *flags: str) -> Daemon:
-    join = ("--join", f"127.0.0.41:{HOLDER_PORT}", "--model", f"mesh:{model_id[:16]}")
+    join = ("--join", f"{loopback(41)}:{HOLDER_PORT}", "--model", f"mesh:{model_id[:16]}")
     return Daemon(tmp, index, secret=SECRET, budget=budget, extra=(*join, *flags))
 
 

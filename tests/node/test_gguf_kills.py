@@ -54,7 +54,7 @@ LEASE_S = 3.0
 # Short, so that even on an idle machine a stream of STREAM_TOKENS outlasts a stop's grace.
 GRACE_S = 0.5
 FLAGS = ("--session-lease-s", str(LEASE_S), "--graceful-timeout-s", str(GRACE_S))
-# Addresses 127.0.0.71-74 and a secret of its own: no other mesh on this machine joins it.
+# Address numbers 71-74 (`loopback`) and a secret of its own: no other mesh joins this one.
 SECRET = "meshd-gguf-kills-" + secrets.token_hex(8)
 STAGE_NODES = (71, 72)
 SPARE = 73

@@ -46,7 +46,7 @@ from tests.node.test_daemon import meshctl
 
 pytestmark = pytest.mark.slow
 
-# Addresses 127.0.0.71-73 and a secret of its own: no other test's mesh joins this one.
+# Address numbers 71-73 (`loopback`) and a secret of its own: no other mesh joins this one.
 SECRET = "meshd-metrics-test-" + secrets.token_hex(8)
 NODES = (71, 72, 73)
 MODEL = "meshd-builtin"

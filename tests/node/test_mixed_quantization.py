@@ -24,7 +24,7 @@ from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.model.tokenizer import Tokenizer
 from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import Daemon
+from tests.node.daemons import Daemon, loopback
 from tests.node.test_daemon import meshctl
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Daemon]
     int8 = ("--quantization", "int8", "--listen-port", str(INT8_PORT))
     daemons = {
         "q8_0": Daemon(tmp, 11, secret=SECRET, budget=budget, extra=int8),
-        "none": Daemon(tmp, 12, secret=SECRET, budget=budget, extra=("--join", f"127.0.0.11:{INT8_PORT}")),
+        "none": Daemon(tmp, 12, secret=SECRET, budget=budget, extra=("--join", f"{loopback(11)}:{INT8_PORT}")),
     }  # fmt: skip
     try:
         started(daemons.values())

@@ -59,8 +59,8 @@ PROMPT = "def fibonacci(n):\n"
 LEASE_S = 3.0
 GRACE_S = 2.0
 FLAGS = ("--session-lease-s", str(LEASE_S), "--graceful-timeout-s", str(GRACE_S))
-# Addresses 127.0.0.61-65 and a secret of its own: another mesh started by another test run
-# on this machine (mDNS on loopback) can never join this one.
+# Address numbers 61-65 (`loopback`) and a secret of its own: another mesh started by another test
+# run on this machine (mDNS on loopback) can never join this one.
 SECRET = "meshd-stop-test-" + secrets.token_hex(8)
 STAGE_NODES = (61, 62, 63)
 SPARE = 64

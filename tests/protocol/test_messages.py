@@ -7,8 +7,10 @@ from hypothesis import strategies as st
 
 from protocol import LocalProtocolError, RemoteProtocolError
 from protocol.messages import (
+    MAX_DROP_ENTRIES,
     MAX_KEEPALIVE_SESSIONS,
     CloseSession,
+    DropEntries,
     OpenSession,
     Rollback,
     Sampling,
@@ -65,6 +67,7 @@ EXAMPLES = [
         prefix_positions=256,
     ),
     CloseSession(session="s2", keep_entry=9, keep_positions=300, replaces=4),
+    DropEntries(entries=[1, 2**63 - 1, 77]),
 ]
 
 
@@ -98,6 +101,22 @@ def test_prefix_cache_fields_are_checked() -> None:
         CloseSession("s", keep_entry=2**63, keep_positions=3),
         CloseSession("s", keep_entry=5),
         CloseSession("s", replaces=-2),
+    ):
+        with pytest.raises(LocalProtocolError):
+            encode(bad)
+        with pytest.raises(RemoteProtocolError):
+            decode(msgspec.msgpack.encode(bad))
+
+
+def test_drop_entries_names_1_to_1024_valid_ids() -> None:
+    full = DropEntries(list(range(1, MAX_DROP_ENTRIES + 1)))
+    assert decode(encode(full)) == full
+    for bad in (
+        DropEntries([]),
+        DropEntries([*full.entries, MAX_DROP_ENTRIES + 1]),
+        DropEntries([5, 0]),  # 0 means "no entry": never one to drop
+        DropEntries([-3]),
+        DropEntries([2**63]),
     ):
         with pytest.raises(LocalProtocolError):
             encode(bad)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from meshd.config import NodeConfig
-from tests.node.daemons import REPO, SECRET
+from tests.node.daemons import REPO, SECRET, loopback
 
 UNIT = REPO / "systemd" / "meshd.service"
 needs_systemd_analyze = pytest.mark.skipif(
@@ -108,10 +108,11 @@ def test_daemon_notifies_ready_pings_the_watchdog_and_stops_on_sigterm() -> None
         server.bind(path)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
         env |= {"MESHD_MESH_SECRET": SECRET, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}
+        host = loopback(41)
         args = [
             sys.executable, "-m", "meshd.cli.main", "serve", "--state-dir", f"{tmp}/state",
-            "--listen-host", "127.0.0.41", "--listen-port", "0", "--mdns-interfaces",
-            "127.0.0.41", "--api-host", "127.0.0.41", "--api-port", "0", "--log-format", "json",
+            "--listen-host", host, "--listen-port", "0", "--mdns-interfaces",
+            host, "--api-host", host, "--api-port", "0", "--log-format", "json",
         ]  # fmt: skip
         log_path = os.path.join(tmp, "stderr.log")
         with open(log_path, "wb") as log:
@@ -121,7 +122,7 @@ def test_daemon_notifies_ready_pings_the_watchdog_and_stops_on_sigterm() -> None
             got = _datagrams(server, time.monotonic() + 60, stop="READY=1")
             assert got and got[-1].startswith("READY=1"), got
             ready = got[-1]
-            assert "STATUS=node " in ready and "serving on http://127.0.0.41:" in ready
+            assert "STATUS=node " in ready and f"serving on http://{host}:" in ready
             # Pings every WATCHDOG_USEC/2 = 0.2 s, before READY and after it.
             assert "WATCHDOG=1" in got[: got.index(ready)]
             after = _datagrams(server, time.monotonic() + 1.0)
