@@ -465,7 +465,9 @@ def last_level_cache_bytes() -> int | None:
         try:
             level = int((index / "level").read_text())
             size = (index / "size").read_text().strip()
-            nbytes = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1] in _SIZE_UNITS else int(size)
+            nbytes = (
+                int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1] in _SIZE_UNITS else int(size)
+            )
         except (OSError, ValueError, IndexError):
             continue
         if found is None or level > found[0]:
