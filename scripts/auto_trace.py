@@ -2,9 +2,12 @@
 
     python scripts/auto_trace.py                      # 2 stages, 20 ms, every bench prompt
     python scripts/auto_trace.py --kinds completion --rounds 2
+    python scripts/auto_trace.py --model TARGET.gguf --speculative-draft-model DRAFT.gguf \
+        --stages 1 --rtt-ms 0 --tokens 64 --prompts 3 --kinds completion --decisions \
+        --strategies disabled ngram-simple draft-ngram auto
 
 Runs the bench's prompts in `meshd bench spec`'s order (a local pipeline of the built-in model
-with its shipped draft, greedy, 96 tokens, strategies interleaved, one `AcceptanceBook` per
+with its shipped draft, or `--model` with `--speculative-draft-model` as stored, greedy, 96 tokens, strategies interleaved, one `AcceptanceBook` per
 pipeline as the bench has), and for each `auto` request prints one line per window: the
 strategy that drafted it, whether the MTP heads still ran, drafts sent / accepted, and the
 time `auto` spent in `observe` (shadow drafting, the draft model's passes, scoring, deciding)
@@ -25,7 +28,8 @@ from typing import Any
 import msgspec
 import trio
 
-from meshd.bench.spec import BENCH_LANES, generate
+from meshd.bench.harness import resolve_quantization
+from meshd.bench.spec import BENCH_LANES, encode_workload, generate
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.files import open_tokenizer
@@ -100,12 +104,14 @@ def _patch() -> None:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    model = str(builtin_model_dir())
+    model = args.model or str(builtin_model_dir())
+    quantization = resolve_quantization("auto", model)
     tok = open_tokenizer(model)
-    loads = [w for w in workloads(2) if w.kind in args.kinds]
+    loads = [w for w in workloads(args.prompts) if w.kind in args.kinds]
     eos = frozenset(tok.eos_ids)
-    spec = msgspec.structs.replace(SpecConfig(), draft_model=str(builtin_draft_dir()))
-    draft = DraftModel.load(spec.draft_model)
+    draft_path = args.speculative_draft_model or str(builtin_draft_dir())
+    spec = msgspec.structs.replace(SpecConfig(), draft_model=draft_path)
+    draft = DraftModel.load(spec.draft_model, quantization=quantization)
     strategies = args.strategies
     async with open_local_pipeline(
         model,
@@ -113,13 +119,14 @@ async def _run(args: argparse.Namespace) -> None:
         rtt_s=args.rtt_ms / 1000,
         wire_dtype="f16",
         eos_ids=eos,
+        quantization=quantization,
         draft=draft,
         lane_config=BENCH_LANES,
     ) as pipe:
-        await generate(pipe, tok.encode(loads[0].prompt), 8, "disabled", 2, spec)
+        await generate(pipe, encode_workload(tok, loads[0]), 8, "disabled", 2, spec)
         ratios: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
         for load in loads:
-            ids = tok.encode(load.prompt)
+            ids = encode_workload(tok, load)
             for rnd in range(args.rounds):
                 turn = rnd % len(strategies)
                 results = {}
@@ -170,6 +177,11 @@ async def _run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="target checkpoint or GGUF file (default: built-in)")
+    parser.add_argument(
+        "--speculative-draft-model", help="draft checkpoint or GGUF file (default: built-in's)"
+    )
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per workload")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--rtt-ms", type=float, default=20.0)
     parser.add_argument("--tokens", type=int, default=96)
