@@ -236,9 +236,11 @@ class StageModel(StageWeights):
             quantization,
             kv_dtype,
         )
-        if stage._kernel_layers is not None or isinstance(stage._head, GgufMatrix):
-            # The block kernels prefetch by whether the process's weights fit the cache.
-            note_step_weights(sum(int(m.nbytes) for m in stage.weight_matrices()))
+        matrices = stage.weight_matrices()
+        if any(isinstance(m, GgufMatrix) for m in matrices):
+            # The block kernels prefetch by whether the process's weights fit the cache (a
+            # stage without block matrices does not load the block library for it).
+            note_step_weights(sum(int(m.nbytes) for m in matrices))
         return stage
 
     @property

@@ -1453,10 +1453,19 @@ int meshd_blocks_dequantize_rows(int type, const void *w, int64_t k, const int64
  * keeping its maximum and where it first saw it (strictly greater replaces, so a lane keeps its
  * first); the lanes then give the largest value at the smallest index. A row holding a NaN
  * (vector compares are false for it) is searched again for its first NaN. */
+/* The lanes' answer: the largest maximum, at the smallest index among equal ones. */
+static void best_lane(const float *lane_max, const int32_t *lane_at, int lanes, float *best,
+                      int64_t *at) {
+    *best = lane_max[0], *at = lane_at[0];
+    for (int j = 1; j < lanes; ++j)
+        if (lane_max[j] > *best || (lane_max[j] == *best && lane_at[j] < *at))
+            *best = lane_max[j], *at = lane_at[j];
+}
+
 static int64_t row_argmax(const float *p, int64_t n) {
-    float best = -INFINITY;
-    int64_t at = 0, i = 0;
-    int nan = 0;
+    float best = p[0];
+    int64_t at = 0, i = 1;
+    int nan = p[0] != p[0];
 #if defined(__AVX512F__)
     if (n >= 16) {
         __m512 m = _mm512_loadu_ps(p);
@@ -1476,13 +1485,8 @@ static int64_t row_argmax(const float *p, int64_t n) {
         int32_t lane_at[16];
         _mm512_storeu_ps(lane_max, m);
         _mm512_storeu_si512(lane_at, where);
-        best = lane_max[0], at = lane_at[0];
-        for (int j = 1; j < 16; ++j)
-            if (lane_max[j] > best || (lane_max[j] == best && lane_at[j] < at))
-                best = lane_max[j], at = lane_at[j];
+        best_lane(lane_max, lane_at, 16, &best, &at);
         nan = unordered != 0;
-    } else {
-        best = p[0], nan = p[0] != p[0], i = 1;
     }
 #elif defined(__AVX2__)
     if (n >= 8) {
@@ -1503,16 +1507,9 @@ static int64_t row_argmax(const float *p, int64_t n) {
         int32_t lane_at[8];
         _mm256_storeu_ps(lane_max, m);
         _mm256_storeu_si256((__m256i *)lane_at, where);
-        best = lane_max[0], at = lane_at[0];
-        for (int j = 1; j < 8; ++j)
-            if (lane_max[j] > best || (lane_max[j] == best && lane_at[j] < at))
-                best = lane_max[j], at = lane_at[j];
+        best_lane(lane_max, lane_at, 8, &best, &at);
         nan = _mm256_movemask_ps(unordered) != 0;
-    } else {
-        best = p[0], nan = p[0] != p[0], i = 1;
     }
-#else
-    best = p[0], nan = p[0] != p[0], i = 1;
 #endif
     for (; i < n; ++i) {
         if (p[i] > best) best = p[i], at = i;
