@@ -20,13 +20,13 @@ from meshd.model.errors import ModelError
 from meshd.model.stage import BatchItem, StageModel
 from meshd.stage.host import StageHost, StageHostConfig
 from protocol.messages import (
-    Message,
     OpenSession,
     Sampling,
     StageError,
     VerifyReply,
     VerifyWindow,
 )
+from tests.stage.outbox import Outbox
 
 LAYERS = 3
 ATOL = 1e-5
@@ -108,22 +108,12 @@ def test_a_bad_window_refuses_the_whole_pass_before_writing(checkpoint: Checkpoi
     assert stage.kv.get("a").main.valid_len == 3
 
 
-class _Outbox:
-    """Collects what a host sends (the node's lane table in a real stage)."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, Message]] = []
-
-    async def send(self, key: bytes, message: Message, stream: int = 0) -> None:
-        self.sent.append((key, message))
-
-
 COORD = b"c" * 32
 
 
-def _host(checkpoint: Checkpoint, **config: object) -> tuple[StageHost, _Outbox]:
+def _host(checkpoint: Checkpoint, **config: object) -> tuple[StageHost, Outbox]:
     stage = StageModel.load(checkpoint, 0, LAYERS, device="cpu")
-    outbox = _Outbox()
+    outbox = Outbox()
     host = StageHost(stage, outbox, use_thread=False, config=StageHostConfig(**config))  # type: ignore[arg-type]
     return host, outbox
 
@@ -213,7 +203,7 @@ async def test_kv_memory_full_is_overloaded_but_too_big_is_an_error(
     stage = StageModel.load(checkpoint, 0, LAYERS, device="cpu", kv_budget_bytes=0)  # sized below
     per_session = stage.kv_bytes_per_token * 64
     stage.kv.budget_bytes = per_session
-    outbox = _Outbox()
+    outbox = Outbox()
     host = StageHost(stage, outbox, use_thread=False)
     _open(host, "a", 64)
     _open(host, "b", 64)  # memory held by "a": retry later

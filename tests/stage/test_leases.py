@@ -12,7 +12,6 @@ import torch
 import trio
 import trio.testing
 
-from meshd.bench.checkpoints import make_checkpoint
 from meshd.coord.coordinator import Coordinator, GenerationRequest, RouteFailed
 from meshd.coord.local import open_local_pipeline
 from meshd.model.checkpoint import Checkpoint
@@ -22,6 +21,7 @@ from meshd.speculative.config import SpecConfig
 from meshd.stage.host import COORDINATOR_LOST, LEASE_LAPSED, StageHost
 from meshd.stage.leases import Leases
 from protocol.messages import Message, OpenSession, SessionKeepAlive, StageError
+from tests.stage.outbox import Outbox
 
 COORD = b"c" * 32
 OTHER = b"o" * 32
@@ -79,24 +79,9 @@ def test_a_lease_must_be_a_positive_finite_time(lease_s: float) -> None:
 # ---- the stage host's driver, on trio's mock clock ------------------------------------------
 
 
-class _Outbox:
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, Message]] = []
-
-    async def send(self, key: bytes, message: Message, stream: int = 1) -> None:
-        self.sent.append((key, message))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    directory = tmp_path_factory.mktemp("lease_ckpt")
-    make_checkpoint(directory, "llama", seed=3, num_hidden_layers=3)
-    return directory
-
-
-def _host(model_dir: pathlib.Path, lease_s: float) -> tuple[StageHost, _Outbox]:
+def _host(model_dir: pathlib.Path, lease_s: float) -> tuple[StageHost, Outbox]:
     stage = StageModel.load(Checkpoint.open(model_dir), 0, 3, device="cpu")
-    outbox = _Outbox()
+    outbox = Outbox()
     return StageHost(stage, outbox, use_thread=False, session_lease_s=lease_s), outbox
 
 

@@ -8,35 +8,20 @@ import pathlib
 import pytest
 import torch
 
-from meshd.bench.checkpoints import make_checkpoint
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.stage.host import StageHost
-from protocol.messages import CloseSession, DropEntries, Message, OpenSession
+from protocol.messages import CloseSession, DropEntries, OpenSession
+from tests.stage.outbox import Outbox
 
 COORD = b"c" * 32
 OTHER = b"o" * 32
 
 
-class _Outbox:
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, Message]] = []
-
-    async def send(self, key: bytes, message: Message, stream: int = 1) -> None:
-        self.sent.append((key, message))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    directory = tmp_path_factory.mktemp("drop_ckpt")
-    make_checkpoint(directory, "llama", seed=3, num_hidden_layers=3)
-    return directory
-
-
 @pytest.fixture
 def host(model_dir: pathlib.Path) -> StageHost:
     stage = StageModel.load(Checkpoint.open(model_dir), 0, 3, device="cpu")
-    host = StageHost(stage, _Outbox(), use_thread=False)
+    host = StageHost(stage, Outbox(), use_thread=False)
     host.stage.kv.cache_limit_bytes = 1 << 30
     return host
 
