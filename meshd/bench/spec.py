@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 import trio
 
 from meshd.bench.harness import (
@@ -187,12 +188,16 @@ async def _matrix(
         if settings.draft_model and any(s in DRAFT_STRATEGIES or s == "auto" for s in strategies)
         else None
     )
+    # One stage is one node, which computes on all its cores as a daemon does; several stages
+    # in this process stand for several machines, one core each (`open_local_pipeline`).
+    cores = torch.get_num_threads()
     for stages in stage_counts:
         for rtt_ms in rtts_ms:
             async with open_local_pipeline(
                 model_dir,
                 stages,
                 rtt_s=rtt_ms / 1000,
+                torch_threads=cores if stages == 1 else 1,
                 wire_dtype="f16",
                 eos_ids=eos,
                 quantization=quantization,

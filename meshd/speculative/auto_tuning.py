@@ -80,8 +80,9 @@ class AutoTuning:
     # or times this where the sizes are not known.
     draft_cost_prior_ratio: float = 1 / 3
     # Until a long pass of the draft was timed, a token it writes in one (its prefill)
-    # costs this fraction of one of its drafting passes.
-    draft_write_prior: float = 0.1
+    # costs this fraction of one of its drafting passes (a CPU prefill is bound by compute,
+    # not by reading the weights, so a written token is not nearly free).
+    draft_write_prior: float = 0.2
     # Before it drafts, the draft must write the log its cache lacks (a request's prompt):
     # it competes only where the rest of the request saves this many times that price.
     draft_start_payback: float = 1.0

@@ -139,9 +139,9 @@ def test_before_the_draft_was_timed_it_costs_its_share_of_the_weights_of_the_tar
     assert draft_price.token_s(part, book, link) == pytest.approx(PLAIN_S / 3)
     book.draft_size_ratio = ratio
     assert draft_price.token_s(part, book, link) == pytest.approx(ratio * PLAIN_S)
-    # A prefill token before one was timed: a tenth of a pass; the prompt it lacks, all.
+    # A prefill token before one was timed: a fifth of a pass; the prompt it lacks, all.
     part.reset([5] * 40)
-    assert draft_price.start_s(part, book, link) == pytest.approx(40 * 0.1 * ratio * PLAIN_S)
+    assert draft_price.start_s(part, book, link) == pytest.approx(40 * 0.2 * ratio * PLAIN_S)
     book.time_score(0.004)
     assert draft_price.token_s(part, book, link) == pytest.approx(0.004)
 
