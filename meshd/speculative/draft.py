@@ -123,10 +123,11 @@ class DraftModel:
             dtype=dtype,
             quantization=quantization,
         )
-        # The draft runs beside the node's own stage, on the coordinator's thread: a governor
-        # of its own would set torch's (process-wide) threads under the stage's passes and
-        # time them wrongly. It keeps whatever the stage chose.
-        stage.governor = None
+        # It keeps the governor a stage gets (`ThreadGovernor`): on cores other work holds, a
+        # pass on every thread runs many times slower than on one, for a draft as for a
+        # stage. Torch's thread count is the calling thread's, and a governed stage sets its
+        # own before each pass, so the draft's choice (on the coordinator's thread) and a
+        # stage's (on its worker thread) do not touch each other.
         try:
             eos_ids: Sequence[int] = open_tokenizer(path).eos_ids
         except MissingFile:  # a bare checkpoint (tests): it drafts through EOS, harmlessly

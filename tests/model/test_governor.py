@@ -101,3 +101,42 @@ def test_a_stage_sets_the_threads_its_governor_chooses() -> None:
         assert set(seen) == {1, 2}  # it ran its threads, then probed one
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_draft_governs_its_threads_without_touching_a_stages_on_another_thread() -> None:
+    """The coordinator's draft model (on the event loop's thread) governs its threads as a
+    stage does; where it chose one thread, a stage's passes on its worker thread still run on
+    the threads the stage's governor chose, and the draft's next pass on its own choice."""
+    import threading
+
+    from meshd.speculative.draft import DraftModel
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        draft = DraftModel.load(builtin_model_dir())
+        checkpoint = Checkpoint.open(builtin_model_dir())
+        stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers)
+        assert draft.stage.governor is not None and draft.stage.governor.threads == 2
+        assert stage.governor is not None
+        # A busy machine: the draft's passes on two threads ran far slower than on one.
+        _run(draft.stage.governor, GOVERNOR_GAPS[0] + GOVERNOR_PROBE_PASSES, {2: 0.5, 1: 0.1})
+        assert draft.stage.governor.current(1) == 1
+        session = draft.open(64)
+        draft.next_logits(session, 0, [5])
+        assert torch.get_num_threads() == 1  # the draft's pass ran on its choice
+        stage.open_session("s", 64)
+        seen: list[int] = []
+
+        def stage_pass() -> None:
+            stage.forward("s", 0, torch.tensor([5]))
+            seen.append(torch.get_num_threads())
+
+        worker = threading.Thread(target=stage_pass)
+        worker.start()
+        worker.join()
+        assert seen == [stage.governor.current(1)] == [2]
+        draft.next_logits(session, 1, [6])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
