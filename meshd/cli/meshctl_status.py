@@ -192,5 +192,5 @@ def _prefix_line(p: dict[str, Any]) -> str:
         f"prefix cache: {p.get('hits', 0)}/{p.get('lookups', 0)} requests hit, "
         f"{p.get('reused_tokens', 0)} tokens reused{share}, {p.get('misses', 0)} misses; "
         f"stage holds {p.get('entries', 0)} entries ({_mib(p.get('bytes_held', 0))}), "
-        f"{p.get('evictions', 0)} evicted"
+        f"{p.get('evictions', 0)} evicted, {p.get('dropped', 0)} dropped"
     )

@@ -54,6 +54,7 @@ from meshd.speculative.policy import LinkModel
 from meshd.speculative.proposer import Proposer
 from meshd.speculative.sampling import SamplingParams
 from meshd.speculative.strategies import make_proposer
+from meshd.stage.host_config import PREFIX_CACHE_ENTRIES
 from meshd.stage.leases import SESSION_LEASE_S
 from protocol.messages import (
     MAX_DROP_ENTRIES,
@@ -86,7 +87,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Routes whose prefix index the coordinator keeps (each holds at most 64 entries' tokens).
+# Routes whose prefix index the coordinator keeps (each holds at most `prefix_max_entries`
+# entries' tokens).
 MAX_PREFIX_ROUTES = 8
 # How long closing a session may wait on one stage (a dead one must not hold up the others).
 CLOSE_TIMEOUT_S = 2.0
@@ -142,7 +144,7 @@ class Coordinator:
         draft_quantization: str = "none",
         prefix_cache: bool = True,
         prefix_exact: bool = True,
-        prefix_max_entries: int = 64,
+        prefix_max_entries: int = PREFIX_CACHE_ENTRIES,
         target_config: ModelConfig | None = None,
     ) -> None:
         """`draft` is the node's draft model, loaded at start (`spec.draft_model`); a request

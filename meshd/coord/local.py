@@ -133,6 +133,7 @@ async def open_local_pipeline(
                     session_lease_s=session_lease_s,
                     draft=draft,
                     target_config=checkpoint.config,
+                    prefix_max_entries=(stage_config or StageHostConfig()).prefix_cache_entries,
                 )
                 wiring.coordinator = coordinator
                 if keep_alive:

@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshd.stage.host_config import PREFIX_CACHE_ENTRIES
+
 # Tokens per block of the hash chain: prefixes shorter than this are never looked up.
 BLOCK_TOKENS = 16
 
@@ -80,7 +82,9 @@ class _Entry:
 class PrefixIndex:
     """The entries one route's stages were asked to keep, newest use last (bounded)."""
 
-    def __init__(self, *, chunk_tokens: int, exact: bool = True, max_entries: int = 64) -> None:
+    def __init__(
+        self, *, chunk_tokens: int, exact: bool = True, max_entries: int = PREFIX_CACHE_ENTRIES
+    ) -> None:
         if chunk_tokens < 1 or max_entries < 1:
             raise ValueError("chunk_tokens and max_entries must be >= 1")
         self.chunk_tokens = chunk_tokens

@@ -128,6 +128,7 @@ class HeldModel:
             draft=basis.draft if files.draft_fits else None,
             draft_quantization=basis.quantization,
             target_config=files.checkpoint.config,
+            prefix_max_entries=config.stage.prefix_cache_entries,
         )
         self.coordinator.drafts_allowed = files.draft_fits
         self.duty = Duty(config.drain_timeout_s)

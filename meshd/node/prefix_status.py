@@ -2,7 +2,8 @@
 
 Two sides count: the coordinator (requests that looked up a prefix, hits, prompt positions
 reused, misses that fell back to a full prefill) and the stage this node hosts (entries and
-bytes held, hits and misses it served, evictions). A node with several models sums its
+bytes held, hits and misses it served, evictions, entries freed because their coordinator's
+index dropped them). A node with several models sums its
 coordinators and its stages. Stage counts start again when the stage is reloaded.
 """
 
@@ -37,10 +38,13 @@ class PrefixCacheStatus(msgspec.Struct, frozen=True, kw_only=True):
     misses: int
     prompt_tokens: int
     # As stage host: entries and bytes held now, entries evicted for room (least recently
-    # used first), opens served from an entry and positions copied, opens that missed.
+    # used first), entries freed because their coordinator's index dropped them
+    # (`DropEntries`; not those freed with a lost node), opens served from an entry and
+    # positions copied, opens that missed.
     entries: int
     bytes_held: int
     evictions: int
+    dropped: int
     stage_hits: int
     stage_reused_tokens: int
     stage_misses: int
@@ -67,6 +71,7 @@ def collect_status(
         entries=sum(k.entries for k in kv),
         bytes_held=sum(k.cache_bytes for k in kv),
         evictions=sum(k.cache_stats.evictions for k in kv),
+        dropped=sum(k.cache_stats.dropped for k in kv),
         stage_hits=sum(k.cache_stats.hits for k in kv),
         stage_reused_tokens=sum(k.cache_stats.reused_tokens for k in kv),
         stage_misses=sum(k.cache_stats.misses for k in kv),
@@ -91,6 +96,12 @@ _COUNTERS = (
         "meshd_prefix_cache_evictions",
         "Prefix-cache entries this node's stage evicted for room",
         "evictions",
+    ),
+    (
+        "meshd_prefix_cache_dropped",
+        "Prefix-cache entries this node's stage freed because their coordinator no longer "
+        "names them",
+        "dropped",
     ),
 )
 _GAUGES = (

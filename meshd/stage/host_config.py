@@ -8,6 +8,9 @@ import math
 
 import msgspec
 
+# Prompt-prefix entries a coordinator's index holds per route (`prefix_cache_entries`).
+PREFIX_CACHE_ENTRIES = 64
+
 
 class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """How a stage batches windows and when it refuses new sessions (the daemon's `[stage]`
@@ -24,9 +27,18 @@ class StageHostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # Bytes of prefix-cache entries (KV kept from finished sessions) the stage may hold; they
     # also count against the KV budget, where live sessions evict them. 0: keep none.
     prefix_cache_bytes: int = 256 * 1024 * 1024
+    # Entries this node, as coordinator, has each route's stages keep for it: its index of
+    # prefixes per route holds this many, and every entry it drops (least recently used
+    # first) the stages free (`dropped`). Bounds the stages' entries whatever their bytes.
+    prefix_cache_entries: int = PREFIX_CACHE_ENTRIES
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_sessions", "max_queued_windows"):
+        for name in (
+            "max_batch_tokens",
+            "max_sessions",
+            "max_queued_windows",
+            "prefix_cache_entries",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.prefix_cache_bytes < 0:

@@ -30,7 +30,8 @@ def daemon_metrics() -> ApiMetrics:
     m.registry.register(NodeCollector(a_status))
     prefix = PrefixCacheStatus(
         lookups=2, hits=1, reused_tokens=128, misses=0, prompt_tokens=300, entries=1,
-        bytes_held=4096, evictions=0, stage_hits=1, stage_reused_tokens=128, stage_misses=0,
+        bytes_held=4096, evictions=0, dropped=0, stage_hits=1, stage_reused_tokens=128,
+        stage_misses=0,
     )  # fmt: skip
     register_prefix_metrics(m, lambda: prefix)
     m.request_started()

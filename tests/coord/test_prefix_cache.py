@@ -222,9 +222,9 @@ async def test_a_request_that_fails_mid_hit_leaves_nothing_behind() -> None:
 
 
 async def test_entries_the_index_evicts_leave_every_stage() -> None:
-    async with open_local_pipeline(MODEL, 2) as pipe:
+    config = StageHostConfig(prefix_cache_entries=2)  # the index's size: `[stage]`'s setting
+    async with open_local_pipeline(MODEL, 2, stage_config=config) as pipe:
         coordinator = pipe.coordinator
-        coordinator.prefix_max_entries = 2
         prompts = [words(150, seed) for seed in range(10, 15)]  # each keeps one 128-chunk
         per_entry = 2 * 3 * 2 * 64 * 4 * CHUNK  # 3 layers a stage, 2 KV heads of 64, fp32
         for n, prompt in enumerate(prompts, 1):
@@ -237,7 +237,7 @@ async def test_entries_the_index_evicts_leave_every_stage() -> None:
                 kv = host.stage.kv
                 reported = collect_status([], [kv])  # the node's `meshctl status`, /metrics
                 assert (reported.entries, reported.bytes_held) == (named, named * per_entry)
-                assert kv.cache_stats.dropped == n - named
+                assert kv.cache_stats.dropped == reported.dropped == n - named
                 assert kv.cache_stats.evictions == 0  # freed by the coordinator, not for room
         # The entries the stages still hold are the ones the index names: the last two hit.
         for prompt in prompts[-2:]:

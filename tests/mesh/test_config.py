@@ -561,6 +561,7 @@ def test_component_tables_from_file_env_and_flags(tmp_path: Path, env: dict[str,
     [
         ("MESHD_PLANNER__EXACT_ORDER_MAX_STAGES", "13", "planner.exact_order_max_stages", "Held"),
         ("MESHD_STAGE__MAX_SESSIONS", "0", "stage.max_sessions", ">= 1"),
+        ("MESHD_STAGE__PREFIX_CACHE_ENTRIES", "0", "stage.prefix_cache_entries", ">= 1"),
         ("MESHD_PUNCH__OPEN_TTL", "0", "punch.open_ttl", "1..255"),
         ("MESHD_NAT__MAX_INTRODUCERS", "0", "nat.max_introducers", ">= 1"),
         ("MESHD_MDNS__RESOLVE_WORKERS", "0", "mdns.resolve_workers", "1..1024"),

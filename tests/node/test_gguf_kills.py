@@ -3,9 +3,10 @@
 One mesh serves the module (SmolLM2-135M-Instruct.Q4_1, as stored): two stage daemons (a
 budget that rules out one), a spare (whichever capable node the plan leaves out), and a
 coordinator that can hold no stage (a 1-byte budget), every one with a short `session_lease_s`
-and `graceful_timeout_s`. Each test first restarts what an earlier one stopped that it needs
-(`Mesh.ready`), so the tests pass alone and in any order. After each stop, crash or closed lid
-nothing is left behind: no session or KV on any survivor, no prompt-cache entry that depends
+and `graceful_timeout_s`, and a prompt-cache index of PREFIX_ENTRIES entries per route
+(`stage.prefix_cache_entries`); the harness is test_stop.py's (`tests/node/stop_mesh.py`).
+Each test first restarts what an earlier one stopped that it needs (`StopMesh.ready`), so the
+tests pass alone and in any order. After each stop, crash or closed lid nothing is left behind: no session or KV on any survivor, no prompt-cache entry that depends
 on the lost node, none on a node that woke, every survivor's trio tasks back to their count from
 before, and in a stopped daemon's state dir only its identity and the start-up caches.
 
@@ -16,15 +17,23 @@ before, and in a stopped daemon's state dir only its identity and the start-up c
 2. SIGKILL of the coordinator mid-stream (the node whose API got the request): the client's
    stream breaks off without `[DONE]`, the stages free its session, KV and the prompt-cache
    entries it had them keep within the lease, and another node's API gives the same text.
-3. SIGKILL of the spare mid-request: the same tokens, no recovery, the plan untouched.
+3. SIGKILL or SIGTERM of the spare mid-request: the same tokens, no recovery, the plan
+   untouched (a stopped spare exits with status 0).
 4. A closed lid (SIGSTOP past the dead-lane verdict, then SIGCONT) on a stage holding
    prompt-cache entries: the request completes on the spare with the same tokens, and the
    stage before it drops the entry it kept on the route through it; awake, the node rejoins
    every view and holds no session, KV or entry.
+5. SIGTERM of the coordinator mid-stream: the stream ends with an error event and `[DONE]` when
+   the grace runs out, the daemon exits with status 0, and the stages free its session, KV and
+   the prompt-cache entry they kept for it (the others' entries stay).
+6. Three prompts through one coordinator whose index holds two: every stage frees the first
+   prompt's entry (`dropped` in `meshctl status` and /metrics), holds two more entries than
+   before, and the first prompt again, prefilled in full, gives the same tokens.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import secrets
@@ -39,9 +48,9 @@ import pytest
 
 from meshd.cli.supervisor import kill_all, settled_plan, stage_budget, started, wait_until
 from meshd.model.files import open_tokenizer
-from meshd.node.control_client import GenerateOp, request_lines
-from tests.node.daemons import Daemon, stable_plan, tasks_of, wait_tasks_back
-from tests.node.test_stop import Stream
+from meshd.node.control_client import request_lines
+from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
+from tests.node.stop_mesh import StopMesh, Stream, left_only_identity, no_sessions_left, op
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +62,13 @@ PROMPT = "Write a short story about a robot who learns to paint."
 LEASE_S = 3.0
 # Short, so that even on an idle machine a stream of STREAM_TOKENS outlasts a stop's grace.
 GRACE_S = 0.5
-FLAGS = ("--session-lease-s", str(LEASE_S), "--graceful-timeout-s", str(GRACE_S))
+# Prompt-cache entries each coordinator has a route's stages keep (`stage.prefix_cache_entries`):
+# few, so that three prompts overflow the index.
+PREFIX_ENTRIES = 2
+FLAGS = (
+    "--session-lease-s", str(LEASE_S), "--graceful-timeout-s", str(GRACE_S),
+    "--stage-prefix-cache-entries", str(PREFIX_ENTRIES),
+)  # fmt: skip
 # Address numbers 71-74 (`loopback`) and a secret of its own: no other mesh joins this one.
 SECRET = "meshd-gguf-kills-" + secrets.token_hex(8)
 STAGE_NODES = (71, 72)
@@ -61,66 +76,26 @@ SPARE = 73
 COORDINATOR_ONLY = 74
 # A prompt of three whole prefill chunks (128 tokens) and a tail: every stage keeps an entry.
 LONG_PROMPT_TOKENS = 400
+# One whole chunk and a tail: every stage keeps an entry of one chunk's positions.
+CHUNK_PROMPT_TOKENS = 140
 # Long enough that a signal lands mid-request and the request outlives a stop's grace (GRACE_S):
 # seconds even on an idle machine.
 STREAM_TOKENS = 200
 
 
-class Mesh:
-    def __init__(self, tmp: pathlib.Path) -> None:
-        self.tmp = tmp
-        self.budget = stage_budget(str(MODEL), len(STAGE_NODES))
-        self.daemons: dict[int, Daemon] = {}
-        self.gone: set[int] = set()
-
-    def start(self, index: int) -> Daemon:
-        budget = 1 if index == COORDINATOR_ONLY else self.budget
-        extra = ("--model", str(MODEL), *FLAGS)
-        d = Daemon(self.tmp, index, secret=SECRET, budget=budget, extra=extra)
-        self.daemons[index] = d
-        self.gone.discard(index)
-        return d
-
-    def alive(self) -> list[Daemon]:
-        return [d for i, d in self.daemons.items() if i not in self.gone]
-
-    def capable(self) -> list[Daemon]:
-        """The live daemons that can hold a stage."""
-        return [d for d in self.alive() if d.index != COORDINATOR_ONLY]
-
-    def ready(self, spares: int) -> None:
-        """The coordinator-only node, two stage nodes and `spares` more alive, restarting (same
-        state dir, same key) the ones an earlier test stopped."""
-        new = []
-        if COORDINATOR_ONLY in self.gone:
-            new.append(self.start(COORDINATOR_ONLY))
-        for index in (*STAGE_NODES, SPARE):
-            if len(self.capable()) >= len(STAGE_NODES) + spares:
-                break
-            if index in self.gone:
-                new.append(self.start(index))
-        if new:
-            started(new)
-        nodes = self.alive()
-        keys = {d.key() for d in nodes}
-        wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "every member")
-
-    def in_plan(self) -> list[Daemon]:
-        """Daemons serving the stages of the settled plan, in route order."""
-        stable = stable_plan(self.capable())
-        by_key = {d.key(): d for d in self.alive()}
-        return [by_key[s["key"]] for s in stable]
-
-    def spare(self) -> Daemon:
-        route = self.in_plan()
-        return next(d for d in self.capable() if d not in route)
-
-
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StopMesh]:
     if not MODEL.exists():
         pytest.skip(f"{MODEL.name} is not cached (scripts/fetch_models)")
-    m = Mesh(tmp_path_factory.mktemp("gguf-kills"))
+    m = StopMesh(
+        tmp_path_factory.mktemp("gguf-kills"),
+        secret=SECRET,
+        budget=stage_budget(str(MODEL), len(STAGE_NODES)),
+        extra=("--model", str(MODEL), *FLAGS),
+        stage_nodes=STAGE_NODES,
+        spare=SPARE,
+        coordinator_only=COORDINATOR_ONLY,
+    )
     try:
         # All at once: the budget lets two nodes hold the model and rules out one, so the plan
         # has two stages and whichever capable node it leaves out is the spare.
@@ -143,12 +118,8 @@ def long_prompt(prompt: list[int]) -> list[int]:
     return (prompt * LONG_PROMPT_TOKENS)[:LONG_PROMPT_TOKENS]
 
 
-def _op(prompt: list[int], max_tokens: int) -> GenerateOp:
-    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy="disabled", ignore_eos=True)
-
-
 def _generate(d: Daemon, prompt: list[int], max_tokens: int) -> list[int]:
-    final = list(request_lines(d.socket, _op(prompt, max_tokens), timeout_s=60))[-1]
+    final = list(request_lines(d.socket, op(prompt, max_tokens), timeout_s=60))[-1]
     assert final["ok"], final
     return list(final["tokens"])
 
@@ -157,13 +128,6 @@ def _held(d: Daemon) -> tuple[int, int, int]:
     """(sessions, KV bytes of sessions, prompt-cache entries) the daemon's stage holds."""
     s = d.status()
     return s["sessions_hosted"], s["kv_used_bytes"], s["prefix_cache"]["entries"]
-
-
-def _no_sessions_left(daemons: list[Daemon]) -> bool:
-    statuses = [d.try_status() for d in daemons]
-    return all(
-        s is not None and s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0 for s in statuses
-    )
 
 
 def _expired(d: Daemon) -> int:
@@ -178,31 +142,20 @@ def _route_failures_since(coordinator: Daemon, since_unix_s: float) -> list[str]
     ]
 
 
-def _left_only_identity(d: Daemon, how: signal.Signals) -> None:
-    """What a stopped or killed daemon leaves in its state dir: its identity, the start-up
-    caches (checkpoint hashes, the compute figure: docs/operations.md), and (after SIGKILL
-    only) its control socket, which the next start replaces. No temp, part or lock file."""
-    left = {p.name for p in d.state.iterdir()}
-    socket = {"control.sock"} if how is signal.SIGKILL else set()
-    assert left <= {"identity.key", "hashes", "compute", *socket}, left
-    assert not [p for p in d.state.rglob("*") if p.name.endswith((".tmp", ".part"))], left
-    assert "identity.key" in left
-
-
 def _plan_without(daemons: list[Daemon], key: str) -> bool:
     plan = settled_plan(daemons)
     return plan is not None and key not in {s["key"] for s in plan}
 
 
 @pytest.fixture(scope="module")
-def expected(mesh: Mesh, prompt: list[int]) -> list[int]:
+def expected(mesh: StopMesh, prompt: list[int]) -> list[int]:
     """What the mesh answers to the streams' request with every node up."""
     mesh.ready(spares=1)
     return _generate(mesh.in_plan()[0], prompt, STREAM_TOKENS)
 
 
 def _stream_until_tokens(coordinator: Daemon, prompt: list[int], count: int = 10) -> Stream:
-    stream = Stream(coordinator, _op(prompt, STREAM_TOKENS))
+    stream = Stream(coordinator, op(prompt, STREAM_TOKENS))
     wait_until(lambda: len(stream.token_times()) >= count, 60, "the first tokens", poll_s=0.02)
     return stream
 
@@ -215,7 +168,7 @@ def _recoveries(d: Daemon) -> int:
 
 
 def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
-    mesh: Mesh, prompt: list[int], long_prompt: list[int], expected: list[int]
+    mesh: StopMesh, prompt: list[int], long_prompt: list[int], expected: list[int]
 ) -> None:
     # SIGSTOP freezes the process as a suspended laptop is frozen: no packet, no timer, until
     # SIGCONT, when it wakes to a mesh that moved on without it.
@@ -253,7 +206,7 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
     assert victim.proc.poll() is None, victim.log_tail(2000)
     wait_until(lambda: _held(victim) == (0, 0, 0), LEASE_S + 10, "the woken node holding nothing")
     assert _generate(coordinator, prompt, 40) == expected[:40]
-    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(nodes, tasks_before, took_stage=[spare])
 
 
@@ -261,7 +214,7 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
 
 
 def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
-    mesh: Mesh, prompt: list[int], long_prompt: list[int], expected: list[int]
+    mesh: StopMesh, prompt: list[int], long_prompt: list[int], expected: list[int]
 ) -> None:
     mesh.ready(spares=1)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -291,23 +244,24 @@ def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
     wait_until(lambda: victim.proc.poll() is not None, GRACE_S + 20, f"{victim.name} to exit")
     mesh.gone.add(victim.index)
     assert victim.proc.returncode == 0, victim.log_tail(2000)
-    _left_only_identity(victim, signal.SIGTERM)
+    left_only_identity(victim, signal.SIGTERM)
     wait_until(lambda: _plan_without(mesh.capable(), victim.key()), 30, "a plan without it")
     assert spare in mesh.in_plan()
     # The stage after it drops the entry it kept on the route through it (the coordinator
     # forgot that route's index when the route failed).
     wait_until(lambda: _held(route[-1])[2] == 0, 10, "the survivor's entry dropped")
-    wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
     assert _generate(coordinator, prompt, 40) == expected[:40]
-    wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(survivors, tasks_before, took_stage=[spare])
 
 
-# ---- 3. the spare dies ------------------------------------------------------------------------
+# ---- 3. the spare dies or stops ----------------------------------------------------------------
 
 
-def test_sigkill_of_the_spare_mid_request_changes_nothing(
-    mesh: Mesh, prompt: list[int], expected: list[int]
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_the_spare_dying_or_stopping_mid_request_changes_nothing(
+    mesh: StopMesh, prompt: list[int], expected: list[int], how: signal.Signals
 ) -> None:
     mesh.ready(spares=1)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -318,20 +272,22 @@ def test_sigkill_of_the_spare_mid_request_changes_nothing(
     recoveries_before = _recoveries(coordinator)
     started_at = time.time()
     stream = _stream_until_tokens(coordinator, prompt)
-    spare.kill()
+    spare.proc.send_signal(how)
     final = stream.final()
     assert final.get("ok") and final["tokens"] == expected, final
     # Nothing in flight noticed: no route failed, nothing was recovered.
     assert _route_failures_since(coordinator, started_at) == []
     assert _recoveries(coordinator) == recoveries_before
-    wait_until(lambda: spare.proc.poll() is not None, 10, f"{spare.name} to die")
+    wait_until(lambda: spare.proc.poll() is not None, GRACE_S + 20, f"{spare.name} to exit")
     mesh.gone.add(spare.index)
+    if how is signal.SIGTERM:
+        assert spare.proc.returncode == 0, spare.log_tail(2000)
     left = {d.key() for d in survivors}
     wait_until(lambda: all(d.alive_members() == left for d in survivors), 30, "the spare seen gone")
     assert [d.key() for d in mesh.in_plan()] == route  # it held no stage: nothing re-planned
-    wait_until(lambda: _no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(survivors, tasks_before)
-    _left_only_identity(spare, signal.SIGKILL)
+    left_only_identity(spare, how)
 
 
 # ---- 2. the coordinator dies mid-stream -------------------------------------------------------
@@ -349,7 +305,7 @@ def _sse(api: str, body: dict[str, Any], events: list[str], errors: list[Excepti
 
 
 def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
-    mesh: Mesh, long_prompt: list[int]
+    mesh: StopMesh, long_prompt: list[int]
 ) -> None:
     mesh.ready(spares=0)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -395,8 +351,116 @@ def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
     assert time.monotonic() - killed_at <= LEASE_S + 1.0  # + one status round per stage
     assert all(_expired(d) == expired_before[d.name] + 1 for d in stages)
     wait_tasks_back(survivors, tasks_before)
-    _left_only_identity(coordinator, signal.SIGKILL)
+    left_only_identity(coordinator, signal.SIGKILL)
     # Another node's API serves the same prompt with the same text.
     again = httpx.post(f"{other_api}/completions", json=body, timeout=60)
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["text"] == text
+
+
+def _fresh_coordinator(mesh: StopMesh) -> Daemon:
+    """The coordinator-only node, alive and with an empty prompt-cache index (it never looked a
+    prompt up): restarted, after every survivor saw it go (which frees what the stages kept
+    for it), when it has served a request since it started."""
+    mesh.ready(spares=0)
+    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    if coordinator.status()["prefix_cache"]["lookups"] == 0:
+        return coordinator
+    coordinator.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: coordinator.proc.poll() is not None, GRACE_S + 20, "the coordinator to stop")
+    mesh.gone.add(COORDINATOR_ONLY)
+    left = {d.key() for d in mesh.alive()}
+    wait_until(lambda: all(d.alive_members() == left for d in mesh.alive()), 30, "it is gone")
+    mesh.ready(spares=0)
+    return mesh.daemons[COORDINATOR_ONLY]
+
+
+def _entries(d: Daemon) -> tuple[int, int]:
+    """(prompt-cache entries held, entries dropped since start) of the daemon's stage."""
+    cache = d.status()["prefix_cache"]
+    return cache["entries"], cache["dropped"]
+
+
+# ---- 5. the coordinator stops mid-stream ------------------------------------------------------
+
+
+def test_sigterm_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
+    mesh: StopMesh, prompt: list[int], long_prompt: list[int]
+) -> None:
+    coordinator = _fresh_coordinator(mesh)
+    stages = mesh.in_plan()
+    survivors = [d for d in mesh.alive() if d is not coordinator]
+    # Entries other coordinators had the stages keep stay; the ones it owns go with it.
+    others = {d.name: _held(d)[2] for d in stages}
+    _generate(coordinator, long_prompt, 4)
+    wait_until(lambda: all(_held(d)[2] == others[d.name] + 1 for d in stages), 10, "its entry kept")
+    tasks_before = tasks_of(survivors)
+    model = httpx.get(f"{coordinator.api_url}/models", timeout=30).json()["data"][0]["id"]
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0,
+        "stream": True, "meshd": {"speculative": {"strategy": "disabled"}, "ignore_eos": True},
+    }  # fmt: skip
+    events: list[str] = []
+    errors: list[Exception] = []
+    thread = threading.Thread(
+        target=_sse, args=(coordinator.api_url, body, events, errors), daemon=True
+    )
+    thread.start()
+    wait_until(lambda: len(events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+    assert all(_held(d)[0] == 1 for d in stages)
+    coordinator.proc.send_signal(signal.SIGTERM)
+    # The stream ends when the grace runs out, with an error event and `[DONE]`: never a silent
+    # cut, never a stream that passes as whole.
+    thread.join(GRACE_S + 30)
+    assert not thread.is_alive() and not errors, errors
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == "service_unavailable", events[-3:]
+    wait_until(lambda: coordinator.proc.poll() is not None, GRACE_S + 20, "the daemon to exit")
+    mesh.gone.add(COORDINATOR_ONLY)
+    assert coordinator.proc.returncode == 0, coordinator.log_tail(2000)
+    left_only_identity(coordinator, signal.SIGTERM)
+    # Every stage frees the stopped coordinator's session, its KV and the entry it kept for it
+    # (nothing could ever name it again).
+    wait_until(
+        lambda: all(_held(d) == (0, 0, others[d.name]) for d in stages),
+        LEASE_S + 10,
+        "the stopped coordinator's session and entry freed",
+    )
+    wait_tasks_back(survivors, tasks_before)
+
+
+# ---- 6. the coordinator's index overflows -----------------------------------------------------
+
+
+def test_an_entry_the_coordinators_index_drops_is_freed_on_every_stage(mesh: StopMesh) -> None:
+    coordinator = _fresh_coordinator(mesh)
+    stages = mesh.in_plan()
+    tokenizer = open_tokenizer(MODEL)
+    first, second, third = (
+        (tokenizer.encode(text) * CHUNK_PROMPT_TOKENS)[:CHUNK_PROMPT_TOKENS]
+        for text in ("The tide came in at noon. ", "A fox ran past the mill. ", "def f(x): ")
+    )
+    before = {d.name: _entries(d) for d in stages}
+
+    def each_stage(entries: int, dropped: int) -> bool:
+        return all(
+            _entries(d) == (before[d.name][0] + entries, before[d.name][1] + dropped)
+            for d in stages
+        )
+
+    answer = _generate(coordinator, first, 8)
+    _generate(coordinator, second, 8)
+    _generate(coordinator, third, 8)
+    # The index holds PREFIX_ENTRIES (`stage.prefix_cache_entries`): the third prompt's entry
+    # pushed the first prompt's out, and every stage freed it when told.
+    wait_until(lambda: each_stage(PREFIX_ENTRIES, 1), 10, "the first prompt's entry dropped")
+    hits = coordinator.status()["prefix_cache"]["hits"]
+    # The first prompt again: prefilled in full (its entry is gone), to the same tokens; its
+    # new entry pushes the second prompt's out in turn.
+    assert _generate(coordinator, first, 8) == answer
+    assert coordinator.status()["prefix_cache"]["hits"] == hits
+    wait_until(lambda: each_stage(PREFIX_ENTRIES, 2), 10, "the second prompt's entry dropped")
+    # /metrics counts them as `meshctl status` does.
+    stage = stages[0]
+    metrics = httpx.get(stage.api_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    assert f"meshd_prefix_cache_dropped_total {float(_entries(stage)[1])}" in metrics

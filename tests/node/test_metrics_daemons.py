@@ -227,6 +227,7 @@ def test_every_exported_family_is_set_after_a_request_and_a_kill(
         "meshd_prefix_cache_reused_tokens_total": lambda s: value(s) >= 0,
         "meshd_prefix_cache_misses_total": lambda s: value(s) >= 0,
         "meshd_prefix_cache_evictions_total": lambda s: value(s) >= 0,
+        "meshd_prefix_cache_dropped_total": lambda s: value(s) >= 0,
         "meshd_prefix_cache_bytes": lambda s: value(s) >= 0,
         "meshd_prefix_cache_entries": lambda s: value(s) >= 0,
     }

@@ -42,6 +42,9 @@ async def test_counters_after_a_hit_reach_status_and_metrics() -> None:
     assert (fields["lookups"], fields["hits"], fields["reused_tokens"]) == (2, 1, 256)
     assert (fields["stage_hits"], fields["stage_reused_tokens"]) == (2, 512)  # both stages
     assert fields["entries"] == 2 and fields["bytes_held"] > 0
+    # The second request's entry replaced the first's: each stage freed it when told.
+    assert fields["dropped"] == 2
+    assert "meshd_prefix_cache_dropped_total 2.0" in text
     assert "meshd_prefix_cache_hits_total 1.0" in text
     assert "meshd_prefix_cache_reused_tokens_total 256.0" in text
     samples = dict(line.split(" ") for line in text.splitlines() if not line.startswith("#"))
@@ -50,4 +53,4 @@ async def test_counters_after_a_hit_reach_status_and_metrics() -> None:
     console.print(_prefix_line(fields))
     line = console.export_text()
     assert "1/2 requests hit, 256 tokens reused (42% of prompt tokens), 0 misses" in line
-    assert "stage holds 2 entries" in line
+    assert "stage holds 2 entries" in line and "0 evicted, 2 dropped" in line

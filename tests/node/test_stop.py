@@ -3,7 +3,7 @@
 One mesh serves the module: three stage daemons (memory budgets rule out fewer stages), a
 spare, and a coordinator that can hold no stage (a 1-byte budget), every one with a short
 `session_lease_s` and `graceful_timeout_s`. Each test first restarts what an earlier one
-stopped that it needs (`Mesh.ready`), so the tests pass alone and in any order.
+stopped that it needs (`StopMesh.ready`), so the tests pass alone and in any order.
 
 1. SIGKILL of the coordinator with streams open: every stage frees their sessions and KV
    within the lease, counts them in `sessions_expired`, and the next request succeeds.
@@ -49,8 +49,9 @@ import pytest
 from meshd.cli.supervisor import kill_all, settled_plan, started, wait_until
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
-from meshd.node.control_client import ControlError, GenerateOp, request_lines
+from meshd.node.control_client import request_lines
 from tests.node.daemons import Daemon, stable_plan, tasks_of, wait_tasks_back
+from tests.node.stop_mesh import StopMesh, Stream, left_only_identity, no_sessions_left, op
 from tests.node.test_daemon import meshctl, reference, three_stage_budget
 
 pytestmark = pytest.mark.slow
@@ -67,50 +68,17 @@ SPARE = 64
 COORDINATOR_ONLY = 65
 
 
-class Mesh:
-    def __init__(self, tmp: pathlib.Path) -> None:
-        self.tmp = tmp
-        self.budget = three_stage_budget()
-        self.daemons: dict[int, Daemon] = {}
-        self.gone: set[int] = set()
-
-    def start(self, index: int, budget: int | None = None) -> Daemon:
-        d = Daemon(self.tmp, index, secret=SECRET, budget=budget or self.budget, extra=FLAGS)
-        self.daemons[index] = d
-        self.gone.discard(index)
-        return d
-
-    def alive(self) -> list[Daemon]:
-        return [d for i, d in self.daemons.items() if i not in self.gone]
-
-    def ready(self, spares: int) -> None:
-        """The coordinator-only node and at least three stage nodes plus `spares` alive,
-        restarting (same state, same key) the ones an earlier test stopped."""
-        new = []
-        if COORDINATOR_ONLY in self.gone:
-            new.append(self.start(COORDINATOR_ONLY, budget=1))
-        for index in (*STAGE_NODES, SPARE):
-            capable = [d for d in self.alive() if d.index != COORDINATOR_ONLY]
-            if len(capable) >= 3 + spares:
-                break
-            if index in self.gone:
-                new.append(self.start(index))
-        if new:
-            started(new)
-        nodes = self.alive()
-        keys = {d.key() for d in nodes}
-        wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "every member")
-
-    def in_plan(self) -> list[Daemon]:
-        """Daemons serving the stages of the settled plan, in route order."""
-        stable = stable_plan([d for d in self.alive() if d.index != COORDINATOR_ONLY])
-        by_key = {d.key(): d for d in self.alive()}
-        return [by_key[s["key"]] for s in stable]
-
-
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(tmp_path_factory.mktemp("stop"))
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StopMesh]:
+    m = StopMesh(
+        tmp_path_factory.mktemp("stop"),
+        secret=SECRET,
+        budget=three_stage_budget(),
+        extra=FLAGS,
+        stage_nodes=STAGE_NODES,
+        spare=SPARE,
+        coordinator_only=COORDINATOR_ONLY,
+    )
     try:
         for i in STAGE_NODES:
             m.start(i)
@@ -118,7 +86,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         wait_until(lambda: settled_plan(m.alive()) is not None, 40, "a three-stage plan")
         # The spare and the coordinator join after the plan, so neither takes a stage.
         m.start(SPARE)
-        m.start(COORDINATOR_ONLY, budget=1)
+        m.start(COORDINATOR_ONLY)
         started([m.daemons[SPARE], m.daemons[COORDINATOR_ONLY]])
         keys = {d.key() for d in m.alive()}
         wait_until(lambda: all(d.alive_members() == keys for d in m.alive()), 20, "five members")
@@ -133,66 +101,15 @@ def prompt() -> list[int]:
     return Tokenizer.open(builtin_model_dir()).encode(PROMPT)
 
 
-def _op(prompt: list[int], max_tokens: int) -> GenerateOp:
-    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy="disabled", ignore_eos=True)
-
-
-class Stream:
-    """A generation over the control socket in a thread, each line stamped on arrival."""
-
-    def __init__(self, d: Daemon, op: GenerateOp) -> None:
-        self.lines: list[tuple[float, dict[str, Any]]] = []
-        self.error: Exception | None = None
-        self.first = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(d, op), daemon=True)
-        self.thread.start()
-
-    def _run(self, d: Daemon, op: GenerateOp) -> None:
-        try:
-            for line in request_lines(d.socket, op, timeout_s=60):
-                self.lines.append((time.monotonic(), line))
-                self.first.set()
-        except (OSError, ControlError) as exc:
-            self.error = exc
-        self.first.set()
-
-    def token_times(self) -> list[float]:
-        return [t for t, line in list(self.lines) if line.get("tokens") and "ok" not in line]
-
-    def final(self) -> dict[str, Any]:
-        self.thread.join(90)
-        assert not self.thread.is_alive()
-        assert self.lines, self.error
-        return self.lines[-1][1]
-
-
-def _no_sessions_left(daemons: list[Daemon]) -> bool:
-    statuses = [d.try_status() for d in daemons]
-    return all(
-        s is not None and s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0 for s in statuses
-    )
-
-
 def _expired(d: Daemon) -> dict[str, int]:
     return dict(d.status()["sessions_expired"])
-
-
-def _left_only_identity(d: Daemon, how: signal.Signals) -> None:
-    """What a stopped or killed daemon leaves in its state dir: its identity, the start-up
-    caches (checkpoint hashes, the compute figure: docs/operations.md), and (after SIGKILL
-    only) its control socket, which the next start replaces. No temp, part or lock file."""
-    left = {p.name for p in d.state.iterdir()}
-    socket = {"control.sock"} if how is signal.SIGKILL else set()
-    assert left <= {"identity.key", "hashes", "compute", *socket}, left
-    assert not [p for p in d.state.rglob("*") if p.name.endswith((".tmp", ".part"))], left
-    assert "identity.key" in left
 
 
 # ---- 1. a coordinator crashes with streams open -----------------------------------------------
 
 
 def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
-    mesh: Mesh, prompt: list[int]
+    mesh: StopMesh, prompt: list[int]
 ) -> None:
     mesh.ready(spares=0)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -200,7 +117,7 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     before = {d.index: _expired(d) for d in stages}
     survivors = [d for d in mesh.alive() if d is not coordinator]
     tasks_before = tasks_of(survivors)
-    streams = [Stream(coordinator, _op(prompt, 400)) for _ in range(4)]
+    streams = [Stream(coordinator, op(prompt, 400)) for _ in range(4)]
     wait_until(
         lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
         30,
@@ -211,7 +128,7 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     killed_at = time.monotonic()
     coordinator.kill()
     mesh.gone.add(COORDINATOR_ONLY)
-    freed_s = wait_until(lambda: _no_sessions_left(stages), LEASE_S + 10, "sessions freed")
+    freed_s = wait_until(lambda: no_sessions_left(stages), LEASE_S + 10, "sessions freed")
     print(f"coordinator SIGKILL: stages freed every session {freed_s:.2f} s later")
     assert time.monotonic() - killed_at <= LEASE_S + 1.0  # + one status round per stage
     for d in stages:
@@ -236,15 +153,15 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
     gauge = next(x for x in metrics.splitlines() if x.startswith("meshd_trio_tasks "))
     assert abs(float(gauge.split()[1]) - stage.status()["tasks"]) <= 5, gauge
     # The mesh serves at once: nothing is held for the dead coordinator.
-    final = list(request_lines(stages[0].socket, _op(prompt, 20), timeout_s=60))[-1]
+    final = list(request_lines(stages[0].socket, op(prompt, 20), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 20)
     # Restarted on its state dir, it comes back as the same node and serves.
-    _left_only_identity(coordinator, signal.SIGKILL)
+    left_only_identity(coordinator, signal.SIGKILL)
     key = coordinator.key()
     mesh.ready(spares=0)
     back = mesh.daemons[COORDINATOR_ONLY]
     assert back.key() == key
-    final = list(request_lines(back.socket, _op(prompt, 20), timeout_s=60))[-1]
+    final = list(request_lines(back.socket, op(prompt, 20), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 20), final
 
 
@@ -252,7 +169,7 @@ def test_sigkill_of_a_coordinator_frees_its_sessions_on_every_stage(
 
 
 def _stop_middle_stage(
-    mesh: Mesh, prompt: list[int], expected: list[int], how: signal.Signals
+    mesh: StopMesh, prompt: list[int], expected: list[int], how: signal.Signals
 ) -> tuple[float, float, Daemon]:
     """Stop the route's middle stage mid-generation; (to next token, stall, victim).
 
@@ -266,7 +183,7 @@ def _stop_middle_stage(
     lapsed_before = _expired(downstream)["lease_lapsed"]
     survivors = [d for d in mesh.alive() if d is not victim]
     tasks_before = tasks_of(survivors)
-    stream = Stream(coordinator, _op(prompt, len(expected)))
+    stream = Stream(coordinator, op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     stopped_at = time.monotonic()
     victim.proc.send_signal(how)
@@ -281,9 +198,9 @@ def _stop_middle_stage(
     mesh.gone.add(victim.index)
     if how is signal.SIGTERM:
         assert victim.proc.returncode == 0, victim.log_tail(2000)
-    _left_only_identity(victim, how)
+    left_only_identity(victim, how)
     others = [d for d in mesh.alive() if d.index != COORDINATOR_ONLY]
-    wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
+    wait_until(lambda: no_sessions_left(others), LEASE_S + 10, "no session on any stage")
     # The stage after the stopped one was told to close: its lease never had to lapse.
     assert _expired(downstream)["lease_lapsed"] == lapsed_before
     spares = [d for d in survivors if d not in route]
@@ -291,7 +208,9 @@ def _stop_middle_stage(
     return after[0] - stopped_at, max(gaps), victim
 
 
-def test_sigterm_of_a_middle_stage_is_no_slower_than_sigkill(mesh: Mesh, prompt: list[int]) -> None:
+def test_sigterm_of_a_middle_stage_is_no_slower_than_sigkill(
+    mesh: StopMesh, prompt: list[int]
+) -> None:
     mesh.ready(spares=1)
     expected = reference(prompt, 150)
     term_next, term_stall, victim = _stop_middle_stage(mesh, prompt, expected, signal.SIGTERM)
@@ -325,7 +244,7 @@ def _sse(api: str, body: dict[str, Any], events: list[tuple[float, str]]) -> Non
 
 
 def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothing(
-    mesh: Mesh, prompt: list[int]
+    mesh: StopMesh, prompt: list[int]
 ) -> None:
     mesh.ready(spares=0)
     route = mesh.in_plan()
@@ -381,7 +300,7 @@ def test_sigterm_of_a_coordinator_ends_its_stream_with_an_error_and_admits_nothi
     mesh.gone.add(coordinator.index)
     assert coordinator.proc.returncode == 0, coordinator.log_tail(2000)
     others = [d for d in mesh.alive() if d.index != COORDINATOR_ONLY]
-    wait_until(lambda: _no_sessions_left(others), LEASE_S + 10, "no session on any stage")
+    wait_until(lambda: no_sessions_left(others), LEASE_S + 10, "no session on any stage")
     wait_tasks_back(survivors, tasks_before, took_stage=[d for d in survivors if d not in route])
 
 
@@ -399,13 +318,13 @@ def _noted_gone_at(d: Daemon, key: str, since_unix: float) -> float:
     )
 
 
-def _plan_keys(mesh: Mesh) -> list[str]:
+def _plan_keys(mesh: StopMesh) -> list[str]:
     return [d.key() for d in mesh.in_plan()]
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
-    mesh: Mesh, prompt: list[int], how: signal.Signals
+    mesh: StopMesh, prompt: list[int], how: signal.Signals
 ) -> None:
     mesh.ready(spares=1)
     route = _plan_keys(mesh)
@@ -413,7 +332,7 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
     expected = reference(prompt, 150)
     survivors = [d for d in mesh.alive() if d is not spare]
     tasks_before = tasks_of(survivors)
-    stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
+    stream = Stream(mesh.in_plan()[0], op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     spare.proc.send_signal(how)
     final = stream.final()
@@ -429,10 +348,10 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
         lambda: all(d.alive_members() == left for d in mesh.alive()), 30, "the spare seen gone"
     )
     assert _plan_keys(mesh) == route  # a spare holds no stage: nothing was re-planned
-    wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(survivors, tasks_before)
     # What it left in its state dir; it comes back as the same node.
-    _left_only_identity(spare, how)
+    left_only_identity(spare, how)
     key = spare.key()
     mesh.ready(spares=1)
     assert mesh.daemons[spare.index].key() == key
@@ -440,7 +359,7 @@ def test_the_spare_dying_mid_generation_changes_nothing_the_user_sees(
 
 
 def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_spare(
-    mesh: Mesh, prompt: list[int]
+    mesh: StopMesh, prompt: list[int]
 ) -> None:
     # Frozen, the spare answers no ping: every peer's lane to it goes silent, its relays
     # cannot reach it either, and it is declared dead; the generation never touched it.
@@ -452,7 +371,7 @@ def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_s
     nodes = mesh.alive()
     others = [d for d in nodes if d is not spare]
     tasks_before = tasks_of(nodes)
-    stream = Stream(mesh.in_plan()[0], _op(prompt, len(expected)))
+    stream = Stream(mesh.in_plan()[0], op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     spare.proc.send_signal(signal.SIGSTOP)
     frozen_at, frozen_unix = time.monotonic(), time.time()
@@ -476,7 +395,7 @@ def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_s
         )
         stable = stable_plan([d for d in others if d.index != COORDINATOR_ONLY])
         assert [s["key"] for s in stable] == route  # a spare holds no stage: nothing re-planned
-        assert _no_sessions_left(others)
+        assert no_sessions_left(others)
     finally:
         spare.proc.send_signal(signal.SIGCONT)
     # It wakes: every view counts it alive again, as the spare it was, holding nothing.
@@ -487,14 +406,14 @@ def test_a_spare_whose_lid_closes_mid_generation_is_dropped_and_rejoins_as_the_s
     status = spare.status()
     assert status["stage_layers"] is None
     assert status["sessions_hosted"] == 0 and status["kv_used_bytes"] == 0, status
-    final = list(request_lines(spare.socket, _op(prompt, 40), timeout_s=60))[-1]
+    final = list(request_lines(spare.socket, op(prompt, 40), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 40), final
-    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(nodes, tasks_before)
 
 
 def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_it_opens(
-    mesh: Mesh, prompt: list[int]
+    mesh: StopMesh, prompt: list[int]
 ) -> None:
     # SIGSTOP freezes the process as a suspended laptop is frozen: no packet, no timer, until
     # SIGCONT, when it wakes to a mesh that moved on without it.
@@ -504,7 +423,7 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_i
     expected = reference(prompt, 150)
     tasks_before = tasks_of(mesh.alive())
     spares = [d for d in mesh.alive() if d not in route]
-    stream = Stream(coordinator, _op(prompt, len(expected)))
+    stream = Stream(coordinator, op(prompt, len(expected)))
     wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     victim.proc.send_signal(signal.SIGSTOP)
     try:
@@ -526,10 +445,10 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_i
     keys = {d.key() for d in mesh.alive()}
     wait_until(lambda: all(d.alive_members() == keys for d in mesh.alive()), 30, "it rejoins")
     assert victim.proc.poll() is None, victim.log_tail(2000)
-    wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
-    final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
+    wait_until(lambda: no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    final = list(request_lines(coordinator.socket, op(prompt, 40), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 40), final
-    wait_until(lambda: _no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(mesh.alive()), LEASE_S + 10, "no session anywhere")
     # The woken node, a spare now, holds no more tasks than before; the spare that took its
     # stage holds that stage's.
     wait_tasks_back(mesh.alive(), tasks_before, took_stage=spares)
@@ -539,7 +458,7 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing_when_i
 
 
 def test_a_coordinator_whose_lid_closes_mid_stream_is_freed_and_wakes_without_wedging(
-    mesh: Mesh, prompt: list[int]
+    mesh: StopMesh, prompt: list[int]
 ) -> None:
     mesh.ready(spares=0)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -548,7 +467,7 @@ def test_a_coordinator_whose_lid_closes_mid_stream_is_freed_and_wakes_without_we
     before = {d.index: _expired(d) for d in stages}
     tasks_before = tasks_of(nodes)
     expected = reference(prompt, 200)
-    streams = [Stream(coordinator, _op(prompt, len(expected))) for _ in range(2)]
+    streams = [Stream(coordinator, op(prompt, len(expected))) for _ in range(2)]
     wait_until(
         lambda: all(d.status()["sessions_hosted"] == len(streams) for d in stages),
         30,
@@ -558,7 +477,7 @@ def test_a_coordinator_whose_lid_closes_mid_stream_is_freed_and_wakes_without_we
     # Frozen, it renews no lease and answers no ping: every stage frees its sessions.
     coordinator.proc.send_signal(signal.SIGSTOP)
     try:
-        freed_s = wait_until(lambda: _no_sessions_left(stages), LEASE_S + 10, "sessions freed")
+        freed_s = wait_until(lambda: no_sessions_left(stages), LEASE_S + 10, "sessions freed")
         print(f"coordinator lid closed: stages freed every session {freed_s:.2f} s later")
         for d in stages:
             freed = sum(_expired(d).values()) - sum(before[d.index].values())
@@ -574,9 +493,9 @@ def test_a_coordinator_whose_lid_closes_mid_stream_is_freed_and_wakes_without_we
         assert final.get("ok") and final["tokens"] == expected, final
     keys = {d.key() for d in nodes}
     wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "it rejoins")
-    final = list(request_lines(coordinator.socket, _op(prompt, 40), timeout_s=60))[-1]
+    final = list(request_lines(coordinator.socket, op(prompt, 40), timeout_s=60))[-1]
     assert final["ok"] and final["tokens"] == reference(prompt, 40), final
     print(f"coordinator lid opened: streams done and a new request served in "
           f"{time.monotonic() - woke:.2f} s")  # fmt: skip
-    wait_until(lambda: _no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_until(lambda: no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(nodes, tasks_before)

@@ -1,0 +1,141 @@
+"""The mesh the stop and kill tests share (test_stop.py, test_gguf_kills.py): stage daemons, a
+spare, and a coordinator that can hold no stage (a 1-byte budget), every one on its own
+loopback address with the module's secret, flags and budget.
+
+Each test first restarts what an earlier one stopped that it needs (`StopMesh.ready`), so the
+tests pass alone and in any order. `Stream` runs a generation over the control socket in a
+thread; `no_sessions_left` and `left_only_identity` are what every stop checks afterwards.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import threading
+import time
+from typing import Any
+
+from meshd.cli.supervisor import started, wait_until
+from meshd.node.control_client import ControlError, GenerateOp, request_lines
+from tests.node.daemons import Daemon, stable_plan
+
+
+class StopMesh:
+    """Daemons numbered `stage_nodes`, `spare` and `coordinator_only`, each started with
+    `extra` and the stage budget `budget` (the coordinator-only node: 1 byte)."""
+
+    def __init__(
+        self,
+        tmp: pathlib.Path,
+        *,
+        secret: str,
+        budget: int,
+        extra: tuple[str, ...],
+        stage_nodes: tuple[int, ...],
+        spare: int,
+        coordinator_only: int,
+    ) -> None:
+        self.tmp = tmp
+        self.secret = secret
+        self.budget = budget
+        self.extra = extra
+        self.stage_nodes = stage_nodes
+        self.spare_index = spare
+        self.coordinator_only = coordinator_only
+        self.daemons: dict[int, Daemon] = {}
+        self.gone: set[int] = set()
+
+    def start(self, index: int) -> Daemon:
+        budget = 1 if index == self.coordinator_only else self.budget
+        d = Daemon(self.tmp, index, secret=self.secret, budget=budget, extra=self.extra)
+        self.daemons[index] = d
+        self.gone.discard(index)
+        return d
+
+    def alive(self) -> list[Daemon]:
+        return [d for i, d in self.daemons.items() if i not in self.gone]
+
+    def capable(self) -> list[Daemon]:
+        """The live daemons that can hold a stage."""
+        return [d for d in self.alive() if d.index != self.coordinator_only]
+
+    def ready(self, spares: int) -> None:
+        """The coordinator-only node, a node per stage and `spares` more alive, restarting
+        (same state dir, same key) the ones an earlier test stopped."""
+        new = []
+        if self.coordinator_only in self.gone:
+            new.append(self.start(self.coordinator_only))
+        for index in (*self.stage_nodes, self.spare_index):
+            if len(self.capable()) >= len(self.stage_nodes) + spares:
+                break
+            if index in self.gone:
+                new.append(self.start(index))
+        if new:
+            started(new)
+        nodes = self.alive()
+        keys = {d.key() for d in nodes}
+        wait_until(lambda: all(d.alive_members() == keys for d in nodes), 30, "every member")
+
+    def in_plan(self) -> list[Daemon]:
+        """Daemons serving the stages of the settled plan, in route order."""
+        stable = stable_plan(self.capable())
+        by_key = {d.key(): d for d in self.alive()}
+        return [by_key[s["key"]] for s in stable]
+
+    def spare(self) -> Daemon:
+        """A capable daemon the plan leaves out."""
+        route = self.in_plan()
+        return next(d for d in self.capable() if d not in route)
+
+
+def op(prompt: list[int], max_tokens: int) -> GenerateOp:
+    """Greedy, plain decoding of exactly `max_tokens` tokens."""
+    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy="disabled", ignore_eos=True)
+
+
+class Stream:
+    """A generation over the control socket in a thread, each line stamped on arrival."""
+
+    def __init__(self, d: Daemon, op: GenerateOp) -> None:
+        self.lines: list[tuple[float, dict[str, Any]]] = []
+        self.error: Exception | None = None
+        self.first = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(d, op), daemon=True)
+        self.thread.start()
+
+    def _run(self, d: Daemon, op: GenerateOp) -> None:
+        try:
+            for line in request_lines(d.socket, op, timeout_s=60):
+                self.lines.append((time.monotonic(), line))
+                self.first.set()
+        except (OSError, ControlError) as exc:
+            self.error = exc
+        self.first.set()
+
+    def token_times(self) -> list[float]:
+        return [t for t, line in list(self.lines) if line.get("tokens") and "ok" not in line]
+
+    def final(self) -> dict[str, Any]:
+        self.thread.join(90)
+        assert not self.thread.is_alive()
+        assert self.lines, self.error
+        return self.lines[-1][1]
+
+
+def no_sessions_left(daemons: list[Daemon]) -> bool:
+    """Every daemon answers and hosts no session and no session KV."""
+    statuses = [d.try_status() for d in daemons]
+    return all(
+        s is not None and s["sessions_hosted"] == 0 and s["kv_used_bytes"] == 0 for s in statuses
+    )
+
+
+def left_only_identity(d: Daemon, how: signal.Signals) -> None:
+    """What a stopped or killed daemon leaves in its state dir: its identity, the start-up
+    caches (checkpoint hashes, the compute figure: docs/operations.md), and (after SIGKILL
+    only) its control socket, which the next start replaces. No temp, part or lock file."""
+    left = {p.name for p in d.state.iterdir()}
+    socket = {"control.sock"} if how is signal.SIGKILL else set()
+    assert left <= {"identity.key", "hashes", "compute", *socket}, left
+    assert not [p for p in d.state.rglob("*") if p.name.endswith((".tmp", ".part"))], left
+    assert "identity.key" in left
