@@ -14,14 +14,16 @@ Notation (all times in seconds, compute summed over the route's stages):
                                          bonus token right: only then is a pipelined window used
 
 Depth 1 spends T(k) per window. With d windows in flight the replies of a chain of fully
-accepted windows come Δ = max(T/d, C_L/S, D·k) apart (S stages; the slowest stage bounds the
-rate); a reject restarts the chain: T plus one stale pass still in progress per stage (C_L/S),
+accepted windows come Δ = max(T/d, C_L/S, D·(k+1)) apart (S stages; the slowest stage bounds
+the rate; a pipelined window's draft model guesses the bonus token before its k drafts); a
+reject restarts the chain: T plus one stale pass still in progress per stage (C_L/S),
 and, when other sessions share the stages, half of each of the d−1 stale windows' compute is
 stolen from them. The expected time per window is then
 
     τ(k, d) = p·Δ + (1−p)·(T + C_L/S + (d−1)·C(k)/2·(L−1)/L)     (d > 1),   τ(k, 1) = T(k)
 
-and the plan minimises τ/E over k in [window_min, window_max] and d in [1, max_depth],
+and the plan minimises τ/E over k in [window_min, window_max] and d in [1, max_depth] (d = 1
+where a draft model drafts on the route's one node: nothing there overlaps its passes),
 against the baseline τ(0, 1)/1 = T(0). It speculates only when that beats the baseline by
 `min_speedup`.
 """
@@ -196,6 +198,9 @@ def search(inputs: PolicyInputs, config: SpecConfig) -> Search:
     baseline = rtt + load * link.compute_s(0)
     best = (baseline, 0, 1, 1.0)
     stolen = (load - 1) / load / 2.0
+    # A draft model on one node drafts on the cores that verify, and its passes hold the
+    # coordinator's loop, so no window can be verified while the next is drafted there.
+    depths = 1 if link.draft_per_token_s > 0 and stages == 1 else config.max_pipeline_depth
     expected = 1.0
     for k in range(1, k_max + 1):
         expected += products[k]
@@ -206,12 +211,14 @@ def search(inputs: PolicyInputs, config: SpecConfig) -> Search:
         drafting = link.drafting_s(k)
         round_trip = rtt + loaded + drafting
         full = products[k + 1]
-        for depth in range(1, config.max_pipeline_depth + 1):
+        for depth in range(1, depths + 1):
             if depth == 1:
                 per_window = round_trip
             else:
-                # The coordinator drafts one window at a time: no faster than D·k apart.
-                spacing = max(round_trip / depth, loaded / stages, drafting)
+                # The coordinator drafts one window at a time, and a pipelined window's
+                # drafter guesses the bonus token before its k drafts: no faster than
+                # D·(k+1) apart.
+                spacing = max(round_trip / depth, loaded / stages, link.drafting_s(k + 1))
                 restart = round_trip + loaded / stages + (depth - 1) * compute * stolen
                 per_window = full * spacing + (1.0 - full) * restart
             per_token = per_window / expected

@@ -173,3 +173,16 @@ def test_a_warm_copy_lets_a_requests_first_windows_outweigh_the_book() -> None:
     warm.update(4, 0)
     assert abs(warm.per_position()[0] - before * 0.8) < 1e-9
     assert book.per_position()[0] == 0.9  # the book itself is untouched
+
+
+def test_a_draft_model_on_one_node_runs_one_window_at_a_time() -> None:
+    """On one node the draft model drafts on the cores that verify, so a pipelined window's
+    drafting overlaps nothing and the plan keeps depth 1 (the pipelined search had chosen
+    depth 2 there, each window then paying k + 1 draft passes in series with the verify);
+    two stages 20 ms apart still pipeline the same draft."""
+    acceptance = (0.95,) * 9
+    one_node = LinkModel(0.0, 0.071, 0.009, stages=1, draft_per_token_s=0.03)
+    plan = choose(PolicyInputs(one_node, acceptance), SpecConfig())
+    assert plan.width > 0 and plan.depth == 1, plan
+    two_stages = LinkModel(0.040, 0.071, 0.009, stages=2, draft_per_token_s=0.03)
+    assert choose(PolicyInputs(two_stages, acceptance), SpecConfig()).depth == 2
