@@ -435,8 +435,8 @@ def _argmax_library(choice: str) -> BlockKernels | None:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value in fp32 CPU logits `[V]` or `[n, V]`, as
-    `torch.argmax` picks it (the first of equal maxima, the first NaN), in the block library
-    (a tenth of torch's time over a large vocabulary); torch's where the library is missing."""
+    `torch.argmax` picks it (the first of equal maxima, the first NaN), in the block library;
+    torch's where the library is missing."""
     rows = logits.reshape(1, -1) if logits.dim() == 1 else logits
     lib = _argmax_library(os.environ.get(BLOCK_KERNELS_ENV, "auto"))
     if (
