@@ -289,7 +289,6 @@ def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) 
     return Response(msgspec.json.encode(value), status, headers, media_type=JSON)
 
 
-# -- the generation response ------------------------------------------------------------
 # -- errors -----------------------------------------------------------------------------
 def _error_response(error: ApiError) -> Response:
     return Response(error.encode(), error.status, error.headers, media_type=JSON)

@@ -1,7 +1,4 @@
-"""The `meshctl` command: drives the local daemon over its control socket.
-
-Subcommands register here as the daemon grows them (status, kill, recover, plan).
-"""
+"""The `meshctl` command: drives the local daemon over its control socket."""
 
 from __future__ import annotations
 

@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
 def _exit_at_once(status: int) -> NoReturn:
     """Exit without the interpreter's teardown of torch and the other big modules.
 
-    That teardown took 2.5-5 s after a clean stop on a busy 2-core machine (the daemon's own
-    stop, lanes and API included, 0.3 s), and a stop bounded by systemd's TimeoutStopSec must
-    not spend it there. Everything the daemon owns is closed by now; flush the logs first.
+    That teardown takes seconds, far longer than the daemon's own stop, and a stop bounded by
+    systemd's TimeoutStopSec must not spend it there. Everything the daemon owns is closed by
+    now; flush the logs first.
     """
     logging.shutdown()
     sys.stdout.flush()
@@ -115,11 +115,10 @@ def _prepare_model(config: NodeConfig) -> None:
 def check_model(model: str) -> None:
     """Raise StartupError unless `model` names a checkpoint the daemon can open ("" = built-in).
 
-    Every rule about the model path lives here, so another format (e.g. a GGUF file) adds its
-    branch in one place. A missing path and a path that is not a directory are told apart.
-    Opening the checkpoint reads its config and the safetensors headers only (no weights); a
-    GGUF file's header and tensor table are checked without importing torch, so a damaged file
-    is one line within a second.
+    Every rule about the model path lives here; a missing path and a path that is not a
+    directory are told apart. Opening the checkpoint reads its config and the safetensors
+    headers only (no weights); a GGUF file's header and tensor table are checked without
+    importing torch, so a damaged file is one line within a second.
     """
     if model.startswith("mesh:"):
         from meshd.node.bootstrap import mesh_model_prefix

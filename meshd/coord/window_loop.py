@@ -243,17 +243,14 @@ class WindowLoop:
         if self.prefix is not None:
             self.proposer.stop_mtp()
         self._phase = "prefill"
-        self._prefill_start = now
-        start = 0 if self.prefix is None else self.prefix.positions
-        out += self._prefill(start)
+        out += self._prefill(0 if self.prefix is None else self.prefix.positions, now)
         if self.prefix is not None:
             self._hit_windows = {m.window_id for _, m in out if isinstance(m, VerifyWindow)}
-        windows = sum(isinstance(m, VerifyWindow) for _, m in out)
-        self._deadline = now + prefill_timeout(windows, self.reply_timeout_s)
         return out
 
-    def _prefill(self, start: int) -> list[Send]:
-        """The prompt from `start`, in chunks cut at multiples of `prefill_chunk_tokens`."""
+    def _prefill(self, start: int, now: float) -> list[Send]:
+        """The prompt from `start`, in chunks cut at multiples of `prefill_chunk_tokens`; its
+        reply is due by `prefill_timeout` from `now`."""
         prompt = self._prompt
         first_key = self.route.keys[0]
         out: list[Send] = []
@@ -276,6 +273,8 @@ class WindowLoop:
                 mask=first_mask[1] if hi == len(prompt) else b"",
             )
             out.append(Send(first_key, window))
+        self._prefill_start = now
+        self._deadline = now + prefill_timeout(len(out), self.reply_timeout_s)
         return out
 
     def _prefix_missed(self, now: float) -> list[Send]:
@@ -283,12 +282,8 @@ class WindowLoop:
         self.prefix = None
         self.prefix_missed = True
         self.epoch = max(self.epoch, PREFIX_MISS_EPOCH)
-        out = [Send(key, Rollback(self.session, self.epoch)) for key in self.route.keys]
-        out += self._prefill(0)
-        self._prefill_start = now
-        windows = sum(isinstance(m, VerifyWindow) for _, m in out)
-        self._deadline = now + prefill_timeout(windows, self.reply_timeout_s)
-        return out
+        rollbacks = [Send(key, Rollback(self.session, self.epoch)) for key in self.route.keys]
+        return rollbacks + self._prefill(0, now)
 
     def on_reply(self, reply: VerifyReply | StageError, now: float) -> list[Send]:
         """A reply or error from the route's last stage (replies of older epochs: ignored)."""

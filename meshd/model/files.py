@@ -70,8 +70,7 @@ def prepare(path: str | os.PathLike[str]) -> None:
 
     `meshd serve` calls it once the file has passed its check, so a first start hashes while
     torch imports (hashlib hashes without the GIL, on the other core). The tokenizer is not
-    built ahead: beside the import, which holds the GIL, it made a restart slower
-    (docs/benchmarks.md, "Start-up").
+    built ahead: it would hold the GIL beside the import (docs/benchmarks.md, "Start-up").
     """
     if is_gguf(path):
         p = pathlib.Path(path)

@@ -148,9 +148,8 @@ class _PlainViewReader(GGUFReader):
     checked, arrays read in bulk."""
 
     # Give the reader a plain ndarray view of the map, not a `np.memmap`: it slices its map
-    # once per metadata value, and each `np.memmap` slice runs Python-level finalizers,
-    # several times the parse time (figures: docs/model-runtime.md). Still memory-mapped:
-    # the view reads nothing until touched.
+    # once per metadata value, and each `np.memmap` slice runs Python-level finalizers
+    # (figures: docs/model-runtime.md). Still memory-mapped: the view reads nothing until touched.
     @property  # type: ignore[override]
     def data(self) -> np.ndarray:
         return self._plain
@@ -177,10 +176,8 @@ class _PlainViewReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
     def _build_fields(self, offs: int, count: int) -> int:
-        # The reader's own, but an array of strings or numbers becomes one `_BulkArray`:
-        # the reader makes a field part (numpy views) per element, 760 000 of them for a
-        # 151k-token vocabulary with its merges and token types, seconds of parse time and
-        # 200 MB of Python objects (figures: docs/model-runtime.md).
+        # The reader's own, but an array of strings or numbers becomes one `_BulkArray`, not
+        # a field part (numpy views) per element (figures: docs/model-runtime.md).
         for _ in range(count):
             orig_offs = offs
             kv_klen, kv_kdata = self._get_str(offs)

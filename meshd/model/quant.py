@@ -4,8 +4,7 @@
 ggml's block formats, run by the block kernels (`meshd.model.kernels.blocks`): `gguf` is a
 GGUF file's tensors as stored (`meshd.model.gguf_matrix`), and the block quantizations
 (`BLOCK_QUANTIZATIONS`) quantize a checkpoint at load into the blocks llama-quantize would
-write, so one path runs both. `int8` and `int4`, the names of meshd's earlier per-channel and
-grouped formats, are aliases of `q8_0` and `q4_k` (`ALIASES`).
+write, so one path runs both. `int8` and `int4` are aliases of `q8_0` and `q4_k` (`ALIASES`).
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ from meshd.model.gguf_matrix import GgufMatrix, Matrix
 
 BLOCK_QUANTIZATIONS: tuple[str, ...] = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", *BLOCK_QUANTIZATIONS)
-# Older names, accepted wherever a quantization is named: int8 (per-channel int8 weights) is
-# q8_0, int4 (4-bit groups) q4_k, the 4-bit format that keeps the most of the model
-# (docs/configuration.md has the figures).
+# Other names accepted wherever a quantization is named (docs/configuration.md).
 ALIASES: dict[str, str] = {"int8": "q8_0", "int4": "q4_k"}
 # Every name a user may give: the schemes and their aliases.
 NAMES: tuple[str, ...] = (*QUANTIZATIONS, *ALIASES)

@@ -74,12 +74,11 @@ def layer_bytes(
     config: ModelConfig,
     dtype: torch.dtype,
     quantization: str = "none",
-    device: str | torch.device = "cpu",
 ) -> int:
-    """Bytes one decoder layer holds once loaded (for the planner).
+    """Bytes one decoder layer holds once loaded, on any device (for the planner).
 
     `dtype` is the compute dtype (norms, biases, unquantized matrices); block matrices count
-    their blocks' bytes (`quant.matrix_bytes`). `device` does not change the figure.
+    their blocks' bytes (`quant.matrix_bytes`).
     """
     quantization = check_quantization(quantization)
     shapes = decoder_layer_shapes(config).values()
@@ -103,7 +102,6 @@ def stage_weight_bytes(
     layer_end: int,
     dtype: torch.dtype,
     quantization: str = "none",
-    device: str | torch.device = "cpu",
 ) -> int:
     """Bytes the stage `[layer_start, layer_end)` holds once loaded: `StageModel.weight_bytes`.
 
@@ -116,7 +114,7 @@ def stage_weight_bytes(
     is_first, is_last = layer_start == 0, layer_end == config.num_layers
     n_mtp = config.num_mtp_layers if is_last else 0
     vocab, h = config.vocab_size, config.hidden_size
-    total = (layer_end - layer_start) * layer_bytes(config, dtype, quantization, device)
+    total = (layer_end - layer_start) * layer_bytes(config, dtype, quantization)
     if quantization == "none":
         tied = config.tie_word_embeddings
         if is_first or (is_last and (tied or n_mtp > 0)):
@@ -131,7 +129,7 @@ def stage_weight_bytes(
         total += head if is_last else 0
     if is_last:
         mtp_own = 3 * h * item + matrix_bytes(2 * h, h, quantization, dtype)
-        total += h * item + n_mtp * (mtp_own + layer_bytes(config, dtype, quantization, device))
+        total += h * item + n_mtp * (mtp_own + layer_bytes(config, dtype, quantization))
     return total
 
 
@@ -178,7 +176,7 @@ class StageModel(StageWeights):
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         # A `gguf` stage counts its layers once they are mapped (`_load_stored`).
         self.bytes_per_layer = (
-            0 if quantization == "gguf" else layer_bytes(config, dtype, quantization, device)
+            0 if quantization == "gguf" else layer_bytes(config, dtype, quantization)
         )
         self._layer_windows = [config.window_for_layer(i) for i in range(layer_start, layer_end)]
         self._windows = sorted(set(self._layer_windows), key=lambda w: -1 if w is None else w)

@@ -102,9 +102,7 @@ class NatTraversal:
         refuses or does not answer, or if neither path opens a lane. None: the target's own
         lane arrived meanwhile (both sides dialed each other and its punch won). Its side
         stops answering our probes once it holds that lane, so going on would only probe
-        until the punch time ends and then handshake through the relay for nothing: five
-        initiations the introducer forwards and the target drops (the relayed datagrams a
-        punched mesh's generation showed under load).
+        until the punch time ends and then handshake through the relay for nothing.
         """
         start = trio.current_time()
         intro = await self._request_introduction(introducer, target)

@@ -80,7 +80,6 @@ class NodeBasis:
             name,
             model_dir,
             checkpoint,
-            device=device,
             dtype=dtype,
             kv_dtype=kv_dtype,
             quantization=quantization,

@@ -63,7 +63,6 @@ class ModelFiles:
         model_dir: str,
         checkpoint: Checkpoint,
         *,
-        device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype,
         quantization: str,
@@ -71,9 +70,7 @@ class ModelFiles:
         timing_checkpoint: Checkpoint | None = None,
     ) -> ModelFiles:
         """The model over an opened checkpoint (its tokenizer files are in `model_dir`)."""
-        tokenizer, shape = tokenizer_and_shape(
-            checkpoint, model_dir, dtype, quantization, kv_dtype, device
-        )
+        tokenizer, shape = tokenizer_and_shape(checkpoint, model_dir, dtype, quantization, kv_dtype)
         return cls(
             name=name,
             model_dir=model_dir,
@@ -92,14 +89,13 @@ def tokenizer_and_shape(
     dtype: torch.dtype,
     quantization: str,
     kv_dtype: torch.dtype,
-    device: torch.device,
 ) -> tuple[Tokenizer, ModelShape]:
     """(blocking) The model's tokenizer and `model_shape`, side by side: the shape's model id
     hashes every tensor on a first start, which hashlib does without the GIL, so it runs in a
     thread while this one builds the tokenizer (seconds each for a 150k-token vocabulary and a
     1 GB file; docs/benchmarks.md, "Start-up")."""
     with ThreadPoolExecutor(1, thread_name_prefix="model-id") as pool:
-        shape = pool.submit(model_shape, checkpoint, dtype, quantization, kv_dtype, device)
+        shape = pool.submit(model_shape, checkpoint, dtype, quantization, kv_dtype)
         tokenizer = open_tokenizer(model_dir)
         return tokenizer, shape.result()
 
@@ -134,7 +130,6 @@ def with_models(config: NodeConfig, basis: NodeBasis, more: Sequence[str]) -> No
             display_name(model),
             model_dir,
             open_checkpoint(model_dir),
-            device=basis.device,
             dtype=basis.dtype,
             kv_dtype=basis.kv_dtype,
             quantization=basis.quantization,

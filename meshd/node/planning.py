@@ -35,9 +35,8 @@ def model_shape(
     dtype: torch.dtype,
     quantization: str = "none",
     kv_dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
 ) -> ModelShape:
-    """The model as the planner sees it: the bytes a stage holds at `quantization` on `device`.
+    """The model as the planner sees it: the bytes a stage holds at `quantization`.
 
     Layer, embedding and head bytes are `stage_weight_bytes`'s (what `StageModel.weight_bytes`
     counts once loaded); KV per token is at `kv_dtype` (default: `dtype`), the last stage's
@@ -46,9 +45,7 @@ def model_shape(
     quantization = check_quantization(quantization)  # an alias under the name it stands for
     if quantization == "gguf":
         return stored_shape(checkpoint, dtype, kv_dtype)
-    return config_shape(
-        checkpoint.config, checkpoint.model_id, dtype, quantization, kv_dtype, device
-    )
+    return config_shape(checkpoint.config, checkpoint.model_id, dtype, quantization, kv_dtype)
 
 
 def stored_shape(
@@ -92,14 +89,13 @@ def config_shape(
     dtype: torch.dtype,
     quantization: str = "none",
     kv_dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
 ) -> ModelShape:
     """`model_shape` from a model's config and id alone (no weights needed)."""
     quantization = check_quantization(quantization)
-    per_layer = layer_bytes(config, dtype, quantization, device)
+    per_layer = layer_bytes(config, dtype, quantization)
 
     def extra(start: int, end: int) -> int:
-        return stage_weight_bytes(config, start, end, dtype, quantization, device) - (
+        return stage_weight_bytes(config, start, end, dtype, quantization) - (
             (end - start) * per_layer
         )
 

@@ -403,7 +403,7 @@ class SegmentSearch:
         caps_desc = sorted(self.mid_caps, reverse=True)
         single_fits = any(cap >= seg.layers for cap in self.only_caps)
         k_min = 1 if single_fits else max(2, min_stages(seg.layers, caps_desc, limit))
-        result = SegmentResult(best=None, min_stages=k_min, pool_size=len(self.pool))
+        result = SegmentResult(best=None, min_stages=k_min)
         if k_min > limit:
             return result
         greedy = self._greedy_runs(min(limit, k_min + 2 * _LOOKAHEAD + 2))

@@ -62,7 +62,6 @@ class SegmentResult:
     by_stages: dict[int, SegmentPlan | None] = field(default_factory=dict)
     # Fewest stages whose plain layer capacities cover the segment (before embedding/head).
     min_stages: int = 0
-    pool_size: int = 0
 
     @property
     def fewest_feasible(self) -> int | None:

@@ -16,8 +16,8 @@ ran on `t[b+j]`, which the previous window usually knew already (depth 1's rows 
 drafted right. So each depth records, per position, the token its row ran on, and a window
 re-runs depth k only from the first row in `b-k .. b-1` whose recorded token differs from the
 one now known (or that depth k-1 ran again, or that is not recorded as consistent with depth
-k-1's rows). On the built-in model this halves the heads' cost per window: the depths run one
-row each instead of k+1, and the vocabulary head only for the row that drafts.
+k-1's rows): the depths mostly run one row each instead of k+1, and the vocabulary head only
+for the row that drafts (figures: docs/speculative.md, "MTP heads").
 
 Rows before `b-k` are never touched, and the records say exactly what each held row ran on,
 so a rollback window (lower `b`) after a stale, wrongly-assumed window just works, like the
@@ -96,8 +96,8 @@ class MtpDrafter:
     def __init__(
         self, stage: StageModel, ring_positions: int = 512, *, reuse_rows: bool = True
     ) -> None:
-        """`reuse_rows=False` re-runs every row from `b-k` with logits for all of them, as
-        meshd did before; `meshd bench mtp` times it as the baseline."""
+        """`reuse_rows=False` re-runs every row from `b-k` with logits for all of them: the
+        baseline `meshd bench mtp` times."""
         if not stage.is_last:
             raise ValueError("MTP drafts run on the last stage")
         self.stage = stage

@@ -325,18 +325,6 @@ class BlockMatrix:
         self._w = int(data.ctypes.data)
         self._scratch_per_token = lib.scratch_bytes(self._type, in_features, 1) - 64
 
-    @classmethod
-    def from_reader_tensor(cls, tensor: Any, path: str | None = None) -> BlockMatrix:
-        """From a `gguf.GGUFReader` tensor (its `data` is a view of the mapped file)."""
-        shape = [int(n) for n in tensor.shape]
-        if len(shape) != 2:
-            raise ValueError(f"{tensor.name}: a matrix has two dimensions, not {shape}")
-        data = np.asarray(tensor.data).reshape(-1).view(np.uint8)
-        try:
-            return cls(data, tensor.tensor_type, shape[0], shape[1], path)
-        except UnsupportedTensorType as exc:
-            raise UnsupportedTensorType(f"tensor {tensor.name}: {exc}") from None
-
     @property
     def kernel(self) -> str:
         """The ISA path that multiplies this matrix (for reports)."""
@@ -435,8 +423,8 @@ def _argmax_library(choice: str) -> BlockKernels | None:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value in fp32 CPU logits `[V]` or `[n, V]`, as
-    `torch.argmax` picks it (the first of equal maxima, the first NaN), in the block library
-    (a tenth of torch's time over a large vocabulary); torch's where the library is missing."""
+    `torch.argmax` picks it (the first of equal maxima, the first NaN), in the block library;
+    torch's where the library is missing."""
     rows = logits.reshape(1, -1) if logits.dim() == 1 else logits
     lib = _argmax_library(os.environ.get(BLOCK_KERNELS_ENV, "auto"))
     if (
