@@ -49,8 +49,6 @@ _ITEMSIZE = {
 }  # fmt: skip
 _WEIGHT_DTYPES = ("F32", "F16", "BF16")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-_ID_SAMPLES = 16
-_ID_SAMPLE_BYTES = 16
 
 # Told after each tensor `Checkpoint.load` reads: (its name, its size in the file in bytes).
 OnTensor = Callable[[str, int], None]
@@ -223,16 +221,6 @@ class Checkpoint:
                         yield name, tensor
             except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
                 raise CorruptCheckpoint(f"{path}: cannot read tensors ({exc})") from None
-
-
-def _sample(fd: int, info: TensorInfo) -> bytes:
-    """A few bytes from evenly spaced places in the tensor (all of it if small)."""
-    if info.nbytes <= _ID_SAMPLES * _ID_SAMPLE_BYTES:
-        return os.pread(fd, info.nbytes, info.offset)
-    stride = info.nbytes // _ID_SAMPLES
-    return b"".join(
-        os.pread(fd, _ID_SAMPLE_BYTES, info.offset + i * stride) for i in range(_ID_SAMPLES)
-    )
 
 
 def _read_manifest(path: pathlib.Path) -> dict[str, TensorInfo]:

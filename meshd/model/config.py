@@ -76,10 +76,6 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidConfig(f"{path}: expected a JSON object at top level")
         return parse_config(raw, source=str(path))
 
-    def canonical_bytes(self) -> bytes:
-        """A stable byte encoding (sorted keys) used by the model id."""
-        return msgspec.json.encode(self, order="sorted")
-
     def window_for_layer(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None for full causal attention."""
         if self.sliding_window is not None and self.sliding_layers[layer]:

@@ -560,8 +560,7 @@ class AutoProposer(AccountedProposer):
             self.choice, self.plan = best_name, best_plan
             self._reason = f"{best_name} ({alphas}): {best_plan.reason}"
         if self.trace is not None:
-            live = self._mtp_live and self.book.has_mtp
-            self.trace(Decision(len(self._tokens), self.choice, self._reason, live, plans))
+            self.trace(Decision(len(self._tokens), self.choice, self._reason, plans))
 
     def _best(
         self,

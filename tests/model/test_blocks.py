@@ -258,24 +258,6 @@ def test_a_read_only_map_of_the_file_is_used_in_place(path: str, tmp_path: Path)
     assert torch.equal(m.rows(torch.tensor([39])), m.dequantize()[39:])
 
 
-def test_a_tensor_of_a_gguf_file_is_multiplied_where_the_reader_maps_it(tmp_path: Path) -> None:
-    rng = np.random.default_rng(13)
-    k, n_out = 320, 24
-    raw = _weights(T.Q5_1, n_out, k, rng)
-    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
-    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(n_out, -1), raw_dtype=T.Q5_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tensor = gguf.GGUFReader(tmp_path / "m.gguf").tensors[0]
-    m = BlockMatrix.from_reader_tensor(tensor)
-    assert (m.in_features, m.out_features) == (k, n_out)
-    assert not m.data.flags.writeable and m.data.base is not None  # a view of the map, no copy
-    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
-    assert torch.equal(m.mm(x), BlockMatrix(raw, T.Q5_1, k, n_out).mm(x))
-
-
 def test_a_type_without_a_kernel_is_named() -> None:
     raw = np.zeros(66, dtype=np.uint8)
     with pytest.raises(UnsupportedTensorType, match="IQ2_XXS"):

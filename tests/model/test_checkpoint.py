@@ -180,7 +180,6 @@ def test_config_layouts_v4_and_v5_agree() -> None:
         base | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
     )
     assert v4 == v5 and v4.rope.rope_type == "llama3" and v4.num_kv_heads == 4
-    assert v4.canonical_bytes() == v5.canonical_bytes()
     with pytest.raises(InvalidConfig, match="'vocab_size' is missing"):
         parse_config({k: v for k, v in base.items() if k != "vocab_size"})
     with pytest.raises(InvalidConfig, match="num_key_value_heads"):

@@ -117,7 +117,6 @@ class BlockKernels:
     supported: Any
     dequantizable: Any
     dequantize_rows: Any
-    has_k_quants: bool
     path: Path
     quantize_rows: Any  # meshd_blocks_quantize_rows (blocks_quantize.c)
     quantizable: Any
@@ -208,7 +207,6 @@ def _load(name: str, path: Path) -> BlockKernels:
     deq = lib.meshd_blocks_dequantize_rows
     deq.argtypes = [cint, p, i64, p, i64, p]
     deq.restype = cint
-    has_k = bool(lib.meshd_blocks_has_k_quants())
     quantize = lib.meshd_blocks_quantize_rows
     quantize.argtypes = [cint, p, i64, i64, p, cint]
     quantize.restype = cint
@@ -225,7 +223,7 @@ def _load(name: str, path: Path) -> BlockKernels:
     streaming.argtypes = [cint]
     streaming.restype = None
     return BlockKernels(
-        name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path, quantize,
+        name, mm, row_bytes, scratch, supported, dequantizable, deq, path, quantize,
         quantizable, parts_mm, argmax, streaming,
     )  # fmt: skip
 
@@ -324,18 +322,6 @@ class BlockMatrix:
         self._type = int(qtype)
         self._w = int(data.ctypes.data)
         self._scratch_per_token = lib.scratch_bytes(self._type, in_features, 1) - 64
-
-    @classmethod
-    def from_reader_tensor(cls, tensor: Any, path: str | None = None) -> BlockMatrix:
-        """From a `gguf.GGUFReader` tensor (its `data` is a view of the mapped file)."""
-        shape = [int(n) for n in tensor.shape]
-        if len(shape) != 2:
-            raise ValueError(f"{tensor.name}: a matrix has two dimensions, not {shape}")
-        data = np.asarray(tensor.data).reshape(-1).view(np.uint8)
-        try:
-            return cls(data, tensor.tensor_type, shape[0], shape[1], path)
-        except UnsupportedTensorType as exc:
-            raise UnsupportedTensorType(f"tensor {tensor.name}: {exc}") from None
 
     @property
     def kernel(self) -> str:
