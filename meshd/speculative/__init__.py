@@ -37,7 +37,6 @@ if TYPE_CHECKING:
         Verdict,
         clip_drafts,
         coupled_draft_token,
-        keyed_uniform,
         sample_token,
         verify,
     )
@@ -68,7 +67,6 @@ _WHERE = {
     "clip_drafts": "meshd.speculative.sampling",
     "coupled_draft_token": "meshd.speculative.sampling",
     "flag_name": "meshd.speculative.config",
-    "keyed_uniform": "meshd.speculative.sampling",
     "make_proposer": "meshd.speculative.strategies",
     "resolve_spec_config": "meshd.speculative.config",
     "sample_token": "meshd.speculative.sampling",
@@ -108,7 +106,6 @@ __all__ = [
     "clip_drafts",
     "coupled_draft_token",
     "flag_name",
-    "keyed_uniform",
     "make_proposer",
     "resolve_spec_config",
     "sample_token",

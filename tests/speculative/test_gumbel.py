@@ -8,10 +8,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from meshd.bench.sampling_reference import filtered_probs
 from meshd.speculative import SamplingParams, coupled_draft_token, sample_token, verify
 from meshd.speculative.sampling import (
     coupled_draft_tokens,
-    filtered_probs,
     filtered_support,
     keyed_gumbel,
     keyed_mantissas,
