@@ -15,17 +15,15 @@ GOVERNOR_SAMPLES = 5
 # Passes run with the other choice each time it is probed.
 GOVERNOR_PROBE_PASSES = 3
 # Passes between probes: the first gap, multiplied by GOVERNOR_BACKOFF each time a probe
-# confirms the choice (up to the last), back to the first after a switch. A probe of one
-# thread on a quiet machine costs ~0.8 of a pass each: these keep a 256-token answer's
-# probes to 3 % of its time, and a stage that starts on busy cores leaves them after 8 passes.
+# confirms the choice (up to the last), back to the first after a switch: probes stay a small
+# share of an answer's time, and a stage that starts on busy cores leaves them early.
 GOVERNOR_GAPS = (8, 1024)
 GOVERNOR_BACKOFF = 4
 # The other choice must be this much faster to be switched to (noise is not a reason).
 GOVERNOR_MARGIN = 0.05
-# A probe stops after a pass this many times slower than the current choice's median: two
-# threads on cores other work holds ran passes 10-30x slower than one thread (spinning workers
-# wait for descheduled partners), and three such passes per probe cost more than the probing
-# saves. (One thread on a quiet machine is at most ~2x slower than two.)
+# A probe stops after a pass this many times slower than the current choice's median: on
+# busy cores spinning workers wait for descheduled partners, and further such passes cost
+# more than the probing saves (figures: docs/model-runtime.md, "Threads").
 GOVERNOR_ABORT = 3.0
 
 
@@ -47,13 +45,11 @@ class ThreadGovernor:
     """Picks, for each pass, `threads` or 1 intra-op thread, whichever its passes run faster.
 
     More threads pay only while the other cores are free: OpenMP workers that spin briefly
-    between parallel regions (`GOMP_SPINCOUNT`, set by `meshd/__init__.py`) make a quiet
-    machine decode ~1.4x faster on 2 threads than on 1, and the same spinning makes a busy
-    machine decode 2-3x slower than on 1 (docs/model-runtime.md, "Threads"). Which case holds
-    changes while a daemon runs, so the stage measures: it keeps running its current choice,
+    between parallel regions (`GOMP_SPINCOUNT`, set by `meshd/__init__.py`) speed decode on a
+    quiet machine and slow it on a busy one (docs/model-runtime.md, "Threads"). Which case
+    holds changes while a daemon runs, so the stage measures: it keeps its current choice,
     every so often runs a few passes with the other, and switches when the other's median is
-    clearly faster. Probes back off (growing gaps) while they confirm the choice, so a steady
-    machine pays for them on well under 1 % of passes.
+    clearly faster. Probes back off (growing gaps) while they confirm the choice.
 
     Sans-IO: `choose(rows)` says how many threads the next pass of `rows` rows should use and
     `record(rows, threads, seconds)` reports what it took; the stage does the timing.

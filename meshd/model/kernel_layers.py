@@ -46,9 +46,8 @@ class KernelWindow:
 
 class KernelLayers:
     """Every decoder layer of a stage in one call of meshd's C kernel (`meshd_layers`), for
-    windows of up to `ROW_ATTENTION_MAX` rows, without the ~15 torch operations and Python
-    calls per layer between the products (about 1 ms a token on a 16-layer stage, time a second
-    core cannot shorten).
+    windows of up to `ROW_ATTENTION_MAX` rows, without the torch operations and Python calls
+    per layer between the products (time a second core cannot shorten).
 
     For block matrices it computes what `decoder_layer` computes, to the bit (the same block
     products and row attention, RoPE as the same complex multiply). For fp32 matrices it runs

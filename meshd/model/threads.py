@@ -29,9 +29,8 @@ from meshd.model.stage import layer_bytes
 log = logging.getLogger(__name__)
 
 # Below this many bytes per weight matrix (a layer's four, on average) one core finishes a
-# matrix-vector product (about 12 us at ~20 GB/s) in less time than a fork and join of a
-# second one pays back. (The built-in model's matrices, 0.7 MB in fp32, gain from two cores
-# since its layers run in meshd's kernel: docs/model-runtime.md, "Threads".)
+# matrix-vector product in less time than a fork and join of a second one pays back
+# (docs/model-runtime.md, "Threads").
 MIN_SHARED_MATRIX_BYTES = 1 << 18
 
 

@@ -211,9 +211,7 @@ class AutoProposer(AccountedProposer):
         strategy by `draft_over_heads_margin`, by the book or by this request's own
         estimates once both families have `draft_own_samples` of its windows. A request's
         estimates of both dip together on a hard stretch, where their order is noise, hence
-        the margin and the samples; the book alone mixes the requests' texts (after code
-        edits it favoured the heads on every completion and prose request, which paid them
-        in every window the draft drafted)."""
+        the margin and the samples; the book alone mixes the requests' texts."""
         own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
         if own < self.tuning.mtp_min_samples:
             return False

@@ -3,8 +3,8 @@
 `layers.c` runs what `llama.decoder_layer` computes, layer after layer (`meshd_layers`): RMS
 norms, products, RoPE, the cache write, attention one query row at a time, SwiGLU and the
 residuals, for fp32 matrices (its own fp32 product) and for matrices in ggml's block formats
-(the block library, `blocks.py`). torch has no fused decoder-layer call, and between its ~15
-small operations per layer a decode step spent ~1 ms a token (docs/model-runtime.md).
+(the block library, `blocks.py`): torch has no fused decoder-layer call, and its small
+operations per layer cost decode time (docs/model-runtime.md).
 
 The C sources ship in the package and are compiled once per machine with the system's C
 compiler (`cc`, or `CC`) into a cache directory (`MESHD_KERNEL_DIR`, else systemd's
