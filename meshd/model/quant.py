@@ -4,8 +4,7 @@
 ggml's block formats, run by the block kernels (`meshd.model.kernels.blocks`): `gguf` is a
 GGUF file's tensors as stored (`meshd.model.gguf_matrix`), and the block quantizations
 (`BLOCK_QUANTIZATIONS`) quantize a checkpoint at load into the blocks llama-quantize would
-write, so one path runs both. `int8` and `int4`, the names of meshd's earlier per-channel and
-grouped formats, are aliases of `q8_0` and `q4_k` (`ALIASES`).
+write, so one path runs both. `int8` and `int4` are aliases (`ALIASES`).
 """
 
 from __future__ import annotations
