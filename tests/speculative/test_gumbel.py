@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from meshd.bench.sampling_reference import filtered_probs
-from meshd.speculative import SamplingParams, coupled_draft_token, sample_token, verify
 from meshd.speculative.sampling import (
+    SamplingParams,
+    coupled_draft_token,
     coupled_draft_tokens,
     filtered_support,
     keyed_gumbel,
     keyed_mantissas,
     position_key,
+    sample_token,
+    verify,
 )
 from tests.speculative.test_sampling import reference_probs
 
