@@ -177,10 +177,9 @@ class _PlainViewReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(order))
 
     def _build_fields(self, offs: int, count: int) -> int:
-        # The reader's own, but an array of strings or numbers becomes one `_BulkArray`:
-        # the reader makes a field part (numpy views) per element, 760 000 of them for a
-        # 151k-token vocabulary with its merges and token types, seconds of parse time and
-        # 200 MB of Python objects (figures: docs/model-runtime.md).
+        # The reader's own, but an array of strings or numbers becomes one `_BulkArray`: the
+        # reader makes a field part (numpy views) per element, seconds of parse time and
+        # hundreds of MB of Python objects for a large vocabulary (docs/model-runtime.md).
         for _ in range(count):
             orig_offs = offs
             kv_klen, kv_kdata = self._get_str(offs)
