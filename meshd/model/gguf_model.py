@@ -63,8 +63,6 @@ _CONTROL = 3  # gguf.TokenType.CONTROL
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # llama.cpp's text heuristic for end-of-generation tokens (llama-vocab.cpp), for files whose
 # metadata names only one eos id.
-# llama.cpp's text heuristic for end-of-generation tokens (llama-vocab.cpp), for files whose
-# metadata names only one eos id.
 EOG_TEXTS = frozenset(
     ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
      "<EOT>", "_<EOT>", "<|end_of_text|>")
