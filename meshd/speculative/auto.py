@@ -44,9 +44,6 @@ if TYPE_CHECKING:
     from meshd.speculative.draft import DraftModel, DraftProposer
     from meshd.speculative.sampling import SamplingParams
 
-# AcceptanceBook is re-exported: the coordinator imports it from here.
-__all__ = ["AcceptanceBook", "AutoProposer"]
-
 # The draft model's candidate: `draft-ngram` (the draft's tokens, or prompt lookup's copy where
 # it starts with the draft's first token): it keeps the copies inside a window, which
 # switching to ngram-simple by stretches does not.
