@@ -30,13 +30,13 @@ import statistics
 
 import torch
 
+from meshd.bench.sampling_reference import filtered_probs
 from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 from meshd.speculative.sampling import (
     SamplingParams,
     coupled_draft_token,
-    filtered_probs,
     keyed_gumbel,
     sample_token,
 )

@@ -25,9 +25,9 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.files import open_checkpoint, open_tokenizer
 from meshd.model.stage import StageModel
 from meshd.sim.workloads import workloads
-from meshd.speculative import make_proposer
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.ngram import NgramSimple
+from meshd.speculative.strategies import make_proposer
 from meshd.stage.mtp_drafter import MtpDrafter
 
 

@@ -17,7 +17,8 @@ import timeit
 
 import torch
 
-from meshd.speculative.sampling import SamplingParams, keyed_uniform, nucleus_floor, sample_token
+from meshd.bench.sampling_reference import keyed_uniform
+from meshd.speculative.sampling import SamplingParams, nucleus_floor, sample_token
 
 
 def inverse_cdf_token(row: torch.Tensor, params: SamplingParams, position: int) -> int:

@@ -46,7 +46,7 @@ from meshd.coord.window_loop import Send, WindowLoop
 from meshd.net.lane_table import PeerUnreachable
 from meshd.net.peer_lane import LaneClosedError
 from meshd.plan.route import Route
-from meshd.speculative.auto import AcceptanceBook
+from meshd.speculative.acceptance_book import AcceptanceBook
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.draft_gate import pass_weights

@@ -166,7 +166,7 @@ class Checkpoint:
     directory: pathlib.Path
     config: ModelConfig
     tensors: Mapping[str, TensorInfo]
-    # Names whose bytes were read by `load` (not counting the model id's small samples).
+    # Names whose bytes were read by `load`.
     loaded_names: set[str] = field(default_factory=set)
     # The stage quantization (`none`, `gguf`, `q8_0`, ...) this checkpoint's own precision
     # calls for when the config says `auto`: full-precision safetensors need none.

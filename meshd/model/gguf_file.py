@@ -391,9 +391,6 @@ class GGUFMetadata:
         self._fields = reader.fields
         self.source = source
 
-    def has(self, key: str) -> bool:
-        return key in self._fields
-
     def value(self, key: str, default: Any = None) -> Any:
         """The key's value (str, number, bool or list), `default` when absent."""
         found = self._fields.get(key)

@@ -31,7 +31,6 @@ import torch
 
 from meshd.model.checkpoint import Checkpoint, OnTensor, TensorInfo, expected_shapes
 from meshd.model.config import ModelConfig
-from meshd.model.digests import cache_dir as cache_dir
 from meshd.model.digests import file_tensor_digests, sha256_range
 from meshd.model.digests import set_cache_dir as set_cache_dir
 from meshd.model.errors import CorruptCheckpoint

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from meshd.model.quant import block_table_bytes, check_quantization, matrix_byte
 from meshd.model.rope import Rotary
 from meshd.model.stage_weights import StageWeights
 
+_T = TypeVar("_T")
 # Told as a stage's weights load: (bytes read so far, bytes the stage reads in all).
 LoadProgress = Callable[[int, int], None]
 
@@ -312,21 +313,27 @@ class StageModel(StageWeights):
         otherwise. The last stage also returns fp32 logits, for all T positions or only for the
         last `logits_last_n` (a prefill chunk needs just one row).
         """
+        return self._governed(
+            len(inputs), lambda: self._forward(session_id, base_pos, inputs, logits_last_n)
+        )
+
+    def _governed(self, rows: int, run: Callable[[], _T]) -> _T:
+        """`run()`, a pass of `rows` rows, on the threads the governor chooses, timed for it."""
         if self.governor is None:
-            return self._forward(session_id, base_pos, inputs, logits_last_n)
-        threads = self.governor.choose(len(inputs))
+            return run()
+        threads = self.governor.choose(rows)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         start = time.perf_counter()
-        out = self._forward(session_id, base_pos, inputs, logits_last_n)
-        self.governor.record(len(inputs), threads, time.perf_counter() - start)
+        out = run()
+        self.governor.record(rows, threads, time.perf_counter() - start)
         return out
 
     def _forward(
         self, session_id: str, base_pos: int, inputs: torch.Tensor, logits_last_n: int | None
     ) -> StageOutput:
         group = self.kv.get(session_id).main
-        x = self._embed_tokens(inputs) if self.is_first else self._hidden_input(inputs)
+        x = self._stage_input(inputs)
         length = x.shape[0]
         group.check_window(session_id, base_pos, length, "stage")
         rope = self._rotary.table(base_pos, length)
@@ -356,16 +363,10 @@ class StageModel(StageWeights):
         computed, so a bad one leaves every cache untouched.
         """
         batch = [BatchItem(*item) for item in items]
-        if self.governor is None or not batch:
-            return self._forward_batch(batch)
+        if not batch:
+            return []
         rows = sum(len(item.inputs) for item in batch)
-        threads = self.governor.choose(rows)
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        start = time.perf_counter()
-        out = self._forward_batch(batch)
-        self.governor.record(rows, threads, time.perf_counter() - start)
-        return out
+        return self._governed(rows, lambda: self._forward_batch(batch))
 
     def _forward_batch(self, batch: list[BatchItem]) -> list[StageOutput]:
         if len({item.session_id for item in batch}) != len(batch):
@@ -374,8 +375,6 @@ class StageModel(StageWeights):
         xs = [self._stage_input(item.inputs) for item in batch]
         for item, group, x in zip(batch, groups, xs, strict=True):
             group.check_window(item.session_id, item.base_pos, x.shape[0], "stage")
-        if not batch:
-            return []
         lengths = [x.shape[0] for x in xs]
         ropes = [self._rotary.table(i.base_pos, n) for i, n in zip(batch, lengths, strict=True)]
         if self._kernel_layers is not None and max(lengths) <= ROW_ATTENTION_MAX:

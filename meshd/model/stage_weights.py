@@ -143,14 +143,12 @@ class StageWeights:
         if not blocks:  # (a block quantization's head is built with its table)
             head = embed if tied else self._fetch(checkpoint, "lm_head.", ["weight"])["weight"]
             assert head is not None
+            self._head = linear_weight(head)
             if tied:
                 # One tensor serves both: the head in its matmul layout, lookups reading its
                 # columns (a lookup touches T rows; the head streams the whole matrix every
                 # token).
-                self._head = linear_weight(head)
                 self._embed = self._head.t()
-            else:
-                self._head = linear_weight(head)
             del head
         del embed
         assert self._head is not None

@@ -44,9 +44,6 @@ if TYPE_CHECKING:
     from meshd.speculative.draft import DraftModel, DraftProposer
     from meshd.speculative.sampling import SamplingParams
 
-# AcceptanceBook is re-exported: the coordinator imports it from here.
-__all__ = ["AcceptanceBook", "AutoProposer"]
-
 # The draft model's candidate: `draft-ngram` (the draft's tokens, or prompt lookup's copy where
 # it starts with the draft's first token): it keeps the copies inside a window, which
 # switching to ngram-simple by stretches does not.
@@ -211,9 +208,7 @@ class AutoProposer(AccountedProposer):
         strategy by `draft_over_heads_margin`, by the book or by this request's own
         estimates once both families have `draft_own_samples` of its windows. A request's
         estimates of both dip together on a hard stretch, where their order is noise, hence
-        the margin and the samples; the book alone mixes the requests' texts (after code
-        edits it favoured the heads on every completion and prose request, which paid them
-        in every window the draft drafted)."""
+        the margin and the samples; the book alone mixes the requests' texts."""
         own = self._trackers[_DRAFT_CANDIDATE].samples - self._first_samples[_DRAFT_CANDIDATE]
         if own < self.tuning.mtp_min_samples:
             return False
@@ -560,8 +555,7 @@ class AutoProposer(AccountedProposer):
             self.choice, self.plan = best_name, best_plan
             self._reason = f"{best_name} ({alphas}): {best_plan.reason}"
         if self.trace is not None:
-            live = self._mtp_live and self.book.has_mtp
-            self.trace(Decision(len(self._tokens), self.choice, self._reason, live, plans))
+            self.trace(Decision(len(self._tokens), self.choice, self._reason, plans))
 
     def _best(
         self,

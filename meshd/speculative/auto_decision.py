@@ -16,6 +16,5 @@ class Decision:
     log_length: int  # committed tokens when it was made
     choice: str  # the strategy chosen ("disabled": plain decoding)
     reason: str  # why (`AutoProposer.reason`)
-    heads_live: bool  # whether the stages' MTP heads still ran for the request
     # Every weighed candidate: (expected seconds per token, width; 0 = it would not speculate).
     candidates: dict[str, tuple[float, int]]

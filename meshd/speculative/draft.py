@@ -20,8 +20,7 @@ The coordinator times each proposal; the seconds per draft-model pass (`draft_co
 the window policy's cost model (`LinkModel.draft_per_token_s`: a model-drafted token is one
 pass), so the width adapts to what a draft token costs against what the route's round trip
 costs. A pass costs the same whatever it proposes: a window of prompt lookup's copy after one
-pass is that one pass, so the cost is per pass, not per proposed token (per token, the free
-copies made a dear draft look cheap).
+pass is that one pass, so the cost is per pass, not per proposed token.
 """
 
 from __future__ import annotations

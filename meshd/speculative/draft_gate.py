@@ -1,8 +1,7 @@
 """Whether the draft model can pay on a route, whatever its acceptance: `auto`'s cost gate.
 
-A real draft costs a sizeable share of the target per token (a 0.5B beside a 1.5B: a fifth to
-a third, or more on a starved CPU), and where there is no round trip to hide it behind (one
-node) its passes run beside the target's on the same cores. The pipelined search
+A real draft costs a sizeable share of the target per token, and where there is no round
+trip to hide it behind (one node) its passes run beside the target's on the same cores. The pipelined search
 (`policy.search`) overlaps drafting with the target's pass and prices a window from the
 route's measured line; before any window wider than one token was measured that line is flat,
 and a window of eight drafts looks as cheap as a plain token. So `auto` weighs the draft twice:

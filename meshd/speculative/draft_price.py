@@ -3,9 +3,8 @@
 Three prices: a drafting pass (the seconds per drafted token the policy weighs), a
 teacher-forced scoring pass over new commits, and the draft's start, the log its cache lacks
 written before its first proposal. Each is this request's measure, else the book's (other
-requests'), else a prior from the two models' sizes and the target's measured pass: a 1 ms
-prior made a real draft (a third of the target) look free until it had drafted, and the
-first request of a process drafted with it at half the speed of plain decoding.
+requests'), else a prior from the two models' sizes and the target's measured pass (never a
+flat figure: a real draft is not free before it has drafted).
 """
 
 from __future__ import annotations

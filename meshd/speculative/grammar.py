@@ -10,14 +10,8 @@ would choose from the same masked row with the same keyed noise: drafts only dec
 of those tokens a window commits, and a draft the grammar forbids is cut before it is sent
 (it could never be accepted).
 
-Why llguidance (scripts/grammar_mask_cost.py, on this machine's 2 shared cores): on a 151,936
-token vocabulary (Qwen2.5) a mask costs 0.02 ms median, 0.2 ms mean per token, against 0.01 /
-0.03 ms for xgrammar, both far below a decode step (tens of ms); a JSON schema compiles in
-1–9 ms against 7–70 ms for xgrammar, which matters because every request with a schema or
-tools compiles its own; it reads the `tokenizers` JSON meshd already holds (no vocabulary-type
-guessing), and it is one self-contained MIT wheel where xgrammar pulls in triton and a TVM FFI.
-Its one-off cost is the tokenizer set-up (about 3 s for 151k tokens), done once per tokenizer
-in a worker thread.
+Why llguidance rather than xgrammar: docs/api.md. Its one-off cost, the tokenizer set-up, is
+paid once per tokenizer in a worker thread.
 """
 
 from __future__ import annotations

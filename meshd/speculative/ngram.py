@@ -10,8 +10,8 @@ and answered in O(ngram_max) per proposal, however long the history.
 
 `ngram-cache` keeps counts of the continuations of every context of length n and proposes the
 most frequent continuation (ties: the most recent), chained token by token, while its count
-reaches `ngram_cache_min_hits`. Its statistics are per request: `reset` clears them (a cache
-shared across requests let llama.cpp's acceptance fall from 86 % to 11 %).
+reaches `ngram_cache_min_hits`. Its statistics are per request: `reset` clears them (another
+request's text misleads them; docs/speculative.md).
 
 Both copy drafts LZ77-style: a continuation that runs into the end of the history continues
 with the drafts themselves, so a repeating loop is proposed for the whole window.

@@ -131,7 +131,6 @@ class AccountedProposer(Proposer):
         )
 
     def record(self, drafted: int, accepted: int) -> None:
-        """A verdict on one window of this proposer's drafts: `accepted` of `drafted`."""
         if drafted <= 0:
             return
         self.tracker.update(drafted, accepted)  # validates first: raises on accepted > drafted
@@ -140,7 +139,6 @@ class AccountedProposer(Proposer):
         self.stats.windows += 1
 
     def acceptance(self) -> tuple[float, ...]:
-        """Per-position acceptance estimate (α_1, α_2, …) for `policy.choose`."""
         return self.tracker.per_position()
 
     def _clear_stats(self) -> None:

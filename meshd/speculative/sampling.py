@@ -75,30 +75,6 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def keyed_uniform(seed: int, position: int) -> float:
-    """A uniform in [0, 1) keyed by (`seed`, `position`): the top 53 bits of `position_key`.
-
-    The draw of the inverse-CDF rule the sampler used before Gumbel-max (kept as the reference
-    in scripts/sampling_cost.py); the sampler's own noise is `keyed_gumbel`.
-    """
-    return (position_key(seed, position) >> 11) * (1.0 / (1 << 53))
-
-
-def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Float64 probabilities after temperature, top-k and top-p (the transformers order).
-
-    Zero outside the support, summing to 1 over it. The sampler itself never forms this row
-    (it works on the support's logits, see `filtered_support`); it is the distribution the
-    sampler draws from, for callers that need it (tests, acceptance measurements).
-    """
-    ids, scores = filtered_support(logits_row, params)
-    if ids is None:
-        return torch.softmax(scores, -1)
-    probs = torch.zeros(logits_row.shape[-1], dtype=torch.float64)
-    probs[ids] = torch.softmax(scores, -1)
-    return probs
-
-
 def filtered_support(
     logits_row: torch.Tensor, params: SamplingParams
 ) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -24,30 +24,8 @@ from meshd.speculative.draft import DraftModel, DraftNgram, DraftProposer
 from meshd.speculative.mtp import MtpHybrid, MtpProposer
 from meshd.speculative.ngram import NgramCache, NgramSimple
 from meshd.speculative.policy import DEFAULT_LINK, LinkModel
-from meshd.speculative.proposer import (
-    AccountedProposer,
-    DisabledProposer,
-    Proposer,
-    ProposerStats,
-)
+from meshd.speculative.proposer import DisabledProposer, Proposer
 from meshd.speculative.sampling import SamplingParams
-
-__all__ = [
-    "AcceptanceBook",
-    "AccountedProposer",
-    "AutoProposer",
-    "DisabledProposer",
-    "DraftNgram",
-    "DraftProposer",
-    "MtpHybrid",
-    "MtpProposer",
-    "NgramCache",
-    "NgramSimple",
-    "Proposer",
-    "ProposerStats",
-    "UnknownStrategyError",
-    "make_proposer",
-]
 
 
 class UnknownStrategyError(ValueError):

@@ -33,7 +33,7 @@ from meshd.mesh.jointoken import make_join_token
 from meshd.mesh.membership_config import MembershipConfig
 from meshd.net.emulator import LinkProfile
 from meshd.plan.inputs import PlannerConfig
-from meshd.speculative import SpecConfig
+from meshd.speculative.config import SpecConfig
 from meshd.stage.host import StageHostConfig
 from protocol.config import LaneConfig
 from protocol.punch import PunchConfig

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshd.speculative import Recorder, SamplingParams, clip_drafts, sample_token, verify
 from meshd.speculative.proposer import Proposer
+from meshd.speculative.sampling import SamplingParams, clip_drafts, sample_token, verify
+from meshd.speculative.telemetry import Recorder
 
 VOCAB = 32
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import random
 
-from meshd.speculative import (
-    AcceptanceBook,
-    AutoProposer,
-    LinkModel,
-    PolicyInputs,
-    SpecConfig,
-    choose,
-    make_proposer,
-)
+from meshd.speculative.acceptance_book import AcceptanceBook
+from meshd.speculative.auto import AutoProposer
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.policy import LinkModel, PolicyInputs, choose
 from meshd.speculative.proposer import Proposer
+from meshd.speculative.strategies import make_proposer
 
 CONFIG = SpecConfig(strategy="auto", ngram_min=1, ngram_max=3, mtp_depth=3)
 WAN = LinkModel(rtt_s=0.040, pass_fixed_s=0.004, pass_per_token_s=0.0005, stages=2)

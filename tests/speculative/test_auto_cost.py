@@ -14,11 +14,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from meshd.speculative import AcceptanceBook, AutoProposer, LinkModel
+from meshd.speculative.acceptance_book import AcceptanceBook
+from meshd.speculative.auto import AutoProposer
 from meshd.speculative.auto_decision import Decision
 from meshd.speculative.auto_tuning import AutoTuning
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.draft_gate import priced_link, serial_gain
+from meshd.speculative.policy import LinkModel
 from tests.speculative.drafts import tiny_draft
 from tests.speculative.test_auto_draft import CONFIG, VOCAB, greedy_text, no_mtp, novel, serve
 

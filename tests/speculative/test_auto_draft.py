@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from meshd.speculative import AcceptanceBook, AutoProposer, LinkModel, SpecConfig
+from meshd.speculative.acceptance_book import AcceptanceBook
+from meshd.speculative.auto import AutoProposer
+from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel, DraftNgram, DraftProposer
 from meshd.speculative.draft_scoring import draft_ngram_shadow as _draft_ngram_shadow
-from meshd.speculative.policy import PolicyInputs, choose
+from meshd.speculative.policy import LinkModel, PolicyInputs, choose
 from meshd.speculative.sampling import SamplingParams
 from tests.speculative.drafts import tiny_draft
 

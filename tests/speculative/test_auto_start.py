@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from meshd.model.config import ModelConfig, RopeConfig
-from meshd.speculative import AcceptanceBook, AutoProposer, LinkModel, draft_price
+from meshd.speculative import draft_price
+from meshd.speculative.acceptance_book import AcceptanceBook
+from meshd.speculative.auto import AutoProposer
 from meshd.speculative.auto_tuning import AutoTuning
 from meshd.speculative.draft_gate import pass_weights, plain_s, start_pays
+from meshd.speculative.policy import LinkModel
 from tests.speculative.drafts import tiny_draft
 from tests.speculative.test_auto_cost import DRAFT_S, PLAIN_S, TimedDraft, route
 from tests.speculative.test_auto_draft import CONFIG, VOCAB, greedy_text, no_mtp, serve

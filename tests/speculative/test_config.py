@@ -7,7 +7,8 @@ import argparse
 import msgspec
 import pytest
 
-from meshd.speculative import (
+from meshd.speculative.config import (
+    KEYS,
     SpecConfig,
     SpecConfigError,
     add_spec_arguments,
@@ -15,7 +16,6 @@ from meshd.speculative import (
     resolve_spec_config,
     spec_cli_values,
 )
-from meshd.speculative.config import KEYS
 
 
 def test_precedence_request_over_cli_over_file_over_model_defaults() -> None:

@@ -10,8 +10,12 @@ import tokenizers
 import torch
 
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
-from meshd.speculative import SamplingParams, SpecConfig, make_proposer
-from meshd.speculative.config import DRAFT_STRATEGIES, SpecConfigError, resolve_spec_config
+from meshd.speculative.config import (
+    DRAFT_STRATEGIES,
+    SpecConfig,
+    SpecConfigError,
+    resolve_spec_config,
+)
 from meshd.speculative.draft import (
     DraftMismatchError,
     DraftModel,
@@ -20,6 +24,8 @@ from meshd.speculative.draft import (
     check_draft_tokenizer,
 )
 from meshd.speculative.policy import LinkModel, PolicyInputs, choose
+from meshd.speculative.sampling import SamplingParams
+from meshd.speculative.strategies import make_proposer
 from tests.speculative.drafts import tiny_draft, tiny_draft_dir
 from tests.speculative.target import VOCAB, Target, decode_pipelined, decode_plain, decode_spec
 

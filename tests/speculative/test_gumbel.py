@@ -8,14 +8,17 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from meshd.speculative import SamplingParams, coupled_draft_token, sample_token, verify
+from meshd.bench.sampling_reference import filtered_probs
 from meshd.speculative.sampling import (
+    SamplingParams,
+    coupled_draft_token,
     coupled_draft_tokens,
-    filtered_probs,
     filtered_support,
     keyed_gumbel,
     keyed_mantissas,
     position_key,
+    sample_token,
+    verify,
 )
 from tests.speculative.test_sampling import reference_probs
 

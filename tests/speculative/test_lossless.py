@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from meshd.speculative import SamplingParams, SpecConfig, make_proposer
-from meshd.speculative.config import STRATEGIES
+from meshd.speculative.config import STRATEGIES, SpecConfig
+from meshd.speculative.sampling import SamplingParams
+from meshd.speculative.strategies import make_proposer
 from tests.speculative.drafts import tiny_draft, tiny_draft_dir
 from tests.speculative.target import (
     VOCAB,

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.speculative import AcceptanceTracker, LinkModel, PolicyInputs, SpecConfig, choose
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.policy import AcceptanceTracker, LinkModel, PolicyInputs, choose
 
 CONFIG = SpecConfig(window_max_tokens=12, max_pipeline_depth=3, min_speedup=1.0)
 WAN = LinkModel(rtt_s=0.040, pass_fixed_s=0.003, pass_per_token_s=0.0004, stages=2)

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.speculative import SpecConfig, UnknownStrategyError, make_proposer
-from meshd.speculative.config import STRATEGIES
+from meshd.speculative.config import STRATEGIES, SpecConfig
 from meshd.speculative.ngram import NgramCache
+from meshd.speculative.strategies import UnknownStrategyError, make_proposer
 from tests.speculative.drafts import tiny_draft, tiny_draft_dir
 from tests.speculative.target import VOCAB
 

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from meshd.speculative import SamplingParams, clip_drafts, keyed_uniform, sample_token, verify
+from meshd.bench.sampling_reference import keyed_uniform
+from meshd.speculative.sampling import SamplingParams, clip_drafts, sample_token, verify
 
 V8 = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.25])
 

@@ -5,16 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from meshd.speculative import (
-    LinkModel,
-    PolicyInputs,
-    Recorder,
-    SamplingParams,
-    SpecConfig,
-    SpecTelemetry,
-    choose,
-    make_proposer,
-)
+from meshd.speculative.config import SpecConfig
+from meshd.speculative.policy import LinkModel, PolicyInputs, choose
+from meshd.speculative.sampling import SamplingParams
+from meshd.speculative.strategies import make_proposer
+from meshd.speculative.telemetry import Recorder, SpecTelemetry
 from tests.speculative.target import Target, decode_spec
 
 

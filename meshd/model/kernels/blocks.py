@@ -117,7 +117,6 @@ class BlockKernels:
     supported: Any
     dequantizable: Any
     dequantize_rows: Any
-    has_k_quants: bool
     path: Path
     quantize_rows: Any  # meshd_blocks_quantize_rows (blocks_quantize.c)
     quantizable: Any
@@ -208,7 +207,6 @@ def _load(name: str, path: Path) -> BlockKernels:
     deq = lib.meshd_blocks_dequantize_rows
     deq.argtypes = [cint, p, i64, p, i64, p]
     deq.restype = cint
-    has_k = bool(lib.meshd_blocks_has_k_quants())
     quantize = lib.meshd_blocks_quantize_rows
     quantize.argtypes = [cint, p, i64, i64, p, cint]
     quantize.restype = cint
@@ -225,7 +223,7 @@ def _load(name: str, path: Path) -> BlockKernels:
     streaming.argtypes = [cint]
     streaming.restype = None
     return BlockKernels(
-        name, mm, row_bytes, scratch, supported, dequantizable, deq, has_k, path, quantize,
+        name, mm, row_bytes, scratch, supported, dequantizable, deq, path, quantize,
         quantizable, parts_mm, argmax, streaming,
     )  # fmt: skip
 
