@@ -107,7 +107,7 @@ async def _run(args: argparse.Namespace) -> None:
     model = args.model or str(builtin_model_dir())
     quantization = resolve_quantization("auto", model)
     tok = open_tokenizer(model)
-    loads = [w for w in workloads(args.prompts) if w.kind in args.kinds]
+    loads = workloads(args.prompts, tuple(args.kinds))
     eos = frozenset(tok.eos_ids)
     draft_path = args.speculative_draft_model or str(builtin_draft_dir())
     spec = msgspec.structs.replace(SpecConfig(), draft_model=draft_path)
