@@ -138,5 +138,12 @@ def stable_plan(daemons: list[Daemon]) -> list[dict[str, Any]]:
         seen.append(settled_plan(daemons))
         return len(seen) > 4 and seen[-1] is not None and all(p == seen[-1] for p in seen[-5:])
 
-    wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
+    try:
+        wait_until(stable, 40, "a stable settled plan", poll_s=0.25)
+    except DaemonError:
+        # What each daemon saw, for the failure report: which view or stage disagreed.
+        for d in daemons:
+            status = d.try_status() or {}
+            print(d.name, {k: status.get(k) for k in ("key", "plan", "stage_layers")})
+        raise
     return list(seen[-1])
