@@ -24,6 +24,7 @@ from meshd.coord.coordinator import Coordinator
 from meshd.coord.wiring import NodeWiring
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.files import open_checkpoint
+from meshd.model.governor import ThreadGovernor
 from meshd.model.stage import StageModel
 from meshd.net.emulator import LinkProfile
 from meshd.net.endpoint import Endpoint, open_endpoint
@@ -105,6 +106,11 @@ async def open_local_pipeline(
     """
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
+        if draft is not None:
+            # The draft computes on the threads the stages were given: a pass it governs sets
+            # torch's count, which worker threads started later inherit, and these stages,
+            # loaded on one thread, would then compute on more.
+            draft.stage.governor = ThreadGovernor(torch_threads) if torch_threads > 1 else None
     checkpoint = open_checkpoint(model_dir)
     ranges = list(split) if split is not None else even_split(checkpoint.config.num_layers, stages)
     nodes: list[LocalNode] = []

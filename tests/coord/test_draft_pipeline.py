@@ -95,3 +95,31 @@ async def test_auto_prices_an_untimed_draft_by_its_share_of_the_targets_weights(
         expected = pass_weights(draft.stage.config) / pass_weights(pipe.coordinator.target_config)
         assert book.draft_size_ratio == pytest.approx(expected)
         assert 0 < expected < 1  # the shipped draft is smaller than the built-in model
+
+
+async def test_stages_given_one_thread_keep_one_after_a_draft_loaded_on_more_drafted() -> None:
+    """A local pipeline's stages stand for one-core machines (one thread each). A draft loaded
+    on two threads drafts on the threads the stages were given: after it drafted, a worker
+    thread started then (as a stage's may be) still computes on one thread. A draft governed
+    on two threads had set torch's count to two for every thread started after its pass."""
+    import threading
+
+    import torch
+
+    from meshd.speculative.draft import DraftModel
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        draft = DraftModel.load(DRAFT)
+        async with open_local_pipeline(MODEL, 2, draft=draft, torch_threads=1):
+            session = draft.open(16)
+            draft.next_logits(session, 0, PROSE[:4])
+            draft.close(session)
+            seen: list[int] = []
+            worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            worker.start()
+            worker.join()
+            assert seen == [1]
+    finally:
+        torch.set_num_threads(previous)
