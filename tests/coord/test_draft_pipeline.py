@@ -6,7 +6,10 @@ coordinator; greedy output over 1-3 stages and a seeded sampled request equal `d
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
 import trio
 
 from meshd.coord.coordinator import GenerationRequest, GenerationResult
@@ -14,6 +17,7 @@ from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft import DraftModel
 from meshd.speculative.draft_gate import pass_weights
 from protocol.messages import Sampling
 
@@ -102,11 +106,6 @@ async def test_stages_given_one_thread_keep_one_after_a_draft_loaded_on_more_dra
     on two threads drafts on the threads the stages were given: after it drafted, a worker
     thread started then (as a stage's may be) still computes on one thread. A draft governed
     on two threads had set torch's count to two for every thread started after its pass."""
-    import threading
-
-    import torch
-
-    from meshd.speculative.draft import DraftModel
 
     previous = torch.get_num_threads()
     try:

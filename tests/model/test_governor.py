@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
@@ -10,6 +11,7 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.governor import GOVERNOR_GAPS, GOVERNOR_PROBE_PASSES, ThreadGovernor
 from meshd.model.stage import StageModel
+from meshd.speculative.draft import DraftModel
 
 
 def _run(gov: ThreadGovernor, passes: int, seconds: dict[int, float], rows: int = 1) -> list[int]:
@@ -107,9 +109,6 @@ def test_a_draft_governs_its_threads_without_touching_a_stages_on_another_thread
     """The coordinator's draft model (on the event loop's thread) governs its threads as a
     stage does; where it chose one thread, a stage's passes on its worker thread still run on
     the threads the stage's governor chose, and the draft's next pass on its own choice."""
-    import threading
-
-    from meshd.speculative.draft import DraftModel
 
     previous = torch.get_num_threads()
     try:
