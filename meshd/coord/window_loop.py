@@ -156,6 +156,8 @@ class WindowLoop:
         self._decode_start = 0.0
         # When the last reply left nothing in flight: the coordinator's turnaround starts.
         self._idle_since: float | None = None
+        # Of that turnaround, the proposer's own passes (`Proposer.last_observe_s`).
+        self._observing_s = 0.0
         self._deadline: float | None = None
         # Committed tokens the driver has yet to stream, and what the loop does once it has.
         self._to_stream: list[int] = []
@@ -382,6 +384,7 @@ class WindowLoop:
         queue = sum(t.queue_s for t in timings)
         round_trip = max(0.0, now - w.sent_s - w.draft_s)
         self._idle_since = None if self._in_flight else now
+        self._observing_s = 0.0
         # A batched pass is shared by its sessions: the cost model takes this session's share,
         # and the policy multiplies it back by the load (C_L = L·C). The rest of the pass was
         # spent on others' rows, so it counts as waiting, not as network.
@@ -438,6 +441,7 @@ class WindowLoop:
         kept = list(logprobs[: len(visible)])
         self._logprobs.extend(kept)
         self.proposer.observe(tokens)
+        self._observing_s += self.proposer.last_observe_s
         if visible:
             self._to_stream = list(visible)
             self._logprobs_to_stream = kept
@@ -559,7 +563,7 @@ class WindowLoop:
 
     def _send_window(self, w: _Window) -> Send:
         if self._idle_since is not None and not self._in_flight:
-            self.costs.observe_local(w.sent_s - self._idle_since)
+            self.costs.observe_local(w.sent_s - self._idle_since - self._observing_s)
         self._idle_since = None
         message = VerifyWindow(
             session=self.session,

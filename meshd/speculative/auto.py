@@ -267,6 +267,7 @@ class AutoProposer(AccountedProposer):
         Scoring and deciding here, not only in `propose`, keeps `auto` learning while it is
         disabled and the coordinator asks it for no drafts at all.
         """
+        self.last_observe_s = 0.0
         for part in self._parts:
             part.observe(committed)
         if self._draft is not None:
@@ -491,7 +492,9 @@ class AutoProposer(AccountedProposer):
             plain_s=self._plain_s(),
         ):
             return
+        started = self._draft.clock()
         spent = scorer.run(self._tokens, chains, self._pending)
+        self.last_observe_s += self._draft.clock() - started
         if spent is not None:
             self.book.time_score(spent)
         self.book.draft_write_token_s = self._draft.write_token_s or self.book.draft_write_token_s

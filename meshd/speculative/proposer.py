@@ -41,6 +41,11 @@ class Proposer(ABC):
     # Seconds the latest proposal took on the coordinator (a draft model's passes; ~0 for
     # lookups): the window loop takes it out of the round trip it measures.
     last_draft_s: float = 0.0
+    # Seconds the latest `observe` spent on passes of a model of its own (`auto` scoring the
+    # draft model teacher-forced): the window loop leaves them out of the coordinator's
+    # turnaround, which every strategy's time per token includes (a one-off pass over a
+    # prompt counted there would price all tokens as slow, and favour the widest windows).
+    last_observe_s: float = 0.0
 
     @abstractmethod
     def reset(self, prompt: Sequence[int]) -> None:

@@ -30,6 +30,7 @@ from meshd.coord.window_loop import WindowLoop
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.llama import ROW_ATTENTION_MAX
 from meshd.model.tokenizer import Tokenizer
+from meshd.speculative.auto import AutoProposer
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.mtp import MtpHybrid, MtpProposer
@@ -37,6 +38,7 @@ from meshd.speculative.ngram import NgramSimple
 from meshd.speculative.strategies import make_proposer
 from protocol.messages import OpenSession, Rollback, StageError, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages, plain_decode
+from tests.speculative.test_auto_cost import TimedDraft
 
 MODEL = builtin_model_dir()
 DRAFT = builtin_draft_dir()
@@ -449,3 +451,44 @@ def test_a_recovery_replays_the_generated_tokens_in_windows_that_decode_to_the_s
         (0, 20), (20, 36), (36, 52), (52, 60)
     ]  # fmt: skip
     assert [w.sample for w in sent] == [False, False, False, True]
+
+
+def test_the_drafts_scoring_passes_are_not_the_coordinators_turnaround() -> None:
+    # `auto` scores the draft model teacher-forced while another strategy decodes: a pass
+    # of its own, bounded by its own budget, not a turnaround every token pays. Counted as
+    # one, a single pass over the prompt priced every strategy's token as slow (for five
+    # windows of the average) and so favoured the strategy with the widest windows.
+    draft = TimedDraft(shipped_draft(), 0.05)
+    net = VirtualRoute(load_stages(MODEL, TWO_STAGES), hop_s=0.02, compute_s=0.002)
+    costs = RouteCosts(stages=2)
+    request = spec_request(NOVEL, 24, "auto", depth=1)
+    spec = msgspec.structs.replace(request.spec, draft_model=str(DRAFT))
+    request = replace(request, spec=spec)
+    proposer = make_proposer("auto", request.spec, link=costs.link_model(), draft=draft)
+    assert isinstance(proposer, AutoProposer) and proposer._draft is not None
+    proposer._draft.clock = lambda: draft.now
+    loop = WindowLoop(
+        session="s1",
+        route=net.route,
+        request=request,
+        proposer=proposer,
+        costs=costs,
+        coordinator_key=b"c" * 32,
+        prefill_chunk_tokens=16,
+        wire_dtype="f32",
+        reply_timeout_s=30.0,
+    )
+    now = 0.0
+    net.deliver(loop.start(NOVEL, now), now)
+    scored_idle = 0
+    while not loop.done:
+        at, reply = net.next_reply()
+        now = max(now, at)
+        before, idle = draft.now, loop.windows_in_flight == 1
+        net.deliver(loop.on_reply(reply, now), now)
+        now += draft.now - before  # the coordinator's clock runs on while the draft computes
+        scored_idle += idle and draft.now > before
+        if loop.tokens_to_stream:
+            net.deliver(loop.on_streamed(now), now)
+    assert scored_idle > 0  # the draft was scored between a reply and the next window
+    assert costs.local_s == pytest.approx(0.0, abs=1e-9)
