@@ -25,6 +25,7 @@ soon as it is dropped, so the stages free its KV instead of holding what no inde
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -166,6 +167,9 @@ class Coordinator:
         self.wire_dtype = wire_dtype
         self.reply_timeout_s = reply_timeout_s
         self._live: dict[str, _Live] = {}
+        # One window-loop step at a time (`_step`): steps share the draft models, the route
+        # costs and the acceptance books, none of them thread-safe.
+        self._steps = trio.Lock()
         self._costs: dict[tuple[bytes, ...], RouteCosts] = {}
         self._load: dict[tuple[bytes, ...], float] = {}
         self._books: dict[tuple[str, tuple[object, ...]], AcceptanceBook] = {}
@@ -385,7 +389,10 @@ class Coordinator:
             reply_timeout_s=self.reply_timeout_s,
             prefix=hit,
         )
-        await self._send_all(live, loop, loop.start(request.prompt, trio.current_time()))
+        now = trio.current_time()
+        await self._send_all(
+            live, loop, await self._step(proposer, loop.start, request.prompt, now)
+        )
         while not loop.done:
             item: _Inbox | None = None
             timer = loop.timer
@@ -397,17 +404,31 @@ class Coordinator:
             elif isinstance(item, _StageLost):
                 sends = loop.on_stage_failed(item.node_key, now)
             else:
-                sends = loop.on_reply(item, now)
+                sends = await self._step(proposer, loop.on_reply, item, now)
             await self._send_all(live, loop, sends)
             tokens = loop.tokens_to_stream
             if tokens:
                 if request.on_logprobs is not None:
                     request.on_logprobs(loop.logprobs_to_stream)
                 stop = await on_tokens(tokens) is False
-                await self._send_all(live, loop, loop.on_streamed(trio.current_time(), stop=stop))
+                streamed = functools.partial(loop.on_streamed, stop=stop)
+                now = trio.current_time()
+                await self._send_all(live, loop, await self._step(proposer, streamed, now))
         if index is not None:
             self._after_prefix(index, loop, hit, live)
         return loop.result()
+
+    async def _step(
+        self, proposer: Proposer, step: Callable[..., list[Send]], *args: object
+    ) -> list[Send]:
+        """`step(*args)`, a window-loop call that may call the proposer. Where the proposer runs
+        a draft model its passes take seconds (a long prompt's prefill): the step runs on a
+        worker thread, so this node's lanes keep answering keep-alives meanwhile (peers would
+        otherwise declare it dead past `dead_after_s`) and its other work goes on."""
+        async with self._steps:
+            if proposer.runs_a_model:
+                return await trio.to_thread.run_sync(step, *args)
+            return step(*args)
 
     def _after_prefix(
         self, index: PrefixIndex, loop: WindowLoop, hit: PrefixHit | None, live: _Live

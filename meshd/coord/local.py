@@ -107,10 +107,12 @@ async def open_local_pipeline(
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
         if draft is not None:
-            # The draft computes on the threads the stages were given: a pass it governs sets
-            # torch's count, which worker threads started later inherit, and these stages,
-            # loaded on one thread, would then compute on more.
-            draft.stage.governor = ThreadGovernor(torch_threads) if torch_threads > 1 else None
+            # The draft computes on the threads the stages were given, whichever worker thread
+            # runs its passes (the coordinator's steps run on one, and a thread's torch count
+            # is its own): its governor sets them before each pass. A pass it governs on more
+            # sets torch's count, which worker threads started later inherit, and these
+            # stages, loaded on one thread, would then compute on more.
+            draft.stage.governor = ThreadGovernor(torch_threads)
     checkpoint = open_checkpoint(model_dir)
     ranges = list(split) if split is not None else even_split(checkpoint.config.num_layers, stages)
     nodes: list[LocalNode] = []

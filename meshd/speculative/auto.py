@@ -336,6 +336,10 @@ class AutoProposer(AccountedProposer):
         return drafts
 
     @property
+    def runs_a_model(self) -> bool:
+        return self._draft is not None
+
+    @property
     def draft_cost_s(self) -> float:
         """The draft model's seconds per token while it drafts (else 0)."""
         if self._draft is not None and self.active in DRAFT_STRATEGIES:

@@ -84,7 +84,8 @@ def check_draft_tokenizer(target: str | os.PathLike[str], draft: str | os.PathLi
 class DraftModel:
     """A whole draft checkpoint for the coordinator: sessions, forward passes, its vocabulary.
 
-    Not thread-safe: the coordinator calls it from its event loop only.
+    Not thread-safe: the coordinator calls it from one window-loop step at a time
+    (`Coordinator._step`).
     """
 
     def __init__(self, stage: StageModel, path: str, eos_ids: Sequence[int] = ()) -> None:
@@ -193,6 +194,10 @@ class DraftProposer(AccountedProposer):
         """Measured seconds per draft-model pass, the cost of each token the model drafts (0
         until something was drafted)."""
         return self._cost_s or 0.0
+
+    @property
+    def runs_a_model(self) -> bool:
+        return True
 
     def reset(self, prompt: Sequence[int]) -> None:
         """New request: a fresh draft session (opened when first needed), `prompt` as the log."""

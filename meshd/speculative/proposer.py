@@ -96,6 +96,12 @@ class Proposer(ABC):
         return None
 
     @property
+    def runs_a_model(self) -> bool:
+        """Whether its calls may run passes of a model on the coordinator (a draft model's:
+        seconds over a long prompt), so the driver makes them off its event loop."""
+        return False
+
+    @property
     def uses_mtp(self) -> bool:
         """Whether a session for this strategy opens with the last stage's MTP heads."""
         return self.name in MTP_STRATEGIES

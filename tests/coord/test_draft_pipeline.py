@@ -7,6 +7,8 @@ coordinator; greedy output over 1-3 stages and a seeded sampled request equal `d
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -122,3 +124,50 @@ async def test_stages_given_one_thread_keep_one_after_a_draft_loaded_on_more_dra
             assert seen == [1]
     finally:
         torch.set_num_threads(previous)
+
+
+class SlowDraft(DraftModel):
+    """The shipped draft, each pass taking at least `pass_s` more (a long prefill's seconds)."""
+
+    def __init__(self, inner: DraftModel, pass_s: float) -> None:
+        super().__init__(inner.stage, inner.path, sorted(inner.eos_ids))
+        self.pass_s = pass_s
+
+    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+        time.sleep(self.pass_s)
+        return super().rows(session, base_pos, tokens, last_n)
+
+
+async def test_the_drafts_passes_leave_the_coordinators_event_loop_free() -> None:
+    """A draft model's pass can take seconds (a long prompt's prefill on a slow machine). Made
+    on the event loop it held the node's lanes: peers heard no keep-alive past dead_after_s,
+    declared the node dead and the request failed. The loop must keep running meanwhile."""
+    draft = SlowDraft(DraftModel.load(DRAFT), 0.4)
+    gaps: list[float] = []
+
+    async def tick(done: trio.Event) -> None:
+        last = trio.current_time()
+        while not done.is_set():
+            await trio.sleep(0.01)
+            now = trio.current_time()
+            gaps.append(now - last)
+            last = now
+
+    async with open_local_pipeline(MODEL, 2, draft=draft) as pipe:
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick, done)
+
+            async def on_tokens(tokens: list[int]) -> None:
+                pass
+
+            started = trio.current_time()
+            with trio.fail_after(120):
+                result = await pipe.coordinator.generate(
+                    pipe.route, request("draft", n=8), on_tokens
+                )
+            took = trio.current_time() - started
+            done.set()
+    assert len(result.tokens) == 8
+    assert took > 4 * 0.4  # several passes of the draft ran in the request
+    assert max(gaps) < 0.3, max(gaps)  # none of them held the event loop
