@@ -361,7 +361,10 @@ class Coordinator:
         try:
             return await self._drive_loop(live, request, on_tokens, proposer)
         finally:
-            proposer.close()
+            # Between steps: another request's step may be running the same draft model.
+            with trio.CancelScope(shield=True):
+                async with self._steps:
+                    proposer.close()
 
     async def _drive_loop(
         self, live: _Live, request: GenerationRequest, on_tokens: OnTokens, proposer: Proposer

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from meshd.coord.coordinator import GenerationRequest, GenerationResult
-from meshd.coord.local import open_local_pipeline
+from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import SpecConfig
@@ -171,3 +171,35 @@ async def test_the_drafts_passes_leave_the_coordinators_event_loop_free() -> Non
     assert len(result.tokens) == 8
     assert took > 4 * 0.4  # several passes of the draft ran in the request
     assert max(gaps) < 0.3, max(gaps)  # none of them held the event loop
+
+
+async def test_concurrent_requests_drafting_with_one_draft_model_each_give_plain_text() -> None:
+    """Several requests share the node's draft model, whose passes run on worker threads: one
+    step at a time, so each keeps its own draft session and gets plain decoding's text."""
+    strategies = ("draft", "draft-ngram", "auto", "draft")
+    async with open_local_pipeline(MODEL, 2, rtt_s=0.002, wire_dtype="f32") as pipe:
+        results: dict[int, GenerationResult] = {}
+
+        async def one(index: int, strategy: str) -> None:
+            async def on_tokens(tokens: list[int]) -> None:
+                await trio.lowlevel.checkpoint()
+
+            generated = pipe.coordinator.generate(pipe.route, request(strategy), on_tokens)
+            results[index] = await generated
+
+        with trio.fail_after(120):
+            plain = (await run_one(pipe, request("disabled"))).tokens
+            async with trio.open_nursery() as nursery:
+                for index, strategy in enumerate(strategies):
+                    nursery.start_soon(one, index, strategy)
+        draft = pipe.coordinator.draft_model(SpecConfig(draft_model=DRAFT))
+        assert draft is not None and len(draft.stage.kv) == 0
+    assert [results[i].tokens for i in range(len(strategies))] == [plain] * len(strategies)
+    assert results[0].telemetry.proposers["draft"].drafted > 0
+
+
+async def run_one(pipe: LocalPipeline, req: GenerationRequest) -> GenerationResult:
+    async def on_tokens(tokens: list[int]) -> None:
+        pass
+
+    return await pipe.coordinator.generate(pipe.route, req, on_tokens)
