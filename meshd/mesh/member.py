@@ -47,9 +47,10 @@ class LocalCapacity:
 class MemberInfo:
     """One member as this node sees it.
 
-    `rtt_s` holds the member's own measured round trips to the peers it names, by node id (for
-    this node itself: this node's measurements). `lane_up` says whether this node has an open
-    lane to it. `since` is when its status last changed (the caller's clock).
+    `rtt_s` holds the round trips the member's signed record names, by peer node id (for this
+    node itself too: the row it published, which every node reads alike, not its latest
+    measurements). `lane_up` says whether this node has an open lane to it. `since` is when its
+    status last changed (the caller's clock).
     """
 
     node_id: bytes

@@ -242,7 +242,10 @@ class Membership(Probing):
             incarnation=self._incarnation,
             address=self._own.address,
             capacity=self._own.record,
-            rtt_s={nid: m.rtt_s for nid, m in self._members.items() if m.rtt_s is not None},
+            # The row this node's record publishes, as every other node reads it: plans must
+            # come out the same everywhere, and the live measurements drift from the published
+            # row by up to the re-signing threshold (`rtt_change_fraction`, `rtt_change_min_s`).
+            rtt_s=resolve_rtt(self._own.record, self._by_prefix),
             lane_up=True,
             since=self._since,
         )

@@ -24,6 +24,7 @@ from meshd.mesh.identity import NodeIdentity, admission_policy
 from meshd.mesh.member import LocalCapacity, MemberEvent
 from meshd.mesh.membership import Membership
 from meshd.model.device import device_memory_bytes
+from meshd.model.governor import ThreadGovernor
 from meshd.model.threads import configure_threads
 from meshd.net.bulk import BulkGate
 from meshd.net.endpoint import Endpoint, open_endpoint
@@ -76,6 +77,10 @@ async def run_node(
         config.threads, largest.checkpoint.config, basis.dtype, basis.quantization
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
+    if basis.draft is not None:
+        # The draft computes on the node's threads: it loaded before they were set, and a pass
+        # it governed on all the cores would compute there on a node given fewer.
+        basis.draft.stage.governor = ThreadGovernor(threads) if threads > 1 else None
     compute_ns = [await measure_or_cached(basis, files, config) for files in basis.models]
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with (

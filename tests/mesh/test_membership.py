@@ -298,6 +298,29 @@ def test_capacity_update_propagates_and_rtt_matrix_fills() -> None:
     assert all(0.0 < rtt < 0.05 for rtt in matrix.values())  # sim RTT is 4..8 ms
 
 
+def test_every_node_plans_from_the_same_rtt_matrix() -> None:
+    # Plans come out the same on every node only if their inputs do: a node's own RTT row is
+    # the one its signed record publishes (what every other node reads), never its live
+    # measurements, which drift from the published row by up to the re-signing threshold.
+    sim = converged_sim(4, seed=3)
+    sim.run_for(30.0)  # probes have measured round trips; rate limits have passed
+
+    def same_everywhere() -> bool:
+        matrices = [node.m.rtt_matrix() for node in sim.nodes]
+        return all(m == matrices[0] for m in matrices)
+
+    took = sim.wait_for(same_everywhere, timeout_s=10.0, step_s=0.05)
+    assert took < math.inf, "the nodes' RTT matrices never agreed"
+    matrix = sim.nodes[0].m.rtt_matrix()
+    assert len({(a, b) for a, b in matrix if a != b}) >= 4 * 3 // 2
+    # And they stay the same while measurements drift below the threshold.
+    agreed = 0
+    for _ in range(40):
+        sim.run_for(0.25)
+        agreed += same_everywhere()
+    assert agreed >= 30, f"the RTT matrices agreed in {agreed} of 40 polls"
+
+
 def _forge(sim: Sim, owner: int, key: SigningKey, **changes: int) -> SignedRecord:
     current = sim.nodes[owner].m.view()[sim.nodes[owner].node_id].capacity
     assert current is not None

@@ -22,7 +22,8 @@ from tests.node.daemons import Daemon, stable_plan
 
 class StopMesh:
     """Daemons numbered `stage_nodes`, `spare` and `coordinator_only`, each started with
-    `extra` and the stage budget `budget` (the coordinator-only node: 1 byte)."""
+    `extra` and the stage budget `budget` (the coordinator-only node: 1 byte, and
+    `coordinator_extra` besides)."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class StopMesh:
         stage_nodes: tuple[int, ...],
         spare: int,
         coordinator_only: int,
+        coordinator_extra: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tmp
         self.secret = secret
@@ -42,12 +44,16 @@ class StopMesh:
         self.stage_nodes = stage_nodes
         self.spare_index = spare
         self.coordinator_only = coordinator_only
+        self.coordinator_extra = coordinator_extra
         self.daemons: dict[int, Daemon] = {}
         self.gone: set[int] = set()
 
     def start(self, index: int) -> Daemon:
-        budget = 1 if index == self.coordinator_only else self.budget
-        d = Daemon(self.tmp, index, secret=self.secret, budget=budget, extra=self.extra)
+        if index == self.coordinator_only:
+            budget, extra = 1, (*self.extra, *self.coordinator_extra)
+        else:
+            budget, extra = self.budget, self.extra
+        d = Daemon(self.tmp, index, secret=self.secret, budget=budget, extra=extra)
         self.daemons[index] = d
         self.gone.discard(index)
         return d
