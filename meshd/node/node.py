@@ -78,9 +78,10 @@ async def run_node(
     )
     log.info("compute: %d thread(s), quantization %s", threads, basis.quantization)
     if basis.draft is not None:
-        # The draft computes on the node's threads: it loaded before they were set, and a pass
-        # it governed on all the cores would compute there on a node given fewer.
-        basis.draft.stage.governor = ThreadGovernor(threads) if threads > 1 else None
+        # The draft computes on the node's threads, on whichever worker thread runs its pass
+        # (a thread's torch count is its own): it loaded before they were set, and a pass it
+        # governed on all the cores would compute there on a node given fewer.
+        basis.draft.stage.governor = ThreadGovernor(threads)
     compute_ns = [await measure_or_cached(basis, files, config) for files in basis.models]
     admit = admission_policy(config.admitted_public_keys(), config.revoked_public_keys())
     async with (

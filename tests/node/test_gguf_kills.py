@@ -602,12 +602,6 @@ def test_sigkill_of_a_stage_mid_request_with_a_draft_model_recovers_to_the_same_
     _wait_threads_back(coordinator, threads_before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the draft model's passes run on the coordinator's event loop: its prefill of a "
-    "long prompt outlasts lane.dead_after_s, and the coordinator declares every peer dead "
-    "(route failed after 1 token, retried, failed again)",
-)
 def test_a_draft_model_prefilling_a_long_prompt_keeps_the_coordinators_lanes(
     mesh: StopMesh, long_prompt: list[int]
 ) -> None:
