@@ -35,6 +35,7 @@ from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.mtp import MtpHybrid, MtpProposer
 from meshd.speculative.ngram import NgramSimple
+from meshd.speculative.proposer import Proposer
 from meshd.speculative.strategies import make_proposer
 from protocol.messages import OpenSession, Rollback, StageError, VerifyWindow
 from tests.coord.virtual_route import VirtualRoute, drive, load_stages, plain_decode
@@ -82,18 +83,21 @@ def make_loop(
     costs: RouteCosts | None = None,
     session: str = "s1",
     reply_timeout_s: float = 30.0,
+    proposer: Proposer | None = None,
 ) -> WindowLoop:
     costs = costs if costs is not None else RouteCosts(stages=len(net.stages))
-    return WindowLoop(
-        session=session,
-        route=net.route,
-        request=request,
-        proposer=make_proposer(
+    if proposer is None:
+        proposer = make_proposer(
             request.spec.strategy,
             request.spec,
             link=costs.link_model(),
             draft=shipped_draft() if request.spec.draft_model else None,
-        ),
+        )
+    return WindowLoop(
+        session=session,
+        route=net.route,
+        request=request,
+        proposer=proposer,
         costs=costs,
         coordinator_key=b"c" * 32,
         prefill_chunk_tokens=16,
@@ -467,17 +471,7 @@ def test_the_drafts_scoring_passes_are_not_the_coordinators_turnaround() -> None
     proposer = make_proposer("auto", request.spec, link=costs.link_model(), draft=draft)
     assert isinstance(proposer, AutoProposer) and proposer._draft is not None
     proposer._draft.clock = lambda: draft.now
-    loop = WindowLoop(
-        session="s1",
-        route=net.route,
-        request=request,
-        proposer=proposer,
-        costs=costs,
-        coordinator_key=b"c" * 32,
-        prefill_chunk_tokens=16,
-        wire_dtype="f32",
-        reply_timeout_s=30.0,
-    )
+    loop = make_loop(net, request, costs=costs, proposer=proposer)
     now = 0.0
     net.deliver(loop.start(NOVEL, now), now)
     scored_idle = 0

@@ -322,6 +322,21 @@ def _sse(api: str, body: dict[str, Any], events: list[str], errors: list[Excepti
         errors.append(exc)
 
 
+class _SseStream:
+    """A streamed completion through the OpenAI endpoint in a thread (as `Stream` is over the
+    control socket): its SSE `data:` payloads and any error. Returns once the first chunks
+    are in."""
+
+    def __init__(self, coordinator: Daemon, body: dict[str, Any]) -> None:
+        self.events: list[str] = []
+        self.errors: list[Exception] = []
+        self.thread = threading.Thread(
+            target=_sse, args=(coordinator.api_url, body, self.events, self.errors), daemon=True
+        )
+        self.thread.start()
+        wait_until(lambda: len(self.events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+
+
 def _body(coordinator: Daemon, prompt: list[int], max_tokens: int, strategy: str) -> dict[str, Any]:
     """A greedy completion request of exactly `max_tokens` tokens, drafted with `strategy`."""
     model = httpx.get(f"{coordinator.api_url}/models", timeout=30).json()["data"][0]["id"]
@@ -408,14 +423,9 @@ def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
     text = answer.json()["choices"][0]["text"]
     assert all(_held(d)[2] >= 1 for d in stages)
     tasks_before = tasks_of(survivors)
-    events: list[str] = []
-    errors: list[Exception] = []
     streamed = {**body, "stream": True, "max_tokens": STREAM_TOKENS}
-    thread = threading.Thread(
-        target=_sse, args=(coordinator.api_url, streamed, events, errors), daemon=True
-    )
-    thread.start()
-    wait_until(lambda: len(events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+    stream = _SseStream(coordinator, streamed)
+    thread, events, errors = stream.thread, stream.events, stream.errors
     assert all(_held(d)[0] == 1 for d in stages)
     killed_at = time.monotonic()
     coordinator.kill()
@@ -483,13 +493,8 @@ def test_sigterm_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
         assert _draft_seconds(coordinator) > 0  # its draft model drafts
     tasks_before = tasks_of(survivors)
     body = {**_body(coordinator, prompt, STREAM_TOKENS, strategy), "stream": True}
-    events: list[str] = []
-    errors: list[Exception] = []
-    thread = threading.Thread(
-        target=_sse, args=(coordinator.api_url, body, events, errors), daemon=True
-    )
-    thread.start()
-    wait_until(lambda: len(events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+    stream = _SseStream(coordinator, body)
+    thread, events, errors = stream.thread, stream.events, stream.errors
     assert all(_held(d)[0] == 1 for d in stages)
     coordinator.proc.send_signal(signal.SIGTERM)
     # The stream ends when the grace runs out, with an error event and `[DONE]`: never a silent
@@ -571,13 +576,8 @@ def test_sigkill_of_a_stage_mid_request_with_a_draft_model_recovers_to_the_same_
     recoveries_before = _recoveries(coordinator)
     started_at = time.time()
     body = {**_body(coordinator, prompt, STREAM_TOKENS, "draft-ngram"), "stream": True}
-    events: list[str] = []
-    errors: list[Exception] = []
-    thread = threading.Thread(
-        target=_sse, args=(coordinator.api_url, body, events, errors), daemon=True
-    )
-    thread.start()
-    wait_until(lambda: len(events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+    stream = _SseStream(coordinator, body)
+    thread, events, errors = stream.thread, stream.events, stream.errors
     victim.kill()
     mesh.gone.add(victim.index)
     # The request never fails: the coordinator re-routes it through the spare (a crash costs
