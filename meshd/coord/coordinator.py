@@ -39,11 +39,13 @@ from meshd.coord.generation import (
     GenerationRequest,
     GenerationResult,
     RouteFailed,
+    Send,
     StageOverloaded,
 )
 from meshd.coord.prefix_index import KeepPlan, PrefixCounters, PrefixHit, PrefixIndex
 from meshd.coord.route_costs import RouteCosts
-from meshd.coord.window_loop import Send, WindowLoop
+from meshd.coord.steps import Steps
+from meshd.coord.window_loop import WindowLoop
 from meshd.net.lane_table import PeerUnreachable
 from meshd.net.peer_lane import LaneClosedError
 from meshd.plan.route import Route
@@ -167,9 +169,7 @@ class Coordinator:
         self.wire_dtype = wire_dtype
         self.reply_timeout_s = reply_timeout_s
         self._live: dict[str, _Live] = {}
-        # One window-loop step at a time (`_step`): steps share the draft models, the route
-        # costs and the acceptance books, none of them thread-safe.
-        self._steps = trio.Lock()
+        self._steps = Steps()  # one window-loop step at a time (`meshd/coord/steps.py`)
         self._costs: dict[tuple[bytes, ...], RouteCosts] = {}
         self._load: dict[tuple[bytes, ...], float] = {}
         self._books: dict[tuple[str, tuple[object, ...]], AcceptanceBook] = {}
@@ -361,10 +361,7 @@ class Coordinator:
         try:
             return await self._drive_loop(live, request, on_tokens, proposer)
         finally:
-            # Between steps: another request's step may be running the same draft model.
-            with trio.CancelScope(shield=True):
-                async with self._steps:
-                    proposer.close()
+            await self._steps.close(proposer)
 
     async def _drive_loop(
         self, live: _Live, request: GenerationRequest, on_tokens: OnTokens, proposer: Proposer
@@ -392,22 +389,17 @@ class Coordinator:
             reply_timeout_s=self.reply_timeout_s,
             prefix=hit,
         )
+        step = self._steps.run
         now = trio.current_time()
-        await self._send_all(
-            live, loop, await self._step(proposer, loop.start, request.prompt, now)
-        )
+        await self._send_all(live, loop, await step(proposer, loop.start, request.prompt, now))
         while not loop.done:
-            item: _Inbox | None = None
-            timer = loop.timer
-            with trio.move_on_at(math.inf if timer is None else timer):
-                item = await live.inbox.receive()
-            now = trio.current_time()
+            item, now = await self._steps.receive(live.inbox, loop, proposer)
             if item is None:
                 sends = loop.on_timer(now)
             elif isinstance(item, _StageLost):
                 sends = loop.on_stage_failed(item.node_key, now)
             else:
-                sends = await self._step(proposer, loop.on_reply, item, now)
+                sends = await step(proposer, loop.on_reply, item, now)
             await self._send_all(live, loop, sends)
             tokens = loop.tokens_to_stream
             if tokens:
@@ -416,22 +408,10 @@ class Coordinator:
                 stop = await on_tokens(tokens) is False
                 streamed = functools.partial(loop.on_streamed, stop=stop)
                 now = trio.current_time()
-                await self._send_all(live, loop, await self._step(proposer, streamed, now))
+                await self._send_all(live, loop, await step(proposer, streamed, now))
         if index is not None:
             self._after_prefix(index, loop, hit, live)
         return loop.result()
-
-    async def _step(
-        self, proposer: Proposer, step: Callable[..., list[Send]], *args: object
-    ) -> list[Send]:
-        """`step(*args)`, a window-loop call that may call the proposer. Where the proposer runs
-        a draft model its passes take seconds (a long prompt's prefill): the step runs on a
-        worker thread, so this node's lanes keep answering keep-alives meanwhile (peers would
-        otherwise declare it dead past `dead_after_s`) and its other work goes on."""
-        async with self._steps:
-            if proposer.runs_a_model:
-                return await trio.to_thread.run_sync(step, *args)
-            return step(*args)
 
     def _after_prefix(
         self, index: PrefixIndex, loop: WindowLoop, hit: PrefixHit | None, live: _Live

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.grammar import Constraint
 from meshd.speculative.telemetry import SpecTelemetry
-from protocol.messages import Sampling, TokenLogprobs
+from protocol.messages import Message, Sampling, TokenLogprobs
 
 
 class RouteFailed(Exception):
@@ -113,3 +114,26 @@ def prefill_timeout(windows: int, reply_timeout_s: float) -> float:
     window replies, and a stage computes the windows one after another, so a long prompt on a
     slow or busy machine must not fail as a lost reply would."""
     return reply_timeout_s * max(1, windows)
+
+
+class Send(NamedTuple):
+    """One message for the driver to send to the stage node `key`."""
+
+    key: bytes
+    message: Message
+
+
+@dataclass
+class Window:
+    """A verify window in flight: what the window loop keeps until its reply."""
+
+    window_id: int
+    base_pos: int
+    tokens: list[int]
+    n_draft: int
+    sent_s: float
+    # The grammar's masks for the window's choosing rows (empty: no grammar).
+    mask: bytes = b""
+    # Coordinator time drafting (a draft model) between `sent_s` and the window's real send:
+    # not network, so it is taken out of the round trip the route's costs see.
+    draft_s: float = 0.0

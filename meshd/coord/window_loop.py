@@ -40,14 +40,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, NoReturn
+from typing import NoReturn
 
 from meshd.coord.generation import (
     GenerationRequest,
     GenerationResult,
     RouteFailed,
+    Send,
     StageOverloaded,
+    Window,
     prefill_timeout,
     prefill_windows,
 )
@@ -63,7 +64,6 @@ from protocol.messages import (
     PREFIX_MISS,
     PREFIX_MISS_EPOCH,
     DType,
-    Message,
     OpenSession,
     Rollback,
     StageError,
@@ -71,28 +71,6 @@ from protocol.messages import (
     VerifyReply,
     VerifyWindow,
 )
-
-
-class Send(NamedTuple):
-    """One message for the driver to send to the stage node `key`."""
-
-    key: bytes
-    message: Message
-
-
-@dataclass
-class _Window:
-    window_id: int
-    base_pos: int
-    tokens: list[int]
-    n_draft: int
-    sent_s: float
-    # The grammar's masks for the window's choosing rows (empty: no grammar).
-    mask: bytes = b""
-    # Coordinator time drafting (a draft model) between `sent_s` and the window's real send:
-    # not network, so it is taken out of the round trip the route's costs see.
-    draft_s: float = 0.0
-
 
 _PLAIN = "speculation disabled"
 
@@ -149,7 +127,7 @@ class WindowLoop:
         self._committed: list[int] = []
         self._logprobs: list[TokenLogprobs] = []
         self._last_token = -1
-        self._in_flight: deque[_Window] = deque()
+        self._in_flight: deque[Window] = deque()
         self._mtp_draft: list[int] = []
         self._prefill_id = 0
         self._prefill_start = 0.0
@@ -165,6 +143,11 @@ class WindowLoop:
         self._eos = False
         self._after_reply = False  # the commit came from a decode reply (not the prefill)
         self._rejected = False  # that reply disproved the windows still in flight
+        self._width = 0  # the latest plan's drafts per window
+        # Passes ahead pay where the coordinator's cores are idle while a window is out: not
+        # when the route is this node alone (they would share the cores that verify).
+        alone = len(route.stages) == 1 and route.stages[0].node_key == coordinator_key
+        self._ahead = 0 if alone else self.spec.draft_ahead_tokens
 
     # -- what the driver reads -----------------------------------------------------------
     @property
@@ -499,6 +482,20 @@ class WindowLoop:
             plan = WindowPlan(spec.window_min_tokens, 1, 1.0, 0.0, 0.0, plan.reason)
         return plan
 
+    def think_ahead(self) -> bool:
+        """One pass the proposer runs toward its next proposal while windows are in flight
+        (`Proposer.think_ahead`, assuming them accepted); False when there is none to run.
+        The driver calls it while it waits for a reply."""
+        if not self._ahead or self._phase != "decode" or not self._in_flight:
+            return False
+        return self.proposer.think_ahead(self._assumed(), min(self._ahead, self._width + 1))
+
+    def _assumed(self) -> list[int]:
+        """Everything in flight assumed right: the oldest window's drafts, then each later
+        window's guessed bonus token and its drafts."""
+        later = [t for w in list(self._in_flight)[1:] for t in w.tokens]
+        return self._in_flight[0].tokens[1:] + later
+
     def _remaining(self) -> int:
         """Tokens that may still be committed beyond what windows in flight could commit."""
         pending = sum(w.n_draft + 1 for w in self._in_flight)
@@ -506,9 +503,10 @@ class WindowLoop:
 
     def _fill(self, plan: WindowPlan, now: float) -> list[Send]:
         out: list[Send] = []
-        sent: list[_Window] = []
+        sent: list[Window] = []
         drafting = 0.0  # the draft model's time in this fill: every window here leaves after it
         depth = max(1, plan.depth)
+        self._width = plan.width
         while len(self._in_flight) < depth:
             remaining = self._remaining()
             if remaining <= 0:
@@ -524,11 +522,7 @@ class WindowLoop:
                     break  # the grammar is complete: nothing more to choose
                 tokens = [self._last_token, *clipped[:kept]]
             else:
-                # Everything in flight is assumed right: the oldest window's drafts, then
-                # each later window's guessed bonus token and its drafts.
-                assumed = self._in_flight[0].tokens[1:] + [
-                    t for w in list(self._in_flight)[1:] for t in w.tokens
-                ]
+                assumed = self._assumed()
                 guess = self.proposer.propose_after(assumed, plan.width + 1)
                 if not guess:
                     break  # no guess for the bonus token: wait for the reply instead
@@ -542,8 +536,8 @@ class WindowLoop:
             spent = self.proposer.last_draft_s
             if spent > 0:
                 drafting += spent
-                self.recorder.draft(spent, len(tokens) - 1)
-            window = _Window(self._window_id(), base, tokens, len(tokens) - 1, now, mask)
+                self.recorder.draft(spent, len(tokens) - 1, self.proposer.last_recalled)
+            window = Window(self._window_id(), base, tokens, len(tokens) - 1, now, mask)
             sent.append(window)
             out.append(self._send_window(window))
         for window in sent:
@@ -561,7 +555,7 @@ class WindowLoop:
         found = grammar.window_masks(assumed, head, drafts)
         return (-1, b"") if found is None else found
 
-    def _send_window(self, w: _Window) -> Send:
+    def _send_window(self, w: Window) -> Send:
         if self._idle_since is not None and not self._in_flight:
             self.costs.observe_local(w.sent_s - self._idle_since - self._observing_s)
         self._idle_since = None

@@ -127,13 +127,9 @@ class AutoProposer(AccountedProposer):
         """The best candidate by the last decision that drafts at this log and is no n-gram
         lookup, or the choice (plain windows) when there is none. Prompt lookup wins on a
         copied stretch and has nothing between copies, where a draft still pays."""
-        for name in self._ranked:
-            if name in _NGRAM:
-                continue
-            if name in MTP_STRATEGIES and not (self._mtp_live and self.book.has_mtp):
-                continue
-            return name
-        return self.choice
+        mtp = self._mtp_live and self.book.has_mtp
+        usable = (n for n in self._ranked if n not in _NGRAM and (mtp or n not in MTP_STRATEGIES))
+        return next(usable, self.choice)
 
     @property
     def reason(self) -> str:
@@ -287,7 +283,7 @@ class AutoProposer(AccountedProposer):
             self._drafts = self._shadow(mtp_draft, reuse=not first_mtp)
             if first_mtp:
                 self._decide()
-        self.last_draft_s = 0.0
+        self.last_draft_s, self.last_recalled = 0.0, 0
         active = self.active
         if active == "disabled":
             return []
@@ -307,7 +303,7 @@ class AutoProposer(AccountedProposer):
             return shadow.drafts[:width]  # drafted in the shadow at this very log
         assert self._draft is not None
         drafts = self._draft.propose(width)
-        self.last_draft_s = self._draft.last_draft_s
+        self.last_draft_s, self.last_recalled = self._draft.last_draft_s, self._draft.last_recalled
         if self._draft.draft_cost_s > 0:
             self.book.draft_token_s = self._draft.draft_cost_s
         self.book.draft_write_token_s = self._draft.write_token_s or self.book.draft_write_token_s
@@ -326,14 +322,19 @@ class AutoProposer(AccountedProposer):
 
     def propose_after(self, assumed: Sequence[int], max_tokens: int) -> list[int]:
         """The active strategy's drafts after log + `assumed`."""
-        self.last_draft_s = 0.0
+        self.last_draft_s, self.last_recalled = 0.0, 0
         active = self.active
         if active == "disabled":
             return []
         chosen = self._candidates[active]
         drafts = chosen.propose_after(assumed, max_tokens)
-        self.last_draft_s = chosen.last_draft_s
+        self.last_draft_s, self.last_recalled = chosen.last_draft_s, chosen.last_recalled
         return drafts
+
+    def think_ahead(self, assumed: Sequence[int], max_tokens: int) -> bool:
+        """The draft model's passes ahead, while it drafts."""
+        draft = self._draft if self.active in DRAFT_STRATEGIES else None
+        return draft is not None and draft.think_ahead(assumed, max_tokens)
 
     @property
     def runs_a_model(self) -> bool:

@@ -80,6 +80,10 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # coordinator, it drafts for `draft`, `draft-ngram` and `auto`. Its tokenizer must be the
     # target's (a prefix of the target's vocabulary is allowed).
     draft_model: str = ""
+    # Draft-model choices computed ahead while a window is in flight (its bonus token's guess
+    # and the next window's drafts; 0 = none): where they hold, the next window leaves without
+    # waiting for a draft pass.
+    draft_ahead_tokens: int = 4
 
     def __post_init__(self) -> None:
         for key, rule in RULES.items():
@@ -156,6 +160,7 @@ RULES: dict[str, Rule] = {
     "prior_acceptance": Rule(float, 0.0, 0.99, "acceptance assumed before measuring"),
     "min_speedup": Rule(float, 1.0, 100.0, "least predicted speedup to speculate"),
     "draft_model": Rule(str, help="draft model checkpoint (dir or .gguf) for draft strategies"),
+    "draft_ahead_tokens": Rule(int, 0, 64, "draft choices computed while a window is out"),
 }
 
 KEYS: tuple[str, ...] = tuple(RULES)

@@ -176,8 +176,14 @@ class DraftProposer(AccountedProposer):
         self._session: str | None = None
         self._capacity = 0
         self._cached: list[int] = []  # the tokens whose KV the session holds, from position 0
+        # The draft's choice at position p, made from the logits after `_cached[:p]`: valid
+        # while those tokens stay cached, so a later proposal along the same tokens (after a
+        # pass run ahead while a window was in flight) needs no pass for it.
+        self._choices: dict[int, int] = {}
+        self.ahead_s = 0.0  # this request's passes run ahead (off the window's critical path)
         self._cost_s: float | None = None
         self._catch_up_s = 0.0  # the current proposal's catch-up pass's seconds (else 0)
+        self._recalled = 0  # the current proposal's choices recalled from earlier passes
         # The latest `predict_log` pass's seconds (None after one that wrote the whole log,
         # the prompt's prefill included: not what a pass over new tokens costs).
         self.last_score_s: float | None = None
@@ -205,6 +211,7 @@ class DraftProposer(AccountedProposer):
         self.close()
         self.tokens = [int(t) for t in prompt]
         self.draft_s = 0.0
+        self.ahead_s = 0.0
         self.passes = 0
         self.last_draft_s = 0.0
 
@@ -215,6 +222,7 @@ class DraftProposer(AccountedProposer):
         self._session = None
         self._capacity = 0
         self._cached = []
+        self._choices = {}
 
     def observe(self, committed: Sequence[int]) -> None:
         """Append committed tokens (the cache catches up when it next drafts)."""
@@ -231,18 +239,52 @@ class DraftProposer(AccountedProposer):
             return []
         started = self.clock()
         self._catch_up_s = 0.0
+        self._recalled = 0
         passes = self.passes
         drafts = self._draft([*self.tokens, *(int(t) for t in assumed)], max_tokens)
         spent = self.clock() - started
         self.last_draft_s = spent
+        self.last_recalled = self._recalled
         self.draft_s += spent
         # The cost is per drafting pass, whatever the pass proposed (a copy after one pass is
-        # one pass). A pass that caught up on the log (the prompt's prefill, or the tokens
-        # committed while another strategy drafted) is the price of starting, once: it is
-        # left out, time and pass.
+        # one pass), as the window waits for it: a choice recalled from a pass run ahead is a
+        # pass the window did not wait for, counted at no time. A pass that caught up on the
+        # log (the prompt's prefill, or the tokens committed while another strategy drafted)
+        # is the price of starting, once: it is left out, time and pass.
         caught_up = 1 if self._catch_up_s > 0 else 0
-        self._charge(spent - self._catch_up_s, self.passes - passes - caught_up)
+        self._charge(spent - self._catch_up_s, self.passes - passes - caught_up + self._recalled)
         return drafts
+
+    def think_ahead(self, assumed: Sequence[int], max_tokens: int) -> bool:
+        """One pass of the draft's chain after the log plus `assumed` (a window in flight,
+        assumed accepted), toward `max_tokens` choices beyond it: the guess of the window's
+        bonus token and the next window's drafts. False when there is nothing to do (the
+        chain is known that far, or ends in an EOS), so the caller stops asking.
+
+        The driver runs it while the window is in flight, when the coordinator would
+        otherwise wait: a reply that confirms the chain finds its next proposal already
+        drafted (`_choices`), one that breaks it still finds the window's last draft
+        written, so its next proposal writes one token, not two.
+        """
+        full = [*self.tokens, *(int(t) for t in assumed)]
+        if not full:
+            return False
+        ahead = 0
+        while ahead < max_tokens:
+            token = self._recall(full)
+            if token is None:
+                break
+            if token in self.draft.eos_ids:
+                return False
+            full.append(token)
+            ahead += 1
+        if ahead >= max_tokens:
+            return False
+        self._ensure_session(len(full) + 1)
+        started = self.clock()
+        self._pass(full)
+        self.ahead_s += self.clock() - started
+        return True
 
     def predict_log(self, since: int) -> tuple[int, list[int]]:
         """The draft's own choice at each position of the log from `since` on and one past
@@ -272,8 +314,7 @@ class DraftProposer(AccountedProposer):
         self.last_score_s = spent if same > 0 else None
         self._time_writes(spent, len(feed))
         self.passes += 1
-        del cached[same:]
-        cached.extend(feed)
+        self._keep(same, feed)
         return since, coupled_draft_tokens(rows, self.sampling, since)
 
     def unwritten(self) -> int:
@@ -303,27 +344,14 @@ class DraftProposer(AccountedProposer):
         if not context:
             return []  # nothing to condition on
         self._ensure_session(len(context) + count)
-        cached = self._cached
-        # Reuse the longest common prefix, but always write at least the context's last token:
-        # its logits are the first draft's.
-        same = min(_common_prefix(cached, context), len(context) - 1)
-        feed = context[same:]
-        pos = same
+        full = list(context)
         out: list[int] = []
         while len(out) < count:
-            # More tokens than a window commits (its drafts and the bonus): a catch-up pass.
-            catch_up = len(feed) > self.config.window_max_tokens + 1
-            started = self.clock() if catch_up else 0.0
-            row = self.draft.next_logits(self._session_id(), pos, feed)
-            if catch_up:
-                elapsed = self.clock() - started
-                self._catch_up_s += elapsed
-                self._time_writes(elapsed, len(feed))
-            self.passes += 1
-            del cached[pos:]
-            cached.extend(feed)
-            pos += len(feed)
-            token = self._choose(row, pos)
+            token = self._recall(full)
+            if token is None:
+                token = self._pass(full)
+            else:
+                self._recalled += 1
             out.append(token)
             if token in self.draft.eos_ids:
                 break  # nothing after an EOS is accepted
@@ -331,8 +359,46 @@ class DraftProposer(AccountedProposer):
                 copy = self._agreeing_copy(context, token, count)
                 if copy:
                     return copy
-            feed = [token]
+            full.append(token)
         return out
+
+    def _recall(self, full: list[int]) -> int | None:
+        """The draft's choice after `full` from an earlier pass, if the cache still holds
+        exactly the tokens it was made from (else None)."""
+        position = len(full)
+        token = self._choices.get(position)
+        if token is None or len(self._cached) < position:
+            return None
+        return token if self._cached[:position] == full else None
+
+    def _pass(self, full: list[int]) -> int:
+        """One pass writing what the cache lacks of `full` (at least its last token, whose
+        logits choose the next): the draft's choice after `full`."""
+        cached = self._cached
+        # Reuse the longest common prefix, but always write the last token: its logits are
+        # the choice's.
+        same = min(_common_prefix(cached, full), len(full) - 1)
+        feed = full[same:]
+        # More tokens than a window commits (its drafts and the bonus): a catch-up pass.
+        catch_up = len(feed) > self.config.window_max_tokens + 1
+        started = self.clock() if catch_up else 0.0
+        row = self.draft.next_logits(self._session_id(), same, feed)
+        if catch_up:
+            elapsed = self.clock() - started
+            self._catch_up_s += elapsed
+            self._time_writes(elapsed, len(feed))
+        self.passes += 1
+        self._keep(same, feed)
+        token = self._choose(row, len(full))
+        self._choices[len(full)] = token
+        return token
+
+    def _keep(self, start: int, written: list[int]) -> None:
+        """The cache now holds `written` from position `start` (what followed is gone, and
+        with it every choice made after it)."""
+        del self._cached[start:]
+        self._cached.extend(written)
+        self._choices = {p: t for p, t in self._choices.items() if p <= start}
 
     def _choose(self, row: torch.Tensor, position: int) -> int:
         """The draft token for absolute `position` from the draft's logits row.

@@ -41,6 +41,8 @@ class Proposer(ABC):
     # Seconds the latest proposal took on the coordinator (a draft model's passes; ~0 for
     # lookups): the window loop takes it out of the round trip it measures.
     last_draft_s: float = 0.0
+    # Of the latest proposal's tokens, those recalled from passes run ahead (`think_ahead`).
+    last_recalled: int = 0
     # Seconds the latest `observe` spent on passes of a model of its own (`auto` scoring the
     # draft model teacher-forced): the window loop leaves them out of the coordinator's
     # turnaround, which every strategy's time per token includes (a one-off pass over a
@@ -94,6 +96,12 @@ class Proposer(ABC):
         """After `reset`: the request may commit up to `max_tokens` tokens (`auto` weighs a
         draft model's start against what they can save; a fixed strategy does not)."""
         return None
+
+    def think_ahead(self, assumed: Sequence[int], max_tokens: int) -> bool:
+        """Work toward the next proposal while a window is in flight, assuming it accepted
+        (`assumed`: its drafts): at most one pass of a model. False when there is none to do
+        (the default: lookups cost nothing to redo)."""
+        return False
 
     @property
     def runs_a_model(self) -> bool:

@@ -56,6 +56,9 @@ class SpecTelemetry(msgspec.Struct, frozen=True, kw_only=True):
     draft_s: float = 0.0
     draft_model_tokens: int = 0
     draft_s_per_token: float | None = None
+    # Of those tokens, the ones recalled from passes run while the previous window was out
+    # (`spec.draft_ahead_tokens`): no window waited for them.
+    draft_recalled_tokens: int = 0
 
 
 def _rate(numerator: float, denominator: float) -> float | None:
@@ -90,11 +93,14 @@ class Recorder:
         self.last_strategy_reason = ""
         self.draft_s = 0.0
         self.draft_model_tokens = 0
+        self.draft_recalled_tokens = 0
 
-    def draft(self, seconds: float, tokens: int) -> None:
-        """The draft model spent `seconds` drafting `tokens` tokens for a window."""
+    def draft(self, seconds: float, tokens: int, recalled: int = 0) -> None:
+        """The draft model spent `seconds` drafting `tokens` tokens for a window, `recalled`
+        of them from passes run ahead."""
         self.draft_s += seconds
         self.draft_model_tokens += tokens
+        self.draft_recalled_tokens += recalled
 
     def window_sent(self, count: int = 1) -> None:
         """`count` verify windows left the coordinator."""
@@ -186,4 +192,5 @@ class Recorder:
             draft_s=self.draft_s,
             draft_model_tokens=self.draft_model_tokens,
             draft_s_per_token=_rate(self.draft_s, self.draft_model_tokens),
+            draft_recalled_tokens=self.draft_recalled_tokens,
         )

@@ -203,3 +203,40 @@ async def run_one(pipe: LocalPipeline, req: GenerationRequest) -> GenerationResu
         pass
 
     return await pipe.coordinator.generate(pipe.route, req, on_tokens)
+
+
+async def test_passes_run_ahead_while_windows_are_out_take_drafting_off_the_windows_path() -> None:
+    # 2 stages 60 ms apart and a draft whose passes take 15 ms more (a real draft's share of a
+    # real target): while each window is out, the coordinator writes its last draft, guesses
+    # the bonus token and drafts past it. Where the guess holds, the next window leaves with
+    # no pass to wait for, so the drafting the windows wait for shrinks; the text is the same.
+    draft = SlowDraft(DraftModel.load(DRAFT), 0.015)
+
+    def drafting(ahead: int) -> GenerationRequest:
+        spec = SpecConfig(
+            strategy="draft", window_max_tokens=2, draft_model=DRAFT, draft_ahead_tokens=ahead
+        )
+        return GenerationRequest(prompt=PROSE, max_tokens=32, spec=spec, mtp_depth=2)
+
+    results = []
+    async with open_local_pipeline(MODEL, 2, rtt_s=0.06, wire_dtype="f32", draft=draft) as pipe:
+        for ahead in (0, 4, 0, 4):
+
+            async def on_tokens(tokens: list[int]) -> None:
+                pass
+
+            with trio.fail_after(120):
+                results.append(
+                    await pipe.coordinator.generate(pipe.route, drafting(ahead), on_tokens)
+                )
+        assert len(draft.stage.kv) == 0  # every request closed its draft session
+    assert all(r.tokens == results[0].tokens for r in results)
+    tel = [r.telemetry for r in results]
+    recalled = [t.draft_recalled_tokens for t in tel]
+    waited = [t.draft_s / max(1, t.draft_model_tokens) for t in tel]
+    print("recalled", recalled, "of", [t.draft_model_tokens for t in tel], "waited", waited)
+    assert recalled[0] == recalled[2] == 0
+    assert min(recalled[1], recalled[3]) > 0.2 * tel[1].draft_model_tokens
+    # Without: at least a 15 ms pass per drafted token. With: less by the share recalled.
+    assert min(waited[0], waited[2]) > 0.015, waited
+    assert max(waited[1], waited[3]) < min(waited[0], waited[2]), waited

@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from meshd.coord.coordinator import Coordinator, GenerationRequest, RouteFailed
-from meshd.coord.window_loop import Send
+from meshd.coord.generation import Send
 from meshd.model.builtin import builtin_model_dir
 from meshd.net.lane_table import PeerUnreachable
 from meshd.net.peer_lane import LaneClosedError

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from meshd.bench.single_node import generate
-from meshd.coord.window_loop import Send, WindowLoop
+from meshd.coord.generation import Send
+from meshd.coord.window_loop import WindowLoop
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.stage import StageModel
 from meshd.plan.route import Route, RouteStage

@@ -89,10 +89,12 @@ def decode_spec(
     eos_ids: frozenset[int] = frozenset(),
     mtp: DraftSource | None = None,
     recorder: Recorder | None = None,
+    ahead: int = 0,
 ) -> SpecRun:
     """A coordinator in miniature: propose, verify one window, commit, observe (depth 1).
 
     `mtp(log, width)` plays the last stage's MTP heads: the draft sent with each reply.
+    `ahead`: while each window is out, the proposer thinks up to that many tokens ahead.
     """
     log = list(prompt)
     proposer.reset(prompt)
@@ -103,6 +105,8 @@ def decode_spec(
         drafts = clip_drafts(proposer.propose(width, mtp_draft), remaining)
         window = [log[-1], *drafts]
         base = len(log) - 1
+        while ahead and proposer.think_ahead(drafts, ahead):
+            pass
         logits = target.window_logits(log[:base], window)
         verdict = verify(logits, window, len(drafts), base, params, eos_ids)
         log.extend(verdict.committed)

@@ -308,3 +308,86 @@ def test_the_draft_is_charged_per_model_pass_not_per_proposed_token() -> None:
         hybrid.close()
     assert costs["copy"] and costs["model"], costs
     assert all(c == pytest.approx(0.001) for c in costs["copy"] + costs["model"]), costs
+
+
+@pytest.mark.parametrize("mode", list(PARAMS))
+@pytest.mark.parametrize("strategy", DRAFT_STRATEGIES)
+def test_passes_run_ahead_while_a_window_is_out_change_no_token(strategy: str, mode: str) -> None:
+    # The draft of the target itself: its guesses of each bonus token hold most of the time,
+    # so most proposals are recalled from passes run ahead, and the text is still plain
+    # decoding's, greedy and sampled.
+    params = PARAMS[mode]
+    model = tiny_draft(VOCAB)
+    target = Target(1)
+    plain = decode_plain(target, PROMPT, 48, params)
+    for ahead in (1, 3):
+        proposer = make_proposer(strategy, config(strategy), draft=model, sampling=params)
+        assert isinstance(proposer, DraftProposer)
+        run = decode_spec(target, PROMPT, 48, params, proposer, 2, ahead=ahead)
+        assert run.tokens == plain
+        assert proposer.ahead_s > 0
+        proposer.close()
+
+
+def test_a_confirmed_guess_leaves_the_next_window_no_pass_to_wait_for() -> None:
+    model = tiny_draft(VOCAB)
+    proposer = DraftProposer(config(), model)
+    proposer.reset(PROMPT)
+    drafts = proposer.propose(2)
+    # In flight: two passes write the last draft, guess the bonus, and draft one token past it.
+    assert proposer.think_ahead(drafts, 2)
+    assert proposer.think_ahead(drafts, 2)
+    assert not proposer.think_ahead(drafts, 2)  # that far is known: nothing left to do
+    fresh = DraftProposer(config(), model)
+    fresh.reset([*PROMPT, *drafts])
+    guess, after = fresh.propose(2)
+    # The reply accepts both drafts and its bonus token is the guess: the next proposal is
+    # the one the passes ahead made, with no pass of its own.
+    passes = proposer.passes
+    proposer.observe([*drafts, guess])
+    assert proposer.propose(1) == [after]
+    assert proposer.passes == passes
+    # A bonus token other than the guess: one pass writes it alone (the last draft's KV
+    # is already written), and the proposal is a fresh session's.
+    proposer.reset(PROMPT)
+    drafts = proposer.propose(2)
+    while proposer.think_ahead(drafts, 2):
+        pass
+    other = (guess + 1) % VOCAB
+    proposer.observe([*drafts, other])
+    passes, cached = proposer.passes, len(proposer._cached)
+    fresh.reset([*PROMPT, *drafts, other])
+    assert proposer.propose(2) == fresh.propose(2)
+    assert proposer.passes == passes + 2
+    assert cached == len(PROMPT) + len(drafts) + 1  # prompt, both drafts, the guess
+    proposer.close()
+    fresh.close()
+
+
+def test_a_recalled_choice_is_charged_as_a_pass_the_window_did_not_wait_for() -> None:
+    model = tiny_draft(VOCAB)
+    now = [0.0]
+
+    class Timed:
+        def __getattr__(self, name: str) -> object:
+            return getattr(model, name)
+
+        def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
+            now[0] += 0.001
+            return model.next_logits(session, base_pos, tokens)
+
+    proposer = DraftProposer(config(), model)
+    proposer.draft = Timed()  # type: ignore[assignment]
+    proposer.clock = lambda: now[0]
+    proposer.reset(PROMPT[:6])
+    drafts = proposer.propose(1)
+    assert proposer.draft_cost_s == pytest.approx(0.001)
+    while proposer.think_ahead(drafts, 2):
+        pass
+    assert proposer.ahead_s == pytest.approx(0.002)
+    guess = proposer._choices[len(PROMPT[:6]) + 1]
+    proposer.observe([*drafts, guess])
+    proposer.propose(1)  # recalled: no time, one pass's worth of drafting
+    assert proposer.last_draft_s == 0
+    assert proposer.draft_cost_s == pytest.approx(0.0008)  # the EWMA moved toward 0
+    proposer.close()
