@@ -12,6 +12,12 @@ verify pass (`AutoTuning.verify_token_prior`) comes from these ratios (docs/spec
 
 `--one-row` returns the last row's logits only, as a draft's prefill does: the ratios per token
 written are `AutoTuning.draft_write_prior`'s measurement.
+
+    python scripts/pass_widths.py --threads 1 --cpu --rounds 9 --widths 1 2 3 4 5 6 8 9 $M/...gguf
+
+`--threads 1` computes on one thread, as a bench stage does; `--cpu` times the calling thread's
+CPU time instead of the wall clock, which other tenants of a shared machine disturb less (on
+one thread only: other threads' time is not counted). Widths alternate in order and reversed.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import argparse
 import os
 import statistics
 import time
+
+import torch
 
 from meshd.speculative.draft import DraftModel
 
@@ -32,20 +40,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     parser.add_argument("--one-row", action="store_true", help="logits of the last row only")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's)")
+    parser.add_argument("--cpu", action="store_true", help="time CPU, not wall (1 thread)")
     args = parser.parse_args()
     widths: list[int] = args.widths
+    if args.cpu and args.threads != 1:
+        parser.error("--cpu needs --threads 1 (another thread's CPU time is not counted)")
+    clock = time.thread_time if args.cpu else time.perf_counter
     for path in args.models:
         model = DraftModel.load(path, quantization="gguf")
+        if args.threads:
+            model.stage.governor = None  # the count asked for, not the governor's choice
+            torch.set_num_threads(args.threads)
         session = model.open(64 + args.rounds * sum(widths) + 8)
         model.rows(session, 0, list(range(100, 164)), 1)
         pos = 64
         seconds: dict[int, list[float]] = {w: [] for w in widths}
-        for _ in range(args.rounds):
-            for width in widths:
-                started = time.perf_counter()
+        for round_ in range(args.rounds):
+            for width in widths if round_ % 2 == 0 else widths[::-1]:
+                started = clock()
                 rows = 1 if args.one_row else width
                 model.rows(session, pos, list(range(200, 200 + width)), rows)
-                seconds[width].append(time.perf_counter() - started)
+                seconds[width].append(clock() - started)
                 pos += width
         model.close(session)
         medians = {w: statistics.median(v) for w, v in seconds.items()}
