@@ -61,6 +61,10 @@
 #define PREFETCH_ROWS(p, bytes)                                                                    \
     for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                             \
         __builtin_prefetch((const char *)(p) + off_, 0, 3)
+/* The same request into L2 (prefetcht2), for weights streamed from memory (below). */
+#define PREFETCH_ROWS_L2(p, bytes)                                                                 \
+    for (int64_t off_ = 0; off_ < (bytes); off_ += 64)                                             \
+        __builtin_prefetch((const char *)(p) + off_, 0, 1)
 /* How a tile requests its successors' rows (the tiles of one thread's range are adjacent rows;
  * the first tiles of a range are requested in one burst before it starts). Two ways, chosen
  * for the process by meshd_blocks_set_streaming (the Python side compares the weights a step
@@ -1106,16 +1110,23 @@ static void row_dot_4(int type, const uint8_t *w, int64_t k, const uint8_t *a, i
 }
 
 /* Rows [r0, r1) of W against every token: tokens in groups of NT, each group sweeping the rows
- * (a chunk's rows stay in cache between groups). */
+ * (a chunk's rows stay in cache between groups). Each row requests a later one, as the tiles
+ * do: 2 rows on into L1 where the weights fit the cache, 4 rows on into L2 where every step
+ * streams them from memory (docs/model-runtime.md, "Weights beyond the cache"). */
 static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out, int64_t r0,
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
+    const int ahead = stream_prefetch ? 4 : 2;
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
         for (int64_t n = r0; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;
-            PREFETCH_ROWS(w + (n + 2) * rb, n + 2 < n_out ? rb : 0);
+            const int64_t later = n + ahead < n_out ? rb : 0;
+            if (stream_prefetch)
+                PREFETCH_ROWS_L2(w + (n + ahead) * rb, later);
+            else
+                PREFETCH_ROWS(w + (n + ahead) * rb, later);
             switch (nt) {
             case 1: row_dot_1(type, wr, k, a, stride, out); break;
             case 2: row_dot_2(type, wr, k, a, stride, out); break;
