@@ -82,8 +82,9 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     draft_model: str = ""
     # Draft-model choices computed ahead while a window is in flight (its bonus token's guess
     # and the next window's drafts; 0 = none): where they hold, the next window leaves without
-    # waiting for a draft pass.
-    draft_ahead_tokens: int = 4
+    # waiting for a draft pass. Off by default: where the coordinator's cores and memory also
+    # run a stage, the passes ahead slow that stage by what they save (docs/speculative.md).
+    draft_ahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for key, rule in RULES.items():
