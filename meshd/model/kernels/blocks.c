@@ -937,12 +937,15 @@ TILE_SET(T_Q5_0)
 TILE_SET(T_Q5_1)
 TILE_SET(T_Q8_0)
 
-/* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight pair serves twice the
- * tokens. Q5_0 only: its codes (nibbles plus the fifth bits from qh) cost the most to decode,
- * and 0.5B-class Q4_K_M files hold most of their products in it (docs/model-runtime.md). */
+/* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight block serves twice the
+ * tokens. Q5_0 and Q4_0 (tile512_quarters), whose per-block work (the codes, Q5_0's fifth bits,
+ * the lane offsets) is the most to share; 0.5B-class Q4_K_M files hold most of their products
+ * in Q5_0 (docs/model-runtime.md). */
 #if defined(PAIRED)
 TILE_FN(T_Q5_0, 4, NT_WIDE)
+TILE_FN(T_Q4_0, 4, NT_WIDE)
 static tile_fn wide_tile_of(int type, int stream) {
+    if (type == T_Q4_0) return stream ? tile_T_Q4_0_4xNT_WIDE_s : tile_T_Q4_0_4xNT_WIDE;
     if (type != T_Q5_0) return 0;
     return stream ? tile_T_Q5_0_4xNT_WIDE_s : tile_T_Q5_0_4xNT_WIDE;
 }
