@@ -40,11 +40,16 @@ def main() -> None:
     w = rng.standard_normal((args.n, args.k)).astype(np.float32)
     raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
     x = rng.standard_normal((args.tokens, args.k)).astype(np.float32)
-    scratch = np.zeros(max(1 << 22, 2 * args.tokens * args.k + (1 << 16)), np.uint8)
     p, i64, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    libs = [ctypes.CDLL(path) for path in args.libraries]
+    for lib in libs:
+        lib.meshd_blocks_scratch_bytes.argtypes = [c, i64, i64]
+        lib.meshd_blocks_scratch_bytes.restype = i64
+    need = max(lib.meshd_blocks_scratch_bytes(int(qtype), args.k, args.tokens) for lib in libs)
+    scratch = np.zeros(need, np.uint8)
     calls, outs = [], []
-    for path in args.libraries:
-        mm = ctypes.CDLL(path).meshd_blocks_mm_threads
+    for lib in libs:
+        mm = lib.meshd_blocks_mm_threads
         mm.argtypes = [c, p, i64, i64, p, i64, p, p, c]
         y = np.zeros((args.tokens, args.n), np.float32)
         outs.append(y)
