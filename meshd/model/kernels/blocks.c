@@ -694,31 +694,17 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
     for (int i = 0; i < nr; ++i) out[i] = o[i];
 }
 
-/* Q4_0 and Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's
- * 32 codes (low nibbles: values 0-15, high nibbles: 16-31; Q5_0's fifth bits from qh) are laid
- * out as 16 bytes per row, so the activation's values 0-15 (then 16-31) broadcast to the 4
- * quarters straight from memory and one VPDPBUSD covers 4 rows x 16 values: no cross-row
- * reduction per token. Row i's lane j of the first vector is ggml's AVX2 lane j (values
- * 4j..4j+3), of the second its lane 4 + j (16+4j..16+4j+3): the signed sums, the code offset
- * (8, 16) taken out per lane (exact, below). Each is converted, scaled by d_w * d_x and
- * accumulated with its own FMA, and the row is ggml's hsum_float_8: r_j = l_j + l_4+j, then
- * (r0 + r2) + (r1 + r3). So every (row, token) runs ggml's float sequence and the bits are those
- * of its ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0 (and of the avx2 path). The same sequence for every
- * tile shape (an absent row's quarter: a zero scale), so batches match single steps. */
-static inline __attribute__((always_inline)) void tile512_quarters(int type, const uint8_t *const *wr,
-                                                                  int nr, int64_t k,
-                                                                  const uint8_t *act,
-                                                                  int64_t stride, int nt,
-                                                                  float *out, int64_t ldo,
-                                                                  const int stream) {
-    const int five = type == T_Q5_0;
-    const int64_t nb = k / QK, bb = five ? 22 : 18, at = five ? 6 : 2;
-    __m512 acc0[NT_WIDE], acc1[NT_WIDE];
-    for (int r = 0; r < nt; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
+/* Block b of rows 0..nr-1 of Q4_0 (five = 0) or Q5_0, quarter i = row i: the unsigned codes of
+ * values 0-15 in *w0 and 16-31 in *w1 (low nibbles, high nibbles; Q5_0's fifth bits added
+ * under a byte mask), and each row's d in its quarter (the return value). Row 0's codes fill
+ * every quarter first, rows 1-3 are merged over theirs: an absent row's quarter computes on row
+ * 0's codes times a zero scale, which adds exact zeros. */
+static inline __attribute__((always_inline)) __m512 quarter_block(int five, const uint8_t *const *wr,
+                                                                 int nr, int64_t b, int64_t ahead,
+                                                                 const int stream, __m512i *w0,
+                                                                 __m512i *w1) {
+    const int64_t bb = five ? 22 : 18, at = five ? 6 : 2;
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
-    const __m512i offset = _mm512_set1_epi8(five ? 16 : 8), minus128 = _mm512_set1_epi8(-128);
-    const __m512i base = _mm512_set1_epi32(five ? 8192 : 4096); /* 128 * 4 * offset */
     /* Q5_0, per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
      * bytes 4-5) and is tested against bit j % 8; word 0 of each quarter is the row's d. */
     const __m512i h_lo = _mm512_broadcast_i32x4(_mm_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2));
@@ -728,36 +714,58 @@ static inline __attribute__((always_inline)) void tile512_quarters(int type, con
     const __m512i d_word = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 24, 24,
                                             24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
     const __m512i quarter_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(wr[0] + b * bb + at)));
+    __m512i head = _mm512_setzero_si512();
+    uint64_t d4 = 0;
+    for (int i = 0; i < nr; ++i) {
+        const uint8_t *p = wr[i] + b * bb;
+        if (ahead) PREFETCH_AHEAD(stream, p + ahead);
+        const __mmask16 q = (__mmask16)(0xFu << (4 * i));
+        if (i) v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + at)));
+        if (five)
+            head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
+        else
+            d4 |= (uint64_t)rd16(p) << (16 * i);
+    }
+    *w0 = _mm512_and_si512(v, low);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if (!five) /* Q4_0's 4 scales put together in a general register: no vector merges. */
+        return _mm512_permutexvar_ps(
+            quarter_of, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4))));
+    *w0 = _mm512_mask_add_epi8(
+        *w0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), *w0, fifth);
+    *w1 = _mm512_mask_add_epi8(
+        *w1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), *w1, fifth);
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
+}
+
+/* Q4_0 and Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's
+ * 32 codes are laid out as 16 bytes per row (quarter_block), so the activation's values 0-15
+ * (then 16-31) broadcast to the 4 quarters straight from memory and one VPDPBUSD covers 4 rows
+ * x 16 values: no cross-row reduction per token. Row i's lane j of the first vector is ggml's
+ * AVX2 lane j (values 4j..4j+3), of the second its lane 4 + j (16+4j..16+4j+3): the signed
+ * sums, the code offset (8, 16) taken out per lane (exact, below). Each is converted, scaled by
+ * d_w * d_x and accumulated with its own FMA, and the row is ggml's hsum_float_8: r_j = l_j +
+ * l_4+j, then (r0 + r2) + (r1 + r3). So every (row, token) runs ggml's float sequence and the
+ * bits are those of its ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0 (and of the avx2 path). The same
+ * sequence for every tile shape (an absent row's quarter: a zero scale), so batches match
+ * single steps. */
+static inline __attribute__((always_inline)) void tile512_quarters(int type, const uint8_t *const *wr,
+                                                                  int nr, int64_t k,
+                                                                  const uint8_t *act,
+                                                                  int64_t stride, int nt,
+                                                                  float *out, int64_t ldo,
+                                                                  const int stream) {
+    const int five = type == T_Q5_0;
+    const int64_t nb = k / QK;
+    __m512 acc0[NT_WIDE], acc1[NT_WIDE];
+    for (int r = 0; r < nt; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
+    const __m512i offset = _mm512_set1_epi8(five ? 16 : 8), minus128 = _mm512_set1_epi8(-128);
+    const __m512i base = _mm512_set1_epi32(five ? 8192 : 4096); /* 128 * 4 * offset */
     for (int64_t b = 0; b < nb; ++b) {
-        /* Row 0's codes in every quarter, rows 1-3 merged over theirs: an absent row's quarter
-         * computes on row 0's codes times a zero scale, which adds exact zeros. */
-        __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(wr[0] + b * bb + at)));
-        __m512i head = _mm512_setzero_si512();
-        uint64_t d4 = 0;
-        for (int i = 0; i < nr; ++i) {
-            const uint8_t *p = wr[i] + b * bb;
-            if (ahead) PREFETCH_AHEAD(stream, p + ahead);
-            const __mmask16 q = (__mmask16)(0xFu << (4 * i));
-            if (i) v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + at)));
-            if (five)
-                head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
-            else
-                d4 |= (uint64_t)rd16(p) << (16 * i);
-        }
-        __m512i w0 = _mm512_and_si512(v, low);
-        __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        __m512 dw;
-        if (five) {
-            w0 = _mm512_mask_add_epi8(
-                w0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), w0, fifth);
-            w1 = _mm512_mask_add_epi8(
-                w1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), w1, fifth);
-            dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
-        } else {
-            /* Q4_0's 4 scales put together in a general register: no vector merges. */
-            dw = _mm512_permutexvar_ps(
-                quarter_of, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4))));
-        }
+        __m512i w0, w1;
+        const __m512 dw = quarter_block(five, wr, nr, b, ahead, stream, &w0, &w1);
         /* Several tokens: signed codes c = w - offset against the act's unsigned x + 128,
          * sum c * (x + 128) = sum c * x + 128 * sum c, so each lane starts at -128 * sum c =
          * 128 * 4 * offset - 128 * sum w (one VPDPBUSD of w against -128): the offset work is
