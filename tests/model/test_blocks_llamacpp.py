@@ -7,6 +7,8 @@ ggml's own (its AVX2 vec_dot kernels), the SIMD paths give its bits."""
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
 import pathlib
 from collections.abc import Iterator
@@ -29,6 +31,10 @@ _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # Q4_1 layers (Q8_1 activations), a Q
 _IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 4354, 351, 1078, 3443, 30, 2, 198]
 _IDS += [1, 4093, 198, 504, 1345, 282, 4649, 314]
 _ULPS = 16  # the kernels' fp32 sums stay within 6 eps of sum |terms| on this file
+# llama.cpp's CPU backend as scripts/bench_llamacpp builds it on this machine (-march=native).
+_GGML_CPU = sorted(
+    glob.glob(os.path.expanduser("~/.cache/meshd-llamacpp/*/build/bin/libggml-cpu.so"))
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +119,36 @@ def test_the_simd_paths_give_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T,
         x = x.astype(np.float32)
         got = m.mm(torch.from_numpy(x)).numpy()
         assert np.array_equal(got, avx2_product(raw, qtype, x, n_out)), (t, got.dtype)
+
+
+@pytest.mark.skipif(
+    not _GGML_CPU, reason="needs llama.cpp's libggml-cpu.so (scripts/bench_llamacpp)"
+)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0], ids=lambda q: q.name)
+def test_q4_0_and_q5_0_are_the_bits_of_llamacpps_own_vec_dot(path: str, qtype: T) -> None:
+    # The same check against llama.cpp's library itself: its quantize_row_q8_0 and
+    # ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0, one row and token at a time.
+    if path == "portable":
+        pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
+    lib = ctypes.CDLL(_GGML_CPU[-1])
+    lib.ggml_cpu_init()
+    p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    quantize, dot = lib.quantize_row_q8_0, getattr(lib, f"ggml_vec_dot_{qtype.name.lower()}_q8_0")
+    quantize.argtypes = [p, p, ctypes.c_int64]
+    dot.argtypes = [c, p, size, p, size, p, size, c]
+    rng = np.random.default_rng(int(qtype))
+    k, n_out, t = 544, 37, 9
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+    x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))).astype(np.float32)
+    expected = np.zeros((t, n_out), np.float32)
+    out = ctypes.c_float()
+    for i in range(t):
+        blocks = np.zeros(k // 32 * 34, np.uint8)
+        quantize(x[i].ctypes.data, blocks.ctypes.data, k)
+        for r in range(n_out):
+            row = raw[r * raw.size // n_out :]
+            dot(k, ctypes.addressof(out), 0, row.ctypes.data, 0, blocks.ctypes.data, 0, 1)
+            expected[i, r] = out.value
+    got = BlockMatrix(raw, qtype, k, n_out).mm(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, expected)
