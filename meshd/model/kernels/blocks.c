@@ -554,7 +554,9 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
                                                          int64_t ldo, const int stream) {
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
-    const int offset = type == T_Q4_0 ? 1 : type == T_Q5_0 ? 2 : 0;
+    /* Q4_0/Q5_0: where the act's lane offsets of this type start in a block's 16 (0, 8); -1:
+     * none. */
+    const int off_at = type == T_Q4_0 ? 0 : type == T_Q5_0 ? 8 : -1;
     __m256 acc[NR_MAX][NT];
     float summs[NR_MAX][NT];
     for (int i = 0; i < nr; ++i)
@@ -589,9 +591,8 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
              * the offset taken out of one lane only, the other lanes held larger sums that
              * cancelled in fp32: docs/benchmarks.md.) */
             const __m256i init =
-                offset ? _mm256_load_si256((const __m256i *)(ACT_OFF(a, k) + 16 * b +
-                                                             8 * (offset - 1)))
-                       : _mm256_setzero_si256();
+                off_at >= 0 ? _mm256_load_si256((const __m256i *)(ACT_OFF(a, k) + 16 * b + off_at))
+                            : _mm256_setzero_si256();
             for (int i = 0; i < nr; ++i) {
                 const __m256i xs = type == T_Q8_0 ? _mm256_sign_epi8(x, sg[i]) : x;
                 const __m256i p = dot_us(init, wv[i], xs);
