@@ -1,9 +1,11 @@
 """Two builds of the block library on one single-token product that stays in cache.
 
     PYTHONPATH=. python scripts/block_ab.py TYPE IN OUT OLD.so NEW.so [--rounds 11] [--calls 300]
+        [--tokens 1]
 
 A random [OUT, IN] matrix of TYPE (Q4_0, Q4_1, Q8_0, ...: what `gguf.quants` quantizes) is
-multiplied by one token through `meshd_blocks_mm_threads` of each build (e.g. the cached
+multiplied by one token (`--tokens N`: N at once, as a prefill chunk) through
+`meshd_blocks_mm_threads` of each build (e.g. the cached
 `~/.cache/meshd/kernels/blocks-avx512-*.so` of two commits), 1 thread, rounds alternating; per
 build the median calling-thread CPU µs per call (ctypes call included, ~2 µs), the weight GB/s
 that makes, and whether the two builds' outputs are bit-identical. A matrix of a few hundred kB
@@ -31,22 +33,28 @@ def main() -> None:
     ap.add_argument("libraries", nargs=2)
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=1)
     args = ap.parse_args()
     qtype = GGMLQuantizationType[args.type]
     rng = np.random.default_rng(0)
     w = rng.standard_normal((args.n, args.k)).astype(np.float32)
     raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
-    x = rng.standard_normal((1, args.k)).astype(np.float32)
-    scratch = np.zeros(1 << 22, np.uint8)
+    x = rng.standard_normal((args.tokens, args.k)).astype(np.float32)
     p, i64, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    libs = [ctypes.CDLL(path) for path in args.libraries]
+    for lib in libs:
+        lib.meshd_blocks_scratch_bytes.argtypes = [c, i64, i64]
+        lib.meshd_blocks_scratch_bytes.restype = i64
+    need = max(lib.meshd_blocks_scratch_bytes(int(qtype), args.k, args.tokens) for lib in libs)
+    scratch = np.zeros(need, np.uint8)
     calls, outs = [], []
-    for path in args.libraries:
-        mm = ctypes.CDLL(path).meshd_blocks_mm_threads
+    for lib in libs:
+        mm = lib.meshd_blocks_mm_threads
         mm.argtypes = [c, p, i64, i64, p, i64, p, p, c]
-        y = np.zeros((1, args.n), np.float32)
+        y = np.zeros((args.tokens, args.n), np.float32)
         outs.append(y)
-        calls.append((mm, (int(qtype), raw.ctypes.data, args.k, args.n, x.ctypes.data, 1,
-                           y.ctypes.data, scratch.ctypes.data, 1)))  # fmt: skip
+        calls.append((mm, (int(qtype), raw.ctypes.data, args.k, args.n, x.ctypes.data,
+                           args.tokens, y.ctypes.data, scratch.ctypes.data, 1)))  # fmt: skip
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(args.rounds):
         for i, (mm, call) in enumerate(calls):

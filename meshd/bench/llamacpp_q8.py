@@ -80,3 +80,47 @@ def block_product(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> tuple
         y += term + offset
         bound += np.abs(term) + np.abs(offset)
     return y, bound
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32 `a * b + c` rounded once (VFMADD*PS), from float64: the product of two fp32 values
+    is exact there, the sum and its rounding error exact by TwoSum, and the rounding to fp32 is
+    off only where the float64 sum is a tie between two fp32 values, which the error's sign
+    breaks."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    back = s - p
+    err = (p - (s - back)) + (c64 - back)
+    r = s.astype(np.float32)
+    toward = np.nextafter(r, np.where(s > r, np.float32(np.inf), np.float32(-np.inf)))
+    tie = (err != 0) & (r.astype(np.float64) != s)
+    tie &= s == (r.astype(np.float64) + toward.astype(np.float64)) / 2
+    # At a tie the exact sum lies past the midpoint on err's side.
+    past = np.sign(err) == np.sign(toward.astype(np.float64) - r.astype(np.float64))
+    return np.where(tie & past, toward, r)
+
+
+def avx2_product(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.ndarray:
+    """`x @ W.T` in fp32 as ggml-cpu's AVX2 vec_dot kernels compute it for a 32-element format
+    (ggml/src/ggml-cpu/arch/x86/quants.c, ggml_vec_dot_q4_0_q8_0 and its siblings, which AVX-512
+    builds run too): per block, eight int32 lanes (lane L: the signed products of elements
+    4L..4L+3), converted, `acc = fma(d_w * d_x, lanes, acc)`; at the end hsum_float_8(acc)
+    (`(l_j + l_j+4)`, then `(r0 + r2) + (r1 + r3)`), plus the _1 formats' `m_w * s_x` summed
+    in block order. Returns `[t, n]` float32."""
+    t, k = x.shape
+    nb = k // 32
+    codes, dw, mw = weight_blocks(raw, qtype, n_out, k)
+    q, dx, sx, _ = quantize_q8(x)
+    acc = np.zeros((t, n_out, 8), np.float32)
+    summs = np.zeros((t, n_out), np.float32)
+    wl = codes.reshape(n_out, nb, 8, 4).astype(np.int64)
+    xl = q.reshape(t, nb, 8, 4).astype(np.int64)
+    for b in range(nb):
+        lanes = np.einsum("nlj,tlj->tnl", wl[:, b], xl[:, b]).astype(np.float32)  # exact
+        d = (dw[None, :, b] * dx[:, b, None]).astype(np.float32)
+        acc = _fma32(np.broadcast_to(d[:, :, None], acc.shape), lanes, acc)
+        if qtype in _ONE:
+            summs = summs + (mw[None, :, b] * sx[:, b, None]).astype(np.float32)
+    r = acc[:, :, 4:] + acc[:, :, :4]
+    return ((r[:, :, 0] + r[:, :, 2]) + (r[:, :, 1] + r[:, :, 3])) + summs

@@ -151,7 +151,7 @@ def test_a_batch_is_bit_identical_to_single_steps_on_any_thread_count(
     singles = torch.cat([m.mm(x[i : i + 1]) for i in range(70)])
     for n in (1, 2):
         torch.set_num_threads(n)
-        # 8-token tiles (AVX-512 Q5_0) and 4-token ones with every tail.
+        # 8-token tiles (AVX-512 Q4_0, Q5_0) and 4-token ones with every tail.
         for t in (1, 2, 3, 7, 9, 12, 16, 33, 70):
             for start in (0, 70 - t):
                 got = m.mm(x[start : start + t])

@@ -2,19 +2,24 @@
 backend does: the same activation codes and scales (ties to even, d from 127 / amax), the same
 per-block terms, so that the only difference left is the order of fp32 sums (a few eps of the
 sum of |terms|). Where that holds, meshd and llama.cpp run the same arithmetic on the same file
-and any remaining gap in perplexity is rounding noise (docs/benchmarks.md)."""
+and any remaining gap in perplexity is rounding noise (docs/benchmarks.md). Where the order is
+ggml's own (its AVX2 vec_dot kernels), the SIMD paths give its bits."""
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
 import pathlib
 from collections.abc import Iterator
 
+import gguf.quants
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
-from meshd.bench.llamacpp_q8 import block_product
+from meshd.bench.llamacpp_q8 import avx2_product, block_product
 from meshd.model import gguf_matrix
 from meshd.model.files import open_checkpoint
 from meshd.model.kernels.blocks import BlockMatrix
@@ -26,6 +31,10 @@ _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # Q4_1 layers (Q8_1 activations), a Q
 _IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 4354, 351, 1078, 3443, 30, 2, 198]
 _IDS += [1, 4093, 198, 504, 1345, 282, 4649, 314]
 _ULPS = 16  # the kernels' fp32 sums stay within 6 eps of sum |terms| on this file
+# llama.cpp's CPU backend as scripts/bench_llamacpp builds it on this machine (-march=native).
+_GGML_CPU = sorted(
+    glob.glob(os.path.expanduser("~/.cache/meshd-llamacpp/*/build/bin/libggml-cpu.so"))
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +92,63 @@ def test_every_path_multiplies_real_activations_as_llamacpp_does(
         err = np.abs(got - expected)
         worst = float((err / bound).max()) / 2.0**-24
         assert worst <= _ULPS, (tensor.ggml_type.name, m.out_features, m.in_features, worst)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("k", [96, 544, 1568])
+def test_the_simd_paths_give_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T, k: int) -> None:
+    # Q4_0/Q5_0 on both SIMD paths, and every 32-element format on avx2, run ggml's AVX2
+    # vec_dot sequence (eight signed int32 lanes per block, one FMA per lane, its horizontal
+    # sum), so a product is the one llama.cpp computes on x86 to the bit. With the code offset
+    # taken out of one lane only, Q4_0 at k = 96 was 46 (avx2) and 31 (avx512) eps of the sum
+    # of |terms| away from llama.cpp's arithmetic, whose own order is 14 eps from exact there.
+    if path == "portable":
+        pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
+    if path == "avx512" and qtype not in (T.Q4_0, T.Q5_0):
+        pytest.skip("AVX-512's Q4_1/Q5_1/Q8_0 tiles sum a block pair per 128-bit quarter")
+    rng = np.random.default_rng(int(qtype) * 10_000 + k)
+    n_out = 37  # 4-row tiles and a 1-row tail
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+    m = BlockMatrix(raw, qtype, k, n_out)
+    assert m.kernel == path
+    # 1 token (decode tiles), 5 (4-token tiles and one), 9 (AVX-512's 8-token tiles and one);
+    # heavy-tailed rows, where cancellation in fp32 shows.
+    for t in (1, 5, 9):
+        x = rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))
+        x = x.astype(np.float32)
+        got = m.mm(torch.from_numpy(x)).numpy()
+        assert np.array_equal(got, avx2_product(raw, qtype, x, n_out)), (t, got.dtype)
+
+
+@pytest.mark.skipif(
+    not _GGML_CPU, reason="needs llama.cpp's libggml-cpu.so (scripts/bench_llamacpp)"
+)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0], ids=lambda q: q.name)
+def test_q4_0_and_q5_0_are_the_bits_of_llamacpps_own_vec_dot(path: str, qtype: T) -> None:
+    # The same check against llama.cpp's library itself: its quantize_row_q8_0 and
+    # ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0, one row and token at a time.
+    if path == "portable":
+        pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
+    lib = ctypes.CDLL(_GGML_CPU[-1])
+    lib.ggml_cpu_init()
+    p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    quantize, dot = lib.quantize_row_q8_0, getattr(lib, f"ggml_vec_dot_{qtype.name.lower()}_q8_0")
+    quantize.argtypes = [p, p, ctypes.c_int64]
+    dot.argtypes = [c, p, size, p, size, p, size, c]
+    rng = np.random.default_rng(int(qtype))
+    k, n_out, t = 544, 37, 9
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+    x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))).astype(np.float32)
+    expected = np.zeros((t, n_out), np.float32)
+    out = ctypes.c_float()
+    for i in range(t):
+        blocks = np.zeros(k // 32 * 34, np.uint8)
+        quantize(x[i].ctypes.data, blocks.ctypes.data, k)
+        for r in range(n_out):
+            row = raw[r * raw.size // n_out :]
+            dot(k, ctypes.addressof(out), 0, row.ctypes.data, 0, blocks.ctypes.data, 0, 1)
+            expected[i, r] = out.value
+    got = BlockMatrix(raw, qtype, k, n_out).mm(torch.from_numpy(x)).numpy()
+    assert np.array_equal(got, expected)

@@ -200,7 +200,12 @@ int meshd_blocks_dequantizable(int type) { return block_elems(type) != 0; }
 /* ---- activations ------------------------------------------------------------------------------
  * One token's converted row ("act") in scratch, 64-byte aligned:
  *   Q8 types: int8 q[k]; float d[nb] (the block scale as stored in fp16, widened: exact);
- *             float s[nb] (Q8_1's fp16 s = d * sum(q), widened); int32 sum[nb] (sum(q)).
+ *             float s[nb] (Q8_1's fp16 s = d * sum(q), widened); then, 64-byte aligned,
+ *             int32 off[nb][2][8] (-8 and -16 times the sum of codes 4L..4L+3 of block b in
+ *             lane L: Q4_0's and Q5_0's code offsets, taken out of each of ggml's eight int32
+ *             lanes by the single-token tiles; loaded, not computed per tile); on AVX-512,
+ *             then, uint8 xu[k] (q + 128 in q's order: the unsigned operand of the Q4_0/Q5_0
+ *             tiles of several tokens, tile512_quarters).
  *   F16/BF16/F32: float v[k] (x rounded to fp16 / bf16 and widened: exact; F32: x itself).
  *   K-quants: k / 256 block_q8_K as blocks_k.c writes them.
  * The widened copies hold exactly the values ggml's blocks hold, in a layout that loads aligned. */
@@ -217,10 +222,30 @@ static int act_kind(int type) {
 }
 
 static inline int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
+/* A Q8 act's off lanes (see above): block b's Q4_0 offsets at + 16 * b, Q5_0's at + 16 * b + 8;
+ * its xu codes (AVX-512 builds). */
+#define ACT_OFF(a, k) ((int32_t *)((a) + align64(k) + align64(8 * ((k) / QK))))
+#define ACT_XU(a, k) ((uint8_t *)((a) + align64(k) + align64(8 * ((k) / QK)) + 64 * ((k) / QK)))
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ACT_XU_BYTES(k) align64(k)
+#else
+#define ACT_XU_BYTES(k) 0
+#endif
+
+#if defined(__AVX2__)
+/* off of one block from its 32 codes in element order: -8 and -16 times the sum of each 4
+ * codes, exact. */
+static inline void store_offsets(__m256i codes, int32_t *off) {
+    const __m256i neg8 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), codes),
+                                           _mm256_set1_epi16(-1));
+    _mm256_storeu_si256((__m256i *)off, neg8);
+    _mm256_storeu_si256((__m256i *)(off + 8), _mm256_add_epi32(neg8, neg8));
+}
+#endif
 
 static int64_t act_stride(int type, int64_t k) {
     switch (act_kind(type)) {
-    case ACT_Q8: return align64(align64(k) + 12 * (k / QK));
+    case ACT_Q8: return align64(k) + align64(8 * (k / QK)) + 64 * (k / QK) + ACT_XU_BYTES(k);
     case ACT_FLOAT: return align64(4 * k);
     case ACT_Q8K: return align64(k / QKK * Q8K_BYTES);
     default: return 0;
@@ -261,8 +286,8 @@ static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
  * the same whatever the order, x * id is one rounding either way, and the conversion rounds to
  * nearest, ties to even, as round_even. Returns 0 without writing where the block holds a NaN
  * or an infinity (the scalar loop then runs: what comes out there depends on its order). */
-static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, float *d, float *s,
-                                     int32_t *sum) {
+static inline int quantize_block16x2(const float *xb, int64_t b, int64_t nb, int8_t *q, float *d,
+                                     float *s, int32_t *off) {
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
     const __m512 inf = _mm512_set1_ps(INFINITY);
@@ -277,19 +302,25 @@ static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, floa
     for (int h = 0; h < 2; ++h)
         c[h] = _mm512_cvt_roundps_epi32(_mm512_mul_ps(h ? x1 : x0, vid),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128((__m128i *)(q + code_at(b, 0)), _mm512_cvtepi32_epi8(c[0]));
-    _mm_storeu_si128((__m128i *)(q + code_at(b, 16)), _mm512_cvtepi32_epi8(c[1]));
+    const __m128i q0 = _mm512_cvtepi32_epi8(c[0]), q1 = _mm512_cvtepi32_epi8(c[1]);
+    _mm_storeu_si128((__m128i *)(q + code_at(b, 0)), q0);
+    _mm_storeu_si128((__m128i *)(q + code_at(b, 16)), q1);
     const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(c[0], c[1]));
     d[b] = fp16(to_fp16(db));
     s[b] = fp16(to_fp16((float)total * db));
-    sum[b] = total;
+    store_offsets(_mm256_set_m128i(q1, q0), off + 16 * b);
+    uint8_t *xu = (uint8_t *)(off + 16 * nb);
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    _mm_storeu_si128((__m128i *)(xu + code_at(b, 0)), _mm_xor_si128(q0, flip));
+    _mm_storeu_si128((__m128i *)(xu + code_at(b, 16)), _mm_xor_si128(q1, flip));
     return 1;
 }
 #define QUANTIZE_BLOCK quantize_block16x2
 #elif defined(__AVX2__)
 /* The same in 8 lanes (the AVX2 layout keeps a block's codes in order). */
-static inline int quantize_block8x4(const float *xb, int64_t b, int8_t *q, float *d, float *s,
-                                    int32_t *sum) {
+static inline int quantize_block8x4(const float *xb, int64_t b, int64_t nb, int8_t *q, float *d,
+                                    float *s, int32_t *off) {
+    (void)nb; /* AVX-512's xu codes only */
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     __m256 x[4], m = _mm256_setzero_ps();
     int finite = 0xFF;
@@ -317,15 +348,16 @@ static inline int quantize_block8x4(const float *xb, int64_t b, int8_t *q, float
     /* |codes| <= 127: the saturating packs are exact; the permute undoes their lane order. */
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
                                              _mm256_packs_epi32(c[2], c[3]));
-    _mm256_storeu_si256((__m256i *)(q + code_at(b, 0)),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i codes =
+        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(q + code_at(b, 0)), codes);
+    store_offsets(codes, off + 16 * b);
     __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
     const int32_t sum_b = _mm_cvtsi128_si32(t4);
     d[b] = fp16(to_fp16(db));
     s[b] = fp16(to_fp16((float)sum_b * db));
-    sum[b] = sum_b;
     return 1;
 }
 #define QUANTIZE_BLOCK quantize_block8x4
@@ -337,11 +369,11 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     if (nb & 1) memset(q + (nb - 1) * QK, 0, (size_t)(align64(k) - (nb - 1) * QK));
     float *d = (float *)(act + align64(k));
     float *s = d + nb;
-    int32_t *sum = (int32_t *)(s + nb);
+    int32_t *off = ACT_OFF(act, k);
     for (int64_t b = 0; b < nb; ++b) {
         const float *xb = x + b * QK;
 #ifdef QUANTIZE_BLOCK
-        if (QUANTIZE_BLOCK(xb, b, q, d, s, sum)) continue;
+        if (QUANTIZE_BLOCK(xb, b, nb, q, d, s, off)) continue;
 #endif
         float amax = 0.0f;
         /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */
@@ -353,11 +385,14 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
             const int v = round_even(xb[j] * id);
             q[code_at(b, j)] = (int8_t)v;
             total += v;
+            if (j % 4 == 0) off[16 * b + j / 4] = off[16 * b + 8 + j / 4] = 0;
+            off[16 * b + j / 4] -= 8 * v;
+            off[16 * b + 8 + j / 4] -= 16 * v;
+            if (ACT_XU_BYTES(k)) ((uint8_t *)(off + 16 * nb))[code_at(b, j)] = (uint8_t)(v + 128);
         }
         d[b] = fp16(to_fp16(db));
         /* quantize_row_q8_1 (x86 and reference alike): s = fp16(sum * d), d unrounded. */
         s[b] = fp16(to_fp16((float)total * db));
-        sum[b] = total;
     }
 }
 
@@ -425,8 +460,6 @@ static inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
-
-static inline __m256i lane0(int32_t v) { return _mm256_zextsi128_si256(_mm_cvtsi32_si128(v)); }
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -525,7 +558,9 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
                                                          int64_t ldo, const int stream) {
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
-    const int32_t offset = type == T_Q4_0 ? -8 : type == T_Q5_0 ? -16 : 0;
+    /* Q4_0/Q5_0: where the act's lane offsets of this type start in a block's 16 (0, 8); -1:
+     * none. */
+    const int off_at = type == T_Q4_0 ? 0 : type == T_Q5_0 ? 8 : -1;
     __m256 acc[NR_MAX][NT];
     float summs[NR_MAX][NT];
     for (int i = 0; i < nr; ++i)
@@ -555,9 +590,13 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
             const uint8_t *a = act + r * stride;
             const float *d = ACT_D(a, k);
             const __m256i x = _mm256_load_si256((const __m256i *)(ACT_Q(a) + b * QK));
-            /* sum (u + offset) * x = sum u * x + offset * sum x: exact in int32. */
+            /* Q4_0/Q5_0: lane L is ggml's signed sum over codes 4L..4L+3, sum (u - c) * x
+             * for the code offset c = 8 (16), as the act's -c * sum x + sum u * x, exact. (With
+             * the offset taken out of one lane only, the other lanes held larger sums that
+             * cancelled in fp32: docs/benchmarks.md.) */
             const __m256i init =
-                offset ? lane0(offset * ((const int32_t *)(d + 2 * nb))[b]) : _mm256_setzero_si256();
+                off_at >= 0 ? _mm256_load_si256((const __m256i *)(ACT_OFF(a, k) + 16 * b + off_at))
+                            : _mm256_setzero_si256();
             for (int i = 0; i < nr; ++i) {
                 const __m256i xs = type == T_Q8_0 ? _mm256_sign_epi8(x, sg[i]) : x;
                 const __m256i p = dot_us(init, wv[i], xs);
@@ -606,9 +645,9 @@ static inline __m256i nib_codes(const uint8_t *p) {
 }
 
 /* Blocks b and b+1 (b+1 absent: zeros) of a row as 64 code bytes in the PAIRED order: unsigned
- * codes for the nibble formats, Q8_0's signed bytes. */
+ * codes for Q4_1/Q5_1, Q8_0's signed bytes (Q4_0/Q5_0 run tile512_quarters). */
 static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two) {
-    const int off = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    const int off = type == T_Q4_1 ? 4 : 8;
     if (type == T_Q8_0) {
         const __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + 2));
         const __m256i c1 = two ? _mm256_loadu_si256((const __m256i *)(p + bb + 2))
@@ -626,7 +665,7 @@ static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two
             : _mm512_maskz_mov_epi32(0x0F0F, n0);
     __m512i c = _mm512_and_si512(_mm512_mask_srli_epi16(v, (__mmask32)0xFFFF0000u, v, 4),
                                  _mm512_set1_epi8(0x0F));
-    if (type == T_Q5_0 || type == T_Q5_1) {
+    if (type == T_Q5_1) {
         uint32_t h0, h1 = 0;
         memcpy(&h0, p + off - 4, 4);
         if (two) memcpy(&h1, p + bb + off - 4, 4);
@@ -645,18 +684,6 @@ static inline __m512i quad_sums(__m512i v0, __m512i v1, __m512i v2, __m512i v3) 
     return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 
-/* -(Σq_b << shift) in quarter 0's lane 0 and -(Σq_b1 << shift) in quarter 1's: Q4_0/Q5_0's code
- * offsets (8, 16) taken out of the integer dot of a pair, exact. */
-static inline __m512i offset_init(const float *d, int64_t nb, int64_t b, int two, int shift) {
-    const int32_t *sm = (const int32_t *)(d + 2 * nb);
-    const __m128i s2 = two ? _mm_loadl_epi64((const __m128i *)(sm + b)) : _mm_cvtsi32_si128(sm[b]);
-    const __m512i lanes04 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0);
-    return _mm512_sub_epi32(
-        _mm512_setzero_si512(),
-        _mm512_slli_epi32(
-            _mm512_maskz_permutexvar_epi32(0x0011, lanes04, _mm512_castsi128_si512(s2)), shift));
-}
-
 /* Rows 0..nr-1 of one token from the quarter accumulators: row i is (q0 + q2) + (q1 + q3), then
  * + (m * s of the even blocks + of the odd blocks) for the _1 formats. */
 static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *out) {
@@ -672,24 +699,18 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
     for (int i = 0; i < nr; ++i) out[i] = o[i];
 }
 
-/* Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's 32 codes
- * (low nibbles: values 0-15, high nibbles: 16-31, each with its fifth bit from qh) are laid out
- * as 16 bytes per row, so the activation's values 0-15 (then 16-31) broadcast to the 4 quarters
- * straight from memory and one VPDPBUSD covers 4 rows x 16 values: no cross-row reduction per
- * token. Row i's lane j sums values 4j..4j+3 and 16+4j..16+4j+3 (exact, with -16 * sum(q) of
- * the block in lane 0); the four lanes are converted, scaled by d_w * d_x and accumulated, and
- * the row is (l0 + l2) + (l1 + l3) at the end. The same sequence for every tile shape (absent
- * rows: zero codes and scales in their own quarter), so batches match single steps. */
-static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *const *wr, int nr,
-                                                              int64_t k, const uint8_t *act,
-                                                              int64_t stride, int nt, float *out,
-                                                              int64_t ldo, const int stream) {
-    const int64_t nb = k / QK, bb = 22;
-    __m512 acc[NT_WIDE];
-    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
-    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
+/* Block b of rows 0..nr-1 of Q4_0 (five = 0) or Q5_0, quarter i = row i: the unsigned codes of
+ * values 0-15 in *w0 and 16-31 in *w1 (low nibbles, high nibbles; Q5_0's fifth bits added
+ * under a byte mask), and each row's d in its quarter (the return value). Row 0's codes fill
+ * every quarter first, rows 1-3 are merged over theirs: an absent row's quarter computes on row
+ * 0's codes times a zero scale, which adds exact zeros. */
+static inline __attribute__((always_inline)) __m512 quarter_block(int five, const uint8_t *const *wr,
+                                                                 int nr, int64_t b, int64_t ahead,
+                                                                 const int stream, __m512i *w0,
+                                                                 __m512i *w1) {
+    const int64_t bb = five ? 22 : 18, at = five ? 6 : 2;
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
-    /* Per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
+    /* Q5_0, per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
      * bytes 4-5) and is tested against bit j % 8; word 0 of each quarter is the row's d. */
     const __m512i h_lo = _mm512_broadcast_i32x4(_mm_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2));
     const __m512i h_hi = _mm512_add_epi8(h_lo, _mm512_set1_epi8(2));
@@ -697,40 +718,102 @@ static inline __attribute__((always_inline)) void tile512_q5_0(const uint8_t *co
         _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1));
     const __m512i d_word = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 24, 24,
                                             24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i v = _mm512_setzero_si512(), head = _mm512_setzero_si512();
-        for (int i = 0; i < nr; ++i) {
-            const uint8_t *p = wr[i] + b * bb;
-            if (ahead) PREFETCH_AHEAD(stream, p + ahead);
-            const __mmask16 q = (__mmask16)(0xFu << (4 * i));
-            v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + 6)));
+    const __m512i quarter_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(wr[0] + b * bb + at)));
+    __m512i head = _mm512_setzero_si512();
+    uint64_t d4 = 0;
+    for (int i = 0; i < nr; ++i) {
+        const uint8_t *p = wr[i] + b * bb;
+        if (ahead) PREFETCH_AHEAD(stream, p + ahead);
+        const __mmask16 q = (__mmask16)(0xFu << (4 * i));
+        if (i) v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + at)));
+        if (five)
             head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
+        else
+            d4 |= (uint64_t)rd16(p) << (16 * i);
+    }
+    *w0 = _mm512_and_si512(v, low);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if (!five) /* Q4_0's 4 scales put together in a general register: no vector merges. */
+        return _mm512_permutexvar_ps(
+            quarter_of, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4))));
+    *w0 = _mm512_mask_add_epi8(
+        *w0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), *w0, fifth);
+    *w1 = _mm512_mask_add_epi8(
+        *w1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), *w1, fifth);
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
+}
+
+/* Q4_0 and Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's
+ * 32 codes are laid out as 16 bytes per row (quarter_block), so the activation's values 0-15
+ * (then 16-31) broadcast to the 4 quarters straight from memory and one VPDPBUSD covers 4 rows
+ * x 16 values: no cross-row reduction per token. Row i's lane j of the first vector is ggml's
+ * AVX2 lane j (values 4j..4j+3), of the second its lane 4 + j (16+4j..16+4j+3): the signed
+ * sums, the code offset (8, 16) taken out per lane (exact, below). Each is converted, scaled by
+ * d_w * d_x and accumulated with its own FMA, and the row is ggml's hsum_float_8: r_j = l_j +
+ * l_4+j, then (r0 + r2) + (r1 + r3). So every (row, token) runs ggml's float sequence and the
+ * bits are those of its ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0 (and of the avx2 path). The same
+ * sequence for every tile shape (an absent row's quarter: a zero scale), so batches match
+ * single steps. */
+static inline __attribute__((always_inline)) void tile512_quarters(int type, const uint8_t *const *wr,
+                                                                  int nr, int64_t k,
+                                                                  const uint8_t *act,
+                                                                  int64_t stride, int nt,
+                                                                  float *out, int64_t ldo,
+                                                                  const int stream) {
+    const int five = type == T_Q5_0;
+    const int64_t nb = k / QK;
+    __m512 acc0[NT_WIDE], acc1[NT_WIDE];
+    for (int r = 0; r < nt; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
+    const __m512i offset = _mm512_set1_epi8(five ? 16 : 8), minus128 = _mm512_set1_epi8(-128);
+    const __m512i base = _mm512_set1_epi32(five ? 8192 : 4096); /* 128 * 4 * offset */
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i w0, w1;
+        const __m512 dw = quarter_block(five, wr, nr, b, ahead, stream, &w0, &w1);
+        /* Several tokens: signed codes c = w - offset against the act's unsigned x + 128,
+         * sum c * (x + 128) = sum c * x + 128 * sum c, so each lane starts at -128 * sum c =
+         * 128 * 4 * offset - 128 * sum w (one VPDPBUSD of w against -128): the offset work is
+         * per block and row, not per token. One token: w against x, each lane starting at the
+         * act's -offset * sum x (loaded: no work per block). The same exact int32 lanes. */
+        __m512i init0 = base, init1 = base, c0 = w0, c1 = w1;
+        if (nt > 1) {
+            init0 = _mm512_dpbusd_epi32(base, w0, minus128);
+            init1 = _mm512_dpbusd_epi32(base, w1, minus128);
+            c0 = _mm512_sub_epi8(w0, offset);
+            c1 = _mm512_sub_epi8(w1, offset);
         }
-        const __m512i n0 = _mm512_and_si512(v, low);
-        const __m512i n1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512i w0 = _mm512_mask_add_epi8(
-            n0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), n0, fifth);
-        const __m512i w1 = _mm512_mask_add_epi8(
-            n1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), n1, fifth);
-        const __m512 dw = _mm512_cvtph_ps(
-            _mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
         for (int r = 0; r < nt; ++r) {
             const uint8_t *a = act + r * stride;
             const float *d = ACT_D(a, k);
-            const int8_t *xq = ACT_Q(a) + code_at(b, 0);
-            const __m512i x0 = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)xq));
-            const __m512i x1 = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + 32)));
-            const int32_t sum = ((const int32_t *)(d + 2 * nb))[b];
-            __m512i s = _mm512_maskz_set1_epi32(0x1111, -16 * sum);
-            s = _mm512_dpbusd_epi32(s, w0, x0);
-            s = _mm512_dpbusd_epi32(s, w1, x1);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[b])),
-                                     _mm512_cvtepi32_ps(s), acc[r]);
+            __m512i s0, s1;
+            if (nt > 1) {
+                const uint8_t *xu = ACT_XU(a, k);
+                s0 = _mm512_dpbusd_epi32(init0, _mm512_broadcast_i32x4(_mm_load_si128(
+                                                    (const __m128i *)(xu + code_at(b, 0)))),
+                                         c0);
+                s1 = _mm512_dpbusd_epi32(init1, _mm512_broadcast_i32x4(_mm_load_si128(
+                                                    (const __m128i *)(xu + code_at(b, 16)))),
+                                         c1);
+            } else {
+                const int8_t *xq = ACT_Q(a);
+                const int32_t *off = ACT_OFF(a, k) + 16 * b + (five ? 8 : 0);
+                s0 = _mm512_dpbusd_epi32(
+                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)off)), w0,
+                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + code_at(b, 0)))));
+                s1 = _mm512_dpbusd_epi32(
+                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(off + 4))), w1,
+                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + code_at(b, 16)))));
+            }
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(d[b]));
+            acc0[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s0), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s1), acc1[r]);
         }
     }
     const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     for (int r = 0; r < nt; ++r) {
-        const __m512 t = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0x4E));
+        const __m512 h = _mm512_add_ps(acc1[r], acc0[r]);
+        const __m512 t = _mm512_add_ps(h, _mm512_permute_ps(h, 0x4E));
         const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
         float o[4];
         _mm_storeu_ps(o, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, u)));
@@ -761,13 +844,12 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo, const int stream) {
-    if (type == T_Q5_0) {
-        tile512_q5_0(wr, nr, k, act, stride, nt, out, ldo, stream);
+    if (type == T_Q4_0 || type == T_Q5_0) {
+        tile512_quarters(type, wr, nr, k, act, stride, nt, out, ldo, stream);
         return;
     }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
-    const int shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0; /* codes offset 8 or 16 */
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
     __m512 acc[NT_WIDE], macc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
@@ -801,16 +883,15 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
             const __m512i x = _mm512_load_si512((const void *)(ACT_Q(a) + b * QK));
             const __m512 dx = pair_ps(two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + b)))
                                           : _mm_load_ss(d + b));
-            const __m512i init = shift ? offset_init(d, nb, b, two, shift) : _mm512_setzero_si512();
+            const __m512i zero = _mm512_setzero_si512();
             __m512i p[4];
             for (int i = 0; i < 4; ++i) {
                 if (i >= nr)
-                    p[i] = _mm512_setzero_si512();
+                    p[i] = zero;
                 else if (type == T_Q8_0)
-                    p[i] = _mm512_dpbusd_epi32(
-                        init, wv[i], _mm512_mask_sub_epi8(x, neg[i], _mm512_setzero_si512(), x));
+                    p[i] = _mm512_dpbusd_epi32(zero, wv[i], _mm512_mask_sub_epi8(x, neg[i], zero, x));
                 else
-                    p[i] = _mm512_dpbusd_epi32(init, wv[i], x);
+                    p[i] = _mm512_dpbusd_epi32(zero, wv[i], x);
             }
             const __m512i s = quad_sums(p[0], p[1], p[2], p[3]);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s), acc[r]);
@@ -869,12 +950,15 @@ TILE_SET(T_Q5_0)
 TILE_SET(T_Q5_1)
 TILE_SET(T_Q8_0)
 
-/* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight pair serves twice the
- * tokens. Q5_0 only: its codes (nibbles plus the fifth bits from qh) cost the most to decode,
- * and 0.5B-class Q4_K_M files hold most of their products in it (docs/model-runtime.md). */
+/* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight block serves twice the
+ * tokens. Q5_0 and Q4_0 (tile512_quarters), whose per-block work (the codes, Q5_0's fifth bits,
+ * the lane offsets) is the most to share; 0.5B-class Q4_K_M files hold most of their products
+ * in Q5_0 (docs/model-runtime.md). */
 #if defined(PAIRED)
 TILE_FN(T_Q5_0, 4, NT_WIDE)
+TILE_FN(T_Q4_0, 4, NT_WIDE)
 static tile_fn wide_tile_of(int type, int stream) {
+    if (type == T_Q4_0) return stream ? tile_T_Q4_0_4xNT_WIDE_s : tile_T_Q4_0_4xNT_WIDE;
     if (type != T_Q5_0) return 0;
     return stream ? tile_T_Q5_0_4xNT_WIDE_s : tile_T_Q5_0_4xNT_WIDE;
 }
