@@ -2,6 +2,8 @@
 
 `meshd/model/builtin_draft` (distilled from the built-in model, docs/model.md) drafts on the
 coordinator; greedy output over 1-3 stages and a seeded sampled request equal `disabled`'s.
+However a drafting request ends (done, a stage lost, a draft pass failing, the client gone),
+its draft session is closed: the draft's KV table holds nothing afterwards.
 """
 
 from __future__ import annotations
