@@ -55,6 +55,12 @@ def render(status: dict[str, Any], events: int) -> None:
         f"{status['sessions_coordinated']}, recoveries {status['recoveries']}, up "
         f"{status['uptime_s']:.0f} s, {status.get('tasks', 0)} trio tasks"
     )
+    draft = status.get("draft")
+    if draft:  # the coordinators' draft model: a session per request drafting with it
+        console.print(
+            f"draft {draft['model']}: weights {_mib(draft['weight_bytes'])}, sessions "
+            f"{draft['sessions']} (KV {draft['kv_used_bytes'] / 2**20:.1f} MiB)"
+        )
     fetch = status.get("fetch")
     if fetch:  # a `mesh:ID` node's last fetch: its stage's tensors, or a spare's prefetch
         eta = fetch["eta_s"]

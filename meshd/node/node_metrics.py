@@ -3,9 +3,10 @@
 Two kinds of feed, each where the figure is known:
 - gauges and running counts are read at each scrape from one `NodeStatus` (the snapshot
   `meshctl status` prints), by `NodeCollector`: members by health, each lane's RTT and loss,
-  sessions hosted and coordinated, KV bytes held and budget, each model's plan, the fetch's
-  progress, datagrams dropped and handshakes refused by reason, sessions expired by cause,
-  trio tasks. So `/metrics` and `meshctl status` never disagree, and a gauge is never stale;
+  sessions hosted and coordinated, KV bytes held and budget, the draft model's sessions and
+  KV bytes, each model's plan, the fetch's progress, datagrams dropped and handshakes refused
+  by reason, sessions expired by cause, trio tasks. So `/metrics` and `meshctl status` never
+  disagree, and a gauge is never stale;
 - events are counted as they happen (`export_metrics` subscribes the API's counters to them):
   a lane whose peer stopped answering (`meshd_lane_deaths_total`), a stage's forward pass
   (`meshd_stage_compute_seconds`).
@@ -107,7 +108,7 @@ def _mesh_families(f: _Families, status: NodeStatus) -> None:
 
 
 def _load_families(f: _Families, status: NodeStatus) -> None:
-    """Sessions, KV cache, and each model's plan."""
+    """Sessions, KV cache (the stages' and the draft model's), and each model's plan."""
     f.gauge("meshd_sessions_hosted", "Sessions open on this node's stages", status.sessions_hosted)
     f.gauge(
         "meshd_sessions_coordinated",
@@ -119,6 +120,17 @@ def _load_families(f: _Families, status: NodeStatus) -> None:
         "meshd_kv_budget_bytes",
         "Memory budget left for KV cache once this node's stages hold their weights (0: no stage)",
         status.kv_budget_bytes,
+    )
+    draft = status.draft
+    f.gauge(
+        "meshd_draft_sessions",
+        "Sessions open on the coordinators' draft model, one per request drafting (0: none)",
+        draft.sessions if draft is not None else 0,
+    )
+    f.gauge(
+        "meshd_draft_kv_used_bytes",
+        "KV cache bytes the draft model's sessions hold (0: none)",
+        draft.kv_used_bytes if draft is not None else 0,
     )
     f.by(
         GaugeMetricFamily,

@@ -19,6 +19,7 @@ import torch
 import trio
 
 from meshd.mesh.identity import node_id_of
+from meshd.model.files import model_name
 from meshd.node.fetch_run import FetchStatus
 from meshd.node.planning import holding_of
 from meshd.node.prefix_status import PrefixCacheStatus, prefix_cache_status
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from meshd.node.generation import NodeBackend
     from meshd.node.held_model import HeldModel
     from meshd.node.node import MeshNode
+    from meshd.speculative.draft import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,18 @@ class NatStatus(msgspec.Struct, frozen=True, kw_only=True):
     relay_forwarded_bytes: int
 
 
+class DraftStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The coordinators' draft model (`spec.draft_model`) and what its sessions hold now."""
+
+    model: str  # display name: the file's stem, or the directory's name
+    path: str  # as configured
+    weight_bytes: int
+    # Read from the draft's own KV table: each request drafting with it holds one session
+    # until it ends, however it ends; both are 0 whenever no request is drafting.
+    sessions: int
+    kv_used_bytes: int
+
+
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The whole status reply."""
 
@@ -150,6 +164,8 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     tasks_by_name: dict[str, int] = {}
     # The prefix cache's counters (`meshd/node/prefix_status.py`).
     prefix_cache: PrefixCacheStatus | None = None
+    # The coordinators' draft model (None: the node loaded none).
+    draft: DraftStatus | None = None
 
 
 class StageStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -381,8 +397,22 @@ def status_of(node: MeshNode, backend: NodeBackend) -> NodeStatus:
         tasks=sum(tasks.values()),
         tasks_by_name=tasks,
         prefix_cache=prefix_cache_status(node),
+        draft=draft_status(node.basis.draft),
     )
     return status
+
+
+def draft_status(draft: DraftModel | None) -> DraftStatus | None:
+    """What `draft` holds now (None: no draft model)."""
+    if draft is None:
+        return None
+    return DraftStatus(
+        model=model_name(draft.path),
+        path=draft.path,
+        weight_bytes=draft.stage.weight_bytes,
+        sessions=draft.sessions,
+        kv_used_bytes=draft.kv_used_bytes,
+    )
 
 
 def _kv_budget_bytes(node: MeshNode) -> int:

@@ -134,6 +134,16 @@ class DraftModel:
             eos_ids = ()
         return cls(stage, str(path), eos_ids)
 
+    @property
+    def sessions(self) -> int:
+        """Draft sessions open now (one per request drafting with it), from its KV's table."""
+        return len(self.stage.kv)
+
+    @property
+    def kv_used_bytes(self) -> int:
+        """KV cache bytes its open sessions hold (0 once every request closed its session)."""
+        return self.stage.kv.used_bytes
+
     def open(self, max_positions: int) -> str:
         """A new session holding up to `max_positions` positions; its id."""
         session = f"draft-{next(_session_ids)}"

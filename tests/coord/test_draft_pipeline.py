@@ -2,6 +2,8 @@
 
 `meshd/model/builtin_draft` (distilled from the built-in model, docs/model.md) drafts on the
 coordinator; greedy output over 1-3 stages and a seeded sampled request equal `disabled`'s.
+However a drafting request ends (done, a stage lost, a draft pass failing, the client gone),
+its draft session is closed: the draft's KV table holds nothing afterwards.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 import torch
 import trio
 
-from meshd.coord.coordinator import GenerationRequest, GenerationResult
+from meshd.coord.coordinator import GenerationRequest, GenerationResult, RouteFailed
 from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
 from meshd.model.tokenizer import Tokenizer
@@ -240,3 +242,73 @@ async def test_passes_run_ahead_while_windows_are_out_take_drafting_off_the_wind
     # Without: at least a 15 ms pass per drafted token. With: less by the share recalled.
     assert min(waited[0], waited[2]) > 0.015, waited
     assert max(waited[1], waited[3]) < min(waited[0], waited[2]), waited
+
+
+@pytest.fixture(scope="module")
+def shipped_draft() -> DraftModel:
+    return DraftModel.load(DRAFT)
+
+
+class FailingDraft(DraftModel):
+    """The shipped draft, whose pass number `fail_at` raises (a bug in a draft pass)."""
+
+    def __init__(self, inner: DraftModel, fail_at: int) -> None:
+        super().__init__(inner.stage, inner.path, sorted(inner.eos_ids))
+        self.fail_at = fail_at
+        self.passes = 0
+
+    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+        self.passes += 1
+        if self.passes == self.fail_at:
+            raise RuntimeError("draft pass failed")
+        return super().rows(session, base_pos, tokens, last_n)
+
+
+# How a request ends mid-window: the last stage's lane dies, the last stage lost the session
+# (it answers the next keep-alive with an error), a draft pass raises, the client goes away.
+ENDINGS = ("stage_lost", "stage_error", "draft_raises", "client_gone")
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+@pytest.mark.parametrize("strategy", ["draft", "draft-ngram"])
+async def test_a_request_ending_mid_window_leaves_no_draft_session_open(
+    shipped_draft: DraftModel, strategy: str, ending: str
+) -> None:
+    """However a drafting request ends, its draft session is closed once `generate` returns or
+    raises: the draft's KV table is empty, as after a request that completed."""
+    draft = FailingDraft(shipped_draft, 10**9)
+    async with open_local_pipeline(MODEL, 2, rtt_s=0.002, draft=draft) as pipe:
+        last = pipe.route.keys[-1]
+        streamed: list[int] = []
+        open_then: list[int] = []
+        scope = trio.CancelScope()
+
+        async def on_tokens(tokens: list[int]) -> None:
+            streamed.extend(tokens)
+            if len(streamed) < 4 or open_then:
+                return
+            open_then.append(draft.sessions)  # mid-request: its session is open
+            if ending == "stage_lost":
+                pipe.coordinator.peer_lost(last)
+            elif ending == "stage_error":
+                pipe.hosts[-1].free_coordinator(pipe.coordinator.own_key)
+                await pipe.coordinator.renew_leases()  # answered `session_expired`
+            elif ending == "draft_raises":
+                draft.fail_at = draft.passes + 1
+            else:
+                scope.cancel()
+
+        failure: Exception | None = None
+        with scope, trio.fail_after(60):
+            try:
+                await pipe.coordinator.generate(pipe.route, request(strategy, n=64), on_tokens)
+            except (RouteFailed, RuntimeError) as exc:
+                failure = exc
+        assert open_then == [1]
+        if ending == "client_gone":
+            assert scope.cancelled_caught and failure is None
+        else:
+            expected = RouteFailed if ending.startswith("stage") else RuntimeError
+            assert type(failure) is expected, failure
+        assert len(streamed) < 64
+        assert draft.sessions == 0 and draft.kv_used_bytes == 0

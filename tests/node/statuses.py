@@ -6,7 +6,14 @@ from typing import Any
 
 from meshd.net.endpoint import DROP_REASONS, REFUSAL_REASONS
 from meshd.node.fetch_run import FetchStatus
-from meshd.node.status import MemberStatus, ModelStatus, NatStatus, NodeStatus, StageStatus
+from meshd.node.status import (
+    DraftStatus,
+    MemberStatus,
+    ModelStatus,
+    NatStatus,
+    NodeStatus,
+    StageStatus,
+)
 
 
 def member(name: str, status: str, *, lane: bool, rtt_ms: float | None = None,
@@ -33,7 +40,7 @@ def model(name: str, stages: int, predicted_ms: float | None) -> ModelStatus:
 
 def a_status(**changes: Any) -> NodeStatus:
     """A node that sees itself, one live member over a lossy lane, one suspect and one dead
-    member, hosts and coordinates sessions, and fetches a stage."""
+    member, hosts and coordinates sessions, fetches a stage, and drafts in one session."""
     fields: dict[str, Any] = dict(
         key="aa" * 32, name="self0001", model_id="ab" * 32, quantization="none",
         kv_dtype="float32", threads=1, disabled=False, draining=False, stage_layers=[0, 2],
@@ -58,6 +65,8 @@ def a_status(**changes: Any) -> NodeStatus:
         fetch=FetchStatus(model_id="ab" * 32, state="fetching", what="layers [0, 2)",
                           done_bytes=300, total_bytes=1000, rate_bytes_s=1.0, eta_s=1.0),
         tasks=42, tasks_by_name={"x": 42},
+        draft=DraftStatus(model="draft", path="/m/draft.gguf", weight_bytes=3 << 20,
+                          sessions=1, kv_used_bytes=1 << 20),
     )  # fmt: skip
     fields.update(changes)
     return NodeStatus(**fields)

@@ -4,18 +4,24 @@ loopback address with the module's secret, flags and budget.
 
 Each test first restarts what an earlier one stopped that it needs (`StopMesh.ready`), so the
 tests pass alone and in any order. `Stream` runs a generation over the control socket in a
-thread; `no_sessions_left` and `left_only_identity` are what every stop checks afterwards.
+thread, `SseStream` a streamed completion over the OpenAI API; `no_sessions_left`,
+`left_only_identity` and `wait_threads_back` are what every stop checks afterwards.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import json
 import pathlib
 import signal
 import threading
 import time
 from typing import Any
 
-from meshd.cli.supervisor import started, wait_until
+import httpx
+
+from meshd.cli.supervisor import DaemonError, started, wait_until
 from meshd.node.control_client import ControlError, GenerateOp, request_lines
 from tests.node.daemons import Daemon, stable_plan
 
@@ -94,9 +100,9 @@ class StopMesh:
         return next(d for d in self.capable() if d not in route)
 
 
-def op(prompt: list[int], max_tokens: int) -> GenerateOp:
-    """Greedy, plain decoding of exactly `max_tokens` tokens."""
-    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy="disabled", ignore_eos=True)
+def op(prompt: list[int], max_tokens: int, strategy: str = "disabled") -> GenerateOp:
+    """Greedy decoding of exactly `max_tokens` tokens, drafted with `strategy` (plain: none)."""
+    return GenerateOp(prompt=prompt, max_tokens=max_tokens, strategy=strategy, ignore_eos=True)
 
 
 class Stream:
@@ -126,6 +132,85 @@ class Stream:
         assert not self.thread.is_alive()
         assert self.lines, self.error
         return self.lines[-1][1]
+
+
+def _sse(api: str, body: dict[str, Any], events: list[str], errors: list[Exception]) -> None:
+    try:
+        with httpx.stream("POST", f"{api}/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+    except httpx.HTTPError as exc:
+        errors.append(exc)
+
+
+class SseStream:
+    """A streamed completion through the OpenAI endpoint in a thread (as `Stream` is over the
+    control socket): its SSE `data:` payloads and any error. Returns once the first chunks
+    are in."""
+
+    def __init__(self, coordinator: Daemon, body: dict[str, Any]) -> None:
+        self.events: list[str] = []
+        self.errors: list[Exception] = []
+        self.thread = threading.Thread(
+            target=_sse, args=(coordinator.api_url, body, self.events, self.errors), daemon=True
+        )
+        self.thread.start()
+        wait_until(lambda: len(self.events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
+
+
+def completion_body(
+    coordinator: Daemon, prompt: list[int], max_tokens: int, strategy: str
+) -> dict[str, Any]:
+    """A greedy completion request of exactly `max_tokens` tokens, drafted with `strategy`."""
+    model = httpx.get(f"{coordinator.api_url}/models", timeout=30).json()["data"][0]["id"]
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "meshd": {"speculative": {"strategy": strategy}, "ignore_eos": True},
+    }  # fmt: skip
+
+
+def complete(coordinator: Daemon, prompt: list[int], max_tokens: int, strategy: str) -> str:
+    """The text the API answers to `completion_body`'s request."""
+    answer = httpx.post(
+        f"{coordinator.api_url}/completions",
+        json=completion_body(coordinator, prompt, max_tokens, strategy),
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["choices"][0]["text"])
+
+
+def streamed_text(events: list[str]) -> str:
+    """The text of a completion stream's chunks (`events` without `[DONE]`)."""
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events)
+
+
+def threads_of(d: Daemon) -> collections.Counter[str]:
+    """The daemon process's OS threads by name (torch's, trio's workers', any a draft started)."""
+    names: collections.Counter[str] = collections.Counter()
+    for task in pathlib.Path(f"/proc/{d.proc.pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that just ended
+            names[(task / "comm").read_text().strip()] += 1
+    return names
+
+
+def wait_threads_back(d: Daemon, before: collections.Counter[str]) -> None:
+    """Wait until the daemon runs no more threads of any name than `before`."""
+    grown: collections.Counter[str] = collections.Counter()
+
+    def back() -> bool:
+        grown.clear()
+        grown.update(threads_of(d) - before)
+        return not grown
+
+    try:
+        wait_until(back, 30, f"{d.name}'s threads back to their count from before")
+    except DaemonError as exc:
+        raise AssertionError(
+            f"{exc}; threads left: {dict(grown)}, before: {dict(before)}"
+        ) from None
 
 
 def no_sessions_left(daemons: list[Daemon]) -> bool:

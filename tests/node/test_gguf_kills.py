@@ -6,9 +6,10 @@ coordinator that can hold no stage (a 1-byte budget), every one with a short `se
 and `graceful_timeout_s`, and a prompt-cache index of PREFIX_ENTRIES entries per route
 (`stage.prefix_cache_entries`); the harness is test_stop.py's (`tests/node/stop_mesh.py`).
 Each test first restarts what an earlier one stopped that it needs (`StopMesh.ready`), so the
-tests pass alone and in any order. After each stop, crash or closed lid nothing is left behind: no session or KV on any survivor, no prompt-cache entry that depends
-on the lost node, none on a node that woke, every survivor's trio tasks back to their count from
-before, and in a stopped daemon's state dir only its identity and the start-up caches.
+tests pass alone and in any order. After each stop, crash or closed lid nothing is left
+behind: no session or KV on any survivor, no prompt-cache entry that depends on the lost node,
+none on a node that woke, every survivor's trio tasks back to their count from before, and in
+a stopped daemon's state dir only its identity and the start-up caches.
 
 1. SIGTERM of a stage mid-request: the stage serves its open session until the grace runs out,
    then stops it (`stage_stopped`) and the coordinator continues at once on the spare, which
@@ -31,15 +32,14 @@ before, and in a stopped daemon's state dir only its identity and the start-up c
    before, and the first prompt again, prefilled in full, gives the same tokens.
 7. With a draft model (the coordinator's `--speculative-draft-model`, the served file itself,
    strategy `draft-ngram`): SIGKILL of a stage mid-request recovers on the spare to the text
-   plain greedy decoding gives, and SIGTERM of the coordinator mid-stream (5. run with the
-   draft) streams a prefix of that text before its error event; the draft drafted
-   (`meshd_spec_draft_seconds`), and the leftover checks above hold, with the coordinator's
-   threads back to their count from before.
+   plain greedy decoding gives, and 1., 2., 3. and 5. run with the draft as without; the
+   draft drafts (its session open mid-request in `meshctl status`'s `draft`), the
+   leftover checks above hold, and the coordinator's draft holds no session or KV once a
+   request ends or recovers, its threads back to their count from before.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -49,13 +49,11 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
 from meshd.cli.supervisor import (
-    DaemonError,
     kill_all,
     settled_plan,
     stage_budget,
@@ -65,7 +63,19 @@ from meshd.cli.supervisor import (
 from meshd.model.files import open_tokenizer
 from meshd.node.control_client import request_lines
 from tests.node.daemons import Daemon, tasks_of, wait_tasks_back
-from tests.node.stop_mesh import StopMesh, Stream, left_only_identity, no_sessions_left, op
+from tests.node.stop_mesh import (
+    SseStream,
+    StopMesh,
+    Stream,
+    complete,
+    completion_body,
+    left_only_identity,
+    no_sessions_left,
+    op,
+    streamed_text,
+    threads_of,
+    wait_threads_back,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -171,10 +181,27 @@ def expected(mesh: StopMesh, prompt: list[int]) -> list[int]:
     return _generate(mesh.in_plan()[0], prompt, STREAM_TOKENS)
 
 
-def _stream_until_tokens(coordinator: Daemon, prompt: list[int], count: int = 10) -> Stream:
-    stream = Stream(coordinator, op(prompt, STREAM_TOKENS))
-    wait_until(lambda: len(stream.token_times()) >= count, 60, "the first tokens", poll_s=0.02)
+def _stream_until_tokens(coordinator: Daemon, prompt: list[int], strategy: str) -> Stream:
+    stream = Stream(coordinator, op(prompt, STREAM_TOKENS, strategy))
+    wait_until(lambda: len(stream.token_times()) >= 10, 60, "the first tokens", poll_s=0.02)
     return stream
+
+
+def _draft_held(coordinator: Daemon) -> tuple[int, int]:
+    """(sessions, KV bytes) the coordinator's draft model holds (`draft` in its status)."""
+    draft = coordinator.status()["draft"]
+    return draft["sessions"], draft["kv_used_bytes"]
+
+
+def _drafting(coordinator: Daemon, strategy: str) -> None:
+    """Mid-request: the coordinator's draft holds one session for it, or none without a draft."""
+    sessions, kv = _draft_held(coordinator)
+    assert (sessions, kv > 0) == ((0, False) if strategy == "disabled" else (1, True))
+
+
+def _wait_draft_freed(coordinator: Daemon) -> None:
+    """The request ended: its draft session and the KV it held are freed."""
+    wait_until(lambda: _draft_held(coordinator) == (0, 0), 10, "the draft's session freed")
 
 
 def _recoveries(d: Daemon) -> int:
@@ -198,7 +225,7 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
     nodes = mesh.alive()
     others = [d for d in nodes if d is not victim]
     tasks_before = tasks_of(nodes)
-    stream = _stream_until_tokens(coordinator, prompt)
+    stream = _stream_until_tokens(coordinator, prompt, "disabled")
     victim.proc.send_signal(signal.SIGSTOP)
     try:
         final = stream.final()
@@ -231,8 +258,9 @@ def test_a_stage_whose_lid_closes_is_replaced_and_rejoins_holding_nothing(
 # ---- 1. a stage is stopped mid-request -------------------------------------------------------
 
 
+@pytest.mark.parametrize("strategy", ["disabled", "draft-ngram"])
 def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
-    mesh: StopMesh, prompt: list[int], long_prompt: list[int], expected: list[int]
+    mesh: StopMesh, prompt: list[int], long_prompt: list[int], expected: list[int], strategy: str
 ) -> None:
     mesh.ready(spares=1)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -244,7 +272,8 @@ def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
     tasks_before = tasks_of(survivors)
     recoveries_before = _recoveries(coordinator)
     started_at = time.time()
-    stream = _stream_until_tokens(coordinator, prompt)
+    stream = _stream_until_tokens(coordinator, prompt, strategy)
+    _drafting(coordinator, strategy)
     signalled = time.monotonic()
     victim.proc.send_signal(signal.SIGTERM)
     final = stream.final()
@@ -259,6 +288,8 @@ def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
     failures = _route_failures_since(coordinator, started_at)
     assert any("stage_stopped" in f for f in failures), failures
     assert _recoveries(coordinator) > recoveries_before
+    # The request's draft sessions, before and after the hand-over, are closed.
+    _wait_draft_freed(coordinator)
     wait_until(lambda: victim.proc.poll() is not None, GRACE_S + 20, f"{victim.name} to exit")
     mesh.gone.add(victim.index)
     assert victim.proc.returncode == 0, victim.log_tail(2000)
@@ -272,14 +303,25 @@ def test_sigterm_of_a_stage_mid_request_hands_it_over_with_the_same_tokens(
     assert _generate(coordinator, prompt, 40) == expected[:40]
     wait_until(lambda: no_sessions_left(survivors), LEASE_S + 10, "no session anywhere")
     wait_tasks_back(survivors, tasks_before, took_stage=[spare])
+    assert _draft_held(coordinator) == (0, 0)
 
 
 # ---- 3. the spare dies or stops ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+# The spare holds nothing of the request, so a draft model cannot meet its death: one draft
+# variant (the harsher signal) checks that, not both (the suite's time is budgeted).
+@pytest.mark.parametrize(
+    ("how", "strategy"),
+    [
+        (signal.SIGKILL, "disabled"),
+        (signal.SIGTERM, "disabled"),
+        (signal.SIGKILL, "draft-ngram"),
+    ],
+    ids=["sigkill-disabled", "sigterm-disabled", "sigkill-draft-ngram"],
+)
 def test_the_spare_dying_or_stopping_mid_request_changes_nothing(
-    mesh: StopMesh, prompt: list[int], expected: list[int], how: signal.Signals
+    mesh: StopMesh, prompt: list[int], expected: list[int], how: signal.Signals, strategy: str
 ) -> None:
     mesh.ready(spares=1)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
@@ -289,10 +331,12 @@ def test_the_spare_dying_or_stopping_mid_request_changes_nothing(
     tasks_before = tasks_of(survivors)
     recoveries_before = _recoveries(coordinator)
     started_at = time.time()
-    stream = _stream_until_tokens(coordinator, prompt)
+    stream = _stream_until_tokens(coordinator, prompt, strategy)
+    _drafting(coordinator, strategy)
     spare.proc.send_signal(how)
     final = stream.final()
     assert final.get("ok") and final["tokens"] == expected, final
+    _wait_draft_freed(coordinator)
     # Nothing in flight noticed: no route failed, nothing was recovered.
     assert _route_failures_since(coordinator, started_at) == []
     assert _recoveries(coordinator) == recoveries_before
@@ -311,56 +355,6 @@ def test_the_spare_dying_or_stopping_mid_request_changes_nothing(
 # ---- 2. the coordinator dies mid-stream -------------------------------------------------------
 
 
-def _sse(api: str, body: dict[str, Any], events: list[str], errors: list[Exception]) -> None:
-    try:
-        with httpx.stream("POST", f"{api}/completions", json=body, timeout=60) as response:
-            assert response.status_code == 200, response.read()
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line.removeprefix("data: "))
-    except httpx.HTTPError as exc:
-        errors.append(exc)
-
-
-class _SseStream:
-    """A streamed completion through the OpenAI endpoint in a thread (as `Stream` is over the
-    control socket): its SSE `data:` payloads and any error. Returns once the first chunks
-    are in."""
-
-    def __init__(self, coordinator: Daemon, body: dict[str, Any]) -> None:
-        self.events: list[str] = []
-        self.errors: list[Exception] = []
-        self.thread = threading.Thread(
-            target=_sse, args=(coordinator.api_url, body, self.events, self.errors), daemon=True
-        )
-        self.thread.start()
-        wait_until(lambda: len(self.events) >= 10, 60, "the stream's first chunks", poll_s=0.02)
-
-
-def _body(coordinator: Daemon, prompt: list[int], max_tokens: int, strategy: str) -> dict[str, Any]:
-    """A greedy completion request of exactly `max_tokens` tokens, drafted with `strategy`."""
-    model = httpx.get(f"{coordinator.api_url}/models", timeout=30).json()["data"][0]["id"]
-    return {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "meshd": {"speculative": {"strategy": strategy}, "ignore_eos": True},
-    }  # fmt: skip
-
-
-def _complete(coordinator: Daemon, prompt: list[int], max_tokens: int, strategy: str) -> str:
-    answer = httpx.post(
-        f"{coordinator.api_url}/completions",
-        json=_body(coordinator, prompt, max_tokens, strategy),
-        timeout=60,
-    )
-    assert answer.status_code == 200, answer.text
-    return str(answer.json()["choices"][0]["text"])
-
-
-def _streamed_text(events: list[str]) -> str:
-    """The text of a completion stream's chunks (`events` without `[DONE]`)."""
-    return "".join(json.loads(e)["choices"][0]["text"] for e in events)
-
-
 def _draft_seconds(d: Daemon) -> float:
     """Seconds the daemon's coordinator spent in its draft model (`meshd_spec_draft_seconds`)."""
     metrics = httpx.get(d.api_url.removesuffix("/v1") + "/metrics", timeout=30).text
@@ -368,65 +362,34 @@ def _draft_seconds(d: Daemon) -> float:
     return float(lines[0].split()[1]) if lines else 0.0
 
 
-def _threads(d: Daemon) -> collections.Counter[str]:
-    """The daemon process's OS threads by name (torch's, trio's workers', any a draft started)."""
-    names: collections.Counter[str] = collections.Counter()
-    for task in pathlib.Path(f"/proc/{d.proc.pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that just ended
-            names[(task / "comm").read_text().strip()] += 1
-    return names
-
-
-def _wait_threads_back(d: Daemon, before: collections.Counter[str]) -> None:
-    """Wait until the daemon runs no more threads of any name than `before`."""
-    grown: collections.Counter[str] = collections.Counter()
-
-    def back() -> bool:
-        grown.clear()
-        grown.update(_threads(d) - before)
-        return not grown
-
-    try:
-        wait_until(back, 30, f"{d.name}'s threads back to their count from before")
-    except DaemonError as exc:
-        raise AssertionError(
-            f"{exc}; threads left: {dict(grown)}, before: {dict(before)}"
-        ) from None
-
-
 @pytest.fixture(scope="module")
 def expected_text(mesh: StopMesh, prompt: list[int]) -> str:
     """What the mesh's API answers to the streams' request without speculation (asked of a
     stage's API: the coordinator-only node's index stays untouched)."""
     mesh.ready(spares=1)
-    return _complete(mesh.in_plan()[0], prompt, STREAM_TOKENS, "disabled")
+    return complete(mesh.in_plan()[0], prompt, STREAM_TOKENS, "disabled")
 
 
+@pytest.mark.parametrize("strategy", ["disabled", "draft-ngram"])
 def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
-    mesh: StopMesh, long_prompt: list[int]
+    mesh: StopMesh, long_prompt: list[int], strategy: str
 ) -> None:
-    mesh.ready(spares=0)
-    coordinator = mesh.daemons[COORDINATOR_ONLY]
+    coordinator = _fresh_coordinator(mesh)
     stages = mesh.in_plan()
     survivors = [d for d in mesh.alive() if d is not coordinator]
-    other_api = stages[0].api_url
-    model = httpx.get(f"{coordinator.api_url}/models", timeout=30).json()["data"][0]["id"]
-    body: dict[str, Any] = {
-        "model": model, "prompt": long_prompt, "max_tokens": 40, "temperature": 0,
-        "meshd": {"speculative": {"strategy": "disabled"}, "ignore_eos": True},
-    }  # fmt: skip
     expired_before = {d.name: _expired(d) for d in stages}
-    # A first request through its API: every stage keeps an entry of the prompt for it. Only
-    # this coordinator sends prompts long enough to keep: every entry on the stages is its own.
-    answer = httpx.post(f"{coordinator.api_url}/completions", json=body, timeout=60)
-    assert answer.status_code == 200, answer.text
-    text = answer.json()["choices"][0]["text"]
-    assert all(_held(d)[2] >= 1 for d in stages)
+    # Entries other coordinators had the stages keep stay (another run's request through a
+    # stage's API below); the ones the dead coordinator owns go with it.
+    others = {d.name: _held(d)[2] for d in stages}
+    # A first request through its API: every stage keeps an entry of the prompt for it.
+    text = complete(coordinator, long_prompt, 40, "disabled")
+    wait_until(lambda: all(_held(d)[2] == others[d.name] + 1 for d in stages), 10, "its entry kept")
     tasks_before = tasks_of(survivors)
-    streamed = {**body, "stream": True, "max_tokens": STREAM_TOKENS}
-    stream = _SseStream(coordinator, streamed)
+    body = {**completion_body(coordinator, long_prompt, STREAM_TOKENS, strategy), "stream": True}
+    stream = SseStream(coordinator, body)
     thread, events, errors = stream.thread, stream.events, stream.errors
     assert all(_held(d)[0] == 1 for d in stages)
+    _drafting(coordinator, strategy)
     killed_at = time.monotonic()
     coordinator.kill()
     mesh.gone.add(COORDINATOR_ONLY)
@@ -434,10 +397,14 @@ def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
     thread.join(30)
     assert not thread.is_alive()
     assert errors and "[DONE]" not in events, (errors, events[-3:])
+    # What it streamed before is what plain greedy decoding gives, draft or not (the shorter
+    # of the two texts begins the other).
+    streamed = streamed_text(events)
+    assert text.startswith(streamed) or streamed.startswith(text), (streamed, text)
     # Within the lease every stage frees the session, its KV and the entries kept for the dead
     # coordinator (nothing could ever name them again).
     wait_until(
-        lambda: all(_held(d) == (0, 0, 0) for d in stages),
+        lambda: all(_held(d) == (0, 0, others[d.name]) for d in stages),
         LEASE_S + 10,
         "the dead coordinator's session and entries freed",
     )
@@ -446,9 +413,7 @@ def test_sigkill_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
     wait_tasks_back(survivors, tasks_before)
     left_only_identity(coordinator, signal.SIGKILL)
     # Another node's API serves the same prompt with the same text.
-    again = httpx.post(f"{other_api}/completions", json=body, timeout=60)
-    assert again.status_code == 200, again.text
-    assert again.json()["choices"][0]["text"] == text
+    assert complete(stages[0], long_prompt, 40, "disabled") == text
 
 
 def _fresh_coordinator(mesh: StopMesh) -> Daemon:
@@ -489,13 +454,15 @@ def test_sigterm_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
     _generate(coordinator, long_prompt, 4)
     wait_until(lambda: all(_held(d)[2] == others[d.name] + 1 for d in stages), 10, "its entry kept")
     if strategy != "disabled":
-        _complete(coordinator, prompt, 16, strategy)
+        complete(coordinator, prompt, 16, strategy)
         assert _draft_seconds(coordinator) > 0  # its draft model drafts
+        _wait_draft_freed(coordinator)
     tasks_before = tasks_of(survivors)
-    body = {**_body(coordinator, prompt, STREAM_TOKENS, strategy), "stream": True}
-    stream = _SseStream(coordinator, body)
+    body = {**completion_body(coordinator, prompt, STREAM_TOKENS, strategy), "stream": True}
+    stream = SseStream(coordinator, body)
     thread, events, errors = stream.thread, stream.events, stream.errors
     assert all(_held(d)[0] == 1 for d in stages)
+    _drafting(coordinator, strategy)
     coordinator.proc.send_signal(signal.SIGTERM)
     # The stream ends when the grace runs out, with an error event and `[DONE]`: never a silent
     # cut, never a stream that passes as whole.
@@ -504,7 +471,7 @@ def test_sigterm_of_the_coordinator_mid_stream_frees_its_sessions_and_entries(
     assert events[-1] == "[DONE]", events[-3:]
     assert json.loads(events[-2])["error"]["code"] == "service_unavailable", events[-3:]
     # What it streamed before is what plain greedy decoding gives, draft or not.
-    streamed = _streamed_text(events[:-2])
+    streamed = streamed_text(events[:-2])
     assert streamed and expected_text.startswith(streamed), (streamed, expected_text)
     wait_until(lambda: coordinator.proc.poll() is not None, GRACE_S + 20, "the daemon to exit")
     mesh.gone.add(COORDINATOR_ONLY)
@@ -571,13 +538,14 @@ def test_sigkill_of_a_stage_mid_request_with_a_draft_model_recovers_to_the_same_
     assert _held(route[0])[2] >= 1  # the first stage keeps an entry of the long prompt
     survivors = [d for d in mesh.alive() if d is not victim]
     tasks_before = tasks_of(survivors)
-    threads_before = _threads(coordinator)
+    threads_before = threads_of(coordinator)
     draft_s = _draft_seconds(coordinator)
     recoveries_before = _recoveries(coordinator)
     started_at = time.time()
-    body = {**_body(coordinator, prompt, STREAM_TOKENS, "draft-ngram"), "stream": True}
-    stream = _SseStream(coordinator, body)
+    body = {**completion_body(coordinator, prompt, STREAM_TOKENS, "draft-ngram"), "stream": True}
+    stream = SseStream(coordinator, body)
     thread, events, errors = stream.thread, stream.events, stream.errors
+    _drafting(coordinator, "draft-ngram")
     victim.kill()
     mesh.gone.add(victim.index)
     # The request never fails: the coordinator re-routes it through the spare (a crash costs
@@ -585,10 +553,12 @@ def test_sigkill_of_a_stage_mid_request_with_a_draft_model_recovers_to_the_same_
     thread.join(90)
     assert not thread.is_alive() and not errors, errors
     assert events[-1] == "[DONE]", events[-3:]
-    assert _streamed_text(events[:-1]) == expected_text
+    assert streamed_text(events[:-1]) == expected_text
     assert _route_failures_since(coordinator, started_at)
     assert _recoveries(coordinator) > recoveries_before
     assert _draft_seconds(coordinator) > draft_s  # the draft model drafted for it
+    # Its draft sessions, on the failed route and on the spare's, are closed.
+    _wait_draft_freed(coordinator)
     wait_until(lambda: victim.proc.poll() is not None, 10, f"{victim.name} to exit")
     left_only_identity(victim, signal.SIGKILL)
     wait_until(lambda: _plan_without(mesh.capable(), victim.key()), 30, "a plan without it")
@@ -599,7 +569,7 @@ def test_sigkill_of_a_stage_mid_request_with_a_draft_model_recovers_to_the_same_
     wait_tasks_back(survivors, tasks_before, took_stage=[spare])
     # Nothing the draft's passes started outlives the request (on a node given one thread, the
     # draft computes on one: no OpenMP workers either).
-    _wait_threads_back(coordinator, threads_before)
+    wait_threads_back(coordinator, threads_before)
 
 
 def test_a_draft_model_prefilling_a_long_prompt_keeps_the_coordinators_lanes(
@@ -607,12 +577,15 @@ def test_a_draft_model_prefilling_a_long_prompt_keeps_the_coordinators_lanes(
 ) -> None:
     mesh.ready(spares=1)
     coordinator = mesh.daemons[COORDINATOR_ONLY]
+    nodes = mesh.alive()
+    tasks_before = tasks_of(nodes)
+    threads_before = threads_of(coordinator)
     started_at = time.time()
     done: list[str] = []
 
     def run() -> None:
         with contextlib.suppress(httpx.HTTPError, AssertionError):  # the module ends it
-            done.append(_complete(coordinator, long_prompt, 8, "draft-ngram"))
+            done.append(complete(coordinator, long_prompt, 8, "draft-ngram"))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -625,3 +598,7 @@ def test_a_draft_model_prefilling_a_long_prompt_keeps_the_coordinators_lanes(
     assert _route_failures_since(coordinator, started_at) == []
     thread.join(60)
     assert done
+    _wait_draft_freed(coordinator)
+    wait_until(lambda: no_sessions_left(nodes), LEASE_S + 10, "no session anywhere")
+    wait_tasks_back(nodes, tasks_before)
+    wait_threads_back(coordinator, threads_before)

@@ -47,6 +47,8 @@ def test_every_figure_of_the_status_is_exported() -> None:
     assert got[("meshd_sessions_coordinated", ())] == 3
     assert got[("meshd_kv_used_bytes", ())] == 4096
     assert got[("meshd_kv_budget_bytes", ())] == 1 << 20
+    assert got[("meshd_draft_sessions", ())] == 1
+    assert got[("meshd_draft_kv_used_bytes", ())] == 1 << 20
     assert got[("meshd_plan_stages", (("model", "builtin"),))] == 2
     assert got[("meshd_plan_stages", (("model", "other"),))] == 0
     assert got[("meshd_plan_predicted_seconds_per_token", (("model", "builtin"),))] == 0.012
@@ -71,12 +73,15 @@ def test_gauges_follow_the_node_at_each_scrape() -> None:
     status[0] = a_status(
         members=[member("self0001", "alive", lane=False, is_self=True)],
         sessions_hosted=0, kv_used_bytes=0, fetch=None, models=[model("builtin", 0, None)],
+        draft=None,
     )  # fmt: skip
     got = scrape(metrics)
     assert got[("meshd_members", (("health", "dead"),))] == 0
     assert got[("meshd_members", (("health", "alive"),))] == 1
     assert not [k for k in got if k[0] in ("meshd_lane_rtt_seconds", "meshd_lane_loss_ratio")]
     assert got[("meshd_sessions_hosted", ())] == 0 and got[("meshd_kv_used_bytes", ())] == 0
+    # No draft model: its gauges read 0, so a query finds a sample on every node.
+    assert got[("meshd_draft_sessions", ())] == got[("meshd_draft_kv_used_bytes", ())] == 0
     assert got[("meshd_plan_stages", (("model", "builtin"),))] == 0
     # Never fetched (a node holding its files): state "none", no bytes.
     assert got[("meshd_fetch_state", (("state", "none"),))] == 1
