@@ -18,7 +18,6 @@ every stage to keep it at the edge, then back once they arrive).
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -244,44 +243,25 @@ def _anchor_chains(
     inputs: _Inputs, survivors: Sequence[Candidate], fixed: Sequence[Candidate]
 ) -> list[tuple[str, dict[bytes, tuple[Candidate, tuple[int, int]]]]]:
     """Non-overlapping anchors: survivors (then fixed nodes), and fixed nodes alone."""
-    kept = _most_layers(inputs, [c for c in survivors if _fits(inputs, c, *inputs.held[c.key])])
+    kept = [c for c in survivors if _fits(inputs, c, *inputs.held[c.key])]
     by_speed = sorted(fixed, key=lambda c: (c.s_per_layer, c.key))
-    chains: list[tuple[str, list[Candidate]]] = []
+    chains: list[list[Candidate]] = []
     if kept:
-        chains.append((f"keep {len(kept)} surviving stage(s)", [*kept, *by_speed]))
+        chains.append([*kept, *by_speed])
     if fixed:
-        chains.append(("use fixed-range nodes", by_speed))
+        chains.append(by_speed)
     out = []
-    for label, ranked in chains:
+    for ranked in chains:
         chosen: dict[bytes, tuple[Candidate, tuple[int, int]]] = {}
         for c in ranked:
             start, end = inputs.held[c.key]
             if all(end <= s or start >= e for _, (s, e) in chosen.values()):
                 chosen[c.key] = (c, (start, end))
+        # The survivors kept (one that overlaps another kept first is not).
+        survived = sum(c in kept for c in ranked if c.key in chosen)
+        label = f"keep {survived} surviving stage(s)" if survived else "use fixed-range nodes"
         out.append((label, chosen))
     return out
-
-
-def _most_layers(inputs: _Inputs, survivors: Sequence[Candidate]) -> list[Candidate]:
-    """The survivors to keep: ranges that do not overlap and hold the most layers together
-    (then the fewest stages; a tie goes the same way on every node, by range end and id).
-
-    Survivors overlap when their stages come from different plans: nodes that planned on
-    different partial member lists at start-up, or a node that woke and the spare that took
-    its layers meanwhile. The most layers kept is the least to load; taking them in id order
-    instead could keep two stages with a gap between them that a whole plan among the
-    survivors has no gap for.
-    """
-    ranked = sorted(survivors, key=lambda c: (inputs.held[c.key][1], c.key))
-    ends = [inputs.held[c.key][1] for c in ranked]
-    # best[i]: the best chain among the first i (by end), scored (layers, -stages).
-    best: list[tuple[tuple[int, int], tuple[Candidate, ...]]] = [((0, 0), ())]
-    for i, c in enumerate(ranked):
-        start, end = inputs.held[c.key]
-        (layers, fewer), chain = best[bisect.bisect_right(ends, start, hi=i)]
-        extended = ((layers + end - start, fewer - 1), (*chain, c))
-        best.append(max(best[i], extended, key=lambda scored: scored[0]))
-    return sorted(best[-1][1], key=lambda c: c.key)
 
 
 def _anchored(

@@ -77,7 +77,7 @@ class PlanningSim:
     def settled(self) -> Plan | None:
         """The plan every node agrees on once each serves its own stage of it (else None)."""
         plans = [n.plan for n in self.nodes.values()]
-        first = plans[0]
+        first = plans[0] if plans else None
         if first is None or any(p is None or p.route != first.route for p in plans):
             return None
         for node in self.nodes.values():
