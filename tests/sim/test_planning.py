@@ -74,9 +74,11 @@ def _settles(sim: Sim, mesh: PlanningSim, until_s: float) -> None:
 
 def test_a_node_that_starts_a_second_after_the_others_adds_no_stage() -> None:
     # Nodes 0 and 1 find each other through the coordinator-only node and each loads its half
-    # of their 15/15 plan. Node 2 starts a second later: while their stages still load (their
-    # records offer no loaded layers yet), it plans 16/14 with one of them and loads its part.
-    # Once everything is loaded, three stages hold layers: no two of them from one plan.
+    # of their 15/15 plan. Node 2 starts a second later, while those stages still load: no
+    # record shows a loaded stage yet, so there is nothing to keep, and node 2, the lowest id
+    # (the cost cycle's coordinator, where a stage saves a hop), gets [16, 30) of a 16/14 plan
+    # with node 0 and loads it. Once all three are loaded they hold [0, 15), [15, 30) and
+    # [16, 30): kept in id order, [16, 30) and [0, 15) left [15, 16) to a third stage.
     sim, mesh = _mesh(seed=33)
     for i, at, join in ((0, 0.0, None), (1, 0.0, None), (3, 0.0, None), (2, 1.0, 3)):
         _start(sim, mesh, i, at, join)
