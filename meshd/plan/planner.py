@@ -10,10 +10,11 @@ range become *anchors* that keep their layers; the gaps between them are searche
 small plan of their own. That anchored plan competes with a full re-plan, and the one that
 reloads fewer layers wins while it is at most `reuse_tolerance_fraction` slower (always, when
 that is infinite: the daemon's sticky plans, where only lost stages move) and has no more
-stages than the full re-plan (`_choose`). Stages move only for a gain the measurements show: when the plan that keeps more in place is judged, its
-hops between pairs not measured yet cost only the protocol (a node that just joined or just
-took a stage has no round trips yet, and the pessimistic guess for them would otherwise move
-every stage to keep it at the edge, then back once they arrive).
+stages than the full re-plan (`_choose`). Stages move only for a gain the measurements show:
+when the plan that keeps more in place is judged, its hops between pairs not measured yet
+cost only the protocol (a node that just joined or just took a stage has no round trips yet,
+and the pessimistic guess for them would otherwise move every stage to keep it at the edge,
+then back once they arrive).
 """
 
 from __future__ import annotations
