@@ -4,8 +4,9 @@ Each node does what the daemon's `PlanLoop` and `HeldModel.replan` do, on the vi
 a `Sim`: a while after its view changes (`REPLAN_DEBOUNCE_S`) it plans the model over that view
 (`plan_view`, the daemon's own function), asks its `Duty` what to do with its stage (the
 daemon's own decider) and carries the effects out: a stage stops at once; a stage to load
-serves its layers `load_s` later, and the node plans nothing meanwhile (the daemon awaits the
-load); then the node's capacity record says what it holds (`Publish`). The record is signed
+is in the node's record as loading at once (`HeldModel._load`), serves its layers `load_s`
+later, and the node plans nothing meanwhile (the daemon awaits the load); then the record says
+what it holds (`Publish`). The record is signed
 and gossiped by the real membership state machines, so plans made on partial member lists,
 records that arrive late and loads that overlap happen as they do between daemons.
 
@@ -38,7 +39,7 @@ class PlanningNode:
     compute_ns_per_layer_token: int
     duty: Duty = field(default_factory=lambda: Duty(drain_timeout_s=30.0))
     layers: Layers | None = None  # the layers the stage serves (None: no stage)
-    loading: bool = False
+    loading: Layers | None = None  # the layers it is loading (None: no load in flight)
     plan: Plan | None = None
     inputs: object = None  # what the latest plan was made from (re-plan only on a change)
     loads: int = 0
@@ -81,7 +82,7 @@ class PlanningSim:
         if first is None or any(p is None or p.route != first.route for p in plans):
             return None
         for node in self.nodes.values():
-            if node.loading or node.layers != assignment(first, self._id(node)):
+            if node.loading is not None or node.layers != assignment(first, self._id(node)):
                 return None
         return first
 
@@ -89,7 +90,7 @@ class PlanningSim:
         return self.sim.nodes[node.index].node_id
 
     def _capacity(self, node: PlanningNode) -> LocalCapacity:
-        lo, hi = node.layers if node.layers is not None else (0, self.shape.num_layers)
+        lo, hi = node.layers or node.loading or (0, self.shape.num_layers)
         holding = ModelHolding(
             self.shape.model_id,
             lo,
@@ -97,11 +98,12 @@ class PlanningSim:
             node.layers is not None,
             node.compute_ns_per_layer_token,
             quantization=self.shape.quantization,
+            loading=node.loading is not None,
         )
         return LocalCapacity(memory_budget_bytes=node.memory_budget_bytes, models=(holding,))
 
     def _tick(self, node: PlanningNode) -> None:
-        if self.sim.nodes[node.index].up and not node.loading:
+        if self.sim.nodes[node.index].up and node.loading is None:
             self._replan(node)
         self.sim.at(self.sim.now + REPLAN_DEBOUNCE_S, lambda: self._tick(node))
 
@@ -131,7 +133,8 @@ class PlanningSim:
             if isinstance(effect, StopStage):
                 node.layers = None
             elif isinstance(effect, LoadStage):
-                node.layers, node.loading = None, True
+                node.layers, node.loading = None, effect.layers
+                self.sim.set_capacity(node.index, self._capacity(node), urgent=True)
                 self._load_later(node, effect.layers, effects[at + 1 :])
                 return
             elif isinstance(effect, Publish):
@@ -141,7 +144,7 @@ class PlanningSim:
         """The stage serves `layers` `load_s` from now; then the rest of the effects."""
 
         def loaded() -> None:
-            node.layers, node.loading = layers, False
+            node.layers, node.loading = layers, None
             node.loads += 1
             node.inputs = None  # the daemon re-plans after a load (requests queued meanwhile)
             self._carry_out(node, rest)

@@ -57,13 +57,15 @@ def _fresh_stages(sim: Sim) -> int:
 
 
 def _settles(sim: Sim, mesh: PlanningSim, until_s: float) -> None:
-    """The mesh settles on the fewest stages, each node serving its stage, and stays there."""
+    """The mesh settles on the fewest stages, each node serving its stage, and stays there;
+    no node loaded a stage twice on the way."""
     sim.run_until(until_s)
     settled = mesh.settled()
     assert settled is not None, mesh.routes()
     layers = [(s.layer_start, s.layer_end) for s in settled.stages]
     assert len(settled.stages) == _fresh_stages(sim) == 2, layers
     loads = {i: node.loads for i, node in mesh.nodes.items()}
+    assert max(loads.values()) <= 1, loads
     sim.run_for(10.0)
     assert mesh.settled() == settled
     assert {i: node.loads for i, node in mesh.nodes.items()} == loads  # nothing loads again
@@ -72,19 +74,22 @@ def _settles(sim: Sim, mesh: PlanningSim, until_s: float) -> None:
         assert mesh.nodes[ids[stage.node_key]].layers == assignment(settled, stage.node_key)
 
 
-def test_a_node_that_starts_a_second_after_the_others_adds_no_stage() -> None:
+def test_a_node_that_starts_while_the_stages_load_is_a_spare() -> None:
     # Nodes 0 and 1 find each other through the coordinator-only node and each loads its half
-    # of their 15/15 plan. Node 2 starts a second later, while those stages still load: no
-    # record shows a loaded stage yet, so there is nothing to keep, and node 2, the lowest id
-    # (the cost cycle's coordinator, where a stage saves a hop), gets [16, 30) of a 16/14 plan
-    # with node 0 and loads it. Once all three are loaded they hold [0, 15), [15, 30) and
-    # [16, 30): kept in id order, [16, 30) and [0, 15) left [15, 16) to a third stage.
+    # of their 15/15 plan. Node 2 starts a second later, while those stages load. Their records
+    # say what they are loading, and plans keep a load in flight as they keep a loaded stage:
+    # node 2 is a spare and each stage loads once. (Records that said nothing until the load
+    # ended left nothing to keep: node 2, the lowest id, the cost cycle's coordinator where a
+    # stage saves a hop, got [16, 30) of a 16/14 plan with node 0 and loaded it; with [0, 15),
+    # [15, 30) and [16, 30) loaded, the kept stages in id order were [16, 30) and [0, 15), and
+    # a third stage took [15, 16).)
     sim, mesh = _mesh(seed=33)
     for i, at, join in ((0, 0.0, None), (1, 0.0, None), (3, 0.0, None), (2, 1.0, 3)):
         _start(sim, mesh, i, at, join)
     sim.at(0.1, lambda: sim.join(0, 3))
     sim.at(0.1, lambda: sim.join(1, 3))
     _settles(sim, mesh, until_s=30.0)
+    assert mesh.nodes[2].loads == 0 and mesh.nodes[0].loads == mesh.nodes[1].loads == 1
 
 
 def test_members_starting_and_joining_in_any_order_settle_on_the_fewest_stages() -> None:
