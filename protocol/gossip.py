@@ -105,6 +105,9 @@ class ModelHolding(msgspec.Struct, frozen=True, array_like=True):
     memory_budget_bytes: U63 = 0
     # What the API calls the model (its directory or GGUF file name; "": the id only).
     name: Annotated[str, msgspec.Meta(max_length=MAX_MODEL_NAME_CHARS)] = ""
+    # Loading [layer_start, layer_end) now (not serving them yet): planners keep the range
+    # here as they keep a loaded stage, so a plan made meanwhile does not move it elsewhere.
+    loading: bool = False
 
 
 class RttEntry(msgspec.Struct, frozen=True, array_like=True):
@@ -282,6 +285,8 @@ def _check_record(record: CapacityRecord, error: type[Exception]) -> None:
             raise error(f"model {model.model_id!r}: empty layer range")
         if not model.loaded and (model.weight_bytes or model.kv_bytes_per_token):
             raise error(f"model {model.model_id!r}: bytes held without a loaded stage")
+        if model.loaded and model.loading:
+            raise error(f"model {model.model_id!r}: a stage both loaded and loading")
 
 
 def _check(message: GossipMessage) -> None:

@@ -134,6 +134,8 @@ class HeldModel:
         self.duty = Duty(config.drain_timeout_s)
         self.plan: Plan | None = None
         self.plan_error = "not planned yet"
+        # The layers the stage is loading now (None: no load in flight); the record says so.
+        self.loading: tuple[int, int] | None = None
         self.drain_scope: trio.CancelScope | None = None
         # Stage side: which of this model's sessions are open here (by session id).
         self.session_ids: set[str] = set()
@@ -153,7 +155,8 @@ class HeldModel:
         if not self.duty.offers_model:
             return None
         layers = self.slot.layers
-        lo, hi = layers if layers is not None else (0, self.files.shape.num_layers)
+        loading = self.loading if layers is None else None
+        lo, hi = layers or loading or (0, self.files.shape.num_layers)
         return ModelHolding(
             self.model_id,
             lo,
@@ -164,6 +167,7 @@ class HeldModel:
             weight_bytes=self.slot.weight_bytes if layers is not None else 0,
             kv_bytes_per_token=self.slot.kv_bytes_per_token if layers is not None else 0,
             name=self.files.name,
+            loading=loading is not None,
         )
 
     def note(self, kind: str, detail: str = "") -> None:
@@ -254,10 +258,20 @@ class HeldModel:
                 # Tensors still to fetch: the fetch's end re-plans, and the stage loads then.
                 if not await self.stage_ready(effect.layers):
                     return  # nothing changed yet: no note, nothing to publish
-                await self.slot.load(effect.layers)
-                self.session_ids.clear()
+                await self._load(effect.layers)
             else:
                 self._carry_out_now(effect)
+
+    async def _load(self, layers: tuple[int, int]) -> None:
+        """Load the stage, the record saying so meanwhile (urgent: plans that nodes make while
+        it loads keep the range here, rather than each loading it again elsewhere)."""
+        self.loading = layers
+        self.shared.publish(True)
+        try:
+            await self.slot.load(layers)
+        finally:
+            self.loading = None
+        self.session_ids.clear()
 
     def _carry_out_now(self, effect: Effect) -> None:
         self.slot.refuse_new_sessions = self.duty.refuses_new_sessions

@@ -5,9 +5,9 @@ every node that sees the same view, so nothing node-local goes in: the inputs ar
 members holding the model at the planning node's own quantization (sorted by id; stages of
 one plan must compute the same tokens, so each quantization gets its own plan and a node is
 only ever in its own quantization's), their signed capacity records (memory, measured
-compute, the layers they have loaded now, which the planner prefers to keep), the gossiped RTT
-matrix, and a coordinator every node agrees on (the lowest member id). Planner keys are
-Ed25519 node ids; the route the coordinator drives uses lane (X25519) keys.
+compute, the layers they have loaded or are loading now, which the planner prefers to keep),
+the gossiped RTT matrix, and a coordinator every node agrees on (the lowest member id).
+Planner keys are Ed25519 node ids; the route the coordinator drives uses lane (X25519) keys.
 """
 
 from __future__ import annotations
@@ -157,7 +157,9 @@ def plan_inputs(
     exclude: Collection[bytes] = frozenset(),
 ) -> PlanInputs:
     """Healthy members offering `model_id` at `quantization` (not excluded), in id order, and
-    their loaded layers. Members holding the model at another quantization are left out: the
+    the layers they have loaded or are loading (a load in flight is kept like a loaded stage:
+    otherwise a plan made while stages load, such as a joining node's, starts other loads of
+    the same layers). Members holding the model at another quantization are left out: the
     stages of one plan must compute the same tokens."""
     nodes: list[NodeCapacity] = []
     held: dict[bytes, tuple[int, int]] = {}
@@ -170,7 +172,7 @@ def plan_inputs(
         # A node holding several models offers each its share (`ModelHolding`).
         budget = holding.memory_budget_bytes or info.capacity.memory_budget_bytes
         nodes.append(NodeCapacity(node_id, budget, compute_s))
-        if holding.loaded:
+        if holding.loaded or holding.loading:
             held[node_id] = (holding.layer_start, holding.layer_end)
     coordinator = nodes[0].key if nodes else b""
     return PlanInputs(tuple(nodes), held, coordinator)

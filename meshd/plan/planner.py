@@ -9,11 +9,12 @@ or node → layer range each node holds now). Surviving preferred stages and nod
 range become *anchors* that keep their layers; the gaps between them are searched like a
 small plan of their own. That anchored plan competes with a full re-plan, and the one that
 reloads fewer layers wins while it is at most `reuse_tolerance_fraction` slower (always, when
-that is infinite: the daemon's sticky plans, where only lost stages move). Stages move
-only for a gain the measurements show: when the plan that keeps more in place is judged, its
-hops between pairs not measured yet cost only the protocol (a node that just joined or just
-took a stage has no round trips yet, and the pessimistic guess for them would otherwise move
-every stage to keep it at the edge, then back once they arrive).
+that is infinite: the daemon's sticky plans, where only lost stages move) and has no more
+stages than the full re-plan (`_choose`). Stages move only for a gain the measurements show:
+when the plan that keeps more in place is judged, its hops between pairs not measured yet
+cost only the protocol (a node that just joined or just took a stage has no round trips yet,
+and the pessimistic guess for them would otherwise move every stage to keep it at the edge,
+then back once they arrive).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class _Option:
     reload_layers: int
     # predicted_s with every unmeasured hop at its protocol cost alone (its best case).
     measured_s: float
+    # predicted_s with every hop at its protocol cost alone: compute and hop count.
+    round_trip_free_s: float
 
 
 def plan(
@@ -86,12 +89,14 @@ def plan(
 
     options: list[_Option] = []
     free_result: SegmentResult | None = None
+    full: _Option | None = None
     if free:
         whole = Segment(0, model.num_layers, coordinator, coordinator, True, True)
         free_result = _search(inputs, whole, free)
         if free_result.best is not None:
             best = free_result.best
-            options.append(_option(inputs, _FULL, _stages_from(best.nodes, best.counts, 0), 0))
+            full = _option(inputs, _FULL, _stages_from(best.nodes, best.counts, 0), 0)
+            options.append(full)
     survivors = [c for c in free if prefer is not None and c.key in held]
     for label, anchors in _anchor_chains(inputs, survivors, fixed):
         option = _anchored(inputs, label, anchors, [c for c in free if c.key not in anchors])
@@ -99,14 +104,42 @@ def plan(
             options.append(option)
     if not options:
         raise _infeasible(inputs, census, free, fixed)
+    chosen = _choose(options, full, config)
+    return _build(inputs, chosen, census, free, fixed, free_result, options)
 
+
+def _choose(options: Sequence[_Option], full: _Option | None, config: PlannerConfig) -> _Option:
+    """The option loading the fewest layers among those eligible, then the fastest.
+
+    Eligible: at most `reuse_tolerance_fraction` slower than the best (any, when infinite),
+    and no more stages than the full plan unless faster than it on compute and protocol cost
+    alone. Kept stages save their loads once; a stage more than the full plan needs costs a
+    hop on every token for as long as the plan lasts. Such a stage fills a gap between kept
+    stages of different plans (made at start-up on partial member lists, each loaded by some
+    node), or a lost range that the spares fill only in pieces. Stage counts and compute
+    figures are not noisy, round trips are: this rule never moves a stage on a round trip, and
+    it only ever moves a plan to fewer stages, so it cannot flap.
+    """
     best_t = min(o.predicted_s for o in options)
     tolerance = config.reuse_tolerance_fraction
     eligible = [
-        o for o in options if math.isinf(tolerance) or o.measured_s <= best_t * (1.0 + tolerance)
+        o
+        for o in options
+        if (math.isinf(tolerance) or o.measured_s <= best_t * (1.0 + tolerance))
+        and not _extra_stages(o, full)
     ]
-    chosen = min(eligible, key=lambda o: (o.reload_layers, o.predicted_s))
-    return _build(inputs, chosen, census, free, fixed, free_result, options)
+    return min(eligible or [o for o in options if o is full], key=_cost_to_move)
+
+
+def _extra_stages(option: _Option, full: _Option | None) -> bool:
+    """Whether `option` has more stages than the full plan and is no faster for them."""
+    if full is None or len(option.stages) <= len(full.stages):
+        return False
+    return option.round_trip_free_s >= full.round_trip_free_s
+
+
+def _cost_to_move(option: _Option) -> tuple[int, float]:
+    return option.reload_layers, option.predicted_s
 
 
 def _held_ranges(
@@ -180,16 +213,23 @@ def _stages_from(nodes: Sequence[Candidate], counts: Sequence[int], start: int) 
 
 def _option(inputs: _Inputs, label: str, stages: Stages, kept: int) -> _Option:
     compute = sum(c.s_per_layer * (end - start) for c, start, end in stages)
-    keys = [c.key for c, _, _ in stages]
-    network = inputs.hops.cycle_s(inputs.coordinator, keys)
+    path = [inputs.coordinator, *(c.key for c, _, _ in stages), inputs.coordinator]
+    network = sum(inputs.hops.cost(a, b) for a, b in itertools.pairwise(path))
     reload_layers = sum(_reload(inputs, c.key, s, e) for c, s, e in stages)
     guessed = sum(
         inputs.hops.rtt(a, b)[0] / 2.0
-        for a, b in itertools.pairwise([inputs.coordinator, *keys, inputs.coordinator])
+        for a, b in itertools.pairwise(path)
         if not inputs.hops.rtt(a, b)[1]
     )
+    hops = sum(a != b for a, b in itertools.pairwise(path))
     return _Option(
-        label, stages, kept, compute + network, reload_layers, compute + network - guessed
+        label,
+        stages,
+        kept,
+        compute + network,
+        reload_layers,
+        compute + network - guessed,
+        compute + hops * inputs.config.hop_cost_s,
     )
 
 
@@ -206,18 +246,21 @@ def _anchor_chains(
     """Non-overlapping anchors: survivors (then fixed nodes), and fixed nodes alone."""
     kept = [c for c in survivors if _fits(inputs, c, *inputs.held[c.key])]
     by_speed = sorted(fixed, key=lambda c: (c.s_per_layer, c.key))
-    chains: list[tuple[str, list[Candidate]]] = []
+    chains: list[list[Candidate]] = []
     if kept:
-        chains.append((f"keep {len(kept)} surviving stage(s)", [*kept, *by_speed]))
+        chains.append([*kept, *by_speed])
     if fixed:
-        chains.append(("use fixed-range nodes", by_speed))
+        chains.append(by_speed)
     out = []
-    for label, ranked in chains:
+    for ranked in chains:
         chosen: dict[bytes, tuple[Candidate, tuple[int, int]]] = {}
         for c in ranked:
             start, end = inputs.held[c.key]
             if all(end <= s or start >= e for _, (s, e) in chosen.values()):
                 chosen[c.key] = (c, (start, end))
+        # The survivors kept (one that overlaps another kept first is not).
+        survived = sum(c in kept for c in ranked if c.key in chosen)
+        label = f"keep {survived} surviving stage(s)" if survived else "use fixed-range nodes"
         out.append((label, chosen))
     return out
 
@@ -377,12 +420,19 @@ def _alternatives(
                 out.append(Alternative(label, seg_plan.total_s, note))
     if len(options) > 1:
         tolerance = inputs.config.reuse_tolerance_fraction
+        full = next((o for o in options if o.label == _FULL), None)
         for option in options:
             label = f"{option.label}, {option.reload_layers} layer(s) to load"
             note = "chosen"
             if option is not chosen:
                 note = f"{format_delta_ms(option.predicted_s - chosen_t)} vs chosen"
-                if option.predicted_s < chosen_t:
+                if full is not None and _extra_stages(option, full):
+                    note += (
+                        f", {len(option.stages)} stages where the full plan has "
+                        f"{len(full.stages)} (a kept plan may not have more stages than the "
+                        "full plan unless faster on compute and protocol cost alone)"
+                    )
+                elif option.predicted_s < chosen_t:
                     note += f", but the chosen plan loads {chosen.reload_layers} layer(s), and "
                     note += (
                         "loaded stages stay where they are (sticky plans)"

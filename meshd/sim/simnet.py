@@ -247,6 +247,11 @@ class Sim:
         self.nodes[dst].m.on_message(self.nodes[src].node_id, message, self.now)
         self._flush(self.nodes[dst])
 
+    def set_capacity(self, i: int, capacity: LocalCapacity, *, urgent: bool = False) -> None:
+        """Node i offers `capacity` from now on (its record re-signs as the daemon's would)."""
+        self.nodes[i].m.set_capacity(capacity, self.now, urgent=urgent)
+        self._flush(self.nodes[i])
+
     def at(self, t: float, action: Callable[[], None]) -> None:
         """Run `action` at virtual time t."""
         heapq.heappush(self._heap, (t, next(self._order), action))

@@ -15,7 +15,7 @@ from meshd.model.builtin import builtin_model_dir
 from meshd.model.checkpoint import Checkpoint
 from meshd.model.config import ModelConfig, parse_config
 from meshd.model.stage import StageModel
-from meshd.node.planning import config_shape, model_shape, plan_view, route_served
+from meshd.node.planning import config_shape, lane_route, model_shape, plan_view, route_served
 from meshd.plan import NodeCapacity, NoFeasiblePlan, PlannerConfig, plan
 from meshd.plan.cost_model import make_candidate, stage_bytes
 from meshd.plan.route import Route, RouteStage
@@ -147,3 +147,20 @@ def test_an_earlier_route_is_served_while_its_stages_hold_their_layers() -> None
     assert not route_served(Route("large", (RouteStage(*stage[0]), RouteStage(*stage[2]))), view)
     view[ids[1]] = _member(ids[1], "q8_0", GIB, (4, 16))
     assert not route_served(earlier, view)
+
+
+def test_a_stage_still_loading_stays_where_it_is_and_serves_no_route_yet() -> None:
+    # A plan made while a member loads its stage (a member that joins meanwhile plans then)
+    # keeps the range there, as it keeps a loaded stage: otherwise every such plan could start
+    # another load of the same layers elsewhere, before the first one is even done.
+    ids = sorted(bytes(SigningKey.generate().verify_key) for _ in range(3))
+    shape = config_shape(large_config(), "large", torch.float32, "q8_0")
+    loading = ModelHolding("large", 0, 16, False, 100_000, quantization="q8_0", loading=True)
+    record = CapacityRecord(ids[2], 1, "", GIB, [loading], 0, 0, [])
+    view = {i: _member(i, "q8_0", GIB, None) for i in ids[:2]}
+    view[ids[2]] = MemberInfo(ids[2], Status.ALIVE, 1, "", record, {}, True, 0.0)
+    p = plan_view(view, shape, {}, context_tokens=CONTEXT)
+    assert [(s.node_key, s.layer_start, s.layer_end) for s in p.stages] == [(ids[2], 0, 16)]
+    assert p.reload_layers == 0
+    # Not serving yet: a route through it is not served.
+    assert not route_served(lane_route(p), view)

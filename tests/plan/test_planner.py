@@ -335,9 +335,10 @@ def test_replan_drops_survivors_when_a_full_plan_is_much_faster() -> None:
 
 
 def test_sticky_plans_keep_survivors_however_much_faster_a_full_plan_looks() -> None:
-    # The default (an infinite reuse tolerance): the same loss as above moves only
-    # the lost stage. Its layers go to the best free node; the slow survivor keeps its own.
-    nodes = [node("slow", 10, 5.0), node("fast", 40, 0.5), node("spare", 40, 5.0)]
+    # The default (an infinite reuse tolerance): the same loss as above, with a fast node that
+    # holds 18 layers (the full plan has two stages too), moves only the lost stage. Its layers
+    # go to the best free node; the slow survivor keeps its own.
+    nodes = [node("slow", 10, 5.0), node("fast", 20, 0.5), node("spare", 40, 5.0)]
     names = ("coord", "slow", "fast", "spare")
     rtt = rtts({(x, y): 1 for x in names for y in names[1:] if x != y})
     current = Route("simple", (RouteStage(b"slow", 0, 8), RouteStage(b"dead", 8, 24)))
@@ -349,6 +350,11 @@ def test_sticky_plans_keep_survivors_however_much_faster_a_full_plan_looks() -> 
     assert p.kept_stages == 1 and p.reload_layers == 16
     assert plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, **kw) == p
     assert "loaded stages stay where they are" in explain(p)
+    # A fast node that holds all 24 layers: keeping the survivor takes a stage more than the
+    # full plan needs, a hop on every token, and the fast node serves the model alone.
+    nodes[1] = node("fast", 40, 0.5)
+    p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, **kw)
+    assert keys(p) == ["fast"] and p.kept_stages == 0
 
 
 def test_a_slow_spare_takes_the_lost_stage_whole_rather_than_a_survivor_growing() -> None:
@@ -476,3 +482,25 @@ def test_measured_gains_still_move_loaded_stages() -> None:
     p = plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held, config=TOLERANT)
     assert p.reload_layers > 0
     assert keys(p)[1] != "y"  # y no longer sits between x and z
+
+
+def _startup(held: dict[bytes, tuple[int, int]]) -> Any:
+    # Three nodes that hold 13 layers each (two hold the model, one cannot), equally fast, one
+    # millisecond apart: a fresh plan has two stages, 12 layers each.
+    nodes = [node(k, 15, 1.0) for k in ("a", "b", "c")]
+    names = ("coord", "a", "b", "c")
+    rtt = rtts({(x, y): 1 for x in names for y in names[1:] if x != y})
+    assert len(plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0).stages) == 2
+    return plan(SIMPLE, nodes, rtt, b"coord", context_tokens=0, prefer=held)
+
+
+def test_stages_loaded_from_plans_on_partial_member_lists_add_no_stage() -> None:
+    # At start-up members and their records arrive in a racy order, so nodes load stages of
+    # plans made on different partial member lists: b loaded its half of a 12/12 plan, a and c
+    # the first 11 layers of 11/13 plans. Keeping a and b would leave the layer between them,
+    # [11, 12), to a third stage: one more hop on every token for as long as the plan lasts,
+    # to save loading 12 layers once. The plan a fresh start gives wins.
+    p = _startup({b"a": (0, 11), b"b": (12, 24), b"c": (0, 11)})
+    assert len(p.stages) == 2
+    assert min(s.layer_end - s.layer_start for s in p.stages) == 12
+    assert "a kept plan may not have more stages than the full plan" in explain(p)

@@ -36,11 +36,12 @@ def test_quantization_and_bytes_held_survive_signing_and_gossip() -> None:
         "m", 0, 6, True, 1234, quantization="int8", weight_bytes=15_385_600, kv_bytes_per_token=8192
     )
     spare = ModelHolding("m", 0, 6, False, 1234, quantization="none")
-    signed = sign_record(_record(held, spare), KEY.sign)
+    loading = ModelHolding("m", 2, 4, False, 1234, quantization="none", loading=True)
+    signed = sign_record(_record(held, spare, loading), KEY.sign)
     message = decode(encode(Gossip(updates=[], records=[signed])))
     assert isinstance(message, Gossip)
     record = open_record(message.records[0], _verify)
-    assert record.models == [held, spare]
+    assert record.models == [held, spare, loading]
 
 
 def test_a_record_from_before_the_fields_reads_as_unquantized_with_nothing_held() -> None:
@@ -51,6 +52,7 @@ def test_a_record_from_before_the_fields_reads_as_unquantized_with_nothing_held(
     )
     assert record.models[0].quantization == "none"
     assert (record.models[0].weight_bytes, record.models[0].kv_bytes_per_token) == (0, 0)
+    assert not record.models[0].loading
 
 
 def test_a_later_schemes_name_reads_and_garbage_is_refused() -> None:
@@ -62,6 +64,7 @@ def test_a_later_schemes_name_reads_and_garbage_is_refused() -> None:
         ModelHolding("m", 0, 6, False, quantization="x" * 17),
         # Bytes held without a loaded stage: a record that contradicts itself.
         ModelHolding("m", 0, 6, False, weight_bytes=1),
+        ModelHolding("m", 0, 6, True, loading=True),
     ):
         with pytest.raises(LocalProtocolError):
             sign_record(_record(bad), KEY.sign)
