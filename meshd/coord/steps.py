@@ -29,6 +29,9 @@ class _Thinker(Protocol):
     @property
     def timer(self) -> float | None: ...
 
+    @property
+    def thinks_ahead(self) -> bool: ...
+
     def think_ahead(self) -> bool: ...
 
 
@@ -60,7 +63,7 @@ class Steps:
         proposer thinks ahead meanwhile where it runs a model."""
         item: T | None = None
         async with trio.open_nursery() as nursery:
-            if proposer.runs_a_model:
+            if proposer.runs_a_model and loop.thinks_ahead:  # else no thread hop per wait
                 nursery.start_soon(self._think, loop, proposer)
             timer = loop.timer
             with trio.move_on_at(math.inf if timer is None else timer):

@@ -482,11 +482,16 @@ class WindowLoop:
             plan = WindowPlan(spec.window_min_tokens, 1, 1.0, 0.0, 0.0, plan.reason)
         return plan
 
+    @property
+    def thinks_ahead(self) -> bool:
+        """Whether `think_ahead` may run a pass now (`spec.draft_ahead_tokens`, windows out)."""
+        return bool(self._ahead) and self._phase == "decode" and bool(self._in_flight)
+
     def think_ahead(self) -> bool:
         """One pass the proposer runs toward its next proposal while windows are in flight
         (`Proposer.think_ahead`, assuming them accepted); False when there is none to run.
         The driver calls it while it waits for a reply."""
-        if not self._ahead or self._phase != "decode" or not self._in_flight:
+        if not self.thinks_ahead:
             return False
         return self.proposer.think_ahead(self._assumed(), min(self._ahead, self._width + 1))
 
