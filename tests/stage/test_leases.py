@@ -203,17 +203,23 @@ async def _ignore(tokens: list[int]) -> None:
 
 
 async def _generate_with_a_pause(
-    coordinator: Coordinator, route: Route, pause: trio.Event | None
+    coordinator: Coordinator,
+    route: Route,
+    pause: trio.Event | None,
+    paused: trio.Event | None = None,
 ) -> list[int]:
-    """Generate; after the first tokens, `on_tokens` blocks until `pause` is set (or SLOW_S)."""
+    """Generate; after the first tokens, `on_tokens` blocks until `pause` is set (or SLOW_S),
+    setting `paused` as it starts to block."""
     got: list[int] = []
-    paused = False
+    blocked = False
 
     async def on_tokens(tokens: list[int]) -> None:
-        nonlocal paused
+        nonlocal blocked
         got.extend(tokens)
-        if not paused:
-            paused = True
+        if not blocked:
+            blocked = True
+            if paused is not None:
+                paused.set()
             if pause is None:
                 await trio.sleep(SLOW_S)  # the slow client: what is being tested, not a wait
             else:
@@ -265,12 +271,12 @@ async def test_a_coordinator_learns_at_the_next_keep_alive_that_a_stage_freed_it
 ) -> None:
     async with open_local_pipeline(model_dir, 2, session_lease_s=LEASE_S) as pipe:
         pipe.coordinator.reply_timeout_s = 60.0  # only the keep-alive's answer can end it fast
-        pause = trio.Event()
+        pause, paused = trio.Event(), trio.Event()
         failed: list[RouteFailed] = []
 
         async def run() -> None:
             try:
-                await _generate_with_a_pause(pipe.coordinator, pipe.route, pause)
+                await _generate_with_a_pause(pipe.coordinator, pipe.route, pause, paused)
             except RouteFailed as exc:
                 failed.append(exc)
 
@@ -278,9 +284,14 @@ async def test_a_coordinator_learns_at_the_next_keep_alive_that_a_stage_freed_it
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run)
-                await _wait(lambda: last.sessions == 1 and pipe.hosts[0].sessions == 1)
-                # The last stage loses the session (as if it had restarted); the client waits.
+                # The client stops reading after the prefill's reply: nothing is in flight.
+                await paused.wait()
+                assert last.sessions == 1 and pipe.hosts[0].sessions == 1
+                # The last stage loses the session (as if it had restarted) while the client
+                # waits; within a lease the keep-alive tells the coordinator, before any window
+                # could reach the stage and be refused.
                 last.free_coordinator(pipe.route.keys[0])
+                await trio.sleep(LEASE_S)
                 pause.set()
         assert failed and "session_expired" in str(failed[0])
         await _wait(lambda: all(h.sessions == 0 for h in pipe.hosts))
