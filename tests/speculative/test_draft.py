@@ -56,6 +56,25 @@ def fresh_logits(draft: DraftModel, context: list[int]) -> torch.Tensor:
         draft.close(session)
 
 
+class _Timed:
+    """The draft `model` on a virtual clock `now[0]`: a pass costs 1 ms, or 1 ms per token it
+    writes (`per_token`)."""
+
+    def __init__(self, model: DraftModel, now: list[float], per_token: bool) -> None:
+        self.model, self.now, self.per_token = model, now, per_token
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.model, name)
+
+    def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
+        self.now[0] += 0.001 * (len(tokens) if self.per_token else 1)
+        return self.model.next_logits(session, base_pos, tokens)
+
+
+def _timed(model: DraftModel, now: list[float], per_token: bool = False) -> _Timed:
+    return _Timed(model, now, per_token)
+
+
 @pytest.mark.parametrize("mode", list(PARAMS))
 @pytest.mark.parametrize("strategy", DRAFT_STRATEGIES)
 def test_draft_strategies_commit_exactly_the_plain_tokens(strategy: str, mode: str) -> None:
@@ -256,16 +275,8 @@ def test_the_cost_per_drafted_token_leaves_out_the_pass_that_catches_up_on_the_p
     model = tiny_draft(VOCAB)
     now = [0.0]
 
-    class Timed:
-        def __getattr__(self, name: str) -> object:
-            return getattr(model, name)
-
-        def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
-            now[0] += 0.001 * len(tokens)
-            return model.next_logits(session, base_pos, tokens)
-
     proposer = DraftProposer(config(), model)
-    proposer.draft = Timed()  # type: ignore[assignment]
+    proposer.draft = _timed(model, now, per_token=True)  # type: ignore[assignment]
     proposer.clock = lambda: now[0]
     proposer.reset(PROMPT * 5)
     proposer.propose(4)
@@ -284,20 +295,12 @@ def test_the_draft_is_charged_per_model_pass_not_per_proposed_token() -> None:
     model = tiny_draft(VOCAB)
     now = [0.0]
 
-    class Timed:
-        def __getattr__(self, name: str) -> object:
-            return getattr(model, name)
-
-        def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
-            now[0] += 0.001
-            return model.next_logits(session, base_pos, tokens)
-
     costs: dict[str, list[float]] = {"copy": [], "model": []}
     for t in range(VOCAB):
         if t in (11, 12) or (costs["copy"] and len(costs["model"]) > 2):
             continue
         hybrid = DraftNgram(config("draft-ngram"), model)
-        hybrid.draft = Timed()  # type: ignore[assignment]
+        hybrid.draft = _timed(model, now)  # type: ignore[assignment]
         hybrid.clock = lambda: now[0]
         # Short enough that the first pass is no catch-up: it is charged.
         hybrid.reset([11, 12, t, 20, 21, 11, 12])
@@ -368,16 +371,8 @@ def test_a_recalled_choice_is_charged_as_a_pass_the_window_did_not_wait_for() ->
     model = tiny_draft(VOCAB)
     now = [0.0]
 
-    class Timed:
-        def __getattr__(self, name: str) -> object:
-            return getattr(model, name)
-
-        def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
-            now[0] += 0.001
-            return model.next_logits(session, base_pos, tokens)
-
     proposer = DraftProposer(config(), model)
-    proposer.draft = Timed()  # type: ignore[assignment]
+    proposer.draft = _timed(model, now)  # type: ignore[assignment]
     proposer.clock = lambda: now[0]
     proposer.reset(PROMPT[:6])
     drafts = proposer.propose(1)
