@@ -10,7 +10,8 @@ RoPE and attention in one C call), of the head's product, of the sampler (the gr
 of the rest (Python, the embedding lookup). CPU time leaves out the time other tenants held the core.
 
 `ab` runs one decode step's block products (every 2-D tensor of the file in file order: each
-layer's, then the head; one token) through two builds of the block library (e.g. the cached
+layer's, then the head; one token; prefetching for weights streamed from memory where they
+exceed the last-level cache, as a stage does) through two builds of the block library (e.g. the cached
 `~/.cache/meshd/kernels/blocks-avx512-*.so` of two commits), alternating, and reports the
 median wall and CPU ms per step of each, the CPU ms per weight type, and whether their outputs
 are bit-identical. `--tokens N` (N > 1) multiplies N tokens at once, as a prefill chunk does, and
@@ -36,6 +37,7 @@ from meshd.bench.single_node import Sampler, generate
 from meshd.model.files import open_checkpoint
 from meshd.model.gguf_matrix import GgufMatrix
 from meshd.model.kernel_layers import KernelLayers
+from meshd.model.kernels.blocks import last_level_cache_bytes
 from meshd.model.stage import StageModel
 
 
@@ -104,6 +106,10 @@ def _step(lib_path: str, path: str, threads: int, tokens: int) -> Step:
         args = (int(t.tensor_type), data.ctypes.data, k, n, x.data_ptr(), tokens, y.data_ptr())
         calls.append((t.tensor_type.name, args, data))
         outs.append(y)
+
+    # As a stage that loads these matrices tells the library (blocks.note_step_weights).
+    llc = last_level_cache_bytes()
+    lib.meshd_blocks_set_streaming(int(llc is not None and sum(d.nbytes for *_, d in calls) > llc))
 
     def step(by_type: dict[str, float]) -> None:
         assert inputs  # the activations the calls point into live as long as the step

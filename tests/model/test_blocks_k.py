@@ -8,7 +8,8 @@ format (Q4_K, Q5_K, Q6_K):
 - a dot product equals the float64 dot of the dequantized operands to float rounding;
 - every path gives the same bits, whatever the alignment of its inputs;
 - a weight row against several tokens at once (the prefill tiles) gives each token the bits of
-  its single-token dot.
+  its single-token dot, and eight Q4_K rows against one token (the decode kernel) give each
+  row the bits of its single dot.
 
 gguf-py cannot quantize K formats, so weights are random valid blocks built byte by byte.
 """
@@ -105,6 +106,23 @@ class Kernels:
         fn(n, w.ctypes.data, x8.ctypes.data, stride, nt, out.ctypes.data_as(_F32))
         return out
 
+    def rows8_q4_K(self, w: np.ndarray, row_bytes: int, x8: np.ndarray) -> np.ndarray:
+        """Eight Q4_K rows, row r at byte r * row_bytes of w, against one token's blocks x8."""
+        n = x8.size * QK_K
+        out = np.full(8, np.nan, dtype=np.float32)
+        lib = self.lib
+        lib.meshd_rows8_q4_K_q8_K(
+            n,
+            w.ctypes.data,
+            row_bytes,
+            x8.ctypes.data,
+            out.ctypes.data_as(_F32),
+            w.ctypes.data,
+            row_bytes,
+            1,
+        )
+        return out
+
 
 def _bind(lib: ctypes.CDLL) -> None:
     lib.meshd_quantize_row_q8_K.argtypes = [_F32, ctypes.c_void_p, ctypes.c_int64]
@@ -123,6 +141,11 @@ def _bind(lib: ctypes.CDLL) -> None:
             _F32,
         ]
         rows.restype = None
+        if name == "q4_K":
+            eight = lib.meshd_rows8_q4_K_q8_K
+            eight.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            eight.argtypes += [_F32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            eight.restype = None
         deq = getattr(lib, f"meshd_dequantize_row_{name}")
         deq.argtypes = [ctypes.c_void_p, _F32, ctypes.c_int64]
         deq.restype = None
@@ -318,6 +341,26 @@ def test_a_row_against_several_tokens_gives_each_its_single_dot(
             )
 
 
+@pytest.mark.parametrize("k", [256, 768, 4608])  # 1, 3 and 18 super-blocks (more than a span)
+def test_eight_q4_K_rows_at_once_give_each_row_its_single_dot(kernels: Kernels, k: int) -> None:
+    # The decode kernel runs eight rows per call and their float steps in one vector; each row
+    # must keep the bits of its single dot (what a verify window's tiles compute), whatever the
+    # distance between rows (a row of a mapped file starts anywhere).
+    nb = k // QK_K
+    w = random_blocks(GGMLQuantizationType.Q4_K, 8 * nb, seed=k).reshape(8, -1)
+    row_bytes = w.shape[1] + 40
+    spaced = np.zeros(8 * row_bytes, dtype=np.uint8)
+    for r in range(8):
+        spaced[r * row_bytes : r * row_bytes + w.shape[1]] = w[r]
+    for seed in (1, 2):
+        x8 = kernels.quantize_q8_K(activations(1, k, seed=k + seed)[0])
+        singles = [kernels.vec_dot(GGMLQuantizationType.Q4_K, w[r], x8) for r in range(8)]
+        got = kernels.rows8_q4_K(spaced, row_bytes, x8)
+        np.testing.assert_array_equal(
+            got.view(np.uint32), np.array(singles, dtype=np.float32).view(np.uint32)
+        )
+
+
 def _results(kn: Kernels, k: int) -> list[np.ndarray]:
     """Everything a path computes on fixed inputs, as arrays to compare bit for bit."""
     x = activations(ROWS, k, seed=7)
@@ -330,6 +373,8 @@ def _results(kn: Kernels, k: int) -> list[np.ndarray]:
         nb = k // QK_K
         dots = [kn.vec_dot(qtype, rows[r], x8[r * nb : (r + 1) * nb]) for r in range(ROWS)]
         out.append(np.array(dots, dtype=np.float32))
+    w = random_blocks(GGMLQuantizationType.Q4_K, 8 * k // QK_K, seed=13)
+    out.append(kn.rows8_q4_K(w, w.size // 8, x8[: k // QK_K]))
     return out
 
 

@@ -152,3 +152,69 @@ def test_q4_0_and_q5_0_are_the_bits_of_llamacpps_own_vec_dot(path: str, qtype: T
             expected[i, r] = out.value
     got = BlockMatrix(raw, qtype, k, n_out).mm(torch.from_numpy(x)).numpy()
     assert np.array_equal(got, expected)
+
+
+def _q4_K_blocks(rng: np.random.Generator, n_out: int, k: int) -> np.ndarray:
+    """Random valid Q4_K rows as bytes: random scales and codes, realistic d and dmin."""
+    raw = rng.integers(0, 256, size=(n_out * k // 256, 144), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(2e-4, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    raw[:, 2:4] = rng.uniform(0.0, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(-1)
+
+
+def _q4_Kx8(raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
+    """`raw` Q4_K rows in llama.cpp's repacked layout (repack.cpp's make_block_q4_Kx8 with
+    8-byte interleave): per group of 8 rows and super-block, d[8], dmin[8], the 6-bit scales
+    and mins regrouped by sub-block (96 bytes), and the codes 8 bytes per row in turn."""
+    nb = k // 256
+    blocks = raw.reshape(n_out // 8, 8, nb, 144).transpose(0, 2, 1, 3)  # group, block, row
+    out = np.zeros((n_out // 8, nb, 1152), np.uint8)
+    out[..., 0:16] = blocks[..., 0:2].reshape(n_out // 8, nb, 16)
+    out[..., 16:32] = blocks[..., 2:4].reshape(n_out // 8, nb, 16)
+    sc = blocks[..., 4:16].astype(np.int32)  # [group, block, row, 12]
+    for i in range(4):
+        for half, (s, m) in enumerate(
+            [
+                (sc[..., i] & 63, sc[..., i + 4] & 63),
+                (
+                    ((sc[..., i] & 192) >> 2) | (sc[..., i + 8] & 15),
+                    ((sc[..., i + 4] & 192) >> 2) | ((sc[..., i + 8] & 240) >> 4),
+                ),
+            ]
+        ):
+            at = 32 + 48 * half + 12 * i
+            out[..., at : at + 4] = (s[..., 0:4] & 63) + ((s[..., 4:8] & 48) << 2)
+            out[..., at + 4 : at + 8] = (m[..., 0:4] & 63) + ((m[..., 4:8] & 48) << 2)
+            out[..., at + 8 : at + 12] = (s[..., 4:8] & 15) + ((m[..., 4:8] & 15) << 4)
+    qs = blocks[..., 16:144].reshape(n_out // 8, nb, 8, 16, 8).transpose(0, 1, 3, 2, 4)
+    out[..., 128:] = qs.reshape(n_out // 8, nb, 1024)
+    return out.reshape(-1)
+
+
+@pytest.mark.skipif(
+    not _GGML_CPU, reason="needs llama.cpp's libggml-cpu.so (scripts/bench_llamacpp)"
+)
+def test_q4_K_decode_is_the_bits_of_llamacpps_repacked_gemv(path: str) -> None:
+    # llama.cpp multiplies Q4_K weights by one token with ggml_gemv_q4_K_8x8_q8_K on a repacked
+    # copy (its default on x86); meshd reads the rows as stored and runs that kernel's float
+    # steps, so a decode step gives its bits on every path. Its own quantize_row_q8_K makes
+    # the activations here.
+    lib = ctypes.CDLL(_GGML_CPU[-1])
+    lib.ggml_cpu_init()
+    p, c = ctypes.c_void_p, ctypes.c_int
+    quantize, gemv = lib.quantize_row_q8_K, lib.ggml_gemv_q4_K_8x8_q8_K
+    quantize.argtypes = [p, p, ctypes.c_int64]
+    gemv.argtypes = [c, p, ctypes.c_size_t, p, p, c, c]
+    rng = np.random.default_rng(35)
+    k, n_out = 1536, 40
+    raw = _q4_K_blocks(rng, n_out, k)
+    packed = _q4_Kx8(raw, n_out, k)
+    m = BlockMatrix(raw, T.Q4_K, k, n_out)
+    for _ in range(3):
+        x = (rng.standard_normal(k) * np.exp(rng.standard_normal(k))).astype(np.float32)
+        q8 = np.zeros(k // 256 * 292, np.uint8)
+        quantize(x.ctypes.data, q8.ctypes.data, k)
+        expected = np.zeros(n_out, np.float32)
+        gemv(k, expected.ctypes.data, 0, packed.ctypes.data, q8.ctypes.data, 1, n_out)
+        got = m.mm(torch.from_numpy(x[None])).numpy()[0]
+        assert np.array_equal(got, expected), np.abs(got - expected).max()

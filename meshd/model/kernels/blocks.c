@@ -98,6 +98,8 @@ void meshd_rows_q5_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
                           float *out);
 void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
                           float *out);
+void meshd_rows8_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, float *out,
+                           const void *ahead, int64_t ahead_bytes, int stream);
 #endif
 
 int meshd_blocks_abi(void) { return 1; }
@@ -1204,7 +1206,21 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
-        for (int64_t n = r0; n < r1; ++n) {
+        int64_t n = r0;
+#ifdef MESHD_HAVE_K_QUANTS
+        /* Q4_K against one token: eight rows per call, their float steps in one vector (the
+         * bits of the single-row dot), each row requesting the row a group (8 rows) on where
+         * the weights stream from memory. */
+        if (type == T_Q4_K && nt == 1) {
+            const int64_t on = stream_prefetch ? 8 : ahead;
+            for (; n + 8 <= r1; n += 8) {
+                const int64_t later = n + 8 + on <= n_out ? rb : 0;
+                meshd_rows8_q4_K_q8_K(k, w + n * rb, rb, a, y + j * n_out + n,
+                                      w + (n + on) * rb, later, stream_prefetch);
+            }
+        }
+#endif
+        for (; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;
             const int64_t later = n + ahead < n_out ? rb : 0;
             if (stream_prefetch)

@@ -32,14 +32,18 @@
  *
  * Rules the callers rely on:
  * - Every path gives the SAME BITS for the same inputs. A dot product's integer part is exact,
- *   so only its float steps can differ; all three paths run the float steps of ggml's AVX2
- *   kernel in its order: per super-block, eight int32 lanes (lane L holds the products of
- *   positions 4L..4L+3 of every 32-value chunk, each chunk times its sub-block scale),
- *   converted to float and accumulated with one FMA per lane, then ggml's horizontal sum.
- *   So the result is the one ggml's x86 vec_dot kernels compute (also on AVX-512 machines:
- *   ggml has no wider K-quant kernel), on every CPU. llama.cpp runs those kernels for Q5_K and
- *   Q6_K; Q4_K weights it repacks by default (8 rows interleaved, another summation order, the
- *   same Q8_K activations), so there the two agree to float rounding, not to the bit.
+ *   so only its float steps can differ, and all three paths run the same ones: those of the
+ *   kernel llama.cpp runs on x86 by default for the format, so the result is llama.cpp's on
+ *   every CPU (also on AVX-512 machines: ggml has no wider K-quant kernel).
+ *   - Q5_K, Q6_K: ggml's AVX2 vec_dot. Per super-block, eight int32 lanes (lane L holds the
+ *     products of positions 4L..4L+3 of every 32-value chunk, each chunk times its sub-block
+ *     scale), converted to float and accumulated with one FMA per lane, then ggml's
+ *     horizontal sum.
+ *   - Q4_K: ggml's repacked gemv (ggml_gemv_q4_K_8x8_q8_K; llama.cpp repacks Q4_K weights into
+ *     8 interleaved rows at load). Per super-block, the exact sums of scales x codes and of
+ *     mins x block sums, each converted to float and added with one FMA, the mins' total
+ *     subtracted at the end. One float per row and super-block (not eight lanes) is what lets
+ *     the decode kernel run eight stored rows' float steps in one vector.
  * - Q8_K activations are ggml's quantize_row_q8_K_ref byte for byte on every path.
  * - The result depends only on the inputs: no alignment-dependent peeling, no thread-dependent
  *   split, so a verify window of t tokens gives what t single-token steps give.
@@ -66,6 +70,7 @@
 #define Q8_K_QS 4
 #define Q8_K_BSUMS 260
 #define KQ_NT 4 /* most tokens sharing one pass over a weight row (blocks.c's NT) */
+_Static_assert(KQ_NT == 4, "rows_q4_K sums four tokens' lanes in one vector");
 
 /* The AVX-512 code also needs BW (byte and word ops) and VNNI (VPDPWSSD); without them the AVX2
  * code runs. */
@@ -346,35 +351,34 @@ static inline void chunk_into_lanes(const uint8_t q[32], const int8_t *q8, int32
     }
 }
 
+/* Q4_K in the order of ggml's repacked gemv (ggml_gemv_q4_K_8x8_q8_K, what llama.cpp runs for
+ * Q4_K by default on x86): per super-block, the exact integer sums of scales x codes and of
+ * mins x block sums, each converted to float and added with one FMA at d x yd (dmin x yd), and
+ * the mins' total subtracted at the end. */
 static float dot_q4_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
-    float acc[8] = {0}, acc_m[4] = {0};
+    float acc = 0.f, acc_m = 0.f;
     for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
         const float yd = f32_at(y);
-        const float d = yd * fp16_at(w);
-        const float dmin = -yd * fp16_at(w + 2);
         uint8_t sc[8], mn[8];
         for (int j = 0; j < 8; ++j) scale_min_k4(j, w + 4, &sc[j], &mn[j]);
         int16_t bsums[16];
         memcpy(bsums, y + Q8_K_BSUMS, sizeof bsums);
-        int32_t prod[4];
-        mins_by_bsums(mn, bsums, prod);
-        for (int p = 0; p < 4; ++p) acc_m[p] = fmaf(dmin, (float)prod[p], acc_m[p]);
-
         const uint8_t *qs = w + 16;
         const int8_t *q8 = (const int8_t *)(y + Q8_K_QS);
-        int32_t lanes[8] = {0};
+        int32_t isum = 0, imin = 0;
         for (int j = 0; j < 4; ++j, qs += 32, q8 += 64) {
-            uint8_t lo[32], hi[32];
+            int32_t lo = 0, hi = 0;
             for (int l = 0; l < 32; ++l) {
-                lo[l] = qs[l] & 0xF;
-                hi[l] = qs[l] >> 4;
+                lo += (qs[l] & 0xF) * q8[l];
+                hi += (qs[l] >> 4) * q8[l + 32];
             }
-            chunk_into_lanes(lo, q8, sc[2 * j], sc[2 * j], lanes);
-            chunk_into_lanes(hi, q8 + 32, sc[2 * j + 1], sc[2 * j + 1], lanes);
+            isum += sc[2 * j] * lo + sc[2 * j + 1] * hi;
         }
-        for (int L = 0; L < 8; ++L) acc[L] = fmaf(d, (float)lanes[L], acc[L]);
+        for (int j = 0; j < 8; ++j) imin += mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+        acc = fmaf((float)isum, yd * fp16_at(w), acc);
+        acc_m = fmaf((float)imin, yd * fp16_at(w + 2), acc_m);
     }
-    return hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]));
+    return acc - acc_m;
 }
 
 static float dot_q5_K(int64_t nb, const uint8_t *w, const uint8_t *y) {
@@ -460,17 +464,22 @@ static inline float hsum_float_8(const __m256 x) {
 }
 
 /* The 12 scale bytes of a Q4_K/Q5_K block as 16 bytes: 8 scales, then 8 mins (ggml's
- * kmask/utmp shuffle). */
+ * get_scale_min_k4 for all eight sub-blocks at once, by byte shuffles). It loads 16 bytes: the
+ * 4 after the 12 are the block's first codes, read and unused. */
 static inline __m128i scales_mins_k4(const uint8_t *scales) {
-    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-    uint32_t utmp[4];
-    memcpy(utmp, scales, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
-    return _mm_set_epi32((int)utmp[3], (int)utmp[2], (int)utmp[1], (int)utmp[0]);
+    const __m128i s = _mm_loadu_si128((const __m128i *)scales);
+    /* low bits: scales 0-3 = s0-3 & 63, scales 4-7 = s8-11 & 15, mins 0-3 = s4-7 & 63,
+     * mins 4-7 = s8-11 >> 4 */
+    const __m128i a =
+        _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i lo = _mm_or_si128(
+        _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+        _mm_and_si128(_mm_srli_epi16(a, 4),
+                      _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
+    /* bits 4-5 of scales 4-7: s0-3 >> 6; of mins 4-7: s4-7 >> 6 */
+    const __m128i h =
+        _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30)));
 }
 
 /* Four lanes of mins * bsums (see mins_by_bsums) from the 16 widened scales+mins. */
@@ -479,6 +488,179 @@ static inline __m128i mins_by_bsums_v(__m256i mins_and_scales, const uint8_t *y)
     const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
                                        _mm256_extracti128_si256(q8sums, 1));
     return _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), q8s);
+}
+
+/* VPDPWSSD where the CPU has it (AVX-512 VNNI, AVX-VNNI): the same exact int32 sums as
+ * VPMADDWD + VPADDD. */
+#if defined(KQ_AVX512)
+#define KQ_MADD_ADD(acc, p16, sc) _mm256_dpwssd_epi32((acc), (p16), (sc))
+#elif defined(__AVXVNNI__)
+#define KQ_MADD_ADD(acc, p16, sc) _mm256_dpwssd_avx_epi32((acc), (p16), (sc))
+#else
+#define KQ_MADD_ADD(acc, p16, sc) _mm256_add_epi32((acc), _mm256_madd_epi16((p16), (sc)))
+#endif
+
+/* A VPSHUFB control that copies 16-bit word `w` into every word. */
+static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
+
+/* The Q4_K kernels run the portable dot_q4_K's float steps (ggml's repacked gemv order): the
+ * integer sums of a super-block are exact however they are grouped, so only those steps decide
+ * the bits, and one row against one token gives the same bits in a tile of tokens (rows_q4_K)
+ * and in a group of eight rows (rows8_q4_K). */
+
+/* One weight row against nt <= KQ_NT tokens (token r's Q8_K blocks at y + r * stride): each
+ * 64-value step decodes the row's codes and chunk scales once and runs every token on them, and
+ * the float steps run for the tokens in one vector (lane r: token r). */
+static inline __attribute__((always_inline)) void rows_q4_K(int64_t nb, const uint8_t *w,
+                                                           const uint8_t *y, int64_t stride,
+                                                           int nt, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m128 acc = _mm_setzero_ps(), acc_m = _mm_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m256i scales = _mm256_permute4x64_epi64(mins_and_scales, 0x44);
+        const uint8_t *q4 = w + 16;
+        __m256i sumi[KQ_NT][2];
+        for (int r = 0; r < KQ_NT; ++r) sumi[r][0] = sumi[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
+            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
+            const __m256i q4l = _mm256_and_si256(q4bits, m4);
+            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+            for (int r = 0; r < nt; ++r) {
+                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
+                const __m256i p16l =
+                    _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
+                const __m256i p16h =
+                    _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+                sumi[r][0] = KQ_MADD_ADD(sumi[r][0], p16l, scale_l);
+                sumi[r][1] = KQ_MADD_ADD(sumi[r][1], p16h, scale_h);
+            }
+        }
+        __m256i isum[KQ_NT];
+        __m128i imin[KQ_NT];
+        float yd[KQ_NT] = {0};
+        for (int r = 0; r < KQ_NT; ++r) {
+            isum[r] = _mm256_add_epi32(sumi[r][0], sumi[r][1]);
+            imin[r] = _mm_setzero_si128();
+        }
+        for (int r = 0; r < nt; ++r) {
+            imin[r] = mins_by_bsums_v(mins_and_scales, y + r * stride);
+            yd[r] = f32_at(y + r * stride);
+        }
+        /* lane r: token r's sums */
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(isum[0], isum[1]),
+                                            _mm256_hadd_epi32(isum[2], isum[3]));
+        const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        const __m128i mins =
+            _mm_hadd_epi32(_mm_hadd_epi32(imin[0], imin[1]), _mm_hadd_epi32(imin[2], imin[3]));
+        const __m128 yds = _mm_loadu_ps(yd);
+        const __m128 d = _mm_mul_ps(yds, _mm_set1_ps(fp16_at(w)));
+        const __m128 dmin = _mm_mul_ps(yds, _mm_set1_ps(fp16_at(w + 2)));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), d, acc);
+        acc_m = _mm_fmadd_ps(_mm_cvtepi32_ps(mins), dmin, acc_m);
+    }
+    float all[4];
+    _mm_storeu_ps(all, _mm_sub_ps(acc, acc_m));
+    for (int r = 0; r < nt; ++r) out[r] = all[r];
+}
+
+/* Lane r: the sum of v[r]'s eight lanes. */
+static inline __m256i sum_each_8(const __m256i v[8]) {
+    const __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),
+                            _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* Lane r: the sum of v[r]'s four lanes. */
+static inline __m256i sum_each_4(const __m128i v[8]) {
+    const __m256i h0 =
+        _mm256_hadd_epi32(_mm256_set_m128i(v[4], v[0]), _mm256_set_m128i(v[5], v[1]));
+    const __m256i h1 =
+        _mm256_hadd_epi32(_mm256_set_m128i(v[6], v[2]), _mm256_set_m128i(v[7], v[3]));
+    return _mm256_hadd_epi32(h0, h1);
+}
+
+/* The 16-bit halves (low: `high` = 0, else high) of eight 32-bit lanes, in order. */
+static inline __m128i halves(__m256i v, int high) {
+    const __m256i pick = high ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1,
+                                                 -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1,
+                                                 -1, -1, -1, -1, -1, -1)
+                              : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1,
+                                                 -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1,
+                                                 -1, -1, -1, -1, -1, -1);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08));
+}
+
+#define KQ_SPAN 16 /* super-blocks whose integer sums rows8_q4_K keeps between its two steps */
+
+/* Eight rows (row r's blocks at w + r * rb) against one token (a decode step), in two steps per
+ * span of super-blocks: each row's exact integer sums, row after row (the weights read in the
+ * order they are stored, as the memory stream and its prefetch want them), then the float steps
+ * of the eight rows in one vector (lane r: row r, the steps of rows_q4_K in its order), as
+ * ggml runs the rows of its repacked Q4_K, but on the rows as stored. Row r requests
+ * `ahead_bytes` at ahead + r * rb as it starts (0: none; into L2 where `stream`, else L1). */
+static void rows8_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y, float *out,
+                       const uint8_t *ahead, int64_t ahead_bytes, int stream) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const int32_t b = (int32_t)rb;
+    const __m256i row_at = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
+    __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
+    __m256i isum[KQ_SPAN][8];
+    __m128i imin[KQ_SPAN][8], bsums[KQ_SPAN];
+    for (int64_t i0 = 0; i0 < nb; i0 += KQ_SPAN) {
+        const int span = nb - i0 < KQ_SPAN ? (int)(nb - i0) : KQ_SPAN;
+        const uint8_t *ys = y + i0 * Q8_K_BYTES;
+        for (int i = 0; i < span; ++i) {
+            const __m256i q8sums =
+                _mm256_loadu_si256((const __m256i *)(ys + i * Q8_K_BYTES + Q8_K_BSUMS));
+            bsums[i] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                      _mm256_extracti128_si256(q8sums, 1));
+        }
+        for (int r = 0; r < 8; ++r) {
+            if (i0 == 0)
+                for (int64_t off = 0; off < ahead_bytes; off += 64) {
+                    if (stream)
+                        __builtin_prefetch(ahead + r * rb + off, 0, 1);
+                    else
+                        __builtin_prefetch(ahead + r * rb + off, 0, 3);
+                }
+            const uint8_t *blk = w + r * rb + i0 * Q4_K_BYTES;
+            for (int i = 0; i < span; ++i, blk += Q4_K_BYTES) {
+                const int8_t *q8 = (const int8_t *)(ys + i * Q8_K_BYTES + Q8_K_QS);
+                const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
+                const __m256i scales = _mm256_permute4x64_epi64(mins_and_scales, 0x44);
+                imin[i][r] = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), bsums[i]);
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int j = 0; j < QK_K / 64; ++j) {
+                    const __m256i q4bits = _mm256_loadu_si256((const __m256i *)(blk + 16) + j);
+                    const __m256i q4l = _mm256_and_si256(q4bits, m4);
+                    const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+                    const __m256i q8l = _mm256_loadu_si256((const __m256i *)(q8 + 64 * j));
+                    const __m256i q8h = _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32));
+                    s0 = KQ_MADD_ADD(s0, _mm256_maddubs_epi16(q4l, q8l),
+                                     _mm256_shuffle_epi8(scales, word_index(2 * j)));
+                    s1 = KQ_MADD_ADD(s1, _mm256_maddubs_epi16(q4h, q8h),
+                                     _mm256_shuffle_epi8(scales, word_index(2 * j + 1)));
+                }
+                isum[i][r] = _mm256_add_epi32(s0, s1);
+            }
+        }
+        for (int i = 0; i < span; ++i) {
+            /* d and dmin of the eight blocks: the first 4 bytes of each */
+            const uint8_t *blocks = w + (i0 + i) * Q4_K_BYTES;
+            const __m256i dm = _mm256_i32gather_epi32((const int *)blocks, row_at, 1);
+            const __m256 yd = _mm256_set1_ps(f32_at(ys + i * Q8_K_BYTES));
+            const __m256 d = _mm256_mul_ps(yd, _mm256_cvtph_ps(halves(dm, 0)));
+            const __m256 dmin = _mm256_mul_ps(yd, _mm256_cvtph_ps(halves(dm, 1)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_8(isum[i])), d, acc);
+            acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_4(imin[i])), dmin, acc_m);
+        }
+    }
+    _mm256_storeu_ps(out, _mm256_sub_ps(acc, acc_m));
 }
 
 #endif
@@ -517,61 +699,6 @@ static inline __m128i get_scale_shuffle(int i) {
  * y + r * stride). Each 64-value step decodes the row's codes and chunk scales once and runs
  * every token on them; per token the integer lanes and the float steps are ggml's AVX2 kernel's
  * in its order, so any nt gives each token the bits of nt = 1 (the single-token dot). */
-#if defined(__AVXVNNI__)
-/* AVX-VNNI's VPDPWSSD: the same exact int32 sums as VPMADDWD + VPADDD. */
-#define KQ_MADD_ADD(acc, p16, sc) _mm256_dpwssd_avx_epi32((acc), (p16), (sc))
-#else
-#define KQ_MADD_ADD(acc, p16, sc) _mm256_add_epi32((acc), _mm256_madd_epi16((p16), (sc)))
-#endif
-
-/* ggml's AVX2 ggml_vec_dot_q4_K_q8_K, tokens innermost. */
-static inline __attribute__((always_inline)) void rows_q4_K(int64_t nb, const uint8_t *w,
-                                                           const uint8_t *y, int64_t stride,
-                                                           int nt, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[KQ_NT];
-    __m128 acc_m[KQ_NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        acc_m[r] = _mm_setzero_ps();
-    }
-    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
-        const float wd = fp16_at(w), wmin = fp16_at(w + 2);
-        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        const uint8_t *q4 = w + 16;
-        __m256i sumi[KQ_NT];
-        for (int r = 0; r < nt; ++r) sumi[r] = _mm256_setzero_si256();
-        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
-            const __m256i scale_l = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 0));
-            const __m256i scale_h = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2 * j + 1));
-            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
-            const __m256i q4l = _mm256_and_si256(q4bits, m4);
-            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-            for (int r = 0; r < nt; ++r) {
-                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
-                const __m256i q8l = _mm256_loadu_si256((const __m256i *)q8);
-                const __m256i q8h = _mm256_loadu_si256((const __m256i *)(q8 + 32));
-                sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q4l, q8l), scale_l);
-                sumi[r] = KQ_MADD_ADD(sumi[r], _mm256_maddubs_epi16(q4h, q8h), scale_h);
-            }
-        }
-        for (int r = 0; r < nt; ++r) {
-            const uint8_t *yr = y + r * stride;
-            const float yd = f32_at(yr);
-            const float d = yd * wd, dmin = -yd * wmin;
-            const __m128i prod = mins_by_bsums_v(mins_and_scales, yr);
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-        }
-    }
-    for (int r = 0; r < nt; ++r) {
-        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[r] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
-    }
-}
 
 /* ggml's AVX2 ggml_vec_dot_q5_K_q8_K, tokens innermost; `summs` as in the portable code. */
 static inline __attribute__((always_inline)) void rows_q5_K(int64_t nb, const uint8_t *w,
@@ -690,9 +817,9 @@ static inline __attribute__((always_inline)) void rows_q6_K(int64_t nb, const ui
 
 /* The AVX-512 build computes the same eight int32 lanes per super-block as ggml's AVX2 kernels,
  * with VNNI's VPDPWSSD (int16 pair products times the chunk scales, added into the lanes) in
- * place of VPMADDWD + VPADDD. Q4_K and Q5_K stay at 256 bits: at 512 their shifts, VPMADDUBSW
- * and VPDPWSSD all issue on port 0, and they measured slower than at 256 (figures in the commit
- * that chose this). Q6_K has more to unpack per value and gains from 512 bits: two 32-value
+ * place of VPMADDWD + VPADDD. Q5_K stays at 256 bits (as the shared Q4_K code): at 512 its
+ * shifts, VPMADDUBSW and VPDPWSSD all issue on port 0, and they measured slower than at 256
+ * (figures in the commit that chose this). Q6_K has more to unpack per value and gains from 512 bits: two 32-value
  * chunks per instruction (one in each 256-bit half), folded before the float steps. VPMADDUBSW
  * does not saturate here: 0 <= q <= 63 and |q8| <= 127. Integer sums are exact, so how they are
  * grouped cannot change a bit of the result. */
@@ -710,64 +837,6 @@ static inline __m256i fold_lanes(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-/* A VPSHUFB control that copies 16-bit word `w` into every word. */
-static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
-
-/* One weight row against nt <= KQ_NT tokens (token r's Q8_K blocks at y + r * stride): each
- * step decodes the row's codes and chunk scales once and runs every token on them, the tokens
- * innermost. Per token the int32 lanes are exact and the float steps are the single-token
- * ones in their order, so any nt gives each token the bits of nt = 1 (a decode step). */
-static inline __attribute__((always_inline)) void rows_q4_K(int64_t nb, const uint8_t *w,
-                                                           const uint8_t *y, int64_t stride,
-                                                           int nt, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[KQ_NT];
-    __m128 acc_m[KQ_NT];
-    for (int r = 0; r < nt; ++r) {
-        acc[r] = _mm256_setzero_ps();
-        acc_m[r] = _mm_setzero_ps();
-    }
-    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
-        const float wd = fp16_at(w), wmin = fp16_at(w + 2);
-        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m128i sc128 = _mm256_castsi256_si128(mins_and_scales);
-        const __m256i scales = _mm256_set_m128i(sc128, sc128);
-        const uint8_t *q4 = w + 16;
-        __m256i sumi[KQ_NT][2];
-        for (int r = 0; r < nt; ++r) sumi[r][0] = sumi[r][1] = _mm256_setzero_si256();
-        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
-            const __m256i q4bits = _mm256_loadu_si256((const __m256i *)q4);
-            const __m256i q4l = _mm256_and_si256(q4bits, m4);
-            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-            /* word 2j, then word 2j + 1, of the scales in every word */
-            const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
-            const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
-            for (int r = 0; r < nt; ++r) {
-                const int8_t *q8 = (const int8_t *)(y + r * stride + Q8_K_QS) + 64 * j;
-                const __m256i p16l =
-                    _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *)q8));
-                const __m256i p16h =
-                    _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
-                sumi[r][0] = _mm256_dpwssd_epi32(sumi[r][0], p16l, scale_l);
-                sumi[r][1] = _mm256_dpwssd_epi32(sumi[r][1], p16h, scale_h);
-            }
-        }
-        for (int r = 0; r < nt; ++r) {
-            const uint8_t *yr = y + r * stride;
-            const float yd = f32_at(yr);
-            const float d = yd * wd, dmin = -yd * wmin;
-            const __m128i prod = mins_by_bsums_v(mins_and_scales, yr);
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
-            const __m256i lanes = _mm256_add_epi32(sumi[r][0], sumi[r][1]);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[r]);
-        }
-    }
-    for (int r = 0; r < nt; ++r) {
-        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[r] = hsum_float_8(acc[r]) + _mm_cvtss_f32(m);
-    }
-}
 
 /* qh bit 2j (2j+1) of each byte is shifted to bit 4 and merged with the low (high) nibbles by
  * one ternary-logic op. */
@@ -938,4 +1007,18 @@ void meshd_rows_q5_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
 void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t stride, int nt,
                           float *out) {
     rows_q6_K_n(n / QK_K, (const uint8_t *)w, (const uint8_t *)x, stride, nt, out);
+}
+
+/* Rows 0..7 (row r of n values at w + r * rb bytes) against one token's Q8_K row x: out[r] is
+ * what meshd_vec_dot_q4_K_q8_K gives for row r, bit for bit. Row r requests ahead_bytes at
+ * ahead + r * rb before it starts (into L2 where `stream`, else into L1). */
+void meshd_rows8_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, float *out,
+                           const void *ahead, int64_t ahead_bytes, int stream) {
+#if defined(KQ_SCALAR)
+    (void)ahead, (void)ahead_bytes, (void)stream;
+    for (int r = 0; r < 8; ++r) out[r] = dot_q4_K(n / QK_K, (const uint8_t *)w + r * rb, x);
+#else
+    rows8_q4_K(n / QK_K, (const uint8_t *)w, rb, (const uint8_t *)x, out, (const uint8_t *)ahead,
+               ahead_bytes, stream);
+#endif
 }
