@@ -1,7 +1,7 @@
 """Two builds of the block library on one single-token product that stays in cache.
 
     PYTHONPATH=. python scripts/block_ab.py TYPE IN OUT OLD.so NEW.so [--rounds 11] [--calls 300]
-        [--tokens 1]
+        [--tokens 1] [--from FILE.gguf --tensor NAME]
 
 A random [OUT, IN] matrix of TYPE (Q4_0, Q4_1, Q8_0, ...: what `gguf.quants` quantizes) is
 multiplied by one token (`--tokens N`: N at once, as a prefill chunk) through
@@ -10,7 +10,9 @@ multiplied by one token (`--tokens N`: N at once, as a prefill chunk) through
 build the median calling-thread CPU µs per call (ctypes call included, ~2 µs), the weight GB/s
 that makes, and whether the two builds' outputs are bit-identical. A matrix of a few hundred kB
 stays in L2 between calls, so this measures a tile's compute, not the memory stream
-(`scripts/decode_step_split.py ab` runs a whole decode step's products).
+(`scripts/decode_step_split.py ab` runs a whole decode step's products). `--from FILE --tensor
+NAME` takes the first OUT rows of that tensor of a GGUF file instead (TYPE and IN must be its
+own): the K-quants, which gguf-py cannot quantize, on real weights.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 
 import gguf.quants
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
 
 def main() -> None:
@@ -34,11 +36,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--from", dest="path", help="a GGUF file to take the rows from")
+    ap.add_argument("--tensor", help="the tensor of --from")
     args = ap.parse_args()
     qtype = GGMLQuantizationType[args.type]
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((args.n, args.k)).astype(np.float32)
-    raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
+    if args.path:
+        tensor = next(t for t in GGUFReader(args.path).tensors if t.name == args.tensor)
+        if tensor.tensor_type != qtype or int(tensor.shape[0]) != args.k:
+            raise SystemExit(f"{args.tensor} is {tensor.tensor_type.name} x {tensor.shape[0]}")
+        data = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+        raw = np.ascontiguousarray(data[: args.n * data.size // int(tensor.shape[1])])
+    else:
+        w = rng.standard_normal((args.n, args.k)).astype(np.float32)
+        raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8)
     x = rng.standard_normal((args.tokens, args.k)).astype(np.float32)
     p, i64, c = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     libs = [ctypes.CDLL(path) for path in args.libraries]
