@@ -1198,11 +1198,15 @@ static void row_dot_4(int type, const uint8_t *w, int64_t k, const uint8_t *a, i
 /* Rows [r0, r1) of W against every token: tokens in groups of NT, each group sweeping the rows
  * (a chunk's rows stay in cache between groups). Each row requests a later one, as the tiles
  * do: 2 rows on into L1 where the weights fit the cache, 4 rows on into L2 where every step
- * streams them from memory (docs/model-runtime.md, "Weights beyond the cache"). */
+ * streams them from memory (docs/model-runtime.md, "Weights beyond the cache"), except
+ * streamed Q6_K rows, which request nothing. */
 static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out, int64_t r0,
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
     const int ahead = stream_prefetch ? 4 : 2;
+    /* Streamed Q6_K rows (the wide ffn_down, the head) run faster on the hardware prefetcher
+     * alone than with these requests (docs/benchmarks.md, "Streamed Q6_K rows"). */
+    const int quiet = stream_prefetch && type == T_Q6_K;
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
@@ -1222,7 +1226,7 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
 #endif
         for (; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;
-            const int64_t later = n + ahead < n_out ? rb : 0;
+            const int64_t later = n + ahead < n_out && !quiet ? rb : 0;
             if (stream_prefetch)
                 PREFETCH_ROWS_L2(w + (n + ahead) * rb, later);
             else
