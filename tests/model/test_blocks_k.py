@@ -110,8 +110,7 @@ class Kernels:
         """Eight Q4_K rows, row r at byte r * row_bytes of w, against one token's blocks x8."""
         n = x8.size * QK_K
         out = np.full(8, np.nan, dtype=np.float32)
-        lib = self.lib
-        lib.meshd_rows8_q4_K_q8_K(
+        self.lib.meshd_rows8_q4_K_q8_K(
             n,
             w.ctypes.data,
             row_bytes,

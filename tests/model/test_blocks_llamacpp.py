@@ -24,6 +24,7 @@ from meshd.model import gguf_matrix
 from meshd.model.files import open_checkpoint
 from meshd.model.kernels.blocks import BlockMatrix
 from meshd.model.stage import StageModel
+from tests.model.test_blocks_k import random_blocks
 
 _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # Q4_1 layers (Q8_1 activations), a Q8_0 head
 # 24 ids: more than the C layer loop's row-attention limit, so each product passes through
@@ -154,14 +155,6 @@ def test_q4_0_and_q5_0_are_the_bits_of_llamacpps_own_vec_dot(path: str, qtype: T
     assert np.array_equal(got, expected)
 
 
-def _q4_K_blocks(rng: np.random.Generator, n_out: int, k: int) -> np.ndarray:
-    """Random valid Q4_K rows as bytes: random scales and codes, realistic d and dmin."""
-    raw = rng.integers(0, 256, size=(n_out * k // 256, 144), dtype=np.uint8)
-    raw[:, 0:2] = rng.uniform(2e-4, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    raw[:, 2:4] = rng.uniform(0.0, 2e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(-1)
-
-
 def _q4_Kx8(raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
     """`raw` Q4_K rows in llama.cpp's repacked layout (repack.cpp's make_block_q4_Kx8 with
     8-byte interleave): per group of 8 rows and super-block, d[8], dmin[8], the 6-bit scales
@@ -207,7 +200,7 @@ def test_q4_K_decode_is_the_bits_of_llamacpps_repacked_gemv(path: str) -> None:
     gemv.argtypes = [c, p, ctypes.c_size_t, p, p, c, c]
     rng = np.random.default_rng(35)
     k, n_out = 1536, 40
-    raw = _q4_K_blocks(rng, n_out, k)
+    raw = random_blocks(T.Q4_K, n_out * k // 256, seed=35)
     packed = _q4_Kx8(raw, n_out, k)
     m = BlockMatrix(raw, T.Q4_K, k, n_out)
     for _ in range(3):

@@ -1195,38 +1195,43 @@ static void row_dot_4(int type, const uint8_t *w, int64_t k, const uint8_t *a, i
     row_dot(type, w, k, a, s, 4, o);
 }
 
+/* How many rows on a row of the row loop requests (0: none), one rule per case: 2 rows on into
+ * L1 where the weights fit the cache; where every step streams them from memory, into L2, 4
+ * rows on, 8 for Q4_K's eight-row groups against one token, and none for Q6_K, whose rows
+ * (the wide ffn_down, the head) run faster on the hardware prefetcher alone
+ * (docs/model-runtime.md, "Weights beyond the cache"; docs/benchmarks.md, "Streamed Q6_K
+ * rows"). */
+static int rows_ahead(int type, int nt) {
+    if (!stream_prefetch) return 2;
+    if (type == T_Q6_K) return 0;
+    return type == T_Q4_K && nt == 1 ? 8 : 4;
+}
+
 /* Rows [r0, r1) of W against every token: tokens in groups of NT, each group sweeping the rows
- * (a chunk's rows stay in cache between groups). Each row requests a later one, as the tiles
- * do: 2 rows on into L1 where the weights fit the cache, 4 rows on into L2 where every step
- * streams them from memory (docs/model-runtime.md, "Weights beyond the cache"), except
- * streamed Q6_K rows, which request nothing. */
+ * (a chunk's rows stay in cache between groups), each row requesting the one `rows_ahead` on,
+ * as the tiles do. */
 static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out, int64_t r0,
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
-    const int ahead = stream_prefetch ? 4 : 2;
-    /* Streamed Q6_K rows (the wide ffn_down, the head) run faster on the hardware prefetcher
-     * alone than with these requests (docs/benchmarks.md, "Streamed Q6_K rows"). */
-    const int quiet = stream_prefetch && type == T_Q6_K;
     for (int64_t j = 0; j < t; j += NT) {
         const int nt = t - j < NT ? (int)(t - j) : NT;
         const uint8_t *a = act + j * stride;
+        const int ahead = rows_ahead(type, nt);
         int64_t n = r0;
 #ifdef MESHD_HAVE_K_QUANTS
         /* Q4_K against one token: eight rows per call, their float steps in one vector (the
-         * bits of the single-row dot), each row requesting the row a group (8 rows) on where
-         * the weights stream from memory. */
+         * bits of the single-row dot). */
         if (type == T_Q4_K && nt == 1) {
-            const int64_t on = stream_prefetch ? 8 : ahead;
             for (; n + 8 <= r1; n += 8) {
-                const int64_t later = n + 8 + on <= n_out ? rb : 0;
+                const int64_t later = n + 8 + ahead <= n_out ? rb : 0;
                 meshd_rows8_q4_K_q8_K(k, w + n * rb, rb, a, y + j * n_out + n,
-                                      w + (n + on) * rb, later, stream_prefetch);
+                                      w + (n + ahead) * rb, later, stream_prefetch);
             }
         }
 #endif
         for (; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;
-            const int64_t later = n + ahead < n_out && !quiet ? rb : 0;
+            const int64_t later = ahead > 0 && n + ahead < n_out ? rb : 0;
             if (stream_prefetch)
                 PREFETCH_ROWS_L2(w + (n + ahead) * rb, later);
             else
