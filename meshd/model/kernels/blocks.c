@@ -938,14 +938,17 @@ typedef void (*tile_fn)(const uint8_t *const *wr, int64_t k, const uint8_t *act,
     TILE_FN(TYPE, 1, 2)                                                                            \
     TILE_FN(TYPE, 1, 3)                                                                            \
     TILE_FN(TYPE, 1, 4)                                                                            \
+    TILE_FN(TYPE, 4, 2)                                                                            \
+    TILE_FN(TYPE, 4, 3)                                                                            \
     TILE_FN(TYPE, 4, 4)                                                                            \
-    static const tile_fn tiles_##TYPE[2][10] = {                                                   \
-        {tile_##TYPE##_4x1, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3,             \
-         tile_##TYPE##_2x4, tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3,             \
-         tile_##TYPE##_1x4, tile_##TYPE##_4x4},                                                   \
-        {tile_##TYPE##_4x1_s, tile_##TYPE##_2x1_s, tile_##TYPE##_2x2_s, tile_##TYPE##_2x3_s,     \
-         tile_##TYPE##_2x4_s, tile_##TYPE##_1x1_s, tile_##TYPE##_1x2_s, tile_##TYPE##_1x3_s,     \
-         tile_##TYPE##_1x4_s, tile_##TYPE##_4x4_s}};
+    /* [prefetch mode][rows, tokens]: 2 rows x nt at nt, 1 row at 4 + nt, 4 rows at 8 + nt. */ \
+    static const tile_fn tiles_##TYPE[2][13] = {                                                   \
+        {0, tile_##TYPE##_2x1, tile_##TYPE##_2x2, tile_##TYPE##_2x3, tile_##TYPE##_2x4,          \
+         tile_##TYPE##_1x1, tile_##TYPE##_1x2, tile_##TYPE##_1x3, tile_##TYPE##_1x4,             \
+         tile_##TYPE##_4x1, tile_##TYPE##_4x2, tile_##TYPE##_4x3, tile_##TYPE##_4x4},            \
+        {0, tile_##TYPE##_2x1_s, tile_##TYPE##_2x2_s, tile_##TYPE##_2x3_s, tile_##TYPE##_2x4_s,  \
+         tile_##TYPE##_1x1_s, tile_##TYPE##_1x2_s, tile_##TYPE##_1x3_s, tile_##TYPE##_1x4_s,     \
+         tile_##TYPE##_4x1_s, tile_##TYPE##_4x2_s, tile_##TYPE##_4x3_s, tile_##TYPE##_4x4_s}};
 TILE_SET(T_Q4_0)
 TILE_SET(T_Q4_1)
 TILE_SET(T_Q5_0)
@@ -1024,11 +1027,13 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
             j += NT_WIDE - NT;
             continue;
         }
-        /* 4 x 4 tiles only where 32 vector registers hold their accumulators (AVX-512). */
-        if (nt == 1 || (WIDE_TILES && nt == NT))
+        /* 4 rows x several tokens only where 32 vector registers hold their accumulators
+         * (AVX-512): there a 2-row tile leaves half of each vector's rows empty, and 2 or 3
+         * tokens cost more than 4. */
+        if (nt == 1 || WIDE_TILES)
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
-                tiles[nt == 1 ? 0 : 9](wr, k, a, stride, o + n, n_out);
+                tiles[8 + nt](wr, k, a, stride, o + n, n_out);
             }
         for (; n + 2 <= r1; n += 2) {
             wr[0] = w + n * rb;
