@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 import trio
 
 from meshd.bench.harness import resolve_quantization
@@ -113,10 +114,14 @@ async def _run(args: argparse.Namespace) -> None:
     spec = msgspec.structs.replace(SpecConfig(), draft_model=draft_path)
     draft = DraftModel.load(spec.draft_model, quantization=quantization)
     strategies = args.strategies
+    # As `meshd bench spec` runs it: one stage computes on all the cores, as a daemon does;
+    # several stand for several machines, one core each.
+    cores = torch.get_num_threads()
     async with open_local_pipeline(
         model,
         args.stages,
         rtt_s=args.rtt_ms / 1000,
+        torch_threads=cores if args.stages == 1 else 1,
         wire_dtype="f16",
         eos_ids=eos,
         quantization=quantization,

@@ -32,6 +32,9 @@ class AcceptanceBook:
     # The weights a one-token pass of the draft reads ÷ the target's (`pass_weights`), where
     # whoever made the book knows both models; None: `tuning.draft_cost_prior_ratio`.
     draft_size_ratio: float | None = None
+    # Per prompt-lookup strategy: the share of log positions where it found something to copy
+    # (EWMA at the book's weight; 1 until seen). Its tracker is per copy, this says how often.
+    copy_rates: dict[str, float] = field(default_factory=dict)
 
     def tracker(self, strategy: str) -> AcceptanceTracker:
         """The model-level tracker of `strategy` (created at the prior on first use)."""
@@ -44,6 +47,12 @@ class AcceptanceBook:
             )
             self.trackers[strategy] = found
         return found
+
+    def fold_copy(self, strategy: str, found: bool) -> None:
+        """One log position where `strategy` found (or did not find) something to copy."""
+        old = self.copy_rates.get(strategy, 1.0)
+        weight = self.config.ewma_alpha * self.tuning.book_ewma_fraction
+        self.copy_rates[strategy] = old + weight * (float(found) - old)
 
     def time_score(self, seconds: float) -> None:
         """Fold one timed teacher-forced pass into `draft_score_s` (at `tuning.cost_ewma`)."""

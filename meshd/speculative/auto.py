@@ -37,6 +37,7 @@ from meshd.speculative.policy import (
     WindowPlan,
     plan_of,
     search,
+    with_copy_rate,
 )
 from meshd.speculative.proposer import AccountedProposer, Proposer
 
@@ -101,6 +102,7 @@ class AutoProposer(AccountedProposer):
         self._budget: int | None = None  # log length the request may reach (`expect_tokens`)
         self._pending: list[Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
+        self._copy_rates: dict[str, float] = {}  # per lookup: positions with a copy (EWMA)
         self._first_samples: dict[str, int] = {}
         self._decided_at = -1  # log length at the last decision
         self._book_favours_mtp: bool | None = None
@@ -125,11 +127,11 @@ class AutoProposer(AccountedProposer):
 
     def _fallback(self) -> str:
         """The best candidate by the last decision that drafts at this log and is no n-gram
-        lookup, or the choice (plain windows) when there is none. Prompt lookup wins on a
+        lookup, or "disabled" (a plain window) when there is none. Prompt lookup wins on a
         copied stretch and has nothing between copies, where a draft still pays."""
         mtp = self._mtp_live and self.book.has_mtp
         usable = (n for n in self._ranked if n not in _NGRAM and (mtp or n not in MTP_STRATEGIES))
-        return next(usable, self.choice)
+        return next(usable, "disabled")
 
     @property
     def reason(self) -> str:
@@ -252,6 +254,7 @@ class AutoProposer(AccountedProposer):
         # Warm: a request's first windows outweigh the book quickly (the book mixes the other
         # requests' texts, and a copy-heavy one must not decide the next one's start).
         self._trackers = {n: self.book.tracker(n).copy(alpha, warm=True) for n in self._candidates}
+        self._copy_rates = {n: self.book.copy_rates.get(n, 1.0) for n in _NGRAM}
         self._first_samples = {n: t.samples for n, t in self._trackers.items()}
         self._book_favours_mtp = None  # judged once per request, when needed
         self._drafts = self._shadow(())
@@ -408,18 +411,18 @@ class AutoProposer(AccountedProposer):
             drafts[name] = self._candidates[name].propose(self._width, mtp_draft)
             if name in MTP_STRATEGIES and not fresh_mtp:
                 continue  # no MTP draft to judge: neither credit nor blame the MTP strategies
+            if name in _NGRAM:
+                # Chosen where it has nothing to copy, the window is another candidate's or a
+                # plain one (`active`): its tracker scores copies only, and how often it finds
+                # one is its copy rate (`with_copy_rate` prices the two together).
+                self._fold_copy(name, bool(drafts[name]))
+                if not drafts[name]:
+                    continue
             self._pending = [
                 s for s in self._pending if not (s.strategy == name and s.start == start)
             ]
             self._pending.append(Shadow(name, start, drafts[name]))
         self._trim_pending()
-        if self.choice in _NGRAM and not drafts.get(self.choice, True):
-            # The n-gram choice has nothing to copy here: its windows are plain ones until
-            # the next decision, so that comes as soon as a decision pays against plain tokens.
-            soon = self.tuning.tokens_for(
-                self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()
-            )
-            self._next_decision = min(self._next_decision, start + soon)
         return drafts
 
     def _score(self) -> None:
@@ -442,7 +445,7 @@ class AutoProposer(AccountedProposer):
             if settled or (matched == len(shadow.drafts) and not shadow.open):
                 self._fold(shadow, matched, rejected=matched < width)
                 # News that may change the choice: decide at once, whatever the spacing.
-                # (An empty draft, no n-gram match, counts as a reject but is no news.)
+                # (An empty draft, a reject at its first position, is no news.)
                 if (shadow.strategy != self.choice and matched == self._width) or (
                     shadow.strategy == self.choice and matched == 0 and shadow.drafts
                 ):
@@ -463,6 +466,12 @@ class AutoProposer(AccountedProposer):
         mine.fold(shadow.weights[0], matched, rejected=rejected, since=since)
         book.fold(shadow.weights[1], matched, rejected=rejected, since=since)
         shadow.credited = matched
+
+    def _fold_copy(self, name: str, found: bool) -> None:
+        """One log position where lookup `name` found (or did not find) a copy."""
+        old = self._copy_rates[name]
+        self._copy_rates[name] = old + self.config.ewma_alpha * (float(found) - old)
+        self.book.fold_copy(name, found)
 
     def _plain_s(self) -> float:
         """A token's time without speculation on the current route."""
@@ -553,7 +562,9 @@ class AutoProposer(AccountedProposer):
         fallback = plan_of(first, self.config) if first is not None else None
         best_plan = None if best_name == "disabled" else plan_of(found[best_name], self.config)
         alphas = ", ".join(
-            f"{name} α₁={self._trackers[name].per_position()[0]:.2f}" for name in self._available()
+            f"{name} α₁={self._trackers[name].per_position()[0]:.2f}"
+            + (f" copies {self._copy_rates[name]:.2f}" if name in _NGRAM else "")
+            for name in self._available()
         )
         if best_plan is None:
             self.choice, self.plan = "disabled", fallback
@@ -588,6 +599,8 @@ class AutoProposer(AccountedProposer):
             if name in DRAFT_STRATEGIES:
                 link = link.with_draft_cost(draft_price.token_s(self._draft, self.book, link))
             found[name] = search(PolicyInputs(link, tracker(name).per_position()), self.config)
+            if name in _NGRAM:
+                found[name] = with_copy_rate(found[name], self._copy_rates[name])
             if name in DRAFT_STRATEGIES:  # and only where it pays, its start included
                 start_s = draft_price.start_s(self._draft, self.book, self.link)
                 left = None if self._budget is None else self._budget - len(self._tokens)

@@ -155,6 +155,21 @@ class Search:
         return per_token, k
 
 
+def with_copy_rate(found: Search, rate: float) -> Search:
+    """A prompt lookup's search (`found`, over its acceptance per copy) as the strategy runs:
+    a copy window at a share `rate` of log positions, a plain one (`baseline` a token) where
+    it has nothing to copy. Seconds per token and tokens per window are the mixture's."""
+    per_token, k, depth, expected = found.best
+    if k == 0:
+        return found
+    rate = min(1.0, max(0.0, rate))
+    tokens = rate * expected + (1.0 - rate)
+    seconds = rate * per_token * expected + (1.0 - rate) * found.baseline
+    return Search(
+        found.inputs, (seconds / tokens, k, depth, tokens), found.baseline, found.products
+    )
+
+
 def choose(inputs: PolicyInputs, config: SpecConfig) -> WindowPlan:
     """The (width, depth) minimising expected seconds per committed token; pure and cheap."""
     return plan_of(search(inputs, config), config)

@@ -35,7 +35,7 @@ def test_auto_falls_back_to_disabled_when_nothing_is_accepted() -> None:
     assert choices[-1] == "disabled"
     assert auto.propose(8) == []
     assert auto.reason.startswith("disabled: no strategy pays")
-    assert "ngram-simple α₁=0.0" in auto.reason
+    assert "ngram-simple α₁=0.50 copies 0.00" in auto.reason  # never a copy: its prior stands
 
 
 def test_auto_picks_an_ngram_strategy_on_repetitive_input() -> None:
@@ -146,7 +146,8 @@ def test_auto_keeps_learning_when_the_coordinator_stops_asking_for_drafts() -> N
             assert len(auto.propose(plan.width)) <= plan.width
         widths.append(plan.width)
         auto.observe([token])
-    assert widths[0] > 0  # the prior says try
+    assert widths[0] == 0  # the prompt's last token occurs nowhere before: nothing to copy
+    assert widths[1] > 0  # the first copy: the prior says try
     assert widths[79] == 0  # the novel stretch switched speculation off
     assert widths[-1] > 0  # and the repeated phrase switched it back on, with no propose calls
     assert auto.active in ("ngram-simple", "ngram-cache")
@@ -412,3 +413,39 @@ def test_an_edit_answer_keeps_cheap_heads_through_a_copied_stretch_for_the_new_l
     heads_on, choices = _edit_then_write(random.Random(12), costly)
     assert any(c.startswith("ngram") for c in choices[:48]), choices
     assert not heads_on[48], (heads_on, choices)
+
+
+def test_on_one_node_prompt_lookup_drafts_its_rare_copies_where_they_pay() -> None:
+    """Novel text with a phrase of the prompt recurring now and then: the lookup has a copy at
+    one position in nine, and its copies are right. On one node (a window's drafts are dear,
+    no round trip to save) each copy still pays, and a position without one costs nothing
+    more than plain decoding: `auto` drafts the copies as prompt lookup alone does. Counted
+    per position, the positions without a copy read as rejects and kept it plain."""
+    one_node = LinkModel(rtt_s=0.0, pass_fixed_s=0.030, pass_per_token_s=0.004, stages=1)
+    rng = random.Random(11)
+    phrase = [5, 17, 3, 99, 42, 8]
+    stream: list[int] = []
+    for _ in range(12):
+        stream += rng.sample(range(1000, 9000), 12) + phrase
+    prompt = [1, *phrase, 2]
+
+    def copies_drafted(p: Proposer) -> int:
+        p.reset(prompt)
+        drafted, at = 0, 0
+        while at < len(stream):
+            drafts = p.propose(6)
+            good = 0
+            while (
+                good < len(drafts) and at + good < len(stream) and drafts[good] == stream[at + good]
+            ):
+                good += 1
+            drafted += good
+            step = good + 1
+            p.observe(stream[at : at + step])
+            at += step
+        return drafted
+
+    lookup = copies_drafted(make_proposer("ngram-simple", CONFIG))
+    auto = AutoProposer(CONFIG, link=one_node)
+    assert lookup >= 40  # the case arose: most recurrences were copied
+    assert copies_drafted(auto) >= 0.8 * lookup
