@@ -48,11 +48,14 @@ class AcceptanceBook:
             self.trackers[strategy] = found
         return found
 
-    def fold_copy(self, strategy: str, found: bool) -> None:
-        """One log position where `strategy` found (or did not find) something to copy."""
-        old = self.copy_rates.get(strategy, 1.0)
-        weight = self.config.ewma_alpha * self.tuning.book_ewma_fraction
-        self.copy_rates[strategy] = old + weight * (float(found) - old)
+    def fold_copy(self, strategy: str, found: bool, request: dict[str, float]) -> None:
+        """One log position where `strategy` found (or did not find) something to copy, into
+        a request's copy rates (at the request's weight, from the book's) and the book's."""
+        weight = self.config.ewma_alpha
+        for rates in (request, self.copy_rates):
+            old = rates.get(strategy, 1.0)
+            rates[strategy] = old + weight * (float(found) - old)
+            weight *= self.tuning.book_ewma_fraction
 
     def time_score(self, seconds: float) -> None:
         """Fold one timed teacher-forced pass into `draft_score_s` (at `tuning.cost_ewma`)."""

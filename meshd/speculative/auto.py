@@ -6,7 +6,8 @@ those drafts are compared with what was committed. Verification is lossless and
 position-keyed, so the committed tokens are exactly what the target would have chosen, and a
 candidate's draft would have been accepted up to its first difference from them: the shadow
 score IS the acceptance that candidate would have measured (a draft shorter than the window
-counts as a reject at its end). Each candidate's per-position acceptance feeds
+counts as a reject at its end). Prompt lookup is scored per copy, beside how often it finds
+one: a position with nothing to copy is no window of its (`with_copy_rate`). Each candidate's per-position acceptance feeds
 `policy.choose` with the current link model; the candidate with the lowest expected seconds
 per token wins, and `disabled` wins when no candidate beats plain decoding. The reason is
 kept in `reason`.
@@ -24,7 +25,7 @@ from meshd.speculative import draft_price
 from meshd.speculative.acceptance_book import AcceptanceBook
 from meshd.speculative.auto_decision import Decision
 from meshd.speculative.config import DRAFT_STRATEGIES, MTP_STRATEGIES, SpecConfig
-from meshd.speculative.draft_gate import gate
+from meshd.speculative.draft_gate import gate, plain_s
 from meshd.speculative.draft_scoring import DraftScorer, Shadow
 from meshd.speculative.mtp import MtpHybrid, MtpProposer
 from meshd.speculative.ngram import NgramCache, NgramSimple
@@ -415,14 +416,14 @@ class AutoProposer(AccountedProposer):
                 # Chosen where it has nothing to copy, the window is another candidate's or a
                 # plain one (`active`): its tracker scores copies only, and how often it finds
                 # one is its copy rate (`with_copy_rate` prices the two together).
-                self._fold_copy(name, bool(drafts[name]))
+                self.book.fold_copy(name, bool(drafts[name]), self._copy_rates)
                 if not drafts[name]:
                     continue
             self._pending = [
                 s for s in self._pending if not (s.strategy == name and s.start == start)
             ]
             self._pending.append(Shadow(name, start, drafts[name]))
-        self._trim_pending()
+        del self._pending[: -self.tuning.pending_per_candidate * len(self._candidates)]
         return drafts
 
     def _score(self) -> None:
@@ -467,16 +468,6 @@ class AutoProposer(AccountedProposer):
         book.fold(shadow.weights[1], matched, rejected=rejected, since=since)
         shadow.credited = matched
 
-    def _fold_copy(self, name: str, found: bool) -> None:
-        """One log position where lookup `name` found (or did not find) a copy."""
-        old = self._copy_rates[name]
-        self._copy_rates[name] = old + self.config.ewma_alpha * (float(found) - old)
-        self.book.fold_copy(name, found)
-
-    def _plain_s(self) -> float:
-        """A token's time without speculation on the current route."""
-        return self.link.rtt_s + max(1, self.link.concurrent_sessions) * self.link.compute_s(0)
-
     def _score_draft(self) -> None:
         """Turn the starts waiting for the draft's choices into shadows once those choices
         settle them, running the draft over the log's new tokens when a pass is due
@@ -503,7 +494,7 @@ class AutoProposer(AccountedProposer):
             eager=self.choice == "disabled" and self._book_says_draft_pays,
             pass_s=draft_price.score_s(self.book, self.link),
             write_token_s=self._draft.write_token_s or self.book.draft_write_token_s,
-            plain_s=self._plain_s(),
+            plain_s=plain_s(self.link),
         ):
             return
         started = self._draft.clock()
@@ -513,11 +504,6 @@ class AutoProposer(AccountedProposer):
             self.book.time_score(spent)
         self.book.draft_write_token_s = self._draft.write_token_s or self.book.draft_write_token_s
         self._score()
-
-    def _trim_pending(self) -> None:
-        limit = self.tuning.pending_per_candidate * len(self._candidates)
-        if len(self._pending) > limit:
-            self._pending = self._pending[-limit:]
 
     def _decide(self) -> None:
         self._decided_link = self.link
@@ -550,7 +536,7 @@ class AutoProposer(AccountedProposer):
         cap = min(
             self.tuning.decide_every_max_tokens,
             self.tuning.tokens_for(
-                self.tuning.decide_cost_s, self.tuning.decide_share * self._plain_s()
+                self.tuning.decide_cost_s, self.tuning.decide_share * plain_s(self.link)
             ),
         )
         if best_name == self.choice:
