@@ -1202,13 +1202,14 @@ static void row_dot_4(int type, const uint8_t *w, int64_t k, const uint8_t *a, i
 
 /* How many rows on a row of the row loop requests (0: none), one rule per case: 2 rows on into
  * L1 where the weights fit the cache; where every step streams them from memory, into L2, 4
- * rows on, 8 for Q4_K's eight-row groups against one token, and none for Q6_K, whose rows
- * (the wide ffn_down, the head) run faster on the hardware prefetcher alone
- * (docs/model-runtime.md, "Weights beyond the cache"; docs/benchmarks.md, "Streamed Q6_K
- * rows"). */
+ * rows on, 8 for Q4_K's eight-row groups against one token, and none for Q6_K against one
+ * token, whose rows (the wide ffn_down, the head) then run faster on the hardware prefetcher
+ * alone; against several tokens a Q6_K row computes long enough for the request to pay
+ * (docs/model-runtime.md, "Weights beyond the cache", "Narrow windows in 4-row tiles";
+ * docs/benchmarks.md, "Streamed Q6_K rows"). */
 static int rows_ahead(int type, int nt) {
     if (!stream_prefetch) return 2;
-    if (type == T_Q6_K) return 0;
+    if (type == T_Q6_K) return nt == 1 ? 0 : 4;
     return type == T_Q4_K && nt == 1 ? 8 : 4;
 }
 
