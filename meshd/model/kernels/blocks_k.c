@@ -597,29 +597,36 @@ static inline __m128i halves(__m256i v, int high) {
 
 #define KQ_SPAN 16 /* super-blocks whose integer sums rows8_q4_K keeps between its two steps */
 
-/* Eight rows (row r's blocks at w + r * rb) against one token (a decode step), in two steps per
- * span of super-blocks: each row's exact integer sums, row after row (the weights read in the
- * order they are stored, as the memory stream and its prefetch want them), then the float steps
- * of the eight rows in one vector (lane r: row r, the steps of rows_q4_K in its order), as
- * ggml runs the rows of its repacked Q4_K, but on the rows as stored. Row r requests
- * `ahead_bytes` at ahead + r * rb as it starts (0: none; into L2 where `stream`, else L1). */
-static void rows8_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y, float *out,
-                       const uint8_t *ahead, int64_t ahead_bytes, int stream) {
+/* Eight rows (row r's blocks at w + r * rb) against nt <= KQ_NT tokens (token t's Q8_K row at
+ * y + t * stride, its outputs at out + t * ldo), in two steps per span of super-blocks: each
+ * row's exact integer sums for every token, row after row (the weights read in the order they
+ * are stored, as the memory stream and its prefetch want them; each 64-value step decoded once
+ * for all the tokens), then per token the float steps of the eight rows in one vector (lane r:
+ * row r, the steps of rows_q4_K in its order), as ggml runs the rows of its repacked Q4_K, but
+ * on the rows as stored. Row r requests `ahead_bytes` at ahead + r * rb as it starts (0: none;
+ * into L2 where `stream`, else L1). */
+static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const uint8_t *w,
+                                                            int64_t rb, const uint8_t *y,
+                                                            int64_t stride, int nt, float *out,
+                                                            int64_t ldo, const uint8_t *ahead,
+                                                            int64_t ahead_bytes, int stream) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const int32_t b = (int32_t)rb;
     const __m256i row_at = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
-    __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
-    __m256i isum[KQ_SPAN][8];
-    __m128i imin[KQ_SPAN][8], bsums[KQ_SPAN];
+    __m256 acc[KQ_NT], acc_m[KQ_NT];
+    for (int t = 0; t < nt; ++t) acc[t] = acc_m[t] = _mm256_setzero_ps();
+    __m256i isum[KQ_NT][KQ_SPAN][8];
+    __m128i imin[KQ_NT][KQ_SPAN][8], bsums[KQ_NT][KQ_SPAN];
     for (int64_t i0 = 0; i0 < nb; i0 += KQ_SPAN) {
         const int span = nb - i0 < KQ_SPAN ? (int)(nb - i0) : KQ_SPAN;
         const uint8_t *ys = y + i0 * Q8_K_BYTES;
-        for (int i = 0; i < span; ++i) {
-            const __m256i q8sums =
-                _mm256_loadu_si256((const __m256i *)(ys + i * Q8_K_BYTES + Q8_K_BSUMS));
-            bsums[i] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
-                                      _mm256_extracti128_si256(q8sums, 1));
-        }
+        for (int t = 0; t < nt; ++t)
+            for (int i = 0; i < span; ++i) {
+                const __m256i q8sums = _mm256_loadu_si256(
+                    (const __m256i *)(ys + t * stride + i * Q8_K_BYTES + Q8_K_BSUMS));
+                bsums[t][i] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                             _mm256_extracti128_si256(q8sums, 1));
+            }
         for (int r = 0; r < 8; ++r) {
             if (i0 == 0)
                 for (int64_t off = 0; off < ahead_bytes; off += 64) {
@@ -630,37 +637,47 @@ static void rows8_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *
                 }
             const uint8_t *blk = w + r * rb + i0 * Q4_K_BYTES;
             for (int i = 0; i < span; ++i, blk += Q4_K_BYTES) {
-                const int8_t *q8 = (const int8_t *)(ys + i * Q8_K_BYTES + Q8_K_QS);
                 const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
                 const __m256i scales = _mm256_permute4x64_epi64(mins_and_scales, 0x44);
-                imin[i][r] = _mm_madd_epi16(_mm256_extracti128_si256(mins_and_scales, 1), bsums[i]);
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+                __m256i s0[KQ_NT], s1[KQ_NT];
+                for (int t = 0; t < nt; ++t) {
+                    imin[t][i][r] = _mm_madd_epi16(mins, bsums[t][i]);
+                    s0[t] = s1[t] = _mm256_setzero_si256();
+                }
                 for (int j = 0; j < QK_K / 64; ++j) {
                     const __m256i q4bits = _mm256_loadu_si256((const __m256i *)(blk + 16) + j);
                     const __m256i q4l = _mm256_and_si256(q4bits, m4);
                     const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-                    const __m256i q8l = _mm256_loadu_si256((const __m256i *)(q8 + 64 * j));
-                    const __m256i q8h = _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32));
-                    s0 = KQ_MADD_ADD(s0, _mm256_maddubs_epi16(q4l, q8l),
-                                     _mm256_shuffle_epi8(scales, word_index(2 * j)));
-                    s1 = KQ_MADD_ADD(s1, _mm256_maddubs_epi16(q4h, q8h),
-                                     _mm256_shuffle_epi8(scales, word_index(2 * j + 1)));
+                    const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
+                    const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+                    for (int t = 0; t < nt; ++t) {
+                        const int8_t *q8 =
+                            (const int8_t *)(ys + t * stride + i * Q8_K_BYTES + Q8_K_QS) + 64 * j;
+                        const __m256i q8l = _mm256_loadu_si256((const __m256i *)q8);
+                        const __m256i q8h = _mm256_loadu_si256((const __m256i *)(q8 + 32));
+                        s0[t] = KQ_MADD_ADD(s0[t], _mm256_maddubs_epi16(q4l, q8l), scale_l);
+                        s1[t] = KQ_MADD_ADD(s1[t], _mm256_maddubs_epi16(q4h, q8h), scale_h);
+                    }
                 }
-                isum[i][r] = _mm256_add_epi32(s0, s1);
+                for (int t = 0; t < nt; ++t) isum[t][i][r] = _mm256_add_epi32(s0[t], s1[t]);
             }
         }
         for (int i = 0; i < span; ++i) {
             /* d and dmin of the eight blocks: the first 4 bytes of each */
             const uint8_t *blocks = w + (i0 + i) * Q4_K_BYTES;
             const __m256i dm = _mm256_i32gather_epi32((const int *)blocks, row_at, 1);
-            const __m256 yd = _mm256_set1_ps(f32_at(ys + i * Q8_K_BYTES));
-            const __m256 d = _mm256_mul_ps(yd, _mm256_cvtph_ps(halves(dm, 0)));
-            const __m256 dmin = _mm256_mul_ps(yd, _mm256_cvtph_ps(halves(dm, 1)));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_8(isum[i])), d, acc);
-            acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_4(imin[i])), dmin, acc_m);
+            const __m256 wd = _mm256_cvtph_ps(halves(dm, 0)), wmin = _mm256_cvtph_ps(halves(dm, 1));
+            for (int t = 0; t < nt; ++t) {
+                const __m256 yd = _mm256_set1_ps(f32_at(ys + t * stride + i * Q8_K_BYTES));
+                const __m256 d = _mm256_mul_ps(yd, wd), dmin = _mm256_mul_ps(yd, wmin);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_8(isum[t][i])), d, acc[t]);
+                acc_m[t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_4(imin[t][i])), dmin, acc_m[t]);
+            }
         }
     }
-    _mm256_storeu_ps(out, _mm256_sub_ps(acc, acc_m));
+    for (int t = 0; t < nt; ++t) _mm256_storeu_ps(out + t * ldo, _mm256_sub_ps(acc[t], acc_m[t]));
 }
 
 #endif
@@ -1012,13 +1029,42 @@ void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
 /* Rows 0..7 (row r of n values at w + r * rb bytes) against one token's Q8_K row x: out[r] is
  * what meshd_vec_dot_q4_K_q8_K gives for row r, bit for bit. Row r requests ahead_bytes at
  * ahead + r * rb before it starts (into L2 where `stream`, else into L1). */
+/* The same for nt (1..KQ_NT) tokens, token t's Q8_K row at x + t * stride bytes and its eight
+ * outputs at out + t * ldo: each what meshd_vec_dot_q4_K_q8_K gives, bit for bit. One copy per
+ * token count, so each keeps its accumulators in registers. */
+#if !defined(KQ_SCALAR)
+#define KQ_ROWS8(NTC)                                                                              \
+    static void rows8_q4_K_##NTC(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,      \
+                                 int64_t stride, float *out, int64_t ldo, const uint8_t *ahead,  \
+                                 int64_t ahead_bytes, int stream) {                               \
+        rows8_q4_K(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream);              \
+    }
+KQ_ROWS8(1)
+KQ_ROWS8(2)
+KQ_ROWS8(3)
+KQ_ROWS8(4)
+#endif
+
+void meshd_rows8_q4_K_q8_K_nt(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
+                              int nt, float *out, int64_t ldo, const void *ahead,
+                              int64_t ahead_bytes, int stream) {
+    const int64_t nb = n / QK_K;
+    const uint8_t *wb = (const uint8_t *)w, *y = (const uint8_t *)x, *a = (const uint8_t *)ahead;
+#if defined(KQ_SCALAR)
+    (void)a, (void)ahead_bytes, (void)stream;
+    for (int t = 0; t < nt; ++t)
+        for (int r = 0; r < 8; ++r) out[t * ldo + r] = dot_q4_K(nb, wb + r * rb, y + t * stride);
+#else
+    switch (nt) {
+    case 1: rows8_q4_K_1(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
+    case 2: rows8_q4_K_2(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
+    case 3: rows8_q4_K_3(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
+    default: rows8_q4_K_4(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
+    }
+#endif
+}
+
 void meshd_rows8_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, float *out,
                            const void *ahead, int64_t ahead_bytes, int stream) {
-#if defined(KQ_SCALAR)
-    (void)ahead, (void)ahead_bytes, (void)stream;
-    for (int r = 0; r < 8; ++r) out[r] = dot_q4_K(n / QK_K, (const uint8_t *)w + r * rb, x);
-#else
-    rows8_q4_K(n / QK_K, (const uint8_t *)w, rb, (const uint8_t *)x, out, (const uint8_t *)ahead,
-               ahead_bytes, stream);
-#endif
+    meshd_rows8_q4_K_q8_K_nt(n, w, rb, x, 0, 1, out, 8, ahead, ahead_bytes, stream);
 }
