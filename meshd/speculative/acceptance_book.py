@@ -32,8 +32,9 @@ class AcceptanceBook:
     # The weights a one-token pass of the draft reads ÷ the target's (`pass_weights`), where
     # whoever made the book knows both models; None: `tuning.draft_cost_prior_ratio`.
     draft_size_ratio: float | None = None
-    # Per prompt-lookup strategy: the share of log positions where it found something to copy
-    # (EWMA at the book's weight; 1 until seen). Its tracker is per copy, this says how often.
+    # Per prompt-lookup strategy: the share of window starts (commits) where it found something
+    # to copy (EWMA at the book's weight; 1 until seen). Its tracker is per copy, this says how
+    # often.
     copy_rates: dict[str, float] = field(default_factory=dict)
 
     def tracker(self, strategy: str) -> AcceptanceTracker:
@@ -49,7 +50,7 @@ class AcceptanceBook:
         return found
 
     def fold_copy(self, strategy: str, found: bool, request: dict[str, float]) -> None:
-        """One log position where `strategy` found (or did not find) something to copy, into
+        """One window start where `strategy` found (or did not find) something to copy, into
         a request's copy rates (at the request's weight, from the book's) and the book's."""
         weight = self.config.ewma_alpha
         for rates in (request, self.copy_rates):

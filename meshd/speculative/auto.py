@@ -7,8 +7,8 @@ position-keyed, so the committed tokens are exactly what the target would have c
 candidate's draft would have been accepted up to its first difference from them: the shadow
 score IS the acceptance that candidate would have measured (a draft shorter than the window
 counts as a reject at its end). Prompt lookup is scored per copy, beside how often it finds
-one: a position with nothing to copy is no window of its (`with_copy_rate`). Each candidate's per-position acceptance feeds
-`policy.choose` with the current link model; the candidate with the lowest expected seconds
+one: a window start with nothing to copy is no window of its (`with_copy_rate`). Each
+candidate's per-position acceptance feeds `policy.choose` with the current link model; the candidate with the lowest expected seconds
 per token wins, and `disabled` wins when no candidate beats plain decoding. The reason is
 kept in `reason`.
 
@@ -103,7 +103,7 @@ class AutoProposer(AccountedProposer):
         self._budget: int | None = None  # log length the request may reach (`expect_tokens`)
         self._pending: list[Shadow] = []
         self._trackers: dict[str, AcceptanceTracker] = {}
-        self._copy_rates: dict[str, float] = {}  # per lookup: positions with a copy (EWMA)
+        self._copy_rates: dict[str, float] = {}  # per lookup: window starts with a copy (EWMA)
         self._first_samples: dict[str, int] = {}
         self._decided_at = -1  # log length at the last decision
         self._book_favours_mtp: bool | None = None

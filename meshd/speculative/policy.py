@@ -157,7 +157,7 @@ class Search:
 
 def with_copy_rate(found: Search, rate: float) -> Search:
     """A prompt lookup's search (`found`, over its acceptance per copy) as the strategy runs:
-    a copy window at a share `rate` of log positions, a plain one (`baseline` a token) where
+    a copy window at a share `rate` of window starts, a plain one (`baseline` a token) where
     it has nothing to copy. Seconds per token and tokens per window are the mixture's."""
     per_token, k, depth, expected = found.best
     if k == 0:
