@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshd.speculative.config import SpecConfig
-from meshd.speculative.policy import AcceptanceTracker, LinkModel, PolicyInputs, choose
+from meshd.speculative.policy import (
+    AcceptanceTracker,
+    LinkModel,
+    PolicyInputs,
+    choose,
+    search,
+    with_copy_rate,
+)
 
 CONFIG = SpecConfig(window_max_tokens=12, max_pipeline_depth=3, min_speedup=1.0)
 WAN = LinkModel(rtt_s=0.040, pass_fixed_s=0.003, pass_per_token_s=0.0004, stages=2)
@@ -187,3 +194,22 @@ def test_a_draft_model_on_one_node_runs_one_window_at_a_time() -> None:
     assert plan.width > 0 and plan.depth == 1, plan
     two_stages = LinkModel(0.040, 0.071, 0.009, stages=2, draft_per_token_s=0.03)
     assert choose(PolicyInputs(two_stages, acceptance), SpecConfig()).depth == 2
+
+
+def test_a_lookup_that_rarely_finds_a_copy_is_priced_between_its_copies_and_plain_tokens() -> None:
+    """Prompt lookup's windows: a copy window where it finds one (its acceptance is per copy),
+    a plain token where it does not. Found at every window start it is its copies' price;
+    never found, plain decoding's (so it does not speculate); in between, the mixture."""
+    config = SpecConfig()
+    link = LinkModel(rtt_s=0.020, pass_fixed_s=0.030, pass_per_token_s=0.004, stages=2)
+    copies = search(PolicyInputs(link, (0.9,) * 8), config)
+    per_copy, width = copies.s_per_token(config)
+    assert width > 0 and per_copy < copies.baseline
+    assert with_copy_rate(copies, 1.0).s_per_token(config) == (per_copy, width)
+    assert with_copy_rate(copies, 0.0).s_per_token(config) == (copies.baseline, 0)
+    half, half_width = with_copy_rate(copies, 0.5).s_per_token(config)
+    assert per_copy < half < copies.baseline and half_width == width
+    # A window start is one commit: half the starts copy k tokens and the other half commit
+    # one, so the tokens follow the copies (more of them), the time the starts.
+    _, _, _, expected = copies.best
+    assert half == pytest.approx((per_copy * expected + copies.baseline) / (expected + 1), rel=1e-9)
