@@ -1226,10 +1226,9 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
         const int ahead = rows_ahead(type, nt);
         int64_t n = r0;
 #ifdef MESHD_HAVE_K_QUANTS
-        /* Q4_K against 1 to 3 tokens: eight rows per call, each 64-value step decoded once
-         * for the tokens, their float steps in one vector per token (the bits of the
-         * single-row dot). Against 4, one row at a time measured faster (the eight rows' sums
-         * of 4 tokens no longer stay in registers and cache). */
+        /* Q4_K against 1 to 3 tokens (blocks_k.c's KQ8_NT): eight rows per call, each 64-value
+         * step decoded once for the tokens, their float steps in one vector per token (the
+         * bits of the single-row dot); against 4, one row at a time. */
         if (type == T_Q4_K && nt < NT) {
             for (; n + 8 <= r1; n += 8) {
                 const int64_t later = n + 8 + ahead <= n_out ? rb : 0;

@@ -596,8 +596,11 @@ static inline __m128i halves(__m256i v, int high) {
 }
 
 #define KQ_SPAN 16 /* super-blocks whose integer sums rows8_q4_K keeps between its two steps */
+/* Most tokens an eight-row group takes: against KQ_NT the one-row tiles of rows_q4_K measured
+ * faster (the eight rows' sums of four tokens no longer stay in registers and cache). */
+#define KQ8_NT (KQ_NT - 1)
 
-/* Eight rows (row r's blocks at w + r * rb) against nt <= KQ_NT tokens (token t's Q8_K row at
+/* Eight rows (row r's blocks at w + r * rb) against nt <= KQ8_NT tokens (token t's Q8_K row at
  * y + t * stride, its outputs at out + t * ldo), in two steps per span of super-blocks: each
  * row's exact integer sums for every token, row after row (the weights read in the order they
  * are stored, as the memory stream and its prefetch want them; each 64-value step decoded once
@@ -613,10 +616,10 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const int32_t b = (int32_t)rb;
     const __m256i row_at = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
-    __m256 acc[KQ_NT], acc_m[KQ_NT];
+    __m256 acc[KQ8_NT], acc_m[KQ8_NT];
     for (int t = 0; t < nt; ++t) acc[t] = acc_m[t] = _mm256_setzero_ps();
-    __m256i isum[KQ_NT][KQ_SPAN][8];
-    __m128i imin[KQ_NT][KQ_SPAN][8], bsums[KQ_NT][KQ_SPAN];
+    __m256i isum[KQ8_NT][KQ_SPAN][8];
+    __m128i imin[KQ8_NT][KQ_SPAN][8], bsums[KQ8_NT][KQ_SPAN];
     for (int64_t i0 = 0; i0 < nb; i0 += KQ_SPAN) {
         const int span = nb - i0 < KQ_SPAN ? (int)(nb - i0) : KQ_SPAN;
         const uint8_t *ys = y + i0 * Q8_K_BYTES;
@@ -640,7 +643,7 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
                 const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
                 const __m256i scales = _mm256_permute4x64_epi64(mins_and_scales, 0x44);
                 const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-                __m256i s0[KQ_NT], s1[KQ_NT];
+                __m256i s0[KQ8_NT], s1[KQ8_NT];
                 for (int t = 0; t < nt; ++t) {
                     imin[t][i][r] = _mm_madd_epi16(mins, bsums[t][i]);
                     s0[t] = s1[t] = _mm256_setzero_si256();
@@ -1026,12 +1029,11 @@ void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
     rows_q6_K_n(n / QK_K, (const uint8_t *)w, (const uint8_t *)x, stride, nt, out);
 }
 
-/* Rows 0..7 (row r of n values at w + r * rb bytes) against one token's Q8_K row x: out[r] is
- * what meshd_vec_dot_q4_K_q8_K gives for row r, bit for bit. Row r requests ahead_bytes at
- * ahead + r * rb before it starts (into L2 where `stream`, else into L1). */
-/* The same for nt (1..KQ_NT) tokens, token t's Q8_K row at x + t * stride bytes and its eight
- * outputs at out + t * ldo: each what meshd_vec_dot_q4_K_q8_K gives, bit for bit. One copy per
- * token count, so each keeps its accumulators in registers. */
+/* Rows 0..7 (row r of n values at w + r * rb bytes) against nt (1..KQ8_NT) tokens, token t's
+ * Q8_K row at x + t * stride bytes and its eight outputs at out + t * ldo: each what
+ * meshd_vec_dot_q4_K_q8_K gives, bit for bit. Row r requests ahead_bytes at ahead + r * rb
+ * before it starts (into L2 where `stream`, else into L1). One copy per token count, so each
+ * keeps its accumulators in registers. */
 #if !defined(KQ_SCALAR)
 #define KQ_ROWS8(NTC)                                                                              \
     static void rows8_q4_K_##NTC(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,      \
@@ -1042,7 +1044,7 @@ void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
 KQ_ROWS8(1)
 KQ_ROWS8(2)
 KQ_ROWS8(3)
-KQ_ROWS8(4)
+_Static_assert(KQ8_NT == 3, "one rows8_q4_K copy per token count");
 #endif
 
 void meshd_rows8_q4_K_q8_K_nt(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
@@ -1058,12 +1060,12 @@ void meshd_rows8_q4_K_q8_K_nt(int64_t n, const void *w, int64_t rb, const void *
     switch (nt) {
     case 1: rows8_q4_K_1(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
     case 2: rows8_q4_K_2(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
-    case 3: rows8_q4_K_3(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
-    default: rows8_q4_K_4(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
+    default: rows8_q4_K_3(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
     }
 #endif
 }
 
+/* The same against one token's Q8_K row x (a decode step). */
 void meshd_rows8_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, float *out,
                            const void *ahead, int64_t ahead_bytes, int stream) {
     meshd_rows8_q4_K_q8_K_nt(n, w, rb, x, 0, 1, out, 8, ahead, ahead_bytes, stream);
