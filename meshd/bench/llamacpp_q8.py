@@ -2,7 +2,8 @@
 activation quantizer of ggml-cpu's x86 code (quantize_row_q8_0 / quantize_row_q8_1: d = amax /
 127, q = round(x * (127 / amax)) with ties to even, Q8_1's s = fp16(d * sum(q))) and the block
 dot products (an exact integer sum per block, then d_w * d_x * sum + m_w * s_x in fp32), summed
-here in float64 so that the kernels' fp32 accumulation is the only difference left."""
+here in float64 so that the kernels' fp32 accumulation is the only difference left; and the
+layout llama.cpp repacks Q4_K rows into, to call its own kernel on real weights."""
 
 from __future__ import annotations
 
@@ -124,3 +125,32 @@ def avx2_product(raw: np.ndarray, qtype: T, x: np.ndarray, n_out: int) -> np.nda
             summs = summs + (mw[None, :, b] * sx[:, b, None]).astype(np.float32)
     r = acc[:, :, 4:] + acc[:, :, :4]
     return ((r[:, :, 0] + r[:, :, 2]) + (r[:, :, 1] + r[:, :, 3])) + summs
+
+
+def q4_K_x8(raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
+    """`raw` Q4_K rows in llama.cpp's repacked layout (repack.cpp's make_block_q4_Kx8 with
+    8-byte interleave): per group of 8 rows and super-block, d[8], dmin[8], the 6-bit scales
+    and mins regrouped by sub-block (96 bytes), and the codes 8 bytes per row in turn."""
+    nb = k // 256
+    blocks = raw.reshape(n_out // 8, 8, nb, 144).transpose(0, 2, 1, 3)  # group, block, row
+    out = np.zeros((n_out // 8, nb, 1152), np.uint8)
+    out[..., 0:16] = blocks[..., 0:2].reshape(n_out // 8, nb, 16)
+    out[..., 16:32] = blocks[..., 2:4].reshape(n_out // 8, nb, 16)
+    sc = blocks[..., 4:16].astype(np.int32)  # [group, block, row, 12]
+    for i in range(4):
+        for half, (s, m) in enumerate(
+            [
+                (sc[..., i] & 63, sc[..., i + 4] & 63),
+                (
+                    ((sc[..., i] & 192) >> 2) | (sc[..., i + 8] & 15),
+                    ((sc[..., i + 4] & 192) >> 2) | ((sc[..., i + 8] & 240) >> 4),
+                ),
+            ]
+        ):
+            at = 32 + 48 * half + 12 * i
+            out[..., at : at + 4] = (s[..., 0:4] & 63) + ((s[..., 4:8] & 48) << 2)
+            out[..., at + 4 : at + 8] = (m[..., 0:4] & 63) + ((m[..., 4:8] & 48) << 2)
+            out[..., at + 8 : at + 12] = (s[..., 4:8] & 15) + ((m[..., 4:8] & 15) << 4)
+    qs = blocks[..., 16:144].reshape(n_out // 8, nb, 8, 16, 8).transpose(0, 1, 3, 2, 4)
+    out[..., 128:] = qs.reshape(n_out // 8, nb, 1024)
+    return out.reshape(-1)

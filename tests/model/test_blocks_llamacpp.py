@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from meshd.bench.llamacpp_q8 import avx2_product, block_product
+from meshd.bench.llamacpp_q8 import avx2_product, block_product, q4_K_x8
 from meshd.model import gguf_matrix
 from meshd.model.files import open_checkpoint
 from meshd.model.kernels.blocks import BlockMatrix
@@ -155,35 +155,6 @@ def test_q4_0_and_q5_0_are_the_bits_of_llamacpps_own_vec_dot(path: str, qtype: T
     assert np.array_equal(got, expected)
 
 
-def _q4_Kx8(raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
-    """`raw` Q4_K rows in llama.cpp's repacked layout (repack.cpp's make_block_q4_Kx8 with
-    8-byte interleave): per group of 8 rows and super-block, d[8], dmin[8], the 6-bit scales
-    and mins regrouped by sub-block (96 bytes), and the codes 8 bytes per row in turn."""
-    nb = k // 256
-    blocks = raw.reshape(n_out // 8, 8, nb, 144).transpose(0, 2, 1, 3)  # group, block, row
-    out = np.zeros((n_out // 8, nb, 1152), np.uint8)
-    out[..., 0:16] = blocks[..., 0:2].reshape(n_out // 8, nb, 16)
-    out[..., 16:32] = blocks[..., 2:4].reshape(n_out // 8, nb, 16)
-    sc = blocks[..., 4:16].astype(np.int32)  # [group, block, row, 12]
-    for i in range(4):
-        for half, (s, m) in enumerate(
-            [
-                (sc[..., i] & 63, sc[..., i + 4] & 63),
-                (
-                    ((sc[..., i] & 192) >> 2) | (sc[..., i + 8] & 15),
-                    ((sc[..., i + 4] & 192) >> 2) | ((sc[..., i + 8] & 240) >> 4),
-                ),
-            ]
-        ):
-            at = 32 + 48 * half + 12 * i
-            out[..., at : at + 4] = (s[..., 0:4] & 63) + ((s[..., 4:8] & 48) << 2)
-            out[..., at + 4 : at + 8] = (m[..., 0:4] & 63) + ((m[..., 4:8] & 48) << 2)
-            out[..., at + 8 : at + 12] = (s[..., 4:8] & 15) + ((m[..., 4:8] & 15) << 4)
-    qs = blocks[..., 16:144].reshape(n_out // 8, nb, 8, 16, 8).transpose(0, 1, 3, 2, 4)
-    out[..., 128:] = qs.reshape(n_out // 8, nb, 1024)
-    return out.reshape(-1)
-
-
 @pytest.mark.skipif(
     not _GGML_CPU, reason="needs llama.cpp's libggml-cpu.so (scripts/bench_llamacpp)"
 )
@@ -201,7 +172,7 @@ def test_q4_K_decode_is_the_bits_of_llamacpps_repacked_gemv(path: str) -> None:
     rng = np.random.default_rng(35)
     k, n_out = 1536, 40
     raw = random_blocks(T.Q4_K, n_out * k // 256, seed=35)
-    packed = _q4_Kx8(raw, n_out, k)
+    packed = q4_K_x8(raw, n_out, k)
     m = BlockMatrix(raw, T.Q4_K, k, n_out)
     for _ in range(3):
         x = (rng.standard_normal(k) * np.exp(rng.standard_normal(k))).astype(np.float32)

@@ -595,24 +595,30 @@ static inline __m128i halves(__m256i v, int high) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08));
 }
 
-#define KQ_SPAN 16 /* super-blocks whose integer sums rows8_q4_K keeps between its two steps */
+/* Super-blocks whose integer sums rows8_q4_K keeps between its two steps: short spans keep the
+ * float steps close to the loads they follow, so the weights' stream from memory keeps moving
+ * (docs/benchmarks.md, "Q4_K rows that keep the memory busy"). */
+#define KQ_SPAN 4
 /* Most tokens an eight-row group takes: against KQ_NT the one-row tiles of rows_q4_K measured
  * faster (the eight rows' sums of four tokens no longer stay in registers and cache). */
 #define KQ8_NT (KQ_NT - 1)
 
 /* Eight rows (row r's blocks at w + r * rb) against nt <= KQ8_NT tokens (token t's Q8_K row at
  * y + t * stride, its outputs at out + t * ldo), in two steps per span of super-blocks: each
- * row's exact integer sums for every token, row after row (the weights read in the order they
- * are stored, as the memory stream and its prefetch want them; each 64-value step decoded once
- * for all the tokens), then per token the float steps of the eight rows in one vector (lane r:
+ * row's exact integer sums for every token, row after row (each 64-value step decoded once for
+ * all the tokens), then per token the float steps of the eight rows in one vector (lane r:
  * row r, the steps of rows_q4_K in its order), as ggml runs the rows of its repacked Q4_K, but
- * on the rows as stored. Row r requests `ahead_bytes` at ahead + r * rb as it starts (0: none;
- * into L2 where `stream`, else L1). */
+ * on the rows as stored. Where ahead_bytes > 0, row r requests the same bytes of the row at
+ * ahead + r * rb (into L2 where `stream`, else L1): a row of at most KQ_BURST bytes all at once
+ * as it starts, a longer one block by block as it goes, since a burst longer than the core's
+ * queue of misses stalls the loads behind it. */
+#define KQ_BURST 1024
 static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const uint8_t *w,
                                                             int64_t rb, const uint8_t *y,
                                                             int64_t stride, int nt, float *out,
                                                             int64_t ldo, const uint8_t *ahead,
-                                                            int64_t ahead_bytes, int stream) {
+                                                            int64_t ahead_bytes, int stream,
+                                                            int smooth) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const int32_t b = (int32_t)rb;
     const __m256i row_at = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
@@ -631,7 +637,7 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
                                              _mm256_extracti128_si256(q8sums, 1));
             }
         for (int r = 0; r < 8; ++r) {
-            if (i0 == 0)
+            if (!smooth && i0 == 0)
                 for (int64_t off = 0; off < ahead_bytes; off += 64) {
                     if (stream)
                         __builtin_prefetch(ahead + r * rb + off, 0, 1);
@@ -639,7 +645,15 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
                         __builtin_prefetch(ahead + r * rb + off, 0, 3);
                 }
             const uint8_t *blk = w + r * rb + i0 * Q4_K_BYTES;
-            for (int i = 0; i < span; ++i, blk += Q4_K_BYTES) {
+            const uint8_t *later = ahead + r * rb + i0 * Q4_K_BYTES;
+            for (int i = 0; i < span; ++i, blk += Q4_K_BYTES, later += Q4_K_BYTES) {
+                if (smooth && ahead_bytes > 0)
+                    for (int off = 0; off < Q4_K_BYTES; off += 64) {
+                        if (stream)
+                            __builtin_prefetch(later + off, 0, 1);
+                        else
+                            __builtin_prefetch(later + off, 0, 3);
+                    }
                 const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
                 const __m256i scales = _mm256_permute4x64_epi64(mins_and_scales, 0x44);
                 const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
@@ -1031,15 +1045,18 @@ void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
 
 /* Rows 0..7 (row r of n values at w + r * rb bytes) against nt (1..KQ8_NT) tokens, token t's
  * Q8_K row at x + t * stride bytes and its eight outputs at out + t * ldo: each what
- * meshd_vec_dot_q4_K_q8_K gives, bit for bit. Row r requests ahead_bytes at ahead + r * rb
- * before it starts (into L2 where `stream`, else into L1). One copy per token count, so each
- * keeps its accumulators in registers. */
+ * meshd_vec_dot_q4_K_q8_K gives, bit for bit, requesting the rows at ahead as rows8_q4_K says.
+ * One copy per token count (and per way of requesting), so each keeps its accumulators in
+ * registers. */
 #if !defined(KQ_SCALAR)
 #define KQ_ROWS8(NTC)                                                                              \
     static void rows8_q4_K_##NTC(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,      \
                                  int64_t stride, float *out, int64_t ldo, const uint8_t *ahead,  \
                                  int64_t ahead_bytes, int stream) {                               \
-        rows8_q4_K(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream);              \
+        if (rb > KQ_BURST)                                                                         \
+            rows8_q4_K(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream, 1);       \
+        else                                                                                       \
+            rows8_q4_K(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream, 0);       \
     }
 KQ_ROWS8(1)
 KQ_ROWS8(2)
