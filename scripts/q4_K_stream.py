@@ -7,9 +7,9 @@ builds of meshd's block library, alternating, on one thread.
 Every 2-D tensor of TYPE in the file's layers (the embedding and the output head left out;
 `--width K`: only those K values wide) is multiplied by one random token, tensor after tensor
 as a decode step reads them, in one pass of several hundred MB: far beyond the last-level
-cache, so each pass streams the weights from memory. For Q4_K, llama.cpp's
-`ggml_gemv_q4_K_8x8_q8_K` (its default on x86) runs on a copy repacked as llama.cpp repacks
-at load (`meshd.bench.llamacpp_q8.q4_K_x8`) from its `libggml-cpu.so` (scripts/bench_llamacpp
+cache, so each pass streams the weights from memory. For Q4_K and Q4_0, llama.cpp's
+`ggml_gemv_q4_K_8x8_q8_K` / `ggml_gemv_q4_0_8x8_q8_0` (its defaults on x86) run on a copy
+repacked as llama.cpp repacks at load (`meshd.bench.llamacpp_q8.q4_K_x8`, `q4_0_x8`) from its `libggml-cpu.so` (scripts/bench_llamacpp
 builds it). Each library (e.g. the cached `~/.cache/meshd/kernels/blocks-avx512-*.so` of two
 commits) runs `meshd_blocks_mm_threads` on the rows as stored, in streaming mode as a stage
 sets it. Prints per candidate the median ms per pass, the GB/s of weights that makes, the
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from meshd.bench.llamacpp_q8 import q4_K_x8
+from meshd.bench.llamacpp_q8 import q4_0_x8, q4_K_x8, q8_0_bytes
 
 _GGML_CPU = "~/.cache/meshd-llamacpp/*/build/bin/libggml-cpu.so"
 
@@ -60,9 +60,8 @@ def main() -> None:
         raise SystemExit(f"no {qtype.name} layer tensors of that width in {args.path}")
     if args.cache_rows:
         raw, k, n = mats[0]
-        mats = [
-            (np.ascontiguousarray(raw[: args.cache_rows * raw.nbytes // n]), k, args.cache_rows)
-        ]
+        rows = min(args.cache_rows, n)
+        mats = [(np.ascontiguousarray(raw[: rows * raw.nbytes // n]), k, rows)]
     total = sum(raw.nbytes for raw, _, _ in mats)
     passes = max(3, int(3e8 // total)) if args.cache_rows else 3
     p, c, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -70,16 +69,23 @@ def main() -> None:
     xs = {k: rng.standard_normal(k).astype(np.float32) for _, k, _ in mats}
     calls: dict[str, Callable[[], None]] = {}
     found = sorted(glob.glob(os.path.expanduser(_GGML_CPU)))
-    if qtype == GGMLQuantizationType.Q4_K and found:
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_0) and found:
         ggml = ctypes.CDLL(found[-1])
         ggml.ggml_cpu_init()
-        ggml.quantize_row_q8_K.argtypes = [p, p, i64]
-        gemv = ggml.ggml_gemv_q4_K_8x8_q8_K
+        q8: dict[int, np.ndarray] = {}
+        if qtype == GGMLQuantizationType.Q4_K:
+            gemv = ggml.ggml_gemv_q4_K_8x8_q8_K
+            packed = [q4_K_x8(raw, n, k) for raw, k, n in mats]
+            ggml.quantize_row_q8_K.argtypes = [p, p, i64]
+            for k, x in xs.items():
+                q8[k] = np.zeros(k // 256 * 292, np.uint8)
+                ggml.quantize_row_q8_K(x.ctypes.data, q8[k].ctypes.data, k)
+        else:
+            gemv = ggml.ggml_gemv_q4_0_8x8_q8_0
+            packed = [q4_0_x8(raw, n, k) for raw, k, n in mats]
+            for k, x in xs.items():
+                q8[k] = np.ascontiguousarray(q8_0_bytes(x[None])).reshape(-1)
         gemv.argtypes = [c, p, ctypes.c_size_t, p, p, c, c]
-        packed = [q4_K_x8(raw, n, k) for raw, k, n in mats]
-        q8 = {k: np.zeros(k // 256 * 292, np.uint8) for k in xs}
-        for k, x in xs.items():
-            ggml.quantize_row_q8_K(x.ctypes.data, q8[k].ctypes.data, k)
         got = [np.zeros(n, np.float32) for _, _, n in mats]
 
         def llamacpp() -> None:

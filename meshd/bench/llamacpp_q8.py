@@ -3,7 +3,7 @@ activation quantizer of ggml-cpu's x86 code (quantize_row_q8_0 / quantize_row_q8
 127, q = round(x * (127 / amax)) with ties to even, Q8_1's s = fp16(d * sum(q))) and the block
 dot products (an exact integer sum per block, then d_w * d_x * sum + m_w * s_x in fp32), summed
 here in float64 so that the kernels' fp32 accumulation is the only difference left; and the
-layout llama.cpp repacks Q4_K rows into, to call its own kernel on real weights."""
+layouts llama.cpp repacks Q4_K and Q4_0 rows into, to call its own kernels on real weights."""
 
 from __future__ import annotations
 
@@ -153,4 +153,17 @@ def q4_K_x8(raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
             out[..., at + 8 : at + 12] = (s[..., 4:8] & 15) + ((m[..., 4:8] & 15) << 4)
     qs = blocks[..., 16:144].reshape(n_out // 8, nb, 8, 16, 8).transpose(0, 1, 3, 2, 4)
     out[..., 128:] = qs.reshape(n_out // 8, nb, 1024)
+    return out.reshape(-1)
+
+
+def q4_0_x8(raw: np.ndarray, n_out: int, k: int) -> np.ndarray:
+    """`raw` Q4_0 rows in llama.cpp's repacked layout (repack.cpp's make_block_q4_0x8 with
+    8-byte interleave): per group of 8 rows and block, d[8], then the codes 8 bytes per row in
+    turn, each byte xor 0x88 (the codes made signed nibbles)."""
+    nb = k // 32
+    blocks = raw.reshape(n_out // 8, 8, nb, 18).transpose(0, 2, 1, 3)  # group, block, row
+    out = np.zeros((n_out // 8, nb, 144), np.uint8)
+    out[..., :16] = blocks[..., 0:2].reshape(n_out // 8, nb, 16)
+    qs = blocks[..., 2:18].reshape(n_out // 8, nb, 8, 2, 8).transpose(0, 1, 3, 2, 4)
+    out[..., 16:] = qs.reshape(n_out // 8, nb, 128) ^ 0x88
     return out.reshape(-1)
