@@ -10,7 +10,7 @@ as a decode step reads them, in one pass of several hundred MB: far beyond the l
 cache, so each pass streams the weights from memory. For Q4_K and Q4_0, llama.cpp's
 `ggml_gemv_q4_K_8x8_q8_K` / `ggml_gemv_q4_0_8x8_q8_0` (its defaults on x86) run on a copy
 repacked as llama.cpp repacks at load (`meshd.bench.llamacpp_q8.q4_K_x8`, `q4_0_x8`) from its `libggml-cpu.so` (scripts/bench_llamacpp
-builds it). Each library (e.g. the cached `~/.cache/meshd/kernels/blocks-avx512-*.so` of two
+builds it; `--ggml` another build's, e.g. its `build-avx2`). Each library (e.g. the cached `~/.cache/meshd/kernels/blocks-avx512-*.so` of two
 commits) runs `meshd_blocks_mm_threads` on the rows as stored, in streaming mode as a stage
 sets it. Prints per candidate the median ms per pass, the GB/s of weights that makes, the
 ratio to the first candidate, and whether the libraries' outputs are bit-identical.
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, help="only tensors this many values wide")
     ap.add_argument("--type", default="Q4_K")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--ggml", help="llama.cpp's libggml-cpu.so (default: the native build's)")
     ap.add_argument("--cache-rows", type=int, help="the first N rows of the first tensor")
     args = ap.parse_args()
     qtype = GGMLQuantizationType[args.type]
@@ -68,7 +69,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     xs = {k: rng.standard_normal(k).astype(np.float32) for _, k, _ in mats}
     calls: dict[str, Callable[[], None]] = {}
-    found = sorted(glob.glob(os.path.expanduser(_GGML_CPU)))
+    found = [args.ggml] if args.ggml else sorted(glob.glob(os.path.expanduser(_GGML_CPU)))
     if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_0) and found:
         ggml = ctypes.CDLL(found[-1])
         ggml.ggml_cpu_init()
