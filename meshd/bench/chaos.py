@@ -279,6 +279,38 @@ def build_report(
     """The report's figures from what the clients saw and what the storm did."""
     reference_text, ref_summary = _references(jobs, refs)
     outcomes = [classify(s, log.disruptions) for s in log.seen]
+    recoveries = _recoveries(log, [k for k, _ in outcomes])
+    report: dict[str, Any] = {
+        "reference": ref_summary,
+        **_request_figures(jobs, reference_text, log, outcomes),
+        **_storm_figures(log, recoveries),
+        **_after_storm_figures(snapshot, after),
+        "disruption_log": [
+            {
+                "kind": d.kind,
+                "node": d.node,
+                "run": d.incarnation,
+                "role": d.role_label,
+                "coordinating": d.coordinating,
+                "at_s": round(d.at - log.started_at, 3),
+                "escalated": d.escalated_at is not None,
+                "recovery_s": r,
+            }
+            for d, r in _with_recovery(log.disruptions, recoveries)
+        ],
+    }
+    report["failures"] = _failures(report, len(snapshot))
+    report["ok"] = not report["failures"]
+    return report
+
+
+def _request_figures(
+    jobs: list[ChaosJob],
+    reference_text: dict[int, str],
+    log: StormLog,
+    outcomes: list[tuple[str, str]],
+) -> dict[str, Any]:
+    """How the storm's requests ended, by kind, against their reference texts."""
     kinds = Counter(kind for kind, _ in outcomes)
     completed = [s for s, (k, _) in zip(log.seen, outcomes, strict=True) if k == COMPLETED]
     by_job = {j.index: j for j in jobs}
@@ -289,12 +321,7 @@ def build_report(
     for s, (kind, sub) in zip(log.seen, outcomes, strict=True):
         if kind != COMPLETED and len(examples[kind]) < 3:
             examples[kind].append(f"{s.node}: {sub} {s.detail}"[:240])
-    recoveries = _recoveries(log, [k for k, _ in outcomes])
-    leaked_sessions = sum(f["sessions_hosted"] for f in snapshot.values())
-    leaked_kv = sum(f["kv_used_bytes"] for f in snapshot.values())
-    after_ok = sum(1 for s in after if classify(s, ())[0] == COMPLETED)
-    report: dict[str, Any] = {
-        "reference": ref_summary,
+    return {
         "requests_started": len(log.seen),
         "completed": len(completed),
         "completed_greedy": sum(1 for s in completed if by_job[s.job].greedy),
@@ -327,6 +354,14 @@ def build_report(
             for s, (kind, sub) in zip(log.seen, outcomes, strict=True)
             if kind in (TRUNCATED, HUNG, BAD_RESPONSE)
         ],
+    }
+
+
+def _storm_figures(
+    log: StormLog, recoveries: list[tuple[Disruption, float | None]]
+) -> dict[str, Any]:
+    """What the storm did, and how fast the mesh recovered from it."""
+    return {
         "storm_s": log.ended_at - log.started_at,
         "recovery_s": percentiles([r for _, r in recoveries if r is not None]),
         "recovery_by_kind_s": _recovery_by_kind(recoveries),
@@ -338,30 +373,20 @@ def build_report(
         "skipped_unsettled": log.skipped_unsettled,
         "restart_failures": log.restart_failures,
         "restart_to_listening_s": percentiles(log.restart_s),
-        "leaked_sessions": leaked_sessions,
-        "leaked_kv_bytes": leaked_kv,
+    }
+
+
+def _after_storm_figures(snapshot: dict[str, dict[str, Any]], after: list[Seen]) -> dict[str, Any]:
+    """What every node still holds after the storm, and how the requests after it ended."""
+    return {
+        "leaked_sessions": sum(f["sessions_hosted"] for f in snapshot.values()),
+        "leaked_kv_bytes": sum(f["kv_used_bytes"] for f in snapshot.values()),
         "open_coordinated_sessions": sum(f["sessions_coordinated"] for f in snapshot.values()),
         "nodes_after": snapshot,
         "sessions_expired": _sessions_expired(snapshot),
         "after_storm_requests": len(after),
-        "after_storm_completed": after_ok,
-        "disruption_log": [
-            {
-                "kind": d.kind,
-                "node": d.node,
-                "run": d.incarnation,
-                "role": d.role_label,
-                "coordinating": d.coordinating,
-                "at_s": round(d.at - log.started_at, 3),
-                "escalated": d.escalated_at is not None,
-                "recovery_s": r,
-            }
-            for d, r in _with_recovery(log.disruptions, recoveries)
-        ],
+        "after_storm_completed": sum(1 for s in after if classify(s, ())[0] == COMPLETED),
     }
-    report["failures"] = _failures(report, len(snapshot))
-    report["ok"] = not report["failures"]
-    return report
 
 
 def _references(jobs: list[ChaosJob], refs: list[list[Seen]]) -> tuple[dict[int, str], Any]:

@@ -341,9 +341,48 @@ async def _round(
 ) -> tuple[list[float], list[float], float, dict[str, list[float]]]:
     """Idle and busy window round trips, the fetch's MB/s, and (`quiet_ab`) the busy round
     trips of windows after a gap with a quiet ("quiet") and without ("plain")."""
+    reply_out = _wire_windows(server, client, stage, quiet_ab)
+    windows = _Windows(client, server.key, b"w" * window_message_bytes, reply_out)
+    await client.table.lane_to(server.key)
+    for _ in range(20):  # warm-up
+        await windows.rtt()
+    idle = []
+    for _ in range(pings):  # paced as during the transfer: one window, then a decode step
+        idle.append(await windows.rtt())
+        await trio.sleep(PACE_S)
+    # The fetching node, in its own process as in a mesh: the holder's process serves it.
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    address = server.table.endpoint.local_address
+    args = (
+        server.key,
+        address,
+        store.model_id,
+        store.manifest_bytes,
+        str(store.directory.parents[1]),
+    )
+    process = ctx.Process(
+        target=_fetch_child,
+        args=(*args, config.chunk_bytes, config.window_bytes, fetcher_cores, child),
+    )
+    process.start()
+    child.close()  # the child's end: recv raises EOFError if the child dies
+    try:
+        busy, elapsed, by_arm = await _busy_windows(parent, windows, quiet_ab and stage is not None)
+    finally:
+        await trio.to_thread.run_sync(process.join, 30)
+    if not busy:
+        busy = [float("nan")]
+    return idle, busy, total / elapsed / 1e6, {k: v for k, v in by_arm.items() if v}
+
+
+def _wire_windows(
+    server: _Node, client: _Node, stage: _VerifyStage | None, quiet_ab: bool
+) -> trio.MemoryReceiveChannel[bytes]:
+    """The pipeline stream of both nodes: the holder answers each window (through `stage`
+    when given), the fetcher's replies come out of the returned channel."""
     replies: trio.MemorySendChannel[bytes]
     replies, reply_out = trio.open_memory_channel[bytes](16)
-    window = b"w" * window_message_bytes
 
     async def answer(sender: bytes) -> None:
         if stage is None:
@@ -369,60 +408,47 @@ async def _round(
     quiet_on = server.gate.cadence.config.quiet_s
     server.table.streams[PIPELINE_STREAM] = (bytes, echo)
     client.table.streams[PIPELINE_STREAM] = (bytes, got_reply)
+    return reply_out
 
-    last_arm = [b""]
-    by_arm: dict[str, list[float]] = {"quiet": [], "plain": []}
 
-    async def window_rtt() -> float:
+@dataclass
+class _Windows:
+    """The fetcher's verify windows to the holder, each timed until its reply."""
+
+    client: _Node
+    server_key: bytes
+    window: bytes
+    replies: trio.MemoryReceiveChannel[bytes]
+    last_arm: bytes = b""  # the last reply's first byte: the gap before its window
+
+    async def rtt(self) -> float:
         t = time.perf_counter()
         with trio.fail_after(STEP_TIMEOUT_S):  # a lost window is a bug: say so, do not hang
-            await client.table.send_bytes(server.key, PIPELINE_STREAM, window)
-            last_arm[0] = (await reply_out.receive())[:1]
+            await self.client.table.send_bytes(self.server_key, PIPELINE_STREAM, self.window)
+            self.last_arm = (await self.replies.receive())[:1]
         return time.perf_counter() - t
 
-    await client.table.lane_to(server.key)
-    for _ in range(20):  # warm-up
-        await window_rtt()
-    idle = []
-    for _ in range(pings):  # paced as during the transfer: one window, then a decode step
-        idle.append(await window_rtt())
-        await trio.sleep(PACE_S)
-    # The fetching node, in its own process as in a mesh: the holder's process serves it.
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    address = server.table.endpoint.local_address
-    args = (
-        server.key,
-        address,
-        store.model_id,
-        store.manifest_bytes,
-        str(store.directory.parents[1]),
-    )
-    process = ctx.Process(
-        target=_fetch_child,
-        args=(*args, config.chunk_bytes, config.window_bytes, fetcher_cores, child),
-    )
-    process.start()
-    child.close()  # the child's end: recv raises EOFError if the child dies
-    try:
-        with trio.fail_after(STEP_TIMEOUT_S * 6):
-            started = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
-        assert started == "start", started
-        busy: list[float] = []
-        while not parent.poll():
-            rtt = await window_rtt()
-            if not parent.poll():
-                busy.append(rtt)
-                if quiet_ab and stage is not None:
-                    by_arm["quiet" if last_arm[0] == b"q" else "plain"].append(rtt)
-            await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
-        kind, elapsed = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
-        assert kind == "done", kind
-    finally:
-        await trio.to_thread.run_sync(process.join, 30)
-    if not busy:
-        busy = [float("nan")]
-    return idle, busy, total / elapsed / 1e6, {k: v for k, v in by_arm.items() if v}
+
+async def _busy_windows(
+    parent: multiprocessing.connection.Connection, windows: _Windows, split_arms: bool
+) -> tuple[list[float], float, dict[str, list[float]]]:
+    """Window round trips while the child fetches, the seconds it reports, and (`split_arms`)
+    the round trips by the gap before each window."""
+    with trio.fail_after(STEP_TIMEOUT_S * 6):
+        started = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
+    assert started == "start", started
+    busy: list[float] = []
+    by_arm: dict[str, list[float]] = {"quiet": [], "plain": []}
+    while not parent.poll():
+        rtt = await windows.rtt()
+        if not parent.poll():
+            busy.append(rtt)
+            if split_arms:
+                by_arm["quiet" if windows.last_arm == b"q" else "plain"].append(rtt)
+        await trio.sleep(PACE_S)  # windows come between decode steps, not back to back
+    kind, elapsed = await trio.to_thread.run_sync(parent.recv, abandon_on_cancel=True)
+    assert kind == "done", kind
+    return busy, elapsed, by_arm
 
 
 def _fetch_child(

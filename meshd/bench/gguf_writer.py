@@ -104,38 +104,11 @@ def write_gguf(
     writer = gguf.GGUFWriter(dest, arch, split_max_tensors=split_max_tensors)
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer.add_type("model")
-    writer.add_name(src.name)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    if kv_heads is not None:
-        writer.add_head_count_kv(kv_heads)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if config.get("head_dim") is not None:
-        writer.add_key_length(config["head_dim"])
-        writer.add_value_length(config["head_dim"])
-    if arch == "llama":
-        writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(head_dim)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope["factor"])
-    if sliding_window and config.get("sliding_window"):
-        writer.add_sliding_window(config["sliding_window"])
+    _add_hparams(writer, src.name, config, arch, head_dim, rope, rope_type, sliding_window)
     _add_vocab(writer, src, config, pre)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, tuple):
-            writer.add_key_value(key, *value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_uint32(key, value)
+    _add_metadata(writer, metadata or {})
     if rope_type == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config, head_dim))
 
@@ -156,6 +129,54 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(dest)[0]
+
+
+def _add_hparams(
+    writer: gguf.GGUFWriter,
+    name: str,
+    config: Mapping[str, Any],
+    arch: str,
+    head_dim: int,
+    rope: Mapping[str, Any],
+    rope_type: str,
+    sliding_window: bool,
+) -> None:
+    """The model's hyperparameters as the converter's `set_gguf_parameters` writes them."""
+    heads = config["num_attention_heads"]
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    if config.get("num_key_value_heads") is not None:
+        writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if arch == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(head_dim)
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if sliding_window and config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+
+
+def _add_metadata(writer: gguf.GGUFWriter, metadata: Mapping[str, Any]) -> None:
+    """`write_gguf`'s `metadata`: (value, GGUFValueType[, item type]) tuples as given, strings
+    as strings, anything else as uint32."""
+    for key, value in metadata.items():
+        if isinstance(value, tuple):
+            writer.add_key_value(key, *value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
 
 
 def _tensor_order(name: str) -> tuple[int, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import socket
 import statistics
@@ -317,12 +318,82 @@ class _QuicDriver:
                 self.flush()
 
 
+@dataclasses.dataclass
+class _QuicBench:
+    """One aioquic contestant's state: its two drivers, the server's echo inbox, and the
+    events its handlers set for the timing loop."""
+
+    total: int  # bulk bytes the server counts before it answers "done"
+    echo_recv: trio.MemoryReceiveChannel[bytes]
+    echo_ready: trio.Event = dataclasses.field(default_factory=trio.Event)
+    bulk_done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    connected: trio.Event = dataclasses.field(default_factory=trio.Event)
+    server: _QuicDriver = dataclasses.field(init=False)
+    client: _QuicDriver = dataclasses.field(init=False)
+
+    async def echo(self) -> None:
+        async for data in self.echo_recv:
+            self.server.conn.send_stream_data(0, data)
+            self.server.flush()
+
+
 async def _aioquic(messages: int, pings: int, *, max_datagram_bytes: int) -> tuple[float, float]:
     from aioquic.buffer import Buffer  # type: ignore[attr-defined]
-    from aioquic.quic.configuration import QuicConfiguration
     from aioquic.quic.connection import QuicConnection
     from aioquic.quic.events import HandshakeCompleted, StreamDataReceived
     from aioquic.quic.packet import pull_quic_header
+
+    server_cfg, client_cfg = _quic_configs(max_datagram_bytes)
+    server_sock = _udp_socket()
+    client_sock = _udp_socket()
+    server_addr = server_sock.getsockname()
+    # The echo runs in its own task, as the lane's does: same number of task switches.
+    echo_send, echo_recv = trio.open_memory_channel[bytes](1024)
+    bench = _QuicBench(messages * MESSAGE_BYTES, echo_recv)
+    echo_buf = bytearray()
+    bulk_received = 0
+
+    def on_server(event: Any) -> None:
+        nonlocal bulk_received
+        if isinstance(event, StreamDataReceived):
+            if event.stream_id == 0:
+                echo_send.send_nowait(event.data)
+            else:
+                bulk_received += len(event.data)
+                if bulk_received >= bench.total:
+                    bench.server.conn.send_stream_data(event.stream_id, b"done")
+
+    def on_client(event: Any) -> None:
+        if isinstance(event, HandshakeCompleted):
+            bench.connected.set()
+        if isinstance(event, StreamDataReceived):
+            if event.stream_id == 0:
+                echo_buf.extend(event.data)
+                if len(echo_buf) >= SMALL_BYTES:
+                    echo_buf.clear()
+                    bench.echo_ready.set()
+            elif event.data.endswith(b"done"):
+                bench.bulk_done.set()
+
+    def make_server_conn(first_datagram: bytes) -> Any:
+        header = pull_quic_header(Buffer(data=first_datagram), host_cid_length=8)
+        return QuicConnection(
+            configuration=server_cfg, original_destination_connection_id=header.destination_cid
+        )
+
+    client_conn = QuicConnection(configuration=client_cfg)
+    bench.server = _QuicDriver(None, server_sock, on_server, make_server_conn)
+    bench.client = _QuicDriver(client_conn, client_sock, on_client)
+    try:
+        return await _quic_exchange(bench, server_addr, messages, pings)
+    finally:
+        server_sock.close()
+        client_sock.close()
+
+
+def _quic_configs(max_datagram_bytes: int) -> tuple[Any, Any]:
+    """The server's configuration (a fresh self-signed certificate) and the client's."""
+    from aioquic.quic.configuration import QuicConfiguration
 
     window = 16 * 1024 * 1024
     with tempfile.TemporaryDirectory() as tmp:
@@ -343,88 +414,41 @@ async def _aioquic(messages: int, pings: int, *, max_datagram_bytes: int) -> tup
         max_stream_data=window,
         verify_mode=0,  # ssl.CERT_NONE: self-signed
     )
-    server_sock = _udp_socket()
-    client_sock = _udp_socket()
-    server_addr = server_sock.getsockname()
-    echo_buf = bytearray()
-    bulk_received = [0]
-    echo_ready = trio.Event()
-    bulk_done = trio.Event()
-    connected = trio.Event()
-    total = messages * MESSAGE_BYTES
-    server_driver: _QuicDriver
-    client_driver: _QuicDriver
+    return server_cfg, client_cfg
 
-    # The echo runs in its own task, as the lane's does: same number of task switches.
-    echo_send, echo_recv = trio.open_memory_channel[bytes](1024)
 
-    async def echo_task() -> None:
-        async for data in echo_recv:
-            server_driver.conn.send_stream_data(0, data)
-            server_driver.flush()
+async def _quic_exchange(
+    bench: _QuicBench, server_addr: Any, messages: int, pings: int
+) -> tuple[float, float]:
+    """Connect, time `pings` echoes, then `messages` 64 KiB messages on one stream."""
+    client, client_conn = bench.client, bench.client.conn
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bench.server.run)
+        nursery.start_soon(bench.echo)
+        nursery.start_soon(client.run)
+        client_conn.connect(server_addr, now=trio.current_time())
+        client.flush()
 
-    def on_server(event: Any) -> None:
-        if isinstance(event, StreamDataReceived):
-            if event.stream_id == 0:
-                echo_send.send_nowait(event.data)
-            else:
-                bulk_received[0] += len(event.data)
-                if bulk_received[0] >= total:
-                    server_driver.conn.send_stream_data(event.stream_id, b"done")
+        async def send_ping(data: bytes) -> None:
+            bench.echo_ready = trio.Event()
+            client_conn.send_stream_data(0, data)
+            client.flush()
 
-    def on_client(event: Any) -> None:
-        if isinstance(event, HandshakeCompleted):
-            connected.set()
-        if isinstance(event, StreamDataReceived):
-            if event.stream_id == 0:
-                echo_buf.extend(event.data)
-                if len(echo_buf) >= SMALL_BYTES:
-                    echo_buf.clear()
-                    echo_ready.set()
-            elif event.data.endswith(b"done"):
-                bulk_done.set()
+        async def wait_echo() -> None:
+            await bench.echo_ready.wait()
 
-    def make_server_conn(first_datagram: bytes) -> Any:
-        header = pull_quic_header(Buffer(data=first_datagram), host_cid_length=8)
-        return QuicConnection(
-            configuration=server_cfg, original_destination_connection_id=header.destination_cid
-        )
-
-    client_conn = QuicConnection(configuration=client_cfg)
-    server_driver = _QuicDriver(None, server_sock, on_server, make_server_conn)
-    client_driver = _QuicDriver(client_conn, client_sock, on_client)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server_driver.run)
-            nursery.start_soon(echo_task)
-            nursery.start_soon(client_driver.run)
-            client_conn.connect(server_addr, now=trio.current_time())
-            client_driver.flush()
-
-            async def send_ping(data: bytes) -> None:
-                nonlocal echo_ready
-                echo_ready = trio.Event()
-                client_conn.send_stream_data(0, data)
-                client_driver.flush()
-
-            async def wait_echo() -> None:
-                await echo_ready.wait()
-
-            rtt = await _time_pings(send_ping, wait_echo, pings) if pings else float("nan")
-            bulk = 4  # stream 0 is the echo stream
-            await connected.wait()
-            payload = b"m" * MESSAGE_BYTES
-            t0 = time.perf_counter()
-            for _ in range(messages):
-                client_conn.send_stream_data(bulk, payload)
-                client_driver.flush()
-                await trio.lowlevel.checkpoint()
-            await bulk_done.wait()
-            mb_s = total / (time.perf_counter() - t0) / 1e6
-            nursery.cancel_scope.cancel()
-    finally:
-        server_sock.close()
-        client_sock.close()
+        rtt = await _time_pings(send_ping, wait_echo, pings) if pings else float("nan")
+        bulk = 4  # stream 0 is the echo stream
+        await bench.connected.wait()
+        payload = b"m" * MESSAGE_BYTES
+        t0 = time.perf_counter()
+        for _ in range(messages):
+            client_conn.send_stream_data(bulk, payload)
+            client.flush()
+            await trio.lowlevel.checkpoint()
+        await bench.bulk_done.wait()
+        mb_s = bench.total / (time.perf_counter() - t0) / 1e6
+        nursery.cancel_scope.cancel()
     return mb_s, rtt
 
 

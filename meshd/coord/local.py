@@ -104,15 +104,7 @@ async def open_local_pipeline(
     coordinator renews its sessions' leases, and tells the stages which prefix-cache entries its
     indexes dropped, unless `keep_alive` is off (tests of a lapsing lease).
     """
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
-        if draft is not None:
-            # The draft computes on the threads the stages were given, whichever worker thread
-            # runs its passes (the coordinator's steps run on one, and a thread's torch count
-            # is its own): its governor sets them before each pass. A pass it governs on more
-            # sets torch's count, which worker threads started later inherit, and these
-            # stages, loaded on one thread, would then compute on more.
-            draft.stage.governor = ThreadGovernor(torch_threads)
+    _limit_torch_threads(torch_threads, draft)
     checkpoint = open_checkpoint(model_dir)
     ranges = list(split) if split is not None else even_split(checkpoint.config.num_layers, stages)
     nodes: list[LocalNode] = []
@@ -149,14 +141,33 @@ async def open_local_pipeline(
             nodes.append(LocalNode(publics[index], peers, host))
             await nursery.start(peers.run)
             nursery.start_soon(host.run)
-        for node in nodes:
-            for other, endpoint in zip(nodes, endpoints, strict=True):
-                node.peers.addresses[other.key] = endpoint.local_address
+        _introduce(nodes, endpoints)
         route = _route_without_spares(checkpoint.model_id, nodes, ranges)
         try:
             yield LocalPipeline(coordinator, route, nodes, checkpoint)
         finally:
             nursery.cancel_scope.cancel()
+
+
+def _limit_torch_threads(torch_threads: int | None, draft: DraftModel | None) -> None:
+    """Torch's intra-op threads to `torch_threads`, the draft's passes included (None: leave
+    torch's setting alone)."""
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+        if draft is not None:
+            # The draft computes on the threads the stages were given, whichever worker thread
+            # runs its passes (the coordinator's steps run on one, and a thread's torch count
+            # is its own): its governor sets them before each pass. A pass it governs on more
+            # sets torch's count, which worker threads started later inherit, and these
+            # stages, loaded on one thread, would then compute on more.
+            draft.stage.governor = ThreadGovernor(torch_threads)
+
+
+def _introduce(nodes: Sequence[LocalNode], endpoints: Sequence[Endpoint]) -> None:
+    """Every node learns every node's address (its own included)."""
+    for node in nodes:
+        for other, endpoint in zip(nodes, endpoints, strict=True):
+            node.peers.addresses[other.key] = endpoint.local_address
 
 
 async def _open_endpoints(
