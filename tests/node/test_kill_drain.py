@@ -202,7 +202,14 @@ def test_drain_finishes_the_running_generation_then_stops_the_stage(
     assert final["tokens"] == expected
     assert not _failures_from_the_kill(coordinator, started_at)
 
-    wait_until(lambda: victim.status()["stage_layers"] is None, 10, "the drained stage to stop")
+    # The node logs "killed" once its stage has stopped, so a status read between the two shows
+    # no stage and no entry yet: wait for both.
+    def stopped_and_logged() -> bool:
+        now = victim.status()
+        logged = any(e["kind"] == "killed" and e["at_unix_s"] >= started_at for e in now["events"])
+        return now["stage_layers"] is None and logged
+
+    wait_until(stopped_and_logged, 10, "the drained stage to stop and say so")
     after = victim.status()
     assert after["disabled"] and not after["draining"]
     # The stage stopped only once the session ended: at the last token, or earlier if the
