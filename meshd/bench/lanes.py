@@ -395,25 +395,22 @@ def _quic_configs(max_datagram_bytes: int) -> tuple[Any, Any]:
     """The server's configuration (a fresh self-signed certificate) and the client's."""
     from aioquic.quic.configuration import QuicConfiguration
 
-    window = 16 * 1024 * 1024
-    with tempfile.TemporaryDirectory() as tmp:
-        cert, key = _self_signed_cert(tmp)
-        server_cfg = QuicConfiguration(
-            is_client=False,
+    def config(is_client: bool) -> Any:
+        window = 16 * 1024 * 1024
+        return QuicConfiguration(
+            is_client=is_client,
             alpn_protocols=["bench"],
             max_datagram_size=max_datagram_bytes,
             max_data=window,
             max_stream_data=window,
         )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cert, key = _self_signed_cert(tmp)
+        server_cfg = config(is_client=False)
         server_cfg.load_cert_chain(cert, key)
-    client_cfg = QuicConfiguration(
-        is_client=True,
-        alpn_protocols=["bench"],
-        max_datagram_size=max_datagram_bytes,
-        max_data=window,
-        max_stream_data=window,
-        verify_mode=0,  # ssl.CERT_NONE: self-signed
-    )
+    client_cfg = config(is_client=True)
+    client_cfg.verify_mode = 0  # ssl.CERT_NONE: self-signed
     return server_cfg, client_cfg
 
 
