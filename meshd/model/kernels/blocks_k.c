@@ -700,6 +700,131 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
 #endif
 
 #if defined(KQ_AVX2)
+/* rows8_q4_K on AVX2, its integer step two rows at a time: a vector holds 16 values of row A in
+ * its low half and the same 16 of row B in its high half, against those 16 activation bytes in
+ * both halves. The two halves of a 32-value chunk (one scale) are summed in int16 before the
+ * one VPMADDWD with the scales (|sum| <= 2 * 2 * 15 * 128 = 7680: exact), so a pair of rows
+ * takes 4 VPMADDUBSW and 2 VPMADDWD per 64 values where a row at a time took 4 and 4: the
+ * multiply ports are what this step runs out of. (AVX-512's VPDPWSSD fuses the VPMADDWD with
+ * its add; there pairing measured no faster.) The sums are exact integers, so the float steps,
+ * and every result bit, are rows8_q4_K's. */
+#define KQ_PAIRED 1
+
+/* v[p] holds row 2p's sums in lanes 0-3 and row 2p + 1's in lanes 4-7; lane i of the result is
+ * the total of row 2 * (i % 4) + i / 4 (rows 0, 2, 4, 6, 1, 3, 5, 7). */
+static inline __m256i sum_pairs(const __m256i v[4]) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+}
+
+/* 16 bytes at p in both halves. */
+static inline __m256i both(const __m128i *p) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(p));
+}
+
+static inline __attribute__((always_inline)) void rows8_q4_K_pairs(
+    int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y, int64_t stride, int nt,
+    float *out, int64_t ldo, const uint8_t *ahead, int64_t ahead_bytes, int stream, int smooth) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const int32_t b = (int32_t)rb;
+    /* d and dmin gathered in sum_pairs' row order, the outputs put back in order at the end */
+    const __m256i row_at = _mm256_setr_epi32(0, 2 * b, 4 * b, 6 * b, b, 3 * b, 5 * b, 7 * b);
+    __m256 acc[KQ8_NT], acc_m[KQ8_NT];
+    for (int t = 0; t < nt; ++t) acc[t] = acc_m[t] = _mm256_setzero_ps();
+    __m256i isum[KQ8_NT][KQ_SPAN][4], imin[KQ8_NT][KQ_SPAN][4], bsums[KQ8_NT][KQ_SPAN];
+    for (int64_t i0 = 0; i0 < nb; i0 += KQ_SPAN) {
+        const int span = nb - i0 < KQ_SPAN ? (int)(nb - i0) : KQ_SPAN;
+        const uint8_t *ys = y + i0 * Q8_K_BYTES;
+        for (int t = 0; t < nt; ++t)
+            for (int i = 0; i < span; ++i) {
+                const __m256i q8sums = _mm256_loadu_si256(
+                    (const __m256i *)(ys + t * stride + i * Q8_K_BYTES + Q8_K_BSUMS));
+                const __m128i s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                                 _mm256_extracti128_si256(q8sums, 1));
+                bsums[t][i] = _mm256_set_m128i(s, s);
+            }
+        for (int p = 0; p < 4; ++p) {
+            const int64_t ra = 2 * p * rb, rbb = ra + rb;
+            if (!smooth && i0 == 0)
+                for (int64_t off = 0; off < ahead_bytes; off += 64) {
+                    if (stream) {
+                        __builtin_prefetch(ahead + ra + off, 0, 1);
+                        __builtin_prefetch(ahead + rbb + off, 0, 1);
+                    } else {
+                        __builtin_prefetch(ahead + ra + off, 0, 3);
+                        __builtin_prefetch(ahead + rbb + off, 0, 3);
+                    }
+                }
+            const uint8_t *blk = w + ra + i0 * Q4_K_BYTES;
+            const uint8_t *later = ahead + ra + i0 * Q4_K_BYTES;
+            for (int i = 0; i < span; ++i, blk += Q4_K_BYTES, later += Q4_K_BYTES) {
+                if (smooth && ahead_bytes > 0)
+                    for (int off = 0; off < Q4_K_BYTES; off += 64) {
+                        if (stream) {
+                            __builtin_prefetch(later + off, 0, 1);
+                            __builtin_prefetch(later + rb + off, 0, 1);
+                        } else {
+                            __builtin_prefetch(later + off, 0, 3);
+                            __builtin_prefetch(later + rb + off, 0, 3);
+                        }
+                    }
+                const uint8_t *blk_b = blk + rb;
+                const __m256i ms_a = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
+                const __m256i ms_b = _mm256_cvtepu8_epi16(scales_mins_k4(blk_b + 4));
+                /* [A's 8 scales | B's 8 scales], [A's 8 mins | B's 8 mins] */
+                const __m256i scales = _mm256_permute2x128_si256(ms_a, ms_b, 0x20);
+                const __m256i mins = _mm256_permute2x128_si256(ms_a, ms_b, 0x31);
+                __m256i s0[KQ8_NT], s1[KQ8_NT];
+                for (int t = 0; t < nt; ++t) {
+                    imin[t][i][p] = _mm256_madd_epi16(mins, bsums[t][i]);
+                    s0[t] = s1[t] = _mm256_setzero_si256();
+                }
+                for (int j = 0; j < QK_K / 64; ++j) {
+                    const uint8_t *qa = blk + 16 + 32 * j, *qb = blk_b + 16 + 32 * j;
+                    const __m256i v0 = _mm256_loadu2_m128i((const __m128i *)qb,
+                                                           (const __m128i *)qa);
+                    const __m256i v1 = _mm256_loadu2_m128i((const __m128i *)(qb + 16),
+                                                           (const __m128i *)(qa + 16));
+                    const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+                    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+                    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+                    const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
+                    const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+                    for (int t = 0; t < nt; ++t) {
+                        /* the chunk's activation bytes 0-15, 16-31, 32-47, 48-63: q8[0..3] */
+                        const __m128i *q8 = (const __m128i *)(ys + t * stride + i * Q8_K_BYTES +
+                                                              Q8_K_QS + 64 * j);
+                        const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l0, both(q8)),
+                                                            _mm256_maddubs_epi16(l1, both(q8 + 1)));
+                        const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(h0, both(q8 + 2)),
+                                                            _mm256_maddubs_epi16(h1, both(q8 + 3)));
+                        s0[t] = KQ_MADD_ADD(s0[t], pl, scale_l);
+                        s1[t] = KQ_MADD_ADD(s1[t], ph, scale_h);
+                    }
+                }
+                for (int t = 0; t < nt; ++t) isum[t][i][p] = _mm256_add_epi32(s0[t], s1[t]);
+            }
+        }
+        for (int i = 0; i < span; ++i) {
+            const uint8_t *blocks = w + (i0 + i) * Q4_K_BYTES;
+            const __m256i dm = _mm256_i32gather_epi32((const int *)blocks, row_at, 1);
+            const __m256 wd = _mm256_cvtph_ps(halves(dm, 0)), wmin = _mm256_cvtph_ps(halves(dm, 1));
+            for (int t = 0; t < nt; ++t) {
+                const __m256 yd = _mm256_set1_ps(f32_at(ys + t * stride + i * Q8_K_BYTES));
+                const __m256 d = _mm256_mul_ps(yd, wd), dmin = _mm256_mul_ps(yd, wmin);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_pairs(isum[t][i])), d, acc[t]);
+                acc_m[t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_pairs(imin[t][i])), dmin, acc_m[t]);
+            }
+        }
+    }
+    const __m256i rows = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int t = 0; t < nt; ++t)
+        _mm256_storeu_ps(out + t * ldo,
+                         _mm256_permutevar8x32_ps(_mm256_sub_ps(acc[t], acc_m[t]), rows));
+}
+#endif /* KQ_AVX2 */
+
+#if defined(KQ_AVX2)
 
 static inline __m256i get_scale_shuffle_k4(int i) {
     static const uint8_t k_shuffle[256] = {
@@ -1049,14 +1174,19 @@ void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
  * One copy per token count (and per way of requesting), so each keeps its accumulators in
  * registers. */
 #if !defined(KQ_SCALAR)
+#if defined(KQ_PAIRED)
+#define ROWS8 rows8_q4_K_pairs
+#else
+#define ROWS8 rows8_q4_K
+#endif
 #define KQ_ROWS8(NTC)                                                                              \
     static void rows8_q4_K_##NTC(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,      \
                                  int64_t stride, float *out, int64_t ldo, const uint8_t *ahead,  \
                                  int64_t ahead_bytes, int stream) {                               \
         if (rb > KQ_BURST)                                                                         \
-            rows8_q4_K(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream, 1);       \
+            ROWS8(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream, 1);            \
         else                                                                                       \
-            rows8_q4_K(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream, 0);       \
+            ROWS8(nb, w, rb, y, stride, NTC, out, ldo, ahead, ahead_bytes, stream, 0);            \
     }
 KQ_ROWS8(1)
 KQ_ROWS8(2)
