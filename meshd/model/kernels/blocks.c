@@ -101,6 +101,13 @@ void meshd_rows_q6_K_q8_K(int64_t n, const void *w, const void *x, int64_t strid
 void meshd_rows8_q4_K_q8_K_nt(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
                               int nt, float *out, int64_t ldo, const void *ahead,
                               int64_t ahead_bytes, int stream);
+void meshd_rows2_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
+                           float *out, int64_t ldo);
+/* blocks_k.c's AVX2 build (KQ_AVX2 there) multiplies Q4_K rows two at a time against a full
+ * group of tokens too (meshd_rows2_q4_K_q8_K). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define Q4_K_ROW_PAIRS 1
+#endif
 #endif
 
 int meshd_blocks_abi(void) { return 1; }
@@ -1236,6 +1243,17 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
                                          n_out, w + (n + ahead) * rb, later, stream_prefetch);
             }
         }
+#ifdef Q4_K_ROW_PAIRS
+        if (type == T_Q4_K && nt == NT)
+            for (; n + 2 <= r1; n += 2) {
+                const int64_t later = ahead > 0 && n + 1 + ahead < n_out ? 2 * rb : 0;
+                if (stream_prefetch)
+                    PREFETCH_ROWS_L2(w + (n + ahead) * rb, later);
+                else
+                    PREFETCH_ROWS(w + (n + ahead) * rb, later);
+                meshd_rows2_q4_K_q8_K(k, w + n * rb, rb, a, stride, y + j * n_out + n, n_out);
+            }
+#endif
 #endif
         for (; n < r1; ++n) {
             const uint8_t *wr = w + n * rb;

@@ -822,6 +822,71 @@ static inline __attribute__((always_inline)) void rows8_q4_K_pairs(
         _mm256_storeu_ps(out + t * ldo,
                          _mm256_permutevar8x32_ps(_mm256_sub_ps(acc[t], acc_m[t]), rows));
 }
+
+/* Two rows (row B at w + rb) against KQ_NT tokens, a prefill's tile: the integer step of
+ * rows8_q4_K_pairs, the float steps of rows_q4_K (lane r: token r) for both rows in one vector
+ * (lanes 0-3: row A's tokens, 4-7: row B's), so each (row, token) gets rows_q4_K's bits. Row A's
+ * token r lands in out[r * ldo], row B's in out[r * ldo + 1]. */
+static void rows2_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y, int64_t stride,
+                       float *out, int64_t ldo) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
+        const uint8_t *wb = w + rb;
+        const __m256i ms_a = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
+        const __m256i ms_b = _mm256_cvtepu8_epi16(scales_mins_k4(wb + 4));
+        const __m256i scales = _mm256_permute2x128_si256(ms_a, ms_b, 0x20);
+        const __m256i mins = _mm256_permute2x128_si256(ms_a, ms_b, 0x31);
+        __m256i sumi[KQ_NT], imin[KQ_NT];
+        for (int t = 0; t < KQ_NT; ++t) sumi[t] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 64; ++j) {
+            const uint8_t *qa = w + 16 + 32 * j, *qb = wb + 16 + 32 * j;
+            const __m256i v0 = _mm256_loadu2_m128i((const __m128i *)qb, (const __m128i *)qa);
+            const __m256i v1 =
+                _mm256_loadu2_m128i((const __m128i *)(qb + 16), (const __m128i *)(qa + 16));
+            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
+            for (int t = 0; t < KQ_NT; ++t) {
+                const __m128i *q8 = (const __m128i *)(y + t * stride + Q8_K_QS + 64 * j);
+                const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l0, both(q8)),
+                                                    _mm256_maddubs_epi16(l1, both(q8 + 1)));
+                const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(h0, both(q8 + 2)),
+                                                    _mm256_maddubs_epi16(h1, both(q8 + 3)));
+                sumi[t] = KQ_MADD_ADD(KQ_MADD_ADD(sumi[t], pl, scale_l), ph, scale_h);
+            }
+        }
+        float yd[KQ_NT];
+        for (int t = 0; t < KQ_NT; ++t) {
+            const __m256i q8sums =
+                _mm256_loadu_si256((const __m256i *)(y + t * stride + Q8_K_BSUMS));
+            const __m128i bs = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
+                                              _mm256_extracti128_si256(q8sums, 1));
+            imin[t] = _mm256_madd_epi16(mins, _mm256_set_m128i(bs, bs));
+            yd[t] = f32_at(y + t * stride);
+        }
+        /* lanes 0-3: row A's totals for tokens 0-3, lanes 4-7: row B's */
+        const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(sumi[0], sumi[1]),
+                                               _mm256_hadd_epi32(sumi[2], sumi[3]));
+        const __m256i msum = _mm256_hadd_epi32(_mm256_hadd_epi32(imin[0], imin[1]),
+                                               _mm256_hadd_epi32(imin[2], imin[3]));
+        const __m128 y4 = _mm_loadu_ps(yd);
+        const __m256 yds = _mm256_set_m128(y4, y4);
+        const __m256 wd = _mm256_set_m128(_mm_set1_ps(fp16_at(wb)), _mm_set1_ps(fp16_at(w)));
+        const __m256 wmin =
+            _mm256_set_m128(_mm_set1_ps(fp16_at(wb + 2)), _mm_set1_ps(fp16_at(w + 2)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(yds, wd), acc);
+        acc_m = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(yds, wmin), acc_m);
+    }
+    float all[8];
+    _mm256_storeu_ps(all, _mm256_sub_ps(acc, acc_m));
+    for (int t = 0; t < KQ_NT; ++t) {
+        out[t * ldo] = all[t];
+        out[t * ldo + 1] = all[4 + t];
+    }
+}
 #endif /* KQ_AVX2 */
 
 #if defined(KQ_AVX2)
@@ -1208,6 +1273,23 @@ void meshd_rows8_q4_K_q8_K_nt(int64_t n, const void *w, int64_t rb, const void *
     case 1: rows8_q4_K_1(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
     case 2: rows8_q4_K_2(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
     default: rows8_q4_K_3(nb, wb, rb, y, stride, out, ldo, a, ahead_bytes, stream); break;
+    }
+#endif
+}
+
+/* Rows 0 and 1 (row 1 at w + rb bytes) against KQ_NT tokens (token t's Q8_K row at
+ * x + t * stride): row r's token t in out[t * ldo + r], what meshd_rows_q4_K_q8_K gives, bit for
+ * bit. The AVX2 build computes the two rows together (rows2_q4_K); blocks.c calls this there. */
+void meshd_rows2_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
+                           float *out, int64_t ldo) {
+    const uint8_t *wb = (const uint8_t *)w, *y = (const uint8_t *)x;
+#if defined(KQ_PAIRED)
+    rows2_q4_K(n / QK_K, wb, rb, y, stride, out, ldo);
+#else
+    float o[KQ_NT];
+    for (int r = 0; r < 2; ++r) {
+        rows_q4_K_n(n / QK_K, wb + r * rb, y, stride, KQ_NT, o);
+        for (int t = 0; t < KQ_NT; ++t) out[t * ldo + r] = o[t];
     }
 #endif
 }
