@@ -77,8 +77,15 @@ static void rms_norm_row(const float *x, int64_t k, const float *weight, float e
 
 /* A product's prologue for rows x [m, k] (SwiGLU when `glu`: x is [m, 2k], gate then up; else
  * the RMS norm with `norm_weight`) into y [m, k]. */
+/* Rows per prologue below which it stays on the calling thread (a decode step's one row, a
+ * short window): the threads' hand-off costs more than the rows. */
+#define PROLOGUE_SPLIT_ROWS 16
+
 static void prologue_rows(const float *x, int64_t m, int64_t k, const float *norm_weight,
-                          float eps, int glu, float *y) {
+                          float eps, int glu, float *y, int threads) {
+    /* Each row is computed alike on any thread: the split changes no bit. */
+    const int at = m >= PROLOGUE_SPLIT_ROWS ? threads : 1;
+#pragma omp parallel for schedule(static) num_threads(at) if (at > 1)
     for (int64_t r = 0; r < m; r++) {
         if (glu)
             swiglu_row(x + r * 2 * k, k, y + r * k);
@@ -163,7 +170,7 @@ int meshd_f32_mm(const float *x, int64_t m, int64_t k, const float *w, int64_t l
     if (glu || norm_weight != NULL) {
         xs = (float *)malloc((size_t)(m * k) * sizeof(float));
         if (xs == NULL) return -1;
-        prologue_rows(x, m, k, norm_weight, eps, glu, xs);
+        prologue_rows(x, m, k, norm_weight, eps, glu, xs, threads);
         x = xs;
     }
     if (transposed) {
@@ -313,7 +320,7 @@ static int blocks_mm(const meshd_matrix *w, const float *x, int64_t m, float *ou
     if ((norm != NULL || glu) && rows == NULL) return -1;
     const float *xin = x;
     if (rows != NULL) {
-        prologue_rows(x, m, k, norm, eps, glu, rows);
+        prologue_rows(x, m, k, norm, eps, glu, rows, threads);
         xin = rows;
     }
     const meshd_blocks_parts_fn mm = (meshd_blocks_parts_fn)w->scales;
@@ -390,6 +397,8 @@ int meshd_layers(const meshd_layer *layers, int64_t n_layers, const meshd_dims *
         failed |= matrix_mm(&w->qkv, x, t, qkv, NULL, w->input_norm, d->eps, 0, threads);
         if (failed) break;
         add_bias(qkv, t, width, w->bqkv);
+        const int rt = t >= PROLOGUE_SPLIT_ROWS ? threads : 1;
+#pragma omp parallel for schedule(static) num_threads(rt) if (rt > 1)
         for (int64_t r = 0; r < t; r++) {
             float *row = qkv + r * width;
             rope_heads(row, nh + nkv, hd, rope[r]);
