@@ -75,12 +75,13 @@ static void rms_norm_row(const float *x, int64_t k, const float *weight, float e
     }
 }
 
-/* A product's prologue for rows x [m, k] (SwiGLU when `glu`: x is [m, 2k], gate then up; else
- * the RMS norm with `norm_weight`) into y [m, k]. */
-/* Rows per prologue below which it stays on the calling thread (a decode step's one row, a
- * short window): the threads' hand-off costs more than the rows. */
+/* Rows from which a prologue (and a layer's RoPE) splits over the threads: a decode step's row
+ * and short verify windows stay on the calling thread, with no hand-off; a prefill's rows split
+ * (16: not tuned; docs/benchmarks.md, "AVX2 prefill against llama.cpp built without AVX-512"). */
 #define PROLOGUE_SPLIT_ROWS 16
 
+/* A product's prologue for rows x [m, k] (SwiGLU when `glu`: x is [m, 2k], gate then up; else
+ * the RMS norm with `norm_weight`) into y [m, k]. */
 static void prologue_rows(const float *x, int64_t m, int64_t k, const float *norm_weight,
                           float eps, int glu, float *y, int threads) {
     /* Each row is computed alike on any thread: the split changes no bit. */
