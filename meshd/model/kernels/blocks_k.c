@@ -613,6 +613,44 @@ static inline __m128i halves(__m256i v, int high) {
  * as it starts, a longer one block by block as it goes, since a burst longer than the core's
  * queue of misses stalls the loads behind it. */
 #define KQ_BURST 1024
+
+/* Requests `bytes` at p ahead of their use: into L2 where `stream`, else into L1. */
+static inline __attribute__((always_inline)) void request(const uint8_t *p, int64_t bytes,
+                                                         int stream) {
+    for (int64_t off = 0; off < bytes; off += 64) {
+        if (stream)
+            __builtin_prefetch(p + off, 0, 1);
+        else
+            __builtin_prefetch(p + off, 0, 3);
+    }
+}
+
+/* A Q8_K block's 16 block sums as 8 sums of pairs (the mins' multipliers, as ggml pairs them). */
+static inline __m128i bsum_pairs(const uint8_t *yb) {
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i *)(yb + Q8_K_BSUMS));
+    return _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+}
+
+/* One super-block's float steps for eight rows against nt tokens (token t's Q8_K block at
+ * yb + t * stride): lane r of tot[t] / mtot[t] holds a row's exact totals of scales x codes and
+ * of mins x block sums, row_at that row's byte offset from `blocks` (its d and dmin are the
+ * first 4 bytes there); per (row, token) rows_q4_K's steps, in its order. */
+static inline __attribute__((always_inline)) void float_steps8(const uint8_t *blocks,
+                                                              __m256i row_at, const uint8_t *yb,
+                                                              int64_t stride, int nt,
+                                                              const __m256i *tot,
+                                                              const __m256i *mtot, __m256 *acc,
+                                                              __m256 *acc_m) {
+    const __m256i dm = _mm256_i32gather_epi32((const int *)blocks, row_at, 1);
+    const __m256 wd = _mm256_cvtph_ps(halves(dm, 0)), wmin = _mm256_cvtph_ps(halves(dm, 1));
+    for (int t = 0; t < nt; ++t) {
+        const __m256 yd = _mm256_set1_ps(f32_at(yb + t * stride));
+        const __m256 d = _mm256_mul_ps(yd, wd), dmin = _mm256_mul_ps(yd, wmin);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[t]), d, acc[t]);
+        acc_m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mtot[t]), dmin, acc_m[t]);
+    }
+}
+
 static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const uint8_t *w,
                                                             int64_t rb, const uint8_t *y,
                                                             int64_t stride, int nt, float *out,
@@ -630,30 +668,13 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
         const int span = nb - i0 < KQ_SPAN ? (int)(nb - i0) : KQ_SPAN;
         const uint8_t *ys = y + i0 * Q8_K_BYTES;
         for (int t = 0; t < nt; ++t)
-            for (int i = 0; i < span; ++i) {
-                const __m256i q8sums = _mm256_loadu_si256(
-                    (const __m256i *)(ys + t * stride + i * Q8_K_BYTES + Q8_K_BSUMS));
-                bsums[t][i] = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
-                                             _mm256_extracti128_si256(q8sums, 1));
-            }
+            for (int i = 0; i < span; ++i) bsums[t][i] = bsum_pairs(ys + t * stride + i * Q8_K_BYTES);
         for (int r = 0; r < 8; ++r) {
-            if (!smooth && i0 == 0)
-                for (int64_t off = 0; off < ahead_bytes; off += 64) {
-                    if (stream)
-                        __builtin_prefetch(ahead + r * rb + off, 0, 1);
-                    else
-                        __builtin_prefetch(ahead + r * rb + off, 0, 3);
-                }
+            if (!smooth && i0 == 0) request(ahead + r * rb, ahead_bytes, stream);
             const uint8_t *blk = w + r * rb + i0 * Q4_K_BYTES;
             const uint8_t *later = ahead + r * rb + i0 * Q4_K_BYTES;
             for (int i = 0; i < span; ++i, blk += Q4_K_BYTES, later += Q4_K_BYTES) {
-                if (smooth && ahead_bytes > 0)
-                    for (int off = 0; off < Q4_K_BYTES; off += 64) {
-                        if (stream)
-                            __builtin_prefetch(later + off, 0, 1);
-                        else
-                            __builtin_prefetch(later + off, 0, 3);
-                    }
+                if (smooth && ahead_bytes > 0) request(later, Q4_K_BYTES, stream);
                 const __m256i mins_and_scales = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
                 const __m256i scales = _mm256_permute4x64_epi64(mins_and_scales, 0x44);
                 const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
@@ -681,17 +702,13 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
             }
         }
         for (int i = 0; i < span; ++i) {
-            /* d and dmin of the eight blocks: the first 4 bytes of each */
-            const uint8_t *blocks = w + (i0 + i) * Q4_K_BYTES;
-            const __m256i dm = _mm256_i32gather_epi32((const int *)blocks, row_at, 1);
-            const __m256 wd = _mm256_cvtph_ps(halves(dm, 0)), wmin = _mm256_cvtph_ps(halves(dm, 1));
+            __m256i tot[KQ8_NT], mtot[KQ8_NT];
             for (int t = 0; t < nt; ++t) {
-                const __m256 yd = _mm256_set1_ps(f32_at(ys + t * stride + i * Q8_K_BYTES));
-                const __m256 d = _mm256_mul_ps(yd, wd), dmin = _mm256_mul_ps(yd, wmin);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_8(isum[t][i])), d, acc[t]);
-                acc_m[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_4(imin[t][i])), dmin, acc_m[t]);
+                tot[t] = sum_each_8(isum[t][i]);
+                mtot[t] = sum_each_4(imin[t][i]);
             }
+            float_steps8(w + (i0 + i) * Q4_K_BYTES, row_at, ys + i * Q8_K_BYTES, stride, nt, tot,
+                         mtot, acc, acc_m);
         }
     }
     for (int t = 0; t < nt; ++t) _mm256_storeu_ps(out + t * ldo, _mm256_sub_ps(acc[t], acc_m[t]));
@@ -721,10 +738,44 @@ static inline __m256i both(const __m128i *p) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(p));
 }
 
+/* The Q4_K blocks of rows A and B: [A's 8 scales | B's], [A's 8 mins | B's], as int16. */
+static inline void pair_scales(const uint8_t *a, const uint8_t *b, __m256i *scales,
+                               __m256i *mins) {
+    const __m256i ms_a = _mm256_cvtepu8_epi16(scales_mins_k4(a + 4));
+    const __m256i ms_b = _mm256_cvtepu8_epi16(scales_mins_k4(b + 4));
+    *scales = _mm256_permute2x128_si256(ms_a, ms_b, 0x20);
+    *mins = _mm256_permute2x128_si256(ms_a, ms_b, 0x31);
+}
+
+/* 64-value step j of the blocks at a and b: c[0] and c[1] hold values 0-15 and 16-31 of its
+ * first 32-value chunk (both rows), c[2] and c[3] those of its second. */
+static inline __attribute__((always_inline)) void pair_codes(const uint8_t *a, const uint8_t *b,
+                                                            int j, __m256i c[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const uint8_t *qa = a + 16 + 32 * j, *qb = b + 16 + 32 * j;
+    const __m256i v0 = _mm256_loadu2_m128i((const __m128i *)qb, (const __m128i *)qa);
+    const __m256i v1 = _mm256_loadu2_m128i((const __m128i *)(qb + 16), (const __m128i *)(qa + 16));
+    c[0] = _mm256_and_si256(v0, m4);
+    c[1] = _mm256_and_si256(v1, m4);
+    c[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+    c[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+}
+
+/* Step j's int16 sums against one token's Q8_K block yb: *pl the first chunk's, *ph the
+ * second's (each one scale). */
+static inline __attribute__((always_inline)) void pair_products(const __m256i c[4],
+                                                               const uint8_t *yb, int j,
+                                                               __m256i *pl, __m256i *ph) {
+    const __m128i *q8 = (const __m128i *)(yb + Q8_K_QS + 64 * j);
+    *pl = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], both(q8)),
+                           _mm256_maddubs_epi16(c[1], both(q8 + 1)));
+    *ph = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], both(q8 + 2)),
+                           _mm256_maddubs_epi16(c[3], both(q8 + 3)));
+}
+
 static inline __attribute__((always_inline)) void rows8_q4_K_pairs(
     int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y, int64_t stride, int nt,
     float *out, int64_t ldo, const uint8_t *ahead, int64_t ahead_bytes, int stream, int smooth) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     const int32_t b = (int32_t)rb;
     /* d and dmin gathered in sum_pairs' row order, the outputs put back in order at the end */
     const __m256i row_at = _mm256_setr_epi32(0, 2 * b, 4 * b, 6 * b, b, 3 * b, 5 * b, 7 * b);
@@ -736,67 +787,38 @@ static inline __attribute__((always_inline)) void rows8_q4_K_pairs(
         const uint8_t *ys = y + i0 * Q8_K_BYTES;
         for (int t = 0; t < nt; ++t)
             for (int i = 0; i < span; ++i) {
-                const __m256i q8sums = _mm256_loadu_si256(
-                    (const __m256i *)(ys + t * stride + i * Q8_K_BYTES + Q8_K_BSUMS));
-                const __m128i s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
-                                                 _mm256_extracti128_si256(q8sums, 1));
+                const __m128i s = bsum_pairs(ys + t * stride + i * Q8_K_BYTES);
                 bsums[t][i] = _mm256_set_m128i(s, s);
             }
         for (int p = 0; p < 4; ++p) {
-            const int64_t ra = 2 * p * rb, rbb = ra + rb;
+            /* row A's and row B's lines in turn, as rows8_q4_K requests one row's */
             if (!smooth && i0 == 0)
                 for (int64_t off = 0; off < ahead_bytes; off += 64) {
-                    if (stream) {
-                        __builtin_prefetch(ahead + ra + off, 0, 1);
-                        __builtin_prefetch(ahead + rbb + off, 0, 1);
-                    } else {
-                        __builtin_prefetch(ahead + ra + off, 0, 3);
-                        __builtin_prefetch(ahead + rbb + off, 0, 3);
-                    }
+                    request(ahead + 2 * p * rb + off, 1, stream);
+                    request(ahead + (2 * p + 1) * rb + off, 1, stream);
                 }
-            const uint8_t *blk = w + ra + i0 * Q4_K_BYTES;
-            const uint8_t *later = ahead + ra + i0 * Q4_K_BYTES;
+            const uint8_t *blk = w + 2 * p * rb + i0 * Q4_K_BYTES;
+            const uint8_t *later = ahead + 2 * p * rb + i0 * Q4_K_BYTES;
             for (int i = 0; i < span; ++i, blk += Q4_K_BYTES, later += Q4_K_BYTES) {
-                if (smooth && ahead_bytes > 0)
-                    for (int off = 0; off < Q4_K_BYTES; off += 64) {
-                        if (stream) {
-                            __builtin_prefetch(later + off, 0, 1);
-                            __builtin_prefetch(later + rb + off, 0, 1);
-                        } else {
-                            __builtin_prefetch(later + off, 0, 3);
-                            __builtin_prefetch(later + rb + off, 0, 3);
-                        }
-                    }
-                const uint8_t *blk_b = blk + rb;
-                const __m256i ms_a = _mm256_cvtepu8_epi16(scales_mins_k4(blk + 4));
-                const __m256i ms_b = _mm256_cvtepu8_epi16(scales_mins_k4(blk_b + 4));
-                /* [A's 8 scales | B's 8 scales], [A's 8 mins | B's 8 mins] */
-                const __m256i scales = _mm256_permute2x128_si256(ms_a, ms_b, 0x20);
-                const __m256i mins = _mm256_permute2x128_si256(ms_a, ms_b, 0x31);
+                if (smooth && ahead_bytes > 0) {
+                    request(later, Q4_K_BYTES, stream);
+                    request(later + rb, Q4_K_BYTES, stream);
+                }
+                __m256i scales, mins;
+                pair_scales(blk, blk + rb, &scales, &mins);
                 __m256i s0[KQ8_NT], s1[KQ8_NT];
                 for (int t = 0; t < nt; ++t) {
                     imin[t][i][p] = _mm256_madd_epi16(mins, bsums[t][i]);
                     s0[t] = s1[t] = _mm256_setzero_si256();
                 }
                 for (int j = 0; j < QK_K / 64; ++j) {
-                    const uint8_t *qa = blk + 16 + 32 * j, *qb = blk_b + 16 + 32 * j;
-                    const __m256i v0 = _mm256_loadu2_m128i((const __m128i *)qb,
-                                                           (const __m128i *)qa);
-                    const __m256i v1 = _mm256_loadu2_m128i((const __m128i *)(qb + 16),
-                                                           (const __m128i *)(qa + 16));
-                    const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
-                    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-                    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+                    __m256i c[4];
+                    pair_codes(blk, blk + rb, j, c);
                     const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
                     const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
                     for (int t = 0; t < nt; ++t) {
-                        /* the chunk's activation bytes 0-15, 16-31, 32-47, 48-63: q8[0..3] */
-                        const __m128i *q8 = (const __m128i *)(ys + t * stride + i * Q8_K_BYTES +
-                                                              Q8_K_QS + 64 * j);
-                        const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l0, both(q8)),
-                                                            _mm256_maddubs_epi16(l1, both(q8 + 1)));
-                        const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(h0, both(q8 + 2)),
-                                                            _mm256_maddubs_epi16(h1, both(q8 + 3)));
+                        __m256i pl, ph;
+                        pair_products(c, ys + t * stride + i * Q8_K_BYTES, j, &pl, &ph);
                         s0[t] = KQ_MADD_ADD(s0[t], pl, scale_l);
                         s1[t] = KQ_MADD_ADD(s1[t], ph, scale_h);
                     }
@@ -805,16 +827,13 @@ static inline __attribute__((always_inline)) void rows8_q4_K_pairs(
             }
         }
         for (int i = 0; i < span; ++i) {
-            const uint8_t *blocks = w + (i0 + i) * Q4_K_BYTES;
-            const __m256i dm = _mm256_i32gather_epi32((const int *)blocks, row_at, 1);
-            const __m256 wd = _mm256_cvtph_ps(halves(dm, 0)), wmin = _mm256_cvtph_ps(halves(dm, 1));
+            __m256i tot[KQ8_NT], mtot[KQ8_NT];
             for (int t = 0; t < nt; ++t) {
-                const __m256 yd = _mm256_set1_ps(f32_at(ys + t * stride + i * Q8_K_BYTES));
-                const __m256 d = _mm256_mul_ps(yd, wd), dmin = _mm256_mul_ps(yd, wmin);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_pairs(isum[t][i])), d, acc[t]);
-                acc_m[t] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_pairs(imin[t][i])), dmin, acc_m[t]);
+                tot[t] = sum_pairs(isum[t][i]);
+                mtot[t] = sum_pairs(imin[t][i]);
             }
+            float_steps8(w + (i0 + i) * Q4_K_BYTES, row_at, ys + i * Q8_K_BYTES, stride, nt, tot,
+                         mtot, acc, acc_m);
         }
     }
     const __m256i rows = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -829,49 +848,32 @@ static inline __attribute__((always_inline)) void rows8_q4_K_pairs(
  * token r lands in out[r * ldo], row B's in out[r * ldo + 1]. */
 static void rows2_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y, int64_t stride,
                        float *out, int64_t ldo) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++, w += Q4_K_BYTES, y += Q8_K_BYTES) {
         const uint8_t *wb = w + rb;
-        const __m256i ms_a = _mm256_cvtepu8_epi16(scales_mins_k4(w + 4));
-        const __m256i ms_b = _mm256_cvtepu8_epi16(scales_mins_k4(wb + 4));
-        const __m256i scales = _mm256_permute2x128_si256(ms_a, ms_b, 0x20);
-        const __m256i mins = _mm256_permute2x128_si256(ms_a, ms_b, 0x31);
+        __m256i scales, mins;
+        pair_scales(w, wb, &scales, &mins);
         __m256i sumi[KQ_NT], imin[KQ_NT];
         for (int t = 0; t < KQ_NT; ++t) sumi[t] = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 64; ++j) {
-            const uint8_t *qa = w + 16 + 32 * j, *qb = wb + 16 + 32 * j;
-            const __m256i v0 = _mm256_loadu2_m128i((const __m128i *)qb, (const __m128i *)qa);
-            const __m256i v1 =
-                _mm256_loadu2_m128i((const __m128i *)(qb + 16), (const __m128i *)(qa + 16));
-            const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
-            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            __m256i c[4];
+            pair_codes(w, wb, j, c);
             const __m256i scale_l = _mm256_shuffle_epi8(scales, word_index(2 * j));
             const __m256i scale_h = _mm256_shuffle_epi8(scales, word_index(2 * j + 1));
             for (int t = 0; t < KQ_NT; ++t) {
-                const __m128i *q8 = (const __m128i *)(y + t * stride + Q8_K_QS + 64 * j);
-                const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(l0, both(q8)),
-                                                    _mm256_maddubs_epi16(l1, both(q8 + 1)));
-                const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(h0, both(q8 + 2)),
-                                                    _mm256_maddubs_epi16(h1, both(q8 + 3)));
+                __m256i pl, ph;
+                pair_products(c, y + t * stride, j, &pl, &ph);
                 sumi[t] = KQ_MADD_ADD(KQ_MADD_ADD(sumi[t], pl, scale_l), ph, scale_h);
             }
         }
         float yd[KQ_NT];
         for (int t = 0; t < KQ_NT; ++t) {
-            const __m256i q8sums =
-                _mm256_loadu_si256((const __m256i *)(y + t * stride + Q8_K_BSUMS));
-            const __m128i bs = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums),
-                                              _mm256_extracti128_si256(q8sums, 1));
+            const __m128i bs = bsum_pairs(y + t * stride);
             imin[t] = _mm256_madd_epi16(mins, _mm256_set_m128i(bs, bs));
             yd[t] = f32_at(y + t * stride);
         }
         /* lanes 0-3: row A's totals for tokens 0-3, lanes 4-7: row B's */
-        const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(sumi[0], sumi[1]),
-                                               _mm256_hadd_epi32(sumi[2], sumi[3]));
-        const __m256i msum = _mm256_hadd_epi32(_mm256_hadd_epi32(imin[0], imin[1]),
-                                               _mm256_hadd_epi32(imin[2], imin[3]));
+        const __m256i sums = sum_pairs(sumi), msum = sum_pairs(imin);
         const __m128 y4 = _mm_loadu_ps(yd);
         const __m256 yds = _mm256_set_m128(y4, y4);
         const __m256 wd = _mm256_set_m128(_mm_set1_ps(fp16_at(wb)), _mm_set1_ps(fp16_at(w)));
