@@ -238,8 +238,16 @@ static inline int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
 #define ACT_XU(a, k) ((uint8_t *)((a) + align64(k) + align64(8 * ((k) / QK)) + 64 * ((k) / QK)))
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define ACT_XU_BYTES(k) align64(k)
+/* Then, per four blocks (a quad; blocks past the last: zeros), the Q4_0 tile's operands in its
+ * lane order (lane 4q + i: block q of the quad, for each of 4 rows i): int32 tot4[16] (-8 times
+ * the block's sum of codes) and float d4[16] (the block's d). */
+#define ACT_QUADS(k) (((k) / QK + 3) / 4)
+#define ACT_QUAD_BYTES(k) (128 * ACT_QUADS(k))
+#define ACT_TOT4(a, k) ((int32_t *)(ACT_XU(a, k) + ACT_XU_BYTES(k)))
+#define ACT_D4(a, k) ((float *)(ACT_TOT4(a, k) + 16 * ACT_QUADS(k)))
 #else
 #define ACT_XU_BYTES(k) 0
+#define ACT_QUAD_BYTES(k) 0
 #endif
 
 #if defined(__AVX2__)
@@ -255,7 +263,9 @@ static inline void store_offsets(__m256i codes, int32_t *off) {
 
 static int64_t act_stride(int type, int64_t k) {
     switch (act_kind(type)) {
-    case ACT_Q8: return align64(k) + align64(8 * (k / QK)) + 64 * (k / QK) + ACT_XU_BYTES(k);
+    case ACT_Q8:
+        return align64(k) + align64(8 * (k / QK)) + 64 * (k / QK) + ACT_XU_BYTES(k) +
+               ACT_QUAD_BYTES(k);
     case ACT_FLOAT: return align64(4 * k);
     case ACT_Q8K: return align64(k / QKK * Q8K_BYTES);
     default: return 0;
@@ -404,6 +414,18 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
         /* quantize_row_q8_1 (x86 and reference alike): s = fp16(sum * d), d unrounded. */
         s[b] = fp16(to_fp16((float)total * db));
     }
+#if defined(ACT_TOT4)
+    int32_t *tot4 = ACT_TOT4(act, k);
+    float *d4 = ACT_D4(act, k);
+    for (int64_t b = 0; b < 4 * ACT_QUADS(k); ++b) {
+        int32_t t = 0;
+        for (int l = 0; b < nb && l < 8; ++l) t += off[16 * b + l];
+        for (int i = 0; i < 4; ++i) {
+            tot4[16 * (b / 4) + 4 * (b % 4) + i] = t;
+            d4[16 * (b / 4) + 4 * (b % 4) + i] = b < nb ? d[b] : 0.0f;
+        }
+    }
+#endif
 }
 
 static void convert_act(int type, const float *x, int64_t k, uint8_t *act) {
@@ -831,6 +853,90 @@ static inline __attribute__((always_inline)) void tile512_quarters(int type, con
     }
 }
 
+/* Q4_0 on AVX-512, four blocks of up to 4 rows per step, each block summed to one integer
+ * before any float work, as llama.cpp's repacked gemv (ggml_gemv_q4_0_8x8_q8_0) does: per row
+ * and block one conversion and one FMA of (d_w * d_x), where ggml's vec_dot takes eight.
+ * A row's 4 blocks (72 bytes) come in as four broadcast loads that leave block q's 16 nibble
+ * bytes in quarter q, and one load of the row's first 64 bytes for the scales; one VPDPBUSD each for values 0-15 and 16-31 against the
+ * activation's codes in the same order, and quad_sums puts the 4 rows' block sums side by side
+ * (lane 4q + i: block q, row i), where the act's tot4 (the code offset 8 taken out, exact) and
+ * d4 line up with them. Row i thus keeps four fp32 sums, of the blocks 4j + q for q = 0..3,
+ * added as (q0 + q2) + (q1 + q3) at the end. The same sequence for every tile shape (absent
+ * rows: zero codes and scales; blocks past the row's end: masked loads, zeros), so batches
+ * match single steps. */
+static inline __attribute__((always_inline)) void tile512_quads(const uint8_t *const *wr, int nr,
+                                                               int64_t k, const uint8_t *act,
+                                                               int64_t stride, int nt, float *out,
+                                                               int64_t ldo, const int stream) {
+    const int64_t nb = k / QK;
+    /* Word 4q + i: row i's d of block q (word 9q of its first load); rows 0/1 from one permute,
+     * 2/3 from another, merged under the mask of words 2-3 of each four. */
+    const __m512i d01 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         32 + 27, 27, 0, 0, 32 + 18, 18, 0, 0, 32 + 9, 9, 0, 0, 32,
+                                         0);
+    const __m512i d23 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 32 + 27,
+                                         27, 0, 0, 32 + 18, 18, 0, 0, 32 + 9, 9, 0, 0, 32, 0, 0,
+                                         0);
+    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512 acc[NT_WIDE];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
+    for (int64_t b = 0; b < nb; b += 4) {
+        const int64_t nq = nb - b < 4 ? nb - b : 4;
+        __m512i head[4], w0[4], w1[4];
+        for (int i = 0; i < 4; ++i) {
+            if (i >= nr) {
+                head[i] = w0[i] = w1[i] = zero;
+                continue;
+            }
+            const uint8_t *p = wr[i] + b * 18;
+            if (ahead) {
+                PREFETCH_AHEAD(stream, p + ahead);
+                PREFETCH_AHEAD(stream, p + ahead + 64);
+            }
+            /* Quarter q: block q's 16 nibble bytes (broadcast loads: load ports only). */
+            __m512i n = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 2)));
+            if (nq == 4) {
+                head[i] = _mm512_loadu_si512((const void *)p);
+            } else {
+                head[i] = _mm512_maskz_loadu_epi8(((__mmask64)1 << (18 * nq)) - 1, p);
+                n = _mm512_maskz_mov_epi32(0x000F, n);
+            }
+            for (int q = 1; q < nq; ++q)
+                n = _mm512_mask_broadcast_i32x4(n, (__mmask16)(0xFu << (4 * q)),
+                                                _mm_loadu_si128((const __m128i *)(p + 18 * q + 2)));
+            w0[i] = _mm512_and_si512(n, low);
+            w1[i] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low);
+        }
+        __m512i dh = _mm512_permutex2var_epi16(head[0], d01, head[1]);
+        if (nr > 2)
+            dh = _mm512_mask_mov_epi16(dh, 0xCCCCCCCCu,
+                                       _mm512_permutex2var_epi16(head[2], d23, head[3]));
+        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dh));
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const int8_t *xq = ACT_Q(a) + code_at(b, 0);
+            /* The act's pair order: block pairs of [b lo, b+1 lo, b hi, b+1 hi] 16-byte runs. */
+            const __m512i x0 = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)xq)),
+                _mm256_load_si256((const __m256i *)(xq + 64)), 1);
+            const __m512i x1 = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(xq + 32))),
+                _mm256_load_si256((const __m256i *)(xq + 96)), 1);
+            __m512i s[4];
+            for (int i = 0; i < 4; ++i)
+                s[i] = i < nr ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0[i], x0), w1[i], x1)
+                              : zero;
+            const __m512i sums = _mm512_add_epi32(
+                quad_sums(s[0], s[1], s[2], s[3]),
+                _mm512_load_si512((const void *)(ACT_TOT4(a, k) + 4 * b)));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_load_ps(ACT_D4(a, k) + 4 * b));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < nt; ++r) quad_store(acc[r], acc[r], 0, nr, out + r * ldo);
+}
+
 /* The [d, m] halves of rows 0..nr-1 at blocks b and b+1 (`at` = b's byte offset; absent rows
  * and an absent b+1: zeros) as floats: (row i, b) in lanes 2i, 2i+1, (row i, b+1) in 8+2i, 9+2i.
  * Eight dword loads put together, not a gather: on the measured Xeon a gather of eight cost
@@ -854,7 +960,11 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo, const int stream) {
-    if (type == T_Q4_0 || type == T_Q5_0) {
+    if (type == T_Q4_0) {
+        tile512_quads(wr, nr, k, act, stride, nt, out, ldo, stream);
+        return;
+    }
+    if (type == T_Q5_0) {
         tile512_quarters(type, wr, nr, k, act, stride, nt, out, ldo, stream);
         return;
     }
