@@ -854,16 +854,16 @@ static inline __attribute__((always_inline)) void tile512_quarters(int type, con
 }
 
 /* Q4_0 on AVX-512, four blocks of up to 4 rows per step, each block summed to one integer
- * before any float work, as llama.cpp's repacked gemv (ggml_gemv_q4_0_8x8_q8_0) does: per row
- * and block one conversion and one FMA of (d_w * d_x), where ggml's vec_dot takes eight.
- * A row's 4 blocks (72 bytes) come in as four broadcast loads that leave block q's 16 nibble
- * bytes in quarter q, and one load of the row's first 64 bytes for the scales; one VPDPBUSD each for values 0-15 and 16-31 against the
- * activation's codes in the same order, and quad_sums puts the 4 rows' block sums side by side
- * (lane 4q + i: block q, row i), where the act's tot4 (the code offset 8 taken out, exact) and
- * d4 line up with them. Row i thus keeps four fp32 sums, of the blocks 4j + q for q = 0..3,
- * added as (q0 + q2) + (q1 + q3) at the end. The same sequence for every tile shape (absent
- * rows: zero codes and scales; blocks past the row's end: masked loads, zeros), so batches
- * match single steps. */
+ * before any float work, as llama.cpp's repacked gemv (ggml_gemv_q4_0_8x8_q8_0) does: one
+ * conversion and one FMA of (d_w * d_x) per 16 (row, block) sums, where ggml's vec_dot takes
+ * eight lanes of each. A row's 4 blocks (72 bytes) come in as four broadcast loads that leave
+ * block q's 16 nibble bytes in quarter q, plus one load of its first 64 bytes for the scales;
+ * one VPDPBUSD each for values 0-15 and 16-31 against the activation's codes in the same
+ * order, and quad_sums puts the 4 rows' block sums side by side (lane 4q + i: block q, row i),
+ * where the act's tot4 (the code offset 8 taken out, exact) and d4 line up with them. Row i
+ * thus keeps four fp32 sums, of the blocks 4j + q for q = 0..3, added as (q0 + q2) + (q1 + q3)
+ * at the end. The same sequence for every tile shape (absent rows: zero codes and scales;
+ * blocks past the row's end: masked loads, zeros), so batches match single steps. */
 static inline __attribute__((always_inline)) void tile512_quads(const uint8_t *const *wr, int nr,
                                                                int64_t k, const uint8_t *act,
                                                                int64_t stride, int nt, float *out,
