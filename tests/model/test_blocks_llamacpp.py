@@ -97,16 +97,16 @@ def test_every_path_multiplies_real_activations_as_llamacpp_does(
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_0, T.Q4_1, T.Q5_1, T.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("k", [96, 544, 1568])
-def test_the_simd_paths_give_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T, k: int) -> None:
-    # Q5_0 on both SIMD paths, and every 32-element format on avx2, run ggml's AVX2 vec_dot
-    # sequence (eight signed int32 lanes per block, one FMA per lane, its horizontal sum), so a
-    # product is the one llama.cpp computes on x86 to the bit. With the code offset taken out
-    # of one lane only, Q4_0 at k = 96 was 46 (avx2) and 31 (avx512) eps of the sum of |terms|
-    # away from llama.cpp's arithmetic, whose own order is 14 eps from exact there.
+def test_the_avx2_path_gives_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T, k: int) -> None:
+    # Every 32-element format on avx2 runs ggml's AVX2 vec_dot sequence (eight signed int32
+    # lanes per block, one FMA per lane, its horizontal sum), so a product is the one llama.cpp
+    # computes on x86 to the bit. With the code offset taken out of one lane only, Q4_0 at
+    # k = 96 was 46 eps of the sum of |terms| away from llama.cpp's arithmetic, whose own order
+    # is 14 eps from exact there.
     if path == "portable":
         pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
-    if path == "avx512" and qtype != T.Q5_0:
-        pytest.skip("AVX-512's other tiles sum each block (Q4_0) or block pair to one integer")
+    if path == "avx512":
+        pytest.skip("AVX-512's tiles sum each block (Q4_0, Q5_0) or block pair to one integer")
     rng = np.random.default_rng(int(qtype) * 10_000 + k)
     n_out = 37  # 4-row tiles and a 1-row tail
     w = rng.standard_normal((n_out, k)).astype(np.float32)
@@ -131,8 +131,8 @@ def test_q4_0_and_q5_0_are_the_bits_of_llamacpps_own_vec_dot(path: str, qtype: T
     # ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0, one row and token at a time.
     if path == "portable":
         pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
-    if path == "avx512" and qtype == T.Q4_0:
-        pytest.skip("AVX-512's Q4_0 sums each block to one integer (the repacked gemv, below)")
+    if path == "avx512":
+        pytest.skip("AVX-512's Q4_0/Q5_0 sum each block to one integer (the repacked gemv, below)")
     lib = ctypes.CDLL(_GGML_CPU[-1])
     lib.ggml_cpu_init()
     p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
@@ -191,8 +191,8 @@ def test_q4_K_decode_is_the_bits_of_llamacpps_repacked_gemv(path: str) -> None:
 )
 def test_avx512_q4_0_is_llamacpps_repacked_gemv_to_rounding(path: str) -> None:
     # llama.cpp decodes Q4_0 with ggml_gemv_q4_0_8x8_q8_0 on a repacked copy: each block summed
-    # to one integer, then one FMA of (d_w * d_x) per row and block. AVX-512's Q4_0 tile forms
-    # the same terms and keeps four partial sums per row (blocks 4j + q), so the two differ
+    # to one integer, then one FMA of (d_w * d_x) per row and block. AVX-512's Q4_0 tile (Q5_0's
+    # too) forms the same terms and keeps four partial sums per row (blocks 4j + q), so the two differ
     # only in the order of fp32 additions: a few eps of the sum of |terms|.
     if path != "avx512":
         pytest.skip("the other paths run ggml's vec_dot sequence (its bits, above)")

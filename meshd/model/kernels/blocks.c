@@ -213,9 +213,11 @@ int meshd_blocks_dequantizable(int type) { return block_elems(type) != 0; }
  *             float s[nb] (Q8_1's fp16 s = d * sum(q), widened); then, 64-byte aligned,
  *             int32 off[nb][2][8] (-8 and -16 times the sum of codes 4L..4L+3 of block b in
  *             lane L: Q4_0's and Q5_0's code offsets, taken out of each of ggml's eight int32
- *             lanes by the single-token tiles; loaded, not computed per tile); on AVX-512,
- *             then, uint8 xu[k] (q + 128 in q's order: the unsigned operand of the Q4_0/Q5_0
- *             tiles of several tokens, tile512_quarters).
+ *             lanes by the AVX2 tiles; loaded, not computed per tile); on AVX-512, then, per
+ *             four blocks (a quad; blocks past the last: zeros), the Q4_0/Q5_0 tiles'
+ *             operands in their lane order (lane 4q + i: block q of the quad, for each of 4
+ *             rows i, tile512_quads): int32 tot4[16] (-8 times the block's sum of codes) and
+ *             float d4[16] (the block's d).
  *   F16/BF16/F32: float v[k] (x rounded to fp16 / bf16 and widened: exact; F32: x itself).
  *   K-quants: k / 256 block_q8_K as blocks_k.c writes them.
  * The widened copies hold exactly the values ggml's blocks hold, in a layout that loads aligned. */
@@ -233,20 +235,14 @@ static int act_kind(int type) {
 
 static inline int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
 /* A Q8 act's off lanes (see above): block b's Q4_0 offsets at + 16 * b, Q5_0's at + 16 * b + 8;
- * its xu codes (AVX-512 builds). */
+ * the quads' tot4 and d4 (AVX-512 builds). */
 #define ACT_OFF(a, k) ((int32_t *)((a) + align64(k) + align64(8 * ((k) / QK))))
-#define ACT_XU(a, k) ((uint8_t *)((a) + align64(k) + align64(8 * ((k) / QK)) + 64 * ((k) / QK)))
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define ACT_XU_BYTES(k) align64(k)
-/* Then, per four blocks (a quad; blocks past the last: zeros), the Q4_0 tile's operands in its
- * lane order (lane 4q + i: block q of the quad, for each of 4 rows i): int32 tot4[16] (-8 times
- * the block's sum of codes) and float d4[16] (the block's d). */
 #define ACT_QUADS(k) (((k) / QK + 3) / 4)
 #define ACT_QUAD_BYTES(k) (128 * ACT_QUADS(k))
-#define ACT_TOT4(a, k) ((int32_t *)(ACT_XU(a, k) + ACT_XU_BYTES(k)))
+#define ACT_TOT4(a, k) (ACT_OFF(a, k) + 16 * ((k) / QK))
 #define ACT_D4(a, k) ((float *)(ACT_TOT4(a, k) + 16 * ACT_QUADS(k)))
 #else
-#define ACT_XU_BYTES(k) 0
 #define ACT_QUAD_BYTES(k) 0
 #endif
 
@@ -264,8 +260,7 @@ static inline void store_offsets(__m256i codes, int32_t *off) {
 static int64_t act_stride(int type, int64_t k) {
     switch (act_kind(type)) {
     case ACT_Q8:
-        return align64(k) + align64(8 * (k / QK)) + 64 * (k / QK) + ACT_XU_BYTES(k) +
-               ACT_QUAD_BYTES(k);
+        return align64(k) + align64(8 * (k / QK)) + 64 * (k / QK) + ACT_QUAD_BYTES(k);
     case ACT_FLOAT: return align64(4 * k);
     case ACT_Q8K: return align64(k / QKK * Q8K_BYTES);
     default: return 0;
@@ -306,8 +301,8 @@ static inline int64_t code_at(int64_t b, int j) { return b * QK + j; }
  * the same whatever the order, x * id is one rounding either way, and the conversion rounds to
  * nearest, ties to even, as round_even. Returns 0 without writing where the block holds a NaN
  * or an infinity (the scalar loop then runs: what comes out there depends on its order). */
-static inline int quantize_block16x2(const float *xb, int64_t b, int64_t nb, int8_t *q, float *d,
-                                     float *s, int32_t *off) {
+static inline int quantize_block16x2(const float *xb, int64_t b, int8_t *q, float *d, float *s,
+                                     int32_t *off) {
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
     const __m512 inf = _mm512_set1_ps(INFINITY);
@@ -329,18 +324,13 @@ static inline int quantize_block16x2(const float *xb, int64_t b, int64_t nb, int
     d[b] = fp16(to_fp16(db));
     s[b] = fp16(to_fp16((float)total * db));
     store_offsets(_mm256_set_m128i(q1, q0), off + 16 * b);
-    uint8_t *xu = (uint8_t *)(off + 16 * nb);
-    const __m128i flip = _mm_set1_epi8((char)0x80);
-    _mm_storeu_si128((__m128i *)(xu + code_at(b, 0)), _mm_xor_si128(q0, flip));
-    _mm_storeu_si128((__m128i *)(xu + code_at(b, 16)), _mm_xor_si128(q1, flip));
     return 1;
 }
 #define QUANTIZE_BLOCK quantize_block16x2
 #elif defined(__AVX2__)
 /* The same in 8 lanes (the AVX2 layout keeps a block's codes in order). */
-static inline int quantize_block8x4(const float *xb, int64_t b, int64_t nb, int8_t *q, float *d,
-                                    float *s, int32_t *off) {
-    (void)nb; /* AVX-512's xu codes only */
+static inline int quantize_block8x4(const float *xb, int64_t b, int8_t *q, float *d, float *s,
+                                    int32_t *off) {
     const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
     __m256 x[4], m = _mm256_setzero_ps();
     int finite = 0xFF;
@@ -393,7 +383,7 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
     for (int64_t b = 0; b < nb; ++b) {
         const float *xb = x + b * QK;
 #ifdef QUANTIZE_BLOCK
-        if (QUANTIZE_BLOCK(xb, b, nb, q, d, s, off)) continue;
+        if (QUANTIZE_BLOCK(xb, b, q, d, s, off)) continue;
 #endif
         float amax = 0.0f;
         /* ggml's MAX(amax, |x|) (a NaN never replaces amax, as there). */
@@ -408,7 +398,6 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
             if (j % 4 == 0) off[16 * b + j / 4] = off[16 * b + 8 + j / 4] = 0;
             off[16 * b + j / 4] -= 8 * v;
             off[16 * b + 8 + j / 4] -= 16 * v;
-            if (ACT_XU_BYTES(k)) ((uint8_t *)(off + 16 * nb))[code_at(b, j)] = (uint8_t)(v + 128);
         }
         d[b] = fp16(to_fp16(db));
         /* quantize_row_q8_1 (x86 and reference alike): s = fp16(sum * d), d unrounded. */
@@ -677,7 +666,7 @@ static inline __m256i nib_codes(const uint8_t *p) {
 }
 
 /* Blocks b and b+1 (b+1 absent: zeros) of a row as 64 code bytes in the PAIRED order: unsigned
- * codes for Q4_1/Q5_1, Q8_0's signed bytes (Q4_0/Q5_0 run tile512_quarters). */
+ * codes for Q4_1/Q5_1, Q8_0's signed bytes (Q4_0/Q5_0 run tile512_quads). */
 static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two) {
     const int off = type == T_Q4_1 ? 4 : 8;
     if (type == T_Q8_0) {
@@ -731,153 +720,52 @@ static inline void quad_store(__m512 acc, __m512 macc, int one, int nr, float *o
     for (int i = 0; i < nr; ++i) out[i] = o[i];
 }
 
-/* Block b of rows 0..nr-1 of Q4_0 (five = 0) or Q5_0, quarter i = row i: the unsigned codes of
- * values 0-15 in *w0 and 16-31 in *w1 (low nibbles, high nibbles; Q5_0's fifth bits added
- * under a byte mask), and each row's d in its quarter (the return value). Row 0's codes fill
- * every quarter first, rows 1-3 are merged over theirs: an absent row's quarter computes on row
- * 0's codes times a zero scale, which adds exact zeros. */
-static inline __attribute__((always_inline)) __m512 quarter_block(int five, const uint8_t *const *wr,
-                                                                 int nr, int64_t b, int64_t ahead,
-                                                                 const int stream, __m512i *w0,
-                                                                 __m512i *w1) {
-    const int64_t bb = five ? 22 : 18, at = five ? 6 : 2;
-    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+/* 16 bytes of each of blocks b..b+nq-1 of a row, block q's in quarter q (quarters past nq:
+ * zeros): one broadcast load each, load ports only. `at`: the bytes' offset in a block. */
+static inline __m512i quarter_loads(const uint8_t *p, int64_t bb, int64_t at, int64_t nq) {
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + at)));
+    if (nq < 4) v = _mm512_maskz_mov_epi32(0x000F, v);
+    for (int q = 1; q < nq; ++q)
+        v = _mm512_mask_broadcast_i32x4(v, (__mmask16)(0xFu << (4 * q)),
+                                        _mm_loadu_si128((const __m128i *)(p + bb * q + at)));
+    return v;
+}
+
+/* Q4_0 (five = 0) and Q5_0 on AVX-512, four blocks of up to 4 rows per step, each block summed
+ * to one integer before any float work, as llama.cpp's repacked gemv (ggml_gemv_q4_0_8x8_q8_0)
+ * does: one conversion and one FMA of (d_w * d_x) per 16 (row, block) sums, where ggml's
+ * vec_dot takes eight lanes of each. A row's 4 blocks come in as broadcast loads that leave
+ * block q's 16 nibble bytes in quarter q (Q5_0's fifth bits added under byte masks), one VPDPBUSD
+ * each for values 0-15 and 16-31 against the activation's codes in the same order, and
+ * quad_sums puts the 4 rows' block sums side by side (lane 4q + i: block q, row i), where the
+ * act's tot4 (the code offset 8, or 16, taken out, exact) and d4 line up with them. Row i thus
+ * keeps four fp32 sums, of the blocks 4j + q for q = 0..3, added as (q0 + q2) + (q1 + q3) at
+ * the end. The same sequence for every tile shape (absent rows: zero codes and scales; blocks
+ * past the row's end: masked loads, zeros), so batches match single steps. */
+static inline __attribute__((always_inline)) void tile512_quads(int five, const uint8_t *const *wr,
+                                                               int nr, int64_t k,
+                                                               const uint8_t *act, int64_t stride,
+                                                               int nt, float *out, int64_t ldo,
+                                                               const int stream) {
+    const int64_t nb = k / QK, bb = five ? 22 : 18;
+    /* Word 4q + i: row i's d of block q, at word 9q of Q4_0's head (the row's first 64 bytes)
+     * or word 8q of Q5_0's (each block's first 16 bytes in its quarter); rows 0/1 from one
+     * permute, 2/3 from another, merged under the mask of words 2-3 of each four. */
+    const short s1 = five ? 8 : 9, s2 = 2 * s1, s3 = 3 * s1;
+    const __m512i d01 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                         32 + s3, s3, 0, 0, 32 + s2, s2, 0, 0, 32 + s1, s1, 0, 0,
+                                         32, 0);
+    const __m512i d23 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 32 + s3,
+                                         s3, 0, 0, 32 + s2, s2, 0, 0, 32 + s1, s1, 0, 0, 32, 0, 0,
+                                         0);
     /* Q5_0, per quarter: byte j takes qh byte j / 8 (values 0-15: the block's bytes 2-3; 16-31:
-     * bytes 4-5) and is tested against bit j % 8; word 0 of each quarter is the row's d. */
+     * bytes 4-5) and is tested against bit j % 8. */
     const __m512i h_lo = _mm512_broadcast_i32x4(_mm_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2));
     const __m512i h_hi = _mm512_add_epi8(h_lo, _mm512_set1_epi8(2));
     const __m512i bit = _mm512_broadcast_i32x4(
         _mm_set_epi8(-128, 64, 32, 16, 8, 4, 2, 1, -128, 64, 32, 16, 8, 4, 2, 1));
-    const __m512i d_word = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 24, 24,
-                                            24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
-    const __m512i quarter_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(wr[0] + b * bb + at)));
-    __m512i head = _mm512_setzero_si512();
-    uint64_t d4 = 0;
-    for (int i = 0; i < nr; ++i) {
-        const uint8_t *p = wr[i] + b * bb;
-        if (ahead) PREFETCH_AHEAD(stream, p + ahead);
-        const __mmask16 q = (__mmask16)(0xFu << (4 * i));
-        if (i) v = _mm512_mask_broadcast_i32x4(v, q, _mm_loadu_si128((const __m128i *)(p + at)));
-        if (five)
-            head = _mm512_mask_broadcast_i32x4(head, q, _mm_loadu_si128((const __m128i *)p));
-        else
-            d4 |= (uint64_t)rd16(p) << (16 * i);
-    }
-    *w0 = _mm512_and_si512(v, low);
-    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    if (!five) /* Q4_0's 4 scales put together in a general register: no vector merges. */
-        return _mm512_permutexvar_ps(
-            quarter_of, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4))));
-    *w0 = _mm512_mask_add_epi8(
-        *w0, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_lo), bit), *w0, fifth);
-    *w1 = _mm512_mask_add_epi8(
-        *w1, _mm512_test_epi8_mask(_mm512_shuffle_epi8(head, h_hi), bit), *w1, fifth);
-    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_word, head)));
-}
-
-/* Q4_0 and Q5_0 on AVX-512, one block per step: quarter i of every vector is row i. A block's
- * 32 codes are laid out as 16 bytes per row (quarter_block), so the activation's values 0-15
- * (then 16-31) broadcast to the 4 quarters straight from memory and one VPDPBUSD covers 4 rows
- * x 16 values: no cross-row reduction per token. Row i's lane j of the first vector is ggml's
- * AVX2 lane j (values 4j..4j+3), of the second its lane 4 + j (16+4j..16+4j+3): the signed
- * sums, the code offset (8, 16) taken out per lane (exact, below). Each is converted, scaled by
- * d_w * d_x and accumulated with its own FMA, and the row is ggml's hsum_float_8: r_j = l_j +
- * l_4+j, then (r0 + r2) + (r1 + r3). So every (row, token) runs ggml's float sequence and the
- * bits are those of its ggml_vec_dot_q4_0_q8_0 / _q5_0_q8_0 (and of the avx2 path). The same
- * sequence for every tile shape (an absent row's quarter: a zero scale), so batches match
- * single steps. */
-static inline __attribute__((always_inline)) void tile512_quarters(int type, const uint8_t *const *wr,
-                                                                  int nr, int64_t k,
-                                                                  const uint8_t *act,
-                                                                  int64_t stride, int nt,
-                                                                  float *out, int64_t ldo,
-                                                                  const int stream) {
-    const int five = type == T_Q5_0;
-    const int64_t nb = k / QK;
-    __m512 acc0[NT_WIDE], acc1[NT_WIDE];
-    for (int r = 0; r < nt; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
-    const __m512i offset = _mm512_set1_epi8(five ? 16 : 8), minus128 = _mm512_set1_epi8(-128);
-    const __m512i base = _mm512_set1_epi32(five ? 8192 : 4096); /* 128 * 4 * offset */
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i w0, w1;
-        const __m512 dw = quarter_block(five, wr, nr, b, ahead, stream, &w0, &w1);
-        /* Several tokens: signed codes c = w - offset against the act's unsigned x + 128,
-         * sum c * (x + 128) = sum c * x + 128 * sum c, so each lane starts at -128 * sum c =
-         * 128 * 4 * offset - 128 * sum w (one VPDPBUSD of w against -128): the offset work is
-         * per block and row, not per token. One token: w against x, each lane starting at the
-         * act's -offset * sum x (loaded: no work per block). The same exact int32 lanes. */
-        __m512i init0 = base, init1 = base, c0 = w0, c1 = w1;
-        if (nt > 1) {
-            init0 = _mm512_dpbusd_epi32(base, w0, minus128);
-            init1 = _mm512_dpbusd_epi32(base, w1, minus128);
-            c0 = _mm512_sub_epi8(w0, offset);
-            c1 = _mm512_sub_epi8(w1, offset);
-        }
-        for (int r = 0; r < nt; ++r) {
-            const uint8_t *a = act + r * stride;
-            const float *d = ACT_D(a, k);
-            __m512i s0, s1;
-            if (nt > 1) {
-                const uint8_t *xu = ACT_XU(a, k);
-                s0 = _mm512_dpbusd_epi32(init0, _mm512_broadcast_i32x4(_mm_load_si128(
-                                                    (const __m128i *)(xu + code_at(b, 0)))),
-                                         c0);
-                s1 = _mm512_dpbusd_epi32(init1, _mm512_broadcast_i32x4(_mm_load_si128(
-                                                    (const __m128i *)(xu + code_at(b, 16)))),
-                                         c1);
-            } else {
-                const int8_t *xq = ACT_Q(a);
-                const int32_t *off = ACT_OFF(a, k) + 16 * b + (five ? 8 : 0);
-                s0 = _mm512_dpbusd_epi32(
-                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)off)), w0,
-                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + code_at(b, 0)))));
-                s1 = _mm512_dpbusd_epi32(
-                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(off + 4))), w1,
-                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(xq + code_at(b, 16)))));
-            }
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(d[b]));
-            acc0[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s0), acc0[r]);
-            acc1[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s1), acc1[r]);
-        }
-    }
-    const __m512i firsts = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-    for (int r = 0; r < nt; ++r) {
-        const __m512 h = _mm512_add_ps(acc1[r], acc0[r]);
-        const __m512 t = _mm512_add_ps(h, _mm512_permute_ps(h, 0x4E));
-        const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
-        float o[4];
-        _mm_storeu_ps(o, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, u)));
-        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[i];
-    }
-}
-
-/* Q4_0 on AVX-512, four blocks of up to 4 rows per step, each block summed to one integer
- * before any float work, as llama.cpp's repacked gemv (ggml_gemv_q4_0_8x8_q8_0) does: one
- * conversion and one FMA of (d_w * d_x) per 16 (row, block) sums, where ggml's vec_dot takes
- * eight lanes of each. A row's 4 blocks (72 bytes) come in as four broadcast loads that leave
- * block q's 16 nibble bytes in quarter q, plus one load of its first 64 bytes for the scales;
- * one VPDPBUSD each for values 0-15 and 16-31 against the activation's codes in the same
- * order, and quad_sums puts the 4 rows' block sums side by side (lane 4q + i: block q, row i),
- * where the act's tot4 (the code offset 8 taken out, exact) and d4 line up with them. Row i
- * thus keeps four fp32 sums, of the blocks 4j + q for q = 0..3, added as (q0 + q2) + (q1 + q3)
- * at the end. The same sequence for every tile shape (absent rows: zero codes and scales;
- * blocks past the row's end: masked loads, zeros), so batches match single steps. */
-static inline __attribute__((always_inline)) void tile512_quads(const uint8_t *const *wr, int nr,
-                                                               int64_t k, const uint8_t *act,
-                                                               int64_t stride, int nt, float *out,
-                                                               int64_t ldo, const int stream) {
-    const int64_t nb = k / QK;
-    /* Word 4q + i: row i's d of block q (word 9q of its first load); rows 0/1 from one permute,
-     * 2/3 from another, merged under the mask of words 2-3 of each four. */
-    const __m512i d01 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                         32 + 27, 27, 0, 0, 32 + 18, 18, 0, 0, 32 + 9, 9, 0, 0, 32,
-                                         0);
-    const __m512i d23 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 32 + 27,
-                                         27, 0, 0, 32 + 18, 18, 0, 0, 32 + 9, 9, 0, 0, 32, 0, 0,
-                                         0);
-    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    const __m512i zero = _mm512_setzero_si512();
     __m512 acc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = _mm512_setzero_ps();
     const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
@@ -889,24 +777,27 @@ static inline __attribute__((always_inline)) void tile512_quads(const uint8_t *c
                 head[i] = w0[i] = w1[i] = zero;
                 continue;
             }
-            const uint8_t *p = wr[i] + b * 18;
+            const uint8_t *p = wr[i] + b * bb;
             if (ahead) {
                 PREFETCH_AHEAD(stream, p + ahead);
                 PREFETCH_AHEAD(stream, p + ahead + 64);
             }
-            /* Quarter q: block q's 16 nibble bytes (broadcast loads: load ports only). */
-            __m512i n = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + 2)));
-            if (nq == 4) {
+            const __m512i n = quarter_loads(p, bb, five ? 6 : 2, nq);
+            w0[i] = _mm512_and_si512(n, low);
+            w1[i] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low);
+            if (five) {
+                head[i] = quarter_loads(p, bb, 0, nq);
+                w0[i] = _mm512_mask_add_epi8(
+                    w0[i], _mm512_test_epi8_mask(_mm512_shuffle_epi8(head[i], h_lo), bit), w0[i],
+                    fifth);
+                w1[i] = _mm512_mask_add_epi8(
+                    w1[i], _mm512_test_epi8_mask(_mm512_shuffle_epi8(head[i], h_hi), bit), w1[i],
+                    fifth);
+            } else if (nq == 4) {
                 head[i] = _mm512_loadu_si512((const void *)p);
             } else {
                 head[i] = _mm512_maskz_loadu_epi8(((__mmask64)1 << (18 * nq)) - 1, p);
-                n = _mm512_maskz_mov_epi32(0x000F, n);
             }
-            for (int q = 1; q < nq; ++q)
-                n = _mm512_mask_broadcast_i32x4(n, (__mmask16)(0xFu << (4 * q)),
-                                                _mm_loadu_si128((const __m128i *)(p + 18 * q + 2)));
-            w0[i] = _mm512_and_si512(n, low);
-            w1[i] = _mm512_and_si512(_mm512_srli_epi16(n, 4), low);
         }
         __m512i dh = _mm512_permutex2var_epi16(head[0], d01, head[1]);
         if (nr > 2)
@@ -927,9 +818,9 @@ static inline __attribute__((always_inline)) void tile512_quads(const uint8_t *c
             for (int i = 0; i < 4; ++i)
                 s[i] = i < nr ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0[i], x0), w1[i], x1)
                               : zero;
-            const __m512i sums = _mm512_add_epi32(
-                quad_sums(s[0], s[1], s[2], s[3]),
-                _mm512_load_si512((const void *)(ACT_TOT4(a, k) + 4 * b)));
+            __m512i off = _mm512_load_si512((const void *)(ACT_TOT4(a, k) + 4 * b));
+            if (five) off = _mm512_add_epi32(off, off);
+            const __m512i sums = _mm512_add_epi32(quad_sums(s[0], s[1], s[2], s[3]), off);
             const __m512 scale = _mm512_mul_ps(dw, _mm512_load_ps(ACT_D4(a, k) + 4 * b));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
         }
@@ -960,12 +851,8 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo, const int stream) {
-    if (type == T_Q4_0) {
-        tile512_quads(wr, nr, k, act, stride, nt, out, ldo, stream);
-        return;
-    }
-    if (type == T_Q5_0) {
-        tile512_quarters(type, wr, nr, k, act, stride, nt, out, ldo, stream);
+    if (type == T_Q4_0 || type == T_Q5_0) {
+        tile512_quads(type == T_Q5_0, wr, nr, k, act, stride, nt, out, ldo, stream);
         return;
     }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
@@ -1074,8 +961,8 @@ TILE_SET(T_Q5_1)
 TILE_SET(T_Q8_0)
 
 /* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight block serves twice the
- * tokens. Q5_0 and Q4_0 (tile512_quarters), whose per-block work (the codes, Q5_0's fifth bits,
- * the lane offsets) is the most to share; 0.5B-class Q4_K_M files hold most of their products
+ * tokens. Q5_0 and Q4_0 (tile512_quads), whose per-block work (the codes, Q5_0's fifth bits,
+ * the scales) is the most to share; 0.5B-class Q4_K_M files hold most of their products
  * in Q5_0 (docs/model-runtime.md). */
 #if defined(PAIRED)
 TILE_FN(T_Q5_0, 4, NT_WIDE)
