@@ -243,7 +243,10 @@ static inline int64_t align64(int64_t v) { return (v + 63) & ~(int64_t)63; }
 #define ACT_TOT4(a, k) (ACT_OFF(a, k) + 16 * ((k) / QK))
 #define ACT_D4(a, k) ((float *)(ACT_TOT4(a, k) + 16 * ACT_QUADS(k)))
 #else
-#define ACT_QUAD_BYTES(k) 0
+/* Then (AVX2 and portable builds) int32 tot[nb]: -8 times each block's sum of codes (the AVX2
+ * Q4_0 tile's code offset). */
+#define ACT_QUAD_BYTES(k) align64(4 * ((k) / QK))
+#define ACT_TOT(a, k) (ACT_OFF(a, k) + 16 * ((k) / QK))
 #endif
 
 #if defined(__AVX2__)
@@ -403,7 +406,13 @@ static void quantize_q8(const float *x, int64_t k, uint8_t *act) {
         /* quantize_row_q8_1 (x86 and reference alike): s = fp16(sum * d), d unrounded. */
         s[b] = fp16(to_fp16((float)total * db));
     }
-#if defined(ACT_TOT4)
+#if defined(ACT_TOT)
+    for (int64_t b = 0; b < nb; ++b) {
+        int32_t t = 0;
+        for (int l = 0; l < 8; ++l) t += off[16 * b + l];
+        ACT_TOT(act, k)[b] = t;
+    }
+#else
     int32_t *tot4 = ACT_TOT4(act, k);
     float *d4 = ACT_D4(act, k);
     for (int64_t b = 0; b < 4 * ACT_QUADS(k); ++b) {
@@ -479,6 +488,19 @@ static inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {
     /* maddubs pairs stay below 2 * 128 * 127 < 32768: no saturation for these formats. */
     const __m256i pairs = _mm256_maddubs_epi16(u, s);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* u0 * s0 + u1 * s1 summed in int32 lanes (unsigned u <= 15, as the nibble codes): exact.
+ * Without VNNI the two VPMADDUBSW results add in int16 (at most 2 * 2 * 15 * 128 = 7680)
+ * before one VPMADDWD. The lanes group the products differently with and without VNNI; their
+ * sum over a 128-bit half is the same. */
+static inline __m256i dot2_us(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return dot_us(dot_us(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -573,15 +595,84 @@ static inline __m256i blk_codes(int type, const uint8_t *p) {
     }
 }
 
+/* Q4_0 on AVX2 as llama.cpp's repacked gemv (ggml_gemv_q4_0_8x8_q8_0, what its AVX2 builds run
+ * for Q4_0 by default) computes it: each block of a row summed to one integer, then, per row
+ * and block, acc = fma(cvt(sum), d_w * d_x, acc), the row's output acc itself. Two rows share a
+ * vector (row 2j's 16 nibble bytes in the low half, row 2j+1's in the high half), so values
+ * 0-15 and 16-31 take one VPMADDUBSW each against the activation's halves broadcast, their
+ * int16 sums add exactly (at most 2 * 2 * 15 * 128 = 7680) before one VPMADDWD, and two
+ * horizontal adds leave the 4 rows' block sums in lanes [r0, r2, r0, r2 | r1, r3, r1, r3] (the
+ * code offset, -8 times the block's sum of x, added from the act's tot). One conversion, one
+ * multiply and one FMA then cover 4 rows. Every (row, token) runs that one sequence whatever
+ * the tile shape (absent rows: zero codes and scales), so batches match single steps, and the
+ * products are the bits of llama.cpp's gemv. */
+static inline __attribute__((always_inline)) void tile256_q4_0(const uint8_t *const *wr, int nr,
+                                                              int64_t k, const uint8_t *act,
+                                                              int64_t stride, int nt, float *out,
+                                                              int64_t ldo, const int stream) {
+    const int64_t nb = k / QK;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i spread = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
+    __m256 acc[NT];
+    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i lo[2], hi[2];
+        uint64_t d4 = 0; /* fp16 d of rows 0, 2, 1, 3 */
+        for (int j = 0; j < 2; ++j) {
+            lo[j] = hi[j] = _mm256_setzero_si256();
+            if (2 * j >= nr) continue;
+            const uint8_t *pa = wr[2 * j] + b * 18;
+            const uint8_t *pb = 2 * j + 1 < nr ? wr[2 * j + 1] + b * 18 : 0;
+            if (ahead) {
+                PREFETCH_AHEAD(stream, pa + ahead);
+                if (pb) PREFETCH_AHEAD(stream, pb + ahead);
+            }
+            const __m128i na = _mm_loadu_si128((const __m128i *)(pa + 2));
+            const __m128i nb16 = pb ? _mm_loadu_si128((const __m128i *)(pb + 2)) : _mm_setzero_si128();
+            const __m256i v = _mm256_set_m128i(nb16, na);
+            lo[j] = _mm256_and_si256(v, low);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            d4 |= (uint64_t)rd16(pa) << (16 * j);
+            if (pb) d4 |= (uint64_t)rd16(pb) << (16 * (2 + j));
+        }
+        const __m256 dw = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4))), spread);
+        for (int r = 0; r < nt; ++r) {
+            const uint8_t *a = act + r * stride;
+            const int8_t *xq = ACT_Q(a) + b * QK;
+            const __m256i x0 = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)xq));
+            const __m256i x1 =
+                _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(xq + 16)));
+            const __m256i p0 = dot2_us(lo[0], x0, hi[0], x1);
+            const __m256i p1 = nr > 2 ? dot2_us(lo[1], x0, hi[1], x1) : _mm256_setzero_si256();
+            const __m256i h = _mm256_hadd_epi32(p0, p1);
+            const __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(h, h),
+                                               _mm256_set1_epi32(ACT_TOT(a, k)[b]));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(ACT_D(a, k)[b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < nt; ++r) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[r]);
+        const int lane[4] = {0, 4, 1, 5};
+        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[lane[i]];
+    }
+}
+
 static inline __attribute__((always_inline)) void tile256(int type, const uint8_t *const *wr,
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo, const int stream) {
+    if (type == T_Q4_0) {
+        tile256_q4_0(wr, nr, k, act, stride, nt, out, ldo, stream);
+        return;
+    }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
     const int one = type == T_Q4_1 || type == T_Q5_1;
-    /* Q4_0/Q5_0: where the act's lane offsets of this type start in a block's 16 (0, 8); -1:
-     * none. */
-    const int off_at = type == T_Q4_0 ? 0 : type == T_Q5_0 ? 8 : -1;
+    /* Q5_0: where the act's lane offsets of this type start in a block's 16 (8); -1: none. */
+    const int off_at = type == T_Q5_0 ? 8 : -1;
     __m256 acc[NR_MAX][NT];
     float summs[NR_MAX][NT];
     for (int i = 0; i < nr; ++i)
@@ -611,8 +702,8 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
             const uint8_t *a = act + r * stride;
             const float *d = ACT_D(a, k);
             const __m256i x = _mm256_load_si256((const __m256i *)(ACT_Q(a) + b * QK));
-            /* Q4_0/Q5_0: lane L is ggml's signed sum over codes 4L..4L+3, sum (u - c) * x
-             * for the code offset c = 8 (16), as the act's -c * sum x + sum u * x, exact. (With
+            /* Q5_0: lane L is ggml's signed sum over codes 4L..4L+3, sum (u - c) * x
+             * for the code offset c = 16, as the act's -c * sum x + sum u * x, exact. (With
              * the offset taken out of one lane only, the other lanes held larger sums that
              * cancelled in fp32: docs/benchmarks.md.) */
             const __m256i init =
