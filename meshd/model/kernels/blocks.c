@@ -638,26 +638,38 @@ static inline __attribute__((always_inline)) void tile256_q4_0(const uint8_t *co
         }
         const __m256 dw = _mm256_permutevar8x32_ps(
             _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)d4))), spread);
-        for (int r = 0; r < nt; ++r) {
-            const uint8_t *a = act + r * stride;
-            const int8_t *xq = ACT_Q(a) + b * QK;
-            const __m256i x0 = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)xq));
-            const __m256i x1 =
-                _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(xq + 16)));
-            const __m256i p0 = dot2_us(lo[0], x0, hi[0], x1);
-            const __m256i p1 = nr > 2 ? dot2_us(lo[1], x0, hi[1], x1) : _mm256_setzero_si256();
-            const __m256i h = _mm256_hadd_epi32(p0, p1);
-            const __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(h, h),
-                                               _mm256_set1_epi32(ACT_TOT(a, k)[b]));
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(ACT_D(a, k)[b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+        /* Tokens two at a time: the last horizontal add takes both, so its lanes hold
+         * [r0 t, r2 t, r0 u, r2 u | r1 t, r3 t, r1 u, r3 u] (u = t without a second token). */
+        for (int r = 0; r < nt; r += 2) {
+            const int u = r + 1 < nt ? r + 1 : r;
+            const uint8_t *at = act + r * stride, *au = act + u * stride;
+            __m256i h[2];
+            for (int v = 0; v < 2; ++v) {
+                const int8_t *xq = ACT_Q(v ? au : at) + b * QK;
+                const __m256i x0 = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)xq));
+                const __m256i x1 =
+                    _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(xq + 16)));
+                const __m256i p0 = dot2_us(lo[0], x0, hi[0], x1);
+                const __m256i p1 = nr > 2 ? dot2_us(lo[1], x0, hi[1], x1) : _mm256_setzero_si256();
+                h[v] = _mm256_hadd_epi32(p0, p1);
+                if (u == r) {
+                    h[1] = h[0];
+                    break;
+                }
+            }
+            const int32_t tt = ACT_TOT(at, k)[b], tu = ACT_TOT(au, k)[b];
+            const float dt = ACT_D(at, k)[b], du = ACT_D(au, k)[b];
+            const __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(h[0], h[1]),
+                                               _mm256_setr_epi32(tt, tt, tu, tu, tt, tt, tu, tu));
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_setr_ps(dt, dt, du, du, dt, dt, du, du));
+            acc[r / 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r / 2]);
         }
     }
     for (int r = 0; r < nt; ++r) {
         float o[8];
-        _mm256_storeu_ps(o, acc[r]);
+        _mm256_storeu_ps(o, acc[r / 2]);
         const int lane[4] = {0, 4, 1, 5};
-        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[lane[i]];
+        for (int i = 0; i < nr; ++i) out[r * ldo + i] = o[lane[i] + 2 * (r & 1)];
     }
 }
 
@@ -1085,11 +1097,14 @@ static int tiled_type(int type) {
 }
 
 /* Rows [r0, r1) x every token through the tiles: 4 rows at a time for single tokens (independent
- * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise. */
+ * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise (AVX2's Q4_0: 4 rows). */
 #if defined(PAIRED)
 #define WIDE_TILES 1
+#define Q4_0_ROW_QUADS(type) 0
 #else
 #define WIDE_TILES 0
+/* AVX2's Q4_0 tile keeps one accumulator per two tokens: 4 rows of several tokens fit. */
+#define Q4_0_ROW_QUADS(type) ((type) == T_Q4_0)
 #endif
 static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
@@ -1126,7 +1141,7 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         /* 4 rows x several tokens only where 32 vector registers hold their accumulators
          * (AVX-512): there a 2-row tile leaves half of each vector's rows empty, and 2 or 3
          * tokens cost more than 4. */
-        if (nt == 1 || WIDE_TILES)
+        if (nt == 1 || WIDE_TILES || Q4_0_ROW_QUADS(type))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
                 tiles[8 + nt](wr, k, a, stride, o + n, n_out);
