@@ -768,18 +768,10 @@ static inline __m256i nib_codes(const uint8_t *p) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-/* Blocks b and b+1 (b+1 absent: zeros) of a row as 64 code bytes in the PAIRED order: unsigned
- * codes for Q4_1/Q5_1, Q8_0's signed bytes (Q4_0/Q5_0 run tile512_quads). */
+/* Blocks b and b+1 (b+1 absent: zeros) of a row as 64 unsigned code bytes in the PAIRED order
+ * (Q4_1/Q5_1; Q4_0/Q5_0/Q8_0 run tile512_quads). */
 static inline __m512i pair_codes(int type, const uint8_t *p, int64_t bb, int two) {
     const int off = type == T_Q4_1 ? 4 : 8;
-    if (type == T_Q8_0) {
-        const __m256i c0 = _mm256_loadu_si256((const __m256i *)(p + 2));
-        const __m256i c1 = two ? _mm256_loadu_si256((const __m256i *)(p + bb + 2))
-                               : _mm256_setzero_si256();
-        return _mm512_permutex2var_epi64(_mm512_castsi256_si512(c0),
-                                         _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
-                                         _mm512_castsi256_si512(c1));
-    }
     /* [n0, n1, n0, n1] from two broadcast loads (load ports only), the upper half shifted to
      * the high nibbles: no shuffle-port work, which the scales already crowd. */
     const __m512i n0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + off)));
@@ -845,16 +837,17 @@ static inline __m512i quarter_loads(const uint8_t *p, int64_t bb, int64_t at, in
  * keeps four fp32 sums, of the blocks 4j + q for q = 0..3, added as (q0 + q2) + (q1 + q3) at
  * the end. The same sequence for every tile shape (absent rows: zero codes and scales; blocks
  * past the row's end: masked loads, zeros), so batches match single steps. */
-static inline __attribute__((always_inline)) void tile512_quads(int five, const uint8_t *const *wr,
+static inline __attribute__((always_inline)) void tile512_quads(int type, const uint8_t *const *wr,
                                                                int nr, int64_t k,
                                                                const uint8_t *act, int64_t stride,
                                                                int nt, float *out, int64_t ldo,
                                                                const int stream) {
-    const int64_t nb = k / QK, bb = five ? 22 : 18;
+    const int five = type == T_Q5_0, eight = type == T_Q8_0;
+    const int64_t nb = k / QK, bb = blk_bytes_q(type);
     /* Word 4q + i: row i's d of block q, at word 9q of Q4_0's head (the row's first 64 bytes)
-     * or word 8q of Q5_0's (each block's first 16 bytes in its quarter); rows 0/1 from one
-     * permute, 2/3 from another, merged under the mask of words 2-3 of each four. */
-    const short s1 = five ? 8 : 9, s2 = 2 * s1, s3 = 3 * s1;
+     * or word 8q of Q5_0's and Q8_0's (each block's first 16 bytes in its quarter); rows 0/1
+     * from one permute, 2/3 from another, merged under the mask of words 2-3 of each four. */
+    const short s1 = five || eight ? 8 : 9, s2 = 2 * s1, s3 = 3 * s1;
     const __m512i d01 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                          32 + s3, s3, 0, 0, 32 + s2, s2, 0, 0, 32 + s1, s1, 0, 0,
                                          32, 0);
@@ -881,9 +874,25 @@ static inline __attribute__((always_inline)) void tile512_quads(int five, const 
                 continue;
             }
             const uint8_t *p = wr[i] + b * bb;
-            if (ahead) {
-                PREFETCH_AHEAD(stream, p + ahead);
-                PREFETCH_AHEAD(stream, p + ahead + 64);
+            if (ahead)
+                for (int64_t at = 0; at < 4 * bb; at += 64) PREFETCH_AHEAD(stream, p + ahead + at);
+            if (eight) {
+                /* Q8_0: values 0-15 and 16-31 of block q in quarter q, made unsigned (w + 128;
+                 * the act's offset then takes 128 * sum x out); absent blocks stay zero. */
+                const __mmask16 valid = nq == 4 ? 0xFFFF : (__mmask16)((1u << (4 * nq)) - 1);
+                const __m512i flip = _mm512_set1_epi8((char)0x80);
+                __m256i c[4];
+                for (int q = 0; q < 4; ++q)
+                    c[q] = q < nq ? _mm256_loadu_si256((const __m256i *)(p + q * bb + 2))
+                                  : _mm256_setzero_si256();
+                const __m512i b01 = _mm512_inserti64x4(_mm512_castsi256_si512(c[0]), c[1], 1);
+                const __m512i b23 = _mm512_inserti64x4(_mm512_castsi256_si512(c[2]), c[3], 1);
+                w0[i] = _mm512_mask_xor_epi32(
+                    zero, valid, _mm512_shuffle_i64x2(b01, b23, _MM_SHUFFLE(2, 0, 2, 0)), flip);
+                w1[i] = _mm512_mask_xor_epi32(
+                    zero, valid, _mm512_shuffle_i64x2(b01, b23, _MM_SHUFFLE(3, 1, 3, 1)), flip);
+                head[i] = quarter_loads(p, bb, 0, nq);
+                continue;
             }
             const __m512i n = quarter_loads(p, bb, five ? 6 : 2, nq);
             w0[i] = _mm512_and_si512(n, low);
@@ -921,8 +930,10 @@ static inline __attribute__((always_inline)) void tile512_quads(int five, const 
             for (int i = 0; i < 4; ++i)
                 s[i] = i < nr ? _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0[i], x0), w1[i], x1)
                               : zero;
+            /* tot4 is -8 * sum x: Q5_0's offset is twice it, Q8_0's (128) 16 times. */
             __m512i off = _mm512_load_si512((const void *)(ACT_TOT4(a, k) + 4 * b));
             if (five) off = _mm512_add_epi32(off, off);
+            if (eight) off = _mm512_slli_epi32(off, 4);
             const __m512i sums = _mm512_add_epi32(quad_sums(s[0], s[1], s[2], s[3]), off);
             const __m512 scale = _mm512_mul_ps(dw, _mm512_load_ps(ACT_D4(a, k) + 4 * b));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
@@ -954,12 +965,12 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo, const int stream) {
-    if (type == T_Q4_0 || type == T_Q5_0) {
-        tile512_quads(type == T_Q5_0, wr, nr, k, act, stride, nt, out, ldo, stream);
+    if (type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0) {
+        tile512_quads(type, wr, nr, k, act, stride, nt, out, ldo, stream);
         return;
     }
+    /* Q4_1 and Q5_1 from here. */
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
-    const int one = type == T_Q4_1 || type == T_Q5_1;
     /* acc lane 4q + i: row i's quarter q; macc lanes 2i+1 / 9+2i: row i's m * s, blocks b / b+1 */
     __m512 acc[NT_WIDE], macc[NT_WIDE];
     for (int r = 0; r < nt; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
@@ -971,20 +982,12 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
     for (int64_t b = 0; b < nb; b += 2) {
         const int two = b + 1 < nb;
         __m512i wv[NR_MAX];
-        __mmask64 neg[NR_MAX];
         if (ahead)
             for (int i = 0; i < nr; ++i) {
                 PREFETCH_AHEAD(stream, wr[i] + ahead + b * bb);
                 if (2 * bb > 64) PREFETCH_AHEAD(stream, wr[i] + ahead + b * bb + 64);
             }
-        for (int i = 0; i < nr; ++i) {
-            wv[i] = pair_codes(type, wr[i] + b * bb, bb, two);
-            if (type == T_Q8_0) {
-                /* |w| as unsigned bytes (128 for -128: still exact) times x negated where w < 0. */
-                neg[i] = _mm512_movepi8_mask(wv[i]);
-                wv[i] = _mm512_abs_epi8(wv[i]);
-            }
-        }
+        for (int i = 0; i < nr; ++i) wv[i] = pair_codes(type, wr[i] + b * bb, bb, two);
         const __m512 dm = pair_scales(wr, nr, b * bb, bb, two);
         const __m512 dw = _mm512_permutexvar_ps(dsel, dm);
         for (int r = 0; r < nt; ++r) {
@@ -995,27 +998,17 @@ static inline __attribute__((always_inline)) void tile512(int type, const uint8_
                                           : _mm_load_ss(d + b));
             const __m512i zero = _mm512_setzero_si512();
             __m512i p[4];
-            for (int i = 0; i < 4; ++i) {
-                if (i >= nr)
-                    p[i] = zero;
-                else if (type == T_Q8_0)
-                    p[i] = _mm512_dpbusd_epi32(zero, wv[i], _mm512_mask_sub_epi8(x, neg[i], zero, x));
-                else
-                    p[i] = _mm512_dpbusd_epi32(zero, wv[i], x);
-            }
+            for (int i = 0; i < 4; ++i) p[i] = i < nr ? _mm512_dpbusd_epi32(zero, wv[i], x) : zero;
             const __m512i s = quad_sums(p[0], p[1], p[2], p[3]);
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(s), acc[r]);
-            if (one) {
-                /* s_b in the odd lanes 1-7, s_b1 in 9-15: times dm gives m * s there. */
-                const __m128 s2 = two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
-                                      : _mm_load_ss(d + nb + b);
-                macc[r] = _mm512_fmadd_ps(
-                    dm, _mm512_maskz_permutexvar_ps(0xAAAA, ssel, _mm512_castps128_ps512(s2)),
-                    macc[r]);
-            }
+            /* s_b in the odd lanes 1-7, s_b1 in 9-15: times dm gives m * s there. */
+            const __m128 s2 = two ? _mm_castpd_ps(_mm_load_sd((const double *)(d + nb + b)))
+                                  : _mm_load_ss(d + nb + b);
+            macc[r] = _mm512_fmadd_ps(
+                dm, _mm512_maskz_permutexvar_ps(0xAAAA, ssel, _mm512_castps128_ps512(s2)), macc[r]);
         }
     }
-    for (int r = 0; r < nt; ++r) quad_store(acc[r], macc[r], one, nr, out + r * ldo);
+    for (int r = 0; r < nt; ++r) quad_store(acc[r], macc[r], 1, nr, out + r * ldo);
 }
 #define TILE_KERNEL tile512
 #endif
@@ -1064,14 +1057,16 @@ TILE_SET(T_Q5_1)
 TILE_SET(T_Q8_0)
 
 /* 4 rows x NT_WIDE tokens where a prefill has them: each decoded weight block serves twice the
- * tokens. Q5_0 and Q4_0 (tile512_quads), whose per-block work (the codes, Q5_0's fifth bits,
- * the scales) is the most to share; 0.5B-class Q4_K_M files hold most of their products
+ * tokens. Q5_0, Q4_0 and Q8_0 (tile512_quads), whose per-block work (the codes, Q5_0's fifth
+ * bits, the scales) is the most to share; 0.5B-class Q4_K_M files hold most of their products
  * in Q5_0 (docs/model-runtime.md). */
 #if defined(PAIRED)
 TILE_FN(T_Q5_0, 4, NT_WIDE)
 TILE_FN(T_Q4_0, 4, NT_WIDE)
+TILE_FN(T_Q8_0, 4, NT_WIDE)
 static tile_fn wide_tile_of(int type, int stream) {
     if (type == T_Q4_0) return stream ? tile_T_Q4_0_4xNT_WIDE_s : tile_T_Q4_0_4xNT_WIDE;
+    if (type == T_Q8_0) return stream ? tile_T_Q8_0_4xNT_WIDE_s : tile_T_Q8_0_4xNT_WIDE;
     if (type != T_Q5_0) return 0;
     return stream ? tile_T_Q5_0_4xNT_WIDE_s : tile_T_Q5_0_4xNT_WIDE;
 }
