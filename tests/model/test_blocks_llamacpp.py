@@ -95,11 +95,11 @@ def test_every_path_multiplies_real_activations_as_llamacpp_does(
         assert worst <= _ULPS, (tensor.ggml_type.name, m.out_features, m.in_features, worst)
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_1, T.Q5_1, T.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_1, T.Q5_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("k", [96, 544, 1568])
 def test_the_avx2_path_gives_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T, k: int) -> None:
-    # Every 32-element format but Q4_0 (llama.cpp's repacked gemv, below) on avx2 runs ggml's
-    # AVX2 vec_dot sequence (eight signed int32
+    # Every 32-element format but Q4_0 and Q8_0 (each block one integer, below) on avx2 runs
+    # ggml's AVX2 vec_dot sequence (eight signed int32
     # lanes per block, one FMA per lane, its horizontal sum), so a product is the one llama.cpp
     # computes on x86 to the bit. With the code offset taken out of one lane only, Q4_0 at
     # k = 96 was 46 eps of the sum of |terms| away from llama.cpp's arithmetic, whose own order
@@ -223,3 +223,40 @@ def test_q4_0_is_llamacpps_repacked_gemv(path: str) -> None:
         err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
         worst = max(worst, float((err / bound[0]).max()) / 2.0**-24)
     assert path == "avx2" or 0 < worst <= 4, worst
+
+
+@pytest.mark.skipif(
+    not _GGML_CPU, reason="needs llama.cpp's libggml-cpu.so (scripts/bench_llamacpp)"
+)
+def test_q8_0_is_llamacpps_vec_dot_to_rounding(path: str) -> None:
+    # Both SIMD paths sum each Q8_0 block to one integer (the tiles of Q4_0) where ggml's
+    # vec_dot keeps eight lanes per block: the same terms, another order of fp32 additions.
+    if path == "portable":
+        pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
+    lib = ctypes.CDLL(_GGML_CPU[-1])
+    lib.ggml_cpu_init()
+    p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    quantize, dot = lib.quantize_row_q8_0, lib.ggml_vec_dot_q8_0_q8_0
+    quantize.argtypes = [p, p, ctypes.c_int64]
+    dot.argtypes = [c, p, size, p, size, p, size, c]
+    rng = np.random.default_rng(80)
+    worst = 0.0
+    for k, t in ((96, 1), (544, 5), (1568, 9)):
+        n_out = 37
+        w = rng.standard_normal((n_out, k)).astype(np.float32)
+        raw = np.ascontiguousarray(gguf.quants.quantize(w, T.Q8_0)).view(np.uint8).reshape(-1)
+        x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))).astype(np.float32)
+        expected = np.zeros((t, n_out), np.float32)
+        out = ctypes.c_float()
+        for i in range(t):
+            blocks = np.zeros(k // 32 * 34, np.uint8)
+            quantize(x[i].ctypes.data, blocks.ctypes.data, k)
+            for r in range(n_out):
+                row = raw[r * raw.size // n_out :]
+                dot(k, ctypes.addressof(out), 0, row.ctypes.data, 0, blocks.ctypes.data, 0, 1)
+                expected[i, r] = out.value
+        got = BlockMatrix(raw, T.Q8_0, k, n_out).mm(torch.from_numpy(x)).numpy()
+        _, bound = block_product(raw, T.Q8_0, x, n_out)
+        err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
+        worst = max(worst, float((err / bound).max()) / 2.0**-24)
+    assert 0 < worst <= 6, worst

@@ -504,6 +504,21 @@ static inline __m256i dot2_us(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
 #endif
 }
 
+/* The same for signed bytes w (Q8_0's codes; u = |w|) against x: |w| times x carrying w's sign
+ * (ggml's trick; |w| <= 128, |x| <= 127), each VPMADDUBSW's int16 pairs (up to 32512) widened by a
+ * VPMADDWD before they add. */
+static inline __m256i dot2_ss(__m256i w0, __m256i u0, __m256i x0, __m256i w1, __m256i u1,
+                              __m256i x1) {
+    const __m256i s0 = _mm256_sign_epi8(x0, w0), s1 = _mm256_sign_epi8(x1, w1);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return dot_us(dot_us(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    const __m256i one = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, s0), one),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u1, s1), one));
+#endif
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -605,28 +620,43 @@ static inline __m256i blk_codes(int type, const uint8_t *p) {
  * code offset, -8 times the block's sum of x, added from the act's tot). One conversion, one
  * multiply and one FMA then cover 4 rows. Every (row, token) runs that one sequence whatever
  * the tile shape (absent rows: zero codes and scales), so batches match single steps, and the
- * products are the bits of llama.cpp's gemv. */
-static inline __attribute__((always_inline)) void tile256_q4_0(const uint8_t *const *wr, int nr,
-                                                              int64_t k, const uint8_t *act,
-                                                              int64_t stride, int nt, float *out,
-                                                              int64_t ldo, const int stream) {
-    const int64_t nb = k / QK;
+ * products are the bits of llama.cpp's gemv. Q8_0 (eight = 1) runs the same steps on its
+ * signed codes: |w| against x carrying w's sign, whose int16 pairs (up to 32512) take a
+ * VPMADDWD each before they add. */
+static inline __attribute__((always_inline)) void tile256_sums(int eight, const uint8_t *const *wr,
+                                                              int nr, int64_t k,
+                                                              const uint8_t *act, int64_t stride,
+                                                              int nt, float *out, int64_t ldo,
+                                                              const int stream) {
+    const int64_t nb = k / QK, bb = eight ? 34 : 18;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i spread = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
     __m256 acc[NT];
     for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
     const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
     for (int64_t b = 0; b < nb; ++b) {
-        __m256i lo[2], hi[2];
+        __m256i lo[2], hi[2], ulo[2], uhi[2];
         uint64_t d4 = 0; /* fp16 d of rows 0, 2, 1, 3 */
         for (int j = 0; j < 2; ++j) {
-            lo[j] = hi[j] = _mm256_setzero_si256();
+            lo[j] = hi[j] = ulo[j] = uhi[j] = _mm256_setzero_si256();
             if (2 * j >= nr) continue;
-            const uint8_t *pa = wr[2 * j] + b * 18;
-            const uint8_t *pb = 2 * j + 1 < nr ? wr[2 * j + 1] + b * 18 : 0;
+            const uint8_t *pa = wr[2 * j] + b * bb;
+            const uint8_t *pb = 2 * j + 1 < nr ? wr[2 * j + 1] + b * bb : 0;
             if (ahead) {
                 PREFETCH_AHEAD(stream, pa + ahead);
                 if (pb) PREFETCH_AHEAD(stream, pb + ahead);
+            }
+            if (eight) {
+                const __m128i z = _mm_setzero_si128();
+                lo[j] = _mm256_set_m128i(pb ? _mm_loadu_si128((const __m128i *)(pb + 2)) : z,
+                                         _mm_loadu_si128((const __m128i *)(pa + 2)));
+                hi[j] = _mm256_set_m128i(pb ? _mm_loadu_si128((const __m128i *)(pb + 18)) : z,
+                                         _mm_loadu_si128((const __m128i *)(pa + 18)));
+                ulo[j] = _mm256_sign_epi8(lo[j], lo[j]);
+                uhi[j] = _mm256_sign_epi8(hi[j], hi[j]);
+                d4 |= (uint64_t)rd16(pa) << (16 * j);
+                if (pb) d4 |= (uint64_t)rd16(pb) << (16 * (2 + j));
+                continue;
             }
             const __m128i na = _mm_loadu_si128((const __m128i *)(pa + 2));
             const __m128i nb16 = pb ? _mm_loadu_si128((const __m128i *)(pb + 2)) : _mm_setzero_si128();
@@ -649,15 +679,18 @@ static inline __attribute__((always_inline)) void tile256_q4_0(const uint8_t *co
                 const __m256i x0 = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)xq));
                 const __m256i x1 =
                     _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(xq + 16)));
-                const __m256i p0 = dot2_us(lo[0], x0, hi[0], x1);
-                const __m256i p1 = nr > 2 ? dot2_us(lo[1], x0, hi[1], x1) : _mm256_setzero_si256();
+                const __m256i p0 = eight ? dot2_ss(lo[0], ulo[0], x0, hi[0], uhi[0], x1)
+                                         : dot2_us(lo[0], x0, hi[0], x1);
+                const __m256i p1 = nr <= 2  ? _mm256_setzero_si256()
+                                   : eight ? dot2_ss(lo[1], ulo[1], x0, hi[1], uhi[1], x1)
+                                           : dot2_us(lo[1], x0, hi[1], x1);
                 h[v] = _mm256_hadd_epi32(p0, p1);
                 if (u == r) {
                     h[1] = h[0];
                     break;
                 }
             }
-            const int32_t tt = ACT_TOT(at, k)[b], tu = ACT_TOT(au, k)[b];
+            const int32_t tt = eight ? 0 : ACT_TOT(at, k)[b], tu = eight ? 0 : ACT_TOT(au, k)[b];
             const float dt = ACT_D(at, k)[b], du = ACT_D(au, k)[b];
             const __m256i s = _mm256_add_epi32(_mm256_hadd_epi32(h[0], h[1]),
                                                _mm256_setr_epi32(tt, tt, tu, tu, tt, tt, tu, tu));
@@ -677,8 +710,8 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
                                                          int nr, int64_t k, const uint8_t *act,
                                                          int64_t stride, int nt, float *out,
                                                          int64_t ldo, const int stream) {
-    if (type == T_Q4_0) {
-        tile256_q4_0(wr, nr, k, act, stride, nt, out, ldo, stream);
+    if (type == T_Q4_0 || type == T_Q8_0) {
+        tile256_sums(type == T_Q8_0, wr, nr, k, act, stride, nt, out, ldo, stream);
         return;
     }
     const int64_t nb = k / QK, bb = blk_bytes_q(type);
@@ -1095,11 +1128,12 @@ static int tiled_type(int type) {
  * FMA chains hide their latency), 2 rows x up to 4 tokens otherwise (AVX2's Q4_0: 4 rows). */
 #if defined(PAIRED)
 #define WIDE_TILES 1
-#define Q4_0_ROW_QUADS(type) 0
+#define FOUR_ROW_SUM_TILES(type) 0
 #else
 #define WIDE_TILES 0
-/* AVX2's Q4_0 tile keeps one accumulator per two tokens: 4 rows of several tokens fit. */
-#define Q4_0_ROW_QUADS(type) ((type) == T_Q4_0)
+/* AVX2's Q4_0 and Q8_0 tile keeps one accumulator per two tokens: 4 rows of several tokens
+ * fit. */
+#define FOUR_ROW_SUM_TILES(type) ((type) == T_Q4_0 || (type) == T_Q8_0)
 #endif
 static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out,
                        int64_t r0, int64_t r1, const uint8_t *act, int64_t stride, int64_t t,
@@ -1136,7 +1170,7 @@ static void rows_tiled(int type, const uint8_t *w, int64_t rb, int64_t k, int64_
         /* 4 rows x several tokens only where 32 vector registers hold their accumulators
          * (AVX-512): there a 2-row tile leaves half of each vector's rows empty, and 2 or 3
          * tokens cost more than 4. */
-        if (nt == 1 || WIDE_TILES || Q4_0_ROW_QUADS(type))
+        if (nt == 1 || WIDE_TILES || FOUR_ROW_SUM_TILES(type))
             for (; n + 4 <= r1; n += 4) {
                 for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * rb;
                 tiles[8 + nt](wr, k, a, stride, o + n, n_out);
