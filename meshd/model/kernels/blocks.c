@@ -214,10 +214,10 @@ int meshd_blocks_dequantizable(int type) { return block_elems(type) != 0; }
  *             int32 off[nb][2][8] (-8 and -16 times the sum of codes 4L..4L+3 of block b in
  *             lane L: Q4_0's and Q5_0's code offsets, taken out of each of ggml's eight int32
  *             lanes by the AVX2 tiles; loaded, not computed per tile); on AVX-512, then, per
- *             four blocks (a quad; blocks past the last: zeros), the Q4_0/Q5_0 tiles'
+ *             four blocks (a quad; blocks past the last: zeros), the Q4_0/Q5_0/Q8_0 tiles'
  *             operands in their lane order (lane 4q + i: block q of the quad, for each of 4
- *             rows i, tile512_quads): int32 tot4[16] (-8 times the block's sum of codes) and
- *             float d4[16] (the block's d).
+ *             rows i, tile512_quads): int32 tot4[16] (-8 times the block's sum of codes; the
+ *             tiles scale it to their offset) and float d4[16] (the block's d).
  *   F16/BF16/F32: float v[k] (x rounded to fp16 / bf16 and widened: exact; F32: x itself).
  *   K-quants: k / 256 block_q8_K as blocks_k.c writes them.
  * The widened copies hold exactly the values ggml's blocks hold, in a layout that loads aligned. */
@@ -654,15 +654,14 @@ static inline __attribute__((always_inline)) void tile256_sums(int eight, const 
                                          _mm_loadu_si128((const __m128i *)(pa + 18)));
                 ulo[j] = _mm256_sign_epi8(lo[j], lo[j]);
                 uhi[j] = _mm256_sign_epi8(hi[j], hi[j]);
-                d4 |= (uint64_t)rd16(pa) << (16 * j);
-                if (pb) d4 |= (uint64_t)rd16(pb) << (16 * (2 + j));
-                continue;
+            } else {
+                const __m128i na = _mm_loadu_si128((const __m128i *)(pa + 2));
+                const __m128i nb16 =
+                    pb ? _mm_loadu_si128((const __m128i *)(pb + 2)) : _mm_setzero_si128();
+                const __m256i v = _mm256_set_m128i(nb16, na);
+                lo[j] = _mm256_and_si256(v, low);
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
-            const __m128i na = _mm_loadu_si128((const __m128i *)(pa + 2));
-            const __m128i nb16 = pb ? _mm_loadu_si128((const __m128i *)(pb + 2)) : _mm_setzero_si128();
-            const __m256i v = _mm256_set_m128i(nb16, na);
-            lo[j] = _mm256_and_si256(v, low);
-            hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             d4 |= (uint64_t)rd16(pa) << (16 * j);
             if (pb) d4 |= (uint64_t)rd16(pb) << (16 * (2 + j));
         }
