@@ -768,8 +768,9 @@ static inline __attribute__((always_inline)) void tile256(int type, const uint8_
 #define TILE_KERNEL tile256
 #endif
 
-/* ---- AVX-512: two blocks per vector, tiles of rows x tokens ------------------------------------
- * One 512-bit VPDPBUSD covers blocks b and b+1 of a row (128-bit quarters 0 and 2: block b, 1 and
+/* ---- AVX-512: tiles of rows x tokens ----------------------------------------------------------
+ * Q4_0, Q5_0 and Q8_0 take four blocks of 4 rows per step (tile512_quads). Q4_1 and Q5_1: one
+ * 512-bit VPDPBUSD covers blocks b and b+1 of a row (128-bit quarters 0 and 2: block b, 1 and
  * 3: block b+1); per token, 4 rows' quarter sums then share one conversion, one scale multiply
  * and one FMA.
  * A tile of NR rows x nt tokens decodes each weight pair once and reads each activation pair once.
