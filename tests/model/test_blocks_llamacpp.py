@@ -99,15 +99,14 @@ def test_every_path_multiplies_real_activations_as_llamacpp_does(
 @pytest.mark.parametrize("k", [96, 544, 1568])
 def test_the_avx2_path_gives_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T, k: int) -> None:
     # Every 32-element format but Q4_0 and Q8_0 (each block one integer, below) on avx2 runs
-    # ggml's AVX2 vec_dot sequence (eight signed int32
-    # lanes per block, one FMA per lane, its horizontal sum), so a product is the one llama.cpp
-    # computes on x86 to the bit. With the code offset taken out of one lane only, Q4_0 at
-    # k = 96 was 46 eps of the sum of |terms| away from llama.cpp's arithmetic, whose own order
-    # is 14 eps from exact there.
+    # ggml's AVX2 vec_dot sequence (eight signed int32 lanes per block, one FMA per lane, its
+    # horizontal sum), so a product is the one llama.cpp computes on x86 to the bit. With the
+    # code offset taken out of one lane only, Q4_0 at k = 96 was 46 eps of the sum of |terms|
+    # away from llama.cpp's arithmetic, whose own order is 14 eps from exact there.
     if path == "portable":
         pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
     if path == "avx512":
-        pytest.skip("AVX-512's tiles sum each block (Q4_0, Q5_0) or block pair to one integer")
+        pytest.skip("AVX-512 sums each Q5_0 block, and Q4_1/Q5_1 pairs per quarter, to integers")
     rng = np.random.default_rng(int(qtype) * 10_000 + k)
     n_out = 37  # 4-row tiles and a 1-row tail
     w = rng.standard_normal((n_out, k)).astype(np.float32)
