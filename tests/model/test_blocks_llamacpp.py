@@ -38,6 +38,56 @@ _GGML_CPU = sorted(
 )
 
 
+def _ggml() -> ctypes.CDLL:
+    """llama.cpp's CPU library, initialised, with the signatures the tests below call."""
+    lib = ctypes.CDLL(_GGML_CPU[-1])
+    lib.ggml_cpu_init()
+    p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    for name in ("quantize_row_q8_0", "quantize_row_q8_K"):
+        getattr(lib, name).argtypes = [p, p, ctypes.c_int64]
+    for name in ("ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q8_0_q8_0"):
+        getattr(lib, name).argtypes = [c, p, size, p, size, p, size, c]
+    for name in ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemv_q4_K_8x8_q8_K"):
+        getattr(lib, name).argtypes = [c, p, size, p, p, c, c]
+    return lib
+
+
+def _random_rows(rng: np.random.Generator, qtype: T, n_out: int, k: int) -> np.ndarray:
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+
+
+def _heavy_tailed(rng: np.random.Generator, t: int, k: int) -> np.ndarray:
+    """Rows of x where cancellation in fp32 shows."""
+    return (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))).astype(np.float32)
+
+
+def _vec_dot(lib: ctypes.CDLL, qtype: T, raw: np.ndarray, x: np.ndarray, n_out: int) -> np.ndarray:
+    """llama.cpp's product `x @ W.T`: its quantize_row_q8_0, then its ggml_vec_dot_*_q8_0 one
+    row and token at a time."""
+    t, k = x.shape
+    dot = getattr(lib, f"ggml_vec_dot_{qtype.name.lower()}_q8_0")
+    expected = np.zeros((t, n_out), np.float32)
+    out = ctypes.c_float()
+    for i in range(t):
+        blocks = np.zeros(k // 32 * 34, np.uint8)
+        lib.quantize_row_q8_0(x[i].ctypes.data, blocks.ctypes.data, k)
+        for r in range(n_out):
+            row = raw[r * raw.size // n_out :]
+            dot(k, ctypes.addressof(out), 0, row.ctypes.data, 0, blocks.ctypes.data, 0, 1)
+            expected[i, r] = out.value
+    return expected
+
+
+def _eps_of_terms(
+    got: np.ndarray, expected: np.ndarray, raw: np.ndarray, qtype: T, x: np.ndarray
+) -> float:
+    """The largest |got - expected| (`[t, n]`) in eps of that output's sum of |terms|."""
+    _, bound = block_product(raw, qtype, x, got.shape[1])
+    err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
+    return float((err / bound).max()) / 2.0**-24
+
+
 @pytest.fixture(scope="module")
 def products() -> Iterator[list[tuple[BlockMatrix, torch.Tensor, np.ndarray, np.ndarray]]]:
     """A sample of the products of one forward pass over `_IDS`: (tensor, input rows,
@@ -109,15 +159,12 @@ def test_the_avx2_path_gives_the_bits_of_ggmls_avx2_kernels(path: str, qtype: T,
         pytest.skip("AVX-512 sums each Q5_0 block, and Q4_1/Q5_1 pairs per quarter, to integers")
     rng = np.random.default_rng(int(qtype) * 10_000 + k)
     n_out = 37  # 4-row tiles and a 1-row tail
-    w = rng.standard_normal((n_out, k)).astype(np.float32)
-    raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
+    raw = _random_rows(rng, qtype, n_out, k)
     m = BlockMatrix(raw, qtype, k, n_out)
     assert m.kernel == path
-    # 1 token (decode tiles), 5 (4-token tiles and one), 9 (AVX-512's 8-token tiles and one);
-    # heavy-tailed rows, where cancellation in fp32 shows.
+    # 1 token (decode tiles), 5 (4-token tiles and one), 9 (AVX-512's 8-token tiles and one).
     for t in (1, 5, 9):
-        x = rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))
-        x = x.astype(np.float32)
+        x = _heavy_tailed(rng, t, k)
         got = m.mm(torch.from_numpy(x)).numpy()
         assert np.array_equal(got, avx2_product(raw, qtype, x, n_out)), (t, got.dtype)
 
@@ -133,26 +180,11 @@ def test_q5_0_is_the_bits_of_llamacpps_own_vec_dot(path: str) -> None:
         pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
     if path == "avx512":
         pytest.skip("AVX-512's Q5_0 sums each block to one integer (as the gemv below)")
-    lib = ctypes.CDLL(_GGML_CPU[-1])
-    lib.ggml_cpu_init()
-    p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    quantize, dot = lib.quantize_row_q8_0, getattr(lib, f"ggml_vec_dot_{qtype.name.lower()}_q8_0")
-    quantize.argtypes = [p, p, ctypes.c_int64]
-    dot.argtypes = [c, p, size, p, size, p, size, c]
     rng = np.random.default_rng(int(qtype))
     k, n_out, t = 544, 37, 9
-    w = rng.standard_normal((n_out, k)).astype(np.float32)
-    raw = np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(-1)
-    x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))).astype(np.float32)
-    expected = np.zeros((t, n_out), np.float32)
-    out = ctypes.c_float()
-    for i in range(t):
-        blocks = np.zeros(k // 32 * 34, np.uint8)
-        quantize(x[i].ctypes.data, blocks.ctypes.data, k)
-        for r in range(n_out):
-            row = raw[r * raw.size // n_out :]
-            dot(k, ctypes.addressof(out), 0, row.ctypes.data, 0, blocks.ctypes.data, 0, 1)
-            expected[i, r] = out.value
+    raw = _random_rows(rng, qtype, n_out, k)
+    x = _heavy_tailed(rng, t, k)
+    expected = _vec_dot(_ggml(), qtype, raw, x, n_out)
     got = BlockMatrix(raw, qtype, k, n_out).mm(torch.from_numpy(x)).numpy()
     assert np.array_equal(got, expected)
 
@@ -165,12 +197,8 @@ def test_q4_K_decode_is_the_bits_of_llamacpps_repacked_gemv(path: str) -> None:
     # copy (its default on x86); meshd reads the rows as stored and runs that kernel's float
     # steps, so a decode step gives its bits on every path. Its own quantize_row_q8_K makes
     # the activations here.
-    lib = ctypes.CDLL(_GGML_CPU[-1])
-    lib.ggml_cpu_init()
-    p, c = ctypes.c_void_p, ctypes.c_int
+    lib = _ggml()
     quantize, gemv = lib.quantize_row_q8_K, lib.ggml_gemv_q4_K_8x8_q8_K
-    quantize.argtypes = [p, p, ctypes.c_int64]
-    gemv.argtypes = [c, p, ctypes.c_size_t, p, p, c, c]
     rng = np.random.default_rng(35)
     k, n_out = 1536, 40
     raw = random_blocks(T.Q4_K, n_out * k // 256, seed=35)
@@ -196,31 +224,25 @@ def test_q4_0_is_llamacpps_repacked_gemv(path: str) -> None:
     # partial sums per row (blocks 4j + q): a few eps of the sum of |terms| from it.
     if path == "portable":
         pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
-    lib = ctypes.CDLL(_GGML_CPU[-1])
-    lib.ggml_cpu_init()
-    p, c = ctypes.c_void_p, ctypes.c_int
-    quantize, gemv = lib.quantize_row_q8_0, lib.ggml_gemv_q4_0_8x8_q8_0
-    quantize.argtypes = [p, p, ctypes.c_int64]
-    gemv.argtypes = [c, p, ctypes.c_size_t, p, p, c, c]
+    lib = _ggml()
     rng = np.random.default_rng(40)
     worst = 0.0
     for k in (96, 544, 1568):  # 3 blocks (one short quad), 17 (a quad and one), 49
         n_out = 40
-        w = rng.standard_normal((n_out, k)).astype(np.float32)
-        raw = np.ascontiguousarray(gguf.quants.quantize(w, T.Q4_0)).view(np.uint8).reshape(-1)
-        packed = q4_0_x8(raw, n_out, k)
-        x = (rng.standard_normal((1, k)) * np.exp(rng.standard_normal((1, k)))).astype(np.float32)
+        raw = _random_rows(rng, T.Q4_0, n_out, k)
+        x = _heavy_tailed(rng, 1, k)
         q8 = np.zeros(k // 32 * 34, np.uint8)
-        quantize(x.ctypes.data, q8.ctypes.data, k)
-        expected = np.zeros(n_out, np.float32)
-        gemv(k, expected.ctypes.data, 0, packed.ctypes.data, q8.ctypes.data, 1, n_out)
-        got = BlockMatrix(raw, T.Q4_0, k, n_out).mm(torch.from_numpy(x)).numpy()[0]
+        lib.quantize_row_q8_0(x.ctypes.data, q8.ctypes.data, k)
+        expected = np.zeros((1, n_out), np.float32)
+        packed = q4_0_x8(raw, n_out, k)
+        lib.ggml_gemv_q4_0_8x8_q8_0(
+            k, expected.ctypes.data, 0, packed.ctypes.data, q8.ctypes.data, 1, n_out
+        )
+        got = BlockMatrix(raw, T.Q4_0, k, n_out).mm(torch.from_numpy(x)).numpy()
         if path == "avx2":
             assert np.array_equal(got, expected), (k, np.abs(got - expected).max())
             continue
-        _, bound = block_product(raw, T.Q4_0, x, n_out)
-        err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
-        worst = max(worst, float((err / bound[0]).max()) / 2.0**-24)
+        worst = max(worst, _eps_of_terms(got, expected, raw, T.Q4_0, x))
     assert path == "avx2" or 0 < worst <= 4, worst
 
 
@@ -232,30 +254,14 @@ def test_q8_0_is_llamacpps_vec_dot_to_rounding(path: str) -> None:
     # vec_dot keeps eight lanes per block: the same terms, another order of fp32 additions.
     if path == "portable":
         pytest.skip("the portable path sums each block in scalar order (ggml's generic kernel)")
-    lib = ctypes.CDLL(_GGML_CPU[-1])
-    lib.ggml_cpu_init()
-    p, c, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    quantize, dot = lib.quantize_row_q8_0, lib.ggml_vec_dot_q8_0_q8_0
-    quantize.argtypes = [p, p, ctypes.c_int64]
-    dot.argtypes = [c, p, size, p, size, p, size, c]
+    lib = _ggml()
     rng = np.random.default_rng(80)
     worst = 0.0
     for k, t in ((96, 1), (544, 5), (1568, 9)):
         n_out = 37
-        w = rng.standard_normal((n_out, k)).astype(np.float32)
-        raw = np.ascontiguousarray(gguf.quants.quantize(w, T.Q8_0)).view(np.uint8).reshape(-1)
-        x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, k)))).astype(np.float32)
-        expected = np.zeros((t, n_out), np.float32)
-        out = ctypes.c_float()
-        for i in range(t):
-            blocks = np.zeros(k // 32 * 34, np.uint8)
-            quantize(x[i].ctypes.data, blocks.ctypes.data, k)
-            for r in range(n_out):
-                row = raw[r * raw.size // n_out :]
-                dot(k, ctypes.addressof(out), 0, row.ctypes.data, 0, blocks.ctypes.data, 0, 1)
-                expected[i, r] = out.value
+        raw = _random_rows(rng, T.Q8_0, n_out, k)
+        x = _heavy_tailed(rng, t, k)
+        expected = _vec_dot(lib, T.Q8_0, raw, x, n_out)
         got = BlockMatrix(raw, T.Q8_0, k, n_out).mm(torch.from_numpy(x)).numpy()
-        _, bound = block_product(raw, T.Q8_0, x, n_out)
-        err = np.abs(got.astype(np.float64) - expected.astype(np.float64))
-        worst = max(worst, float((err / bound).max()) / 2.0**-24)
+        worst = max(worst, _eps_of_terms(got, expected, raw, T.Q8_0, x))
     assert 0 < worst <= 6, worst
