@@ -631,8 +631,8 @@ static inline __attribute__((always_inline)) void tile256_sums(int eight, const 
     const int64_t nb = k / QK, bb = eight ? 34 : 18;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i spread = _mm256_setr_epi32(0, 1, 0, 1, 2, 3, 2, 3);
-    __m256 acc[NT];
-    for (int r = 0; r < nt; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[(NT + 1) / 2]; /* one per two tokens */
+    for (int r = 0; r < nt; r += 2) acc[r / 2] = _mm256_setzero_ps();
     const int64_t ahead = nr > 1 ? (int64_t)(wr[1] - wr[0]) * nr * PREFETCH_TILES(stream) : 0;
     for (int64_t b = 0; b < nb; ++b) {
         __m256i lo[2], hi[2], ulo[2], uhi[2];
