@@ -716,6 +716,173 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
 
 #endif
 
+#if defined(KQ_AVX512)
+/* Q4_K against several tokens (a prefill, a wide verify window): sixteen rows at once, one
+ * 512-bit lane per row, as ggml's AVX-512 repacked gemm runs its interleaved rows, but on the
+ * rows as stored. Each 32-byte step of codes of the sixteen rows is transposed once (dword k of
+ * every row side by side) and serves every token: VPDPBUSD of the codes with the token's dword
+ * k broadcast adds four products per row, eight such give every row's sum over a 32-value
+ * sub-block, one VPMULLD applies the rows' sub-block scales. Nothing is added in int16 or
+ * rounded: the integer totals are exact, and the float steps per (row, token, super-block) are
+ * rows_q4_K's, so each output has the bits of the single-row dot.
+ *
+ * Lane p = 4L + i (128-bit lane L, dword i) holds row 4i + L: in-lane byte shuffles of four
+ * rows' heads per register produce the scales in that order. */
+#define KQ16_NT 8 /* most tokens per call: their integer totals stay in registers */
+#define ROW16(p) (4 * ((p) % 4) + (p) / 4)
+
+static inline int32_t i32_at(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The first 16 bytes (d, dmin, 12 scale bytes) of rows 4q .. 4q + 3's block, lane L: row 4q + L. */
+static inline __m512i heads4(const uint8_t *b, int64_t rb) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + rb)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 2 * rb)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 3 * rb)), 3);
+}
+
+/* scales_mins_k4 in each 128-bit lane of heads4's register (the scale bytes at 4 .. 15). */
+static inline __m512i scales_mins_k4_x4(__m512i s) {
+    const __m512i a = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                                 4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
+    const __m512i lo = _mm512_or_si512(
+        _mm512_and_si512(a, _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63,
+                                                                 63, 63, 63, 0, 0, 0, 0))),
+        _mm512_and_si512(_mm512_srli_epi16(a, 4),
+                         _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                              15, 15, 15, 15))));
+    const __m512i h = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                                 -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
+    return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30)));
+}
+
+/* Byte c of each dword's 4-byte group g (bytes 4g .. 4g + 3 of a lane) into dword c, zero
+ * extended; with `pair`, group g's byte c into word 2c and group g + 1's into word 2c + 1. */
+static inline __m512i spread4(__m512i v, int g, int pair) {
+    const char b = (char)(4 * g);
+    const __m128i ctl =
+        pair ? _mm_setr_epi8(b, -1, b + 4, -1, b + 1, -1, b + 5, -1, b + 2, -1, b + 6, -1, b + 3, -1,
+                             b + 7, -1)
+             : _mm_setr_epi8(b, -1, -1, -1, b + 1, -1, -1, -1, b + 2, -1, -1, -1, b + 3, -1, -1, -1);
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(ctl));
+}
+
+static inline __attribute__((always_inline)) void rows16_q4_K(int64_t nb, const uint8_t *w,
+                                                             int64_t rb, const uint8_t *y,
+                                                             int64_t stride, const int nt,
+                                                             float *out, int64_t ldo) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    /* The transpose below puts dword k of register m's low half (rows lo[m]) and high half
+     * (rows hi[m]) where lane order wants them. */
+    const uint8_t *lo[8], *hi[8];
+    for (int m = 0; m < 4; ++m) {
+        lo[m] = w + 4 * m * rb, hi[m] = w + (4 * m + 2) * rb;
+        lo[m + 4] = w + (4 * m + 1) * rb, hi[m + 4] = w + (4 * m + 3) * rb;
+    }
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    __m512 acc[KQ16_NT], acc_m[KQ16_NT];
+    for (int t = 0; t < nt; ++t) acc[t] = acc_m[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+        const int64_t at = i * Q4_K_BYTES;
+        const uint8_t *yb = y + i * Q8_K_BYTES;
+        __m512i head[4], sm[4];
+        for (int q = 0; q < 4; ++q) {
+            head[q] = heads4(w + 4 * q * rb + at, rb);
+            sm[q] = scales_mins_k4_x4(head[q]);
+        }
+        /* dword s of lane L: the scale (low bytes) or min (high bytes) of sub-block s, s < 4,
+         * of rows L, 4 + L, 8 + L, 12 + L; s >= 4 in the second register */
+        const __m512i sa = _mm512_unpacklo_epi8(sm[0], sm[1]), sb = _mm512_unpacklo_epi8(sm[2], sm[3]);
+        const __m512i ma = _mm512_unpackhi_epi8(sm[0], sm[1]), mb = _mm512_unpackhi_epi8(sm[2], sm[3]);
+        const __m512i sc[2] = {_mm512_unpacklo_epi16(sa, sb), _mm512_unpackhi_epi16(sa, sb)};
+        const __m512i mn[2] = {_mm512_unpacklo_epi16(ma, mb), _mm512_unpackhi_epi16(ma, mb)};
+        __m512i tot[KQ16_NT];
+        for (int t = 0; t < nt; ++t) tot[t] = _mm512_setzero_si512();
+        for (int j = 0; j < QK_K / 64; ++j) {
+            const int64_t off = at + 16 + 32 * j;
+            __m512i z[8], u[8], d[8];
+            for (int m = 0; m < 8; ++m)
+                z[m] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(lo[m] + off))),
+                    _mm256_loadu_si256((const __m256i *)(hi[m] + off)), 1);
+            for (int g = 0; g < 8; g += 4) {
+                const __m512i t0 = _mm512_unpacklo_epi32(z[g], z[g + 1]);
+                const __m512i t1 = _mm512_unpackhi_epi32(z[g], z[g + 1]);
+                const __m512i t2 = _mm512_unpacklo_epi32(z[g + 2], z[g + 3]);
+                const __m512i t3 = _mm512_unpackhi_epi32(z[g + 2], z[g + 3]);
+                u[g] = _mm512_unpacklo_epi64(t0, t2), u[g + 1] = _mm512_unpackhi_epi64(t0, t2);
+                u[g + 2] = _mm512_unpacklo_epi64(t1, t3), u[g + 3] = _mm512_unpackhi_epi64(t1, t3);
+            }
+            /* d[k]: dword k of the 32 bytes of every row, lane p: row ROW16(p) */
+            for (int k = 0; k < 4; ++k) {
+                d[k] = _mm512_permutex2var_epi64(u[k], first, u[k + 4]);
+                d[k + 4] = _mm512_permutex2var_epi64(u[k], second, u[k + 4]);
+            }
+            for (int half = 0; half < 2; ++half) {
+                const int s = 2 * j + half;
+                const __m512i scale = spread4(sc[s / 4], s % 4, 0);
+                __m512i c[8];
+                for (int k = 0; k < 8; ++k)
+                    c[k] = _mm512_and_si512(half ? _mm512_srli_epi16(d[k], 4) : d[k], m4);
+                for (int t = 0; t < nt; ++t) {
+                    const uint8_t *q8 = yb + t * stride + Q8_K_QS + 32 * s;
+                    __m512i sum = _mm512_setzero_si512();
+                    for (int k = 0; k < 8; ++k)
+                        sum = _mm512_dpbusd_epi32(sum, c[k], _mm512_set1_epi32(i32_at(q8 + 4 * k)));
+                    tot[t] = _mm512_add_epi32(tot[t], _mm512_mullo_epi32(sum, scale));
+                }
+            }
+        }
+        /* dword i of lane L of head[0..3]: (d, dmin) of row 4i + L */
+        const __m512i dm = _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(head[0], head[1]),
+                                                 _mm512_unpacklo_epi32(head[2], head[3]));
+        const __m512 wd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        const __m512 wmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+        __m512i minp[4];
+        for (int p = 0; p < 4; ++p) minp[p] = spread4(mn[p / 2], 2 * (p % 2), 1);
+        for (int t = 0; t < nt; ++t) {
+            const uint8_t *yt = yb + t * stride;
+            int32_t pairs[4];
+            _mm_storeu_si128((__m128i *)pairs, bsum_pairs(yt));
+            __m512i mtot = _mm512_setzero_si512();
+            for (int p = 0; p < 4; ++p)
+                mtot = _mm512_dpwssd_epi32(mtot, minp[p], _mm512_set1_epi32(pairs[p]));
+            const __m512 yd = _mm512_set1_ps(f32_at(yt));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), _mm512_mul_ps(yd, wd), acc[t]);
+            acc_m[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mtot), _mm512_mul_ps(yd, wmin), acc_m[t]);
+        }
+    }
+    /* back to row order: row r sits in lane ROW16(r) (the map is its own inverse) */
+    const __m512i rows = _mm512_setr_epi32(ROW16(0), ROW16(1), ROW16(2), ROW16(3), ROW16(4),
+                                           ROW16(5), ROW16(6), ROW16(7), ROW16(8), ROW16(9),
+                                           ROW16(10), ROW16(11), ROW16(12), ROW16(13), ROW16(14),
+                                           ROW16(15));
+    for (int t = 0; t < nt; ++t)
+        _mm512_storeu_ps(out + t * ldo,
+                         _mm512_permutexvar_ps(rows, _mm512_sub_ps(acc[t], acc_m[t])));
+}
+
+#define KQ_ROWS16(NTC)                                                                             \
+    static void rows16_q4_K_##NTC(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,     \
+                                  int64_t stride, float *out, int64_t ldo) {                     \
+        rows16_q4_K(nb, w, rb, y, stride, NTC, out, ldo);                                        \
+    }
+KQ_ROWS16(1)
+KQ_ROWS16(2)
+KQ_ROWS16(3)
+KQ_ROWS16(4)
+KQ_ROWS16(5)
+KQ_ROWS16(6)
+KQ_ROWS16(7)
+KQ_ROWS16(8)
+_Static_assert(KQ16_NT == 8, "one rows16_q4_K copy per token count");
+#endif
+
 #if defined(KQ_AVX2)
 /* rows8_q4_K on AVX2, its integer step two rows at a time: a vector holds 16 values of row A in
  * its low half and the same 16 of row B in its high half, against those 16 activation bytes in
@@ -1293,6 +1460,31 @@ void meshd_rows2_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
         rows_q4_K_n(n / QK_K, wb + r * rb, y, stride, KQ_NT, o);
         for (int t = 0; t < KQ_NT; ++t) out[t * ldo + r] = o[t];
     }
+#endif
+}
+
+/* Rows 0..15 (row r at w + r * rb bytes) against nt (1..8) tokens (token t's Q8_K row at
+ * x + t * stride, its sixteen outputs at out + t * ldo): each what meshd_vec_dot_q4_K_q8_K gives,
+ * bit for bit. AVX-512 only (rows16_q4_K); blocks.c calls it there. Returns -1 elsewhere. */
+int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
+                           int nt, float *out, int64_t ldo) {
+#if defined(KQ_AVX512)
+    const int64_t nb = n / QK_K;
+    const uint8_t *wb = (const uint8_t *)w, *y = (const uint8_t *)x;
+    switch (nt) {
+    case 1: rows16_q4_K_1(nb, wb, rb, y, stride, out, ldo); break;
+    case 2: rows16_q4_K_2(nb, wb, rb, y, stride, out, ldo); break;
+    case 3: rows16_q4_K_3(nb, wb, rb, y, stride, out, ldo); break;
+    case 4: rows16_q4_K_4(nb, wb, rb, y, stride, out, ldo); break;
+    case 5: rows16_q4_K_5(nb, wb, rb, y, stride, out, ldo); break;
+    case 6: rows16_q4_K_6(nb, wb, rb, y, stride, out, ldo); break;
+    case 7: rows16_q4_K_7(nb, wb, rb, y, stride, out, ldo); break;
+    default: rows16_q4_K_8(nb, wb, rb, y, stride, out, ldo); break;
+    }
+    return 0;
+#else
+    (void)n, (void)w, (void)rb, (void)x, (void)stride, (void)nt, (void)out, (void)ldo;
+    return -1;
 #endif
 }
 
