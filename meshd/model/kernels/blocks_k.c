@@ -829,12 +829,17 @@ static inline __attribute__((always_inline)) void rows16_q4_K(int64_t nb, const 
                 __m512i c[8];
                 for (int k = 0; k < 8; ++k)
                     c[k] = _mm512_and_si512(half ? _mm512_srli_epi16(d[k], 4) : d[k], m4);
+                /* (every token unrolled, so that tot[] stays in registers; two chains of sums
+                 * per token, so that the adds do not wait on each other) */
+#pragma GCC unroll 8
                 for (int t = 0; t < nt; ++t) {
                     const uint8_t *q8 = yb + t * stride + Q8_K_QS + 32 * s;
-                    __m512i sum = _mm512_setzero_si512();
+                    __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                     for (int k = 0; k < 8; ++k)
-                        sum = _mm512_dpbusd_epi32(sum, c[k], _mm512_set1_epi32(i32_at(q8 + 4 * k)));
-                    tot[t] = _mm512_add_epi32(tot[t], _mm512_mullo_epi32(sum, scale));
+                        sum[k % 2] = _mm512_dpbusd_epi32(sum[k % 2], c[k],
+                                                         _mm512_set1_epi32(i32_at(q8 + 4 * k)));
+                    tot[t] = _mm512_add_epi32(
+                        tot[t], _mm512_mullo_epi32(_mm512_add_epi32(sum[0], sum[1]), scale));
                 }
             }
         }
