@@ -106,11 +106,11 @@ void meshd_rows2_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
 int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
                            int nt, float *out, int64_t ldo);
 /* blocks_k.c's AVX-512 build (KQ_AVX512 there) multiplies Q4_K rows sixteen at a time against
- * up to 8 tokens (meshd_rows16_q4_K_q8_K). */
+ * up to 64 tokens (meshd_rows16_q4_K_q8_K). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                    \
     defined(__AVX512VNNI__) && defined(__FMA__)
 #define Q4_K_ROWS16 1
-#define Q4_K_ROWS16_NT 8
+#define Q4_K_ROWS16_NT 64 /* = blocks_k.c's KQ16_TOKENS */
 #endif
 /* blocks_k.c's AVX2 build (KQ_AVX2 there) multiplies Q4_K rows two at a time against a full
  * group of tokens too (meshd_rows2_q4_K_q8_K). */
@@ -1369,9 +1369,9 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
 #ifdef Q4_K_ROWS16
-    /* Q4_K against 4 tokens or more: sixteen rows against up to 8 tokens per call, the rows
-     * outermost so that each group's weights stay in cache for all the tokens; what is left of
-     * the rows takes the loop below. */
+    /* Q4_K against 4 tokens or more: sixteen rows against all the tokens (a unit holds at most
+     * TOKEN_BLOCK) per call, which unpacks each super-block of the rows once for them; what is
+     * left of the rows takes the loop below. */
     if (type == T_Q4_K && t >= NT) {
         const int64_t end = r0 + (r1 - r0) / 16 * 16;
         for (int64_t n = r0; n < end; n += 16)

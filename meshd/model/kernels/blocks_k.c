@@ -728,7 +728,8 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
  *
  * Lane p = 4L + i (128-bit lane L, dword i) holds row 4i + L: in-lane byte shuffles of four
  * rows' heads per register produce the scales in that order. */
-#define KQ16_NT 8 /* most tokens per call: their integer totals stay in registers */
+#define KQ16_NT 8 /* tokens per group: their integer totals stay in registers */
+#define KQ16_TOKENS 64 /* most tokens per call (blocks.c's TOKEN_BLOCK) */
 #define ROW16(p) (4 * ((p) % 4) + (p) / 4)
 
 static inline int32_t i32_at(const uint8_t *p) {
@@ -771,25 +772,122 @@ static inline __m512i spread4(__m512i v, int g, int pair) {
     return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(ctl));
 }
 
-static inline __attribute__((always_inline)) void rows16_q4_K(int64_t nb, const uint8_t *w,
-                                                             int64_t rb, const uint8_t *y,
-                                                             int64_t stride, const int nt,
-                                                             float *out, int64_t ldo) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    /* The transpose below puts dword k of register m's low half (rows lo[m]) and high half
-     * (rows hi[m]) where lane order wants them. */
-    const uint8_t *lo[8], *hi[8];
+/* The rows of transpose16: dword k of register m's low half comes from row lo[m], of its high
+ * half from row hi[m], so that the transpose leaves row ROW16(p) in lane p. */
+static inline void rows16_halves(const uint8_t *w, int64_t rb, const uint8_t *lo[8],
+                                 const uint8_t *hi[8]) {
     for (int m = 0; m < 4; ++m) {
         lo[m] = w + 4 * m * rb, hi[m] = w + (4 * m + 2) * rb;
         lo[m + 4] = w + (4 * m + 1) * rb, hi[m + 4] = w + (4 * m + 3) * rb;
     }
+}
+
+/* d[k]: dword k of the 32 bytes at byte `off` of each of the sixteen rows, lane p: row ROW16(p). */
+static inline __attribute__((always_inline)) void transpose16(const uint8_t *const lo[8],
+                                                             const uint8_t *const hi[8],
+                                                             int64_t off, __m512i d[8]) {
+    __m512i z[8], u[8];
+    for (int m = 0; m < 8; ++m)
+        z[m] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(lo[m] + off))),
+            _mm256_loadu_si256((const __m256i *)(hi[m] + off)), 1);
+    for (int g = 0; g < 8; g += 4) {
+        const __m512i t0 = _mm512_unpacklo_epi32(z[g], z[g + 1]);
+        const __m512i t1 = _mm512_unpackhi_epi32(z[g], z[g + 1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(z[g + 2], z[g + 3]);
+        const __m512i t3 = _mm512_unpackhi_epi32(z[g + 2], z[g + 3]);
+        u[g] = _mm512_unpacklo_epi64(t0, t2), u[g + 1] = _mm512_unpackhi_epi64(t0, t2);
+        u[g + 2] = _mm512_unpacklo_epi64(t1, t3), u[g + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
     const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
     const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-    __m512 acc[KQ16_NT], acc_m[KQ16_NT];
-    for (int t = 0; t < nt; ++t) acc[t] = acc_m[t] = _mm512_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+        d[k] = _mm512_permutex2var_epi64(u[k], first, u[k + 4]);
+        d[k + 4] = _mm512_permutex2var_epi64(u[k], second, u[k + 4]);
+    }
+}
+
+/* One super-block of the sixteen rows against g <= KQ16_NT tokens (token t's Q8_K block at
+ * yb + t * stride): the integer totals from the transposed codes (codes[s][k]: dword k of
+ * sub-block s, lane p: row ROW16(p)) and the sub-block scales and min pairs in lane order, then
+ * rows_q4_K's float steps into acc[t] / acc_m[t] (from zero where `first`). */
+static inline __attribute__((always_inline)) void rows16_q4_K_group(
+    const __m512i codes[QK_K / 32][8], const __m512i scale[QK_K / 32], const __m512i minp[4],
+    __m512 wd, __m512 wmin, const uint8_t *yb, int64_t stride, const int g, __m512 *acc,
+    __m512 *acc_m, int first) {
+    __m512i tot[KQ16_NT];
+    for (int t = 0; t < g; ++t) tot[t] = _mm512_setzero_si512();
+    for (int s = 0; s < QK_K / 32; ++s) {
+        __m512i c[8];
+        for (int k = 0; k < 8; ++k) c[k] = codes[s][k];
+        /* (every token unrolled, so that tot[] stays in registers; two chains of sums per
+         * token, so that the adds do not wait on each other) */
+#pragma GCC unroll 8
+        for (int t = 0; t < g; ++t) {
+            const uint8_t *q8 = yb + t * stride + Q8_K_QS + 32 * s;
+            __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int k = 0; k < 8; ++k)
+                sum[k % 2] =
+                    _mm512_dpbusd_epi32(sum[k % 2], c[k], _mm512_set1_epi32(i32_at(q8 + 4 * k)));
+            tot[t] = _mm512_add_epi32(tot[t],
+                                      _mm512_mullo_epi32(_mm512_add_epi32(sum[0], sum[1]), scale[s]));
+        }
+    }
+    for (int t = 0; t < g; ++t) {
+        const uint8_t *yt = yb + t * stride;
+        int32_t pairs[4];
+        _mm_storeu_si128((__m128i *)pairs, bsum_pairs(yt));
+        __m512i mtot = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p)
+            mtot = _mm512_dpwssd_epi32(mtot, minp[p], _mm512_set1_epi32(pairs[p]));
+        const __m512 yd = _mm512_set1_ps(f32_at(yt));
+        const __m512 a = first ? _mm512_setzero_ps() : acc[t];
+        const __m512 am = first ? _mm512_setzero_ps() : acc_m[t];
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), _mm512_mul_ps(yd, wd), a);
+        acc_m[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mtot), _mm512_mul_ps(yd, wmin), am);
+    }
+}
+
+typedef void (*rows16_group_fn)(const __m512i (*)[8], const __m512i *, const __m512i *, __m512,
+                                __m512, const uint8_t *, int64_t, __m512 *, __m512 *, int);
+#define KQ_GROUP16(G)                                                                              \
+    static void rows16_q4_K_g##G(const __m512i codes[QK_K / 32][8], const __m512i *scale,         \
+                                 const __m512i *minp, __m512 wd, __m512 wmin, const uint8_t *yb,  \
+                                 int64_t stride, __m512 *acc, __m512 *acc_m, int first) {         \
+        rows16_q4_K_group(codes, scale, minp, wd, wmin, yb, stride, G, acc, acc_m, first);        \
+    }
+KQ_GROUP16(1)
+KQ_GROUP16(2)
+KQ_GROUP16(3)
+KQ_GROUP16(4)
+KQ_GROUP16(5)
+KQ_GROUP16(6)
+KQ_GROUP16(7)
+KQ_GROUP16(8)
+_Static_assert(KQ16_NT == 8, "one rows16_q4_K_group copy per token count");
+static const rows16_group_fn rows16_q4_K_groups[KQ16_NT + 1] = {
+    NULL,
+    rows16_q4_K_g1,
+    rows16_q4_K_g2,
+    rows16_q4_K_g3,
+    rows16_q4_K_g4,
+    rows16_q4_K_g5,
+    rows16_q4_K_g6,
+    rows16_q4_K_g7,
+    rows16_q4_K_g8,
+};
+
+/* Sixteen rows against nt <= KQ16_TOKENS tokens: each super-block's codes are transposed and
+ * its scales put in lane order once, for all the tokens, eight at a time. */
+static void rows16_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,
+                        int64_t stride, int nt, float *out, int64_t ldo) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const uint8_t *lo[8], *hi[8];
+    rows16_halves(w, rb, lo, hi);
+    __m512 acc[KQ16_TOKENS], acc_m[KQ16_TOKENS];
+    __m512i codes[QK_K / 32][8];
     for (int64_t i = 0; i < nb; ++i) {
         const int64_t at = i * Q4_K_BYTES;
-        const uint8_t *yb = y + i * Q8_K_BYTES;
         __m512i head[4], sm[4];
         for (int q = 0; q < 4; ++q) {
             head[q] = heads4(w + 4 * q * rb + at, rb);
@@ -801,65 +899,27 @@ static inline __attribute__((always_inline)) void rows16_q4_K(int64_t nb, const 
         const __m512i ma = _mm512_unpackhi_epi8(sm[0], sm[1]), mb = _mm512_unpackhi_epi8(sm[2], sm[3]);
         const __m512i sc[2] = {_mm512_unpacklo_epi16(sa, sb), _mm512_unpackhi_epi16(sa, sb)};
         const __m512i mn[2] = {_mm512_unpacklo_epi16(ma, mb), _mm512_unpackhi_epi16(ma, mb)};
-        __m512i tot[KQ16_NT];
-        for (int t = 0; t < nt; ++t) tot[t] = _mm512_setzero_si512();
-        for (int j = 0; j < QK_K / 64; ++j) {
-            const int64_t off = at + 16 + 32 * j;
-            __m512i z[8], u[8], d[8];
-            for (int m = 0; m < 8; ++m)
-                z[m] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(lo[m] + off))),
-                    _mm256_loadu_si256((const __m256i *)(hi[m] + off)), 1);
-            for (int g = 0; g < 8; g += 4) {
-                const __m512i t0 = _mm512_unpacklo_epi32(z[g], z[g + 1]);
-                const __m512i t1 = _mm512_unpackhi_epi32(z[g], z[g + 1]);
-                const __m512i t2 = _mm512_unpacklo_epi32(z[g + 2], z[g + 3]);
-                const __m512i t3 = _mm512_unpackhi_epi32(z[g + 2], z[g + 3]);
-                u[g] = _mm512_unpacklo_epi64(t0, t2), u[g + 1] = _mm512_unpackhi_epi64(t0, t2);
-                u[g + 2] = _mm512_unpacklo_epi64(t1, t3), u[g + 3] = _mm512_unpackhi_epi64(t1, t3);
-            }
-            /* d[k]: dword k of the 32 bytes of every row, lane p: row ROW16(p) */
-            for (int k = 0; k < 4; ++k) {
-                d[k] = _mm512_permutex2var_epi64(u[k], first, u[k + 4]);
-                d[k + 4] = _mm512_permutex2var_epi64(u[k], second, u[k + 4]);
-            }
-            for (int half = 0; half < 2; ++half) {
-                const int s = 2 * j + half;
-                const __m512i scale = spread4(sc[s / 4], s % 4, 0);
-                __m512i c[8];
-                for (int k = 0; k < 8; ++k)
-                    c[k] = _mm512_and_si512(half ? _mm512_srli_epi16(d[k], 4) : d[k], m4);
-                /* (every token unrolled, so that tot[] stays in registers; two chains of sums
-                 * per token, so that the adds do not wait on each other) */
-#pragma GCC unroll 8
-                for (int t = 0; t < nt; ++t) {
-                    const uint8_t *q8 = yb + t * stride + Q8_K_QS + 32 * s;
-                    __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-                    for (int k = 0; k < 8; ++k)
-                        sum[k % 2] = _mm512_dpbusd_epi32(sum[k % 2], c[k],
-                                                         _mm512_set1_epi32(i32_at(q8 + 4 * k)));
-                    tot[t] = _mm512_add_epi32(
-                        tot[t], _mm512_mullo_epi32(_mm512_add_epi32(sum[0], sum[1]), scale));
-                }
-            }
-        }
+        __m512i scale[QK_K / 32], minp[4];
+        for (int s = 0; s < QK_K / 32; ++s) scale[s] = spread4(sc[s / 4], s % 4, 0);
+        for (int p = 0; p < 4; ++p) minp[p] = spread4(mn[p / 2], 2 * (p % 2), 1);
         /* dword i of lane L of head[0..3]: (d, dmin) of row 4i + L */
         const __m512i dm = _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(head[0], head[1]),
                                                  _mm512_unpacklo_epi32(head[2], head[3]));
         const __m512 wd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
         const __m512 wmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-        __m512i minp[4];
-        for (int p = 0; p < 4; ++p) minp[p] = spread4(mn[p / 2], 2 * (p % 2), 1);
-        for (int t = 0; t < nt; ++t) {
-            const uint8_t *yt = yb + t * stride;
-            int32_t pairs[4];
-            _mm_storeu_si128((__m128i *)pairs, bsum_pairs(yt));
-            __m512i mtot = _mm512_setzero_si512();
-            for (int p = 0; p < 4; ++p)
-                mtot = _mm512_dpwssd_epi32(mtot, minp[p], _mm512_set1_epi32(pairs[p]));
-            const __m512 yd = _mm512_set1_ps(f32_at(yt));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), _mm512_mul_ps(yd, wd), acc[t]);
-            acc_m[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mtot), _mm512_mul_ps(yd, wmin), acc_m[t]);
+        for (int j = 0; j < QK_K / 64; ++j) {
+            __m512i d[8];
+            transpose16(lo, hi, at + 16 + 32 * j, d);
+            for (int k = 0; k < 8; ++k) {
+                codes[2 * j][k] = _mm512_and_si512(d[k], m4);
+                codes[2 * j + 1][k] = _mm512_and_si512(_mm512_srli_epi16(d[k], 4), m4);
+            }
+        }
+        const uint8_t *yb = y + i * Q8_K_BYTES;
+        for (int t0 = 0; t0 < nt; t0 += KQ16_NT) {
+            const int g = nt - t0 < KQ16_NT ? nt - t0 : KQ16_NT;
+            rows16_q4_K_groups[g]((const __m512i(*)[8])codes, scale, minp, wd, wmin,
+                                  yb + t0 * stride, stride, acc + t0, acc_m + t0, i == 0);
         }
     }
     /* back to row order: row r sits in lane ROW16(r) (the map is its own inverse) */
@@ -871,21 +931,6 @@ static inline __attribute__((always_inline)) void rows16_q4_K(int64_t nb, const 
         _mm512_storeu_ps(out + t * ldo,
                          _mm512_permutexvar_ps(rows, _mm512_sub_ps(acc[t], acc_m[t])));
 }
-
-#define KQ_ROWS16(NTC)                                                                             \
-    static void rows16_q4_K_##NTC(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,     \
-                                  int64_t stride, float *out, int64_t ldo) {                     \
-        rows16_q4_K(nb, w, rb, y, stride, NTC, out, ldo);                                        \
-    }
-KQ_ROWS16(1)
-KQ_ROWS16(2)
-KQ_ROWS16(3)
-KQ_ROWS16(4)
-KQ_ROWS16(5)
-KQ_ROWS16(6)
-KQ_ROWS16(7)
-KQ_ROWS16(8)
-_Static_assert(KQ16_NT == 8, "one rows16_q4_K copy per token count");
 #endif
 
 #if defined(KQ_AVX2)
@@ -1468,7 +1513,7 @@ void meshd_rows2_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
 #endif
 }
 
-/* Rows 0..15 (row r at w + r * rb bytes) against nt (1..8) tokens (token t's Q8_K row at
+/* Rows 0..15 (row r at w + r * rb bytes) against nt (1..64) tokens (token t's Q8_K row at
  * x + t * stride, its sixteen outputs at out + t * ldo): each what meshd_vec_dot_q4_K_q8_K gives,
  * bit for bit. AVX-512 only (rows16_q4_K); blocks.c calls it there. Returns -1 elsewhere. */
 int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
@@ -1476,16 +1521,7 @@ int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
 #if defined(KQ_AVX512)
     const int64_t nb = n / QK_K;
     const uint8_t *wb = (const uint8_t *)w, *y = (const uint8_t *)x;
-    switch (nt) {
-    case 1: rows16_q4_K_1(nb, wb, rb, y, stride, out, ldo); break;
-    case 2: rows16_q4_K_2(nb, wb, rb, y, stride, out, ldo); break;
-    case 3: rows16_q4_K_3(nb, wb, rb, y, stride, out, ldo); break;
-    case 4: rows16_q4_K_4(nb, wb, rb, y, stride, out, ldo); break;
-    case 5: rows16_q4_K_5(nb, wb, rb, y, stride, out, ldo); break;
-    case 6: rows16_q4_K_6(nb, wb, rb, y, stride, out, ldo); break;
-    case 7: rows16_q4_K_7(nb, wb, rb, y, stride, out, ldo); break;
-    default: rows16_q4_K_8(nb, wb, rb, y, stride, out, ldo); break;
-    }
+    rows16_q4_K(nb, wb, rb, y, stride, nt, out, ldo);
     return 0;
 #else
     (void)n, (void)w, (void)rb, (void)x, (void)stride, (void)nt, (void)out, (void)ldo;
