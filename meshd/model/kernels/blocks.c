@@ -1369,9 +1369,9 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
 #ifdef Q4_K_ROWS16
-    /* Q4_K against 4 tokens or more: sixteen rows against all the tokens (a unit holds at most
-     * TOKEN_BLOCK) per call, which unpacks each super-block of the rows once for them; what is
-     * left of the rows takes the loop below. */
+    /* Q4_K against 4 tokens or more (a unit holds them all, token_block): sixteen rows against
+     * up to 64 tokens per call, which unpacks each super-block of the rows once for them; what
+     * is left of the rows takes the loop below. */
     if (type == T_Q4_K && t >= NT) {
         const int64_t end = r0 + (r1 - r0) / 16 * 16;
         for (int64_t n = r0; n < end; n += 16)
@@ -1429,6 +1429,18 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
     }
 }
 
+/* Tokens per unit of work for a weight type against t tokens: TOKEN_BLOCK, but all of them for
+ * the sixteen-row Q4_K kernel, whose rows then stay in cache for every token rather than stream
+ * from memory once per block of tokens (the activations it re-reads are the smaller). */
+static int64_t token_block(int type, int64_t t) {
+#ifdef Q4_K_ROWS16
+    if (type == T_Q4_K && t >= NT) return t;
+#else
+    (void)type;
+#endif
+    return t < TOKEN_BLOCK ? (t > 0 ? t : 1) : TOKEN_BLOCK;
+}
+
 /* y[t][n_out] = x[t][k] · W^T on `threads` threads (1: no parallel region). Returns 0, or -1 for a
  * type without a kernel or a k its blocks do not divide. */
 int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, const float *x,
@@ -1439,7 +1451,7 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
     const int64_t stride = act_stride(type, k);
     uint8_t *act = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const int64_t chunks = (n_out + CHUNK - 1) / CHUNK;
-    const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    const int64_t tb = token_block(type, t), tblocks = (t + tb - 1) / tb;
     const int64_t work = rb * n_out * t, most = 1 + work / BYTES_PER_THREAD;
     if (threads > most) threads = (int)most;
     if (threads < 1) threads = 1;
@@ -1456,9 +1468,9 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
          * unit reads stay in L2 while the threads sweep the rows. */
 #pragma omp for schedule(guided) nowait
         for (int64_t u = 0; u < chunks * tblocks; ++u) {
-            const int64_t c = u % chunks, j0 = u / chunks * TOKEN_BLOCK;
+            const int64_t c = u % chunks, j0 = u / chunks * tb;
             const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
-            const int64_t tn = t - j0 < TOKEN_BLOCK ? t - j0 : TOKEN_BLOCK;
+            const int64_t tn = t - j0 < tb ? t - j0 : tb;
             const uint8_t *a = act + j0 * stride;
             float *yb = y + j0 * n_out;
 #if defined(TILED)
@@ -1542,7 +1554,7 @@ int meshd_blocks_parts_mm(const meshd_blocks_part *parts, int64_t n_parts, int64
     int direct[PARTS_MAX];
     int owner[PARTS_MAX], owners[PARTS_MAX], n_owners = 0;
     if (n_parts < 1 || n_parts > PARTS_MAX || t < 0) return -1;
-    const int64_t tblocks = (t + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    int64_t tb[PARTS_MAX];
     y_at[0] = unit_at[0] = 0;
     for (int p = 0; p < n_parts; ++p) {
         col[p] = p == 0 ? 0 : col[p - 1] + parts[p - 1].out;
@@ -1563,7 +1575,8 @@ int meshd_blocks_parts_mm(const meshd_blocks_part *parts, int64_t n_parts, int64
             act_bytes += stride[p] * t;
         }
         y_at[p + 1] = y_at[p] + (direct[p] ? 0 : parts[p].out * t);
-        unit_at[p + 1] = unit_at[p] + (parts[p].out + CHUNK - 1) / CHUNK * tblocks;
+        tb[p] = token_block(type, t);
+        unit_at[p + 1] = unit_at[p] + (parts[p].out + CHUNK - 1) / CHUNK * ((t + tb[p] - 1) / tb[p]);
         work += rb[p] * parts[p].out * t;
     }
     if (t == 0) return 0;
@@ -1597,9 +1610,9 @@ int meshd_blocks_parts_mm(const meshd_blocks_part *parts, int64_t n_parts, int64
             int p = 0;
             while (u >= unit_at[p + 1]) ++p;
             const int64_t n_out = parts[p].out, chunks = (n_out + CHUNK - 1) / CHUNK;
-            const int64_t c = (u - unit_at[p]) % chunks, j0 = (u - unit_at[p]) / chunks * TOKEN_BLOCK;
+            const int64_t c = (u - unit_at[p]) % chunks, j0 = (u - unit_at[p]) / chunks * tb[p];
             const int64_t r0 = c * CHUNK, r1 = r0 + CHUNK < n_out ? r0 + CHUNK : n_out;
-            const int64_t tn = t - j0 < TOKEN_BLOCK ? t - j0 : TOKEN_BLOCK;
+            const int64_t tn = t - j0 < tb[p] ? t - j0 : tb[p];
             float *yp = direct[p] ? out + col[p] : y + y_at[p];
             unit_mm((int)parts[p].type, (const uint8_t *)parts[p].data, rb[p], k, n_out, r0, r1,
                     act + act_at[owner[p]] + j0 * stride[p], stride[p], tn, yp + j0 * n_out);
