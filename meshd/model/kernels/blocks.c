@@ -111,6 +111,10 @@ int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
     defined(__AVX512VNNI__) && defined(__FMA__)
 #define Q4_K_ROWS16 1
 #define Q4_K_ROWS16_NT 64 /* = blocks_k.c's KQ16_TOKENS */
+/* Fewest tokens it takes: against fewer its sixteen rows stream from memory slower than the
+ * one-row tiles with their requests ahead (docs/benchmarks.md, "Q4_K prefill in sixteen-row
+ * tiles"). */
+#define Q4_K_ROWS16_MIN 8
 #endif
 /* blocks_k.c's AVX2 build (KQ_AVX2 there) multiplies Q4_K rows two at a time against a full
  * group of tokens too (meshd_rows2_q4_K_q8_K). */
@@ -1369,10 +1373,10 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
 #ifdef Q4_K_ROWS16
-    /* Q4_K against 4 tokens or more (a unit holds them all, token_block): sixteen rows against
-     * up to 64 tokens per call, which unpacks each super-block of the rows once for them; what
-     * is left of the rows takes the loop below. */
-    if (type == T_Q4_K && t >= NT) {
+    /* Q4_K against Q4_K_ROWS16_MIN tokens or more (a unit holds them all, token_block):
+     * sixteen rows against up to 64 tokens per call, which unpacks each super-block of the rows
+     * once for them; what is left of the rows takes the loop below. */
+    if (type == T_Q4_K && t >= Q4_K_ROWS16_MIN) {
         const int64_t end = r0 + (r1 - r0) / 16 * 16;
         for (int64_t n = r0; n < end; n += 16)
             for (int64_t j = 0; j < t; j += Q4_K_ROWS16_NT) {
@@ -1434,7 +1438,7 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
  * from memory once per block of tokens (the activations it re-reads are the smaller). */
 static int64_t token_block(int type, int64_t t) {
 #ifdef Q4_K_ROWS16
-    if (type == T_Q4_K && t >= NT) return t;
+    if (type == T_Q4_K && t >= Q4_K_ROWS16_MIN) return t;
 #else
     (void)type;
 #endif
