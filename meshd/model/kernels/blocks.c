@@ -105,17 +105,25 @@ void meshd_rows2_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
                            float *out, int64_t ldo);
 int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
                            int nt, float *out, int64_t ldo);
-/* blocks_k.c's AVX-512 build (KQ_AVX512 there) multiplies Q4_K rows sixteen at a time against
- * up to 64 tokens (meshd_rows16_q4_K_q8_K). */
+int meshd_rows8t_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
+                           int nt, float *out, int64_t ldo);
+/* Q4_K against many tokens: blocks_k.c's AVX-512 build (KQ_AVX512 there) multiplies its rows
+ * sixteen at a time (meshd_rows16_q4_K_q8_K), its AVX2 build eight at a time
+ * (meshd_rows8t_q4_K_q8_K), against up to Q4_K_TILE_NT tokens per call. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                    \
     defined(__AVX512VNNI__) && defined(__FMA__)
-#define Q4_K_ROWS16 1
-#define Q4_K_ROWS16_NT 64 /* = blocks_k.c's KQ16_TOKENS */
-/* Fewest tokens it takes: against fewer its sixteen rows stream from memory slower than the
- * one-row tiles with their requests ahead (docs/benchmarks.md, "Q4_K prefill in sixteen-row
- * tiles"). */
-#define Q4_K_ROWS16_MIN 8
+/* Q4_K_TILE_MIN: the fewest tokens a tile takes; against fewer, its rows stream from memory
+ * slower than the one-row (AVX2: two-row) tiles with their requests ahead (docs/benchmarks.md,
+ * "Q4_K prefill in tiles of rows"). */
+#define Q4_K_TILE 16
+#define Q4_K_TILE_FN meshd_rows16_q4_K_q8_K
+#define Q4_K_TILE_MIN 8
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define Q4_K_TILE 8
+#define Q4_K_TILE_FN meshd_rows8t_q4_K_q8_K
+#define Q4_K_TILE_MIN 16
 #endif
+#define Q4_K_TILE_NT 64 /* = blocks_k.c's KQ16_TOKENS and KQ8T_TOKENS */
 /* blocks_k.c's AVX2 build (KQ_AVX2 there) multiplies Q4_K rows two at a time against a full
  * group of tokens too (meshd_rows2_q4_K_q8_K). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -1372,17 +1380,17 @@ static int rows_ahead(int type, int nt) {
 static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n_out, int64_t r0,
                     int64_t r1, const uint8_t *act, int64_t stride, int64_t t, float *y) {
     float out[NT];
-#ifdef Q4_K_ROWS16
-    /* Q4_K against Q4_K_ROWS16_MIN tokens or more (a unit holds them all, token_block):
-     * sixteen rows against up to 64 tokens per call, which unpacks each super-block of the rows
-     * once for them; what is left of the rows takes the loop below. */
-    if (type == T_Q4_K && t >= Q4_K_ROWS16_MIN) {
-        const int64_t end = r0 + (r1 - r0) / 16 * 16;
-        for (int64_t n = r0; n < end; n += 16)
-            for (int64_t j = 0; j < t; j += Q4_K_ROWS16_NT) {
-                const int nt = t - j < Q4_K_ROWS16_NT ? (int)(t - j) : Q4_K_ROWS16_NT;
-                meshd_rows16_q4_K_q8_K(k, w + n * rb, rb, act + j * stride, stride, nt,
-                                       y + j * n_out + n, n_out);
+#ifdef Q4_K_TILE
+    /* Q4_K against Q4_K_TILE_MIN tokens or more (a unit holds them all, token_block): a tile
+     * of rows against up to Q4_K_TILE_NT tokens per call, which unpacks each super-block of the
+     * rows once for them; what is left of the rows takes the loop below. */
+    if (type == T_Q4_K && t >= Q4_K_TILE_MIN) {
+        const int64_t end = r0 + (r1 - r0) / Q4_K_TILE * Q4_K_TILE;
+        for (int64_t n = r0; n < end; n += Q4_K_TILE)
+            for (int64_t j = 0; j < t; j += Q4_K_TILE_NT) {
+                const int nt = t - j < Q4_K_TILE_NT ? (int)(t - j) : Q4_K_TILE_NT;
+                Q4_K_TILE_FN(k, w + n * rb, rb, act + j * stride, stride, nt, y + j * n_out + n,
+                             n_out);
             }
         r0 = end;
     }
@@ -1434,11 +1442,11 @@ static void rows_mm(int type, const uint8_t *w, int64_t rb, int64_t k, int64_t n
 }
 
 /* Tokens per unit of work for a weight type against t tokens: TOKEN_BLOCK, but all of them for
- * the sixteen-row Q4_K kernel, whose rows then stay in cache for every token rather than stream
+ * the Q4_K tiles, whose rows then stay in cache for every token rather than stream
  * from memory once per block of tokens (the activations it re-reads are the smaller). */
 static int64_t token_block(int type, int64_t t) {
-#ifdef Q4_K_ROWS16
-    if (type == T_Q4_K && t >= Q4_K_ROWS16_MIN) return t;
+#ifdef Q4_K_TILE
+    if (type == T_Q4_K && t >= Q4_K_TILE_MIN) return t;
 #else
     (void)type;
 #endif

@@ -1106,6 +1106,155 @@ static void rows2_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *
         out[t * ldo + 1] = all[4 + t];
     }
 }
+
+/* Q4_K against 8 tokens or more on AVX2: eight rows per call, lane r of every vector row r, as
+ * rows16_q4_K on AVX-512 but without VNNI: each 32-byte step of codes of the eight rows is
+ * transposed once (dword k of every row side by side) for all the tokens; per token and
+ * sub-block, eight VPMADDUBSW of the codes' dword k with the token's broadcast dword k summed in
+ * int16 (|sum| <= 8 * 2 * 15 * 127 = 30480: exact), then one VPMADDWD with the rows' scale in
+ * both words of each lane. 9 multiplies per 256 products where the row pairs take 12. The float
+ * steps are rows_q4_K's, so every bit is the single-row dot's. */
+#define KQ8T_NT 8 /* tokens per group: their integer totals stay in registers */
+#define KQ8T_TOKENS 64 /* most tokens per call (blocks.c's TOKEN_BLOCK) */
+
+static inline int32_t i32_at8(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* d[k]: dword k of the 32 bytes at w + r * rb + off, lane r: row r. */
+static inline __attribute__((always_inline)) void transpose8(const uint8_t *w, int64_t rb,
+                                                            int64_t off, __m256i d[8]) {
+    __m256i z[8], u[8];
+    for (int r = 0; r < 8; ++r) z[r] = _mm256_loadu_si256((const __m256i *)(w + r * rb + off));
+    for (int g = 0; g < 8; g += 4) {
+        const __m256i t0 = _mm256_unpacklo_epi32(z[g], z[g + 1]);
+        const __m256i t1 = _mm256_unpackhi_epi32(z[g], z[g + 1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(z[g + 2], z[g + 3]);
+        const __m256i t3 = _mm256_unpackhi_epi32(z[g + 2], z[g + 3]);
+        u[g] = _mm256_unpacklo_epi64(t0, t2), u[g + 1] = _mm256_unpackhi_epi64(t0, t2);
+        u[g + 2] = _mm256_unpacklo_epi64(t1, t3), u[g + 3] = _mm256_unpackhi_epi64(t1, t3);
+    }
+    /* u[k] (k < 4): dword k of rows g .. g + 3 in its low half, dword k + 4 in its high half */
+    for (int k = 0; k < 4; ++k) {
+        d[k] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+        d[k + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+    }
+}
+
+static inline __attribute__((always_inline)) void rows8t_q4_K_group(
+    const __m256i codes[QK_K / 32][8], const __m256i scale[QK_K / 32], const __m256i minp[4],
+    __m256 wd, __m256 wmin, const uint8_t *yb, int64_t stride, const int g, __m256 *acc,
+    __m256 *acc_m, int first) {
+    __m256i tot[KQ8T_NT];
+    for (int t = 0; t < g; ++t) tot[t] = _mm256_setzero_si256();
+    for (int s = 0; s < QK_K / 32; ++s) {
+#pragma GCC unroll 8
+        for (int t = 0; t < g; ++t) {
+            const uint8_t *q8 = yb + t * stride + Q8_K_QS + 32 * s;
+            __m256i sum[2];
+            for (int k = 0; k < 8; ++k) {
+                const __m256i p = _mm256_maddubs_epi16(codes[s][k], _mm256_set1_epi32(i32_at8(q8 + 4 * k)));
+                sum[k % 2] = k < 2 ? p : _mm256_add_epi16(sum[k % 2], p);
+            }
+            tot[t] = KQ_MADD_ADD(tot[t], _mm256_add_epi16(sum[0], sum[1]), scale[s]);
+        }
+    }
+    for (int t = 0; t < g; ++t) {
+        const uint8_t *yt = yb + t * stride;
+        int32_t pairs[4];
+        _mm_storeu_si128((__m128i *)pairs, bsum_pairs(yt));
+        __m256i mtot = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) mtot = KQ_MADD_ADD(mtot, minp[p], _mm256_set1_epi32(pairs[p]));
+        const __m256 yd = _mm256_set1_ps(f32_at(yt));
+        const __m256 a = first ? _mm256_setzero_ps() : acc[t];
+        const __m256 am = first ? _mm256_setzero_ps() : acc_m[t];
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[t]), _mm256_mul_ps(yd, wd), a);
+        acc_m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mtot), _mm256_mul_ps(yd, wmin), am);
+    }
+}
+
+typedef void (*rows8t_group_fn)(const __m256i (*)[8], const __m256i *, const __m256i *, __m256,
+                                __m256, const uint8_t *, int64_t, __m256 *, __m256 *, int);
+#define KQ_GROUP8T(G)                                                                              \
+    static void rows8t_q4_K_g##G(const __m256i codes[QK_K / 32][8], const __m256i *scale,         \
+                                 const __m256i *minp, __m256 wd, __m256 wmin, const uint8_t *yb,  \
+                                 int64_t stride, __m256 *acc, __m256 *acc_m, int first) {         \
+        rows8t_q4_K_group(codes, scale, minp, wd, wmin, yb, stride, G, acc, acc_m, first);        \
+    }
+KQ_GROUP8T(1)
+KQ_GROUP8T(2)
+KQ_GROUP8T(3)
+KQ_GROUP8T(4)
+KQ_GROUP8T(5)
+KQ_GROUP8T(6)
+KQ_GROUP8T(7)
+KQ_GROUP8T(8)
+_Static_assert(KQ8T_NT == 8, "one rows8t_q4_K_group copy per token count");
+static const rows8t_group_fn rows8t_q4_K_groups[KQ8T_NT + 1] = {
+    NULL,
+    rows8t_q4_K_g1,
+    rows8t_q4_K_g2,
+    rows8t_q4_K_g3,
+    rows8t_q4_K_g4,
+    rows8t_q4_K_g5,
+    rows8t_q4_K_g6,
+    rows8t_q4_K_g7,
+    rows8t_q4_K_g8,
+};
+
+/* Eight rows against nt <= KQ8T_TOKENS tokens, each super-block unpacked once for all of them. */
+static void rows8t_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *y,
+                        int64_t stride, int nt, float *out, int64_t ldo) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int32_t b = (int32_t)rb;
+    const __m256i row_at = _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b);
+    __m256 acc[KQ8T_TOKENS], acc_m[KQ8T_TOKENS];
+    __m256i codes[QK_K / 32][8];
+    for (int64_t i = 0; i < nb; ++i) {
+        const int64_t at = i * Q4_K_BYTES;
+        /* the rows' scales (bytes 0-7) and mins (8-15), transposed: qword s of sm[s / 2] holds
+         * sub-block s's scale of rows 0-7, of mn[s / 2] its min */
+        __m128i x[8], a[4], c[4];
+        for (int r = 0; r < 8; ++r) x[r] = scales_mins_k4(w + r * rb + at + 4);
+        for (int q = 0; q < 4; ++q) a[q] = _mm_unpacklo_epi8(x[2 * q], x[2 * q + 1]);
+        for (int q = 0; q < 4; ++q) c[q] = _mm_unpackhi_epi8(x[2 * q], x[2 * q + 1]);
+        const __m128i s03 = _mm_unpacklo_epi16(a[0], a[1]), s47 = _mm_unpackhi_epi16(a[0], a[1]);
+        const __m128i t03 = _mm_unpacklo_epi16(a[2], a[3]), t47 = _mm_unpackhi_epi16(a[2], a[3]);
+        const __m128i m03 = _mm_unpacklo_epi16(c[0], c[1]), m47 = _mm_unpackhi_epi16(c[0], c[1]);
+        const __m128i n03 = _mm_unpacklo_epi16(c[2], c[3]), n47 = _mm_unpackhi_epi16(c[2], c[3]);
+        const __m128i sm[4] = {_mm_unpacklo_epi32(s03, t03), _mm_unpackhi_epi32(s03, t03),
+                               _mm_unpacklo_epi32(s47, t47), _mm_unpackhi_epi32(s47, t47)};
+        const __m128i mn[4] = {_mm_unpacklo_epi32(m03, n03), _mm_unpackhi_epi32(m03, n03),
+                               _mm_unpacklo_epi32(m47, n47), _mm_unpackhi_epi32(m47, n47)};
+        __m256i scale[QK_K / 32], minp[4];
+        for (int s = 0; s < QK_K / 32; ++s) {
+            const __m256i v = _mm256_cvtepu8_epi32(s % 2 ? _mm_srli_si128(sm[s / 2], 8) : sm[s / 2]);
+            scale[s] = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+        }
+        /* lane r of minp[p]: row r's mins of sub-blocks 2p and 2p + 1, as int16 */
+        for (int p = 0; p < 4; ++p)
+            minp[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn[p], _mm_srli_si128(mn[p], 8)));
+        const __m256i dm = _mm256_i32gather_epi32((const int *)(w + at), row_at, 1);
+        const __m256 wd = _mm256_cvtph_ps(halves(dm, 0)), wmin = _mm256_cvtph_ps(halves(dm, 1));
+        for (int j = 0; j < QK_K / 64; ++j) {
+            __m256i d[8];
+            transpose8(w, rb, at + 16 + 32 * j, d);
+            for (int k = 0; k < 8; ++k) {
+                codes[2 * j][k] = _mm256_and_si256(d[k], m4);
+                codes[2 * j + 1][k] = _mm256_and_si256(_mm256_srli_epi16(d[k], 4), m4);
+            }
+        }
+        const uint8_t *yb = y + i * Q8_K_BYTES;
+        for (int t0 = 0; t0 < nt; t0 += KQ8T_NT) {
+            const int g = nt - t0 < KQ8T_NT ? nt - t0 : KQ8T_NT;
+            rows8t_q4_K_groups[g]((const __m256i(*)[8])codes, scale, minp, wd, wmin,
+                                  yb + t0 * stride, stride, acc + t0, acc_m + t0, i == 0);
+        }
+    }
+    for (int t = 0; t < nt; ++t) _mm256_storeu_ps(out + t * ldo, _mm256_sub_ps(acc[t], acc_m[t]));
+}
 #endif /* KQ_AVX2 */
 
 #if defined(KQ_AVX2)
@@ -1522,6 +1671,20 @@ int meshd_rows16_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
     const int64_t nb = n / QK_K;
     const uint8_t *wb = (const uint8_t *)w, *y = (const uint8_t *)x;
     rows16_q4_K(nb, wb, rb, y, stride, nt, out, ldo);
+    return 0;
+#else
+    (void)n, (void)w, (void)rb, (void)x, (void)stride, (void)nt, (void)out, (void)ldo;
+    return -1;
+#endif
+}
+
+/* Rows 0..7 (row r at w + r * rb bytes) against nt (1..64) tokens (token t's Q8_K row at
+ * x + t * stride, its eight outputs at out + t * ldo): each what meshd_vec_dot_q4_K_q8_K gives,
+ * bit for bit. AVX2 only (rows8t_q4_K); blocks.c calls it there. Returns -1 elsewhere. */
+int meshd_rows8t_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, int64_t stride,
+                           int nt, float *out, int64_t ldo) {
+#if defined(KQ_AVX2)
+    rows8t_q4_K(n / QK_K, (const uint8_t *)w, rb, (const uint8_t *)x, stride, nt, out, ldo);
     return 0;
 #else
     (void)n, (void)w, (void)rb, (void)x, (void)stride, (void)nt, (void)out, (void)ldo;
