@@ -112,16 +112,15 @@ int meshd_rows8t_q4_K_q8_K(int64_t n, const void *w, int64_t rb, const void *x, 
  * (meshd_rows8t_q4_K_q8_K), against up to Q4_K_TILE_NT tokens per call. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                    \
     defined(__AVX512VNNI__) && defined(__FMA__)
-/* Q4_K_TILE_MIN: the fewest tokens a tile takes; against fewer, its rows stream from memory
- * slower than the one-row (AVX2: two-row) tiles with their requests ahead (docs/benchmarks.md,
- * "Q4_K prefill in tiles of rows"). */
+/* Q4_K_TILE_MIN: the fewest tokens a tile takes; against fewer, the eight-row decode kernel
+ * is faster (docs/benchmarks.md, "Q4_K prefill in tiles of rows"). */
 #define Q4_K_TILE 16
 #define Q4_K_TILE_FN meshd_rows16_q4_K_q8_K
-#define Q4_K_TILE_MIN 8
+#define Q4_K_TILE_MIN 4
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define Q4_K_TILE 8
 #define Q4_K_TILE_FN meshd_rows8t_q4_K_q8_K
-#define Q4_K_TILE_MIN 16
+#define Q4_K_TILE_MIN 4
 #endif
 #define Q4_K_TILE_NT 64 /* = blocks_k.c's KQ16_TOKENS and KQ8T_TOKENS */
 /* blocks_k.c's AVX2 build (KQ_AVX2 there) multiplies Q4_K rows two at a time against a full

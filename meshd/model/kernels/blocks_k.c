@@ -888,6 +888,9 @@ static void rows16_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t 
     __m512i codes[QK_K / 32][8];
     for (int64_t i = 0; i < nb; ++i) {
         const int64_t at = i * Q4_K_BYTES;
+        /* the same super-block of the next tile's rows, into L2 (a prefetch never faults, past
+         * the matrix's end included) */
+        for (int r = 16; r < 32; ++r) request(w + r * rb + at, Q4_K_BYTES, 1);
         __m512i head[4], sm[4];
         for (int q = 0; q < 4; ++q) {
             head[q] = heads4(w + 4 * q * rb + at, rb);
@@ -1214,6 +1217,8 @@ static void rows8t_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t 
     __m256i codes[QK_K / 32][8];
     for (int64_t i = 0; i < nb; ++i) {
         const int64_t at = i * Q4_K_BYTES;
+        /* the same super-block of the next tile's rows, into L2 (as rows16_q4_K) */
+        for (int r = 8; r < 16; ++r) request(w + r * rb + at, Q4_K_BYTES, 1);
         /* the rows' scales (bytes 0-7) and mins (8-15), transposed: qword s of sm[s / 2] holds
          * sub-block s's scale of rows 0-7, of mn[s / 2] its min */
         __m128i x[8], a[4], c[4];
