@@ -1475,7 +1475,7 @@ int meshd_blocks_mm_threads(int type, const void *w, int64_t k, int64_t n_out, c
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < t; ++i) convert_act(type, x + i * k, k, act + i * stride);
         }
-        /* Units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost: the activations a
+        /* Units of CHUNK rows x token_block tokens, token block outermost: the activations a
          * unit reads stay in L2 while the threads sweep the rows. */
 #pragma omp for schedule(guided) nowait
         for (int64_t u = 0; u < chunks * tblocks; ++u) {
@@ -1615,7 +1615,7 @@ int meshd_blocks_parts_mm(const meshd_blocks_part *parts, int64_t n_parts, int64
                             act + act_at[p] + i % t * stride[p]);
             }
         }
-        /* Each part's units of CHUNK rows x TOKEN_BLOCK tokens, token block outermost. */
+        /* Each part's units of CHUNK rows x its token_block tokens, token block outermost. */
 #pragma omp for schedule(guided) nowait
         for (int64_t u = 0; u < unit_at[n_parts]; ++u) {
             int p = 0;

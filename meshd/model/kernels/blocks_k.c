@@ -500,6 +500,13 @@ static inline __m128i mins_by_bsums_v(__m256i mins_and_scales, const uint8_t *y)
 #define KQ_MADD_ADD(acc, p16, sc) _mm256_add_epi32((acc), _mm256_madd_epi16((p16), (sc)))
 #endif
 
+/* The 4 bytes at p as one int32 (any alignment). */
+static inline int32_t i32_at(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* A VPSHUFB control that copies 16-bit word `w` into every word. */
 static inline __m256i word_index(int w) { return _mm256_set1_epi16((short)(0x0202 * w + 0x0100)); }
 
@@ -732,12 +739,6 @@ static inline __attribute__((always_inline)) void rows8_q4_K(int64_t nb, const u
 #define KQ16_TOKENS 64 /* most tokens per call (blocks.c's TOKEN_BLOCK) */
 #define ROW16(p) (4 * ((p) % 4) + (p) / 4)
 
-static inline int32_t i32_at(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 /* The first 16 bytes (d, dmin, 12 scale bytes) of rows 4q .. 4q + 3's block, lane L: row 4q + L. */
 static inline __m512i heads4(const uint8_t *b, int64_t rb) {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
@@ -748,16 +749,18 @@ static inline __m512i heads4(const uint8_t *b, int64_t rb) {
 
 /* scales_mins_k4 in each 128-bit lane of heads4's register (the scale bytes at 4 .. 15). */
 static inline __m512i scales_mins_k4_x4(__m512i s) {
-    const __m512i a = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(
-                                                 4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
+    const __m512i a = _mm512_shuffle_epi8(
+        s, _mm512_broadcast_i32x4(
+               _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15)));
     const __m512i lo = _mm512_or_si512(
         _mm512_and_si512(a, _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63,
                                                                  63, 63, 63, 0, 0, 0, 0))),
         _mm512_and_si512(_mm512_srli_epi16(a, 4),
                          _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                               15, 15, 15, 15))));
-    const __m512i h = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(
-                                                 -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
+    const __m512i h = _mm512_shuffle_epi8(
+        s, _mm512_broadcast_i32x4(
+               _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11)));
     return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(h, 2), _mm512_set1_epi8(0x30)));
 }
 
@@ -829,8 +832,8 @@ static inline __attribute__((always_inline)) void rows16_q4_K_group(
             for (int k = 0; k < 8; ++k)
                 sum[k % 2] =
                     _mm512_dpbusd_epi32(sum[k % 2], c[k], _mm512_set1_epi32(i32_at(q8 + 4 * k)));
-            tot[t] = _mm512_add_epi32(tot[t],
-                                      _mm512_mullo_epi32(_mm512_add_epi32(sum[0], sum[1]), scale[s]));
+            const __m512i all = _mm512_add_epi32(sum[0], sum[1]);
+            tot[t] = _mm512_add_epi32(tot[t], _mm512_mullo_epi32(all, scale[s]));
         }
     }
     for (int t = 0; t < g; ++t) {
@@ -898,8 +901,10 @@ static void rows16_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t 
         }
         /* dword s of lane L: the scale (low bytes) or min (high bytes) of sub-block s, s < 4,
          * of rows L, 4 + L, 8 + L, 12 + L; s >= 4 in the second register */
-        const __m512i sa = _mm512_unpacklo_epi8(sm[0], sm[1]), sb = _mm512_unpacklo_epi8(sm[2], sm[3]);
-        const __m512i ma = _mm512_unpackhi_epi8(sm[0], sm[1]), mb = _mm512_unpackhi_epi8(sm[2], sm[3]);
+        const __m512i sa = _mm512_unpacklo_epi8(sm[0], sm[1]);
+        const __m512i sb = _mm512_unpacklo_epi8(sm[2], sm[3]);
+        const __m512i ma = _mm512_unpackhi_epi8(sm[0], sm[1]);
+        const __m512i mb = _mm512_unpackhi_epi8(sm[2], sm[3]);
         const __m512i sc[2] = {_mm512_unpacklo_epi16(sa, sb), _mm512_unpackhi_epi16(sa, sb)};
         const __m512i mn[2] = {_mm512_unpacklo_epi16(ma, mb), _mm512_unpackhi_epi16(ma, mb)};
         __m512i scale[QK_K / 32], minp[4];
@@ -1110,7 +1115,7 @@ static void rows2_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *
     }
 }
 
-/* Q4_K against 8 tokens or more on AVX2: eight rows per call, lane r of every vector row r, as
+/* Q4_K against several tokens on AVX2: eight rows per call, lane r of every vector row r, as
  * rows16_q4_K on AVX-512 but without VNNI: each 32-byte step of codes of the eight rows is
  * transposed once (dword k of every row side by side) for all the tokens; per token and
  * sub-block, eight VPMADDUBSW of the codes' dword k with the token's broadcast dword k summed in
@@ -1119,12 +1124,6 @@ static void rows2_q4_K(int64_t nb, const uint8_t *w, int64_t rb, const uint8_t *
  * steps are rows_q4_K's, so every bit is the single-row dot's. */
 #define KQ8T_NT 8 /* tokens per group: their integer totals stay in registers */
 #define KQ8T_TOKENS 64 /* most tokens per call (blocks.c's TOKEN_BLOCK) */
-
-static inline int32_t i32_at8(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* d[k]: dword k of the 32 bytes at w + r * rb + off, lane r: row r. */
 static inline __attribute__((always_inline)) void transpose8(const uint8_t *w, int64_t rb,
@@ -1158,7 +1157,8 @@ static inline __attribute__((always_inline)) void rows8t_q4_K_group(
             const uint8_t *q8 = yb + t * stride + Q8_K_QS + 32 * s;
             __m256i sum[2];
             for (int k = 0; k < 8; ++k) {
-                const __m256i p = _mm256_maddubs_epi16(codes[s][k], _mm256_set1_epi32(i32_at8(q8 + 4 * k)));
+                const __m256i x = _mm256_set1_epi32(i32_at(q8 + 4 * k));
+                const __m256i p = _mm256_maddubs_epi16(codes[s][k], x);
                 sum[k % 2] = k < 2 ? p : _mm256_add_epi16(sum[k % 2], p);
             }
             tot[t] = KQ_MADD_ADD(tot[t], _mm256_add_epi16(sum[0], sum[1]), scale[s]);
