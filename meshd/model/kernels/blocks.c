@@ -1447,9 +1447,9 @@ static int64_t token_block(int type, int64_t t) {
 #ifdef Q4_K_TILE
     if (type == T_Q4_K && t >= Q4_K_TILE_MIN) return t;
 #else
-    (void)type;
+    (void)type, (void)t;
 #endif
-    return t < TOKEN_BLOCK ? (t > 0 ? t : 1) : TOKEN_BLOCK;
+    return TOKEN_BLOCK;
 }
 
 /* y[t][n_out] = x[t][k] · W^T on `threads` threads (1: no parallel region). Returns 0, or -1 for a
