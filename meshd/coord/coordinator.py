@@ -559,7 +559,8 @@ class Coordinator:
             found = self._books[key] = AcceptanceBook(spec)
             draft = self.draft_model(spec)
             if draft is not None and self.target_config is not None:
-                found.draft_size_ratio = pass_weights(draft.stage.config) / pass_weights(
+                rows = draft.scored_rows(spec.draft_vocab_tokens)
+                found.draft_size_ratio = pass_weights(draft.stage.config, rows) / pass_weights(
                     self.target_config
                 )
         return found

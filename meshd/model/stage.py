@@ -275,6 +275,11 @@ class StageModel(StageWeights):
         meshd's C kernel (`KernelLayers`): "meshd layers", or None (layer by layer)."""
         return None if self._kernel_layers is None else "meshd layers"
 
+    @property
+    def head(self) -> Matrix | None:
+        """The head `[hidden, vocab]` the last stage's logits come from (None elsewhere)."""
+        return self._head
+
     def weight_matrices(self) -> list[Matrix]:
         """The `[in, out]` matrices one decode step multiplies by, in order (for roofline measurements)."""
         matrices = [m for layer in self.layers for m in layer.matrices()]
@@ -306,15 +311,17 @@ class StageModel(StageWeights):
         inputs: torch.Tensor,
         *,
         logits_last_n: int | None = None,
+        head: Matrix | None = None,
     ) -> StageOutput:
         """Run positions `base_pos .. base_pos+T-1` through this stage.
 
         `inputs` are token ids `[T]` on the first stage and hidden states `[T, hidden]`
         otherwise. The last stage also returns fp32 logits, for all T positions or only for the
-        last `logits_last_n` (a prefill chunk needs just one row).
+        last `logits_last_n` (a prefill chunk needs just one row), by `head` where given (a
+        draft's narrowed vocabulary) instead of its own.
         """
         return self._governed(
-            len(inputs), lambda: self._forward(session_id, base_pos, inputs, logits_last_n)
+            len(inputs), lambda: self._forward(session_id, base_pos, inputs, logits_last_n, head)
         )
 
     def _governed(self, rows: int, run: Callable[[], _T]) -> _T:
@@ -330,7 +337,12 @@ class StageModel(StageWeights):
         return out
 
     def _forward(
-        self, session_id: str, base_pos: int, inputs: torch.Tensor, logits_last_n: int | None
+        self,
+        session_id: str,
+        base_pos: int,
+        inputs: torch.Tensor,
+        logits_last_n: int | None,
+        head: Matrix | None = None,
     ) -> StageOutput:
         group = self.kv.get(session_id).main
         x = self._stage_input(inputs)
@@ -349,6 +361,8 @@ class StageModel(StageWeights):
         if self._norm is None:
             return StageOutput(x, None)
         last = x if logits_last_n is None else x[-logits_last_n:]
+        if head is not None:
+            return StageOutput(x, norm_linear(last, self._norm, self._dims, head, None).float())
         return StageOutput(x, self._logits(last, self._norm))
 
     @torch.inference_mode()

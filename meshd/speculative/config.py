@@ -85,6 +85,10 @@ class SpecConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     # waiting for a draft pass. Off by default: where the coordinator's cores and memory also
     # run a stage, the passes ahead slow that stage by what they save (docs/speculative.md).
     draft_ahead_tokens: int = 0
+    # The draft model scores only its first this many vocabulary ids, the EOS ids and those
+    # of the request's own log (0 = all): its head is a third of a small draft's pass, and a
+    # token it cannot propose costs one rejected draft, never a changed output.
+    draft_vocab_tokens: int = 32768
 
     def __post_init__(self) -> None:
         for key, rule in RULES.items():
@@ -162,6 +166,9 @@ RULES: dict[str, Rule] = {
     "min_speedup": Rule(float, 1.0, 100.0, "least predicted speedup to speculate"),
     "draft_model": Rule(str, help="draft model checkpoint (dir or .gguf) for draft strategies"),
     "draft_ahead_tokens": Rule(int, 0, 64, "draft choices computed while a window is out"),
+    "draft_vocab_tokens": Rule(
+        int, 0, 1 << 24, "draft scores its first N ids and the request's own (0 = all)"
+    ),
 }
 
 KEYS: tuple[str, ...] = tuple(RULES)

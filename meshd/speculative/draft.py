@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshd.speculative.config import SpecConfig
+from meshd.speculative.draft_vocab import DraftVocab
 from meshd.speculative.ngram import NgramSimple
 from meshd.speculative.proposer import AccountedProposer
 from meshd.speculative.sampling import SamplingParams, coupled_draft_token, coupled_draft_tokens
@@ -154,19 +155,44 @@ class DraftModel:
         """Free a session's KV (no-op when it is not open)."""
         self.stage.close_session(session)
 
-    def next_logits(self, session: str, base_pos: int, tokens: Sequence[int]) -> torch.Tensor:
+    def vocab(self, first: int, log: Sequence[int]) -> DraftVocab | None:
+        """The ids a request's passes score: the first `first`, the EOS ids and the ids of
+        `log` (None: the whole vocabulary; `DraftVocab.narrowing`)."""
+        return DraftVocab.narrowing(self.stage.head, first, [*self.eos_ids, *log])
+
+    def scored_rows(self, first: int) -> int:
+        """The head rows a pass multiplies by under `spec.draft_vocab_tokens = first`, before
+        a request adds its own ids."""
+        vocab = self.vocab(first, ())
+        return self.vocab_size if vocab is None else len(vocab.ids)
+
+    def next_logits(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
         """Write `tokens` at `base_pos..` and return the logits row after the last of them.
 
         Target ids past the draft's vocabulary (a prefix vocabulary) are fed as id 0: they are
         the target's added tokens, which the draft never learnt.
         """
-        return self.rows(session, base_pos, tokens, 1)[-1]
+        return self.rows(session, base_pos, tokens, 1, vocab)[-1]
 
-    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+    def rows(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        last_n: int,
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
         """Write `tokens` at `base_pos..` and return the logits rows after each of the last
-        `last_n` of them (`[last_n, V]`)."""
+        `last_n` of them (`[last_n, V]`; with `vocab`, a column per id of `vocab.ids`)."""
         ids = torch.tensor([t if t < self.vocab_size else 0 for t in tokens], dtype=torch.long)
-        out = self.stage.forward(session, base_pos, ids, logits_last_n=last_n)
+        head = None if vocab is None else vocab.matrix()
+        out = self.stage.forward(session, base_pos, ids, logits_last_n=last_n, head=head)
         assert out.logits is not None  # the whole model: its last layer is here
         return out.logits
 
@@ -183,6 +209,7 @@ class DraftProposer(AccountedProposer):
         self.draft = draft
         self.sampling = sampling if sampling is not None else SamplingParams()
         self.tokens: list[int] = []
+        self.vocab: DraftVocab | None = None  # the ids its passes score (None: all)
         self._session: str | None = None
         self._capacity = 0
         self._cached: list[int] = []  # the tokens whose KV the session holds, from position 0
@@ -220,6 +247,7 @@ class DraftProposer(AccountedProposer):
         self._clear_stats()
         self.close()
         self.tokens = [int(t) for t in prompt]
+        self.vocab = self.draft.vocab(self.config.draft_vocab_tokens, self.tokens)
         self.draft_s = 0.0
         self.ahead_s = 0.0
         self.passes = 0
@@ -236,7 +264,10 @@ class DraftProposer(AccountedProposer):
 
     def observe(self, committed: Sequence[int]) -> None:
         """Append committed tokens (the cache catches up when it next drafts)."""
-        self.tokens.extend(int(t) for t in committed)
+        new = [int(t) for t in committed]
+        self.tokens.extend(new)
+        if self.vocab is not None:
+            self.vocab.see(new)
 
     def propose(self, max_tokens: int, mtp_draft: Sequence[int] = ()) -> list[int]:
         """Drafts after the log (`mtp_draft` is ignored)."""
@@ -319,13 +350,14 @@ class DraftProposer(AccountedProposer):
         same = max(0, min(same, len(context) - 1, since - 1))
         feed = context[same:]
         started = self.clock()
-        rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1)
+        rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1, self.vocab)
         spent = self.clock() - started
         self.last_score_s = spent if same > 0 else None
         self._time_writes(spent, len(feed))
         self.passes += 1
         self._keep(same, feed)
-        return since, coupled_draft_tokens(rows, self.sampling, since)
+        columns = None if self.vocab is None else self.vocab.ids
+        return since, coupled_draft_tokens(rows, self.sampling, since, columns)
 
     def unwritten(self) -> int:
         """Log tokens the draft's cache does not hold (what its next pass must write)."""
@@ -392,7 +424,7 @@ class DraftProposer(AccountedProposer):
         # More tokens than a window commits (its drafts and the bonus): a catch-up pass.
         catch_up = len(feed) > self.config.window_max_tokens + 1
         started = self.clock() if catch_up else 0.0
-        row = self.draft.next_logits(self._session_id(), same, feed)
+        row = self.draft.next_logits(self._session_id(), same, feed, self.vocab)
         if catch_up:
             elapsed = self.clock() - started
             self._catch_up_s += elapsed
@@ -418,7 +450,8 @@ class DraftProposer(AccountedProposer):
         sample whenever its distribution is close. Verification accepts only the target's
         choice either way.
         """
-        return coupled_draft_token(row, self.sampling, position)
+        columns = None if self.vocab is None else self.vocab.ids
+        return coupled_draft_token(row, self.sampling, position, columns)
 
     def _ensure_session(self, needed: int) -> None:
         if self._session is not None and needed <= self._capacity:

@@ -29,14 +29,16 @@ if TYPE_CHECKING:
     from meshd.model.config import ModelConfig
 
 
-def pass_weights(config: ModelConfig) -> int:
+def pass_weights(config: ModelConfig, head_rows: int | None = None) -> int:
     """The weights one token's pass multiplies by: every layer's attention and MLP matrices
-    and the vocabulary head (the embedding is a lookup). A CPU pass reads each once, so the
-    ratio of two models' is the ratio of their passes' costs."""
+    and the vocabulary head's `head_rows` rows (default all; the embedding is a lookup). A
+    CPU pass reads each once, so the ratio of two models' is the ratio of their passes'
+    costs."""
     hidden, heads = config.hidden_size, config.head_dim
     attention = 2 * hidden * config.num_heads * heads + 2 * hidden * config.num_kv_heads * heads
     mlp = 3 * hidden * config.intermediate_size
-    return config.num_layers * (attention + mlp) + config.vocab_size * hidden
+    rows = config.vocab_size if head_rows is None else head_rows
+    return config.num_layers * (attention + mlp) + rows * hidden
 
 
 def priced_link(link: LinkModel, tuning: AutoTuning) -> LinkModel:

@@ -178,10 +178,17 @@ def keyed_mantissas(seed: int, position: int, token_ids: torch.Tensor | int) -> 
     return shifted.bitwise_and_((1 << 52) - 1)
 
 
-def _gumbel_argmax(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
+def _gumbel_argmax(
+    logits_row: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    columns: torch.Tensor | None = None,
+) -> int:
     ids, scores = filtered_support(logits_row, params)
     if ids is None:
         ids = torch.arange(scores.shape[-1])
+    if columns is not None:
+        ids = columns[ids]  # the row's columns are these vocabulary ids
     # argmax over the support of log p_i + g_i; log p_i = scores_i - logsumexp(scores), and the
     # constant does not move the argmax.
     best = int((scores + keyed_gumbel(params.seed, position, ids)).argmax())
@@ -199,26 +206,44 @@ def sample_token(logits_row: torch.Tensor, params: SamplingParams, position: int
     return _gumbel_argmax(logits_row, params, position)
 
 
-def coupled_draft_token(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
+def coupled_draft_token(
+    logits_row: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    columns: torch.Tensor | None = None,
+) -> int:
     """A draft model's guess of the target's token at `position`: argmax_i(log q_i + g_i).
 
     `logits_row` is the draft's row predicting `position`; `params` are the request's, their
     filters applied to the draft's distribution q; g is the target's own keyed noise (the same
     per token id), so the guess equals the target's sample whenever q is close enough to p
     (always when q = p) — Gumbel-max coupling. Greedy requests get the draft's argmax. A draft
-    vocabulary that is a prefix of the target's shares its ids, hence its noise.
+    vocabulary that is a prefix of the target's shares its ids, hence its noise. `columns`,
+    where given, are the vocabulary ids of the row's columns (a draft scoring part of its
+    vocabulary, `DraftVocab`): q is then its distribution over those ids.
     """
-    return sample_token(logits_row, params, position)
+    if columns is None:
+        return sample_token(logits_row, params, position)
+    if params.greedy:
+        return int(columns[argmax_rows(logits_row)[0]])
+    return _gumbel_argmax(logits_row, params, position, columns)
 
 
 def coupled_draft_tokens(
-    logits: torch.Tensor, params: SamplingParams, first_position: int
+    logits: torch.Tensor,
+    params: SamplingParams,
+    first_position: int,
+    columns: torch.Tensor | None = None,
 ) -> list[int]:
     """`coupled_draft_token` for each row of `logits` `[n, V]`, row j predicting
     `first_position + j`."""
     if params.greedy:
-        return argmax_rows(logits)
-    return [coupled_draft_token(row, params, first_position + j) for j, row in enumerate(logits)]
+        picks = argmax_rows(logits)
+        return picks if columns is None else [int(columns[i]) for i in picks]
+    return [
+        coupled_draft_token(row, params, first_position + j, columns)
+        for j, row in enumerate(logits)
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from meshd.model.tokenizer import Tokenizer
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.draft_gate import pass_weights
+from meshd.speculative.draft_vocab import DraftVocab
 from protocol.messages import Sampling
 
 MODEL = builtin_model_dir()
@@ -135,9 +136,16 @@ class SlowDraft(DraftModel):
         super().__init__(inner.stage, inner.path, sorted(inner.eos_ids))
         self.pass_s = pass_s
 
-    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+    def rows(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        last_n: int,
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
         time.sleep(self.pass_s)
-        return super().rows(session, base_pos, tokens, last_n)
+        return super().rows(session, base_pos, tokens, last_n, vocab)
 
 
 async def test_the_drafts_passes_leave_the_coordinators_event_loop_free() -> None:
@@ -257,11 +265,18 @@ class FailingDraft(DraftModel):
         self.fail_at = fail_at
         self.passes = 0
 
-    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+    def rows(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        last_n: int,
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
         self.passes += 1
         if self.passes == self.fail_at:
             raise RuntimeError("draft pass failed")
-        return super().rows(session, base_pos, tokens, last_n)
+        return super().rows(session, base_pos, tokens, last_n, vocab)
 
 
 # How a request ends mid-window: the last stage's lane dies, the last stage lost the session

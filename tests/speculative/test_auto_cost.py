@@ -20,6 +20,7 @@ from meshd.speculative.auto_decision import Decision
 from meshd.speculative.auto_tuning import AutoTuning
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.draft_gate import priced_link, serial_gain
+from meshd.speculative.draft_vocab import DraftVocab
 from meshd.speculative.policy import LinkModel
 from tests.speculative.drafts import tiny_draft
 from tests.speculative.test_auto_draft import CONFIG, VOCAB, greedy_text, no_mtp, novel, serve
@@ -36,9 +37,16 @@ class TimedDraft(DraftModel):
         self.now = 0.0
         self.pass_s = pass_s
 
-    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+    def rows(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        last_n: int,
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
         self.now += self.pass_s
-        return super().rows(session, base_pos, tokens, last_n)
+        return super().rows(session, base_pos, tokens, last_n, vocab)
 
 
 def timed_auto(book: AcceptanceBook, link: LinkModel) -> AutoProposer:

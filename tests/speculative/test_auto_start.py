@@ -21,6 +21,7 @@ from meshd.speculative.acceptance_book import AcceptanceBook
 from meshd.speculative.auto import AutoProposer
 from meshd.speculative.auto_tuning import AutoTuning
 from meshd.speculative.draft_gate import pass_weights, plain_s, start_pays
+from meshd.speculative.draft_vocab import DraftVocab
 from meshd.speculative.policy import LinkModel
 from tests.speculative.drafts import tiny_draft
 from tests.speculative.test_auto_cost import DRAFT_S, PLAIN_S, TimedDraft, route
@@ -33,9 +34,16 @@ TWENTY_MS = LinkModel(0.020, 0.024, 0.009, stages=2, plain_pass_s=PLAIN_S)
 class WritingDraft(TimedDraft):
     """A pass costs `pass_s` plus `WRITE_S` per token it writes (a prefill is not free)."""
 
-    def rows(self, session: str, base_pos: int, tokens: Sequence[int], last_n: int) -> torch.Tensor:
+    def rows(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        last_n: int,
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
         self.now += WRITE_S * len(tokens)
-        return super().rows(session, base_pos, tokens, last_n)
+        return super().rows(session, base_pos, tokens, last_n, vocab)
 
 
 def writing_auto(book: AcceptanceBook, link: LinkModel) -> tuple[AutoProposer, WritingDraft]:

@@ -23,6 +23,7 @@ from meshd.speculative.draft import (
     DraftProposer,
     check_draft_tokenizer,
 )
+from meshd.speculative.draft_vocab import DraftVocab
 from meshd.speculative.policy import LinkModel, PolicyInputs, choose
 from meshd.speculative.sampling import SamplingParams
 from meshd.speculative.strategies import make_proposer
@@ -66,9 +67,11 @@ class _Timed:
     def __getattr__(self, name: str) -> object:
         return getattr(self.model, name)
 
-    def next_logits(self, session: str, base_pos: int, tokens: list[int]) -> torch.Tensor:
+    def next_logits(
+        self, session: str, base_pos: int, tokens: list[int], vocab: DraftVocab | None = None
+    ) -> torch.Tensor:
         self.now[0] += 0.001 * (len(tokens) if self.per_token else 1)
-        return self.model.next_logits(session, base_pos, tokens)
+        return self.model.next_logits(session, base_pos, tokens, vocab)
 
 
 def _timed(model: DraftModel, now: list[float], per_token: bool = False) -> _Timed:
