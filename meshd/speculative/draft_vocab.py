@@ -1,11 +1,11 @@
 """The vocabulary a draft model scores: its first ids and the request's own (`DraftVocab`).
 
 A draft pass ends in the head, one row of weights per vocabulary id: on a small draft with a
-large vocabulary it is a third of the bytes a pass reads (Qwen2.5-0.5B: 145 MB of ~400 MB).
+large vocabulary it is about a third of the bytes a pass reads (docs/speculative.md).
 A draft's token only has to be the target's likely choice, and verification accepts only the
 target's own, so the draft may score fewer ids without changing any output: a token it cannot
-propose is a draft the target would have corrected anyway, at the price of the tokens after it
-(FR-Spec, arXiv:2502.14856, ranks the ids by corpus frequency for the same reason). Here the
+propose is one the window loses, never a changed token (frequency-ranked drafting, FR-Spec,
+narrows a draft's head by corpus frequency for the same reason). Here the
 ids scored are the first `first` of the tokenizer's (byte-pair vocabularies number their
 pieces in merge order, the common ones first), the end-of-sequence ids and every id the
 request's log holds (its prompt and what it committed: code and chat repeat their own rare
