@@ -32,6 +32,7 @@ from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import workloads
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
 from meshd.speculative.draft import DraftModel
+from meshd.stage.host_config import StageHostConfig
 
 PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of each run
 
@@ -100,7 +101,15 @@ async def _matrix(
     prompts = _prompts(tokenizer, max(streams))
     rows: list[dict[str, Any]] = []
     # Loaded before any lane opens (loading blocks the event loop).
-    draft = DraftModel.load(draft_path, quantization=quantization) if draft_path else None
+    draft = (
+        DraftModel.load(
+            draft_path,
+            quantization=quantization,
+            prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,
+        )
+        if draft_path
+        else None
+    )
     spec = SpecConfig(strategy=strategy, draft_model=draft_path)
     async with open_local_pipeline(
         model_dir,

@@ -63,6 +63,7 @@ from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
 from meshd.speculative.draft import DraftModel
+from meshd.stage.host_config import StageHostConfig
 
 TOLERANCE = 0.15  # the goal: measured within 15 % of the model
 P_GOAL_MS = 1.0  # the goal: protocol cost per hop on loopback
@@ -196,7 +197,15 @@ async def _measure(
 ) -> dict[str, Any]:
     tokenizer = open_tokenizer(model_dir)
     # Loaded before any lane opens (loading blocks the event loop).
-    draft = DraftModel.load(draft_path, quantization=quantization) if draft_path else None
+    draft = (
+        DraftModel.load(
+            draft_path,
+            quantization=quantization,
+            prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,
+        )
+        if draft_path
+        else None
+    )
     spec = SpecConfig(draft_model=draft_path)
     load = next(w for w in workloads(1) if w.kind == PROMPT_KIND)
     prompt = tokenizer.encode(load.prompt)

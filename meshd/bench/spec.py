@@ -48,6 +48,7 @@ from meshd.speculative.config import (
     spec_cli_values,
 )
 from meshd.speculative.draft import DraftModel
+from meshd.stage.host_config import StageHostConfig
 from protocol.config import LaneConfig
 from protocol.messages import Sampling
 
@@ -184,7 +185,11 @@ async def _matrix(
     # Loaded before any lane opens: loading blocks the event loop, and a load that outlasts
     # the lanes' dead_after_s under load would lose the route.
     draft = (
-        DraftModel.load(settings.draft_model, quantization=quantization)
+        DraftModel.load(
+            settings.draft_model,
+            quantization=quantization,
+            prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,
+        )
         if settings.draft_model and any(s in DRAFT_STRATEGIES or s == "auto" for s in strategies)
         else None
     )

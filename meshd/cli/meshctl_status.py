@@ -59,7 +59,8 @@ def render(status: dict[str, Any], events: int) -> None:
     if draft:  # the coordinators' draft model: a session per request drafting with it
         console.print(
             f"draft {draft['model']}: weights {_mib(draft['weight_bytes'])}, sessions "
-            f"{draft['sessions']} (KV {draft['kv_used_bytes'] / 2**20:.1f} MiB)"
+            f"{draft['sessions']} (KV {draft['kv_used_bytes'] / 2**20:.1f} MiB), prompt cache "
+            f"{draft.get('prefix_cache_bytes', 0) / 2**20:.1f} MiB"
         )
     fetch = status.get("fetch")
     if fetch:  # a `mesh:ID` node's last fetch: its stage's tensors, or a spare's prefetch

@@ -94,7 +94,11 @@ class NodeBasis:
             quantization=quantization,
             models=(first,),
             draft=(
-                DraftModel.load(config.spec.draft_model, quantization=quantization)
+                DraftModel.load(
+                    config.spec.draft_model,
+                    quantization=quantization,
+                    prefix_cache_bytes=config.stage.prefix_cache_bytes,
+                )
                 if config.spec.draft_model
                 else None
             ),

@@ -132,6 +132,11 @@ def _load_families(f: _Families, status: NodeStatus) -> None:
         "KV cache bytes the draft model's sessions hold (0: none)",
         draft.kv_used_bytes if draft is not None else 0,
     )
+    f.gauge(
+        "meshd_draft_prefix_cache_bytes",
+        "KV bytes the draft model keeps from finished requests for later ones (0: none)",
+        draft.prefix_cache_bytes if draft is not None else 0,
+    )
     f.by(
         GaugeMetricFamily,
         "meshd_plan_stages",

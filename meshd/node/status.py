@@ -112,6 +112,9 @@ class DraftStatus(msgspec.Struct, frozen=True, kw_only=True):
     # until it ends, however it ends; both are 0 whenever no request is drafting.
     sessions: int
     kv_used_bytes: int
+    # KV kept from finished requests for later ones that start with the same tokens (a
+    # chat's next turn), within `stage.prefix_cache_bytes`; it stays when no request drafts.
+    prefix_cache_bytes: int = 0
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -412,6 +415,7 @@ def draft_status(draft: DraftModel | None) -> DraftStatus | None:
         weight_bytes=draft.stage.weight_bytes,
         sessions=draft.sessions,
         kv_used_bytes=draft.kv_used_bytes,
+        prefix_cache_bytes=draft.cache_bytes,
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -89,11 +90,25 @@ class DraftModel:
     (`Coordinator._step`).
     """
 
-    def __init__(self, stage: StageModel, path: str, eos_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        stage: StageModel,
+        path: str,
+        eos_ids: Sequence[int] = (),
+        prefix_cache_bytes: int | None = None,
+    ) -> None:
+        """`prefix_cache_bytes`: what the KV kept from finished requests may hold (None: the
+        stage's own setting, 0 unless set)."""
         self.stage = stage
         self.path = path
         self.vocab_size = stage.config.vocab_size
         self.eos_ids = frozenset(int(t) for t in eos_ids)
+        if prefix_cache_bytes is not None:
+            stage.kv.cache_limit_bytes = prefix_cache_bytes
+        # The tokens each kept entry's KV holds, least recently used first (the KV cache may
+        # have evicted an entry since: opening from it then reuses nothing).
+        self._kept: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._entry_ids = itertools.count(1)
 
     @classmethod
     def load(
@@ -102,10 +117,12 @@ class DraftModel:
         *,
         dtype: torch.dtype = torch.float32,
         quantization: str = "none",
+        prefix_cache_bytes: int = 0,
     ) -> DraftModel:
         """Load every layer of the checkpoint at `path` on the CPU (the coordinator's device).
 
-        `quantization` as the node's ("q8_0", "gguf", ...; "none" keeps `dtype`).
+        `quantization` as the node's ("q8_0", "gguf", ...; "none" keeps `dtype`);
+        `prefix_cache_bytes` as the node's `stage.prefix_cache_bytes` (0: keep none).
         """
         from meshd.model.errors import MissingFile
         from meshd.model.files import open_checkpoint, open_tokenizer
@@ -133,7 +150,7 @@ class DraftModel:
             eos_ids: Sequence[int] = open_tokenizer(path).eos_ids
         except MissingFile:  # a bare checkpoint (tests): it drafts through EOS, harmlessly
             eos_ids = ()
-        return cls(stage, str(path), eos_ids)
+        return cls(stage, str(path), eos_ids, prefix_cache_bytes)
 
     @property
     def sessions(self) -> int:
@@ -145,14 +162,55 @@ class DraftModel:
         """KV cache bytes its open sessions hold (0 once every request closed its session)."""
         return self.stage.kv.used_bytes
 
+    @property
+    def cache_bytes(self) -> int:
+        """KV bytes kept from finished requests for later ones (`stage.prefix_cache_bytes`)."""
+        return self.stage.kv.cache_bytes
+
     def open(self, max_positions: int) -> str:
         """A new session holding up to `max_positions` positions; its id."""
         session = f"draft-{next(_session_ids)}"
         self.stage.open_session(session, max_positions)
         return session
 
-    def close(self, session: str) -> None:
-        """Free a session's KV (no-op when it is not open)."""
+    def resume(self, max_positions: int, log: Sequence[int]) -> tuple[str, int]:
+        """A new session holding up to `max_positions` positions: `(its id, p)`, its first p
+        positions already holding the KV of `log[:p]`, copied from the kept entry that
+        shares the longest prefix with `log` (a chat's next turn starts with the last one).
+        """
+        best, shared = self._best_entry(log)
+        shared = min(shared, max_positions)
+        if shared <= 0:
+            return self.open(max_positions), 0
+        session = f"draft-{next(_session_ids)}"
+        self._kept.move_to_end(best)
+        return session, self.stage.open_session(session, max_positions, prefix=(best, shared))
+
+    def kept_prefix(self, log: Sequence[int]) -> int:
+        """How many leading tokens of `log` a session opened now would hold already."""
+        return self._best_entry(log)[1]
+
+    def _best_entry(self, log: Sequence[int]) -> tuple[int, int]:
+        """The kept entry sharing the longest prefix with `log`, and how much of it is reused:
+        at most `len(log) - 1` (the row after the last token comes from a pass writing it)."""
+        best, shared = 0, 0
+        for entry, tokens in self._kept.items():
+            common = min(_common_prefix(tokens, log), self.stage.kv.entry_positions(entry))
+            if common > shared:
+                best, shared = entry, common
+        return best, min(shared, len(log) - 1)
+
+    def close(self, session: str, holds: Sequence[int] = ()) -> None:
+        """Free a session's KV (no-op when it is not open); `holds`, the tokens whose KV it
+        holds from position 0, are kept as an entry for a later request that starts with
+        them (within the cache's bytes; the oldest entries give way)."""
+        if holds and session in self.stage.kv:
+            entry = next(self._entry_ids)
+            if self.stage.kv.keep(session, entry, len(holds)):
+                self._kept[entry] = tuple(holds)
+            held = {e for e in self._kept if self.stage.kv.entry_positions(e) > 0}
+            for gone in [e for e in self._kept if e not in held]:
+                del self._kept[gone]  # evicted by the cache to make room
         self.stage.close_session(session)
 
     def vocab(self, first: int, log: Sequence[int]) -> DraftVocab | None:
@@ -254,9 +312,10 @@ class DraftProposer(AccountedProposer):
         self.last_draft_s = 0.0
 
     def close(self) -> None:
-        """Free the draft session (the request ended)."""
+        """Free the draft session (the request ended), its KV kept for a later request that
+        starts with the same tokens (`DraftModel.close`)."""
         if self._session is not None:
-            self.draft.close(self._session)
+            self.draft.close(self._session, self._cached)
         self._session = None
         self._capacity = 0
         self._cached = []
@@ -360,7 +419,10 @@ class DraftProposer(AccountedProposer):
         return since, coupled_draft_tokens(rows, self.sampling, since, columns)
 
     def unwritten(self) -> int:
-        """Log tokens the draft's cache does not hold (what its next pass must write)."""
+        """Log tokens the draft's cache does not hold (what its next pass must write; before
+        its session opens, what the kept entry it would start from leaves)."""
+        if self._session is None:
+            return len(self.tokens) - max(0, self.draft.kept_prefix(self.tokens))
         return len(self.tokens) - _common_prefix(self._cached, self.tokens)
 
     def _time_writes(self, seconds: float, written: int) -> None:
@@ -456,9 +518,10 @@ class DraftProposer(AccountedProposer):
     def _ensure_session(self, needed: int) -> None:
         if self._session is not None and needed <= self._capacity:
             return
-        self.close()
+        self.close()  # an outgrown session's KV is kept, and the larger one starts from it
         self._capacity = max(2 * needed, needed + _SESSION_SLACK)
-        self._session = self.draft.open(self._capacity)
+        self._session, reused = self.draft.resume(self._capacity, self.tokens)
+        self._cached = self.tokens[:reused]
 
     def _session_id(self) -> str:
         assert self._session is not None

@@ -66,7 +66,7 @@ def a_status(**changes: Any) -> NodeStatus:
                           done_bytes=300, total_bytes=1000, rate_bytes_s=1.0, eta_s=1.0),
         tasks=42, tasks_by_name={"x": 42},
         draft=DraftStatus(model="draft", path="/m/draft.gguf", weight_bytes=3 << 20,
-                          sessions=1, kv_used_bytes=1 << 20),
+                          sessions=1, kv_used_bytes=1 << 20, prefix_cache_bytes=2 << 20),
     )  # fmt: skip
     fields.update(changes)
     return NodeStatus(**fields)
