@@ -6,19 +6,24 @@
 
 Opens a local pipeline (the stages' own prompt cache on, as a daemon's is), runs a chat of
 `--turns` turns (a long system prompt, short user turns, each reply appended as the assistant's
-message) with `--strategy` and the draft keeping its KV between requests
-(`stage.prefix_cache_bytes`), and replays each turn's prompt with the draft keeping nothing,
-alternating which goes first turn by turn, on the same stages. Prints per turn: prompt tokens,
-the tokens the draft's first pass wrote, the decode seconds (the draft's catch-up on the
-conversation falls in decode: it runs at the first proposal) on and off and their ratio, and
-whether the replies are equal.
+message), each turn's prompt three times: with `--strategy` and the draft keeping its KV
+between requests (`stage.prefix_cache_bytes`), with a draft keeping nothing,
+and plainly (`disabled`, the reference text), rotating which goes first turn by turn, on the
+same stages. The uncached draft is a second copy of the file the coordinator loads under
+another name. Prints per turn: prompt tokens, the tokens the cached draft's first pass wrote,
+the decode seconds (the draft's catch-up on the conversation falls in decode: it runs at the
+first proposal) with and without the cache and their ratio, and whether each reply equals the
+plain one.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -65,13 +70,19 @@ class CountingDraft(DraftModel):
 
 
 async def turn(
-    pipe: LocalPipeline, prompt: list[int], args: argparse.Namespace, eos: frozenset[int]
+    pipe: LocalPipeline, prompt: list[int], args: argparse.Namespace, eos: frozenset[int], run: str
 ) -> tuple[GenerationResult, float]:
+    """One request: `run` "on" drafts with the pipeline's draft (it keeps its KV), "off" with
+    a second copy the coordinator loads from another path (it keeps nothing), "disabled"
+    decodes plainly (the reference text)."""
+    draft = args.draft if run == "on" else args.draft_off
     request = GenerationRequest(
         prompt=prompt,
         max_tokens=args.max_tokens,
         eos_ids=eos,
-        spec=SpecConfig(strategy=args.strategy, draft_model=args.draft),
+        spec=SpecConfig(
+            strategy="disabled" if run == "disabled" else args.strategy, draft_model=draft
+        ),
         mtp_depth=0,
     )
     started = time.perf_counter()
@@ -81,6 +92,10 @@ async def turn(
         await trio.sleep(0.005)  # until the close (and keep) reached every stage
     telemetry = result.telemetry
     return result, telemetry.decode_s or max(1e-9, wall - telemetry.prompt_s)
+
+
+def result_reason(result: GenerationResult) -> str:
+    return str(getattr(result, "finish_reason", "?"))
 
 
 async def _ignore(tokens: list[int]) -> None:
@@ -99,31 +114,48 @@ async def main(args: argparse.Namespace, system: str) -> None:
         rtt_s=args.rtt_ms / 1000,
         quantization="gguf",
         torch_threads=1 if args.stages > 1 else None,
+        eos_ids=eos,  # the last stage ends a window at an end-of-sequence token, as a daemon's
         draft=draft,
     ) as pipe:
         pipe.coordinator.reply_timeout_s = 600.0
         print(f"{args.strategy}, {args.stages} stage(s) at {args.rtt_ms:g} ms")
-        print("turn prompt written_on written_off decode_on decode_off ratio same")
-        ratios = []
+        print("turn prompt written_on decode_on decode_off ratio decode_plain same_on same_off")
+        ratios, plains = [], []
+        order = ["disabled", "on", "off"]
         for index in range(args.turns):
             messages.append({"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]})
             prompt = tokenizer.encode_chat(messages)
-            runs: dict[bool, tuple[GenerationResult, float, int]] = {}
-            for cache in (True, False) if index % 2 == 0 else (False, True):
-                draft.stage.kv.cache_limit_bytes = keep if cache else 0
+            runs: dict[str, tuple[GenerationResult, float, int]] = {}
+            for run in order[index % 3 :] + order[: index % 3]:
                 draft.written.clear()
-                result, decode_s = await turn(pipe, prompt, args, eos)
-                runs[cache] = (result, decode_s, draft.written[0] if draft.written else 0)
-            (on, on_s, on_w), (off, off_s, off_w) = runs[True], runs[False]
+                result, decode_s = await turn(pipe, prompt, args, eos, run)
+                runs[run] = (result, decode_s, draft.written[0] if draft.written else 0)
+            (on, on_s, on_w), (off, off_s, _) = runs["on"], runs["off"]
+            plain = runs["disabled"][0].tokens
             ratios.append(off_s / on_s)
+            plains.append(runs["disabled"][1] / on_s)
             print(
-                f"{index + 1:4d} {len(prompt):6d} {on_w:10d} {off_w:11d} {on_s:9.2f} "
-                f"{off_s:10.2f} {off_s / on_s:5.2f} {on.tokens == off.tokens}",
+                f"{index + 1:4d} {len(prompt):6d} {on_w:10d} {on_s:9.2f} {off_s:10.2f} "
+                f"{off_s / on_s:5.2f} {runs['disabled'][1]:12.2f} {on.tokens == plain} "
+                f"{off.tokens == plain}",
                 flush=True,
             )
-            reply = tokenizer.decode(on.tokens, skip_special_tokens=True)
+            for name, got in (("on", on.tokens), ("off", off.tokens)):
+                if got != plain:  # where a run's text left the plain decode's
+                    at = next(
+                        (i for i, (a, b) in enumerate(zip(got, plain, strict=False)) if a != b),
+                        min(len(got), len(plain)),
+                    )
+                    print(
+                        f"     {name}: {len(got)} tokens against {len(plain)}, from {at}: "
+                        f"{got[at:][:8]} against {plain[at:][:8]} (EOS {sorted(eos)}), "
+                        f"finish {result_reason(runs[name][0])} against "
+                        f"{result_reason(runs['disabled'][0])}"
+                    )
+            reply = tokenizer.decode(plain, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": reply})
         print(f"median decode speed-up with the draft's cache: {statistics.median(ratios):.2f}x")
+        print(f"median decode speed-up over plain decoding: {statistics.median(plains):.2f}x")
         print(f"draft: sessions {draft.sessions}, kept {draft.cache_bytes} bytes")
 
 
@@ -138,4 +170,12 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--system-chars", type=int, default=2600)
     parsed = parser.parse_args()
-    trio.run(main, parsed, SYSTEM_SOURCE.read_text()[: parsed.system_chars])
+    # The uncached copy: the same file under another name, which the coordinator loads on
+    # first use as a draft of its own, keeping nothing (`DraftModel.load`'s default).
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="meshd-draft-off-"))
+    parsed.draft_off = str(scratch / pathlib.Path(parsed.draft).name)
+    os.symlink(pathlib.Path(parsed.draft).resolve(), parsed.draft_off)
+    try:
+        trio.run(main, parsed, SYSTEM_SOURCE.read_text()[: parsed.system_chars])
+    finally:
+        shutil.rmtree(scratch)

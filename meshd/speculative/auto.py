@@ -1,16 +1,16 @@
 """`auto`: pick the strategy with the best expected time per token, per model and request.
 
-Every candidate is scored in the shadow at no network cost: whenever a window is proposed,
-each candidate drafts `window_max_tokens` tokens from the same state, and when the log grows
-those drafts are compared with what was committed. Verification is lossless and
-position-keyed, so the committed tokens are exactly what the target would have chosen, and a
-candidate's draft would have been accepted up to its first difference from them: the shadow
-score IS the acceptance that candidate would have measured (a draft shorter than the window
-counts as a reject at its end). Prompt lookup is scored per copy, beside how often it finds
-one: a window start with nothing to copy is no window of its (`with_copy_rate`). Each
-candidate's per-position acceptance feeds `policy.choose` with the current link model; the candidate with the lowest expected seconds
-per token wins, and `disabled` wins when no candidate beats plain decoding. The reason is
-kept in `reason`.
+Every candidate is scored in the shadow at no network cost: whenever a window is proposed, each
+candidate drafts `window_max_tokens` tokens from the same state, and when the log grows those
+drafts are compared with what was committed. Verification is lossless and position-keyed, so the
+committed tokens are exactly what the target would have chosen, and a candidate's draft would
+have been accepted up to its first difference from them: the shadow score IS the acceptance that
+candidate would have measured (a draft shorter than the window counts as a reject at its end).
+Prompt lookup is scored per copy, beside how often it finds one: a window start with nothing to
+copy is no window of its (`with_copy_rate`). Each candidate's per-position acceptance feeds
+`policy.choose` with the current link model; the candidate with the lowest expected seconds per
+token wins, and `disabled` wins when no candidate beats plain decoding. The reason is kept in
+`reason`.
 
 Per model: an `AcceptanceBook` shared by the sessions of one model carries the estimates
 across requests; each request starts from the book and adapts with its own EWMA.
@@ -111,8 +111,7 @@ class AutoProposer(AccountedProposer):
         self.decisions = 0  # times every candidate was weighed (each costs a search apiece)
         self.trace: Callable[[Decision], None] | None = None  # told each decision, if set
         self.choice = "disabled"
-        # Candidates that pay by the last decision, best first (the choice among them).
-        self._ranked: list[str] = []
+        self._ranked: list[str] = []  # candidates that pay by the last decision, best first
         self._reason = "nothing measured yet"
         self.plan: WindowPlan | None = None
         self.reset(())
@@ -495,6 +494,8 @@ class AutoProposer(AccountedProposer):
             pass_s=draft_price.score_s(self.book, self.link),
             write_token_s=self._draft.write_token_s or self.book.draft_write_token_s,
             plain_s=plain_s(self.link),
+            start_s=draft_price.start_s(self._draft, self.book, self.link),
+            remaining=None if self._budget is None else self._budget - len(self._tokens),
         ):
             return
         started = self._draft.clock()

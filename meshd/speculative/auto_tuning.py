@@ -34,6 +34,9 @@ class AutoTuning:
     # The draft competes only where one window at a time (round trip + verify pass + its
     # drafting, nothing overlapped) beats plain decoding by this factor, at its acceptance.
     draft_min_gain: float = 1.1
+    # A cold draft session's first scoring pass (the prompt's prefill) is forced by the
+    # floor only where the rest of the request, decoded this much faster, would pay it back.
+    draft_score_start_gain: float = 1.5
     # Until the route measured a window wider than one token, each draft in a window adds
     # this fraction of a one-token pass to the verify pass (a CPU pass is not free per token).
     verify_token_prior: float = 0.4

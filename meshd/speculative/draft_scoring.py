@@ -64,6 +64,8 @@ class DraftScorer:
         pass_s: float,
         write_token_s: float | None,
         plain_s: float,
+        start_s: float = 0.0,
+        remaining: int | None = None,
     ) -> bool:
         """Whether a pass is due after this commit (`commits`, `idle_s` counted).
 
@@ -73,12 +75,23 @@ class DraftScorer:
         would slow the tokens and nothing waits. Otherwise once a pass (`pass_s`) is within
         the share of those commits' plain decoding time (`plain_s` a token) the draft's
         prospects allow (`draft_score_share`, or `_eager` while auto decodes plainly and the
-        book says the draft pays), and at least every `draft_sync_max_commits`."""
+        book says the draft pays), and at least every `draft_sync_max_commits`. Where the
+        draft's cache lacks more of the log than those commits (a cold session: the prompt it
+        has not written, which no kept prefix holds) the pass is the draft's start
+        (`start_s`): the floor applies only where the request's `remaining` tokens, decoded
+        `AutoTuning.draft_score_start_gain` times faster, would pay it back; else the pass is
+        due once its whole cost fits the share, as a short request must not pay a long
+        prompt's prefill for a score."""
         if declined:
             return self.idle_s * tuning.draft_probe_share >= self.probe_cost_s(
                 pass_s, write_token_s
             )
         share = tuning.draft_score_share_eager if eager else tuning.draft_score_share
+        cold = self.draft.unwritten() - self.commits > tuning.draft_sync_max_commits
+        gain = tuning.draft_score_start_gain
+        if cold and remaining is not None and remaining * plain_s * (1 - 1 / gain) < start_s:
+            cost = self.probe_cost_s(pass_s, write_token_s)
+            return self.commits >= tuning.tokens_for(cost, share * plain_s)
         every = tuning.tokens_for(pass_s, share * plain_s)
         return self.commits >= min(every, tuning.draft_sync_max_commits)
 
