@@ -205,12 +205,14 @@ class DraftModel:
         holds from position 0, are kept as an entry for a later request that starts with
         them (within the cache's bytes; the oldest entries give way)."""
         if holds and session in self.stage.kv:
+            kv, held = self.stage.kv, tuple(holds)
+            # An entry this one extends (the chat's previous turn) is no use beside it.
+            kv.drop_entries([e for e, t in self._kept.items() if held[: len(t)] == t], b"")
             entry = next(self._entry_ids)
-            if self.stage.kv.keep(session, entry, len(holds)):
-                self._kept[entry] = tuple(holds)
-            held = {e for e in self._kept if self.stage.kv.entry_positions(e) > 0}
-            for gone in [e for e in self._kept if e not in held]:
-                del self._kept[gone]  # evicted by the cache to make room
+            if kv.keep(session, entry, len(held)):
+                self._kept[entry] = held
+            for gone in [e for e in self._kept if kv.entry_positions(e) == 0]:
+                del self._kept[gone]  # dropped, or evicted by the cache to make room
         self.stage.close_session(session)
 
     def vocab(self, first: int, log: Sequence[int]) -> DraftVocab | None:

@@ -109,3 +109,18 @@ def test_a_session_that_outgrows_its_positions_keeps_its_kv_in_the_larger_one() 
     assert draft.written[0] == len(TURN)  # the prompt, once
     assert max(draft.written[1:]) <= config().window_max_tokens + 1
     assert draft.sessions == 0
+
+
+def test_a_turn_that_extends_a_kept_entry_replaces_it() -> None:
+    # Each turn of a chat holds the previous one's tokens: keeping both would hold the
+    # conversation once per turn.
+    draft = CountingDraft(prefix_cache_bytes=8 * MIB)
+    log = list(TURN)
+    for turn in range(4):
+        proposer = DraftProposer(config(), draft)
+        run = decode_spec(Target(turn), log, 12, SamplingParams(), proposer, 4)
+        held = list(proposer._cached)
+        proposer.close()
+        assert draft.stage.kv.entries == 1
+        assert draft.cache_bytes == len(held) * draft.stage.kv.layout.bytes_per_token
+        log = [*held, *run.tokens[-2:], 5, 6]  # the next turn starts with what was kept
