@@ -39,6 +39,7 @@ from meshd.speculative import auto
 from meshd.speculative.auto_decision import Decision
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
+from meshd.stage.host_config import StageHostConfig
 
 trace: list[dict[str, Any]] = []
 decisions: list[str] = []
@@ -88,11 +89,11 @@ def _patch() -> None:
         set_link(self, link)
 
     def traced_forward(
-        self: DraftModel, session: str, base_pos: int, tokens: Any, last_n: int
+        self: DraftModel, session: str, base_pos: int, tokens: Any, last_n: int, vocab: Any = None
     ) -> Any:
         t0 = time.perf_counter()
         try:
-            return forward(self, session, base_pos, tokens, last_n)
+            return forward(self, session, base_pos, tokens, last_n, vocab)
         finally:
             draft_time["s"] += time.perf_counter() - t0  # type: ignore[assignment]
             draft_time["passes"] += 1
@@ -112,7 +113,11 @@ async def _run(args: argparse.Namespace) -> None:
     eos = frozenset(tok.eos_ids)
     draft_path = args.speculative_draft_model or str(builtin_draft_dir())
     spec = msgspec.structs.replace(SpecConfig(), draft_model=draft_path)
-    draft = DraftModel.load(spec.draft_model, quantization=quantization)
+    draft = DraftModel.load(
+        spec.draft_model,
+        quantization=quantization,
+        prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,  # as `meshd bench spec`
+    )
     strategies = args.strategies
     # As `meshd bench spec` runs it: one stage computes on all the cores, as a daemon does;
     # several stand for several machines, one core each.

@@ -282,8 +282,10 @@ class DraftProposer(AccountedProposer):
         self._catch_up_s = 0.0  # the current proposal's catch-up pass's seconds (else 0)
         self._recalled = 0  # the current proposal's choices recalled from earlier passes
         # The latest `predict_log` pass's seconds (None after one that wrote the whole log,
-        # the prompt's prefill included: not what a pass over new tokens costs).
+        # the prompt's prefill included, or that was its session's first, which a kept
+        # prefix spared the prefill: not what a pass over new tokens costs).
         self.last_score_s: float | None = None
+        self._opened = False  # a session opened and no scoring pass has run in it yet
         # Seconds per token a long pass writes (EWMA over passes of `_LONG_PASS` tokens or
         # more: a prefill or a catch-up; None until one was timed).
         self.write_token_s: float | None = None
@@ -413,7 +415,8 @@ class DraftProposer(AccountedProposer):
         started = self.clock()
         rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1, self.vocab)
         spent = self.clock() - started
-        self.last_score_s = spent if same > 0 else None
+        self.last_score_s = None if same == 0 or self._opened else spent
+        self._opened = False
         self._time_writes(spent, len(feed))
         self.passes += 1
         self._keep(same, feed)
@@ -524,6 +527,7 @@ class DraftProposer(AccountedProposer):
         self._capacity = max(2 * needed, needed + _SESSION_SLACK)
         self._session, reused = self.draft.resume(self._capacity, self.tokens)
         self._cached = self.tokens[:reused]
+        self._opened = True
 
     def _session_id(self) -> str:
         assert self._session is not None

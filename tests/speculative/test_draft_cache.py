@@ -124,3 +124,22 @@ def test_a_turn_that_extends_a_kept_entry_replaces_it() -> None:
         assert draft.stage.kv.entries == 1
         assert draft.cache_bytes == len(held) * draft.stage.kv.layout.bytes_per_token
         log = [*held, *run.tokens[-2:], 5, 6]  # the next turn starts with what was kept
+
+
+def test_the_first_score_after_resuming_is_not_the_price_of_a_pass() -> None:
+    # A session resumed from a kept prefix still writes everything since the oldest start it
+    # scores in its first pass: timed as a score, that catch-up priced the real 0.5B draft at
+    # 85 ms a token (20 ms a pass), and `auto` never let it draft again in the process.
+    draft = CountingDraft(prefix_cache_bytes=8 * MIB)
+    first = DraftProposer(config(), draft)
+    decode_spec(Target(1), TURN, 16, SamplingParams(), first, 4)
+    first.close()
+    second = DraftProposer(config(), draft)
+    second.reset([*TURN, 4, 4])
+    second.observe([1, 2, 3, 1, 2, 3])
+    second.predict_log(len(TURN))
+    assert draft.written[-1] > 1 and second.last_score_s is None
+    second.observe([5])
+    second.predict_log(len(TURN) + 8)
+    assert second.last_score_s is not None and second.last_score_s > 0
+    second.close()
