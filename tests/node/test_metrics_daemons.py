@@ -207,6 +207,7 @@ def test_every_exported_family_is_set_after_a_request_and_a_kill(
         "meshd_kv_budget_bytes": lambda s: value(s) > 0,  # it holds a stage
         "meshd_draft_sessions": lambda s: value(s) == 0,  # no draft model here
         "meshd_draft_kv_used_bytes": lambda s: value(s) == 0,
+        "meshd_draft_prefix_cache_bytes": lambda s: value(s) == 0,
         "meshd_plan_stages": lambda s: by(s, "model") == {MODEL: 2.0},
         "meshd_plan_predicted_seconds_per_token": lambda s: 0 < value(s, model=MODEL) < 10,
         "meshd_fetch_done_bytes": lambda s: value(s) == 0,  # it holds its files: no fetch
