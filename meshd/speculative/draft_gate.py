@@ -85,9 +85,16 @@ def start_pays(
     """Whether `remaining` tokens decoded `gain` times faster than plainly save
     `draft_start_payback` times `start_s`, the draft's price of starting (its writes of the
     log its cache lacks). Yes where the request's length is not known."""
+    return pays_back(plain_s(link), gain, start_s, remaining, tuning)
+
+
+def pays_back(
+    plain_token_s: float, gain: float, start_s: float, remaining: int | None, tuning: AutoTuning
+) -> bool:
+    """`start_pays` with plain decoding's seconds a token given (`plain_s` of the route)."""
     if remaining is None or start_s <= 0:
         return True
-    saved = max(0, remaining) * plain_s(link) * (1 - 1 / gain) if gain > 0 else 0.0
+    saved = max(0, remaining) * plain_token_s * (1 - 1 / gain) if gain > 0 else 0.0
     return saved >= tuning.draft_start_payback * start_s
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshd.speculative.auto_tuning import AutoTuning
+from meshd.speculative.draft_gate import pays_back
 
 if TYPE_CHECKING:
     from meshd.speculative.draft import DraftProposer
@@ -89,7 +90,7 @@ class DraftScorer:
         share = tuning.draft_score_share_eager if eager else tuning.draft_score_share
         cold = self.draft.unwritten() - self.commits > tuning.draft_sync_max_commits
         gain = tuning.draft_score_start_gain
-        if cold and remaining is not None and remaining * plain_s * (1 - 1 / gain) < start_s:
+        if cold and not pays_back(plain_s, gain, start_s, remaining, tuning):
             cost = self.probe_cost_s(pass_s, write_token_s)
             return self.commits >= tuning.tokens_for(cost, share * plain_s)
         every = tuning.tokens_for(pass_s, share * plain_s)
