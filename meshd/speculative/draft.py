@@ -412,6 +412,7 @@ class DraftProposer(AccountedProposer):
         # The row for position `since` needs the token before it written in this pass.
         same = max(0, min(same, len(context) - 1, since - 1))
         feed = context[same:]
+        del self._cached[same:]  # overwritten from here, by this pass or half by a failed one
         started = self.clock()
         rows = self.draft.rows(self._session_id(), same, feed, len(context) - since + 1, self.vocab)
         spent = self.clock() - started
@@ -488,6 +489,7 @@ class DraftProposer(AccountedProposer):
         # the choice's.
         same = min(_common_prefix(cached, full), len(full) - 1)
         feed = full[same:]
+        del self._cached[same:]  # overwritten from here, by this pass or half by a failed one
         # More tokens than a window commits (its drafts and the bonus): a catch-up pass.
         catch_up = len(feed) > self.config.window_max_tokens + 1
         started = self.clock() if catch_up else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from meshd.speculative.config import SpecConfig
@@ -143,3 +144,42 @@ def test_the_first_score_after_resuming_is_not_the_price_of_a_pass() -> None:
     second.predict_log(len(TURN) + 8)
     assert second.last_score_s is not None and second.last_score_s > 0
     second.close()
+
+
+class FailingAfterWrite(CountingDraft):
+    """A pass that writes its tokens, then raises (a bug after the layers ran)."""
+
+    fail = False
+
+    def rows(
+        self,
+        session: str,
+        base_pos: int,
+        tokens: Sequence[int],
+        last_n: int,
+        vocab: DraftVocab | None = None,
+    ) -> torch.Tensor:
+        out = super().rows(session, base_pos, tokens, last_n, vocab)
+        if self.fail:
+            raise RuntimeError("draft pass failed")
+        return out
+
+
+def test_a_pass_that_fails_leaves_no_entry_claiming_tokens_it_overwrote() -> None:
+    # After a rejection the next pass rewrites the cache from the common prefix; if it fails
+    # there, the positions past that prefix hold its tokens' KV, not the ones the proposer
+    # remembered, and keeping the session under the old tokens would hand a later request
+    # wrong KV for them.
+    draft = FailingAfterWrite(prefix_cache_bytes=8 * MIB)
+    proposer = DraftProposer(config(), draft)
+    proposer.reset(TURN)
+    drafts = proposer.propose(4)
+    assert proposer._cached == [*TURN, *drafts[:-1]]
+    other = (drafts[1] + 1) % VOCAB
+    proposer.observe([drafts[0], other, 5, 6])  # the second draft rejected, then two more
+    draft.fail = True
+    with pytest.raises(RuntimeError):
+        proposer.propose(1)
+    proposer.close()
+    # What was kept is only what the cache still holds: the prompt and the accepted draft.
+    assert proposer.draft.kept_prefix([*TURN, drafts[0], drafts[1], 9, 9]) <= len(TURN) + 1
