@@ -6,7 +6,8 @@
 The ids run through meshd's own runtime as a daemon holding the whole model would run them:
 one `StageModel` with every layer, the checkpoint's default quantization (what `meshd serve`
 chooses for the file: `Checkpoint.default_quantization`) unless `--quantization` names one,
-fp32 activations and KV (the daemon's default dtype). Each context window of ids is one
+fp32 activations and KV (the daemon's defaults; `--kv-dtype float16` stores the KV cache as
+llama.cpp's default does, the daemon's `kv_dtype = "float16"`). Each context window of ids is one
 session, fed in passes of at most `--batch` ids (default 512, the decode loop's prefill
 chunk; 256 ids are one pass) with logits kept for every position.
 
@@ -41,6 +42,7 @@ from meshd.model.stage import StageModel
 from meshd.model.threads import configure_threads
 
 DEFAULT_BATCH = 512
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="compute threads (0 = all; default: torch's)"
     )
+    parser.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default="float32",
+        help="the KV cache's element type (default float32, the daemon's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -109,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
         configure_threads(args.threads, checkpoint.config, torch.float32, quantization)
     started = time.perf_counter()
     stage = StageModel.load(
-        checkpoint, 0, checkpoint.config.num_layers, dtype=torch.float32, quantization=quantization
+        checkpoint,
+        0,
+        checkpoint.config.num_layers,
+        dtype=torch.float32,
+        quantization=quantization,
+        kv_dtype=KV_DTYPES[args.kv_dtype],
     )
     loaded = time.perf_counter()
     context = checkpoint.config.max_position_embeddings
@@ -118,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "model": path,
         "quantization": quantization,
+        "kv_dtype": args.kv_dtype,
         **source,
         "tokens": ids,
         "nll": nll,

@@ -47,12 +47,23 @@ def _bench(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
 
 
 def _reference(
-    model: str, quantization: str, ids: list[int], *, steps: bool
+    model: str,
+    quantization: str,
+    ids: list[int],
+    *,
+    steps: bool,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[list[float], list[int]]:
     """-log p(next id) and argmax at each position from the logits of a stage loaded here (one
     window of every id, or one-token decode steps), the log-softmax done by hand in float64."""
     checkpoint = open_checkpoint(model)
-    stage = StageModel.load(checkpoint, 0, checkpoint.config.num_layers, quantization=quantization)
+    stage = StageModel.load(
+        checkpoint,
+        0,
+        checkpoint.config.num_layers,
+        quantization=quantization,
+        kv_dtype=kv_dtype,
+    )
     stage.open_session("ref", len(ids))
     rows: list[torch.Tensor] = []
     with torch.inference_mode():
@@ -126,6 +137,25 @@ def test_quantization_flag_overrides_the_default(
     assert exact["quantization"] != "none" and none["quantization"] == "none"
     nll, _ = _reference(str(tiny_gguf), "none", exact["tokens"], steps=True)
     assert none["nll"] == pytest.approx(sum(nll) / len(nll), rel=1e-4)
+
+
+def test_a_half_precision_kv_cache_scores_as_a_stage_holding_one(
+    tiny_gguf: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # llama.cpp keeps its KV cache in f16 by default; --kv-dtype float16 scores the ids the
+    # way a daemon with `kv_dtype = "float16"` would run them, so the two compare like for like.
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps([5, 17, 300, 42, 9, 77, 12, 1000, 3, 64, 8, 250]))
+    args = ("--model", str(tiny_gguf), "--token-ids", str(ids_file))
+    full = _bench(capsys, *args)
+    half = _bench(capsys, *args, "--kv-dtype", "float16")
+    assert full["kv_dtype"] == "float32" and half["kv_dtype"] == "float16"
+    nll, top1 = _reference(
+        str(tiny_gguf), half["quantization"], half["tokens"], steps=False, kv_dtype=torch.float16
+    )
+    assert half["nll"] == pytest.approx(sum(nll) / len(nll), rel=1e-6)
+    assert half["top1"] == top1
+    assert half["nll"] != full["nll"]  # the cache's rounding reaches the scores
 
 
 def test_windows_and_passes_score_like_one_pass() -> None:
