@@ -6,8 +6,8 @@
 The ids run through meshd's own runtime as a daemon holding the whole model would run them:
 one `StageModel` with every layer, the checkpoint's default quantization (what `meshd serve`
 chooses for the file: `Checkpoint.default_quantization`) unless `--quantization` names one,
-fp32 activations and KV (the daemon's defaults; `--kv-dtype float16` stores the KV cache as
-llama.cpp's default does, the daemon's `kv_dtype = "float16"`). Each context window of ids is one
+fp32 activations and KV (the daemon's defaults; `--kv-dtype float16` keeps the KV cache in f16,
+as llama.cpp does by default and a daemon does with `kv_dtype = "float16"`). Each context window of ids is one
 session, fed in passes of at most `--batch` ids (default 512, the decode loop's prefill
 chunk; 256 ids are one pass) with logits kept for every position.
 
