@@ -31,7 +31,7 @@ def ensure_server(cache: pathlib.Path = DEFAULT_CACHE, jobs: int = 2) -> pathlib
     the bench's native build directory is copied (absolute paths rewritten, every file's
     time kept so make sees ggml and libllama up to date), configured again with the server
     on, and only the server and what it adds (mtmd, httplib) are compiled (~15 min)."""
-    source = llamacpp._source_in(cache)
+    source = llamacpp.source_in(cache)
     bench_build = cache / "build"
     if source is None or not (bench_build / "CMakeCache.txt").is_file():
         raise SystemExit(f"{cache}: no llama.cpp build (run scripts/bench_llamacpp first)")

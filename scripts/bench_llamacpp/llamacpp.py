@@ -93,7 +93,9 @@ def run_logged(cmd: list[str], log_path: pathlib.Path, **kw: object) -> None:
         raise RuntimeError(f"{cmd[0]} failed (rc {rc}); see {log_path}:\n" + "\n".join(tail))
 
 
-def _source_in(directory: pathlib.Path) -> pathlib.Path | None:
+def source_in(directory: pathlib.Path) -> pathlib.Path | None:
+    """The llama.cpp source tree at `directory` or unpacked below it (an sdist's
+    `*/vendor/llama.cpp`), or None."""
     if (directory / "convert_hf_to_gguf.py").is_file():
         return directory
     for candidate in sorted(directory.glob("*/vendor/llama.cpp")):
@@ -144,7 +146,7 @@ def _fetch_source(version: str, cache: pathlib.Path, python: str) -> pathlib.Pat
         (sdist,) = pathlib.Path(tmp).glob("*.tar.gz")
         with tarfile.open(sdist) as tar:
             tar.extractall(cache, filter="data")
-    source = _source_in(cache)
+    source = source_in(cache)
     if source is None:
         raise RuntimeError(f"no vendor/llama.cpp with convert_hf_to_gguf.py in {cache}")
     return source
@@ -163,7 +165,7 @@ def ensure_built(
     build_dir, flags = BUILDS[build_name]
     root = llamacpp_dir or cache
     root.mkdir(parents=True, exist_ok=True)
-    source = _source_in(root)
+    source = source_in(root)
     if source is None:
         if llamacpp_dir is not None:
             raise SystemExit(f"--llamacpp-dir {root}: no llama.cpp source tree found")
