@@ -29,7 +29,7 @@ import msgspec
 import torch
 import trio
 
-from meshd.bench.harness import resolve_quantization
+from meshd.bench.harness import load_draft, resolve_quantization
 from meshd.bench.spec import BENCH_LANES, encode_workload, generate
 from meshd.coord.local import open_local_pipeline
 from meshd.model.builtin import builtin_draft_dir, builtin_model_dir
@@ -39,7 +39,6 @@ from meshd.speculative import auto
 from meshd.speculative.auto_decision import Decision
 from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
-from meshd.stage.host_config import StageHostConfig
 
 trace: list[dict[str, Any]] = []
 decisions: list[str] = []
@@ -113,11 +112,7 @@ async def _run(args: argparse.Namespace) -> None:
     eos = frozenset(tok.eos_ids)
     draft_path = args.speculative_draft_model or str(builtin_draft_dir())
     spec = msgspec.structs.replace(SpecConfig(), draft_model=draft_path)
-    draft = DraftModel.load(
-        spec.draft_model,
-        quantization=quantization,
-        prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,  # as `meshd bench spec`
-    )
+    draft = load_draft(spec.draft_model, quantization)  # as `meshd bench spec`
     strategies = args.strategies
     # As `meshd bench spec` runs it: one stage computes on all the cores, as a daemon does;
     # several stand for several machines, one core each.

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import trio
+from prefix_cache_chat import QUESTIONS, SYSTEM_SOURCE  # the same chat (scripts/ is on sys.path)
 
 from meshd.coord.coordinator import GenerationRequest, GenerationResult
 from meshd.coord.local import LocalPipeline, open_local_pipeline
@@ -38,16 +39,6 @@ from meshd.speculative.config import SpecConfig
 from meshd.speculative.draft import DraftModel
 from meshd.speculative.draft_vocab import DraftVocab
 from meshd.stage.host_config import StageHostConfig
-
-SYSTEM_SOURCE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-QUESTIONS = [
-    "Summarise the path of one request in two sentences.",
-    "Which part decides the verify window's width?",
-    "What happens when a stage dies mid-generation?",
-    "How are hidden states passed between stages?",
-    "What does the coordinator keep per session?",
-    "Name one thing the protocol layer must never import.",
-]
 
 
 class CountingDraft(DraftModel):

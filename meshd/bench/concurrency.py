@@ -21,6 +21,7 @@ import trio
 from meshd.bench.harness import (
     add_model_option,
     add_quantization_option,
+    load_draft,
     model_dir,
     print_report,
     resolve_quantization,
@@ -31,8 +32,6 @@ from meshd.model.files import open_tokenizer
 from meshd.model.tokenizer import Tokenizer
 from meshd.sim.workloads import workloads
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
-from meshd.speculative.draft import DraftModel
-from meshd.stage.host_config import StageHostConfig
 
 PROMPT_TOKENS = 48  # prompts are cut to this, so prefill is a small part of each run
 
@@ -100,16 +99,7 @@ async def _matrix(
     tokenizer = open_tokenizer(model_dir)
     prompts = _prompts(tokenizer, max(streams))
     rows: list[dict[str, Any]] = []
-    # Loaded before any lane opens (loading blocks the event loop).
-    draft = (
-        DraftModel.load(
-            draft_path,
-            quantization=quantization,
-            prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,
-        )
-        if draft_path
-        else None
-    )
+    draft = load_draft(draft_path, quantization) if draft_path else None
     spec = SpecConfig(strategy=strategy, draft_model=draft_path)
     async with open_local_pipeline(
         model_dir,

@@ -13,7 +13,10 @@ import json
 import math
 import statistics
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from meshd.speculative.draft import DraftModel
 
 T = TypeVar("T")
 
@@ -50,6 +53,18 @@ def resolve_quantization(quantization: str, directory: str) -> str:
     from meshd.model.files import open_checkpoint
 
     return open_checkpoint(directory).default_quantization
+
+
+def load_draft(path: str, quantization: str) -> DraftModel:
+    """(blocking) The draft model at `path` as a coordinator loads it: at `quantization`, keeping
+    finished requests' KV within the daemon's default `stage.prefix_cache_bytes`. Load it before
+    any lane opens: a load blocks the event loop, and one that outlasts the lanes' dead_after_s
+    would lose the route."""
+    from meshd.speculative.draft import DraftModel
+    from meshd.stage.host_config import StageHostConfig
+
+    prefix_cache_bytes = StageHostConfig().prefix_cache_bytes
+    return DraftModel.load(path, quantization=quantization, prefix_cache_bytes=prefix_cache_bytes)
 
 
 def model_dir(args: argparse.Namespace) -> str:

@@ -53,6 +53,7 @@ import trio
 from meshd.bench.harness import (
     add_model_option,
     add_quantization_option,
+    load_draft,
     median,
     model_dir,
     resolve_quantization,
@@ -62,8 +63,6 @@ from meshd.coord.local import LocalPipeline, open_local_pipeline
 from meshd.model.files import open_tokenizer
 from meshd.sim.workloads import workloads
 from meshd.speculative.config import DRAFT_STRATEGIES, STRATEGIES, SpecConfig
-from meshd.speculative.draft import DraftModel
-from meshd.stage.host_config import StageHostConfig
 
 TOLERANCE = 0.15  # the goal: measured within 15 % of the model
 P_GOAL_MS = 1.0  # the goal: protocol cost per hop on loopback
@@ -196,16 +195,7 @@ async def _measure(
     draft_path: str = "",
 ) -> dict[str, Any]:
     tokenizer = open_tokenizer(model_dir)
-    # Loaded before any lane opens (loading blocks the event loop).
-    draft = (
-        DraftModel.load(
-            draft_path,
-            quantization=quantization,
-            prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,
-        )
-        if draft_path
-        else None
-    )
+    draft = load_draft(draft_path, quantization) if draft_path else None
     spec = SpecConfig(draft_model=draft_path)
     load = next(w for w in workloads(1) if w.kind == PROMPT_KIND)
     prompt = tokenizer.encode(load.prompt)

@@ -31,6 +31,7 @@ import trio
 from meshd.bench.harness import (
     add_model_option,
     add_quantization_option,
+    load_draft,
     model_dir,
     resolve_quantization,
 )
@@ -47,8 +48,6 @@ from meshd.speculative.config import (
     resolve_spec_config,
     spec_cli_values,
 )
-from meshd.speculative.draft import DraftModel
-from meshd.stage.host_config import StageHostConfig
 from protocol.config import LaneConfig
 from protocol.messages import Sampling
 
@@ -182,14 +181,8 @@ async def _matrix(
     eos = frozenset(tokenizer.eos_ids)
     rows: list[dict[str, Any]] = []
     samples: dict[str, str] = {}
-    # Loaded before any lane opens: loading blocks the event loop, and a load that outlasts
-    # the lanes' dead_after_s under load would lose the route.
     draft = (
-        DraftModel.load(
-            settings.draft_model,
-            quantization=quantization,
-            prefix_cache_bytes=StageHostConfig().prefix_cache_bytes,
-        )
+        load_draft(settings.draft_model, quantization)
         if settings.draft_model and any(s in DRAFT_STRATEGIES or s == "auto" for s in strategies)
         else None
     )
